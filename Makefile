@@ -1,0 +1,24 @@
+# The two quick-start commands (README): `make demo` and `make test`.
+# Both install what they need into the current Python environment.
+PYTHON ?= python3
+PIP = $(PYTHON) -m pip install --disable-pip-version-check -q
+MEGATRON_CORE = megatron-core==0.16.1
+
+.PHONY: install install-test demo test bench
+
+install:
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[preprocess,train]'
+	$(PIP) --no-deps $(MEGATRON_CORE)
+
+install-test: install
+	$(PIP) -e '.[all]'
+
+demo: install
+	$(PYTHON) tools/demo.py
+
+test: install-test
+	$(PYTHON) -m pytest -n 2 -q tests
+
+bench: install-test
+	$(PYTHON) -m bench.compare

@@ -1,0 +1,49 @@
+"""megatron_sft_idx: packed SFT data in an extended Megatron ``.bin/.idx`` format.
+
+Public names are imported lazily (PEP 562), so ``from megatron_sft_idx import
+MMapIndexedDataset`` does not import numba; the builder and the validators do.
+"""
+
+from importlib import import_module
+
+from .version import __version__
+
+_PUBLIC = {
+    "IndexedDatasetBuilder": ".builder",
+    "MMapIndexedDataset": ".reader",
+    "Pack": ".reader",
+    "ShardArrays": ".reader",
+    "ShardMetadata": ".metadata",
+    "PackingStats": ".metadata",
+    "DType": ".format",
+    "Rule": ".format",
+    "ShardPaths": ".format",
+    "ShardError": ".errors",
+    "ShardNotFoundError": ".errors",
+    "ShardExistsError": ".errors",
+    "IncompleteShardError": ".errors",
+    "SizeMismatchError": ".errors",
+    "TruncatedFileError": ".errors",
+    "HeaderError": ".errors",
+    "VersionError": ".errors",
+    "DTypeError": ".errors",
+    "MetadataError": ".errors",
+    "ChecksumError": ".errors",
+    "InvariantError": ".errors",
+    "BuilderStateError": ".errors",
+}
+
+__all__ = ["__version__", *_PUBLIC]
+
+
+def __getattr__(name):
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'megatron_sft_idx' has no attribute {name!r}")
+    value = getattr(import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(__all__)

@@ -1,0 +1,113 @@
+"""Publishing a set of files so that readers see all of them or none.
+
+Files are written under temporary names ``<final>.tmp-<pid>-<token>``, fsynced,
+then renamed over their final names in a fixed order with the file every
+reader needs (``.idx``) last, and the directory is fsynced. A temporary whose
+writer process is gone is a leftover of a crash; :func:`clear_stale_temporaries`
+removes those, never one that a live process is still writing.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import secrets
+from typing import Iterable, List, Sequence, Tuple
+
+_TMP_TAG = ".tmp-"
+
+
+def temporary_path(final_path: str) -> str:
+    return f"{final_path}{_TMP_TAG}{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _writer_pid(tmp_path: str) -> int:
+    tail = tmp_path.rsplit(_TMP_TAG, 1)[-1]
+    try:
+        return int(tail.split("-", 1)[0])
+    except ValueError:
+        return -1
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def clear_stale_temporaries(final_paths: Iterable[str]) -> List[str]:
+    """Remove temporaries of ``final_paths`` left by processes that no longer run."""
+    removed = []
+    for final in final_paths:
+        for tmp in glob.glob(glob.escape(final) + _TMP_TAG + "*"):
+            pid = _writer_pid(tmp)
+            if pid == os.getpid() or not _alive(pid):
+                try:
+                    os.unlink(tmp)
+                    removed.append(tmp)
+                except FileNotFoundError:
+                    pass
+    return removed
+
+
+def fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(os.path.dirname(os.path.abspath(path)) or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on directories; the renames still happened
+        pass
+    finally:
+        os.close(fd)
+
+
+def publish(pairs: Sequence[Tuple[str, str]], unpublish_first: str) -> None:
+    """Rename each ``(tmp, final)`` in order; ``pairs[-1]`` is the file that makes the set visible.
+
+    ``unpublish_first`` (the final name of that gating file) is removed before
+    anything is renamed, so that while an existing shard is being replaced no
+    reader can pair its old index with new data. If a rename fails, every file
+    already renamed is removed again: the prefix then holds no dataset at all
+    rather than a mixture.
+    """
+    for tmp, _ in pairs:
+        fsync_file(tmp)
+    try:
+        os.unlink(unpublish_first)
+    except FileNotFoundError:
+        pass
+    fsync_dir(unpublish_first)
+    done: List[str] = []
+    try:
+        for tmp, final in pairs:
+            os.replace(tmp, final)
+            done.append(final)
+    except BaseException:
+        for final in done:
+            try:
+                os.unlink(final)
+            except OSError:
+                pass
+        raise
+    fsync_dir(pairs[-1][1])
+
+
+def remove_quietly(paths: Iterable[str]) -> None:
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,232 @@
+"""numba kernels: offset accumulation and the per-pack invariant checks.
+
+Every loop over packs or tokens in the project lives here, compiled with
+``cache=True`` so a process compiles each signature at most once per machine.
+Kernels never raise: they return a rule number (:class:`format.Rule`) and a
+position, and the Python caller turns that into the project's error with the
+file, pack and field named. Importing this module is what imports numba; the
+reader imports it only when asked to validate.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from .format import Rule
+
+_OK = int(Rule.OK)
+_PACK_EMPTY = int(Rule.PACK_EMPTY)
+_PACK_TOO_LONG = int(Rule.PACK_TOO_LONG)
+_LENGTH_MISMATCH = int(Rule.LENGTH_MISMATCH)
+_LOSS_VALUE = int(Rule.LOSS_VALUE)
+_LOSS_ON_LAST = int(Rule.LOSS_ON_LAST)
+_SEQ_NONE = int(Rule.SEQ_NONE)
+_SEQ_FIRST_NOT_ZERO = int(Rule.SEQ_FIRST_NOT_ZERO)
+_SEQ_NOT_INCREASING = int(Rule.SEQ_NOT_INCREASING)
+_SEQ_START_OUT_OF_RANGE = int(Rule.SEQ_START_OUT_OF_RANGE)
+_SEQ_NOT_PAD_MULTIPLE = int(Rule.SEQ_NOT_PAD_MULTIPLE)
+_TOKEN_NEGATIVE = int(Rule.TOKEN_NEGATIVE)
+_TOKEN_TOO_LARGE = int(Rule.TOKEN_TOO_LARGE)
+_TOKEN_OUT_OF_VOCAB = int(Rule.TOKEN_OUT_OF_VOCAB)
+N_RULES = len(Rule)
+
+_INT64_MAX = np.iinfo(np.int64).max
+
+_jit = numba.njit(cache=True, nogil=True)
+
+
+@_jit
+def exclusive_cumsum(values, scale, start):
+    """``out[i] = start + scale * sum(values[:i])`` in int64, plus the running end.
+
+    Returns ``(out, end, bad)`` where ``bad`` is the first index whose value is
+    <= 0 or whose addition would overflow int64, or -1 when all is well. Used
+    for lengths -> byte pointers (``scale`` = itemsize) and counts -> CSR
+    offsets (``scale`` = 1), a block at a time so memory stays flat.
+    """
+    n = values.shape[0]
+    out = np.empty(n, dtype=np.int64)
+    acc = np.int64(start)
+    limit = _INT64_MAX
+    for i in range(n):
+        out[i] = acc
+        v = np.int64(values[i])
+        if v <= 0 or v > (limit - acc) // scale:
+            return out, acc, i
+        acc += v * scale
+    return out, acc, -1
+
+
+@_jit
+def _check_tokens(ids, dtype_max, vocab_size):
+    """First bad token: (rule, position) or (OK, -1). vocab_size <= 0 means unknown."""
+    for j in range(ids.shape[0]):
+        t = np.int64(ids[j])
+        if t < 0:
+            return _TOKEN_NEGATIVE, j
+        if t > dtype_max:
+            return _TOKEN_TOO_LARGE, j
+        if vocab_size > 0 and t >= vocab_size:
+            return _TOKEN_OUT_OF_VOCAB, j
+    return _OK, -1
+
+
+@_jit
+def _check_layout(n_tokens, loss, starts, pack_size, pad_mult):
+    """Checks that need no token values: lengths, loss values, sequence starts.
+
+    Returns ``(rule, position, max_seqlen, min_seqlen, loss_sum)``; position is a
+    token index for loss rules and an index into ``starts`` for sequence rules.
+    """
+    if n_tokens <= 0:
+        return _PACK_EMPTY, 0, 0, 0, 0
+    if pack_size > 0 and n_tokens > pack_size:
+        return _PACK_TOO_LONG, n_tokens, 0, 0, 0
+    if loss.shape[0] != n_tokens:
+        return _LENGTH_MISMATCH, loss.shape[0], 0, 0, 0
+    n_seq = starts.shape[0]
+    if n_seq == 0:
+        return _SEQ_NONE, 0, 0, 0, 0
+    if starts[0] != 0:
+        return _SEQ_FIRST_NOT_ZERO, 0, 0, 0, 0
+    max_len = 0
+    min_len = n_tokens
+    for k in range(n_seq):
+        begin = np.int64(starts[k])
+        if k + 1 < n_seq:
+            end = np.int64(starts[k + 1])
+            if end <= begin:
+                return _SEQ_NOT_INCREASING, k + 1, 0, 0, 0
+            if end >= n_tokens:
+                return _SEQ_START_OUT_OF_RANGE, k + 1, 0, 0, 0
+        else:
+            end = np.int64(n_tokens)
+        seqlen = end - begin
+        if pad_mult > 1 and seqlen % pad_mult != 0:
+            return _SEQ_NOT_PAD_MULTIPLE, k, 0, 0, 0
+        if seqlen > max_len:
+            max_len = seqlen
+        if seqlen < min_len:
+            min_len = seqlen
+    loss_sum = 0
+    for j in range(n_tokens):
+        v = np.int64(loss[j])
+        if v != 0 and v != 1:
+            return _LOSS_VALUE, j, 0, 0, 0
+        loss_sum += v
+    # Label-aligned: position end-1 of each sequence has no next token in that sequence.
+    for k in range(n_seq):
+        last = (np.int64(starts[k + 1]) if k + 1 < n_seq else np.int64(n_tokens)) - 1
+        if loss[last] != 0:
+            return _LOSS_ON_LAST, last, 0, 0, 0
+    return _OK, -1, max_len, min_len, loss_sum
+
+
+@_jit
+def check_pack(ids, loss, starts, pack_size, dtype_max, vocab_size, pad_mult):
+    """All invariants of one pack. Returns ``(rule, position, max_seqlen, min_seqlen, loss_sum)``."""
+    result = _check_layout(ids.shape[0], loss, starts, pack_size, pad_mult)
+    if result[0] != _OK:
+        return result
+    rule, pos = _check_tokens(ids, dtype_max, vocab_size)
+    if rule != _OK:
+        return rule, pos, 0, 0, 0
+    return result
+
+
+@_jit
+def max_token(ids):
+    """Largest id in a block (-1 for an empty block); used when widening uint16 -> int32."""
+    best = np.int64(-1)
+    for j in range(ids.shape[0]):
+        t = np.int64(ids[j])
+        if t > best:
+            best = t
+    return best
+
+
+@_jit
+def scan_packs(lengths, token_offsets, seq_offsets, tokens, loss, starts,
+               pack_size, dtype_max, vocab_size, pad_mult, first, last,
+               max_findings, out_rule, out_pack, out_pos, rule_counts):
+    """Check packs ``[first, last)`` of a whole shard.
+
+    ``token_offsets[i]`` is pack i's first element in ``tokens``/``loss`` (already
+    checked to be in bounds by the caller's structural pass). Records up to
+    ``max_findings`` findings into the ``out_*`` arrays, counts every violation
+    per rule in ``rule_counts`` and returns the number recorded. Also returns
+    the aggregate statistics of the range for comparison with the metadata:
+    ``(n_recorded, max_seqlen, min_seqlen, loss_sum, max_samples, min_packed, max_packed)``.
+    """
+    n_rec = 0
+    max_seqlen = 0
+    min_seqlen = _INT64_MAX
+    loss_sum = 0
+    max_samples = 0
+    min_packed = _INT64_MAX
+    max_packed = 0
+    for i in range(first, last):
+        n = np.int64(lengths[i])
+        t0 = np.int64(token_offsets[i])
+        s0 = np.int64(seq_offsets[i])
+        s1 = np.int64(seq_offsets[i + 1])
+        res = _check_layout(n, loss[t0:t0 + n], starts[s0:s1], pack_size, pad_mult)
+        rule = res[0]
+        pos = res[1]
+        if rule == _OK:
+            rule, pos = _check_tokens(tokens[t0:t0 + n], dtype_max, vocab_size)
+        if rule != _OK:
+            rule_counts[rule] += 1
+            if n_rec < max_findings:
+                out_rule[n_rec] = rule
+                out_pack[n_rec] = i
+                out_pos[n_rec] = pos
+                n_rec += 1
+            continue
+        if res[2] > max_seqlen:
+            max_seqlen = res[2]
+        if res[3] < min_seqlen:
+            min_seqlen = res[3]
+        loss_sum += res[4]
+        if s1 - s0 > max_samples:
+            max_samples = s1 - s0
+        if n < min_packed:
+            min_packed = n
+        if n > max_packed:
+            max_packed = n
+    return n_rec, max_seqlen, min_seqlen, loss_sum, max_samples, min_packed, max_packed
+
+
+@_jit
+def first_pointer_mismatch(lengths, pointers, itemsize, limit):
+    """Structural check of an ``.idx``: pointers must be the exclusive cumsum of
+    lengths × itemsize, starting at 0, every pack inside ``limit`` bytes.
+
+    Returns ``(index, kind)`` of the first problem (kind 1: length <= 0,
+    2: pointer disagrees, 3: pack runs past ``limit``) or ``(-1, 0)``.
+    """
+    expected = np.int64(0)
+    for i in range(lengths.shape[0]):
+        n = np.int64(lengths[i])
+        if n <= 0:
+            return i, 1
+        if np.int64(pointers[i]) != expected:
+            return i, 2
+        if n > (limit - expected) // itemsize:
+            return i, 3
+        expected += n * itemsize
+    return -1, 0
+
+
+@_jit
+def first_offset_mismatch(offsets, total):
+    """CSR offsets: [0] == 0, strictly increasing, last == total. Returns first bad index or -1."""
+    if offsets.shape[0] == 0 or offsets[0] != 0:
+        return 0
+    for i in range(1, offsets.shape[0]):
+        if offsets[i] <= offsets[i - 1] or offsets[i] > total:
+            return i
+    if offsets[offsets.shape[0] - 1] != total:
+        return offsets.shape[0] - 1
+    return -1

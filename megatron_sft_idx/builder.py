@@ -1,0 +1,506 @@
+"""Streaming, atomic writer of five-file shards.
+
+``IndexedDatasetBuilder`` extends the idea of megatron-core's builder of the
+same name to packed SFT data: tokens, loss mask and sequence starts stream to
+temporary files as packs arrive; per-pack lengths and sequence counts live in
+compact int32 blocks (8 bytes per pack); ``finalize()`` computes the byte
+pointers and CSR offsets with numba, writes both indexes and publishes all five
+files with ``.idx`` last. Example::
+
+    with IndexedDatasetBuilder("/data/train_000", pack_size=4096, vocab_size=32000) as b:
+        for ids, mask, starts in packs:
+            b.add_packed(ids, mask, starts)
+    # /data/train_000.{bin,idx,loss.bin,seq.idx,seq.bin} now exist, or none of them do.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from typing import Any, BinaryIO, Dict, Iterator, Mapping, Optional
+
+import numpy as np
+
+from . import _atomic, _kernels
+from .errors import BuilderStateError, InvariantError, ShardError, ShardExistsError
+from .format import (
+    ALIGNMENT,
+    BIN_SUFFIX,
+    IDX_SUFFIX,
+    LOSS_SUFFIX,
+    METADATA_OFFSET,
+    POINTER_DTYPE,
+    PUBLISH_ORDER,
+    SEQ_BIN_SUFFIX,
+    SEQ_DTYPE,
+    SEQ_IDX_HEADER_SIZE,
+    SEQ_IDX_SUFFIX,
+    TOKEN_DTYPES,
+    UINT16_MAX,
+    DType,
+    IdxHeader,
+    Rule,
+    SeqIdxHeader,
+    ShardPaths,
+    choose_token_dtype,
+)
+from .metadata import FileDigest, PackingStats, ShardMetadata, split_user_metadata
+from .version import __version__
+
+_BLOCK = 1 << 16          # entries per int32 block of per-pack buffers
+_COPY_CHUNK = 1 << 24     # elements per chunk when streaming a whole file
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+class _Int32Blocks:
+    """An append-only int32 sequence in fixed-size numpy blocks: 4 bytes per entry,
+    no reallocation copies, at most one partly-filled block of slack."""
+
+    def __init__(self) -> None:
+        self._blocks = [np.empty(_BLOCK, dtype=np.int32)]
+        self._fill = 0
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def append(self, value: int) -> None:
+        if self._fill == _BLOCK:
+            self._blocks.append(np.empty(_BLOCK, dtype=np.int32))
+            self._fill = 0
+        self._blocks[-1][self._fill] = value
+        self._fill += 1
+        self._len += 1
+
+    def extend(self, values: np.ndarray) -> None:
+        values = np.asarray(values, dtype=np.int32)
+        while values.size:
+            if self._fill == _BLOCK:
+                self._blocks.append(np.empty(_BLOCK, dtype=np.int32))
+                self._fill = 0
+            take = min(_BLOCK - self._fill, values.size)
+            self._blocks[-1][self._fill:self._fill + take] = values[:take]
+            self._fill += take
+            self._len += take
+            values = values[take:]
+
+    def blocks(self) -> Iterator[np.ndarray]:
+        for block in self._blocks[:-1]:
+            yield block
+        yield self._blocks[-1][:self._fill]
+
+
+class _CrcWriter:
+    """A binary file that keeps the CRC-32 and size of everything written to it."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.file: BinaryIO = open(path, "wb")
+        self.crc = 0
+        self.size = 0
+
+    def write(self, data) -> None:
+        view = memoryview(data).cast("B")
+        self.file.write(view)
+        self.crc = zlib.crc32(view, self.crc)
+        self.size += view.nbytes
+
+    def close(self) -> None:
+        if not self.file.closed:
+            self.file.flush()
+            self.file.close()
+
+    @property
+    def digest(self) -> FileDigest:
+        return FileDigest(size=self.size, crc32=self.crc)
+
+
+def _int_array(values, name: str, pack: int, allow_bool: bool = False) -> np.ndarray:
+    """Coerce a pack field to a 1-D int64 array, refusing floats, objects and N-d input."""
+    arr = np.asarray(values)
+    if arr.ndim != 1:
+        raise InvariantError(f"{name} must be one-dimensional", pack=pack, field=name,
+                             expected="1-D", actual=f"{arr.ndim}-D shape {arr.shape}")
+    if arr.size == 0:
+        return np.empty(0, dtype=np.int64)
+    kind = arr.dtype.kind
+    if kind == "b" and allow_bool:
+        return arr.astype(np.int64)
+    if kind not in "iu":
+        raise InvariantError(f"{name} must hold integers", pack=pack, field=name,
+                             expected="integer dtype", actual=str(arr.dtype))
+    if arr.dtype == np.uint64 and arr.max() > np.iinfo(np.int64).max:
+        raise InvariantError(f"{name} holds a value beyond int64", pack=pack, field=name,
+                             rule=Rule.TOKEN_TOO_LARGE.name)
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+class IndexedDatasetBuilder:
+    """Write one shard, streaming, and publish it atomically.
+
+    Args:
+        prefix: the shard's path without suffix; parent directories are created.
+        dtype: token dtype, ``numpy.uint16`` or ``numpy.int32``. ``None`` picks
+            uint16 when ``vocab_size`` fits it, else int32; with neither given the
+            builder starts with uint16 and widens once to int32 if an id needs it.
+        vocab_size: when given, every token id must be ``< vocab_size``.
+        pack_size: when given, every pack must hold at most this many tokens.
+        metadata: extra shard metadata: ``pad_seq_to_mult`` (enforced on every
+            sequence), ``tokenizer``, ``packing``, ``parallelism``, ``source``;
+            other keys are kept under ``extra``.
+        overwrite: replace an existing shard at ``prefix`` (otherwise refused).
+
+    Raises:
+        ShardExistsError: a shard exists at ``prefix`` and ``overwrite`` is false.
+        ShardError: an argument is invalid.
+    """
+
+    def __init__(self, prefix, dtype=None, vocab_size: Optional[int] = None,
+                 pack_size: Optional[int] = None, metadata: Optional[Mapping[str, Any]] = None,
+                 *, overwrite: bool = False) -> None:
+        self.prefix = os.fspath(prefix)
+        self.paths = ShardPaths.from_prefix(self.prefix)
+        for name, value in (("pack_size", pack_size), ("vocab_size", vocab_size)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))
+                                      or value <= 0):
+                raise ShardError(f"{name} must be a positive integer or None", field=name, actual=value)
+        self.pack_size = None if pack_size is None else int(pack_size)
+        self.vocab_size = None if vocab_size is None else int(vocab_size)
+        self._user_metadata = split_user_metadata(metadata)
+        self._pad_mult = int(self._user_metadata["pad_seq_to_mult"])
+        self._auto_dtype = dtype is None and self.vocab_size is None
+        if dtype is None:
+            self.dtype = choose_token_dtype(None if self.vocab_size is None else self.vocab_size - 1)
+            if self._auto_dtype:
+                self.dtype = DType.uint16
+        else:
+            self.dtype = DType.from_numpy(dtype)
+            if self.dtype not in TOKEN_DTYPES:
+                raise ShardError("token dtype must be uint16 or int32", field="dtype",
+                                 expected=[d.name for d in TOKEN_DTYPES], actual=self.dtype.name)
+            if self.vocab_size is not None and self.vocab_size - 1 > self._dtype_max(self.dtype):
+                raise ShardError(f"vocab_size {self.vocab_size} does not fit {self.dtype.name}",
+                                 field="dtype", expected="int32", actual=self.dtype.name,
+                                 hint="use dtype=numpy.int32 or leave dtype=None")
+        if not overwrite and (os.path.exists(self.paths.idx) or os.path.exists(self.paths.seq_idx)):
+            raise ShardExistsError("a shard already exists at this prefix", path=self.prefix)
+        directory = os.path.dirname(os.path.abspath(self.prefix))
+        os.makedirs(directory, exist_ok=True)
+        _atomic.clear_stale_temporaries(self.paths)
+
+        self._tmp = {suffix: _atomic.temporary_path(self.prefix + suffix) for suffix in PUBLISH_ORDER}
+        self._bin = _CrcWriter(self._tmp[BIN_SUFFIX])
+        self._loss = _CrcWriter(self._tmp[LOSS_SUFFIX])
+        self._seq = _CrcWriter(self._tmp[SEQ_BIN_SUFFIX])
+        self._lengths = _Int32Blocks()
+        self._seq_counts = _Int32Blocks()
+        self._tokens = 0
+        self._sequences = 0
+        self._loss_tokens = 0
+        self._max_seqlen = 0
+        self._min_seqlen = None
+        self._max_samples = 0
+        self._min_packed = None
+        self._max_packed = 0
+        self._state = "open"
+        self.metadata: Optional[ShardMetadata] = None
+
+    # ------------------------------------------------------------------ adding
+
+    @staticmethod
+    def _dtype_max(dtype: DType) -> int:
+        return int(np.iinfo(dtype.numpy).max)
+
+    def __len__(self) -> int:
+        return len(self._lengths)
+
+    def _require_open(self) -> None:
+        if self._state != "open":
+            raise BuilderStateError(f"the builder is {self._state}; no more packs can be added",
+                                    path=self.prefix)
+
+    def add_packed(self, input_ids, loss_mask, seq_start_id) -> int:
+        """Append one pack after checking every invariant (:class:`~megatron_sft_idx.format.Rule`).
+
+        ``loss_mask`` is label-aligned (1 at j trains predicting token j+1) and may
+        be bool or integer; ``seq_start_id`` lists each sequence's first position.
+        Returns the pack's index.
+
+        Raises:
+            InvariantError: naming the pack index and the rule; nothing of the pack
+                is written and the builder stays usable.
+        """
+        self._require_open()
+        index = len(self._lengths)
+        ids = _int_array(input_ids, "input_ids", index)
+        loss = _int_array(loss_mask, "loss_mask", index, allow_bool=True)
+        starts = _int_array(seq_start_id, "seq_start_id", index)
+        dtype_max = _INT32_MAX if self._auto_dtype else self._dtype_max(self.dtype)
+        rule, pos, max_len, min_len, loss_sum = _kernels.check_pack(
+            ids, loss, starts, self.pack_size or 0, dtype_max, self.vocab_size or 0, self._pad_mult)
+        if rule != Rule.OK:
+            raise self._violation(Rule(rule), index, pos, ids, loss, starts)
+        if self._auto_dtype and self.dtype == DType.uint16 and int(ids.max()) > UINT16_MAX:
+            self._widen_tokens()
+        self._bin.write(ids.astype(self.dtype.numpy))
+        self._loss.write(loss.astype(np.uint8))
+        self._seq.write(starts.astype(SEQ_DTYPE.numpy))
+        self._record(ids.size, starts.size, loss_sum, max_len, min_len)
+        return index
+
+    def _record(self, n_tokens: int, n_seq: int, loss_sum: int, max_len: int, min_len: int) -> None:
+        self._lengths.append(n_tokens)
+        self._seq_counts.append(n_seq)
+        self._tokens += n_tokens
+        self._sequences += n_seq
+        self._loss_tokens += loss_sum
+        self._max_seqlen = max(self._max_seqlen, max_len)
+        self._min_seqlen = min_len if self._min_seqlen is None else min(self._min_seqlen, min_len)
+        self._max_samples = max(self._max_samples, n_seq)
+        self._min_packed = n_tokens if self._min_packed is None else min(self._min_packed, n_tokens)
+        self._max_packed = max(self._max_packed, n_tokens)
+
+    def _violation(self, rule: Rule, index: int, pos: int, ids, loss, starts) -> InvariantError:
+        field = {Rule.LOSS_VALUE: "loss_mask", Rule.LOSS_ON_LAST: "loss_mask",
+                 Rule.LENGTH_MISMATCH: "loss_mask", Rule.TOKEN_NEGATIVE: "input_ids",
+                 Rule.TOKEN_TOO_LARGE: "input_ids", Rule.TOKEN_OUT_OF_VOCAB: "input_ids",
+                 Rule.PACK_EMPTY: "input_ids", Rule.PACK_TOO_LONG: "input_ids"}.get(rule, "seq_start_id")
+        actual = None
+        if rule in (Rule.TOKEN_NEGATIVE, Rule.TOKEN_TOO_LARGE, Rule.TOKEN_OUT_OF_VOCAB):
+            actual = int(ids[pos])
+        elif rule in (Rule.LOSS_VALUE, Rule.LOSS_ON_LAST):
+            actual = int(loss[pos])
+        elif rule == Rule.LENGTH_MISMATCH:
+            actual = f"{len(loss)} loss values for {len(ids)} tokens"
+        elif rule == Rule.PACK_TOO_LONG:
+            actual = f"packed_len {len(ids)} > pack_size {self.pack_size}"
+        elif rule in (Rule.SEQ_FIRST_NOT_ZERO, Rule.SEQ_NOT_INCREASING, Rule.SEQ_START_OUT_OF_RANGE,
+                      Rule.SEQ_NOT_PAD_MULTIPLE) and len(starts):
+            actual = f"seq_start_id[{pos}] = {int(starts[pos])}"
+        limit = {Rule.TOKEN_OUT_OF_VOCAB: f"vocab_size {self.vocab_size}",
+                 Rule.TOKEN_TOO_LARGE: f"dtype {self.dtype.name}",
+                 Rule.SEQ_NOT_PAD_MULTIPLE: f"multiple {self._pad_mult}"}.get(rule)
+        where = f" at position {pos}" if pos >= 0 else ""
+        return InvariantError(f"pack {index} rejected{where}: {rule.describe}", path=self.prefix,
+                              pack=index, field=field, rule=rule.name, expected=limit, actual=actual,
+                              hint="fix the pack; the builder is still usable")
+
+    def _widen_tokens(self) -> None:
+        """Rewrite the tokens written so far as int32 (once, streaming) and continue in int32."""
+        self._bin.close()
+        old_path = self._bin.path
+        widened = _CrcWriter(_atomic.temporary_path(self.prefix + BIN_SUFFIX))
+        old = np.memmap(old_path, dtype=np.uint16, mode="r") if self._bin.size else np.empty(0, np.uint16)
+        for start in range(0, old.size, _COPY_CHUNK):
+            widened.write(np.asarray(old[start:start + _COPY_CHUNK], dtype=np.int32))
+        del old
+        os.unlink(old_path)
+        self._bin = widened
+        self._tmp[BIN_SUFFIX] = widened.path
+        self.dtype = DType.int32
+
+    def add_shard(self, prefix) -> None:
+        """Append every pack of an existing SFT shard, streaming (memory flat in its size).
+
+        The source is opened with the reader's checks and every pack is
+        re-validated against *this* builder's pack_size, vocab_size, dtype and
+        pad multiple, a chunk at a time in numba.
+
+        Raises:
+            InvariantError: a source pack breaks a rule of this builder (named by
+                the source path and the source pack index); packs of the source
+                before it have been appended, so discard the builder.
+        """
+        from .reader import MMapIndexedDataset
+
+        self._require_open()
+        src = MMapIndexedDataset(prefix)
+        if src.is_pretrain:
+            raise ShardError("add_shard takes SFT shards; this prefix holds upstream pretrain data "
+                             "without a loss mask or sequence starts", path=src.prefix,
+                             hint="write its sequences with add_packed and the loss mask you want")
+        lengths, offsets = src.sequence_lengths, src.seq_offsets
+        pointers = src.sequence_pointers
+        itemsize = src.dtype.itemsize
+        arrays = src.arrays()
+        tokens, loss, starts = arrays.tokens, arrays.loss_mask, arrays.seq_starts
+        n = len(src)
+        first = 0
+        while first < n:
+            # Chunk by packs so that each chunk's tokens are about _COPY_CHUNK elements.
+            t_first = int(pointers[first]) // itemsize
+            last = int(np.searchsorted(pointers, (t_first + _COPY_CHUNK) * itemsize, side="left"))
+            last = min(max(last, first + 1), n)
+            self._add_chunk(src, first, last, lengths, offsets, pointers, tokens, loss, starts)
+            first = last
+
+    def _add_chunk(self, src, first, last, lengths, offsets, pointers, tokens, loss, starts) -> None:
+        itemsize = src.dtype.itemsize
+        t0 = int(pointers[first]) // itemsize
+        t1 = int(pointers[last - 1]) // itemsize + int(lengths[last - 1])
+        s0, s1 = int(offsets[first]), int(offsets[last])
+        token_offsets = (np.asarray(pointers[first:last], dtype=np.int64) // itemsize) - t0
+        seq_off = np.asarray(offsets[first:last + 1], dtype=np.int64) - s0
+        chunk_lengths = np.asarray(lengths[first:last])
+        dtype_max = _INT32_MAX if self._auto_dtype else self._dtype_max(self.dtype)
+        out_rule = np.zeros(1, np.int64)
+        out_pack = np.zeros(1, np.int64)
+        out_pos = np.zeros(1, np.int64)
+        counts = np.zeros(_kernels.N_RULES, np.int64)
+        chunk_tokens, chunk_loss, chunk_starts = tokens[t0:t1], loss[t0:t1], starts[s0:s1]
+        rec, max_len, min_len, loss_sum, max_samples, min_packed, max_packed = _kernels.scan_packs(
+            chunk_lengths, token_offsets, seq_off, chunk_tokens, chunk_loss, chunk_starts,
+            self.pack_size or 0, dtype_max, self.vocab_size or 0, self._pad_mult, 0, last - first,
+            1, out_rule, out_pack, out_pos, counts)
+        if rec:
+            rule = Rule(int(out_rule[0]))
+            raise InvariantError(f"source pack rejected: {rule.describe}", path=src.prefix,
+                                 pack=first + int(out_pack[0]), rule=rule.name,
+                                 hint="this builder's pack_size/vocab_size/dtype/pad multiple is stricter "
+                                      "than the source shard's")
+        if self._auto_dtype and self.dtype == DType.uint16 and _kernels.max_token(chunk_tokens) > UINT16_MAX:
+            self._widen_tokens()
+        for start in range(0, t1 - t0, _COPY_CHUNK):
+            self._bin.write(np.asarray(chunk_tokens[start:start + _COPY_CHUNK], dtype=self.dtype.numpy))
+        self._loss.write(np.ascontiguousarray(chunk_loss))
+        self._seq.write(np.ascontiguousarray(chunk_starts, dtype=SEQ_DTYPE.numpy))
+        self._lengths.extend(chunk_lengths)
+        self._seq_counts.extend(np.diff(seq_off))
+        self._tokens += t1 - t0
+        self._sequences += s1 - s0
+        self._loss_tokens += int(loss_sum)
+        self._max_seqlen = max(self._max_seqlen, int(max_len))
+        self._min_seqlen = int(min_len) if self._min_seqlen is None else min(self._min_seqlen, int(min_len))
+        self._max_samples = max(self._max_samples, int(max_samples))
+        self._min_packed = int(min_packed) if self._min_packed is None else min(self._min_packed, int(min_packed))
+        self._max_packed = max(self._max_packed, int(max_packed))
+
+    # ------------------------------------------------------------------ finishing
+
+    def _stats(self) -> PackingStats:
+        n = len(self._lengths)
+        efficiency = None
+        if self.pack_size:
+            efficiency = round(self._tokens / (n * self.pack_size), 6)
+        return PackingStats(
+            pack_count=n, sequence_count=self._sequences, token_count=self._tokens,
+            loss_token_count=self._loss_tokens, max_samples_per_bin=self._max_samples,
+            dataset_max_seqlen=self._max_seqlen, min_seqlen=self._min_seqlen,
+            min_packed_seqlen=self._min_packed, max_packed_seqlen=self._max_packed,
+            packing_factor=round(self._sequences / n, 6), packing_efficiency=efficiency)
+
+    def _write_idx(self) -> FileDigest:
+        n = len(self._lengths)
+        out = _CrcWriter(self._tmp[IDX_SUFFIX])
+        try:
+            out.write(IdxHeader(int(self.dtype), n, n + 1).pack())
+            for block in self._lengths.blocks():
+                out.write(block)
+            acc = 0
+            for block in self._lengths.blocks():
+                pointers, acc, bad = _kernels.exclusive_cumsum(block, self.dtype.itemsize, acc)
+                if bad >= 0:
+                    raise ShardError("sequence pointers overflow int64", path=self.paths.idx,
+                                     field="sequence_pointers")
+                out.write(pointers)
+            if acc != self._bin.size:
+                raise ShardError("internal error: pointers do not end at the size of .bin",
+                                 path=self.paths.idx, expected=self._bin.size, actual=acc)
+            for start in range(0, n + 1, _BLOCK):
+                out.write(np.arange(start, min(start + _BLOCK, n + 1), dtype=np.int64))
+        finally:
+            out.close()
+        return out.digest
+
+    def _write_seq_idx(self, metadata: ShardMetadata) -> None:
+        n = len(self._lengths)
+        meta_bytes = metadata.encode()
+        header = SeqIdxHeader(token_dtype_code=int(self.dtype), pack_count=n,
+                              sequence_count=self._sequences, token_count=self._tokens,
+                              metadata_length=len(meta_bytes))
+        path = self._tmp[SEQ_IDX_SUFFIX]
+        with open(path, "wb") as f:
+            f.write(b"\0" * SEQ_IDX_HEADER_SIZE)
+            body = bytes(meta_bytes) + b"\0" * (header.csr_offset - METADATA_OFFSET - len(meta_bytes))
+            f.write(body)
+            crc = zlib.crc32(body)
+            acc = 0
+            first = np.zeros(1, dtype=POINTER_DTYPE)
+            f.write(first.tobytes())
+            crc = zlib.crc32(first, crc)
+            for block in self._seq_counts.blocks():
+                offsets, acc, bad = _kernels.exclusive_cumsum(block, 1, acc)
+                if bad >= 0:
+                    raise ShardError("CSR offsets overflow int64", path=self.paths.seq_idx, field="seq_offsets")
+                ends = offsets[1:] if offsets.size else offsets
+                f.write(memoryview(ends))
+                crc = zlib.crc32(ends, crc)
+                tail = np.array([acc], dtype=POINTER_DTYPE) if block.size else np.empty(0, POINTER_DTYPE)
+                f.write(tail.tobytes())
+                crc = zlib.crc32(tail, crc)
+            f.seek(0)
+            f.write(SeqIdxHeader(token_dtype_code=int(self.dtype), pack_count=n,
+                                 sequence_count=self._sequences, token_count=self._tokens,
+                                 metadata_length=len(meta_bytes), body_crc32=crc).pack())
+        if os.path.getsize(path) != header.file_size:
+            raise ShardError("internal error: .seq.idx size disagrees with its header", path=path,
+                             expected=header.file_size, actual=os.path.getsize(path))
+
+    def finalize(self) -> ShardMetadata:
+        """Write both indexes and publish the five files (``.idx`` last). Returns the metadata.
+
+        Raises:
+            BuilderStateError: no pack was added, or the builder is already finished.
+        """
+        self._require_open()
+        try:
+            if not len(self._lengths):
+                raise BuilderStateError("no packs were added; an empty shard is not written",
+                                        path=self.prefix)
+            for writer in (self._bin, self._loss, self._seq):
+                writer.close()
+            idx_digest = self._write_idx()
+            known = dict(self._user_metadata)
+            self.metadata = ShardMetadata(
+                pack_size=self.pack_size, token_dtype=self.dtype.name, vocab_size=self.vocab_size,
+                stats=self._stats(),
+                files={BIN_SUFFIX: self._bin.digest, IDX_SUFFIX: idx_digest,
+                       LOSS_SUFFIX: self._loss.digest, SEQ_BIN_SUFFIX: self._seq.digest},
+                producer={"name": "megatron_sft_idx", "version": __version__},
+                pad_seq_to_mult=known["pad_seq_to_mult"], tokenizer=known.get("tokenizer"),
+                packing=known.get("packing"), parallelism=known.get("parallelism"),
+                source=known.get("source"), extra=known["extra"])
+            self._write_seq_idx(self.metadata)
+            _atomic.publish([(self._tmp[s], self.prefix + s) for s in PUBLISH_ORDER],
+                            unpublish_first=self.paths.idx)
+        except BaseException:
+            self.abort()
+            raise
+        self._state = "finalized"
+        return self.metadata
+
+    def abort(self) -> None:
+        """Discard everything written; no file appears under the final names."""
+        if self._state == "open":
+            self._state = "aborted"
+        for writer in (self._bin, self._loss, self._seq):
+            writer.close()
+        _atomic.remove_quietly(self._tmp.values())
+
+    def __enter__(self) -> "IndexedDatasetBuilder":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            if self._state == "open":
+                self.abort()
+            return
+        if self._state == "open":
+            self.finalize()
+
+    def __del__(self) -> None:  # an abandoned builder must not leave temporaries behind
+        try:
+            if getattr(self, "_state", None) == "open":
+                self.abort()
+        except Exception:
+            pass

@@ -1,0 +1,160 @@
+"""One exception tree for everything the project refuses.
+
+Every error raised for bad input or a bad shard derives from :class:`ShardError`
+(itself a ``ValueError``, so callers that already catch ``ValueError`` keep
+working). Each carries structured context — ``path``, ``field``, ``pack``,
+``expected``, ``actual``, ``hint`` — and renders it into one message that names
+the file, the place and the rule, and says what to do::
+
+    ShardError: /data/a.seq.idx: header field 'version_major' is 7, expected one of (1)
+    [field=version_major] -- this shard was written by a newer megatron_sft_idx; upgrade it.
+
+Subclasses say *which kind* of problem it is, so a caller can tell a truncated
+file from a malformed header without parsing strings.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+__all__ = [
+    "ShardError",
+    "ShardNotFoundError",
+    "ShardExistsError",
+    "IncompleteShardError",
+    "SizeMismatchError",
+    "TruncatedFileError",
+    "HeaderError",
+    "VersionError",
+    "DTypeError",
+    "MetadataError",
+    "ChecksumError",
+    "InvariantError",
+    "BuilderStateError",
+]
+
+
+class ShardError(ValueError):
+    """Base class of every error this project raises for bad input or a bad shard."""
+
+    default_hint: Optional[str] = None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: Optional[str] = None,
+        field: Optional[str] = None,
+        pack: Optional[int] = None,
+        expected: Any = None,
+        actual: Any = None,
+        rule: Optional[str] = None,
+        hint: Optional[str] = None,
+    ) -> None:
+        self.message = message
+        self.path = None if path is None else str(path)
+        self.field = field
+        self.pack = pack
+        self.expected = expected
+        self.actual = actual
+        self.rule = rule
+        self.hint = hint if hint is not None else self.default_hint
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        head = f"{self.path}: {self.message}" if self.path else self.message
+        context = []
+        if self.pack is not None:
+            context.append(f"pack={self.pack}")
+        if self.field is not None:
+            context.append(f"field={self.field}")
+        if self.rule is not None:
+            context.append(f"rule={self.rule}")
+        if self.expected is not None:
+            context.append(f"expected={self.expected!r}")
+        if self.actual is not None:
+            context.append(f"actual={self.actual!r}")
+        text = head
+        if context:
+            text += " [" + ", ".join(context) + "]"
+        if self.hint:
+            text += " -- " + self.hint
+        return text
+
+    def __reduce__(self):  # keep the structured fields across pickling (DataLoader workers)
+        kwargs = dict(
+            path=self.path, field=self.field, pack=self.pack, expected=self.expected,
+            actual=self.actual, rule=self.rule, hint=self.hint,
+        )
+        return (_rebuild, (type(self), self.message, kwargs))
+
+
+def _rebuild(cls, message, kwargs):
+    return cls(message, **kwargs)
+
+
+class ShardNotFoundError(ShardError, FileNotFoundError):
+    """A file the shard needs does not exist."""
+
+    default_hint = "check the prefix: it is the path without '.idx'/'.bin'"
+
+
+class ShardExistsError(ShardError, FileExistsError):
+    """Writing would replace an existing shard and the caller did not allow it."""
+
+    default_hint = "pass overwrite=True (or --overwrite / --replace) to replace it"
+
+
+class IncompleteShardError(ShardError):
+    """Some of the five files are present and others are not (an interrupted write or copy)."""
+
+    default_hint = (
+        "the shard was not fully written or copied; rebuild it or copy all five files "
+        "(.bin .idx .loss.bin .seq.idx .seq.bin)"
+    )
+
+
+class SizeMismatchError(ShardError):
+    """A file's size disagrees with what a header or the metadata records."""
+
+    default_hint = "the file was cut short, extended, or swapped in from another shard; rebuild it"
+
+
+class TruncatedFileError(SizeMismatchError):
+    """A file is shorter than its header says it must be."""
+
+    default_hint = "the file was cut short (interrupted copy or full disk); copy or rebuild it"
+
+
+class HeaderError(ShardError):
+    """A fixed header is malformed: wrong magic, an impossible count, a reserved field set."""
+
+    default_hint = "the file is not a megatron_sft_idx shard file or is corrupt; rebuild it"
+
+
+class VersionError(HeaderError):
+    """The file declares a format version this reader does not support."""
+
+    default_hint = "the shard was written by a different megatron_sft_idx; use a matching version"
+
+
+class DTypeError(HeaderError):
+    """A dtype code is unknown, or not allowed where it appears."""
+
+
+class MetadataError(ShardError):
+    """The shard metadata (JSON in ``.seq.idx``) is unparsable, incomplete or contradictory."""
+
+
+class ChecksumError(ShardError):
+    """A file's CRC-32 differs from the one recorded when the shard was written."""
+
+    default_hint = "the file was modified or bit-rotted after it was written; restore or rebuild it"
+
+
+class InvariantError(ShardError):
+    """A pack breaks one of the format's invariants (see :class:`megatron_sft_idx.format.Rule`)."""
+
+
+class BuilderStateError(ShardError):
+    """The builder was used out of order (e.g. ``add_packed`` after ``finalize``)."""

@@ -1,0 +1,244 @@
+"""Shard metadata: the JSON object stored in ``P.seq.idx`` after the header.
+
+It makes a shard self-describing. Keys written by format 1.0:
+
+=====================  ========  ====================================================
+key                    required  meaning
+=====================  ========  ====================================================
+format                 yes       ``"megatron_sft_idx"``
+pack_size              yes       max tokens per pack (int), or null when unknown (spools)
+token_dtype            yes       ``"uint16"`` or ``"int32"``; equals the header code
+vocab_size             yes       int or null; every token id is < vocab_size
+loss_mask_convention   yes       ``"label_aligned"``: mask[j] == 1 trains predicting j+1
+pad_seq_to_mult        yes       int >= 1; every sequence length is a multiple of it
+stats                  yes       packing statistics (see :class:`PackingStats`)
+files                  yes       ``{".bin"|".idx"|".loss.bin"|".seq.bin": {"size", "crc32"}}``
+producer               yes       ``{"name", "version"}`` of the writer
+tokenizer              no        identity of the tokenizer (name, hash, ...)
+packing                no        algorithm, seed, ...
+parallelism            no        the CP/TP/SP the shard was padded for
+source                 no        inputs (names, hashes)
+extra                  no        anything the producer wants to keep
+=====================  ========  ====================================================
+
+Readers ignore keys they do not know (a newer minor version may add some);
+they refuse a missing required key or a value of the wrong type.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, Mapping, Optional
+
+from .errors import MetadataError
+from .format import CHECKSUMMED_SUFFIXES, LOSS_MASK_CONVENTION, TOKEN_DTYPES
+
+FORMAT_NAME = "megatron_sft_idx"
+#: Keys the builder owns; a caller's ``metadata=`` may not set them.
+RESERVED_KEYS = frozenset(
+    {"format", "pack_size", "token_dtype", "vocab_size", "loss_mask_convention", "stats", "files", "producer"}
+)
+#: Optional keys with a known meaning; anything else a caller passes goes under ``extra``.
+OPTIONAL_KEYS = ("pad_seq_to_mult", "tokenizer", "packing", "parallelism", "source", "extra")
+
+
+@dataclass(frozen=True)
+class PackingStats:
+    """Statistics of the packs, computed by the builder from the data it wrote.
+
+    ``max_samples_per_bin``, ``dataset_max_seqlen`` and ``min_packed_seqlen`` are
+    the values Megatron-Bridge's ``pad_cu_seqlens`` needs.
+    """
+
+    pack_count: int
+    sequence_count: int
+    token_count: int
+    loss_token_count: int
+    max_samples_per_bin: int
+    dataset_max_seqlen: int
+    min_seqlen: int
+    min_packed_seqlen: int
+    max_packed_seqlen: int
+    packing_factor: float       # sequences per pack
+    packing_efficiency: float   # tokens / (packs * pack_size); null without pack_size
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], path: Optional[str] = None) -> "PackingStats":
+        values = {}
+        for name, kind in cls.__annotations__.items():
+            value = raw.get(name) if isinstance(raw, Mapping) else None
+            if name == "packing_efficiency" and value is None:
+                values[name] = None
+                continue
+            expected = (int,) if kind == "int" else (int, float)
+            if isinstance(value, bool) or not isinstance(value, expected):
+                raise MetadataError("packing statistic missing or of the wrong type", path=path,
+                                    field=f"stats.{name}", expected=kind, actual=value)
+            values[name] = value
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class FileDigest:
+    size: int
+    crc32: int
+
+
+@dataclass(frozen=True)
+class ShardMetadata:
+    """The parsed metadata of one shard; ``to_dict()``/``from_dict()`` round-trip it."""
+
+    pack_size: Optional[int]
+    token_dtype: str
+    vocab_size: Optional[int]
+    stats: Optional[PackingStats]  # None only for pretrain data opened without a .seq.idx
+    files: Dict[str, FileDigest]
+    producer: Dict[str, Any]
+    loss_mask_convention: str = LOSS_MASK_CONVENTION
+    pad_seq_to_mult: int = 1
+    tokenizer: Optional[Dict[str, Any]] = None
+    packing: Optional[Dict[str, Any]] = None
+    parallelism: Optional[Dict[str, Any]] = None
+    source: Optional[Dict[str, Any]] = None
+    extra: Dict[str, Any] = field(default_factory=dict)
+    #: "sft" for shards of this format; "pretrain" when the reader synthesised it for bin/idx only.
+    kind: str = "sft"
+
+    def to_dict(self) -> Dict[str, Any]:
+        out: Dict[str, Any] = {
+            "format": FORMAT_NAME,
+            "pack_size": self.pack_size,
+            "token_dtype": self.token_dtype,
+            "vocab_size": self.vocab_size,
+            "loss_mask_convention": self.loss_mask_convention,
+            "pad_seq_to_mult": self.pad_seq_to_mult,
+            "stats": asdict(self.stats),
+            "files": {k: asdict(v) for k, v in sorted(self.files.items())},
+            "producer": dict(self.producer),
+        }
+        for key in ("tokenizer", "packing", "parallelism", "source"):
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = value
+        if self.extra:
+            out["extra"] = self.extra
+        return out
+
+    def encode(self) -> bytes:
+        """Canonical UTF-8 JSON: sorted keys, no whitespace, so equal metadata gives equal bytes."""
+        try:
+            return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"),
+                              ensure_ascii=False, allow_nan=False).encode("utf-8")
+        except (TypeError, ValueError) as exc:
+            raise MetadataError(f"metadata is not JSON-serialisable: {exc}", field="metadata",
+                                hint="pass only str/int/float/bool/None/list/dict values") from None
+
+    @classmethod
+    def decode(cls, raw: bytes, path: Optional[str] = None) -> "ShardMetadata":
+        try:
+            obj = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise MetadataError(f"metadata is not valid UTF-8 JSON ({exc.__class__.__name__}: {exc})",
+                                path=path, field="metadata",
+                                hint="the .seq.idx metadata block is corrupt or cut short; rebuild the shard") from None
+        return cls.from_dict(obj, path=path)
+
+    @classmethod
+    def from_dict(cls, obj: Any, path: Optional[str] = None) -> "ShardMetadata":
+        if not isinstance(obj, dict):
+            raise MetadataError("metadata must be a JSON object", path=path, field="metadata",
+                                expected="object", actual=type(obj).__name__)
+
+        def need(key, types, allow_none=False):
+            if key not in obj:
+                raise MetadataError(f"required metadata key '{key}' is missing", path=path, field=key)
+            value = obj[key]
+            if value is None and allow_none:
+                return None
+            if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+                raise MetadataError(f"metadata key '{key}' has the wrong type", path=path, field=key,
+                                    expected=" or ".join(t.__name__ for t in types), actual=value)
+            return value
+
+        if obj.get("format") != FORMAT_NAME:
+            raise MetadataError("metadata does not declare this format", path=path, field="format",
+                                expected=FORMAT_NAME, actual=obj.get("format"))
+        pack_size = need("pack_size", (int,), allow_none=True)
+        if pack_size is not None and pack_size <= 0:
+            raise MetadataError("pack_size must be positive", path=path, field="pack_size",
+                                expected="> 0", actual=pack_size)
+        token_dtype = need("token_dtype", (str,))
+        if token_dtype not in {d.name for d in TOKEN_DTYPES}:
+            raise MetadataError("unknown token dtype", path=path, field="token_dtype",
+                                expected=[d.name for d in TOKEN_DTYPES], actual=token_dtype)
+        vocab_size = need("vocab_size", (int,), allow_none=True)
+        if vocab_size is not None and vocab_size <= 0:
+            raise MetadataError("vocab_size must be positive", path=path, field="vocab_size",
+                                expected="> 0", actual=vocab_size)
+        convention = need("loss_mask_convention", (str,))
+        if convention != LOSS_MASK_CONVENTION:
+            raise MetadataError("unknown loss-mask convention", path=path, field="loss_mask_convention",
+                                expected=LOSS_MASK_CONVENTION, actual=convention)
+        pad = need("pad_seq_to_mult", (int,))
+        if pad < 1:
+            raise MetadataError("pad_seq_to_mult must be >= 1", path=path, field="pad_seq_to_mult",
+                                expected=">= 1", actual=pad)
+        stats = PackingStats.from_dict(need("stats", (dict,)), path=path)
+        raw_files = need("files", (dict,))
+        files = {}
+        for suffix in CHECKSUMMED_SUFFIXES:
+            entry = raw_files.get(suffix)
+            if (not isinstance(entry, dict) or not _is_int(entry.get("size"))
+                    or not _is_int(entry.get("crc32"))):
+                raise MetadataError(f"size/crc32 of '{suffix}' missing or malformed", path=path,
+                                    field=f"files.{suffix}", actual=entry)
+            files[suffix] = FileDigest(size=entry["size"], crc32=entry["crc32"])
+        producer = need("producer", (dict,))
+        optional = {}
+        for key in ("tokenizer", "packing", "parallelism", "source", "extra"):
+            value = obj.get(key)
+            if value is not None and not isinstance(value, dict):
+                raise MetadataError(f"metadata key '{key}' must be an object", path=path, field=key,
+                                    actual=value)
+            optional[key] = value
+        return cls(pack_size=pack_size, token_dtype=token_dtype, vocab_size=vocab_size, stats=stats,
+                   files=files, producer=producer, loss_mask_convention=convention, pad_seq_to_mult=pad,
+                   tokenizer=optional["tokenizer"], packing=optional["packing"],
+                   parallelism=optional["parallelism"], source=optional["source"],
+                   extra=optional["extra"] or {})
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def split_user_metadata(metadata: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
+    """Sort a caller's ``metadata=`` into known optional keys and ``extra``.
+
+    Raises:
+        MetadataError: a reserved key is set, or a known key has the wrong type.
+    """
+    known: Dict[str, Any] = {"pad_seq_to_mult": 1, "extra": {}}
+    if not metadata:
+        return known
+    if not isinstance(metadata, Mapping):
+        raise MetadataError("metadata must be a mapping", field="metadata", actual=type(metadata).__name__)
+    clash = RESERVED_KEYS.intersection(metadata)
+    if clash:
+        raise MetadataError(f"metadata keys {sorted(clash)} are written by the builder itself",
+                            field="metadata", hint="pass pack_size/vocab_size/dtype as builder arguments")
+    extra = dict(metadata.get("extra") or {})
+    for key, value in metadata.items():
+        if key == "pad_seq_to_mult":
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise MetadataError("pad_seq_to_mult must be an int >= 1", field=key, actual=value)
+            known[key] = value
+        elif key in ("tokenizer", "packing", "parallelism", "source"):
+            if not isinstance(value, Mapping):
+                raise MetadataError(f"metadata['{key}'] must be a mapping", field=key, actual=value)
+            known[key] = dict(value)
+        elif key != "extra":
+            extra[key] = value
+    known["extra"] = extra
+    return known

@@ -1,0 +1,424 @@
+"""Memory-mapped reader of shards: O(1) random access, nothing loaded at open.
+
+``MMapIndexedDataset(prefix)`` reads the fixed headers and the metadata,
+checks every size it can check without reading data (the five files against
+each other, the headers and the metadata), and maps the files only when a pack
+is first read. It pickles as its prefix, so each DataLoader worker and each
+rank maps the files itself. Example::
+
+    ds = MMapIndexedDataset("/data/train_000")
+    pack = ds[17]              # Pack(input_ids, loss_mask, seq_start_id), read-only views
+    pack.seq_boundaries        # seq_start_id + [packed_len]
+    ds.metadata.stats.max_samples_per_bin
+
+A prefix holding only upstream ``.bin``/``.idx`` opens as pretrain data: each
+sequence is a pack of one sequence with a loss mask of ones, and
+``metadata.kind == "pretrain"``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import List, NamedTuple, Optional
+
+import numpy as np
+
+from .errors import (
+    IncompleteShardError,
+    MetadataError,
+    ShardError,
+    ShardNotFoundError,
+    SizeMismatchError,
+    TruncatedFileError,
+    InvariantError,
+)
+from .format import (
+    BIN_SUFFIX,
+    IDX_HEADER_SIZE,
+    IDX_SUFFIX,
+    LENGTH_DTYPE,
+    LOSS_SUFFIX,
+    METADATA_OFFSET,
+    POINTER_DTYPE,
+    SEQ_BIN_SUFFIX,
+    SEQ_DTYPE,
+    SEQ_IDX_HEADER_SIZE,
+    SEQ_IDX_SUFFIX,
+    SFT_SUFFIXES,
+    TOKEN_DTYPES,
+    DType,
+    IdxHeader,
+    Rule,
+    SeqIdxHeader,
+    ShardPaths,
+)
+from .metadata import ShardMetadata
+
+_READ_ONLY_ZERO = np.zeros(1, dtype=SEQ_DTYPE.numpy)
+_READ_ONLY_ZERO.flags.writeable = False
+
+
+class Pack(NamedTuple):
+    """One pack as read-only views into the shard's files."""
+
+    input_ids: np.ndarray
+    loss_mask: np.ndarray
+    seq_start_id: np.ndarray
+
+    @property
+    def packed_len(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def seq_boundaries(self) -> np.ndarray:
+        """``seq_start_id + [packed_len]`` (int32): sequence k spans ``[b[k], b[k+1])``."""
+        out = np.empty(self.seq_start_id.shape[0] + 1, dtype=np.int32)
+        out[:-1] = self.seq_start_id
+        out[-1] = self.input_ids.shape[0]
+        return out
+
+    @property
+    def seq_lengths(self) -> np.ndarray:
+        return np.diff(self.seq_boundaries)
+
+    def as_dict(self) -> dict:
+        """Megatron-Bridge's packed-sample keys."""
+        return {"input_ids": self.input_ids, "seq_boundaries": self.seq_boundaries,
+                "loss_mask": self.loss_mask}
+
+
+class ShardArrays(NamedTuple):
+    """Whole-shard typed views, for vectorised consumers (gate, merge, collate)."""
+
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+    seq_starts: np.ndarray
+    sequence_lengths: np.ndarray
+    sequence_pointers: np.ndarray
+    seq_offsets: np.ndarray
+
+
+def _map(path: str, size: int) -> np.ndarray:
+    """Read-only uint8 map of a whole file (an empty array for an empty file)."""
+    if size == 0:
+        out = np.empty(0, dtype=np.uint8)
+        out.flags.writeable = False
+        return out
+    return np.memmap(path, dtype=np.uint8, mode="r", shape=(size,))
+
+
+def _view(buf: np.ndarray, dtype, count: int, offset: int) -> np.ndarray:
+    return np.frombuffer(buf, dtype=dtype, count=count, offset=offset)
+
+
+def _read_exact(path: str, size: int, offset: int = 0) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(size)
+
+
+class MMapIndexedDataset:
+    """Random access to the packs of one shard (or of upstream pretrain data).
+
+    Args:
+        prefix: the shard's path without suffix.
+        check_packs: also check every pack's invariants as it is read (a few µs
+            per pack; the promotion gate is the place for whole-shard checks).
+
+    Raises:
+        ShardNotFoundError, IncompleteShardError, HeaderError, VersionError,
+        DTypeError, MetadataError, SizeMismatchError, TruncatedFileError.
+    """
+
+    def __init__(self, prefix, *, check_packs: bool = False) -> None:
+        if sys.byteorder != "little":
+            raise ShardError("this reader supports little-endian hosts only", path=str(prefix))
+        self.prefix = os.fspath(prefix)
+        self.paths = ShardPaths.from_prefix(self.prefix)
+        self.check_packs = check_packs
+        self._maps = None
+        self._open_headers()
+
+    # ------------------------------------------------------------------ open
+
+    def _open_headers(self) -> None:
+        sizes = {}
+        for suffix, path in self.paths.by_suffix().items():
+            try:
+                sizes[suffix] = os.stat(path).st_size
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                raise ShardError(f"cannot stat file: {exc.strerror}", path=path) from None
+        self._sizes = sizes
+        companions = [s for s in SFT_SUFFIXES if s in sizes]
+        if IDX_SUFFIX not in sizes:
+            if not sizes:
+                raise ShardNotFoundError("no shard at this prefix (no .idx, .bin or SFT companions)",
+                                         path=self.prefix)
+            raise IncompleteShardError(f"{self.prefix}.idx is missing but {sorted(sizes)} exist",
+                                       path=self.paths.idx, field="files")
+        if BIN_SUFFIX not in sizes:
+            raise IncompleteShardError(".bin is missing", path=self.paths.bin, field="files")
+        if companions and len(companions) != len(SFT_SUFFIXES):
+            missing = [s for s in SFT_SUFFIXES if s not in sizes]
+            raise IncompleteShardError(
+                f"SFT companions {companions} exist but {missing} are missing; refusing to read "
+                f"it as pretrain data", path=self.prefix + missing[0], field="files")
+        self.is_pretrain = not companions
+        allowed = None if self.is_pretrain else TOKEN_DTYPES
+        self.idx_header = IdxHeader.parse(_read_exact(self.paths.idx, IDX_HEADER_SIZE), self.paths.idx,
+                                          sizes[IDX_SUFFIX], **({} if allowed is None else
+                                                                {"allowed_dtypes": allowed}))
+        self.dtype = self.idx_header.dtype
+        self._n = self.idx_header.sequence_count
+        if self.is_pretrain:
+            self.seq_header = None
+            self._check_bin_end()
+            self.metadata = ShardMetadata(
+                pack_size=None, token_dtype=self.dtype.name, vocab_size=None, stats=None, files={},
+                producer={}, loss_mask_convention="pretrain_all_ones", kind="pretrain")
+            return
+        raw = _read_exact(self.paths.seq_idx, SEQ_IDX_HEADER_SIZE)
+        self.seq_header = h = SeqIdxHeader.parse(raw, self.paths.seq_idx, sizes[SEQ_IDX_SUFFIX])
+        meta_raw = _read_exact(self.paths.seq_idx, h.metadata_length, METADATA_OFFSET)
+        self.metadata = ShardMetadata.decode(meta_raw, path=self.paths.seq_idx)
+        self._cross_check()
+
+    def _cross_check(self) -> None:
+        """Everything that can disagree between headers, metadata and file sizes, checked at open."""
+        h, ih, m, sizes = self.seq_header, self.idx_header, self.metadata, self._sizes
+
+        def agree(what, path, field, expected, actual, err=SizeMismatchError):
+            if expected != actual:
+                raise err(what, path=path, field=field, expected=expected, actual=actual)
+
+        agree("pack count differs between .idx and .seq.idx (companion from another shard?)",
+              self.paths.seq_idx, "pack_count", ih.sequence_count, h.pack_count)
+        agree("an SFT shard has one document per pack", self.paths.idx, "document_count",
+              ih.sequence_count + 1, ih.document_count)
+        agree("token dtype differs between .idx and .seq.idx", self.paths.seq_idx, "token_dtype_code",
+              ih.dtype_code, h.token_dtype_code)
+        agree("metadata token_dtype differs from the header", self.paths.seq_idx, "token_dtype",
+              self.dtype.name, m.token_dtype, MetadataError)
+        for field, value in (("pack_count", h.pack_count), ("sequence_count", h.sequence_count),
+                             ("token_count", h.token_count)):
+            agree("metadata statistics disagree with the header", self.paths.seq_idx, f"stats.{field}",
+                  value, getattr(m.stats, field), MetadataError)
+        expected_sizes = {BIN_SUFFIX: h.token_count * self.dtype.itemsize, LOSS_SUFFIX: h.token_count,
+                          SEQ_BIN_SUFFIX: h.sequence_count * SEQ_DTYPE.itemsize,
+                          IDX_SUFFIX: ih.file_size}
+        for suffix, expected in expected_sizes.items():
+            path = self.prefix + suffix
+            actual = sizes[suffix]
+            err = TruncatedFileError if actual < expected else SizeMismatchError
+            agree("file size disagrees with the .seq.idx header", path, "size", expected, actual, err)
+            agree("file size disagrees with the size recorded in the metadata", path, "size",
+                  m.files[suffix].size, actual, err)
+        self._check_bin_end()
+
+    def _check_bin_end(self) -> None:
+        """The last pack must end exactly at the end of .bin (reads two index entries)."""
+        n = self._n
+        if n == 0:
+            if self._sizes[BIN_SUFFIX] != 0:
+                raise SizeMismatchError(".idx holds no sequences but .bin is not empty",
+                                        path=self.paths.bin, field="size", expected=0,
+                                        actual=self._sizes[BIN_SUFFIX])
+            return
+        ih = self.idx_header
+        last_len = int(np.frombuffer(_read_exact(self.paths.idx, 4, ih.lengths_offset + 4 * (n - 1)), "<i4")[0])
+        last_ptr = int(np.frombuffer(_read_exact(self.paths.idx, 8, ih.pointers_offset + 8 * (n - 1)), "<i8")[0])
+        end = last_ptr + last_len * self.dtype.itemsize
+        if end != self._sizes[BIN_SUFFIX]:
+            err = TruncatedFileError if end > self._sizes[BIN_SUFFIX] else SizeMismatchError
+            raise err("the last pack does not end at the end of .bin", path=self.paths.bin,
+                      field="sequence_pointers[-1] + sequence_lengths[-1] * itemsize",
+                      expected=end, actual=self._sizes[BIN_SUFFIX])
+
+    # ------------------------------------------------------------------ maps (lazy)
+
+    def _ensure_maps(self):
+        if self._maps is None:
+            ih, sizes = self.idx_header, self._sizes
+            idx = _map(self.paths.idx, sizes[IDX_SUFFIX])
+            maps = {
+                "bin": _map(self.paths.bin, sizes[BIN_SUFFIX]),
+                "lengths": _view(idx, LENGTH_DTYPE, self._n, ih.lengths_offset),
+                "pointers": _view(idx, POINTER_DTYPE, self._n, ih.pointers_offset),
+                "documents": _view(idx, POINTER_DTYPE, ih.document_count, ih.document_indices_offset),
+            }
+            # memoryviews index to Python ints several times faster than numpy scalars.
+            maps["len_mv"] = memoryview(maps["lengths"]).cast("B").cast("i")
+            maps["ptr_mv"] = memoryview(maps["pointers"]).cast("B").cast("q")
+            if not self.is_pretrain:
+                h = self.seq_header
+                seq_idx = _map(self.paths.seq_idx, sizes[SEQ_IDX_SUFFIX])
+                maps["loss"] = _map(self.paths.loss_bin, sizes[LOSS_SUFFIX])
+                maps["seq_bin"] = _map(self.paths.seq_bin, sizes[SEQ_BIN_SUFFIX])
+                maps["offsets"] = _view(seq_idx, POINTER_DTYPE, self._n + 1, h.csr_offset)
+                maps["off_mv"] = memoryview(maps["offsets"]).cast("B").cast("q")
+            self._maps = maps
+        return self._maps
+
+    # ------------------------------------------------------------------ access
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, idx):
+        if isinstance(idx, slice):
+            start, stop, step = idx.indices(self._n)
+            if step != 1:
+                raise ValueError("slices of a shard must be contiguous (step 1)")
+            return [self._pack(i) for i in range(start, stop)]
+        return self._pack(idx)
+
+    def _corrupt(self, i: int, field: str, what: str, expected=None, actual=None) -> ShardError:
+        return InvariantError(f"pack {i} is corrupt: {what}", path=self.prefix, pack=i, field=field,
+                              expected=expected, actual=actual,
+                              hint="run tools/check_idx.py on this shard and rebuild it")
+
+    def _locate(self, i) -> tuple:
+        """Bounds-checked (token_start, length, seq_first, seq_last) of pack i."""
+        n = self._n
+        i = int(i) if isinstance(i, (int, np.integer)) else i
+        if not isinstance(i, int):
+            raise TypeError(f"pack index must be an integer or a slice, not {type(i).__name__}")
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"pack index {i} out of range for {n} packs in {self.prefix}")
+        maps = self._maps or self._ensure_maps()
+        length = maps["len_mv"][i]
+        ptr = maps["ptr_mv"][i]
+        itemsize = self.dtype.itemsize
+        # Untrusted numbers: a corrupt index must become our error, never a numpy traceback.
+        if length <= 0 or ptr < 0 or ptr % itemsize or ptr + length * itemsize > self._sizes[BIN_SUFFIX]:
+            raise self._corrupt(i, "sequence_pointers/sequence_lengths",
+                                "pointer/length fall outside .bin", f"<= {self._sizes[BIN_SUFFIX]}",
+                                f"pointer {ptr}, length {length}")
+        if self.is_pretrain:
+            return i, ptr // itemsize, length, 0, 1
+        s0 = maps["off_mv"][i]
+        s1 = maps["off_mv"][i + 1]
+        if not 0 <= s0 < s1 <= self.seq_header.sequence_count:
+            raise self._corrupt(i, "seq_offsets", "CSR offsets are not increasing within .seq.bin",
+                                f"0 <= start < end <= {self.seq_header.sequence_count}", (s0, s1))
+        return i, ptr // itemsize, length, s0, s1
+
+    def _pack(self, i) -> Pack:
+        i, t0, length, s0, s1 = self._locate(i)
+        maps = self._maps
+        ids = _view(maps["bin"], self.dtype.numpy, length, t0 * self.dtype.itemsize)
+        if self.is_pretrain:
+            return Pack(ids, self._ones(length), _READ_ONLY_ZERO)
+        pack = Pack(ids, _view(maps["loss"], np.uint8, length, t0),
+                    _view(maps["seq_bin"], SEQ_DTYPE.numpy, s1 - s0, s0 * SEQ_DTYPE.itemsize))
+        if self.check_packs:
+            self._check_pack(i, pack)
+        return pack
+
+    def _check_pack(self, i: int, pack: Pack) -> None:
+        from . import _kernels
+
+        m = self.metadata
+        rule, pos, *_ = _kernels.check_pack(
+            pack.input_ids, pack.loss_mask, pack.seq_start_id, m.pack_size or 0,
+            int(np.iinfo(self.dtype.numpy).max), m.vocab_size or 0, m.pad_seq_to_mult)
+        if rule != Rule.OK:
+            rule = Rule(rule)
+            raise InvariantError(f"pack {i} breaks an invariant at position {pos}: {rule.describe}",
+                                 path=self.prefix, pack=i, rule=rule.name,
+                                 hint="run tools/check_idx.py on this shard and rebuild it")
+
+    def _ones(self, length: int) -> np.ndarray:
+        ones = getattr(self, "_ones_buf", None)
+        if ones is None or ones.shape[0] < length:
+            ones = np.ones(max(length, 4096), dtype=np.uint8)
+            ones.flags.writeable = False
+            self._ones_buf = ones
+        return ones[:length]
+
+    def get(self, idx: int, offset: int = 0, length: Optional[int] = None) -> Pack:
+        """Tokens ``[offset, offset + length)`` of pack ``idx`` (to its end when ``length`` is None).
+
+        The window's ``seq_start_id`` is 0 followed by the starts that fall strictly
+        inside it, shifted by ``-offset``, so the pack invariants hold for the window.
+        """
+        pack = self._pack(idx)
+        n = pack.packed_len
+        if length is None:
+            length = n - offset
+        if not (0 <= offset < n and 0 < length <= n - offset):
+            raise IndexError(f"window [{offset}, {offset + length}) is outside pack {idx} of length {n}")
+        starts = pack.seq_start_id
+        inside = starts[(starts > offset) & (starts < offset + length)] - offset
+        window_starts = np.concatenate(([0], inside)).astype(SEQ_DTYPE.numpy)
+        window_starts.flags.writeable = False
+        return Pack(pack.input_ids[offset:offset + length], pack.loss_mask[offset:offset + length],
+                    window_starts)
+
+    # ------------------------------------------------------------------ upstream names
+
+    @property
+    def sequence_lengths(self) -> np.ndarray:
+        """int32 packed length of every pack (upstream's name)."""
+        return self._ensure_maps()["lengths"]
+
+    @property
+    def sequence_pointers(self) -> np.ndarray:
+        """int64 byte offset of every pack in ``.bin`` (upstream's name)."""
+        return self._ensure_maps()["pointers"]
+
+    @property
+    def document_indices(self) -> np.ndarray:
+        return self._ensure_maps()["documents"]
+
+    @property
+    def seq_offsets(self) -> np.ndarray:
+        """int64 CSR offsets into ``.seq.bin``, ``len(self) + 1`` entries."""
+        if self.is_pretrain:
+            return np.arange(self._n + 1, dtype=np.int64)
+        return self._ensure_maps()["offsets"]
+
+    @property
+    def num_tokens(self) -> int:
+        return self._sizes[BIN_SUFFIX] // self.dtype.itemsize
+
+    @property
+    def pack_size(self) -> Optional[int]:
+        return self.metadata.pack_size
+
+    def arrays(self) -> ShardArrays:
+        """Whole-shard typed views (no copy) of every array of the shard."""
+        maps = self._ensure_maps()
+        tokens = _view(maps["bin"], self.dtype.numpy, self.num_tokens, 0)
+        if self.is_pretrain:
+            loss = np.ones(self.num_tokens, dtype=np.uint8)
+            starts = np.zeros(self._n, dtype=SEQ_DTYPE.numpy)
+        else:
+            loss = _view(maps["loss"], np.uint8, self.seq_header.token_count, 0)
+            starts = _view(maps["seq_bin"], SEQ_DTYPE.numpy, self.seq_header.sequence_count, 0)
+        return ShardArrays(tokens, loss, starts, self.sequence_lengths, self.sequence_pointers,
+                           self.seq_offsets)
+
+    @staticmethod
+    def exists(prefix) -> bool:
+        """True when ``prefix.idx`` and ``prefix.bin`` exist (upstream's test)."""
+        prefix = os.fspath(prefix)
+        return os.path.exists(prefix + IDX_SUFFIX) and os.path.exists(prefix + BIN_SUFFIX)
+
+    # ------------------------------------------------------------------ pickling
+
+    def __getstate__(self):
+        return {"prefix": self.prefix, "check_packs": self.check_packs}
+
+    def __setstate__(self, state) -> None:
+        self.__init__(state["prefix"], check_packs=state["check_packs"])
+
+    def __repr__(self) -> str:
+        kind = "pretrain" if self.is_pretrain else "sft"
+        return (f"MMapIndexedDataset({self.prefix!r}, packs={self._n}, dtype={self.dtype.name}, "
+                f"kind={kind})")
