@@ -16,12 +16,12 @@ files with ``.idx`` last. Example::
 from __future__ import annotations
 
 import os
-import zlib
 from typing import Any, BinaryIO, Dict, Iterator, Mapping, Optional
 
 import numpy as np
 
 from . import _atomic, _kernels
+from ._crc import crc32
 from .errors import BuilderStateError, InvariantError, ShardError, ShardExistsError
 from .format import (
     ALIGNMENT,
@@ -102,7 +102,7 @@ class _CrcWriter:
     def write(self, data) -> None:
         view = memoryview(data).cast("B")
         self.file.write(view)
-        self.crc = zlib.crc32(view, self.crc)
+        self.crc = crc32(view, self.crc)
         self.size += view.nbytes
 
     def close(self) -> None:
@@ -182,7 +182,9 @@ class IndexedDatasetBuilder:
                 raise ShardError(f"vocab_size {self.vocab_size} does not fit {self.dtype.name}",
                                  field="dtype", expected="int32", actual=self.dtype.name,
                                  hint="use dtype=numpy.int32 or leave dtype=None")
-        if not overwrite and (os.path.exists(self.paths.idx) or os.path.exists(self.paths.seq_idx)):
+        # Only the .idx (published last) makes a shard; companions without it are the leftovers
+        # of an interrupted build, which the next build replaces without being asked to.
+        if not overwrite and os.path.exists(self.paths.idx):
             raise ShardExistsError("a shard already exists at this prefix", path=self.prefix)
         directory = os.path.dirname(os.path.abspath(self.prefix))
         os.makedirs(directory, exist_ok=True)
@@ -325,6 +327,15 @@ class IndexedDatasetBuilder:
         arrays = src.arrays()
         tokens, loss, starts = arrays.tokens, arrays.loss_mask, arrays.seq_starts
         n = len(src)
+        # Chunks are copied as contiguous runs, so the packs validated must be exactly those
+        # runs: refuse pointers or CSR offsets that are not the cumulative sums they claim to be.
+        bad, _ = _kernels.first_pointer_mismatch(lengths, pointers, itemsize, tokens.size * itemsize)
+        bad_csr = _kernels.first_offset_mismatch(offsets, starts.size)
+        if bad >= 0 or bad_csr >= 0:
+            field = "sequence_pointers/sequence_lengths" if bad >= 0 else "seq_offsets"
+            raise InvariantError("source shard index is corrupt: not contiguous cumulative offsets",
+                                 path=src.prefix, pack=int(bad if bad >= 0 else bad_csr), field=field,
+                                 hint="run tools/check_idx.py on the source and rebuild it")
         first = 0
         while first < n:
             # Chunk by packs so that each chunk's tokens are about _COPY_CHUNK elements.
@@ -423,21 +434,21 @@ class IndexedDatasetBuilder:
             f.write(b"\0" * SEQ_IDX_HEADER_SIZE)
             body = bytes(meta_bytes) + b"\0" * (header.csr_offset - METADATA_OFFSET - len(meta_bytes))
             f.write(body)
-            crc = zlib.crc32(body)
+            crc = crc32(body)
             acc = 0
             first = np.zeros(1, dtype=POINTER_DTYPE)
             f.write(first.tobytes())
-            crc = zlib.crc32(first, crc)
+            crc = crc32(first, crc)
             for block in self._seq_counts.blocks():
                 offsets, acc, bad = _kernels.exclusive_cumsum(block, 1, acc)
                 if bad >= 0:
                     raise ShardError("CSR offsets overflow int64", path=self.paths.seq_idx, field="seq_offsets")
                 ends = offsets[1:] if offsets.size else offsets
                 f.write(memoryview(ends))
-                crc = zlib.crc32(ends, crc)
+                crc = crc32(ends, crc)
                 tail = np.array([acc], dtype=POINTER_DTYPE) if block.size else np.empty(0, POINTER_DTYPE)
                 f.write(tail.tobytes())
-                crc = zlib.crc32(tail, crc)
+                crc = crc32(tail, crc)
             f.seek(0)
             f.write(SeqIdxHeader(token_dtype_code=int(self.dtype), pack_count=n,
                                  sequence_count=self._sequences, token_count=self._tokens,

@@ -138,7 +138,11 @@ class DType(enum.IntEnum):
 
     @classmethod
     def from_numpy(cls, dtype) -> "DType":
-        name = np.dtype(dtype).name
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            raise DTypeError(f"{dtype!r} is not a numpy dtype", field="dtype",
+                             expected=sorted(cls.__members__), actual=repr(dtype)) from None
         if name not in cls.__members__:
             raise DTypeError(f"numpy dtype {name} has no Megatron dtype code",
                              field="dtype", expected=sorted(cls.__members__), actual=name)

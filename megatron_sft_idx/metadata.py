@@ -138,7 +138,7 @@ class ShardMetadata:
     def decode(cls, raw: bytes, path: Optional[str] = None) -> "ShardMetadata":
         try:
             obj = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as exc:
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
             raise MetadataError(f"metadata is not valid UTF-8 JSON ({exc.__class__.__name__}: {exc})",
                                 path=path, field="metadata",
                                 hint="the .seq.idx metadata block is corrupt or cut short; rebuild the shard") from None
@@ -228,7 +228,10 @@ def split_user_metadata(metadata: Optional[Mapping[str, Any]]) -> Dict[str, Any]
     if clash:
         raise MetadataError(f"metadata keys {sorted(clash)} are written by the builder itself",
                             field="metadata", hint="pass pack_size/vocab_size/dtype as builder arguments")
-    extra = dict(metadata.get("extra") or {})
+    extra = metadata.get("extra") or {}
+    if not isinstance(extra, Mapping):
+        raise MetadataError("metadata['extra'] must be a mapping", field="extra", actual=extra)
+    extra = dict(extra)
     for key, value in metadata.items():
         if key == "pad_seq_to_mult":
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -105,7 +105,11 @@ def _map(path: str, size: int) -> np.ndarray:
         out = np.empty(0, dtype=np.uint8)
         out.flags.writeable = False
         return out
-    return np.memmap(path, dtype=np.uint8, mode="r", shape=(size,))
+    try:
+        return np.memmap(path, dtype=np.uint8, mode="r", shape=(size,))
+    except (OSError, ValueError) as exc:  # gone, not a file, or shrunk since open
+        raise ShardError(f"cannot map file: {exc}", path=path,
+                         hint="the file changed after the shard was opened; reopen it") from None
 
 
 def _view(buf: np.ndarray, dtype, count: int, offset: int) -> np.ndarray:
@@ -113,9 +117,13 @@ def _view(buf: np.ndarray, dtype, count: int, offset: int) -> np.ndarray:
 
 
 def _read_exact(path: str, size: int, offset: int = 0) -> bytes:
-    with open(path, "rb") as f:
-        f.seek(offset)
-        return f.read(size)
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read(size)
+    except OSError as exc:  # a directory, no permission, an I/O error: name the file, not errno
+        raise ShardError(f"cannot read file: {exc.strerror or exc}", path=path,
+                         hint="check that the path is a readable regular file") from None
 
 
 class MMapIndexedDataset:

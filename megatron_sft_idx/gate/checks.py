@@ -1,0 +1,195 @@
+"""The gate's entry point: check shards, return a :class:`Report`, never raise for a bad shard.
+
+Order of passes for one SFT shard (each skips itself, saying so, when an input
+it needs failed an earlier pass):
+
+1. presence of the five files (``.bin``/``.idx`` alone: a pretrain shard);
+2. ``.idx`` header, ``.seq.idx`` header, metadata, padding, body CRC;
+3. cross-file agreement: counts, dtypes, sizes vs headers vs metadata;
+4. CRC-32 of the four data files (a thread, overlapping 5-7; skipped at ``fast``);
+5. ``.idx`` arrays: lengths, pointer chain, end of ``.bin``, document indices;
+6. CSR offsets of ``.seq.idx``;
+7. every pack's invariants, all-zero loss masks, statistics vs metadata;
+8. read-back through ``MMapIndexedDataset`` (a sample; every pack at ``deep``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as futures
+import multiprocessing
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Optional, Sequence, Union
+
+from ..errors import ShardError
+from . import content, structure
+from ._context import ShardContext, UnreadableFile
+from .discover import resolve_prefixes
+from .readback import read_back
+from .report import Report, ShardReport
+
+LEVELS = ("fast", "standard", "deep")
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+@dataclass(frozen=True)
+class Options:
+    level: str = "standard"
+    vocab_size: Optional[int] = None
+    strict: bool = False
+    allow_pretrain: bool = False
+    sample: int = 64
+
+
+def check(prefixes: Union[PathLike, Sequence[PathLike]], *, level: str = "standard",
+          vocab_size: Optional[int] = None, strict: bool = False, allow_pretrain: bool = False,
+          sample: int = 64, workers: int = 1) -> Report:
+    """Check shards and report every finding.
+
+    Args:
+        prefixes: a shard prefix, a glob, a directory (every shard directly in it), or a list of them.
+        level: ``"fast"`` (no CRC pass over the data files), ``"standard"``, or
+            ``"deep"`` (read every pack back through the reader).
+        vocab_size: every token id must be below it (default: the metadata's, if recorded).
+        strict: warnings (e.g. a pack whose loss mask is all zero) fail the shard.
+        allow_pretrain: a ``.bin``/``.idx``-only shard passes (checked as pretrain data).
+        sample: packs read back at ``standard`` level, besides the first and the last.
+        workers: shards checked in parallel, one process each.
+
+    Returns:
+        the :class:`Report`; ``report.passed`` is the verdict.
+
+    Raises:
+        ValueError: an argument is invalid.
+        ShardNotFoundError: an entry of ``prefixes`` matches no shard file.
+    """
+    if level not in LEVELS:
+        raise ValueError(f"level must be one of {LEVELS}, not {level!r}")
+    if vocab_size is not None and (isinstance(vocab_size, bool) or int(vocab_size) <= 0):
+        raise ValueError(f"vocab_size must be a positive integer, not {vocab_size!r}")
+    if int(workers) < 1 or int(sample) < 0:
+        raise ValueError("workers must be >= 1 and sample >= 0")
+    options = Options(level, None if vocab_size is None else int(vocab_size), bool(strict),
+                      bool(allow_pretrain), int(sample))
+    started = time.perf_counter()
+    shards = resolve_prefixes(prefixes)
+    if int(workers) > 1 and len(shards) > 1:
+        ctx = multiprocessing.get_context("spawn")  # safe beside threads; each worker maps its own files
+        with futures.ProcessPoolExecutor(max_workers=min(int(workers), len(shards)), mp_context=ctx) as pool:
+            reports = list(pool.map(check_shard, shards, [options] * len(shards)))
+    else:
+        reports = [check_shard(prefix, options) for prefix in shards]
+    return Report(shards=reports, level=level, options={**asdict(options), "workers": int(workers)},
+                  seconds=time.perf_counter() - started)
+
+
+def check_shard(prefix: str, options: Options = Options()) -> ShardReport:
+    """Every pass over one shard. Never raises: an unexpected exception becomes GATE_INTERNAL_ERROR."""
+    started = time.perf_counter()
+    report = ShardReport(prefix=prefix, level=options.level, strict=options.strict)
+    ctx = ShardContext(prefix, report)
+    try:
+        _run(ctx, options)
+    except UnreadableFile:
+        pass
+    except Exception as exc:  # the gate must report, not crash; the shard fails to be safe
+        ctx.add("GATE_INTERNAL_ERROR", f"{exc.__class__.__name__}: {exc}")
+    finally:
+        ctx.close()
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _run(ctx: ShardContext, options: Options) -> None:
+    report = ctx.report
+    if not structure.locate_files(ctx, options.allow_pretrain):
+        return
+    report.checks.append("presence")
+    structure.parse_idx(ctx)
+    report.checks.append("idx-header")
+    if ctx.idx_header is not None:
+        report.packs = ctx.idx_header.sequence_count
+    if report.kind == "pretrain":
+        _run_pretrain(ctx, options)
+        return
+    structure.parse_seq_idx(ctx)
+    report.checks.append("seq-idx-header+metadata")
+    vocab = structure.cross_check(ctx, options.vocab_size)
+    report.checks.append("cross-file")
+    ctx.headers_clean = report.count("error") == 0
+    if ctx.seq_header is not None:
+        report.tokens = ctx.seq_header.token_count
+    crc_job = _start_checksums(ctx, options)
+    try:
+        _run_arrays(ctx, vocab, options)
+    finally:
+        if crc_job is not None:
+            pool, future = crc_job
+            for code, message, suffix, offset in future.result():
+                ctx.add(code, message, suffix, offset=offset)
+            pool.shutdown()
+            report.checks.append("checksums")
+
+
+def _run_arrays(ctx: ShardContext, vocab: Optional[int], options: Options) -> None:
+    report = ctx.report
+    if ctx.idx_arrays_ok:
+        content.check_idx_arrays(ctx)
+        report.checks.append("idx-arrays")
+    else:
+        ctx.skip("pointer/length pass", "the .idx header or size is wrong")
+    if ctx.csr_ok:
+        content.check_offsets(ctx)
+        report.checks.append("csr-offsets")
+    else:
+        ctx.skip("CSR offsets pass", "the .seq.idx header or size is wrong")
+    if ctx.pointers_ok and ctx.offsets_ok and ctx.sizes_ok:
+        content.scan(ctx, vocab)
+        report.checks.append("packs")
+        if ctx.headers_clean:
+            read_back(ctx, options.sample, options.level == "deep")
+            report.checks.append("read-back-all" if options.level == "deep" else "read-back-sample")
+        else:
+            ctx.skip("read-back", "the reader refuses the header/metadata findings reported above")
+    else:
+        ctx.skip("pack scan and read-back", "an earlier structural finding makes the arrays untrustworthy")
+
+
+def _start_checksums(ctx: ShardContext, options: Options):
+    if options.level == "fast":
+        ctx.add("CHECKSUMS_SKIPPED", "level fast: CRC-32 of .bin/.idx/.loss.bin/.seq.bin not verified "
+                "(the .seq.idx header and body CRCs were)")
+        return None
+    if ctx.metadata is None:
+        ctx.add("CHECKSUMS_SKIPPED", "no readable metadata to compare CRC-32s with")
+        return None
+    pool = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gate-crc")
+    return pool, pool.submit(content.checksums, ctx)
+
+
+def _run_pretrain(ctx: ShardContext, options: Options) -> None:
+    report = ctx.report
+    ctx.add("CHECKSUMS_SKIPPED", "pretrain shard: no metadata records checksums")
+    vocab = structure.cross_check(ctx, options.vocab_size)
+    ctx.headers_clean = not any(f.severity == "error" and f.code != "PRETRAIN_SHARD" for f in report.findings)
+    if report.packs is not None and ctx.idx_header is not None:
+        report.tokens = ctx.sizes.get(".bin", 0) // ctx.idx_header.dtype.itemsize
+    if not ctx.idx_arrays_ok:
+        ctx.skip("pointer/length pass", "the .idx header or size is wrong")
+        return
+    content.check_idx_arrays(ctx)
+    report.checks.append("idx-arrays")
+    if not ctx.pointers_ok:
+        ctx.skip("token scan and read-back", "the pointer pass failed")
+        return
+    content.scan_pretrain_tokens(ctx, vocab)
+    report.checks.append("tokens")
+    if not ctx.headers_clean:
+        ctx.skip("read-back", "the reader refuses the header findings reported above")
+        return
+    read_back(ctx, options.sample, options.level == "deep")
+    report.checks.append("read-back-all" if options.level == "deep" else "read-back-sample")
+
+
+__all__ = ["check", "check_shard", "Options", "LEVELS", "ShardError"]

@@ -1,0 +1,102 @@
+"""``check_idx``: the promotion gate's command line (also ``tools/check_idx.py``).
+
+Exit status: 0 every shard passed, 1 a shard failed (or its promotion did),
+2 usage error or unreadable input (no shard matched, a file cannot be read).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import List, Optional
+
+from ..errors import ShardError
+from .checks import check
+from .promote import promote_report
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="check_idx",
+        description="Check megatron_sft_idx shards (and upstream .bin/.idx) before promotion to training "
+                    "storage. Exit 0 = pass, 1 = fail, 2 = usage error or unreadable input.")
+    p.add_argument("prefixes", nargs="+", metavar="PREFIX",
+                   help="shard prefix (path without .idx), glob, directory, or one of a shard's files")
+    level = p.add_mutually_exclusive_group()
+    level.add_argument("--fast", dest="level", action="store_const", const="fast",
+                       help="skip the CRC-32 pass over the data files (the report says so)")
+    level.add_argument("--deep", dest="level", action="store_const", const="deep",
+                       help="read every pack back through MMapIndexedDataset (default: a sample)")
+    p.set_defaults(level="standard")
+    p.add_argument("--vocab-size", type=int, default=None, metavar="N",
+                   help="every token id must be < N (default: the vocab size recorded in the metadata)")
+    p.add_argument("--strict", action="store_true", help="warnings (e.g. an all-zero loss mask) fail the shard")
+    p.add_argument("--allow-pretrain", action="store_true",
+                   help="let a .bin/.idx-only (upstream pretrain) shard pass")
+    p.add_argument("--workers", type=int, default=1, metavar="N", help="shards checked in parallel (processes)")
+    p.add_argument("--sample", type=int, default=64, metavar="N",
+                   help="packs read back at the standard level, besides the first and last (default 64)")
+    out = p.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="print the report as JSON (for pipelines)")
+    out.add_argument("--quiet", action="store_true", help="print only the overall verdict")
+    p.add_argument("--verbose", action="store_true", help="also show info findings and the passes run")
+    p.add_argument("--promote", metavar="DEST", default=None,
+                   help="after a pass, move the five files into directory DEST atomically (.idx last)")
+    p.add_argument("--link", action="store_true", help="with --promote: hard-link instead of moving")
+    p.add_argument("--replace", action="store_true",
+                   help="with --promote: replace a shard of the same name at DEST (its .idx goes first)")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse already printed the usage message
+        return EXIT_OK if exc.code == 0 else EXIT_USAGE
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    problem = _usage_problem(args)
+    if problem:
+        parser.print_usage(sys.stderr)
+        print(f"check_idx: error: {problem}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        report = check(args.prefixes, level=args.level, vocab_size=args.vocab_size, strict=args.strict,
+                       allow_pretrain=args.allow_pretrain, sample=args.sample, workers=args.workers)
+    except ShardError as exc:
+        print(f"check_idx: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.promote is not None and report.exit_code != EXIT_USAGE:
+        promote_report(report, args.promote, link=args.link, replace=args.replace)
+    if args.json:
+        text = report.to_json()
+    elif args.quiet:
+        text = report.verdict_line()
+    else:
+        text = report.format_text(verbose=args.verbose)
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:  # e.g. piped into `head`: the verdict is the exit status
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return report.exit_code
+
+
+def _usage_problem(args) -> Optional[str]:
+    if (args.link or args.replace) and args.promote is None:
+        return "--link and --replace need --promote DEST"
+    if args.workers < 1:
+        return "--workers must be >= 1"
+    if args.sample < 0:
+        return "--sample must be >= 0"
+    if args.vocab_size is not None and args.vocab_size <= 0:
+        return "--vocab-size must be positive"
+    return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
