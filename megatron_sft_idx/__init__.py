@@ -31,6 +31,9 @@ _PUBLIC = {
     "ChecksumError": ".errors",
     "InvariantError": ".errors",
     "BuilderStateError": ".errors",
+    "InputError": ".errors",
+    "check": ".gate",
+    "open_packed": ".training.factory",
 }
 
 __all__ = ["__version__", *_PUBLIC]

@@ -31,6 +31,7 @@ __all__ = [
     "ChecksumError",
     "InvariantError",
     "BuilderStateError",
+    "InputError",
 ]
 
 
@@ -86,7 +87,8 @@ class ShardError(ValueError):
             path=self.path, field=self.field, pack=self.pack, expected=self.expected,
             actual=self.actual, rule=self.rule, hint=self.hint,
         )
-        return (_rebuild, (type(self), self.message, kwargs))
+        # The instance dict carries attributes callers attach (e.g. InputError.reason).
+        return (_rebuild, (type(self), self.message, kwargs), dict(self.__dict__))
 
 
 def _rebuild(cls, message, kwargs):
@@ -158,3 +160,12 @@ class InvariantError(ShardError):
 
 class BuilderStateError(ShardError):
     """The builder was used out of order (e.g. ``add_packed`` after ``finalize``)."""
+
+
+class InputError(ShardError):
+    """An input record is unusable: malformed JSON, a missing key, an empty conversation,
+    a role the chat template rejects, a token id outside the vocabulary, an overlong
+    sequence under ``--overlong error``. ``path`` is ``file:line``; ``reason`` is the
+    key under which ``--skip-bad`` counts it."""
+
+    default_hint = "fix or remove the record, or pass --skip-bad to skip and count such records"

@@ -1,0 +1,243 @@
+"""Tokenizer loading, chat-template rendering and assistant loss masks.
+
+Masks come from rendering *prefixes* of the conversation, not from
+``{% generation %}`` markers, so they are right for any template: assistant
+turn k spans the characters between ``render(messages[:k], add_generation_prompt=True)``
+and ``render(messages[:k+1])`` in the full rendering, minus trailing whitespace
+after its end-of-turn token. The tokens that start inside that span are trained
+(so the end-of-turn token is), then the token-level flags are converted to the
+LABEL-ALIGNED mask the shard stores: ``mask[j] = trained[j+1]``, last position 0.
+
+Loss modes: ``assistant`` (every assistant turn), ``last-turn`` (the last
+assistant turn only), ``all`` (every token).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import List, Optional, Tuple
+
+import numpy as np
+
+from ..errors import ShardError
+from .errors import input_error
+
+LOSS_MODES = ("assistant", "last-turn", "all")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "chat_template.jinja", "chat_template.json", "added_tokens.json")
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class ChatTokenizer:
+    """A local Hugging Face fast tokenizer plus the encoders the pipeline needs.
+
+    Args:
+        path: a directory with ``tokenizer.json`` (and usually ``tokenizer_config.json``),
+            or a ``tokenizer.json`` file (its directory's config is used when present).
+
+    Raises:
+        ShardError: the path holds no loadable fast tokenizer.
+    """
+
+    def __init__(self, path: str) -> None:
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        from transformers import PreTrainedTokenizerFast
+
+        self.path = os.path.abspath(path)
+        directory = self.path if os.path.isdir(self.path) else os.path.dirname(self.path)
+        if not os.path.exists(self.path):
+            raise ShardError("tokenizer path does not exist", path=path, field="tokenizer",
+                             hint="--tokenizer takes a local directory or a tokenizer.json file")
+        try:
+            if os.path.isdir(self.path):
+                self.hf = PreTrainedTokenizerFast.from_pretrained(self.path, local_files_only=True)
+            else:
+                has_config = os.path.exists(os.path.join(directory, "tokenizer_config.json"))
+                self.hf = (PreTrainedTokenizerFast.from_pretrained(directory, local_files_only=True)
+                           if has_config else PreTrainedTokenizerFast(tokenizer_file=self.path))
+        except (OSError, ValueError, TypeError) as exc:
+            raise ShardError(f"cannot load a fast tokenizer ({exc.__class__.__name__}: {exc})",
+                             path=path, field="tokenizer",
+                             hint="point --tokenizer at a directory holding tokenizer.json") from None
+        self.backend = self.hf._tokenizer
+        self.directory = directory
+        self.vocab_size = len(self.hf)
+        self.eos_id = self.hf.eos_token_id
+        self.bos_id = self.hf.bos_token_id
+        self.pad_id = self.hf.pad_token_id if self.hf.pad_token_id is not None else self.eos_id
+        self.special_tokens = sorted(set(self.hf.all_special_tokens)
+                                     | {t.content for t in self.hf.added_tokens_decoder.values() if t.special})
+        self.chat_template = self.hf.chat_template if isinstance(self.hf.chat_template, str) else None
+        self._compiled = self._compile(self.chat_template)
+        self._template_kwargs = {k: v for k, v in self.hf.special_tokens_map.items() if isinstance(v, str)}
+
+    @staticmethod
+    def _compile(template: Optional[str]):
+        """The template compiled once by transformers' own jinja setup (generation tag,
+        raise_exception, tojson), or None to fall back to ``apply_chat_template``."""
+        if template is None:
+            return None
+        try:
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+            return _compile_jinja_template(template)
+        except Exception:  # a private helper: any change in transformers means the public path
+            return None
+
+    # ---------------------------------------------------------------- identity
+
+    def identity(self) -> dict:
+        """Name, sha256 over the tokenizer's files, template hash, vocab size, special ids."""
+        h = hashlib.sha256()
+        names = [n for n in _TOKENIZER_FILES if os.path.isfile(os.path.join(self.directory, n))]
+        if not os.path.isdir(self.path):
+            names = sorted(set(names) | {os.path.basename(self.path)})
+        for name in sorted(names):
+            with open(os.path.join(self.directory, name), "rb") as f:
+                h.update(name.encode() + b"\0" + _sha256(f.read()).encode())
+        return {
+            "name": self._declared_name(),
+            "path": self.path,
+            "files_sha256": h.hexdigest(),
+            "files": sorted(names),
+            "chat_template_sha256": _sha256(self.chat_template.encode()) if self.chat_template else None,
+            "vocab_size": self.vocab_size,
+            "eos_id": self.eos_id,
+            "bos_id": self.bos_id,
+            "pad_id": self.pad_id,
+        }
+
+    def _declared_name(self) -> str:
+        config = os.path.join(self.directory, "tokenizer_config.json")
+        try:
+            with open(config, encoding="utf-8") as f:
+                name = json.load(f).get("name_or_path")
+        except (OSError, ValueError):
+            name = None
+        return name if isinstance(name, str) and name else os.path.basename(os.path.normpath(self.directory))
+
+    # ---------------------------------------------------------------- encoders
+
+    def render(self, messages, add_generation_prompt: bool = False) -> str:
+        """The chat template applied to plain ``{"role", "content"}`` dicts (no tokenization)."""
+        if self._compiled is not None:
+            return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         **self._template_kwargs)
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def encode_chat(self, messages: List[dict], loss_on: str, path: str, line: int
+                    ) -> Tuple[np.ndarray, np.ndarray]:
+        """Token ids and LABEL-ALIGNED loss mask of one conversation.
+
+        Raises:
+            InputError: no chat template, the template rejects the conversation
+                (e.g. an unknown role), prefixes do not render consistently, or
+                no token is trained.
+        """
+        if self.chat_template is None:
+            raise ShardError("the tokenizer has no chat template", path=self.path, field="chat_template",
+                             hint="use a tokenizer with a chat_template in tokenizer_config.json")
+        try:
+            full = self.render(messages)
+            spans = [] if loss_on == "all" else self._assistant_spans(messages, full, loss_on, path, line)
+        except ShardError:
+            raise
+        except Exception as exc:  # jinja2 TemplateError, raise_exception(), bad content types
+            raise input_error(f"the chat template rejected the conversation ({exc})", path, line,
+                              field="messages", reason="template_error") from None
+        enc = self.backend.encode(full, add_special_tokens=False)
+        ids = np.asarray(enc.ids, dtype=np.int64)
+        if loss_on == "all":
+            trained = np.ones(ids.size, dtype=np.uint8)
+            trained[:1] = 0
+        else:
+            starts = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)[:, 0]
+            trained = np.zeros(ids.size, dtype=np.uint8)
+            for a, b in spans:
+                trained[np.searchsorted(starts, a, "left"):np.searchsorted(starts, b, "left")] = 1
+        return ids, self._label_aligned(trained, path, line)
+
+    def _assistant_spans(self, messages, full: str, loss_on: str, path: str, line: int):
+        turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+        if loss_on == "last-turn":
+            turns = turns[-1:]
+        spans = []
+        for k in turns:
+            before = self.render(messages[:k], add_generation_prompt=True) if k else self._empty_prefix()
+            after = self.render(messages[:k + 1])
+            if not (full.startswith(before) and full.startswith(after) and len(before) <= len(after)):
+                raise input_error("the chat template does not render conversation prefixes as prefixes "
+                                  "of the full conversation, so assistant spans cannot be located",
+                                  path, line, field="chat_template", reason="template_error",
+                                  hint="use --loss-on all, or a template without history-dependent output")
+            end = len(after)
+            while end > len(before) and after[end - 1].isspace():
+                end -= 1
+            spans.append((len(before), end))
+        return spans
+
+    def _empty_prefix(self) -> str:
+        # An assistant turn first in the conversation: its prefix is the generation prompt alone.
+        try:
+            return self.render([], add_generation_prompt=True)
+        except Exception:
+            return ""
+
+    def encode_prompt(self, prompt: str, completion: str, path: str, line: int):
+        """``[bos] prompt completion eos``; trained: the completion and EOS."""
+        p = self.backend.encode(prompt, add_special_tokens=False).ids
+        c = self.backend.encode(completion, add_special_tokens=False).ids
+        head = [self.bos_id] if self.bos_id is not None else []
+        tail = [self.eos_id] if self.eos_id is not None else []
+        ids = np.asarray(head + p + c + tail, dtype=np.int64)
+        trained = np.zeros(ids.size, dtype=np.uint8)
+        trained[len(head) + len(p):] = 1
+        return ids, self._label_aligned(trained, path, line)
+
+    @staticmethod
+    def _label_aligned(trained: np.ndarray, path: str, line: int) -> np.ndarray:
+        mask = np.zeros(trained.size, dtype=np.uint8)
+        mask[:-1] = trained[1:]
+        if not mask.any():
+            raise input_error("no token is trained: the loss mask comes out all zero", path, line,
+                              field="loss_mask", reason="no_trainable_tokens",
+                              hint="the conversation has no assistant turn (or the template hides it)")
+        return mask
+
+    def decode(self, ids) -> str:
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def encode_tokens(ids, loss_mask, answer_start: Optional[int], vocab_size: Optional[int], path: str, line: int):
+    """Pre-tokenized record -> ids and LABEL-ALIGNED mask.
+
+    ``loss_mask`` in the input is token-aligned (1 on each token the model must
+    produce); ``answer_start_idx`` trains every token from that index on
+    (Megatron-Bridge's convention). Both are shifted to label alignment here.
+
+    Raises:
+        InputError: a token id outside ``[0, vocab_size)``, loss values not 0/1, or
+            nothing trained.
+    """
+    arr = np.asarray(ids, dtype=np.int64)
+    if arr.min() < 0 or (vocab_size is not None and arr.max() >= vocab_size):
+        bad = int(np.flatnonzero((arr < 0) | (arr >= (vocab_size or np.iinfo(np.int64).max)))[0])
+        raise input_error(f"token id {int(arr[bad])} at position {bad} is outside the vocabulary "
+                          f"[0, {vocab_size})", path, line, field="input_ids", reason="token_out_of_vocab")
+    if loss_mask is not None:
+        trained = np.asarray(loss_mask)
+        if trained.dtype == object or not np.isin(trained, (0, 1)).all():
+            raise input_error("'loss_mask' values must be 0 or 1", path, line, field="loss_mask",
+                              reason="missing_key")
+        trained = trained.astype(np.uint8)
+    else:
+        trained = np.zeros(arr.size, dtype=np.uint8)
+        trained[answer_start:] = 1
+    return arr, ChatTokenizer._label_aligned(trained, path, line)
+

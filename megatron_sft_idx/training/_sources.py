@@ -1,0 +1,219 @@
+"""What every packed source hands the training adapters, whatever its format.
+
+A *packed source* is anything with ``len(src)`` and ``src[i] -> Pack`` (three
+read-only arrays: ``input_ids``, label-aligned ``loss_mask``, ``seq_start_id``)
+and a :class:`PackSummary`. Our shard reader, the multi-shard view and the
+in-memory :class:`FlatPackedSource` (behind the legacy ``.npy`` and Parquet
+readers) all qualify, so the Megatron and Bridge datasets never look at formats.
+
+Summary units are *raw* token counts of the stored packs (a sequence's length
+includes its last token), as the shard metadata records them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import numpy as np
+
+from ..errors import InvariantError, ShardError
+from ..format import Rule
+from ..reader import MMapIndexedDataset, Pack
+
+
+@dataclass(frozen=True)
+class PackSummary:
+    """Shape statistics of a packed source, enough to size batches without reading packs.
+
+    ``pack_size`` is None when the producer did not record one (then
+    ``max_packed_seqlen`` bounds every pack). ``pad_seq_to_mult`` is the
+    multiple every sequence length was padded to (1 when unknown).
+    """
+
+    pack_count: int
+    sequence_count: int
+    token_count: int
+    pack_size: Optional[int]
+    pad_seq_to_mult: int
+    max_samples_per_bin: int
+    dataset_max_seqlen: int
+    min_packed_seqlen: int
+    max_packed_seqlen: int
+
+    @property
+    def capacity(self) -> int:
+        """The longest a pack of this source can be."""
+        return self.pack_size if self.pack_size is not None else self.max_packed_seqlen
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict, path: Optional[str] = None) -> "PackSummary":
+        values = {}
+        for name in cls.__dataclass_fields__:
+            value = raw.get(name) if isinstance(raw, dict) else None
+            if name == "pack_size" and value is None:
+                values[name] = None
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ShardError("shard summary field missing or not a non-negative integer",
+                                 path=path, field=name, actual=value,
+                                 hint="rewrite the manifest with tools/write_manifest.py")
+            values[name] = value
+        return cls(**values)
+
+    @staticmethod
+    def combine(parts) -> "PackSummary":
+        """The summary of several sources read as one (pack size: the largest)."""
+        parts = list(parts)
+        sizes = [p.pack_size for p in parts]
+        mults = {p.pad_seq_to_mult for p in parts}
+        return PackSummary(
+            pack_count=sum(p.pack_count for p in parts),
+            sequence_count=sum(p.sequence_count for p in parts),
+            token_count=sum(p.token_count for p in parts),
+            pack_size=None if any(s is None for s in sizes) else max(sizes),
+            # Sequences are aligned to every shard's multiple only if all agree; else to their gcd.
+            pad_seq_to_mult=mults.pop() if len(mults) == 1 else int(np.gcd.reduce(sorted(mults))),
+            max_samples_per_bin=max(p.max_samples_per_bin for p in parts),
+            dataset_max_seqlen=max(p.dataset_max_seqlen for p in parts),
+            min_packed_seqlen=min(p.min_packed_seqlen for p in parts),
+            max_packed_seqlen=max(p.max_packed_seqlen for p in parts),
+        )
+
+
+def summarize(source) -> PackSummary:
+    """The :class:`PackSummary` of any packed source.
+
+    For our shards it comes from the metadata (no data read); for upstream
+    pretrain ``.bin/.idx`` data (one sequence per pack) from the length array.
+    """
+    if isinstance(source, MMapIndexedDataset):
+        return _shard_summary(source)
+    summary = getattr(source, "summary", None)
+    if isinstance(summary, PackSummary):
+        return summary
+    raise TypeError(f"{type(source).__name__} is not a packed source (no PackSummary)")
+
+
+def _shard_summary(shard: MMapIndexedDataset) -> PackSummary:
+    m = shard.metadata
+    if m.stats is not None:
+        s = m.stats
+        return PackSummary(
+            pack_count=s.pack_count, sequence_count=s.sequence_count, token_count=s.token_count,
+            pack_size=m.pack_size, pad_seq_to_mult=m.pad_seq_to_mult,
+            max_samples_per_bin=s.max_samples_per_bin, dataset_max_seqlen=s.dataset_max_seqlen,
+            min_packed_seqlen=s.min_packed_seqlen, max_packed_seqlen=s.max_packed_seqlen)
+    lengths = np.asarray(shard.sequence_lengths)
+    n = int(lengths.shape[0])
+    longest = int(lengths.max()) if n else 0
+    return PackSummary(pack_count=n, sequence_count=n, token_count=int(lengths.sum(dtype=np.int64)),
+                       pack_size=None, pad_seq_to_mult=1, max_samples_per_bin=1 if n else 0,
+                       dataset_max_seqlen=longest, min_packed_seqlen=int(lengths.min()) if n else 0,
+                       max_packed_seqlen=longest)
+
+
+class FlatPackedSource:
+    """Packs held as three flat arrays plus CSR offsets (the in-memory twin of a shard).
+
+    Args:
+        tokens, loss_mask: one value per token of every pack, concatenated.
+        seq_starts: every pack's ``seq_start_id`` values, concatenated.
+        token_offsets: ``n + 1`` int64 offsets of each pack in ``tokens``.
+        seq_offsets: ``n + 1`` int64 offsets of each pack in ``seq_starts``.
+        path: where the data came from (for messages).
+        pad_seq_to_mult: the multiple sequences were padded to, if the caller knows it.
+
+    Raises:
+        InvariantError: a pack breaks a format invariant (checked vectorised at open).
+    """
+
+    def __init__(self, tokens, loss_mask, seq_starts, token_offsets, seq_offsets, *, path: str,
+                 pad_seq_to_mult: int = 1, pack_size: Optional[int] = None) -> None:
+        self.path = str(path)
+        self.tokens = _read_only(np.ascontiguousarray(tokens))
+        self.token_offsets = _read_only(np.ascontiguousarray(token_offsets, dtype=np.int64))
+        loss_mask = np.asarray(loss_mask)
+        if loss_mask.size and (loss_mask.min() < 0 or loss_mask.max() > 1):
+            bad = np.flatnonzero((loss_mask < 0) | (loss_mask > 1))[0]
+            raise self._fail(np.searchsorted(self.token_offsets, bad, "right") - 1, Rule.LOSS_VALUE,
+                             "loss_mask")
+        self.loss_mask = _read_only(np.ascontiguousarray(loss_mask, dtype=np.uint8))
+        self.seq_starts = _read_only(np.ascontiguousarray(seq_starts, dtype=np.int32))
+        self.seq_offsets = _read_only(np.ascontiguousarray(seq_offsets, dtype=np.int64))
+        self._validate()
+        self.summary = self._summarize(pad_seq_to_mult, pack_size)
+
+    def __len__(self) -> int:
+        return int(self.token_offsets.shape[0] - 1)
+
+    def __getitem__(self, i) -> Pack:
+        n = len(self)
+        i = int(i)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"pack index {i} out of range for {n} packs in {self.path}")
+        t0, t1 = self.token_offsets[i], self.token_offsets[i + 1]
+        s0, s1 = self.seq_offsets[i], self.seq_offsets[i + 1]
+        return Pack(self.tokens[t0:t1], self.loss_mask[t0:t1], self.seq_starts[s0:s1])
+
+    def _fail(self, pack, rule: Rule, field: str) -> InvariantError:
+        return InvariantError(f"pack {pack} breaks an invariant: {rule.describe}", path=self.path,
+                              pack=int(pack), field=field, rule=rule.name,
+                              hint="fix the producer of this file or rebuild it")
+
+    def _validate(self) -> None:
+        """The pack invariants, checked over all packs at once."""
+        lengths = np.diff(self.token_offsets)
+        counts = np.diff(self.seq_offsets)
+        if self.loss_mask.shape != self.tokens.shape:
+            raise self._fail(0, Rule.LENGTH_MISMATCH, "loss_mask")
+        for rule, bad, field in ((Rule.PACK_EMPTY, lengths <= 0, "input_ids"),
+                                 (Rule.SEQ_NONE, counts <= 0, "seq_start_id")):
+            if bad.any():
+                raise self._fail(np.flatnonzero(bad)[0], rule, field)
+        if self.tokens.size and (self.tokens.min() < 0):
+            pack = np.searchsorted(self.token_offsets, np.flatnonzero(self.tokens < 0)[0], "right") - 1
+            raise self._fail(pack, Rule.TOKEN_NEGATIVE, "input_ids")
+        pack_of_seq = np.repeat(np.arange(len(self)), counts)
+        starts = self.seq_starts.astype(np.int64)
+        first = self.seq_offsets[:-1]
+        if (starts[first] != 0).any():
+            raise self._fail(np.flatnonzero(starts[first] != 0)[0], Rule.SEQ_FIRST_NOT_ZERO, "seq_start_id")
+        ends = np.empty_like(starts)  # each sequence's end: the next start, or the pack's length
+        ends[:-1] = starts[1:]
+        last = self.seq_offsets[1:] - 1
+        ends[last] = lengths
+        bad = ends <= starts
+        if bad.any():
+            bad_pack = pack_of_seq[np.flatnonzero(bad)[0]]
+            rule = Rule.SEQ_START_OUT_OF_RANGE if (starts[last] >= lengths).any() else Rule.SEQ_NOT_INCREASING
+            raise self._fail(bad_pack, rule, "seq_start_id")
+        last_token = self.token_offsets[pack_of_seq] + ends - 1
+        if self.loss_mask[last_token].any():
+            raise self._fail(pack_of_seq[np.flatnonzero(self.loss_mask[last_token])[0]],
+                             Rule.LOSS_ON_LAST, "loss_mask")
+        self._seq_lengths = ends - starts
+
+    def _summarize(self, pad_seq_to_mult: int, pack_size: Optional[int]) -> PackSummary:
+        lengths = np.diff(self.token_offsets)
+        counts = np.diff(self.seq_offsets)
+        if pack_size is not None and lengths.size and lengths.max() > pack_size:
+            raise self._fail(int(np.argmax(lengths)), Rule.PACK_TOO_LONG, "input_ids")
+        return PackSummary(
+            pack_count=len(self), sequence_count=int(counts.sum()), token_count=int(lengths.sum()),
+            pack_size=pack_size, pad_seq_to_mult=int(pad_seq_to_mult),
+            max_samples_per_bin=int(counts.max()), dataset_max_seqlen=int(self._seq_lengths.max()),
+            min_packed_seqlen=int(lengths.min()), max_packed_seqlen=int(lengths.max()))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.path!r}, packs={len(self)})"
+
+
+def _read_only(arr: np.ndarray) -> np.ndarray:
+    arr.flags.writeable = False
+    return arr

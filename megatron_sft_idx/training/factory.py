@@ -1,0 +1,287 @@
+"""``open_packed(path)``: one entry point for every packed-SFT format.
+
+It recognises, in this order:
+
+* a shard prefix of this format (``P.idx`` exists) -> :class:`MMapIndexedDataset`;
+* a manifest (``*.json`` written by :func:`~megatron_sft_idx.training.multi.write_manifest`),
+  a directory of shards, a glob of shard prefixes or a list of prefixes
+  -> :class:`~megatron_sft_idx.training.multi.MultiShardDataset`;
+* Megatron-Bridge's legacy packed ``.npy`` (an object array of dicts with
+  ``input_ids``, ``loss_mask``, ``seq_start_id``), read through a restricted
+  unpickler -> :class:`FlatPackedSource`;
+* packed Parquet (a file, a directory of ``*.parquet`` or a glob) with columns
+  ``input_ids`` list<int32>, ``loss_mask`` list<int8>, ``seq_start_id`` list<int32>
+  -> :class:`FlatPackedSource`.
+
+Every result has ``len()``, ``[i] -> Pack`` and a :class:`PackSummary`
+(``summarize(src)``), so training code does not change when the format does.
+The ``.npy`` and Parquet readers load the whole file into memory (as Bridge
+does); only our shards are memory-mapped.
+
+The legacy ``.npy`` is a pickle. :class:`RestrictedUnpickler` admits only the
+numpy globals that rebuild an array (``_reconstruct``, ``ndarray``, ``dtype``);
+everything else (``os.system``, ``builtins.eval``, any class) is refused with a
+:class:`ShardError` before it is called. Lists, dicts, ints and bools need no
+globals at all. The loaded object is then checked for exactly the expected shape.
+"""
+
+from __future__ import annotations
+
+import glob as _glob
+import io
+import os
+import pickle
+from typing import List, Optional, Sequence, Union
+
+import numpy as np
+
+from ..errors import InvariantError, ShardError, ShardNotFoundError
+from ..format import IDX_SUFFIX, Rule
+from ..reader import MMapIndexedDataset
+from ._sources import FlatPackedSource
+
+__all__ = ["open_packed", "load_legacy_npy", "load_parquet", "RestrictedUnpickler"]
+
+_PACK_KEYS = ("input_ids", "loss_mask", "seq_start_id")
+_PARQUET_SUFFIXES = (".parquet", ".pq")
+#: The only globals a pickled numpy array needs (numpy 1.x and 2.x module names).
+_ALLOWED_GLOBALS = frozenset({
+    ("numpy.core.multiarray", "_reconstruct"),
+    ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy", "ndarray"),
+    ("numpy", "dtype"),
+})
+
+
+def open_packed(path, *, pad_seq_to_mult: Optional[int] = None, check_packs: bool = False):
+    """Open packed SFT data in any supported format.
+
+    Args:
+        path: a shard prefix, a manifest ``.json``, a directory, a glob, a list of
+            prefixes, a legacy ``.npy`` or packed Parquet (file, directory, glob).
+        pad_seq_to_mult: for ``.npy``/Parquet, the multiple the producer padded
+            sequences to (our shards record it themselves).
+        check_packs: check each shard pack's invariants as it is read.
+
+    Raises:
+        ShardNotFoundError: nothing at ``path``.
+        ShardError: the file is of no known format or is malformed.
+    """
+    from .multi import MultiShardDataset, is_manifest
+
+    if isinstance(path, (list, tuple)):
+        return MultiShardDataset.open(list(path), check_packs=check_packs)
+    path = os.fspath(path)
+    if os.path.exists(path + IDX_SUFFIX):
+        return MMapIndexedDataset(path, check_packs=check_packs)
+    if is_manifest(path):
+        return MultiShardDataset.open(path, check_packs=check_packs)
+    if path.endswith(".npy") and os.path.isfile(path):
+        return load_legacy_npy(path, pad_seq_to_mult=pad_seq_to_mult or 1)
+    parquet = _parquet_files(path)
+    if parquet:
+        return load_parquet(parquet, path=path, pad_seq_to_mult=pad_seq_to_mult or 1)
+    if os.path.isdir(path) or _glob.has_magic(path):
+        return MultiShardDataset.open(path, check_packs=check_packs)
+    if os.path.exists(path):
+        raise ShardError("not a recognised packed format", path=path, field="format",
+                         hint="pass a shard prefix (without .idx), a manifest .json, a directory "
+                              "of shards, a legacy packed .npy or a packed .parquet")
+    raise ShardNotFoundError("nothing at this path", path=path)
+
+
+# --------------------------------------------------------------------------- legacy .npy
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """An unpickler that resolves only the globals needed to rebuild numpy arrays.
+
+    Raises:
+        ShardError: on any other global (functions, classes, modules).
+    """
+
+    source = "<pickle>"
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _ALLOWED_GLOBALS:
+            return super().find_class(module, name)
+        raise ShardError(f"refusing to load global {module}.{name} from a pickle", path=self.source,
+                         field="pickle", expected="lists, dicts, ints and numpy arrays only",
+                         actual=f"{module}.{name}",
+                         hint="this file is not a plain packed dataset; do not load it, or "
+                              "convert it with the producer you trust")
+
+
+def _restricted_loads(stream, source: str):
+    unpickler = RestrictedUnpickler(stream)
+    unpickler.source = source
+    try:
+        return unpickler.load()
+    except ShardError:
+        raise
+    except Exception as exc:  # a malformed pickle must not surface as a raw traceback
+        raise ShardError(f"the pickle payload is malformed ({type(exc).__name__}: {exc})",
+                         path=source, field="pickle",
+                         hint="the .npy was cut short or is not a packed dataset") from None
+
+
+def _read_npy_object_array(path: str) -> np.ndarray:
+    """Parse the ``.npy`` header ourselves; unpickle the payload with the restricted unpickler."""
+    with open(path, "rb") as f:
+        try:
+            version = np.lib.format.read_magic(f)
+            if version == (1, 0):
+                shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+            elif version in ((2, 0), (3, 0)):
+                shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+            else:
+                raise ValueError(f"unsupported .npy version {version}")
+        except ValueError as exc:
+            raise ShardError(f"not a readable .npy file ({exc})", path=path, field="header") from None
+        if dtype != np.dtype(object) or len(shape) != 1:
+            raise ShardError("a legacy packed .npy holds a 1-D object array of dicts", path=path,
+                             field="dtype/shape", expected="object, 1-D",
+                             actual=f"{dtype}, shape {shape}")
+        payload = f.read()
+    array = _restricted_loads(io.BytesIO(payload), path)
+    if not isinstance(array, np.ndarray) or array.dtype != object or array.shape != tuple(shape):
+        raise ShardError("the pickle payload is not the object array its header announces",
+                         path=path, field="payload", expected=f"object array of shape {shape}",
+                         actual=type(array).__name__)
+    return array
+
+
+def _int_values(value, path: str, pack: int, key: str) -> np.ndarray:
+    """One pack field as a 1-D int64 array (lists of ints/bools or integer/bool arrays only)."""
+    if isinstance(value, np.ndarray):
+        if value.ndim != 1 or value.dtype.kind not in "biu":
+            raise ShardError("field must be a 1-D integer array", path=path, pack=pack, field=key,
+                             actual=f"{value.dtype} shape {value.shape}")
+        return value.astype(np.int64, copy=False)
+    if not isinstance(value, list):
+        raise ShardError("field must be a list of ints", path=path, pack=pack, field=key,
+                         actual=type(value).__name__)
+    if not value:
+        return np.empty(0, dtype=np.int64)
+    try:
+        out = np.array(value)
+    except (TypeError, ValueError, OverflowError):
+        out = None
+    if out is None or out.ndim != 1 or out.dtype.kind not in "biu":
+        raise ShardError("field must be a flat list of ints", path=path, pack=pack, field=key,
+                         actual=None if out is None else str(out.dtype))
+    return out.astype(np.int64, copy=False)
+
+
+def load_legacy_npy(path, *, pad_seq_to_mult: int = 1) -> FlatPackedSource:
+    """Read Megatron-Bridge's legacy packed ``.npy`` without executing arbitrary pickle code.
+
+    Raises:
+        ShardError: the file is not a plain object array of ``{input_ids, loss_mask,
+            seq_start_id}`` dicts, or the pickle names a global other than numpy's array
+            rebuilders; InvariantError: a pack breaks a format invariant.
+    """
+    path = os.fspath(path)
+    array = _read_npy_object_array(path)
+    if array.shape[0] == 0:
+        raise ShardError("the packed dataset is empty", path=path, field="packs")
+    fields = {k: [] for k in _PACK_KEYS}
+    # One Python step per pack is inherent: the legacy format *is* a Python object per pack.
+    for i, item in enumerate(array):
+        if not isinstance(item, dict) or set(item) != set(_PACK_KEYS):
+            raise ShardError("every element must be a dict with exactly the packed keys", path=path,
+                             pack=i, field="keys", expected=sorted(_PACK_KEYS),
+                             actual=sorted(item) if isinstance(item, dict) else type(item).__name__)
+        for key in _PACK_KEYS:
+            fields[key].append(_int_values(item[key], path, i, key))
+    return _flat_from_lists(fields, path, pad_seq_to_mult)
+
+
+def _flat_from_lists(fields, path: str, pad_seq_to_mult: int) -> FlatPackedSource:
+    ids, loss, starts = fields["input_ids"], fields["loss_mask"], fields["seq_start_id"]
+    lengths = np.fromiter((a.shape[0] for a in ids), dtype=np.int64, count=len(ids))
+    loss_lengths = np.fromiter((a.shape[0] for a in loss), dtype=np.int64, count=len(loss))
+    if not np.array_equal(lengths, loss_lengths):
+        pack = int(np.flatnonzero(lengths != loss_lengths)[0])
+        raise InvariantError(f"pack {pack} breaks an invariant: {Rule.LENGTH_MISMATCH.describe}",
+                             path=path, pack=pack, field="loss_mask", rule=Rule.LENGTH_MISMATCH.name,
+                             expected=int(lengths[pack]), actual=int(loss_lengths[pack]))
+    counts = np.fromiter((a.shape[0] for a in starts), dtype=np.int64, count=len(starts))
+    tokens = np.concatenate(ids)
+    return FlatPackedSource(
+        _narrow_tokens(tokens), np.concatenate(loss), np.concatenate(starts),
+        np.concatenate(([0], np.cumsum(lengths))), np.concatenate(([0], np.cumsum(counts))),
+        path=path, pad_seq_to_mult=pad_seq_to_mult)
+
+
+def _narrow_tokens(tokens: np.ndarray) -> np.ndarray:
+    """Keep tokens in int32 (ids never need more); refuse what does not fit."""
+    if tokens.size and (tokens.max() > np.iinfo(np.int32).max):
+        raise ShardError("token id does not fit int32", field="input_ids", actual=int(tokens.max()))
+    return tokens.astype(np.int32)
+
+
+# --------------------------------------------------------------------------- Parquet
+
+
+def _parquet_files(path: str) -> List[str]:
+    """The Parquet files ``path`` names (a file, a directory of them, or a glob), sorted."""
+    if os.path.isfile(path):
+        return [path] if path.endswith(_PARQUET_SUFFIXES) else []
+    if os.path.isdir(path):
+        names = sorted(os.listdir(path))
+        return [os.path.join(path, n) for n in names if n.endswith(_PARQUET_SUFFIXES)]
+    if _glob.has_magic(path):
+        return sorted(p for p in _glob.glob(path) if p.endswith(_PARQUET_SUFFIXES))
+    return []
+
+
+def load_parquet(files: Union[str, Sequence[str]], *, path: Optional[str] = None,
+                 pad_seq_to_mult: int = 1) -> FlatPackedSource:
+    """Read packed Parquet (``input_ids``, ``loss_mask``, ``seq_start_id`` list columns).
+
+    Rows of all files, in sorted file order, become packs in that order.
+
+    Raises:
+        ShardError: a column is missing or not a list of integers.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    files = [files] if isinstance(files, str) else list(files)
+    label = path or (files[0] if files else "<parquet>")
+    if not files:
+        raise ShardNotFoundError("no Parquet files", path=label)
+    columns = {k: [] for k in _PACK_KEYS}
+    for name in files:
+        try:
+            table = pq.read_table(name, columns=list(_PACK_KEYS))
+        except (pa.ArrowException, OSError, KeyError) as exc:
+            raise ShardError(f"cannot read packed Parquet ({exc})", path=name, field="columns",
+                             expected=list(_PACK_KEYS)) from None
+        for key in _PACK_KEYS:
+            columns[key].append(table.column(key))
+    flat = {}
+    for key in _PACK_KEYS:
+        arr = pa.chunked_array([c for col in columns[key] for c in col.chunks]).combine_chunks()
+        if not (pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type)) or \
+                not pa.types.is_integer(arr.type.value_type) and not pa.types.is_boolean(arr.type.value_type):
+            raise ShardError("column must be a list of integers", path=label, field=key,
+                             actual=str(arr.type))
+        if arr.null_count:
+            raise ShardError("column holds null rows", path=label, field=key, actual=arr.null_count)
+        offsets = np.asarray(arr.offsets, dtype=np.int64)
+        values = arr.values.slice(offsets[0], offsets[-1] - offsets[0])
+        flat[key] = (np.asarray(values.to_numpy(zero_copy_only=False)), offsets - offsets[0])
+    ids, id_off = flat["input_ids"]
+    loss, loss_off = flat["loss_mask"]
+    starts, seq_off = flat["seq_start_id"]
+    if id_off.shape[0] <= 1:
+        raise ShardError("the packed dataset is empty", path=label, field="packs")
+    if not np.array_equal(id_off, loss_off):
+        pack = int(np.flatnonzero(np.diff(id_off) != np.diff(loss_off))[0])
+        raise InvariantError(f"pack {pack} breaks an invariant: {Rule.LENGTH_MISMATCH.describe}",
+                             path=label, pack=pack, field="loss_mask", rule=Rule.LENGTH_MISMATCH.name)
+    return FlatPackedSource(_narrow_tokens(ids.astype(np.int64)), loss.astype(np.int64),
+                            starts.astype(np.int64), id_off, seq_off, path=label,
+                            pad_seq_to_mult=pad_seq_to_mult)

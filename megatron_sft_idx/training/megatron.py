@@ -1,0 +1,446 @@
+"""Shards as Megatron ``data_path``: a megatron-core ``MegatronDataset`` for packed SFT.
+
+``BlendedMegatronDatasetBuilder(SFTIndexedDataset, sizes, is_built_on_rank, config).build()``
+builds train/valid/test from a blend such as ``"0.7 /d/a 0.3 /d/b"`` (see
+:func:`parse_data_path`) and a ``split`` such as ``"98,1,1"``, or from per-split
+blends, exactly as it builds ``GPTDataset``s: each entry of the blend is a shard
+prefix, a manifest ``.json``, a directory or glob of shards, a legacy ``.npy``
+or packed Parquet (anything :func:`~megatron_sft_idx.training.factory.open_packed` opens).
+Every sample is one pack, laid out as Megatron-LM's own packed ``SFTDataset``
+lays out a pack, at ``config.sequence_length = S``:
+
+* ``tokens[j] = input_ids[j]`` for ``j < packed_len``, then the pad token;
+* ``labels[j] = input_ids[j+1]``, the pad token at and after ``packed_len - 1``;
+* ``loss_mask`` (float32) is the stored label-aligned mask, 0 on padding. The last
+  position of every sequence is 0 in every shard (a format invariant), so no
+  loss is taken on a label from the next sequence, nor on padding;
+* ``position_ids`` restart at 0 at every sequence start;
+* ``cu_seqlens`` (int32, ``S + 1`` entries): the sequence starts, then ``S``,
+  then ``S`` repeated (zero-length segments) to the fixed length, as upstream pads
+  it so ``default_collate`` can stack samples. The padding after the last sequence
+  belongs to the last segment, and its positions continue that sequence's, as
+  upstream does; being after the sequence, it is never attended to by it;
+* ``max_seqlen``: 0-d int32, the longest segment.
+
+Build-time refusals (:class:`ShardError`, naming the shard): a shard whose pack
+size exceeds ``sequence_length``; a shard whose recorded ``pad_seq_to_mult`` is
+not a multiple of the run's context-parallel padding divisor (``2*CP`` when CP > 1,
+times the sequence-parallel size), so sequence lengths would not split evenly
+across CP ranks; a ``sequence_length`` that is not a multiple of that divisor.
+
+The sample order is a deterministic function of the config: each epoch of the
+split's packs is a permutation drawn from ``RandomState(random_seed)`` (or the
+split in order with ``shuffle=False``), cached under ``path_to_cache`` as
+upstream caches its indices, so samples after ``consumed_samples = k`` are the
+same in a restarted run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
+from megatron.core.datasets.megatron_dataset import MegatronDataset
+from megatron.core.datasets.utils import Split
+
+from .._atomic import temporary_path
+from ..errors import ShardError
+from ._sources import PackSummary, summarize
+from .factory import open_packed
+from .multi import MultiShardDataset
+
+__all__ = [
+    "SFTIndexedDataset",
+    "SFTIndexedDatasetConfig",
+    "parse_data_path",
+    "parse_per_split_data_path",
+    "padding_divisor",
+    "config_from_args",
+    "build_train_valid_test_datasets",
+    "train_valid_test_datasets_provider",
+]
+
+logger = logging.getLogger(__name__)
+Blend = Tuple[List[str], Optional[List[float]]]
+
+
+# --------------------------------------------------------------------------- data_path parsing
+
+
+def parse_data_path(spec: Union[str, Sequence[str], None]) -> Optional[Blend]:
+    """A megatron-core blend ``(prefixes, weights or None)`` from a ``data_path``.
+
+    ``spec`` is a string (``"0.7 /d/a 0.3 /d/b"``, ``"/d/a /d/b"``) or Megatron-LM's
+    ``--data-path`` list (``["0.7", "/d/a", "0.3", "/d/b"]``). Weights, when given,
+    precede every path and must be positive numbers; they need not sum to 1.
+
+    Raises:
+        ShardError: weights on some paths but not others, a non-positive weight, or no paths.
+    """
+    if spec is None:
+        return None
+    tokens = spec.split() if isinstance(spec, str) else [t for part in spec for t in str(part).split()]
+    if not tokens:
+        raise ShardError("data_path names no dataset", field="data_path", actual=spec)
+    numeric = [_as_weight(t) is not None for t in tokens]
+    if not any(numeric):
+        return tokens, None
+    pairs_ok = len(tokens) % 2 == 0 and all(numeric[0::2]) and not any(numeric[1::2])
+    if not pairs_ok:
+        raise ShardError("data_path mixes weighted and unweighted entries", field="data_path",
+                         actual=spec, expected="'W1 P1 W2 P2 ...' or 'P1 P2 ...'",
+                         hint="give a weight before every path, or none at all")
+    weights = [_as_weight(t) for t in tokens[0::2]]
+    if any(not (w > 0 and math.isfinite(w)) for w in weights):
+        raise ShardError("blend weights must be positive finite numbers", field="data_path",
+                         actual=weights)
+    return tokens[1::2], weights
+
+
+def _as_weight(token: str) -> Optional[float]:
+    try:
+        return float(token)
+    except ValueError:
+        return None
+
+
+def parse_per_split_data_path(train=None, valid=None, test=None) -> List[Optional[Blend]]:
+    """``blend_per_split`` (train, valid, test) from three ``data_path``-style specs."""
+    return [parse_data_path(spec) for spec in (train, valid, test)]
+
+
+# --------------------------------------------------------------------------- config
+
+
+@dataclass
+class SFTIndexedDatasetConfig(BlendedMegatronDatasetConfig):
+    """megatron-core dataset config plus what packed SFT needs.
+
+    ``SFTIndexedDataset`` also accepts a ``GPTDatasetConfig`` (Megatron-LM's),
+    reading these fields with the defaults below when absent.
+    """
+
+    context_parallel_size: int = 1
+    """CP size; with CP > 1 every sequence must be a multiple of 2*CP tokens."""
+
+    sequence_parallel_size: int = 0
+    """TP size when sequence parallelism is on (0: off); multiplies the divisor."""
+
+    hybrid_context_parallel: bool = False
+    """Megatron's hybrid CP: the divisor becomes data_parallel_size * CP * 2."""
+
+    data_parallel_size: int = 1
+
+    pad_token_id: Optional[int] = None
+    """Token for padding positions (default: the tokenizer's pad, else its EOD, else 0)."""
+
+    shuffle: bool = True
+    """Permute each epoch of packs (False: packs in stored order)."""
+
+    check_packs: bool = False
+    """Check each pack's invariants as it is read."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.sequence_length < 2:
+            raise ShardError("sequence_length must be at least 2", field="sequence_length",
+                             actual=self.sequence_length)
+
+
+def padding_divisor(config) -> int:
+    """The token multiple CP/SP need every sequence to be (upstream SFT's rule)."""
+    cp = getattr(config, "context_parallel_size", None) or 1
+    sp = getattr(config, "sequence_parallel_size", None) or 1
+    if getattr(config, "hybrid_context_parallel", False):
+        cp_pad = (getattr(config, "data_parallel_size", None) or 1) * cp * 2
+    else:
+        cp_pad = cp * 2 if cp > 1 else 1
+    return cp_pad * sp
+
+
+def _pad_token(config) -> int:
+    explicit = getattr(config, "pad_token_id", None)
+    if explicit is not None:
+        return int(explicit)
+    tokenizer = getattr(config, "tokenizer", None)
+    vocab = getattr(tokenizer, "vocab_size", None)
+    for name in ("pad", "pad_id", "eod"):
+        try:
+            value = getattr(tokenizer, name, None)
+        except (AttributeError, NotImplementedError):
+            value = None
+        if isinstance(value, int) and value >= 0 and (vocab is None or value < vocab):
+            return value
+    return 0
+
+
+def check_compatible(source, config, path: str) -> None:
+    """Refuse a source whose packs do not fit ``config`` (pack size, CP alignment).
+
+    Raises:
+        ShardError: naming the shard, the field and what to change.
+    """
+    seq_len = int(config.sequence_length)
+    divisor = padding_divisor(config)
+    if divisor > 1 and seq_len % divisor:
+        raise ShardError("sequence_length is not a multiple of the context-parallel divisor",
+                         path=path, field="sequence_length", expected=f"multiple of {divisor}",
+                         actual=seq_len, hint="choose a seq-length divisible by 2*CP (times SP)")
+    if isinstance(source, MultiShardDataset):
+        parts = list(zip(source.prefixes, source.summaries))
+    else:
+        parts = [(path, summarize(source))]
+    for where, summary in parts:
+        _check_summary(where, summary, seq_len, divisor)
+
+
+def _check_summary(path: str, summary: PackSummary, seq_len: int, divisor: int) -> None:
+    if summary.capacity > seq_len:
+        raise ShardError("shard pack size exceeds the run's sequence length", path=path,
+                         field="pack_size", expected=f"<= {seq_len}", actual=summary.capacity,
+                         hint="raise --seq-length to the pack size or re-pack the data for this length")
+    if divisor > 1 and summary.pad_seq_to_mult % divisor:
+        raise ShardError("shard sequences are not padded to the context-parallel multiple", path=path,
+                         field="pad_seq_to_mult", expected=f"a multiple of {divisor} (2*CP*SP)",
+                         actual=summary.pad_seq_to_mult,
+                         hint="re-pack the data with --pad-seq-to-mult set for this CP size")
+
+
+# --------------------------------------------------------------------------- dataset
+
+
+class SFTIndexedDataset(MegatronDataset):
+    """One packed SFT sample per pack, Megatron-LM's SFT sample layout (see module doc).
+
+    Constructed by ``BlendedMegatronDatasetBuilder`` with the low-level source from
+    :meth:`build_low_level_dataset`, the split's pack indices and ``num_samples``.
+    """
+
+    def __init__(self, dataset, dataset_path: Optional[str], indices: np.ndarray,
+                 num_samples: Optional[int], index_split: Split, config) -> None:
+        super().__init__(dataset, dataset_path, indices, num_samples, index_split, config)
+        # Sample order depends on `shuffle`, which Megatron-LM's GPTDatasetConfig lacks: add it to
+        # the identity (and so to the cache file names) here rather than in _key_config_attributes.
+        self.unique_identifiers["shuffle"] = bool(getattr(config, "shuffle", True))
+        self.unique_description = json.dumps(self.unique_identifiers, indent=4,
+                                             default=lambda obj: obj.unique_identifiers)
+        self.unique_description_hash = hashlib.md5(self.unique_description.encode("utf-8"),
+                                                   usedforsecurity=False).hexdigest()
+        self.pad_token_id = _pad_token(config)
+        self._sample_index_path: Optional[str] = None
+        self.sample_index = self._build_sample_index()
+
+    @staticmethod
+    def build_low_level_dataset(dataset_path: str, config) -> object:
+        source = open_packed(dataset_path, check_packs=getattr(config, "check_packs", False))
+        check_compatible(source, config, dataset_path)
+        return source
+
+    @staticmethod
+    def numel_low_level_dataset(low_level_dataset) -> int:
+        return len(low_level_dataset)
+
+    # ------------------------------------------------------------------ sample index
+
+    def _sample_count(self) -> int:
+        if self.num_samples is not None:
+            return int(self.num_samples)
+        return int(len(self.indices))
+
+    def _compute_sample_index(self) -> np.ndarray:
+        """Pack index of every sample: whole epochs of the split, each permuted, cut to length."""
+        count = self._sample_count()
+        n = len(self.indices)
+        if n == 0 or count == 0:
+            return np.empty(0, dtype=np.int64)
+        epochs = -(-count // n)
+        rng = np.random.RandomState(self.config.random_seed)
+        out = np.empty(epochs * n, dtype=np.int64)
+        for e in range(epochs):  # one vectorised permutation per epoch
+            block = rng.permutation(self.indices) if getattr(self.config, "shuffle", True) else self.indices
+            out[e * n:(e + 1) * n] = block
+        return out[:count]
+
+    def _cache_path(self) -> Optional[str]:
+        cache = getattr(self.config, "path_to_cache", None)
+        if not cache:
+            return None
+        base = f"{self.unique_description_hash}-{type(self).__name__}-{self.index_split.name}"
+        return os.path.join(cache, base)
+
+    def _build_sample_index(self) -> np.ndarray:
+        base = self._cache_path()
+        if base is None:
+            return self._compute_sample_index()
+        index_path, description_path = base + "-sample_index.npy", base + "-description.txt"
+        if not (os.path.isfile(index_path) and os.path.isfile(description_path)):
+            index = self._compute_sample_index()
+            os.makedirs(os.path.dirname(index_path), exist_ok=True)
+            _atomic_save(description_path, self.unique_description.encode("utf-8"))
+            _atomic_save_npy(index_path, index)
+            logger.info("built and cached %s %s sample index (%d samples)", type(self).__name__,
+                        self.index_split.name, len(index))
+        self._sample_index_path = index_path
+        index = np.load(index_path, mmap_mode="r", allow_pickle=False)
+        if index.ndim != 1 or index.shape[0] != self._sample_count():
+            raise ShardError("cached sample index has the wrong length", path=index_path,
+                             field="sample_index", expected=self._sample_count(), actual=index.shape,
+                             hint="delete the cache directory's stale files and rebuild")
+        return index
+
+    # ------------------------------------------------------------------ access
+
+    def __len__(self) -> int:
+        return int(self.sample_index.shape[0])
+
+    def __getitem__(self, idx: Optional[int]) -> Dict[str, torch.Tensor]:
+        """Sample ``idx`` (``None``: a padding sample with zero loss, as ``GPTDataset``)."""
+        pack = self.dataset[int(self.sample_index[0 if idx is None else idx])]
+        sample = _layout_pack(pack, int(self.config.sequence_length), self.pad_token_id,
+                              self.dataset_path)
+        if idx is None:
+            sample["loss_mask"] = torch.zeros_like(sample["loss_mask"])
+        return sample
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        if self._sample_index_path is not None:  # workers re-map the cached file, not a copy
+            state["sample_index"] = None
+        return state
+
+    def __setstate__(self, state) -> None:
+        self.__dict__.update(state)
+        if self.sample_index is None:
+            self.sample_index = np.load(self._sample_index_path, mmap_mode="r", allow_pickle=False)
+
+
+def _layout_pack(pack, seq_len: int, pad: int, path: Optional[str]) -> Dict[str, torch.Tensor]:
+    """One pack as Megatron-LM's packed SFT sample at ``seq_len`` (vectorised)."""
+    n = pack.input_ids.shape[0]
+    if n > seq_len:
+        raise ShardError("pack is longer than sequence_length", path=path, field="input_ids",
+                         expected=f"<= {seq_len}", actual=n)
+    starts = np.asarray(pack.seq_start_id, dtype=np.int64)
+    tokens = np.full(seq_len, pad, dtype=np.int64)
+    tokens[:n] = pack.input_ids
+    labels = np.full(seq_len, pad, dtype=np.int64)
+    labels[: n - 1] = pack.input_ids[1:]
+    loss = np.zeros(seq_len, dtype=np.float32)
+    loss[:n] = pack.loss_mask
+    loss[n - 1] = 0.0  # its label would be padding (matters for pretrain data: all-ones masks)
+    seg = np.searchsorted(starts, np.arange(seq_len), side="right") - 1
+    positions = np.arange(seq_len, dtype=np.int64) - starts[seg]
+    cu = np.full(seq_len + 1, seq_len, dtype=np.int32)
+    cu[: starts.shape[0]] = starts
+    bounds = np.append(starts, seq_len)
+    return {
+        "tokens": torch.from_numpy(tokens),
+        "labels": torch.from_numpy(labels),
+        "loss_mask": torch.from_numpy(loss),
+        "position_ids": torch.from_numpy(positions),
+        "cu_seqlens": torch.from_numpy(cu),
+        "max_seqlen": torch.tensor(int(np.diff(bounds).max()), dtype=torch.int32),
+    }
+
+
+def _atomic_save(path: str, data: bytes) -> None:
+    tmp = temporary_path(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _atomic_save_npy(path: str, array: np.ndarray) -> None:
+    tmp = temporary_path(path)
+    try:
+        with open(tmp, "wb") as f:
+            np.save(f, array, allow_pickle=False)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+# --------------------------------------------------------------------------- Megatron-LM provider
+
+
+def config_from_args(args, tokenizer=None) -> SFTIndexedDatasetConfig:
+    """The dataset config from Megatron-LM's parsed arguments.
+
+    Reads ``--data-path`` or ``--train/valid/test-data-path``, ``--split``,
+    ``--seq-length``, ``--seed``, ``--data-cache-path``, ``--num-dataset-builder-threads``,
+    ``--context-parallel-size``, ``--sequence-parallel`` (with TP size) and
+    ``--mid-level-dataset-surplus`` when present.
+    """
+    per_split = [getattr(args, name, None) for name in ("train_data_path", "valid_data_path",
+                                                       "test_data_path")]
+    blend_per_split = parse_per_split_data_path(*per_split) if any(per_split) else None
+    blend = None if blend_per_split else parse_data_path(getattr(args, "data_path", None))
+    sp = getattr(args, "tensor_model_parallel_size", 1) if getattr(args, "sequence_parallel", False) else 0
+    extra = {}
+    if getattr(args, "mid_level_dataset_surplus", None) is not None:
+        extra["mid_level_dataset_surplus"] = args.mid_level_dataset_surplus
+    return SFTIndexedDatasetConfig(
+        random_seed=getattr(args, "seed", 1234),
+        sequence_length=args.seq_length,
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=None if blend_per_split else getattr(args, "split", None) or "969,30,1",
+        path_to_cache=getattr(args, "data_cache_path", None),
+        num_dataset_builder_threads=getattr(args, "num_dataset_builder_threads", 1),
+        tokenizer=tokenizer,
+        context_parallel_size=getattr(args, "context_parallel_size", 1) or 1,
+        sequence_parallel_size=sp,
+        hybrid_context_parallel=getattr(args, "hybrid_context_parallel", False),
+        data_parallel_size=getattr(args, "data_parallel_size", 1) or 1,
+        **extra,
+    )
+
+
+def build_train_valid_test_datasets(args, train_val_test_num_samples, is_built_on_rank,
+                                    tokenizer=None):
+    """Build the three splits with megatron-core's builder (every rank calls it)."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+
+    config = config_from_args(args, tokenizer)
+    return BlendedMegatronDatasetBuilder(SFTIndexedDataset, train_val_test_num_samples,
+                                         is_built_on_rank, config).build()
+
+
+def _is_dataset_built_on_rank() -> bool:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_rank() == 0 and (
+        parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+        or parallel_state.is_pipeline_last_stage(ignore_virtual=True))
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
+    """Megatron-LM ``pretrain(...)`` dataset provider for packed SFT shards.
+
+    Pass it as ``train_valid_test_datasets_provider`` to ``megatron.training.pretrain``
+    (e.g. in a copy of ``pretrain_gpt.py``); it reads the run's arguments and tokenizer.
+    """
+    from megatron.training import get_args, get_tokenizer
+
+    return build_train_valid_test_datasets(get_args(), train_val_test_num_samples,
+                                           _is_dataset_built_on_rank, get_tokenizer())
+
+
+train_valid_test_datasets_provider.is_distributed = True

@@ -1,0 +1,18 @@
+#!/usr/bin/env python3
+"""Write a shard manifest: ``tools/write_manifest.py OUT.json SHARD... [--absolute] [--json]``.
+
+Thin wrapper; the CLI lives in :mod:`megatron_sft_idx.training.manifest_cli`
+(console script ``write_manifest``).
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_sft_idx.training.manifest_cli import build_parser, main  # noqa: E402
+
+__all__ = ["build_parser", "main"]
+
+if __name__ == "__main__":
+    sys.exit(main())
