@@ -6,13 +6,15 @@ MEGATRON_CORE = megatron-core==0.16.1
 
 .PHONY: install install-test demo test bench
 
+# The main job needs no torch: the reader, the builder, preprocessing and the gate are numpy+numba.
 install:
-	$(PIP) torch==2.13.0
-	$(PIP) -e '.[preprocess,train]'
-	$(PIP) --no-deps $(MEGATRON_CORE)
+	$(PIP) -e '.[preprocess,gate]'
 
-install-test: install
+# torch first and pinned (a CPU wheel); megatron-core without deps so it cannot replace it.
+install-test:
+	$(PIP) torch==2.13.0
 	$(PIP) -e '.[all]'
+	$(PIP) --no-deps $(MEGATRON_CORE)
 
 demo: install
 	$(PYTHON) tools/demo.py

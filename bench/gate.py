@@ -113,7 +113,7 @@ def main(argv=None) -> int:
         print(f"shard: {n_packs:,} packs of {PACK} tokens, {total / 2**20:.0f} MiB in 5 files "
               f"(built in {build_s:.1f} s); page cache warm; median of {args.repeat}")
         print(format_table(["method", "seconds", "GB/s", "time vs plain read"], rows))
-        from megatron_sft_idx.gate.content import CRC_BACKEND
+        from megatron_sft_idx._crc import CRC_BACKEND
 
         print(f"CRC-32 backend: {CRC_BACKEND}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
         path = write_json("gate", {"crc_backend": CRC_BACKEND, "load_average": os.getloadavg()[0],

@@ -12,7 +12,7 @@ from __future__ import annotations
 import glob
 import os
 import secrets
-from typing import Iterable, List, Sequence, Tuple
+from typing import BinaryIO, Callable, Iterable, List, Sequence, Tuple
 
 _TMP_TAG = ".tmp-"
 
@@ -103,6 +103,22 @@ def publish(pairs: Sequence[Tuple[str, str]], unpublish_first: str) -> None:
                 pass
         raise
     fsync_dir(pairs[-1][1])
+
+
+def write_file_atomically(path: str, write: Callable[[BinaryIO], None]) -> None:
+    """Create or replace one small file atomically: ``write(f)`` fills a temporary, which is
+    fsynced and renamed over ``path``; readers see the old file or the new one, never a part."""
+    tmp = temporary_path(path)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    fsync_dir(path)
 
 
 def remove_quietly(paths: Iterable[str]) -> None:

@@ -16,7 +16,7 @@ files with ``.idx`` last. Example::
 from __future__ import annotations
 
 import os
-from typing import Any, BinaryIO, Dict, Iterator, Mapping, Optional
+from typing import Any, BinaryIO, Iterator, Mapping, Optional
 
 import numpy as np
 
@@ -24,7 +24,6 @@ from . import _atomic, _kernels
 from ._crc import crc32
 from .errors import BuilderStateError, InvariantError, ShardError, ShardExistsError
 from .format import (
-    ALIGNMENT,
     BIN_SUFFIX,
     IDX_SUFFIX,
     LOSS_SUFFIX,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import List, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 
@@ -47,7 +47,6 @@ from .format import (
     SEQ_IDX_SUFFIX,
     SFT_SUFFIXES,
     TOKEN_DTYPES,
-    DType,
     IdxHeader,
     Rule,
     SeqIdxHeader,

@@ -27,7 +27,7 @@ from ..format import (
 )
 from ._context import ShardContext
 
-from .._crc import CRC_BACKEND, crc32 as _crc32
+from .._crc import crc32 as _crc32
 from .codes import ERROR, RULE_CODES
 
 #: Pack findings recorded per shard; the rest are counted per rule.

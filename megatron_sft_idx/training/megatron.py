@@ -51,7 +51,7 @@ from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatr
 from megatron.core.datasets.megatron_dataset import MegatronDataset
 from megatron.core.datasets.utils import Split
 
-from .._atomic import temporary_path
+from .._atomic import write_file_atomically
 from ..errors import ShardError
 from ._sources import PackSummary, summarize
 from .factory import open_packed
@@ -284,8 +284,9 @@ class SFTIndexedDataset(MegatronDataset):
         if not (os.path.isfile(index_path) and os.path.isfile(description_path)):
             index = self._compute_sample_index()
             os.makedirs(os.path.dirname(index_path), exist_ok=True)
-            _atomic_save(description_path, self.unique_description.encode("utf-8"))
-            _atomic_save_npy(index_path, index)
+            description = self.unique_description.encode("utf-8")
+            write_file_atomically(description_path, lambda f: f.write(description))
+            write_file_atomically(index_path, lambda f: np.save(f, index, allow_pickle=False))
             logger.info("built and cached %s %s sample index (%d samples)", type(self).__name__,
                         self.index_split.name, len(index))
         self._sample_index_path = index_path
@@ -349,32 +350,6 @@ def _layout_pack(pack, seq_len: int, pad: int, path: Optional[str]) -> Dict[str,
         "cu_seqlens": torch.from_numpy(cu),
         "max_seqlen": torch.tensor(int(np.diff(bounds).max()), dtype=torch.int32),
     }
-
-
-def _atomic_save(path: str, data: bytes) -> None:
-    tmp = temporary_path(path)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _atomic_save_npy(path: str, array: np.ndarray) -> None:
-    tmp = temporary_path(path)
-    try:
-        with open(tmp, "wb") as f:
-            np.save(f, array, allow_pickle=False)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 # --------------------------------------------------------------------------- Megatron-LM provider

@@ -31,7 +31,7 @@ from typing import Dict, List, Sequence, Union
 
 import numpy as np
 
-from .._atomic import fsync_dir, temporary_path
+from .._atomic import write_file_atomically
 from ..errors import ShardError, ShardNotFoundError, SizeMismatchError
 from ..format import IDX_SUFFIX, SEQ_IDX_SUFFIX
 from ..reader import MMapIndexedDataset
@@ -106,22 +106,8 @@ def write_manifest(path, shards: Union[str, Sequence[str]], *, relative: bool = 
         entries.append({"prefix": stored, "packs": len(shard), "summary": summarize(shard).to_dict()})
     manifest = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "shards": entries}
     data = json.dumps(manifest, indent=1, sort_keys=True).encode("utf-8")
-    _atomic_write(path, data)
+    write_file_atomically(path, lambda f: f.write(data))
     return manifest
-
-
-def _atomic_write(path: str, data: bytes) -> None:
-    tmp = temporary_path(path)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def read_manifest(path) -> tuple:
