@@ -38,7 +38,7 @@ _jit = numba.njit(cache=True, nogil=True)
 
 @_jit
 def exclusive_cumsum(values, scale, start):
-    """``out[i] = start + scale * sum(values[:i])`` in int64, plus the running end.
+    """``out[i] = start + scale * sum(values[:i])`` in int64, plus the running end (int32 values).
 
     Returns ``(out, end, bad)`` where ``bad`` is the first index whose value is
     <= 0 or whose addition would overflow int64, or -1 when all is well. Used
@@ -52,9 +52,10 @@ def exclusive_cumsum(values, scale, start):
     for i in range(n):
         out[i] = acc
         v = np.int64(values[i])
-        if v <= 0 or v > (limit - acc) // scale:
+        step = v * scale  # values are int32 and scale <= 8: the product cannot overflow int64
+        if v <= 0 or acc > limit - step:  # a compare, not a division per element
             return out, acc, i
-        acc += v * scale
+        acc += step
     return out, acc, -1
 
 

@@ -18,6 +18,7 @@ sequence is a pack of one sequence with a loss mask of ones, and
 
 from __future__ import annotations
 
+import operator
 import os
 import sys
 from typing import NamedTuple, Optional
@@ -55,6 +56,8 @@ from .format import (
 from .metadata import ShardMetadata
 
 _READ_ONLY_ZERO = np.zeros(1, dtype=SEQ_DTYPE.numpy)
+#: ``tuple.__new__`` skips NamedTuple's Python-level constructor on the hot path.
+_new_pack = tuple.__new__
 _READ_ONLY_ZERO.flags.writeable = False
 
 
@@ -144,8 +147,11 @@ class MMapIndexedDataset:
         self.prefix = os.fspath(prefix)
         self.paths = ShardPaths.from_prefix(self.prefix)
         self.check_packs = check_packs
-        self._maps = None
+        self._tokens = None  # mapped lazily, on first access
         self._open_headers()
+        self._itemsize = self.dtype.itemsize
+        self._bin_size = self._sizes[BIN_SUFFIX]
+        self._seq_count = 0 if self.is_pretrain else self.seq_header.sequence_count
 
     # ------------------------------------------------------------------ open
 
@@ -246,28 +252,30 @@ class MMapIndexedDataset:
 
     # ------------------------------------------------------------------ maps (lazy)
 
-    def _ensure_maps(self):
-        if self._maps is None:
-            ih, sizes = self.idx_header, self._sizes
-            idx = _map(self.paths.idx, sizes[IDX_SUFFIX])
-            maps = {
-                "bin": _map(self.paths.bin, sizes[BIN_SUFFIX]),
-                "lengths": _view(idx, LENGTH_DTYPE, self._n, ih.lengths_offset),
-                "pointers": _view(idx, POINTER_DTYPE, self._n, ih.pointers_offset),
-                "documents": _view(idx, POINTER_DTYPE, ih.document_count, ih.document_indices_offset),
-            }
-            # memoryviews index to Python ints several times faster than numpy scalars.
-            maps["len_mv"] = memoryview(maps["lengths"]).cast("B").cast("i")
-            maps["ptr_mv"] = memoryview(maps["pointers"]).cast("B").cast("q")
-            if not self.is_pretrain:
-                h = self.seq_header
-                seq_idx = _map(self.paths.seq_idx, sizes[SEQ_IDX_SUFFIX])
-                maps["loss"] = _map(self.paths.loss_bin, sizes[LOSS_SUFFIX])
-                maps["seq_bin"] = _map(self.paths.seq_bin, sizes[SEQ_BIN_SUFFIX])
-                maps["offsets"] = _view(seq_idx, POINTER_DTYPE, self._n + 1, h.csr_offset)
-                maps["off_mv"] = memoryview(maps["offsets"]).cast("B").cast("q")
-            self._maps = maps
-        return self._maps
+    def _ensure_maps(self) -> None:
+        """Map the files (first access only) and keep whole-file typed arrays: a pack is then
+        three slices of them, which is cheaper than building three arrays from buffers."""
+        if self._tokens is not None:
+            return
+        ih, sizes = self.idx_header, self._sizes
+        idx = _map(self.paths.idx, sizes[IDX_SUFFIX])
+        self._lengths = _view(idx, LENGTH_DTYPE, self._n, ih.lengths_offset)
+        self._pointers = _view(idx, POINTER_DTYPE, self._n, ih.pointers_offset)
+        self._documents = _view(idx, POINTER_DTYPE, ih.document_count, ih.document_indices_offset)
+        # memoryviews index to Python ints several times faster than numpy scalars.
+        self._len_mv = memoryview(self._lengths).cast("B").cast("i")
+        self._ptr_mv = memoryview(self._pointers).cast("B").cast("q")
+        tokens = _map(self.paths.bin, sizes[BIN_SUFFIX])
+        count = sizes[BIN_SUFFIX] // self._itemsize
+        if not self.is_pretrain:
+            h = self.seq_header
+            self._offsets = _view(_map(self.paths.seq_idx, sizes[SEQ_IDX_SUFFIX]), POINTER_DTYPE,
+                                  self._n + 1, h.csr_offset)
+            self._off_mv = memoryview(self._offsets).cast("B").cast("q")
+            self._loss = _view(_map(self.paths.loss_bin, sizes[LOSS_SUFFIX]), np.uint8, h.token_count, 0)
+            self._starts = _view(_map(self.paths.seq_bin, sizes[SEQ_BIN_SUFFIX]), SEQ_DTYPE.numpy,
+                                 h.sequence_count, 0)
+        self._tokens = _view(tokens, self.dtype.numpy, count, 0)  # set last: it marks "mapped"
 
     # ------------------------------------------------------------------ access
 
@@ -287,42 +295,41 @@ class MMapIndexedDataset:
                               expected=expected, actual=actual,
                               hint="run tools/check_idx.py on this shard and rebuild it")
 
-    def _locate(self, i) -> tuple:
-        """Bounds-checked (token_start, length, seq_first, seq_last) of pack i."""
+    def _index(self, idx) -> int:
+        try:
+            i = operator.index(idx)
+        except TypeError:
+            raise TypeError(f"pack index must be an integer or a slice, not {type(idx).__name__}") from None
         n = self._n
-        i = int(i) if isinstance(i, (int, np.integer)) else i
-        if not isinstance(i, int):
-            raise TypeError(f"pack index must be an integer or a slice, not {type(i).__name__}")
         if i < 0:
             i += n
-        if not 0 <= i < n:
-            raise IndexError(f"pack index {i} out of range for {n} packs in {self.prefix}")
-        maps = self._maps or self._ensure_maps()
-        length = maps["len_mv"][i]
-        ptr = maps["ptr_mv"][i]
-        itemsize = self.dtype.itemsize
-        # Untrusted numbers: a corrupt index must become our error, never a numpy traceback.
-        if length <= 0 or ptr < 0 or ptr % itemsize or ptr + length * itemsize > self._sizes[BIN_SUFFIX]:
-            raise self._corrupt(i, "sequence_pointers/sequence_lengths",
-                                "pointer/length fall outside .bin", f"<= {self._sizes[BIN_SUFFIX]}",
-                                f"pointer {ptr}, length {length}")
-        if self.is_pretrain:
-            return i, ptr // itemsize, length, 0, 1
-        s0 = maps["off_mv"][i]
-        s1 = maps["off_mv"][i + 1]
-        if not 0 <= s0 < s1 <= self.seq_header.sequence_count:
-            raise self._corrupt(i, "seq_offsets", "CSR offsets are not increasing within .seq.bin",
-                                f"0 <= start < end <= {self.seq_header.sequence_count}", (s0, s1))
-        return i, ptr // itemsize, length, s0, s1
+        if i < 0 or i >= n:
+            raise IndexError(f"pack index {idx} out of range for {n} packs in {self.prefix}")
+        return i
 
-    def _pack(self, i) -> Pack:
-        i, t0, length, s0, s1 = self._locate(i)
-        maps = self._maps
-        ids = _view(maps["bin"], self.dtype.numpy, length, t0 * self.dtype.itemsize)
+    def _pack(self, idx) -> Pack:
+        # The hot path of training: every line here costs time per sample (see bench.compare).
+        i = self._index(idx)
+        if self._tokens is None:
+            self._ensure_maps()
+        length = self._len_mv[i]
+        ptr = self._ptr_mv[i]
+        itemsize = self._itemsize
+        # Untrusted numbers: a corrupt index must become our error, never a numpy traceback
+        # or a silently short slice.
+        if length <= 0 or ptr < 0 or ptr % itemsize or ptr + length * itemsize > self._bin_size:
+            raise self._corrupt(i, "sequence_pointers/sequence_lengths", "pointer/length fall outside .bin",
+                                f"<= {self._bin_size}", f"pointer {ptr}, length {length}")
+        t0 = ptr // itemsize
+        t1 = t0 + length
         if self.is_pretrain:
-            return Pack(ids, self._ones(length), _READ_ONLY_ZERO)
-        pack = Pack(ids, _view(maps["loss"], np.uint8, length, t0),
-                    _view(maps["seq_bin"], SEQ_DTYPE.numpy, s1 - s0, s0 * SEQ_DTYPE.itemsize))
+            return _new_pack(Pack, (self._tokens[t0:t1], self._ones(length), _READ_ONLY_ZERO))
+        s0 = self._off_mv[i]
+        s1 = self._off_mv[i + 1]
+        if s0 < 0 or s1 <= s0 or s1 > self._seq_count:
+            raise self._corrupt(i, "seq_offsets", "CSR offsets are not increasing within .seq.bin",
+                                f"0 <= start < end <= {self._seq_count}", (s0, s1))
+        pack = _new_pack(Pack, (self._tokens[t0:t1], self._loss[t0:t1], self._starts[s0:s1]))
         if self.check_packs:
             self._check_pack(i, pack)
         return pack
@@ -372,23 +379,32 @@ class MMapIndexedDataset:
     @property
     def sequence_lengths(self) -> np.ndarray:
         """int32 packed length of every pack (upstream's name)."""
-        return self._ensure_maps()["lengths"]
+        self._ensure_maps()
+        return self._lengths
 
     @property
     def sequence_pointers(self) -> np.ndarray:
         """int64 byte offset of every pack in ``.bin`` (upstream's name)."""
-        return self._ensure_maps()["pointers"]
+        self._ensure_maps()
+        return self._pointers
 
     @property
     def document_indices(self) -> np.ndarray:
-        return self._ensure_maps()["documents"]
+        self._ensure_maps()
+        return self._documents
 
     @property
     def seq_offsets(self) -> np.ndarray:
         """int64 CSR offsets into ``.seq.bin``, ``len(self) + 1`` entries."""
         if self.is_pretrain:
             return np.arange(self._n + 1, dtype=np.int64)
-        return self._ensure_maps()["offsets"]
+        self._ensure_maps()
+        return self._offsets
+
+    @property
+    def is_mapped(self) -> bool:
+        """Whether the files are mapped yet (they are not after open or unpickling)."""
+        return self._tokens is not None
 
     @property
     def num_tokens(self) -> int:
@@ -400,16 +416,13 @@ class MMapIndexedDataset:
 
     def arrays(self) -> ShardArrays:
         """Whole-shard typed views (no copy) of every array of the shard."""
-        maps = self._ensure_maps()
-        tokens = _view(maps["bin"], self.dtype.numpy, self.num_tokens, 0)
+        self._ensure_maps()
         if self.is_pretrain:
             loss = np.ones(self.num_tokens, dtype=np.uint8)
             starts = np.zeros(self._n, dtype=SEQ_DTYPE.numpy)
         else:
-            loss = _view(maps["loss"], np.uint8, self.seq_header.token_count, 0)
-            starts = _view(maps["seq_bin"], SEQ_DTYPE.numpy, self.seq_header.sequence_count, 0)
-        return ShardArrays(tokens, loss, starts, self.sequence_lengths, self.sequence_pointers,
-                           self.seq_offsets)
+            loss, starts = self._loss, self._starts
+        return ShardArrays(self._tokens, loss, starts, self._lengths, self._pointers, self.seq_offsets)
 
     @staticmethod
     def exists(prefix) -> bool:

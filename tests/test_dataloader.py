@@ -31,7 +31,7 @@ def reopen_by_pickle(worker_id):
     to test here than paying a spawned interpreter per worker)."""
     dataset = torch.utils.data.get_worker_info().dataset
     dataset.packs = pickle.loads(pickle.dumps(dataset.packs))
-    if dataset.packs._maps is not None:
+    if dataset.packs.is_mapped:
         raise AssertionError("a pickled reader must arrive without maps")
 
 

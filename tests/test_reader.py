@@ -314,11 +314,11 @@ def test_pretrain_bin_size_disagreeing_with_idx(tmp_path):
 def test_open_reads_only_headers(shard):
     prefix, packs = shard
     ds = MMapIndexedDataset(prefix)
-    assert ds._maps is None
+    assert not ds.is_mapped
     assert len(ds) == 6 and ds.metadata.stats.pack_count == 6
-    assert ds._maps is None
+    assert not ds.is_mapped
     ds[0]
-    assert ds._maps is not None
+    assert ds.is_mapped
 
 
 def test_open_does_not_read_bin_contents(shard):
@@ -328,7 +328,7 @@ def test_open_does_not_read_bin_contents(shard):
         with open(prefix + suffix, "wb") as f:
             f.write(os.urandom(size))
     ds = MMapIndexedDataset(prefix)
-    assert ds._maps is None and len(ds) == 6
+    assert not ds.is_mapped and len(ds) == 6
 
 
 def test_pickles_as_prefix_only(shard):
@@ -339,7 +339,7 @@ def test_pickles_as_prefix_only(shard):
     assert len(raw) < len(prefix) + 300
     assert b"MMIDIDX" not in raw
     back = pickle.loads(raw)
-    assert back._maps is None and back.check_packs and back.prefix == prefix
+    assert not back.is_mapped and back.check_packs and back.prefix == prefix
     for i, (ids, loss, starts) in enumerate(packs):
         np.testing.assert_array_equal(back[i].input_ids, ids)
         np.testing.assert_array_equal(back[i].loss_mask, loss)

@@ -1,0 +1,129 @@
+"""Smoke tests of the benchmarks: every entry point runs at a tiny size through ``main(argv)``,
+writes the JSON keys its docs promise, and every system reads back exactly what was written.
+
+No timing is asserted: these check the harness, and cross-check the formats against
+each other through the same corpus.
+"""
+
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+
+from bench import builder_rss, compare, offsets, peers, scale
+from bench.compare import METRICS
+from bench.corpus import Corpus
+
+
+HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
+HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+# The upstream peer is the real PyPI megatron-core (installed --no-deps by `make install-test`).
+SYSTEMS = [s for s in peers.SYSTEMS if s != "upstream" or HAVE_MEGATRON]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return Corpus.generate(tmp_path_factory.mktemp("corpus"), packs=120, pack_size=256, seed=7)
+
+
+def test_corpus_packs_keep_the_invariants(corpus):
+    assert len(corpus) == 120
+    seen = 0
+    for ids, loss, starts in corpus.iter_packs():
+        n = ids.size
+        assert 0 < n <= corpus.pack_size and loss.size == n
+        assert starts[0] == 0 and np.all(np.diff(starts) > 0) and starts[-1] < n
+        assert set(np.unique(loss)) <= {0, 1}
+        ends = np.append(starts[1:], n)
+        assert np.all(loss[ends - 1] == 0)  # label-aligned: nothing to predict after a sequence
+        assert ids.max() < corpus.vocab_size
+        seen += 1
+    assert seen == 120
+    digests = corpus.digests()
+    assert digests[:, 0].sum() == corpus.n_tokens
+    assert corpus.meta["seqs_per_pack"] > 1  # packs hold several sequences, as real packs do
+
+
+def test_corpus_is_deterministic(tmp_path, corpus):
+    again = Corpus.generate(tmp_path / "again", packs=120, pack_size=256, seed=7)
+    assert np.array_equal(again.digests(), corpus.digests())
+
+
+@pytest.mark.parametrize("system", SYSTEMS)
+def test_every_system_reads_back_exactly_what_was_written(system, corpus, tmp_path):
+    mod = peers.load(system)
+    mod.write(corpus, str(tmp_path))
+    reader = mod.open_reader(str(tmp_path))
+    assert len(reader) == len(corpus)
+    for i in range(len(corpus)):
+        ids, loss, starts = corpus.pack(i)
+        got_ids, got_loss, got_starts = mod.as_arrays(reader[i])
+        assert np.array_equal(got_ids, ids), (system, i)
+        if system != "upstream":  # upstream's pretrain format stores tokens only
+            assert np.array_equal(got_loss, loss), (system, i)
+            assert np.array_equal(got_starts, starts), (system, i)
+
+
+def test_compare_entry_point(tmp_path):
+    rc = compare.main(["--packs", "150", "--pack-size", "256", "--repeats", "1", "--max-seconds", "1",
+                       "--systems", ",".join(SYSTEMS),
+                       "--results-dir", str(tmp_path), "--work-dir", str(tmp_path / "work")])
+    assert rc == 0
+    doc = json.loads((tmp_path / "compare.json").read_text())
+    assert {"machine", "command", "params", "corpus", "medians", "runs", "ratios_ours_over_peer"} <= set(doc)
+    assert doc["systems"] == SYSTEMS
+    for system in SYSTEMS:
+        row = doc["medians"][system]
+        for key, *_ in METRICS:
+            if key != "write_first_pack_s" or system == "ours":
+                assert key in row, (system, key)
+        assert row["verified"] is True and row["mismatched_packs"] == 0
+        assert row["checked_packs"] >= 150  # at least the sequential pass over every pack
+    assert set(doc["ratios_ours_over_peer"]) == set(SYSTEMS) - {"ours"}
+
+
+def test_scale_entry_point(tmp_path):
+    rc = scale.main(["--sizes", "60,120", "--pack-size", "64", "--reads", "50", "--systems",
+                     "ours,legacy_npy", "--results-dir", str(tmp_path),
+                     "--work-dir", str(tmp_path / "work")] + ([] if HAVE_MATPLOTLIB else ["--no-plot"]))
+    assert rc == 0
+    doc = json.loads((tmp_path / "scale.json").read_text())
+    for system in ("ours", "legacy_npy"):
+        points = doc["points"][system]
+        assert [p["packs"] for p in points] == [60, 120]
+        for p in points:
+            assert p["verified"] and p["mismatches"] == 0
+            assert {"open_s", "rss_after_open_mb", "random_packs_per_s"} <= set(p)
+    if HAVE_MATPLOTLIB:
+        assert (tmp_path / "scale.png").stat().st_size > 1000
+
+
+def test_offsets_entry_point(tmp_path):
+    assert offsets.main(["--sizes", "1000,5000", "--repeats", "1", "--results-dir", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "offsets.json").read_text())
+    for n in ("1000", "5000"):
+        row = doc["sizes"][n]
+        assert row["results_agree"] is True
+        assert {"numba_s", "numpy_s", "python_loop_s", "loop_over_numba"} <= set(row)
+
+
+def test_builder_rss_entry_point(tmp_path):
+    rc = builder_rss.main(["--sizes", "200,600", "--pack-tokens", "16", "--systems", "ours",
+                           "--rfc-packs", "40", "--rfc-systems", "ours,legacy_npy",
+                           "--results-dir", str(tmp_path), "--work-dir", str(tmp_path / "work")])
+    assert rc == 0
+    doc = json.loads((tmp_path / "builder_rss.json").read_text())
+    assert [r["packs"] for r in doc["scaling"]["ours"]] == [200, 600]
+    for row in doc["scaling"]["ours"]:
+        assert row["peak_delta_mb"] is not None and row["heap_peak_bytes"] > 0
+    assert set(doc["growth_per_pack"]) == {"ours"}
+    assert set(doc["rfc"]) == {"ours", "legacy_npy"}
+    # The legacy writer holds every token as a Python int; ours streams: its heap is far smaller.
+    assert doc["rfc"]["ours"]["heap_peak_bytes"] < doc["rfc"]["legacy_npy"]["heap_peak_bytes"]
+
+
+def test_bad_arguments_exit_2(tmp_path):
+    assert compare.main(["--systems", "nope", "--results-dir", str(tmp_path)]) == 2
+    assert offsets.main(["--sizes", "x", "--results-dir", str(tmp_path)]) == 2
+    assert scale.main(["--sizes", "0", "--results-dir", str(tmp_path)]) == 2
