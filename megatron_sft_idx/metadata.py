@@ -137,7 +137,7 @@ class ShardMetadata:
     @classmethod
     def decode(cls, raw: bytes, path: Optional[str] = None) -> "ShardMetadata":
         try:
-            obj = json.loads(raw.decode("utf-8"))
+            obj = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
         except (UnicodeDecodeError, ValueError, RecursionError) as exc:
             raise MetadataError(f"metadata is not valid UTF-8 JSON ({exc.__class__.__name__}: {exc})",
                                 path=path, field="metadata",
@@ -207,6 +207,10 @@ class ShardMetadata:
                    tokenizer=optional["tokenizer"], packing=optional["packing"],
                    parallelism=optional["parallelism"], source=optional["source"],
                    extra=optional["extra"] or {})
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not JSON (RFC 8259)")
 
 
 def _is_int(value) -> bool:
