@@ -105,6 +105,11 @@ def read_task(system: str, out_dir: str, seed: int = 0, reads: int = 0, max_seco
     if access_only:
         acc_n, acc_s = _access_pass(reader, order, max_seconds)
         result["access_only_packs_per_s"] = acc_n / acc_s if acc_s else None
+        # Upstream's work exactly: fetch a record, read every token (not the SFT arrays).
+        tok_out = np.zeros((order.size, 4), dtype=np.int64)
+        tok_n, tok_s = _timed_pass(reader, lambda rec: (0, mod.touch_tokens(rec), 0, 0), order, tok_out,
+                                   max_seconds)
+        result["tokens_touched_packs_per_s"] = tok_n / tok_s if tok_s else None
     end = proc_status()
     result.update(reader_peak_rss_mb=end["VmHWM"], reader_peak_delta_mb=end["VmHWM"] - before["VmRSS"],
                   rss_anon_after_reads_mb=end.get("RssAnon"))

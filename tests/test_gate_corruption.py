@@ -18,17 +18,11 @@ import zlib
 import numpy as np
 import pytest
 
-from megatron_sft_idx import MMapIndexedDataset, ShardError
-from megatron_sft_idx.format import (
-    CHECKSUMMED_SUFFIXES,
-    IDX_HEADER_SIZE,
-    METADATA_OFFSET,
-    SEQ_IDX_HEADER,
-    SEQ_IDX_HEADER_CRC_SPAN,
-    IdxHeader,
-    SeqIdxHeader,
-    align,
-)
+from corrupt import (cut, first_start, flip, idx_offset, layout, loss_on_last, loss_two, pack_with_seqs,
+                     patch, reader_raises_only_shard_errors, reseal, sealed, set_loss, set_start,
+                     start_decreasing)
+from megatron_sft_idx import MMapIndexedDataset
+from megatron_sft_idx.format import METADATA_OFFSET, SEQ_IDX_HEADER, IdxHeader, SeqIdxHeader
 from megatron_sft_idx.gate import check
 from megatron_sft_idx.gate.structure import IDX_OFFSETS, SEQ_IDX_FIELDS, SEQ_IDX_OFFSETS
 from megatron_sft_idx.metadata import FileDigest, PackingStats, ShardMetadata
@@ -66,95 +60,12 @@ def twin(prefix, directory):
     return other
 
 
-def patch(path, offset, data: bytes):
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        f.write(data)
-
-
-def flip(path, offset):
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)[0]
-        f.seek(offset)
-        f.write(bytes([b ^ 0xFF]))
-
-
-def cut(path, keep):
-    os.truncate(path, keep)
-
-
-def reseal(prefix, header=None, metadata_bytes=None, edit=None, pad_byte=False):
-    """Rewrite ``.seq.idx`` consistently: the four files' real sizes/CRCs into the metadata
-    (then ``edit(obj)``), CSR offsets kept, body and header CRCs recomputed, ``header``
-    overrides applied last (their CRCs still recomputed unless overridden too)."""
-    path = prefix + ".seq.idx"
-    raw = open(path, "rb").read()
-    fields = dict(zip(SEQ_IDX_FIELDS, SEQ_IDX_HEADER.unpack_from(raw)))
-    csr = raw[fields["csr_offset"]:]
-    if metadata_bytes is None:
-        obj = json.loads(raw[METADATA_OFFSET:METADATA_OFFSET + fields["metadata_length"]])
-        for suffix in CHECKSUMMED_SUFFIXES:
-            data = open(prefix + suffix, "rb").read()
-            obj["files"][suffix] = {"size": len(data), "crc32": zlib.crc32(data)}
-        if edit:
-            edit(obj)
-        metadata_bytes = json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
-    if pad_byte and align(METADATA_OFFSET + len(metadata_bytes)) == METADATA_OFFSET + len(metadata_bytes):
-        metadata_bytes += b" "  # make room for a padding byte (JSON allows trailing space)
-    fields["metadata_length"] = len(metadata_bytes)
-    fields["csr_offset"] = align(METADATA_OFFSET + len(metadata_bytes))
-    padding = bytearray(fields["csr_offset"] - METADATA_OFFSET - len(metadata_bytes))
-    if pad_byte:
-        padding[-1] = 7
-    body = metadata_bytes + bytes(padding) + csr
-    fields["body_crc32"] = zlib.crc32(body)
-    fields.update(header or {})
-    head = SEQ_IDX_HEADER.pack(*(fields[k] for k in SEQ_IDX_FIELDS))
-    if "header_crc32" not in (header or {}):
-        head = head[:SEQ_IDX_HEADER_CRC_SPAN] + struct.pack("<I", zlib.crc32(head[:SEQ_IDX_HEADER_CRC_SPAN]))
-    with open(path, "wb") as f:
-        f.write(head + body)
-
-
-def layout(prefix):
-    """(pointers, lengths, seq_offsets, starts) of a valid shard, copied out."""
-    ds = MMapIndexedDataset(prefix)
-    a = ds.arrays()
-    return (np.array(a.sequence_pointers), np.array(a.sequence_lengths), np.array(a.seq_offsets),
-            np.array(a.seq_starts))
-
-
-def pack_with_seqs(prefix, k):
-    _, _, offsets, _ = layout(prefix)
-    counts = np.diff(offsets)
-    hits = np.nonzero(counts >= k)[0]
-    assert hits.size, "the base shard must hold a pack with enough sequences"
-    return int(hits[0])
-
-
-def set_loss(prefix, pos, value):
-    patch(prefix + ".loss.bin", pos, bytes([value]))
-
-
-def set_start(prefix, index, value):
-    patch(prefix + ".seq.bin", 4 * index, struct.pack("<i", value))
-
-
 def set_token(prefix, index, value, fmt="<H"):
     patch(prefix + ".bin", struct.calcsize(fmt) * index, struct.pack(fmt, value))
 
 
-def idx_array_offset(prefix, which, i):
-    with open(prefix + ".idx", "rb") as f:
-        raw = f.read(IDX_HEADER_SIZE)
-    h = IdxHeader.parse(raw, prefix + ".idx", os.path.getsize(prefix + ".idx"))
-    base = {"len": h.lengths_offset, "ptr": h.pointers_offset, "doc": h.document_indices_offset}[which]
-    return base + (4 if which == "len" else 8) * i
-
-
 def set_idx(prefix, which, i, value):
-    patch(prefix + ".idx", idx_array_offset(prefix, which, i), struct.pack("<i" if which == "len" else "<q", value))
+    patch(prefix + ".idx", idx_offset(prefix, which, i), struct.pack("<i" if which == "len" else "<q", value))
 
 
 # --------------------------------------------------------------------------- the matrix
@@ -203,32 +114,10 @@ def _lengths_disagree(p, d):
     set_idx(p, "len", 3, int(lengths[3]) + 1)
 
 
-def _loss_on_last(p, d):
-    ptr, lengths, offsets, starts = layout(p)
-    i = pack_with_seqs(p, 2)
-    set_loss(p, int(ptr[i]) // 2 + int(starts[offsets[i] + 1]) - 1, 1)
-
-
-def _loss_two(p, d):
-    ptr, *_ = layout(p)
-    set_loss(p, int(ptr[7]) // 2 + 1, 2)
-
-
 def _start_eq_len(p, d):
     ptr, lengths, offsets, starts = layout(p)
     i = pack_with_seqs(p, 2)
     set_start(p, int(offsets[i + 1]) - 1, int(lengths[i]))
-
-
-def _start_decreasing(p, d):
-    ptr, lengths, offsets, starts = layout(p)
-    i = pack_with_seqs(p, 3)
-    set_start(p, int(offsets[i]) + 2, int(starts[offsets[i] + 1]) - 1)
-
-
-def _first_start(p, d):
-    _, _, offsets, _ = layout(p)
-    set_start(p, int(offsets[4]), 1)
 
 
 def _token_vocab(p, d):
@@ -277,13 +166,6 @@ def _checksum(p, d):
     t = int(ptr[3]) // 2
     value = struct.unpack("<H", open(p + ".bin", "rb").read()[2 * t:2 * t + 2])[0]
     set_token(p, t, (value + 1) % VOCAB)
-
-
-def _sealed(fn):
-    def run(p, d):
-        fn(p, d)
-        reseal(p)
-    return run
 
 
 CASES = [
@@ -342,24 +224,24 @@ CASES = [
     ("swap-loss-other", _swap(".loss.bin", "other"), "LOSS_SIZE_MISMATCH"),
     # .idx arrays
     ("pointer-duplicated", _dup_pointer, "IDX_POINTER_MISMATCH"),
-    ("pointer-duplicated-sealed", _sealed(_dup_pointer), "IDX_POINTER_MISMATCH"),
+    ("pointer-duplicated-sealed", sealed(_dup_pointer), "IDX_POINTER_MISMATCH"),
     ("lengths-vs-pointers", _lengths_disagree, "IDX_POINTER_MISMATCH"),
     ("length-zero", lambda p, d: set_idx(p, "len", 2, 0), "IDX_LENGTH_NONPOSITIVE"),
     ("first-pointer-nonzero", lambda p, d: set_idx(p, "ptr", 0, 2), "IDX_POINTER_MISMATCH"),
     ("last-length-past-bin", lambda p, d: set_idx(p, "len", 23, int(layout(p)[1][23]) + 1), "BIN_SIZE_MISMATCH"),
     ("documents-not-per-pack", lambda p, d: set_idx(p, "doc", 3, 5), "IDX_DOCUMENT_INDICES"),
     ("documents-bad-end", lambda p, d: set_idx(p, "doc", 24, 23), "IDX_DOCUMENT_INDICES"),
-    ("csr-offsets-equal", _sealed(_offsets_equal), "SEQ_IDX_OFFSETS"),
+    ("csr-offsets-equal", sealed(_offsets_equal), "SEQ_IDX_OFFSETS"),
     ("csr-offsets-equal-unsealed", _offsets_equal, "SEQ_IDX_OFFSETS"),
     # every pack's invariants, unsealed and sealed
-    ("loss-two", _loss_two, "LOSS_NOT_BINARY"),
-    ("loss-two-sealed", _sealed(_loss_two), "LOSS_NOT_BINARY"),
-    ("loss-on-last", _loss_on_last, "LOSS_ON_LAST_POSITION"),
-    ("loss-on-last-sealed", _sealed(_loss_on_last), "LOSS_ON_LAST_POSITION"),
-    ("start-eq-packed-len", _sealed(_start_eq_len), "SEQ_START_OUT_OF_RANGE"),
-    ("start-decreasing", _sealed(_start_decreasing), "SEQ_NOT_INCREASING"),
-    ("start-first-nonzero", _sealed(_first_start), "SEQ_FIRST_NOT_ZERO"),
-    ("token-eq-vocab", _sealed(_token_vocab), "TOKEN_OUT_OF_VOCAB"),
+    ("loss-two", loss_two, "LOSS_NOT_BINARY"),
+    ("loss-two-sealed", sealed(loss_two), "LOSS_NOT_BINARY"),
+    ("loss-on-last", loss_on_last, "LOSS_ON_LAST_POSITION"),
+    ("loss-on-last-sealed", sealed(loss_on_last), "LOSS_ON_LAST_POSITION"),
+    ("start-eq-packed-len", sealed(_start_eq_len), "SEQ_START_OUT_OF_RANGE"),
+    ("start-decreasing", sealed(start_decreasing), "SEQ_NOT_INCREASING"),
+    ("start-first-nonzero", sealed(first_start), "SEQ_FIRST_NOT_ZERO"),
+    ("token-eq-vocab", sealed(_token_vocab), "TOKEN_OUT_OF_VOCAB"),
     ("token-eq-vocab-unsealed", _token_vocab, "TOKEN_OUT_OF_VOCAB"),
     ("pack-too-long", _edit_meta(lambda o: o.update(pack_size=8)), "PACK_TOO_LONG"),
     ("pad-multiple", _edit_meta(lambda o: o.update(pad_seq_to_mult=7)), "SEQ_NOT_PAD_MULTIPLE"),
@@ -388,15 +270,6 @@ def test_matrix_is_large_and_distinct():
     assert len({c[2] for c in CASES}) >= 30  # distinct finding codes exercised
 
 
-def _reader_raises_only_shard_errors(prefix):
-    try:
-        ds = MMapIndexedDataset(prefix, check_packs=True)
-        for i in range(len(ds)):
-            ds[i].seq_boundaries
-    except ShardError:
-        pass
-
-
 @pytest.mark.parametrize("name,corrupt,code", CASES, ids=[c[0] for c in CASES])
 def test_corruption_is_caught(tmp_path, name, corrupt, code):
     prefix = build(tmp_path)
@@ -409,7 +282,7 @@ def test_corruption_is_caught(tmp_path, name, corrupt, code):
     finding = next(f for f in shard.findings if f.code == code)
     assert finding.severity == "error" and finding.message and finding.file.startswith(prefix)
     json.loads(report.to_json())
-    _reader_raises_only_shard_errors(prefix)
+    reader_raises_only_shard_errors(prefix)
 
 
 def test_pack_findings_name_pack_and_offset(tmp_path):

@@ -14,7 +14,7 @@ import signal
 import numpy as np
 import pytest
 
-from megatron_sft_idx import MMapIndexedDataset, ShardError
+from corrupt import mutate, reader_raises_only_shard_errors
 from megatron_sft_idx.format import ALL_SUFFIXES
 from megatron_sft_idx.gate import check
 from shardgen import random_packs, write_shard
@@ -44,45 +44,6 @@ def bases(tmp_path_factory):
     return out
 
 
-def mutate(rng, prefix):
-    """Apply one random mutation to one random file; return a description (or None if no-op)."""
-    suffix = ALL_SUFFIXES[int(rng.integers(len(ALL_SUFFIXES)))]
-    path = prefix + suffix
-    data = bytearray(open(path, "rb").read())
-    before = bytes(data)
-    kind = int(rng.integers(6))
-    size = len(data)
-    if kind == 0 and size:                          # flip one byte
-        data[int(rng.integers(size))] ^= 0xFF
-    elif kind == 1 and size:                        # set a few random bytes
-        for _ in range(int(rng.integers(1, 5))):
-            data[int(rng.integers(size))] = int(rng.integers(256))
-    elif kind == 2:                                 # truncate anywhere
-        del data[int(rng.integers(size + 1)):]
-    elif kind == 3:                                 # extend with random bytes
-        data += bytes(rng.integers(0, 256, int(rng.integers(1, 40)), dtype=np.uint8))
-    elif kind == 4 and size:                        # zero a range
-        a = int(rng.integers(size))
-        b = min(size, a + int(rng.integers(1, 64)))
-        data[a:b] = bytes(b - a)
-    elif kind == 5 and size > 1:                    # a single bit
-        data[int(rng.integers(size))] ^= 1 << int(rng.integers(8))
-    if bytes(data) == before:
-        return None
-    with open(path, "wb") as f:
-        f.write(data)
-    return f"{suffix} kind {kind}"
-
-
-def _reader(prefix):
-    try:
-        ds = MMapIndexedDataset(prefix, check_packs=True)
-        for i in range(len(ds)):
-            ds[i].seq_boundaries
-    except ShardError:
-        pass
-
-
 def _alarm(signum, frame):
     raise TimeoutError("hang guard: a check took far too long")
 
@@ -110,7 +71,7 @@ def test_fuzz(bases, tmp_path, shape, block):
                     assert "GATE_INTERNAL_ERROR" not in report.shards[0].codes(), report.format_text(True)
                     assert "READER_CRASHED" not in report.shards[0].codes(), report.format_text(True)
             changed += what is not None
-            _reader(prefix)
+            reader_raises_only_shard_errors(prefix)
             shutil.rmtree(work)
     finally:
         signal.alarm(0)

@@ -15,24 +15,16 @@ import os
 import shutil
 import struct
 import subprocess
-import zlib
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from corrupt import (first_start, flip, idx_offset, layout, loss_on_last, loss_two, mutate, patch, reseal,
+                     sealed, seq_fields, start_decreasing)
 from megatron_sft_idx import MMapIndexedDataset, ShardError
-from megatron_sft_idx.format import (
-    ALL_SUFFIXES,
-    CHECKSUMMED_SUFFIXES,
-    IDX_HEADER_SIZE,
-    METADATA_OFFSET,
-    SEQ_IDX_HEADER,
-    SEQ_IDX_HEADER_CRC_SPAN,
-    IdxHeader,
-    align,
-)
+from megatron_sft_idx.format import ALL_SUFFIXES, METADATA_OFFSET
 from megatron_sft_idx.gate import check
 from megatron_sft_idx.native import NativeLibraryError, NativeShard, load_library, validate
 from shardgen import random_packs, write_shard
@@ -40,9 +32,6 @@ from shardgen import random_packs, write_shard
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOLDEN = os.path.join(ROOT, "tests", "golden", "v1_0", "tiny")
 VOCAB = 1000
-SEQ_IDX_FIELDS = ("magic", "version_major", "version_minor", "token_dtype_code", "seq_dtype_code",
-                  "loss_dtype_code", "flags", "pack_count", "sequence_count", "token_count",
-                  "metadata_length", "csr_offset", "body_crc32", "header_crc32")
 FUZZ_CASES = 200
 
 
@@ -80,69 +69,6 @@ def make_shard(directory, name="s", seed=0, n=24, vocab=VOCAB, pad=1, **kw):
         kw["metadata"] = {"pad_seq_to_mult": pad}
     write_shard(prefix, packs, vocab_size=vocab, **kw)
     return prefix
-
-
-def layout(prefix):
-    """(pointers, lengths, seq_offsets, starts) of a valid shard, copied out."""
-    a = MMapIndexedDataset(prefix).arrays()
-    return (np.array(a.sequence_pointers), np.array(a.sequence_lengths), np.array(a.seq_offsets),
-            np.array(a.seq_starts))
-
-
-def patch(path, offset, data: bytes):
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        f.write(data)
-
-
-def flip(path, offset):
-    with open(path, "rb") as f:
-        b = f.read()[offset]
-    patch(path, offset, bytes([b ^ 0xFF]))
-
-
-def seq_fields(prefix):
-    with open(prefix + ".seq.idx", "rb") as f:
-        return dict(zip(SEQ_IDX_FIELDS, SEQ_IDX_HEADER.unpack_from(f.read(64))))
-
-
-def reseal(prefix, header=None, edit=None, metadata_bytes=None):
-    """Rewrite .seq.idx consistently with the other files (their sizes/CRCs in the metadata,
-    body and header CRCs recomputed), then apply ``edit(obj)`` and header overrides."""
-    path = prefix + ".seq.idx"
-    raw = open(path, "rb").read()
-    fields = seq_fields(prefix)
-    csr = raw[fields["csr_offset"]:]
-    if metadata_bytes is None:
-        obj = json.loads(raw[METADATA_OFFSET:METADATA_OFFSET + fields["metadata_length"]])
-        for suffix in CHECKSUMMED_SUFFIXES:
-            data = open(prefix + suffix, "rb").read()
-            obj["files"][suffix] = {"size": len(data), "crc32": zlib.crc32(data)}
-        if edit:
-            edit(obj)
-        metadata_bytes = json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
-    fields["metadata_length"] = len(metadata_bytes)
-    fields["csr_offset"] = align(METADATA_OFFSET + len(metadata_bytes))
-    body = metadata_bytes + bytes(fields["csr_offset"] - METADATA_OFFSET - len(metadata_bytes)) + csr
-    fields["body_crc32"] = zlib.crc32(body)
-    fields.update(header or {})
-    head = SEQ_IDX_HEADER.pack(*(fields[k] for k in SEQ_IDX_FIELDS))
-    if "header_crc32" not in (header or {}):
-        head = head[:SEQ_IDX_HEADER_CRC_SPAN] + struct.pack("<I", zlib.crc32(head[:SEQ_IDX_HEADER_CRC_SPAN]))
-    with open(path, "wb") as f:
-        f.write(head + body)
-
-
-def idx_offset(prefix, which, i):
-    h = IdxHeader.parse(open(prefix + ".idx", "rb").read(IDX_HEADER_SIZE), prefix + ".idx",
-                        os.path.getsize(prefix + ".idx"))
-    base = {"len": h.lengths_offset, "ptr": h.pointers_offset, "doc": h.document_indices_offset}[which]
-    return base + (4 if which == "len" else 8) * i
-
-
-def pack_with_seqs(prefix, k):
-    _, _, offsets, _ = layout(prefix)
-    return int(np.nonzero(np.diff(offsets) >= k)[0][0])
 
 
 # --------------------------------------------------------------------------- the reader
@@ -224,32 +150,6 @@ def _truncate(suffix):
     return lambda p, d: os.truncate(p + suffix, os.path.getsize(p + suffix) - 1)
 
 
-def _set_loss(p, pos, value):
-    patch(p + ".loss.bin", pos, bytes([value]))
-
-
-def _loss_two(p, d):
-    ptr, *_ = layout(p)
-    _set_loss(p, int(ptr[7]) // 2 + 1, 2)
-
-
-def _loss_on_last(p, d):
-    ptr, _, offsets, starts = layout(p)
-    i = pack_with_seqs(p, 2)
-    _set_loss(p, int(ptr[i]) // 2 + int(starts[offsets[i] + 1]) - 1, 1)
-
-
-def _start_decreasing(p, d):
-    _, _, offsets, starts = layout(p)
-    i = pack_with_seqs(p, 3)
-    patch(p + ".seq.bin", 4 * (int(offsets[i]) + 2), struct.pack("<i", int(starts[offsets[i] + 1]) - 1))
-
-
-def _first_start(p, d):
-    _, _, offsets, _ = layout(p)
-    patch(p + ".seq.bin", 4 * int(offsets[4]), struct.pack("<i", 1))
-
-
 def _token(value, pack=9):
     def run(p, d):
         ptr, *_ = layout(p)
@@ -262,13 +162,6 @@ def _checksum_only(p, d):
     at = int(ptr[3])
     value = struct.unpack("<H", open(p + ".bin", "rb").read()[at:at + 2])[0]
     patch(p + ".bin", at, struct.pack("<H", (value + 1) % VOCAB))
-
-
-def _sealed(fn):
-    def run(p, d):
-        fn(p, d)
-        reseal(p)
-    return run
 
 
 def _swap_seq_idx(p, d):
@@ -315,22 +208,22 @@ CORRUPTIONS = [
     ("idx-version-2", lambda p, d: patch(p + ".idx", 9, struct.pack("<Q", 2)), "IDX_BAD_VERSION"),
     ("seq-idx-version-2", lambda p, d: reseal(p, header={"version_major": 2}), "SEQ_IDX_BAD_VERSION"),
     ("seq-idx-flags", lambda p, d: reseal(p, header={"flags": 1}), "SEQ_IDX_BAD_HEADER"),
-    ("loss-value-2", _loss_two, "LOSS_NOT_BINARY"),
-    ("loss-value-2-sealed", _sealed(_loss_two), "LOSS_NOT_BINARY"),
-    ("loss-on-last", _loss_on_last, "LOSS_ON_LAST_POSITION"),
-    ("loss-on-last-sealed", _sealed(_loss_on_last), "LOSS_ON_LAST_POSITION"),
-    ("start-decreasing", _start_decreasing, "SEQ_NOT_INCREASING"),
-    ("start-decreasing-sealed", _sealed(_start_decreasing), "SEQ_NOT_INCREASING"),
-    ("first-start-sealed", _sealed(_first_start), "SEQ_FIRST_NOT_ZERO"),
+    ("loss-value-2", loss_two, "LOSS_NOT_BINARY"),
+    ("loss-value-2-sealed", sealed(loss_two), "LOSS_NOT_BINARY"),
+    ("loss-on-last", loss_on_last, "LOSS_ON_LAST_POSITION"),
+    ("loss-on-last-sealed", sealed(loss_on_last), "LOSS_ON_LAST_POSITION"),
+    ("start-decreasing", start_decreasing, "SEQ_NOT_INCREASING"),
+    ("start-decreasing-sealed", sealed(start_decreasing), "SEQ_NOT_INCREASING"),
+    ("first-start-sealed", sealed(first_start), "SEQ_FIRST_NOT_ZERO"),
     ("token-vocab", _token(VOCAB), "TOKEN_OUT_OF_VOCAB"),
-    ("token-vocab-sealed", _sealed(_token(VOCAB + 7)), "TOKEN_OUT_OF_VOCAB"),
+    ("token-vocab-sealed", sealed(_token(VOCAB + 7)), "TOKEN_OUT_OF_VOCAB"),
     ("checksum-mismatch", _checksum_only, "CHECKSUM_MISMATCH"),
     ("swap-seq-idx", _swap_seq_idx, "PACK_COUNT_MISMATCH"),
     ("swap-twin-loss", _swap_twin_loss, "CHECKSUM_MISMATCH"),
     ("dup-pointer", _dup_pointer, "IDX_POINTER_MISMATCH"),
     ("document-index", lambda p, d: patch(p + ".idx", idx_offset(p, "doc", 3), struct.pack("<q", 7)),
      "IDX_DOCUMENT_INDICES"),
-    ("csr-offsets-sealed", _sealed(_offsets_equal), "SEQ_IDX_OFFSETS"),
+    ("csr-offsets-sealed", sealed(_offsets_equal), "SEQ_IDX_OFFSETS"),
     ("metadata-unparsable", lambda p, d: reseal(p, metadata_bytes=b'{"format": "megatron_sft_idx"'),
      "METADATA_UNPARSABLE"),
     ("metadata-missing-key", lambda p, d: reseal(p, edit=lambda o: o.pop("loss_mask_convention")),
@@ -389,7 +282,7 @@ def test_pack_findings_carry_rule_and_pack(native, base_shard, tmp_path):
     prefix = str(tmp_path / "s")
     for suffix in ALL_SUFFIXES:
         shutil.copyfile(base_shard + suffix, prefix + suffix)
-    _sealed(_loss_two)(prefix, tmp_path)
+    sealed(loss_two)(prefix, tmp_path)
     (finding,) = [f for f in validate(prefix, lib_path=native[0]).findings if f.code == "LOSS_NOT_BINARY"]
     assert (finding.rule, finding.pack, finding.severity) == (4, 7, "error")
     assert finding.file == prefix + ".loss.bin" and "found 2" in finding.message
@@ -492,7 +385,7 @@ def test_cli_json_and_exit_codes(native, base_shard, tmp_path):
     bad = str(tmp_path / "bad")
     for suffix in ALL_SUFFIXES:
         shutil.copyfile(base_shard + suffix, bad + suffix)
-    _loss_two(bad, tmp_path)
+    loss_two(bad, tmp_path)
     ok = run_cli(cli, base_shard, GOLDEN, "--json")
     assert ok.returncode == 0
     doc = json.loads(ok.stdout)
@@ -521,35 +414,6 @@ def test_cli_unreadable_file_exits_2(native, base_shard, tmp_path):
 
 
 # --------------------------------------------------------------------------- fuzz
-
-
-def mutate(rng, prefix):
-    """One random mutation of one random file; returns a description, or None for a no-op."""
-    suffix = ALL_SUFFIXES[int(rng.integers(len(ALL_SUFFIXES)))]
-    path = prefix + suffix
-    data = bytearray(open(path, "rb").read())
-    before = bytes(data)
-    kind = int(rng.integers(6))
-    size = len(data)
-    if kind == 0 and size:
-        data[int(rng.integers(size))] ^= 0xFF
-    elif kind == 1 and size:
-        for _ in range(int(rng.integers(1, 5))):
-            data[int(rng.integers(size))] = int(rng.integers(256))
-    elif kind == 2:
-        del data[int(rng.integers(size + 1)):]
-    elif kind == 3:
-        data += bytes(rng.integers(0, 256, int(rng.integers(1, 40)), dtype=np.uint8))
-    elif kind == 4 and size:
-        a = int(rng.integers(size))
-        data[a:a + int(rng.integers(1, 64))] = bytes(len(data[a:a + 64]))
-    elif kind == 5 and size:
-        data[int(rng.integers(size))] ^= 1 << int(rng.integers(8))
-    if bytes(data) == before:
-        return None
-    with open(path, "wb") as f:
-        f.write(data)
-    return f"{suffix} kind {kind}"
 
 
 @pytest.fixture(scope="module")

@@ -51,5 +51,9 @@ def touch(rec):
     return (len(ids), sum(ids), sum(rec["loss_mask"]), sum(rec["seq_start_id"]))
 
 
+def touch_tokens(rec):
+    return sum(rec["input_ids"])
+
+
 def as_arrays(rec):
     return np.array(rec["input_ids"]), np.array(rec["loss_mask"]), np.array(rec["seq_start_id"])

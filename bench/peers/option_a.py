@@ -116,5 +116,9 @@ def touch(rec):
     return (ids.shape[0], int(ids.sum()), int(rec["loss_mask"].sum()), sum(bounds) - bounds[-1])
 
 
+def touch_tokens(rec):
+    return int(rec["input_ids"].sum())
+
+
 def as_arrays(rec):
     return np.array(rec["input_ids"]), np.array(rec["loss_mask"]), np.array(rec["seq_boundaries"][:-1])

@@ -55,5 +55,9 @@ def touch(pack):
     return (ids.shape[0], int(ids.sum()), int(pack.loss_mask.sum()), int(pack.seq_start_id.sum()))
 
 
+def touch_tokens(pack):
+    return int(pack.input_ids.sum())
+
+
 def as_arrays(pack):
     return np.array(pack.input_ids), np.array(pack.loss_mask), np.array(pack.seq_start_id)

@@ -112,5 +112,9 @@ def touch(rec):
     return (len(ids), sum(ids), sum(rec["loss_mask"]), sum(bounds) - bounds[-1])
 
 
+def touch_tokens(rec):
+    return sum(rec["input_ids"])
+
+
 def as_arrays(rec):
     return np.array(rec["input_ids"]), np.array(rec["loss_mask"]), np.array(rec["seq_boundaries"][:-1])
