@@ -108,7 +108,7 @@ def main(argv=None) -> int:
         agree = (bad == -1 and np.array_equal(ptr_numba, ptr_numpy)
                  and np.array_equal(ptr_numba, np.asarray(ptr_loop, dtype=np.int64))
                  and end == int(lengths.sum(dtype=np.int64)) * ITEMSIZE)
-        del ptr_loop, as_list
+        del ptr_loop  # free the big list of Python ints before the next size
         results[str(n)] = {"packs": n, "numba_s": numba_s, "numpy_s": numpy_s, "python_loop_s": loop_s,
                            "loop_over_numba": loop_s / numba_s, "numba_over_numpy": numba_s / numpy_s,
                            "results_agree": bool(agree)}
