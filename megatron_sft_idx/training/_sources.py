@@ -136,16 +136,13 @@ class FlatPackedSource:
         self.path = str(path)
         self.tokens = _read_only(np.ascontiguousarray(tokens))
         self.token_offsets = _read_only(np.ascontiguousarray(token_offsets, dtype=np.int64))
-        loss_mask = np.asarray(loss_mask)
-        if loss_mask.size and (loss_mask.min() < 0 or loss_mask.max() > 1):
-            bad = np.flatnonzero((loss_mask < 0) | (loss_mask > 1))[0]
-            raise self._fail(np.searchsorted(self.token_offsets, bad, "right") - 1, Rule.LOSS_VALUE,
-                             "loss_mask")
-        self.loss_mask = _read_only(np.ascontiguousarray(loss_mask, dtype=np.uint8))
         self.seq_starts = _read_only(np.ascontiguousarray(seq_starts, dtype=np.int32))
         self.seq_offsets = _read_only(np.ascontiguousarray(seq_offsets, dtype=np.int64))
-        self._validate()
-        self.summary = self._summarize(pad_seq_to_mult, pack_size)
+        loss_mask = np.ascontiguousarray(loss_mask)
+        # Checked before the cast to uint8, which would wrap a -1 or 256 into a valid-looking value.
+        max_seqlen = self._validate(loss_mask, pad_seq_to_mult, pack_size)
+        self.loss_mask = _read_only(loss_mask.astype(np.uint8))
+        self.summary = self._summarize(pad_seq_to_mult, pack_size, max_seqlen)
 
     def __len__(self) -> int:
         return int(self.token_offsets.shape[0] - 1)
@@ -166,52 +163,49 @@ class FlatPackedSource:
                               pack=int(pack), field=field, rule=rule.name,
                               hint="fix the producer of this file or rebuild it")
 
-    def _validate(self) -> None:
-        """The pack invariants, checked over all packs at once."""
-        lengths = np.diff(self.token_offsets)
-        counts = np.diff(self.seq_offsets)
-        if self.loss_mask.shape != self.tokens.shape:
-            raise self._fail(0, Rule.LENGTH_MISMATCH, "loss_mask")
-        for rule, bad, field in ((Rule.PACK_EMPTY, lengths <= 0, "input_ids"),
-                                 (Rule.SEQ_NONE, counts <= 0, "seq_start_id")):
-            if bad.any():
-                raise self._fail(np.flatnonzero(bad)[0], rule, field)
-        if self.tokens.size and (self.tokens.min() < 0):
-            pack = np.searchsorted(self.token_offsets, np.flatnonzero(self.tokens < 0)[0], "right") - 1
-            raise self._fail(pack, Rule.TOKEN_NEGATIVE, "input_ids")
-        pack_of_seq = np.repeat(np.arange(len(self)), counts)
-        starts = self.seq_starts.astype(np.int64)
-        first = self.seq_offsets[:-1]
-        if (starts[first] != 0).any():
-            raise self._fail(np.flatnonzero(starts[first] != 0)[0], Rule.SEQ_FIRST_NOT_ZERO, "seq_start_id")
-        ends = np.empty_like(starts)  # each sequence's end: the next start, or the pack's length
-        ends[:-1] = starts[1:]
-        last = self.seq_offsets[1:] - 1
-        ends[last] = lengths
-        bad = ends <= starts
-        if bad.any():
-            bad_pack = pack_of_seq[np.flatnonzero(bad)[0]]
-            rule = Rule.SEQ_START_OUT_OF_RANGE if (starts[last] >= lengths).any() else Rule.SEQ_NOT_INCREASING
-            raise self._fail(bad_pack, rule, "seq_start_id")
-        last_token = self.token_offsets[pack_of_seq] + ends - 1
-        if self.loss_mask[last_token].any():
-            raise self._fail(pack_of_seq[np.flatnonzero(self.loss_mask[last_token])[0]],
-                             Rule.LOSS_ON_LAST, "loss_mask")
-        self._seq_lengths = ends - starts
+    def _validate(self, loss_mask: np.ndarray, pad_seq_to_mult: int, pack_size: Optional[int]) -> int:
+        """Every pack invariant, through the numba scan the builder, reader and gate use.
 
-    def _summarize(self, pad_seq_to_mult: int, pack_size: Optional[int]) -> PackSummary:
+        Returns the longest sequence. numba is imported here, not at module import: only the
+        in-memory formats (legacy ``.npy``, Parquet) come through this path.
+        """
+        from .. import _kernels
+
+        n = len(self)
+        lengths = np.diff(self.token_offsets)
+        if loss_mask.shape != self.tokens.shape:
+            raise self._fail(0, Rule.LENGTH_MISMATCH, "loss_mask")
+        if n and (lengths.min() < 0 or np.diff(self.seq_offsets).min() < 0
+                  or self.token_offsets[-1] != self.tokens.size or self.seq_offsets[-1] != self.seq_starts.size):
+            raise ShardError("pack offsets are not a cumulative partition of the arrays", path=self.path,
+                             field="offsets", hint="fix the producer of this file or rebuild it")
+        found = np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64)
+        counts = np.zeros(_kernels.N_RULES, np.int64)
+        result = _kernels.scan_packs(lengths, self.token_offsets, self.seq_offsets, self.tokens, loss_mask,
+                                     self.seq_starts, pack_size or 0, _INT32_MAX, 0, int(pad_seq_to_mult),
+                                     0, n, 1, *found, counts)
+        if result[0]:
+            rule = Rule(int(found[0][0]))
+            raise self._fail(int(found[1][0]), rule, _RULE_FIELD.get(rule, "seq_start_id"))
+        return int(result[1])
+
+    def _summarize(self, pad_seq_to_mult: int, pack_size: Optional[int], max_seqlen: int) -> PackSummary:
         lengths = np.diff(self.token_offsets)
         counts = np.diff(self.seq_offsets)
-        if pack_size is not None and lengths.size and lengths.max() > pack_size:
-            raise self._fail(int(np.argmax(lengths)), Rule.PACK_TOO_LONG, "input_ids")
         return PackSummary(
             pack_count=len(self), sequence_count=int(counts.sum()), token_count=int(lengths.sum()),
             pack_size=pack_size, pad_seq_to_mult=int(pad_seq_to_mult),
-            max_samples_per_bin=int(counts.max()), dataset_max_seqlen=int(self._seq_lengths.max()),
+            max_samples_per_bin=int(counts.max()), dataset_max_seqlen=max_seqlen,
             min_packed_seqlen=int(lengths.min()), max_packed_seqlen=int(lengths.max()))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.path!r}, packs={len(self)})"
+
+
+_INT32_MAX = int(np.iinfo(np.int32).max)
+_RULE_FIELD = {Rule.LOSS_VALUE: "loss_mask", Rule.LOSS_ON_LAST: "loss_mask", Rule.LENGTH_MISMATCH: "loss_mask",
+               Rule.PACK_EMPTY: "input_ids", Rule.PACK_TOO_LONG: "input_ids", Rule.TOKEN_NEGATIVE: "input_ids",
+               Rule.TOKEN_TOO_LARGE: "input_ids", Rule.TOKEN_OUT_OF_VOCAB: "input_ids"}
 
 
 def _read_only(arr: np.ndarray) -> np.ndarray:
