@@ -118,14 +118,31 @@ def _view(buf: np.ndarray, dtype, count: int, offset: int) -> np.ndarray:
     return np.frombuffer(buf, dtype=dtype, count=count, offset=offset)
 
 
-def _read_exact(path: str, size: int, offset: int = 0) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            return f.read(size)
-    except OSError as exc:  # a directory, no permission, an I/O error: name the file, not errno
-        raise ShardError(f"cannot read file: {exc.strerror or exc}", path=path,
-                         hint="check that the path is a readable regular file") from None
+class _Reader:
+    """One open file for the few small reads an open needs; OSErrors become ShardErrors."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        try:
+            self._fd = os.open(path, os.O_RDONLY)
+        except OSError as exc:
+            raise self._error(exc) from None
+
+    def read(self, size: int, offset: int) -> bytes:
+        try:
+            return os.pread(self._fd, size, offset)
+        except OSError as exc:  # a directory, an I/O error: name the file, not errno
+            raise self._error(exc) from None
+
+    def _error(self, exc: OSError) -> ShardError:
+        return ShardError(f"cannot read file: {exc.strerror or exc}", path=self.path,
+                          hint="check that the path is a readable regular file")
+
+    def __enter__(self) -> "_Reader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        os.close(self._fd)
 
 
 class MMapIndexedDataset:
@@ -181,23 +198,26 @@ class MMapIndexedDataset:
                 f"it as pretrain data", path=self.prefix + missing[0], field="files")
         self.is_pretrain = not companions
         allowed = None if self.is_pretrain else TOKEN_DTYPES
-        self.idx_header = IdxHeader.parse(_read_exact(self.paths.idx, IDX_HEADER_SIZE), self.paths.idx,
-                                          sizes[IDX_SUFFIX], **({} if allowed is None else
-                                                                {"allowed_dtypes": allowed}))
-        self.dtype = self.idx_header.dtype
-        self._n = self.idx_header.sequence_count
+        with _Reader(self.paths.idx) as idx:
+            self.idx_header = IdxHeader.parse(idx.read(IDX_HEADER_SIZE, 0), self.paths.idx, sizes[IDX_SUFFIX],
+                                              **({} if allowed is None else {"allowed_dtypes": allowed}))
+            self.dtype = self.idx_header.dtype
+            self._n = self.idx_header.sequence_count
+            bin_end = self._last_pack_end(idx)
         if self.is_pretrain:
+            self._check_bin_end(bin_end)
             self.seq_header = None
-            self._check_bin_end()
             self.metadata = ShardMetadata(
                 pack_size=None, token_dtype=self.dtype.name, vocab_size=None, stats=None, files={},
                 producer={}, loss_mask_convention="pretrain_all_ones", kind="pretrain")
             return
-        raw = _read_exact(self.paths.seq_idx, SEQ_IDX_HEADER_SIZE)
-        self.seq_header = h = SeqIdxHeader.parse(raw, self.paths.seq_idx, sizes[SEQ_IDX_SUFFIX])
-        meta_raw = _read_exact(self.paths.seq_idx, h.metadata_length, METADATA_OFFSET)
+        with _Reader(self.paths.seq_idx) as seq_idx:
+            self.seq_header = h = SeqIdxHeader.parse(seq_idx.read(SEQ_IDX_HEADER_SIZE, 0), self.paths.seq_idx,
+                                                     sizes[SEQ_IDX_SUFFIX])
+            meta_raw = seq_idx.read(h.metadata_length, METADATA_OFFSET)
         self.metadata = ShardMetadata.decode(meta_raw, path=self.paths.seq_idx)
-        self._cross_check()
+        self._cross_check()  # sizes against headers and metadata first: the more precise finding
+        self._check_bin_end(bin_end)
 
     def _cross_check(self) -> None:
         """Everything that can disagree between headers, metadata and file sizes, checked at open."""
@@ -229,21 +249,18 @@ class MMapIndexedDataset:
             agree("file size disagrees with the .seq.idx header", path, "size", expected, actual, err)
             agree("file size disagrees with the size recorded in the metadata", path, "size",
                   m.files[suffix].size, actual, err)
-        self._check_bin_end()
 
-    def _check_bin_end(self) -> None:
-        """The last pack must end exactly at the end of .bin (reads two index entries)."""
-        n = self._n
+    def _last_pack_end(self, idx: _Reader) -> int:
+        """Byte offset where the last pack ends in .bin, from two index entries (0 without packs)."""
+        n, ih = self._n, self.idx_header
         if n == 0:
-            if self._sizes[BIN_SUFFIX] != 0:
-                raise SizeMismatchError(".idx holds no sequences but .bin is not empty",
-                                        path=self.paths.bin, field="size", expected=0,
-                                        actual=self._sizes[BIN_SUFFIX])
-            return
-        ih = self.idx_header
-        last_len = int(np.frombuffer(_read_exact(self.paths.idx, 4, ih.lengths_offset + 4 * (n - 1)), "<i4")[0])
-        last_ptr = int(np.frombuffer(_read_exact(self.paths.idx, 8, ih.pointers_offset + 8 * (n - 1)), "<i8")[0])
-        end = last_ptr + last_len * self.dtype.itemsize
+            return 0
+        last_len = int.from_bytes(idx.read(4, ih.lengths_offset + 4 * (n - 1)), "little", signed=True)
+        last_ptr = int.from_bytes(idx.read(8, ih.pointers_offset + 8 * (n - 1)), "little", signed=True)
+        return last_ptr + last_len * self.dtype.itemsize
+
+    def _check_bin_end(self, end: int) -> None:
+        """The last pack must end exactly at the end of .bin."""
         if end != self._sizes[BIN_SUFFIX]:
             err = TruncatedFileError if end > self._sizes[BIN_SUFFIX] else SizeMismatchError
             raise err("the last pack does not end at the end of .bin", path=self.paths.bin,
