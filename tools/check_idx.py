@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The promotion gate: ``tools/check_idx.py PREFIX... [--fast|--deep] [--json] [--promote DEST]``.
 
-Thin wrapper; the CLI lives in :mod:`megatron_sft_idx.gate.cli` (console script ``check_idx``).
+Thin wrapper; the CLI lives in :mod:`megatron_sft_idx.gate.cli` (console script ``check-idx``).
 """
 
 import os

@@ -1,9 +1,18 @@
 #!/usr/bin/env python3
-"""Conversations in, packed SFT shards out. See ``--help`` or megatron_sft_idx/preprocess/cli.py."""
+"""Conversations in, packed SFT shards out: ``tools/preprocess_sft.py --help``.
 
+Thin wrapper; the CLI lives in :mod:`megatron_sft_idx.preprocess.cli` (console script
+``preprocess-sft``).
+"""
+
+import os
 import sys
 
-from megatron_sft_idx.preprocess.cli import main
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_sft_idx.preprocess.cli import build_parser, main  # noqa: E402
+
+__all__ = ["build_parser", "main"]
 
 if __name__ == "__main__":
     sys.exit(main())

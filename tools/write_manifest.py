@@ -2,7 +2,7 @@
 """Write a shard manifest: ``tools/write_manifest.py OUT.json SHARD... [--absolute] [--json]``.
 
 Thin wrapper; the CLI lives in :mod:`megatron_sft_idx.training.manifest_cli`
-(console script ``write_manifest``).
+(console script ``write-sft-manifest``).
 """
 
 import os
