@@ -18,6 +18,7 @@ sequence is a pack of one sequence with a loss mask of ones, and
 
 from __future__ import annotations
 
+import mmap
 import operator
 import os
 import sys
@@ -165,6 +166,7 @@ class MMapIndexedDataset:
         self.paths = ShardPaths.from_prefix(self.prefix)
         self.check_packs = check_packs
         self._tokens = None  # mapped lazily, on first access
+        self._mmaps: list = []
         self._open_headers()
         self._itemsize = self.dtype.itemsize
         self._bin_size = self._sizes[BIN_SUFFIX]
@@ -275,24 +277,41 @@ class MMapIndexedDataset:
         if self._tokens is not None:
             return
         ih, sizes = self.idx_header, self._sizes
-        idx = _map(self.paths.idx, sizes[IDX_SUFFIX])
+        idx = self._mapped(_map(self.paths.idx, sizes[IDX_SUFFIX]))
         self._lengths = _view(idx, LENGTH_DTYPE, self._n, ih.lengths_offset)
         self._pointers = _view(idx, POINTER_DTYPE, self._n, ih.pointers_offset)
         self._documents = _view(idx, POINTER_DTYPE, ih.document_count, ih.document_indices_offset)
         # memoryviews index to Python ints several times faster than numpy scalars.
         self._len_mv = memoryview(self._lengths).cast("B").cast("i")
         self._ptr_mv = memoryview(self._pointers).cast("B").cast("q")
-        tokens = _map(self.paths.bin, sizes[BIN_SUFFIX])
+        tokens = self._mapped(_map(self.paths.bin, sizes[BIN_SUFFIX]))
         count = sizes[BIN_SUFFIX] // self._itemsize
         if not self.is_pretrain:
             h = self.seq_header
-            self._offsets = _view(_map(self.paths.seq_idx, sizes[SEQ_IDX_SUFFIX]), POINTER_DTYPE,
-                                  self._n + 1, h.csr_offset)
+            self._offsets = _view(self._mapped(_map(self.paths.seq_idx, sizes[SEQ_IDX_SUFFIX])),
+                                  POINTER_DTYPE, self._n + 1, h.csr_offset)
             self._off_mv = memoryview(self._offsets).cast("B").cast("q")
-            self._loss = _view(_map(self.paths.loss_bin, sizes[LOSS_SUFFIX]), np.uint8, h.token_count, 0)
-            self._starts = _view(_map(self.paths.seq_bin, sizes[SEQ_BIN_SUFFIX]), SEQ_DTYPE.numpy,
-                                 h.sequence_count, 0)
+            self._loss = _view(self._mapped(_map(self.paths.loss_bin, sizes[LOSS_SUFFIX])), np.uint8,
+                               h.token_count, 0)
+            self._starts = _view(self._mapped(_map(self.paths.seq_bin, sizes[SEQ_BIN_SUFFIX])),
+                                 SEQ_DTYPE.numpy, h.sequence_count, 0)
         self._tokens = _view(tokens, self.dtype.numpy, count, 0)  # set last: it marks "mapped"
+
+    def _mapped(self, buf: np.ndarray) -> np.ndarray:
+        self._mmaps.append(buf)
+        return buf
+
+    def release_pages(self) -> None:
+        """Drop this process's resident pages of the mapped files (``MADV_DONTNEED``).
+
+        The data stays in the OS page cache and is faulted back on the next access. A long
+        scan over a large shard calls this between chunks, so that its RSS is bounded by one
+        chunk rather than growing to the size of the files.
+        """
+        for buf in self._mmaps:
+            raw = getattr(buf, "_mmap", None)  # np.memmap keeps its mmap.mmap here
+            if raw is not None and hasattr(raw, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+                raw.madvise(mmap.MADV_DONTNEED)
 
     # ------------------------------------------------------------------ access
 

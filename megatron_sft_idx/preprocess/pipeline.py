@@ -13,7 +13,7 @@ import resource
 import shutil
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -186,7 +186,7 @@ class SplitPlan:
     staged: List[str]
 
 
-def materialize_shard(plan: SplitPlan, shard: int, sp: Spooled, readers, pad_id: int,
+def materialize_shard(plan: SplitPlan, shard: int, sp: Spooled, spool: SpoolViews, pad_id: int,
                       builder_kw: dict, bar) -> dict:
     """Write packs ``shard_starts[shard]..[shard+1]`` of a split to its staged prefix."""
     a = plan.assignment
@@ -199,7 +199,8 @@ def materialize_shard(plan: SplitPlan, shard: int, sp: Spooled, readers, pad_id:
             while b1 < last and tokens + int(a.loads[b1]) <= _CHUNK_TOKENS:
                 tokens += int(a.loads[b1])
                 b1 += 1
-            _write_chunk(plan, b0, b1, tokens, sp, readers, pad_id, builder)
+            _write_chunk(plan, b0, b1, tokens, sp, spool.readers, pad_id, builder)
+            spool.release_pages()
             bar.update(b1 - b0)
             b0 = b1
     return builder.metadata.to_dict()
@@ -226,9 +227,21 @@ def _write_chunk(plan, b0, b1, tokens, sp, readers, pad_id, builder) -> None:
         builder.add_packed(out_ids[start:pack_ends[k + 1]], out_mask[start:pack_ends[k + 1]], dst[lo:hi] - start)
 
 
-def open_spool(prefixes: Sequence[str]):
-    """Per spool shard: (tokens, loss mask, byte pointers, itemsize) as mmap views."""
-    readers = []
+class SpoolViews(NamedTuple):
+    """The spool as mmap views: per worker (tokens, loss mask, byte pointers, itemsize)."""
+
+    readers: list
+    datasets: list
+
+    def release_pages(self) -> None:
+        """Packs gather conversations from all over the spool; dropping the mapped pages after
+        each chunk keeps RSS at one chunk's working set instead of the spool's size."""
+        for ds in self.datasets:
+            ds.release_pages()
+
+
+def open_spool(prefixes: Sequence[str]) -> SpoolViews:
+    readers, datasets = [], []
     for prefix in prefixes:
         if not os.path.exists(prefix + ".idx"):
             readers.append((np.empty(0, np.int64), np.empty(0, np.uint8), np.empty(0, np.int64), 1))
@@ -236,7 +249,8 @@ def open_spool(prefixes: Sequence[str]):
         ds = MMapIndexedDataset(prefix)
         arr = ds.arrays()
         readers.append((arr.tokens, arr.loss_mask, np.asarray(ds.sequence_pointers), ds.dtype.itemsize))
-    return readers
+        datasets.append(ds)
+    return SpoolViews(readers, datasets)
 
 
 def _encode_options(cfg: Config, vocab: Optional[int], mult: int) -> EncodeOptions:
@@ -326,7 +340,7 @@ def _run_in(cfg, work, files, tok, tok_identity, vocab, pad_id, mult, split_name
             empty.append(name)
     times["pack"] = time.perf_counter() - t
     t = time.perf_counter()
-    readers = open_spool(sp.prefixes)
+    spool = open_spool(sp.prefixes)
     shard_meta = {}
     total_packs = sum(p.assignment.n_bins for p in plans)
     with _progress(cfg.progress, desc="write", unit="pack", total=total_packs) as bar:
@@ -335,8 +349,8 @@ def _run_in(cfg, work, files, tok, tok_identity, vocab, pad_id, mult, split_name
             for i in range(count):
                 kw = dict(vocab_size=vocab, pack_size=cfg.pack_size,
                           metadata=_metadata(cfg, tok_identity, mult, input_info, plan.name, i, count))
-                shard_meta[plan.finals[i]] = materialize_shard(plan, i, sp, readers, pad_id, kw, bar)
-    del readers
+                shard_meta[plan.finals[i]] = materialize_shard(plan, i, sp, spool, pad_id, kw, bar)
+    del spool
     times["write"] = time.perf_counter() - t
     verify = None
     if cfg.verify_masks:
