@@ -301,6 +301,16 @@ class MMapIndexedDataset:
         self._mmaps.append(buf)
         return buf
 
+    def advise(self, advice: int) -> None:
+        """``madvise`` every mapped file of the shard (maps them first); a no-op where the
+        platform lacks ``madvise``. E.g. ``mmap.MADV_RANDOM`` for scattered reads: no
+        read-ahead and no fault-around, so each read maps only the pages it touches."""
+        self._ensure_maps()
+        for buf in self._mmaps:
+            raw = getattr(buf, "_mmap", None)  # np.memmap keeps its mmap.mmap here
+            if raw is not None and hasattr(raw, "madvise"):
+                raw.madvise(advice)
+
     def release_pages(self) -> None:
         """Drop this process's resident pages of the mapped files (``MADV_DONTNEED``).
 
@@ -308,10 +318,8 @@ class MMapIndexedDataset:
         scan over a large shard calls this between chunks, so that its RSS is bounded by one
         chunk rather than growing to the size of the files.
         """
-        for buf in self._mmaps:
-            raw = getattr(buf, "_mmap", None)  # np.memmap keeps its mmap.mmap here
-            if raw is not None and hasattr(raw, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
-                raw.madvise(mmap.MADV_DONTNEED)
+        if self._tokens is not None and hasattr(mmap, "MADV_DONTNEED"):
+            self.advise(mmap.MADV_DONTNEED)
 
     # ------------------------------------------------------------------ access
 

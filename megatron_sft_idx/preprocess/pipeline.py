@@ -8,6 +8,7 @@ packs. Same inputs + seed give byte-identical shards whatever ``--workers``.
 
 from __future__ import annotations
 
+import mmap
 import os
 import resource
 import shutil
@@ -28,6 +29,11 @@ from .inputs import expand_inputs, file_digest, iter_batches
 from .spool import Batch, BatchResult, EncodeOptions, run_spool
 
 _CHUNK_TOKENS = 1 << 22  # tokens materialized at once
+# Packs gather sequences from anywhere in the spool, and the kernel maps ~64 KiB around every
+# page fault (fault-around), for tokens and loss mask alike: bounding the sequences per chunk,
+# and dropping the mapped pages after it, keeps the spool's share of RSS near 64 MiB however
+# large the spool is.
+_CHUNK_SEQUENCES = 512
 
 
 @dataclass
@@ -196,7 +202,8 @@ def materialize_shard(plan: SplitPlan, shard: int, sp: Spooled, spool: SpoolView
         while b0 < last:
             b1 = b0 + 1
             tokens = int(a.loads[b0])
-            while b1 < last and tokens + int(a.loads[b1]) <= _CHUNK_TOKENS:
+            while (b1 < last and tokens + int(a.loads[b1]) <= _CHUNK_TOKENS
+                   and int(a.offsets[b1 + 1]) - int(a.offsets[b0]) <= _CHUNK_SEQUENCES):
                 tokens += int(a.loads[b1])
                 b1 += 1
             _write_chunk(plan, b0, b1, tokens, sp, spool.readers, pad_id, builder)
@@ -247,6 +254,8 @@ def open_spool(prefixes: Sequence[str]) -> SpoolViews:
             readers.append((np.empty(0, np.int64), np.empty(0, np.uint8), np.empty(0, np.int64), 1))
             continue
         ds = MMapIndexedDataset(prefix)
+        if hasattr(mmap, "MADV_RANDOM"):  # packs gather scattered sequences: map only what is read
+            ds.advise(mmap.MADV_RANDOM)
         arr = ds.arrays()
         readers.append((arr.tokens, arr.loss_mask, np.asarray(ds.sequence_pointers), ds.dtype.itemsize))
         datasets.append(ds)
