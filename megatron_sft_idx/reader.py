@@ -48,6 +48,7 @@ from .format import (
     SEQ_IDX_HEADER_SIZE,
     SEQ_IDX_SUFFIX,
     SFT_SUFFIXES,
+    READABLE_TOKEN_DTYPES,
     TOKEN_DTYPES,
     IdxHeader,
     Rule,
@@ -199,10 +200,10 @@ class MMapIndexedDataset:
                 f"SFT companions {companions} exist but {missing} are missing; refusing to read "
                 f"it as pretrain data", path=self.prefix + missing[0], field="files")
         self.is_pretrain = not companions
-        allowed = None if self.is_pretrain else TOKEN_DTYPES
+        allowed = READABLE_TOKEN_DTYPES if self.is_pretrain else TOKEN_DTYPES
         with _Reader(self.paths.idx) as idx:
             self.idx_header = IdxHeader.parse(idx.read(IDX_HEADER_SIZE, 0), self.paths.idx, sizes[IDX_SUFFIX],
-                                              **({} if allowed is None else {"allowed_dtypes": allowed}))
+                                              allowed_dtypes=allowed)
             self.dtype = self.idx_header.dtype
             self._n = self.idx_header.sequence_count
             bin_end = self._last_pack_end(idx)
