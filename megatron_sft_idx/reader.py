@@ -103,6 +103,24 @@ class ShardArrays(NamedTuple):
     seq_offsets: np.ndarray
 
 
+def pack_index(idx, n: int, source: str) -> int:
+    """``idx`` as a pack number in ``[0, n)``; negative counts from the end, as for sequences.
+
+    Raises:
+        TypeError: ``idx`` is not an integer (numpy integers are).
+        IndexError: out of range.
+    """
+    try:
+        i = operator.index(idx)
+    except TypeError:
+        raise TypeError(f"pack index must be an integer or a slice, not {type(idx).__name__}") from None
+    if i < 0:
+        i += n
+    if i < 0 or i >= n:
+        raise IndexError(f"pack index {idx} out of range for {n} packs in {source}")
+    return i
+
+
 def _map(path: str, size: int) -> np.ndarray:
     """Read-only uint8 map of a whole file (an empty array for an empty file)."""
     if size == 0:
@@ -340,21 +358,9 @@ class MMapIndexedDataset:
                               expected=expected, actual=actual,
                               hint="run tools/check_idx.py on this shard and rebuild it")
 
-    def _index(self, idx) -> int:
-        try:
-            i = operator.index(idx)
-        except TypeError:
-            raise TypeError(f"pack index must be an integer or a slice, not {type(idx).__name__}") from None
-        n = self._n
-        if i < 0:
-            i += n
-        if i < 0 or i >= n:
-            raise IndexError(f"pack index {idx} out of range for {n} packs in {self.prefix}")
-        return i
-
     def _pack(self, idx) -> Pack:
         # The hot path of training: every line here costs time per sample (see bench.compare).
-        i = self._index(idx)
+        i = pack_index(idx, self._n, self.prefix)
         if self._tokens is None:
             self._ensure_maps()
         length = self._len_mv[i]

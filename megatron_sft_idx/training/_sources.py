@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import InvariantError, ShardError
 from ..format import Rule
-from ..reader import MMapIndexedDataset, Pack
+from ..reader import MMapIndexedDataset, Pack, pack_index
 
 
 @dataclass(frozen=True)
@@ -148,12 +148,7 @@ class FlatPackedSource:
         return int(self.token_offsets.shape[0] - 1)
 
     def __getitem__(self, i) -> Pack:
-        n = len(self)
-        i = int(i)
-        if i < 0:
-            i += n
-        if not 0 <= i < n:
-            raise IndexError(f"pack index {i} out of range for {n} packs in {self.path}")
+        i = pack_index(i, len(self), self.path)
         t0, t1 = self.token_offsets[i], self.token_offsets[i + 1]
         s0, s1 = self.seq_offsets[i], self.seq_offsets[i + 1]
         return Pack(self.tokens[t0:t1], self.loss_mask[t0:t1], self.seq_starts[s0:s1])

@@ -34,7 +34,7 @@ import numpy as np
 from .._atomic import write_file_atomically
 from ..errors import ShardError, ShardNotFoundError, SizeMismatchError
 from ..format import IDX_SUFFIX, SEQ_IDX_SUFFIX
-from ..reader import MMapIndexedDataset
+from ..reader import MMapIndexedDataset, pack_index
 from ._sources import PackSummary, summarize
 
 __all__ = ["MultiShardDataset", "write_manifest", "read_manifest", "is_manifest", "expand_shards",
@@ -196,12 +196,7 @@ class MultiShardDataset:
 
     def shard_of(self, i) -> tuple:
         """``(shard_number, local_index)`` of global pack ``i`` (negative ``i`` counts from the end)."""
-        n = len(self)
-        i = int(i)
-        if i < 0:
-            i += n
-        if not 0 <= i < n:
-            raise IndexError(f"pack index {i} out of range for {n} packs in {self.source}")
+        i = pack_index(i, len(self), self.source)
         k = int(np.searchsorted(self.starts, i, side="right")) - 1
         return k, i - int(self.starts[k])
 
