@@ -260,14 +260,19 @@ class IndexedDatasetBuilder:
     def _record(self, n_tokens: int, n_seq: int, loss_sum: int, max_len: int, min_len: int) -> None:
         self._lengths.append(n_tokens)
         self._seq_counts.append(n_seq)
-        self._tokens += n_tokens
-        self._sequences += n_seq
+        self._merge_stats(n_tokens, n_seq, loss_sum, max_len, min_len, n_seq, n_tokens, n_tokens)
+
+    def _merge_stats(self, tokens: int, sequences: int, loss_sum: int, max_seqlen: int, min_seqlen: int,
+                     max_samples: int, min_packed: int, max_packed: int) -> None:
+        """Fold the statistics of one pack, or of a run of packs, into the shard's."""
+        self._tokens += tokens
+        self._sequences += sequences
         self._loss_tokens += loss_sum
-        self._max_seqlen = max(self._max_seqlen, max_len)
-        self._min_seqlen = min_len if self._min_seqlen is None else min(self._min_seqlen, min_len)
-        self._max_samples = max(self._max_samples, n_seq)
-        self._min_packed = n_tokens if self._min_packed is None else min(self._min_packed, n_tokens)
-        self._max_packed = max(self._max_packed, n_tokens)
+        self._max_seqlen = max(self._max_seqlen, max_seqlen)
+        self._min_seqlen = min_seqlen if self._min_seqlen is None else min(self._min_seqlen, min_seqlen)
+        self._max_samples = max(self._max_samples, max_samples)
+        self._min_packed = min_packed if self._min_packed is None else min(self._min_packed, min_packed)
+        self._max_packed = max(self._max_packed, max_packed)
 
     def _violation(self, rule: Rule, index: int, pos: int, ids, loss, starts) -> InvariantError:
         field = {Rule.LOSS_VALUE: "loss_mask", Rule.LOSS_ON_LAST: "loss_mask",
@@ -384,14 +389,8 @@ class IndexedDatasetBuilder:
         self._seq.write(np.ascontiguousarray(chunk_starts, dtype=_SEQ_NP))
         self._lengths.extend(chunk_lengths)
         self._seq_counts.extend(np.diff(seq_off))
-        self._tokens += t1 - t0
-        self._sequences += s1 - s0
-        self._loss_tokens += int(loss_sum)
-        self._max_seqlen = max(self._max_seqlen, int(max_len))
-        self._min_seqlen = int(min_len) if self._min_seqlen is None else min(self._min_seqlen, int(min_len))
-        self._max_samples = max(self._max_samples, int(max_samples))
-        self._min_packed = int(min_packed) if self._min_packed is None else min(self._min_packed, int(min_packed))
-        self._max_packed = max(self._max_packed, int(max_packed))
+        self._merge_stats(t1 - t0, s1 - s0, int(loss_sum), int(max_len), int(min_len), int(max_samples),
+                          int(min_packed), int(max_packed))
 
     # ------------------------------------------------------------------ finishing
 
