@@ -32,6 +32,7 @@ __all__ = [
     "InvariantError",
     "BuilderStateError",
     "InputError",
+    "OutputError",
 ]
 
 
@@ -169,3 +170,11 @@ class InputError(ShardError):
     key under which ``--skip-bad`` counts it."""
 
     default_hint = "fix or remove the record, or pass --skip-bad to skip and count such records"
+
+
+class OutputError(ShardError):
+    """Writing an output failed in the filesystem: the disk is full, the filesystem is
+    read-only, permission is denied, or a directory of the output cannot be created.
+    ``path`` is the file or directory the system refused; ``errno`` the system's code."""
+
+    default_hint = "fix the destination (free space, permissions, a writable filesystem) and rerun"

@@ -1,0 +1,276 @@
+"""The plan step: global packing of the store's lengths into a pack plan file.
+
+One unit, lengths only: the store's ``.rows`` are read a partition at a time, overlong
+sequences are truncated, dropped or refused (``--overlong``), the kept conversations are
+split (``--split``, seeded) and each split is packed globally (numba, the five algorithms)
+into packs of ``--pack-size`` with every sequence padded to the pad multiple, then cut into
+output shards (``--max-packs-per-shard`` / ``--max-shard-bytes``). The result is a
+:mod:`.planfile`: pack -> store sequence ids.
+
+Memory: about 16 bytes per conversation without ``--split`` and 24 with it (int32 padded
+lengths, packing order and bin ids, plus split ids and members), plus ~40 bytes per pack;
+``bench/plan.py`` measures it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numba
+import numpy as np
+
+from ..errors import ShardError
+from ..packing import pack_lengths, packing_summary, padded_lengths, truncation_length
+from ..packing.algorithms import index_dtype
+from ._materialize import exclusive_cumsum
+from .errors import input_error
+from .planfile import PLAN_FORMAT, PlanWriter
+from .receipts import ReceiptBook
+from .store import SequenceStore
+
+SPLIT_NAMES = ("train", "valid", "test")
+_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """Everything that decides the packs (and nothing that decides their bytes)."""
+
+    pack_size: int
+    pad_multiple: int
+    algorithm: str
+    seed: int
+    split: Optional[Tuple[float, ...]]
+    overlong: str                   # truncate | drop | error
+    skip_bad: bool                  # under --overlong error: skip and count instead of stopping
+    max_packs_per_shard: Optional[int]
+    max_shard_bytes: Optional[int]
+    itemsize: int                   # bytes per output token (for --max-shard-bytes)
+
+    @property
+    def truncate_to(self) -> int:
+        return truncation_length(self.pack_size, self.pad_multiple)
+
+    @property
+    def split_names(self) -> Tuple[str, ...]:
+        return SPLIT_NAMES[:len(self.split)] if self.split else ("all",)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["split"] = list(self.split) if self.split else None
+        return out
+
+
+def split_conversations(n: int, weights: Optional[Sequence[float]], seed: int) -> List[np.ndarray]:
+    """Global conversation indices of each split (ascending), from a seeded permutation."""
+    split_of = split_assignment(n, weights, seed)
+    if split_of is None:
+        return [np.arange(n, dtype=np.int64)]
+    return [np.flatnonzero(split_of == i) for i in range(len(weights))]
+
+
+def split_assignment(n: int, weights: Optional[Sequence[float]], seed: int) -> Optional[np.ndarray]:
+    """The split of every conversation (int8), or None without splits.
+
+    Split ``i`` is ``permutation(n)[bounds[i]:bounds[i+1]]`` for the seeded permutation and
+    the rounded cumulative weights; the permutation is built in int32 (Generator.shuffle
+    draws what Generator.permutation draws) and freed before returning.
+    """
+    if not weights:
+        return None
+    w = np.asarray(weights, dtype=np.float64)
+    bounds = np.round(np.concatenate([[0.0], np.cumsum(w / w.sum())]) * n).astype(np.int64)
+    perm = np.arange(n, dtype=index_dtype(n))
+    np.random.default_rng(seed).shuffle(perm)
+    split_of = np.empty(n, dtype=np.int8)
+    for i in range(len(w)):
+        split_of[perm[bounds[i]:bounds[i + 1]]] = i
+    return split_of
+
+
+@numba.njit(cache=True)
+def _select(split_of, which, out):
+    k = 0
+    for i in range(split_of.shape[0]):
+        if split_of[i] == which:
+            out[k] = i
+            k += 1
+    return k
+
+
+def plan_shards(loads: np.ndarray, seq_counts: np.ndarray, itemsize: int,
+                max_packs: Optional[int], max_bytes: Optional[int]) -> np.ndarray:
+    """First pack of each shard plus the end (int64[S+1]); each shard holds >= 1 pack."""
+    n = loads.size
+    if not max_packs and not max_bytes:
+        return np.array([0, n], dtype=np.int64)
+    cum = exclusive_cumsum(loads.astype(np.int64) * (itemsize + 1) + seq_counts * 4 + 20)
+    starts = [0]
+    while starts[-1] < n:
+        s = starts[-1]
+        end = n if not max_packs else min(n, s + max_packs)
+        if max_bytes:
+            end = min(end, int(np.searchsorted(cum, cum[s] + max_bytes, side="right")) - 1)
+        starts.append(max(end, s + 1))
+    return np.asarray(starts, dtype=np.int64)
+
+
+# --------------------------------------------------------------------------- kept lengths
+
+
+@dataclass
+class Kept:
+    """The conversations that go into packs, in store order."""
+
+    padded: np.ndarray                  # int32 padded length per kept conversation
+    store_ids: Optional[np.ndarray]     # store sequence id per kept one; None when all are kept
+    truncated: int
+    padding_tokens: int
+    skipped: Dict[str, int]
+    first_skipped: Dict[str, str]
+
+
+#: Skip reason of an overlong conversation that is not kept, by --overlong mode.
+_OVERLONG_REASON = {"drop": "overlong_dropped", "truncate": "overlong_untrainable_after_truncation",
+                    "error": "overlong"}
+
+
+def _overlong_error(s: PlanSettings, name: str, line: int, length: int):
+    """The InputError the tokenizer workers raised for this record before the plan stage
+    existed (same message and reason, so summaries and --skip-bad counts are unchanged)."""
+    if s.overlong == "drop":
+        return input_error("overlong sequence dropped", name, line, reason="overlong_dropped")
+    if s.overlong == "truncate":
+        return input_error("nothing trained within the first --pack-size tokens", name, line,
+                           reason="overlong_untrainable_after_truncation")
+    padded = int(padded_lengths([length], s.pad_multiple)[0])
+    return input_error(f"sequence of {length} tokens (padded {padded}) exceeds --pack-size {s.pack_size}",
+                       name, line, field="input_ids", reason="overlong",
+                       hint="use --overlong truncate or drop, or a larger --pack-size")
+
+
+def load_kept(store: SequenceStore, s: PlanSettings) -> Kept:
+    """Padded lengths of the kept conversations, a partition at a time.
+
+    Raises:
+        InputError: an overlong conversation under ``--overlong error`` (without skip_bad).
+    """
+    total = store.sequence_count
+    padded = np.empty(total, dtype=np.int32)
+    store_ids = None
+    n = base = truncated = padding = 0
+    skipped: Dict[str, int] = {}
+    first: Dict[str, str] = {}
+    trunc = s.truncate_to
+    for k, part in enumerate(store.partitions):
+        rows = store.rows(k)
+        full = rows["length"]
+        drop = padded_lengths(full, s.pad_multiple) > s.pack_size
+        if drop.any():
+            if s.overlong == "truncate":
+                drop &= rows["first_trained"] >= trunc - 1
+            bad = np.flatnonzero(drop)
+            if bad.size:
+                name, line, length = store.inputs[part.file]["name"], int(rows["line"][bad[0]]), int(full[bad[0]])
+                if s.overlong == "error" and not s.skip_bad:
+                    raise _overlong_error(s, name, line, length)
+                reason = _OVERLONG_REASON[s.overlong]
+                skipped[reason] = skipped.get(reason, 0) + int(bad.size)
+                first.setdefault(reason, str(_overlong_error(s, name, line, length)))
+        keep = ~drop
+        kept = full[keep]
+        copy = np.minimum(kept, trunc)
+        pad = padded_lengths(copy, s.pad_multiple)
+        truncated += int((kept > trunc).sum())
+        padding += int(pad.sum() - copy.sum())
+        padded[n:n + kept.size] = pad
+        if store_ids is None and kept.size != full.size:
+            store_ids = np.empty(total, dtype=index_dtype(total))
+            store_ids[:n] = np.arange(n)
+        if store_ids is not None:
+            store_ids[n:n + kept.size] = base + np.flatnonzero(keep)
+        n += kept.size
+        base += full.size
+    return Kept(padded[:n], None if store_ids is None else store_ids[:n], truncated, padding, skipped, first)
+
+
+# --------------------------------------------------------------------------- the step
+
+
+@dataclass(frozen=True)
+class PlanStep:
+    """Unit 0: plan the whole store into ``path``; the receipt carries the plan's summary."""
+
+    store_dir: str
+    settings: PlanSettings
+    path: str
+    book: ReceiptBook
+    name: str = "plan"
+
+    def run(self, unit: int) -> dict:
+        store = SequenceStore(self.store_dir)
+        metadata = write_plan(store, self.settings, self.path)
+        summary = {k: v for k, v in metadata.items() if k != "splits"}
+        summary["splits"] = [{k: v for k, v in sp.items() if k != "arrays"} for sp in metadata["splits"]]
+        return self.book.write(unit, summary, [self.path])
+
+
+def write_plan(store: SequenceStore, s: PlanSettings, path: str) -> dict:
+    """Plan ``store`` with settings ``s`` into the plan file ``path``; returns its metadata.
+
+    Raises:
+        ShardError: nothing survived (every conversation skipped); InputError: see :func:`load_kept`.
+    """
+    kept = load_kept(store, s)
+    n = kept.padded.size
+    if n == 0:
+        raise ShardError("no conversation survived preprocessing; nothing to write", path=store.directory,
+                         hint=f"skipped: {kept.skipped}")
+    split_of = split_assignment(n, s.split, s.seed)
+    id_dtype = "int32" if index_dtype(store.sequence_count) == np.int32 else "int64"
+    writer = PlanWriter(path)
+    splits, empty = [], []
+    try:
+        for i, name in enumerate(s.split_names):
+            members = None
+            if split_of is not None:
+                members = np.empty(n, dtype=index_dtype(n))
+                members = members[:_select(split_of, i, members)].copy()
+                if members.size == 0:  # e.g. a 1% split of a tiny dataset: reported, not written
+                    empty.append(name)
+                    continue
+            splits.append(_plan_split(writer, name, kept, members, s, id_dtype))
+        meta = {"format": PLAN_FORMAT, "settings": s.to_dict(),
+                "store": {"store_id": store.store_id, "sequences": store.sequence_count},
+                "conversations": n, "truncated": kept.truncated, "padding_tokens": kept.padding_tokens,
+                "skipped": kept.skipped, "first_skipped": kept.first_skipped,
+                "splits": splits, "empty_splits": empty}
+        writer.close(meta)
+    except BaseException:
+        writer.abort()
+        raise
+    return meta
+
+
+def _plan_split(writer: PlanWriter, name: str, kept: Kept, members, s: PlanSettings, id_dtype: str) -> dict:
+    padded = kept.padded if members is None else kept.padded[members]
+    a = pack_lengths(padded, s.pack_size, s.algorithm, s.seed)
+    summary = packing_summary(a, padded)
+    del padded
+    starts = plan_shards(a.loads, np.diff(a.offsets), s.itemsize, s.max_packs_per_shard, s.max_shard_bytes)
+
+    def ids():
+        for lo in range(0, a.items.size, _CHUNK):
+            chunk = a.items[lo:lo + _CHUNK]
+            if members is not None:
+                chunk = members[chunk]
+            yield chunk if kept.store_ids is None else kept.store_ids[chunk]
+
+    arrays = {"shard_starts": writer.array(starts, "int64"),
+              "pack_offsets": writer.array(a.offsets, "int64"),
+              "pack_loads": writer.array(a.loads, "int32"),
+              "sequence_ids": writer.array_chunks(ids(), id_dtype)}
+    return {"name": name, "conversations": int(a.items.size), "packs": a.n_bins, "shards": int(starts.size - 1),
+            "packing_efficiency": summary["efficiency"],
+            "bins_over_lower_bound": summary["bins_over_lower_bound"], "arrays": arrays}

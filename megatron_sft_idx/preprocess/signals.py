@@ -1,0 +1,72 @@
+"""Signals: SIGTERM as an exception in the driver, and workers that never outlive it.
+
+A scheduler preempts with SIGTERM; Python's default for it kills the process without running
+``finally`` blocks, which would leave worker processes orphaned. :func:`terminate_as_exception`
+turns it into :class:`Terminated` so the engines stop their workers and temporaries are
+removed on the way out (exit 143; Ctrl-C is ``KeyboardInterrupt``, exit 130). A worker process
+calls :func:`die_with_parent` so that even a SIGKILL of the driver takes it down (Linux
+``PR_SET_PDEATHSIG``; elsewhere a worker notices its parent is gone at its next unit).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+import threading
+
+_PR_SET_PDEATHSIG = 1
+
+
+class Terminated(BaseException):
+    """SIGTERM (or SIGHUP) received: stop, clean up, exit 128 + signum."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__(f"terminated by signal {signum}")
+        self.signum = signum
+
+
+def _raise(signum, frame):
+    raise Terminated(signum)
+
+
+@contextlib.contextmanager
+def terminate_as_exception():
+    """Within the block, SIGTERM/SIGHUP raise :class:`Terminated` in the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, _raise) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux); a no-op elsewhere."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+
+
+def worker_signals(parent_pid: int) -> None:
+    """In a worker: Ctrl-C is the parent's to handle, SIGTERM kills, the parent's death kills."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    die_with_parent()
+    if os.getppid() != parent_pid:  # the parent died before the request took effect
+        os._exit(1)
+
+
+def exit_code(exc: BaseException) -> int:
+    """130 for Ctrl-C, 128 + signum for a termination signal."""
+    if isinstance(exc, Terminated):
+        return 128 + int(exc.signum)
+    return 130
