@@ -21,8 +21,10 @@ EXTRAS = {
     "gate": ["zlib-ng>=0.5"],
     "train": [TORCH, "packaging", "pyarrow>=15"],
     "test": [TORCH, "pytest>=8", "hypothesis>=6.100", "pytest-xdist>=3.5", "pyarrow>=15",
-             "packaging"],
+             "packaging", "ray>=2.9"],
     "bench": [TORCH, "pyarrow>=15", "matplotlib>=3.8", "psutil>=5.9"],
+    # --engine ray for preprocess_sft / repack_sft; imported only when that engine is chosen.
+    "ray": ["ray>=2.9"],
 }
 EXTRAS["all"] = sorted({req for reqs in EXTRAS.values() for req in reqs})
 
@@ -38,6 +40,7 @@ setup(
     extras_require=EXTRAS,
     entry_points={"console_scripts": [
         "preprocess-sft = megatron_sft_idx.preprocess.cli:main",
+        "repack-sft = megatron_sft_idx.preprocess.repack:main",
         "check-idx = megatron_sft_idx.gate.cli:main",
         "write-sft-manifest = megatron_sft_idx.training.manifest_cli:main",
     ]},

@@ -189,8 +189,9 @@ def format_summary(s: dict) -> str:
     return "\n".join(lines)
 
 
-def run_and_report(prog: str, run, cfg, args) -> int:
-    """Run, print the summary or the one-line error; the exit codes of both CLIs."""
+def run_and_report(prog: str, run, cfg, args, formatter=None) -> int:
+    """Run, print the summary (``formatter``, default :func:`format_summary`) or the one-line
+    error; the exit codes of both CLIs."""
     from .signals import Terminated, exit_code
 
     try:
@@ -209,7 +210,7 @@ def run_and_report(prog: str, run, cfg, args) -> int:
     if args.json:
         print(json.dumps(summary, indent=2, sort_keys=True))
     elif not args.quiet:
-        print(format_summary(summary))
+        print((formatter or format_summary)(summary))
     return 0
 
 

@@ -71,6 +71,9 @@ class LocalEngine:
             return
         _Pool(step, units, min(self.workers, len(units))).run(on_done)
 
+    def describe(self) -> dict:
+        return {"kind": self.name, "workers": self.workers}
+
     def close(self) -> None:
         pass
 

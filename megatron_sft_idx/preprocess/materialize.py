@@ -109,11 +109,11 @@ class Gatherer:
                 ds.advise(mmap.MADV_RANDOM)
         return ds
 
-    def packs(self, arrays: dict, b0: int, b1: int):
+    def packs(self, arrays: dict, b0: int, b1: int, release: bool = True):
         """Packs ``b0..b1`` of a split: ``(ids int64, mask uint8, seq starts per pack, pack ends)``.
 
         ``seq starts per pack`` is a list of int64 arrays of absolute offsets in ``ids``; pack k
-        spans ``ends[k]..ends[k+1]``.
+        spans ``ends[k]..ends[k+1]``. ``release`` drops the store pages the chunk mapped.
         """
         offsets = arrays["pack_offsets"]
         s0, s1 = int(offsets[b0]), int(offsets[b1])
@@ -135,8 +135,9 @@ class Gatherer:
             arr = ds.arrays()
             src = np.asarray(ds.sequence_pointers[local[sel]]) // ds.dtype.itemsize
             fill_sequences(ids, mask, dst[sel], arr.tokens, arr.loss_mask, src, copy[sel], full[sel])
-        for k in touched:
-            self._part(int(k)).release_pages()
+        if release:  # a long scan keeps RSS at one chunk; random single reads keep their pages
+            for k in touched:
+                self._part(int(k)).release_pages()
         pack_seq = np.asarray(offsets[b0:b1 + 1], dtype=np.int64) - s0
         ends = dst[pack_seq]
         starts = [dst[pack_seq[k]:pack_seq[k + 1]] for k in range(b1 - b0)]

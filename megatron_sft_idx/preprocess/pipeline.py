@@ -244,7 +244,7 @@ def execute(job: PackJob, run_key: str, resume: bool, engine_kind: str, workers:
             with _progress(progress, desc="write", unit="pack") as bar:
                 result = run_pack(store, job, engine, work, run_key, replaced, times, bar, resumed)
             remove = True
-            return build_summary(store, job, result, times, workers, engine_kind, resumed, kept_store)
+            return build_summary(store, job, result, times, workers, engine.describe(), resumed, kept_store)
         except OutputError:
             raise
         except ShardError:

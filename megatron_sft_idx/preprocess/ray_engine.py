@@ -56,6 +56,12 @@ class RayEngine:
                          logging_level=logging.WARNING)
                 self._started = True
         self._remote = ray.remote(num_cpus=1, max_retries=1)(_ray_unit)
+        self._info = {"kind": self.name, "address": ray.get_runtime_context().gcs_address,
+                      "started_here": self._started, "cpus": int(ray.cluster_resources().get("CPU", 0))}
+
+    def describe(self) -> dict:
+        """The cluster it ran on: its address, whether this run started it, its CPUs."""
+        return dict(self._info)
 
     def map(self, step: Step, units: Sequence[int], on_done: OnDone) -> None:
         ray = self._ray

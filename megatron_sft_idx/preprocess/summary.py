@@ -31,7 +31,7 @@ def merged_skips(store: SequenceStore, plan: dict):
 
 
 def build_summary(store: SequenceStore, job: PackJob, result: PackResult, times: Dict[str, float],
-                  workers: int, engine: str, resumed: Dict[str, int], kept_store: Optional[str]) -> dict:
+                  workers: int, engine: dict, resumed: Dict[str, int], kept_store: Optional[str]) -> dict:
     s = job.settings
     stats = [r["metadata"]["stats"] for r in result.shards]
     tokens = sum(x["token_count"] for x in stats)
