@@ -120,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "later with repack-sft (default: a temporary store, removed after the run)")
     io.add_argument("--max-record-bytes", type=_size, default=DEFAULT_MAX_RECORD_BYTES, metavar="BYTES",
                     help="longest input record (JSONL line) accepted; longer ones are an error, or skipped "
-                         "and counted with --skip-bad, and never read into memory whole (default: 8M)")
+                         "and counted with --skip-bad, never read into memory whole. Tokenizing a chat record "
+                         "takes ~300x its size in memory, so this bounds a worker's peak (default: 2M)")
     io.add_argument("--partition-bytes", type=_size, default=DEFAULT_PARTITION_BYTES, metavar="BYTES",
                     help="input bytes per unit of tokenization work (a resumed run redoes at most one "
                          "unit per worker) (default: 64M)")

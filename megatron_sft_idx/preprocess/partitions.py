@@ -33,7 +33,7 @@ from .inputs import JSONL_SUFFIXES, PARQUET_SUFFIXES, OversizedRecord, open_text
 
 _BLOCK = 1 << 20
 DEFAULT_PARTITION_BYTES = 64 << 20
-DEFAULT_MAX_RECORD_BYTES = 8 << 20
+DEFAULT_MAX_RECORD_BYTES = 2 << 20
 
 
 @dataclass(frozen=True)
