@@ -31,6 +31,7 @@ from .signals import Terminated, worker_signals
 
 class Step(Protocol):
     name: str
+    writes_to: str   # where the step writes: named when the filesystem refuses a write
 
     def run(self, unit: int) -> dict: ...
 
@@ -45,7 +46,7 @@ def run_unit(step: Step, unit: int) -> dict:
     except ShardError:
         raise
     except OSError as exc:
-        raise output_error(exc) from None
+        raise output_error(exc, where=getattr(step, "writes_to", None)) from None
     except Exception as exc:
         raise ShardError(f"{step.name} unit {unit} failed: {exc.__class__.__name__}: {exc}",
                          hint="this is a bug; the worker's traceback follows:\n" + traceback.format_exc()) from None

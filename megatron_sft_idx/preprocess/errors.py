@@ -20,6 +20,7 @@ _OS_REASONS = {
     errno.ENOTDIR: ("a parent of this path is not a directory", "choose another --output-prefix / --store"),
     errno.EEXIST: ("a file is in the way of a directory", "choose another --output-prefix / --store"),
     errno.EIO: ("input/output error from the device", "check the disk and rerun"),
+    errno.EFBIG: ("a file exceeds the size limit (ulimit -f, or the filesystem's)", "raise the limit"),
 }
 
 
@@ -31,13 +32,14 @@ def input_error(message: str, path: str, line: int, field=None, reason: str = "b
     return err
 
 
-def output_error(exc: OSError, resumable: bool = True) -> OutputError:
-    """An :class:`OutputError` naming the path the system refused and what to do.
+def output_error(exc: OSError, resumable: bool = True, where=None) -> OutputError:
+    """An :class:`OutputError` naming the path the system refused (``where`` when the error
+    carries none, as a failed ``write`` does) and what to do.
 
     ``resumable``: completed units survive, so the hint says ``--resume`` continues from them.
     """
     what, todo = _OS_REASONS.get(exc.errno, (exc.strerror or str(exc), "fix the destination"))
     hint = todo + ("; then rerun with --resume to continue from the completed units" if resumable else "")
-    err = OutputError(f"cannot write: {what}", path=exc.filename, hint=hint)
+    err = OutputError(f"cannot write: {what}", path=exc.filename or where, hint=hint)
     err.errno = exc.errno
     return err

@@ -12,6 +12,7 @@ into the staging directory (``.idx`` last), then the unit's receipt is written.
 from __future__ import annotations
 
 import mmap
+import os
 import resource
 from dataclasses import dataclass
 from typing import Tuple
@@ -54,6 +55,10 @@ class MaterializeStep:
     vocab_size: int
     book: ReceiptBook
     name: str = "materialize"
+
+    @property
+    def writes_to(self) -> str:
+        return os.path.dirname(self.shards[0].staged)
 
     def run(self, unit: int) -> dict:
         out = self.shards[unit]

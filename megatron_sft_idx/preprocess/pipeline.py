@@ -251,7 +251,7 @@ def execute(job: PackJob, run_key: str, resume: bool, engine_kind: str, workers:
             remove = True
             raise
         except OSError as exc:
-            raise output_error(exc) from None
+            raise output_error(exc, where=os.path.dirname(os.path.abspath(job.output_prefix))) from None
         finally:
             if engine is not None:
                 engine.close()

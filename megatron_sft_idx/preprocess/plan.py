@@ -208,6 +208,10 @@ class PlanStep:
     book: ReceiptBook
     name: str = "plan"
 
+    @property
+    def writes_to(self) -> str:
+        return self.path
+
     def run(self, unit: int) -> dict:
         store = SequenceStore(self.store_dir)
         metadata = write_plan(store, self.settings, self.path)

@@ -43,6 +43,10 @@ class IndexStep:
     book: ReceiptBook
     name: str = "index"
 
+    @property
+    def writes_to(self) -> str:
+        return self.book.directory
+
     def run(self, unit: int) -> dict:
         try:
             info = index_file(self.paths[unit], unit, self.partition_bytes)
@@ -120,6 +124,10 @@ class TokenizeStep:
     max_record_bytes: int
     shard_metadata: Tuple[dict, ...]   # per input file: metadata of its partitions' shards
     name: str = "tokenize"
+
+    @property
+    def writes_to(self) -> str:
+        return self.directory
 
     @property
     def book(self) -> ReceiptBook:
