@@ -13,6 +13,7 @@ do not depend on the algorithm's visiting order). Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -34,7 +35,8 @@ class PackAssignment:
     """Which bin each sequence went to.
 
     Attributes:
-        bin_of: int32[N], bin id of sequence i, in ``[0, n_bins)``.
+        bin_of: int32[N], bin id of sequence i, in ``[0, n_bins)`` (None from
+            :func:`pack_lengths_csr`, which frees it to save memory).
         offsets: int64[n_bins + 1], CSR pointers into ``items``.
         items: int32[N] (int64 past 2**31 - 2 sequences), sequence indices grouped by bin,
             ascending inside a bin.
@@ -42,7 +44,7 @@ class PackAssignment:
         capacity: the bin capacity in tokens.
     """
 
-    bin_of: np.ndarray
+    bin_of: Optional[np.ndarray]
     offsets: np.ndarray
     items: np.ndarray
     loads: np.ndarray
@@ -93,6 +95,33 @@ def pack_lengths(lengths, capacity: int, algorithm: str = DEFAULT_ALGORITHM,
     Raises:
         ShardError: unknown algorithm, or a length outside ``[1, capacity]``.
     """
+    return _pack(lengths, capacity, algorithm, seed, keep_bin_of=True)
+
+
+def pack_lengths_csr(lengths, capacity: int, algorithm: str = DEFAULT_ALGORITHM, seed: int = 0) -> PackAssignment:
+    """:func:`pack_lengths` without ``bin_of`` (None), which it frees before returning: the
+    CSR grouping is all a planner needs, and the bin ids are 4 bytes per sequence."""
+    return _pack(lengths, capacity, algorithm, seed, keep_bin_of=False)
+
+
+def _pack(lengths, capacity: int, algorithm: str, seed: int, keep_bin_of: bool) -> PackAssignment:
+    lengths, capacity = _checked(lengths, capacity, algorithm)
+    n = lengths.size
+    bin_of = np.full(n, -1, dtype=np.int32)
+    n_bins = _place(lengths, capacity, algorithm, seed, bin_of)
+    loads = _kernels.bin_loads(bin_of, lengths, n_bins)
+    items = np.empty(n, dtype=index_dtype(n))
+    offsets = _kernels.group_by_bin(bin_of, n_bins, items)
+    return PackAssignment(bin_of=bin_of if keep_bin_of else None, offsets=offsets, items=items, loads=loads,
+                          capacity=capacity)
+
+
+def _checked(lengths, capacity: int, algorithm: str):
+    """``(lengths, capacity)`` validated for packing.
+
+    Raises:
+        ShardError: unknown algorithm, a bad capacity, or a length outside ``[1, capacity]``.
+    """
     lengths = _as_lengths(lengths)
     capacity = int(capacity)
     if algorithm not in ALGORITHMS:
@@ -106,13 +135,7 @@ def pack_lengths(lengths, capacity: int, algorithm: str = DEFAULT_ALGORITHM,
         bad = int(np.flatnonzero((lengths < 1) | (lengths > capacity))[0])
         raise ShardError(f"sequence {bad} has length {int(lengths[bad])}, outside [1, {capacity}]",
                          field="lengths", hint="drop or truncate overlong sequences before packing")
-    n = lengths.size
-    bin_of = np.full(n, -1, dtype=np.int32)
-    n_bins = _place(lengths, capacity, algorithm, seed, bin_of)
-    items = np.empty(n, dtype=index_dtype(n))
-    offsets = _kernels.group_by_bin(bin_of, n_bins, items)
-    loads = _kernels.bin_loads(bin_of, lengths, n_bins)
-    return PackAssignment(bin_of=bin_of, offsets=offsets, items=items, loads=loads, capacity=capacity)
+    return lengths, capacity
 
 
 def _place(lengths: np.ndarray, capacity: int, algorithm: str, seed: int, bin_of: np.ndarray) -> int:

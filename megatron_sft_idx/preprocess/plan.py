@@ -21,7 +21,7 @@ import numba
 import numpy as np
 
 from ..errors import ShardError
-from ..packing import pack_lengths, packing_summary, padded_lengths, truncation_length
+from ..packing import pack_lengths_csr, packing_summary, padded_lengths, truncation_length
 from ..packing.algorithms import index_dtype
 from ._materialize import exclusive_cumsum
 from .errors import input_error
@@ -70,6 +70,16 @@ def split_conversations(n: int, weights: Optional[Sequence[float]], seed: int) -
     return [np.flatnonzero(split_of == i) for i in range(len(weights))]
 
 
+def _split_bounds(n: int, weights: Sequence[float]) -> np.ndarray:
+    w = np.asarray(weights, dtype=np.float64)
+    return np.round(np.concatenate([[0.0], np.cumsum(w / w.sum())]) * n).astype(np.int64)
+
+
+def split_sizes(n: int, weights: Sequence[float]) -> np.ndarray:
+    """Conversations per split."""
+    return np.diff(_split_bounds(n, weights))
+
+
 def split_assignment(n: int, weights: Optional[Sequence[float]], seed: int) -> Optional[np.ndarray]:
     """The split of every conversation (int8), or None without splits.
 
@@ -79,41 +89,77 @@ def split_assignment(n: int, weights: Optional[Sequence[float]], seed: int) -> O
     """
     if not weights:
         return None
-    w = np.asarray(weights, dtype=np.float64)
-    bounds = np.round(np.concatenate([[0.0], np.cumsum(w / w.sum())]) * n).astype(np.int64)
+    bounds = _split_bounds(n, weights)
     perm = np.arange(n, dtype=index_dtype(n))
     np.random.default_rng(seed).shuffle(perm)
     split_of = np.empty(n, dtype=np.int8)
-    for i in range(len(w)):
-        split_of[perm[bounds[i]:bounds[i + 1]]] = i
+    _assign_splits(perm, bounds, split_of)
     return split_of
 
 
 @numba.njit(cache=True)
-def _select(split_of, which, out):
+def _assign_splits(perm, bounds, split_of):
+    """``split_of[perm[bounds[i]:bounds[i+1]]] = i``, without numpy's int64 copy of the index."""
+    for i in range(bounds.shape[0] - 1):
+        for k in range(bounds[i], bounds[i + 1]):
+            split_of[perm[k]] = i
+
+
+@numba.njit(cache=True)
+def _select(split_of, which, values, out):
+    """``out[k] = values[i]`` (or ``i`` when ``values`` is empty) for the k-th i of split ``which``."""
     k = 0
     for i in range(split_of.shape[0]):
         if split_of[i] == which:
-            out[k] = i
+            out[k] = values[i] if values.shape[0] else i
             k += 1
     return k
 
 
+def _split_members(split_of: np.ndarray, which: int, count: int, values=None) -> np.ndarray:
+    """Conversations of split ``which`` (ascending), or their ``values``, exactly ``count`` long."""
+    out = np.empty(count, dtype=values.dtype if values is not None else index_dtype(split_of.size))
+    _select(split_of, which, values if values is not None else np.empty(0, out.dtype), out)
+    return out
+
+
+@numba.njit(cache=True)
+def _shard_starts(loads, offsets, itemsize, max_packs, max_bytes, out):
+    n = loads.shape[0]
+    count, s = 1, 0
+    out[0] = 0
+    while s < n:
+        e, size = s, 0
+        while e < n and (max_packs == 0 or e - s < max_packs):
+            pack = loads[e] * (itemsize + 1) + (offsets[e + 1] - offsets[e]) * 4 + 20  # bytes of its files
+            if max_bytes and size + pack > max_bytes:
+                break
+            size += pack
+            e += 1
+        s = max(e, s + 1)
+        out[count] = s
+        count += 1
+    return count
+
+
 def plan_shards(loads: np.ndarray, seq_counts: np.ndarray, itemsize: int,
                 max_packs: Optional[int], max_bytes: Optional[int]) -> np.ndarray:
-    """First pack of each shard plus the end (int64[S+1]); each shard holds >= 1 pack."""
+    """First pack of each shard plus the end (int64[S+1]): each shard holds as many packs as fit
+    ``max_packs`` and ``max_bytes`` (its files' bytes), and at least one."""
     n = loads.size
     if not max_packs and not max_bytes:
         return np.array([0, n], dtype=np.int64)
-    cum = exclusive_cumsum(loads.astype(np.int64) * (itemsize + 1) + seq_counts * 4 + 20)
-    starts = [0]
-    while starts[-1] < n:
-        s = starts[-1]
-        end = n if not max_packs else min(n, s + max_packs)
-        if max_bytes:
-            end = min(end, int(np.searchsorted(cum, cum[s] + max_bytes, side="right")) - 1)
-        starts.append(max(end, s + 1))
-    return np.asarray(starts, dtype=np.int64)
+    offsets = exclusive_cumsum(np.asarray(seq_counts, dtype=np.int64))
+    return _plan_shards_csr(np.asarray(loads, dtype=np.int64), offsets, itemsize, max_packs, max_bytes)
+
+
+def _plan_shards_csr(loads, offsets, itemsize: int, max_packs, max_bytes) -> np.ndarray:
+    n = loads.size
+    if not max_packs and not max_bytes:
+        return np.array([0, n], dtype=np.int64)
+    out = np.empty(n + 1, dtype=np.int64)
+    count = _shard_starts(loads, offsets, itemsize, int(max_packs or 0), int(max_bytes or 0), out)
+    return out[:count].copy()
 
 
 # --------------------------------------------------------------------------- kept lengths
@@ -124,7 +170,7 @@ class Kept:
     """The conversations that go into packs, in store order."""
 
     padded: np.ndarray                  # int32 padded length per kept conversation
-    store_ids: Optional[np.ndarray]     # store sequence id per kept one; None when all are kept
+    dropped: np.ndarray                 # int64 store ids of the conversations not kept, ascending
     truncated: int
     padding_tokens: int
     skipped: Dict[str, int]
@@ -158,7 +204,7 @@ def load_kept(store: SequenceStore, s: PlanSettings) -> Kept:
     """
     total = store.sequence_count
     padded = np.empty(total, dtype=np.int32)
-    store_ids = None
+    dropped: List[np.ndarray] = []
     n = base = truncated = padding = 0
     skipped: Dict[str, int] = {}
     first: Dict[str, str] = {}
@@ -185,14 +231,21 @@ def load_kept(store: SequenceStore, s: PlanSettings) -> Kept:
         truncated += int((kept > trunc).sum())
         padding += int(pad.sum() - copy.sum())
         padded[n:n + kept.size] = pad
-        if store_ids is None and kept.size != full.size:
-            store_ids = np.empty(total, dtype=index_dtype(total))
-            store_ids[:n] = np.arange(n)
-        if store_ids is not None:
-            store_ids[n:n + kept.size] = base + np.flatnonzero(keep)
+        if kept.size != full.size:
+            dropped.append(base + np.flatnonzero(drop))
         n += kept.size
         base += full.size
-    return Kept(padded[:n], None if store_ids is None else store_ids[:n], truncated, padding, skipped, first)
+    gone = np.concatenate(dropped) if dropped else np.empty(0, np.int64)
+    return Kept(padded[:n], gone, truncated, padding, skipped, first)
+
+
+def store_ids(kept: np.ndarray, dropped: np.ndarray) -> np.ndarray:
+    """Store ids of kept-conversation indices: kept ``k`` is store id ``k`` plus the number of
+    dropped ids before it (8 bytes per dropped conversation instead of a map of all of them)."""
+    if dropped.size == 0:
+        return kept
+    kept_before = dropped - np.arange(dropped.size)  # kept conversations before each dropped one
+    return kept + np.searchsorted(kept_before, kept, side="right")
 
 
 # --------------------------------------------------------------------------- the step
@@ -232,19 +285,19 @@ def write_plan(store: SequenceStore, s: PlanSettings, path: str) -> dict:
         raise ShardError("no conversation survived preprocessing; nothing to write", path=store.directory,
                          hint=f"skipped: {kept.skipped}")
     split_of = split_assignment(n, s.split, s.seed)
+    counts = [n] if split_of is None else split_sizes(n, s.split)
     id_dtype = "int32" if index_dtype(store.sequence_count) == np.int32 else "int64"
     writer = PlanWriter(path)
-    splits, empty = [], []
+    planned: Dict[int, dict] = {}
     try:
-        for i, name in enumerate(s.split_names):
-            members = None
-            if split_of is not None:
-                members = np.empty(n, dtype=index_dtype(n))
-                members = members[:_select(split_of, i, members)].copy()
-                if members.size == 0:  # e.g. a 1% split of a tiny dataset: reported, not written
-                    empty.append(name)
-                    continue
-            splits.append(_plan_split(writer, name, kept, members, s, id_dtype))
+        # smallest split first: the largest is packed last, after the kept lengths are released
+        by_size = sorted((i for i in range(len(counts)) if counts[i]), key=lambda i: counts[i])
+        for i in by_size:
+            planned[i] = _plan_split(writer, s.split_names[i], kept, split_of, i, int(counts[i]), s, id_dtype,
+                                     last=i == by_size[-1])
+        splits = [planned[i] for i in sorted(planned)]
+        # e.g. a 1% split of a tiny dataset: reported, not written
+        empty = [name for i, name in enumerate(s.split_names) if not counts[i]]
         meta = {"format": PLAN_FORMAT, "settings": s.to_dict(),
                 "store": {"store_id": store.store_id, "sequences": store.sequence_count},
                 "conversations": n, "truncated": kept.truncated, "padding_tokens": kept.padding_tokens,
@@ -257,19 +310,24 @@ def write_plan(store: SequenceStore, s: PlanSettings, path: str) -> dict:
     return meta
 
 
-def _plan_split(writer: PlanWriter, name: str, kept: Kept, members, s: PlanSettings, id_dtype: str) -> dict:
-    padded = kept.padded if members is None else kept.padded[members]
-    a = pack_lengths(padded, s.pack_size, s.algorithm, s.seed)
+def _plan_split(writer: PlanWriter, name: str, kept: Kept, split_of, which: int, count: int, s: PlanSettings,
+                id_dtype: str, last: bool) -> dict:
+    """Pack one split and append its arrays to the plan. Peak memory: the split's padded lengths
+    and split ids, the packer's order and bin ids (int32 each) and its per-bin tree; the last
+    split releases the kept lengths once it has copied its own."""
+    padded = kept.padded if split_of is None else _split_members(split_of, which, count, kept.padded)
+    if last:
+        kept.padded = None
+    a = pack_lengths_csr(padded, s.pack_size, s.algorithm, s.seed)
     summary = packing_summary(a, padded)
     del padded
-    starts = plan_shards(a.loads, np.diff(a.offsets), s.itemsize, s.max_packs_per_shard, s.max_shard_bytes)
+    starts = _plan_shards_csr(a.loads, a.offsets, s.itemsize, s.max_packs_per_shard, s.max_shard_bytes)
+    members = None if split_of is None else _split_members(split_of, which, count)
 
     def ids():
         for lo in range(0, a.items.size, _CHUNK):
             chunk = a.items[lo:lo + _CHUNK]
-            if members is not None:
-                chunk = members[chunk]
-            yield chunk if kept.store_ids is None else kept.store_ids[chunk]
+            yield store_ids(chunk if members is None else members[chunk], kept.dropped)
 
     arrays = {"shard_starts": writer.array(starts, "int64"),
               "pack_offsets": writer.array(a.offsets, "int64"),
