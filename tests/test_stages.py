@@ -7,6 +7,7 @@ byte for byte (shards and manifests alike).
 import json
 import os
 import random
+import re
 import shutil
 
 import numpy as np
@@ -260,3 +261,39 @@ def test_resume_redoes_only_units_without_a_valid_receipt(tmp_path):
     assert files_of(tmp_path / "ref") and again["outputs"] == ref["outputs"]
     preprocess(str(tmp_path / "fresh"), **{k: v for k, v in kw.items() if k != "store"})
     assert files_of(tmp_path / "fresh") == files_of(tmp_path / "ref")
+
+
+# ---------------------------------------------------------------- docs/STORE.md states the layouts the code uses
+
+
+def _doc_table(heading: str):
+    """Rows of the first table after ``heading`` in docs/STORE.md, as lists of cell strings."""
+    text = open(os.path.join(ROOT, "docs", "STORE.md"), encoding="utf-8").read()
+    lines = text[text.index(heading):].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip().strip("`") for c in line.strip("|").split("|")])
+    return rows
+
+
+def test_store_md_rows_table_is_the_row_dtype():
+    rows = _doc_table("`part_NNNNNN.rows`, one 16-byte record")
+    fields = [(int(o), int(s), name) for o, s, _, name, _ in rows]
+    assert fields == [(ROW_DTYPE.fields[n][1], ROW_DTYPE.fields[n][0].itemsize, n) for n in ROW_DTYPE.names]
+    assert ROW_DTYPE.itemsize == 16
+
+
+def test_store_md_plan_header_table_is_the_plan_header():
+    from megatron_sft_idx.preprocess import planfile
+
+    rows = _doc_table("## The pack plan")
+    offsets = [(int(o), int(s)) for o, s, *_ in rows]
+    assert offsets[-1][0] + offsets[-1][1] == planfile.HEADER_SIZE == planfile.HEADER.size == 64
+    assert all(a[0] + a[1] == b[0] for a, b in zip(offsets, offsets[1:]))
+    codes = planfile.HEADER.format.lstrip("<")
+    sizes = {"8s": 8, "16s": 16, "H": 2, "I": 4, "Q": 8}
+    assert [sizes[c] for c in re.findall(r"\d*s|[HIQ]", codes)] == [s for _, s in offsets]
+    assert rows[0][4] == "MSFTPLN\\x00" and planfile.PLAN_MAGIC == b"MSFTPLN\x00"
