@@ -127,3 +127,16 @@ def test_bad_arguments_exit_2(tmp_path):
     assert compare.main(["--systems", "nope", "--results-dir", str(tmp_path)]) == 2
     assert offsets.main(["--sizes", "x", "--results-dir", str(tmp_path)]) == 2
     assert scale.main(["--sizes", "0", "--results-dir", str(tmp_path)]) == 2
+
+
+def test_plan_benchmark_entry_point(tmp_path, monkeypatch):
+    from bench import plan
+
+    monkeypatch.setattr("bench._common.RESULTS_DIR", tmp_path)
+    assert plan.main(["--sizes", "2000,6000", "--pack-size", "512", "--algorithms", "first_fit_decreasing,best_fit_decreasing",
+                      "--split", "90,10"]) == 0
+    doc = json.loads((tmp_path / "plan.json").read_text())
+    assert [(r["n"], r["algorithm"]) for r in doc["results"]] == [
+        (2000, "first_fit_decreasing"), (2000, "best_fit_decreasing"),
+        (6000, "first_fit_decreasing"), (6000, "best_fit_decreasing")]
+    assert all(r["packs"] > 0 and r["plan_bytes"] > 0 for r in doc["results"])

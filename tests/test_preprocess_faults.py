@@ -27,7 +27,6 @@ import time
 
 import pytest
 
-from megatron_sft_idx.format import ALL_SUFFIXES
 from megatron_sft_idx.reader import MMapIndexedDataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

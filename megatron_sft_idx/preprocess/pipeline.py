@@ -20,12 +20,13 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
 from ..errors import OutputError, ShardError, ShardExistsError
+from ..format import PUBLISH_ORDER
 from ..packing import pad_multiple_for
 from . import outputs
 from .chat import ChatTokenizer
@@ -36,7 +37,6 @@ from .inputs import expand_inputs
 from .pack_stage import PackJob, books, run_pack
 from .partitions import DEFAULT_MAX_RECORD_BYTES, DEFAULT_PARTITION_BYTES, Partition
 from .plan import PlanSettings, plan_shards, split_conversations  # noqa: F401  (public names)
-from .publish import published_files
 from .receipts import ReceiptBook, settings_key
 from .signals import terminate_as_exception
 from .store import STORE_FILE, SequenceStore, tokenize_book, write_store_file
@@ -261,13 +261,7 @@ def execute(job: PackJob, run_key: str, resume: bool, engine_kind: str, workers:
 def published_files_from(work: WorkDir, run_key: str) -> set:
     """Final files a previous attempt of this run already published (not "existing outputs")."""
     book = books(work, run_key)["publish"]
-    return {r["final"] + s for r in book.present().values() for s in _suffixes()}
-
-
-def _suffixes():
-    from ..format import PUBLISH_ORDER
-
-    return PUBLISH_ORDER
+    return {r["final"] + s for r in book.present().values() for s in PUBLISH_ORDER}
 
 
 def run(cfg: Config) -> dict:

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Dict, Optional, Sequence
 
-from .cli import _split, add_packing_arguments, add_run_arguments, run_and_report
+from .cli import add_packing_arguments, add_run_arguments, run_and_report
 from .errors import output_error
 
 
