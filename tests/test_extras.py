@@ -1,0 +1,268 @@
+"""A missing optional dependency is one line naming the extra, never a traceback.
+
+Every console script of ``pyproject.toml`` runs here in a subprocess, started exactly as pip's
+generated script starts it (import the ``[project.scripts]`` target, ``sys.exit(f())``), from
+another directory, with optional packages hidden by a meta-path blocker installed through a
+``sitecustomize`` on ``PYTHONPATH``: ``import transformers`` then fails as on a machine without
+it. Tools that need an extra must refuse in one line with the pip command and exit 2; tools that
+need none must still work with every optional package hidden. A run with nothing hidden shows
+that the blocker, not the arguments, is what made a tool refuse.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.metadata
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from megatron_sft_idx._extras import MissingExtraError, install_command, require_extra
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GOLDEN = os.path.join(ROOT, "tests", "golden", "v1_0", "tiny")
+EXAMPLES = os.path.join(ROOT, "examples")
+PYPROJECT = tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))
+SCRIPTS = PYPROJECT["project"]["scripts"]
+EXTRAS = PYPROJECT["project"]["optional-dependencies"]
+# Everything an extra brings, by import name: hiding all of it leaves the core (numpy, numba).
+OPTIONAL = ("transformers", "tokenizers", "jinja2", "tqdm", "pyarrow", "zstandard", "zlib_ng", "torch",
+            "megatron", "matplotlib", "psutil")
+
+BLOCKER = '''
+import importlib.machinery, os, sys
+_HIDDEN = tuple(m for m in os.environ.get("MSI_TEST_HIDE", "").split(",") if m)
+
+
+class _HidingPathFinder(importlib.machinery.PathFinder):
+    """sys.path's finder, blind to the modules in $MSI_TEST_HIDE (and their submodules): they are
+    absent as if uninstalled (find_spec gives None, import raises ModuleNotFoundError)."""
+
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if any(name == m or name.startswith(m + ".") for m in _HIDDEN):
+            return None
+        return super().find_spec(name, path, target)
+
+
+sys.meta_path[:] = [_HidingPathFinder if f is importlib.machinery.PathFinder else f for f in sys.meta_path]
+'''
+
+
+@pytest.fixture(scope="module")
+def blocker(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("blocker")
+    (directory / "sitecustomize.py").write_text(BLOCKER)
+    return str(directory)
+
+
+def run_script(name, args, blocker, cwd, hide=(), env=None):
+    """Console script ``name`` as pip's launcher runs it, with ``hide`` made unimportable."""
+    module, function = SCRIPTS[name].split(":")
+    code = (f"import sys; from {module} import {function} as f; "
+            f"sys.argv = [{name!r}, *sys.argv[1:]]; sys.exit(f())")
+    environ = dict(os.environ, PYTHONPATH=os.pathsep.join([blocker, ROOT]), MSI_TEST_HIDE=",".join(hide),
+                   **(env or {}))
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, env=environ, capture_output=True,
+                          text=True, timeout=300)
+
+
+def assert_one_line_naming(proc, extra, module):
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert install_command(extra) in lines[0] and module in lines[0], lines[0]
+
+
+def preprocess_args(tmp_path, inputs):
+    return ["--input", *inputs, "--tokenizer", os.path.join(EXAMPLES, "tokenizer"),
+            "--output-prefix", str(tmp_path / "out" / "x"), "--pack-size", "2048", "--workers", "1"]
+
+
+# --------------------------------------------------------------------------- the table
+
+
+# Per console script: what a run needs, hidden one at a time (None: the tool needs no extra).
+NEEDS = {
+    "preprocess-sft": ("preprocess", ("transformers", "tokenizers", "jinja2", "tqdm")),
+    "check-idx": (None, ()),
+    "write-sft-manifest": (None, ()),
+    "sft_idx_check": (None, ()),
+}
+
+
+def test_every_console_script_is_covered_here():
+    from megatron_sft_idx import _console
+
+    assert set(SCRIPTS) == set(NEEDS), "give each new console script a row in NEEDS (and in _console.TOOLS)"
+    for name, target in SCRIPTS.items():
+        assert target.startswith("megatron_sft_idx._console:"), \
+            f"{name} must start through megatron_sft_idx._console, which turns a missing extra into one line"
+        assert callable(getattr(_console, target.split(":")[1]))
+    for name, (extra, modules) in NEEDS.items():
+        tool = _console.TOOLS.get(name)
+        if tool is not None:
+            assert (tool.extra, set(tool.modules)) == (extra, set(modules)), name
+
+
+def _requirements(extra, seen=()):
+    """Distribution names an extra installs, self-references (megatron_sft_idx[a,b]) expanded."""
+    names = set()
+    for req in EXTRAS[extra]:
+        name = re.split(r"[\[<>=!~;\s]", req, maxsplit=1)[0].lower().replace("_", "-")
+        if name == "megatron-sft-idx":
+            for inner in re.search(r"\[(.*)\]", req).group(1).split(","):
+                if inner not in seen:
+                    names |= _requirements(inner, seen + (extra,))
+        else:
+            names.add(name)
+    return names
+
+
+def _require_extra_calls():
+    """Every ``require_extra("extra", "module", ...)`` in the package: (file, extra, modules)."""
+    calls = []
+    for directory, _, files in os.walk(os.path.join(ROOT, "megatron_sft_idx")):
+        for name in files:
+            if name.endswith(".py") and name != "_extras.py":
+                text = open(os.path.join(directory, name), encoding="utf-8").read()
+                for args in re.findall(r"require_extra\(([^)]*)\)", text):
+                    strings = re.findall(r'"([^"]+)"', args)
+                    if strings:  # a literal call site (not _console's generic one)
+                        calls.append((name, strings[0], strings[1:]))
+    return calls
+
+
+def test_each_extra_named_in_code_brings_the_module():
+    """The extra a message names really installs the module: checked against the installed
+    distributions (packages_distributions maps import names to the distributions providing them)."""
+    from megatron_sft_idx._console import TOOLS
+
+    provided = importlib.metadata.packages_distributions()
+    calls = _require_extra_calls() + [(n, t.extra, t.modules) for n, t in TOOLS.items() if t.extra]
+    assert len(calls) >= 8
+    for where, extra, modules in calls:
+        assert extra in EXTRAS, f"{where}: no extra {extra!r} in pyproject.toml"
+        for module in modules:
+            dists = {d.lower().replace("_", "-") for d in provided.get(module.split(".")[0], [])}
+            assert dists & _requirements(extra), f"{where}: {module} ({dists}) is not in extra {extra!r}"
+
+
+def test_no_exact_torch_pin_in_package_metadata():
+    for extra, reqs in EXTRAS.items():
+        for req in reqs:
+            assert not re.match(r"torch\s*(==|===|~=)", req), f"[{extra}] pins torch exactly: {req}"
+    pins = open(os.path.join(ROOT, ".ci", "constraints.txt")).read()
+    assert re.search(r"^torch==\d", pins, re.M), "the dev/CI install pins the CPU torch in .ci/constraints.txt"
+
+
+# --------------------------------------------------------------------------- the helper
+
+
+def test_require_extra_names_the_extra_and_the_caller():
+    require_extra("preprocess", "json", "os.path")  # present: nothing happens
+    with pytest.raises(MissingExtraError) as info:
+        require_extra("ray", "json", "no_such_module_msi", "os")
+    exc = info.value
+    assert isinstance(exc, ImportError) and (exc.extra, exc.module, exc.name) == ("ray", *(["no_such_module_msi"] * 2))
+    assert str(exc) == (f"{__name__} needs the 'ray' extra (no_such_module_msi is not installed): "
+                        f"pip install 'megatron_sft_idx[ray]'")
+    with pytest.raises(MissingExtraError, match=r"^a-tool needs .*no_such\.sub"):
+        require_extra("s3", "no_such.sub", user="a-tool")
+
+
+def test_missing_extra_error_pickles():
+    import pickle
+
+    exc = MissingExtraError("train", "torch", "somewhere")
+    back = pickle.loads(pickle.dumps(exc))
+    assert (type(back), str(back), back.extra) == (MissingExtraError, str(exc), "train")
+
+
+@pytest.mark.parametrize("module, extra, hidden", [
+    ("megatron_sft_idx.training.bridge", "train", "torch"),
+    ("megatron_sft_idx.training.collate", "train", "torch"),
+    ("megatron_sft_idx.training.megatron", "megatron", "megatron"),
+])
+def test_library_import_without_the_extra(blocker, tmp_path, module, extra, hidden):
+    code = f"import {module}"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([blocker, ROOT]), MSI_TEST_HIDE=hidden)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), env=env, capture_output=True, text=True)
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("megatron_sft_idx._extras.MissingExtraError: ") and install_command(extra) in last, last
+    ok = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), env=dict(env, MSI_TEST_HIDE=""),
+                        capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+
+
+# --------------------------------------------------------------------------- the console scripts
+
+
+@pytest.mark.parametrize("hidden", NEEDS["preprocess-sft"][1])
+def test_preprocess_without_its_extra_is_one_line(blocker, tmp_path, hidden):
+    args = preprocess_args(tmp_path, [os.path.join(EXAMPLES, "conversations.jsonl")])
+    assert_one_line_naming(run_script("preprocess-sft", args, blocker, str(tmp_path), hide=(hidden,)),
+                           "preprocess", hidden)
+    assert_one_line_naming(run_script("preprocess-sft", ["--help"], blocker, str(tmp_path), hide=(hidden,)),
+                           "preprocess", hidden)
+
+
+def _small_inputs(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    lines = open(os.path.join(EXAMPLES, "conversations.jsonl"), "rb").read().splitlines()[:20]
+    zst = tmp_path / "conv.jsonl.zst"
+    zst.write_bytes(zstandard.ZstdCompressor().compress(b"\n".join(lines) + b"\n"))
+    gz = tmp_path / "conv.jsonl.gz"
+    gz.write_bytes(gzip.compress(b"\n".join(lines) + b"\n"))
+    parquet = tmp_path / "tok.parquet"
+    pq.write_table(pa.table({"input_ids": [[1, 2, 3, 4], [5, 6, 7]], "loss_mask": [[0, 1, 1, 0], [1, 1, 0]]}),
+                   str(parquet))
+    return str(zst), str(gz), str(parquet)
+
+
+def test_preprocess_format_specific_packages(blocker, tmp_path):
+    """zstandard and pyarrow are needed only for .zst and Parquet inputs: one line when one is
+    needed and hidden (raised in a tokenizer worker), a normal run when the input does not need it."""
+    zst, gz, parquet = _small_inputs(tmp_path)
+    everything = [zst, gz, parquet]
+    proc = run_script("preprocess-sft", preprocess_args(tmp_path, everything), blocker, str(tmp_path))
+    assert proc.returncode == 0, proc.stderr  # nothing hidden: these inputs are fine
+    for path, hidden in ((zst, "zstandard"), (parquet, "pyarrow")):
+        assert_one_line_naming(run_script("preprocess-sft", preprocess_args(tmp_path, [path]) + ["--overwrite"],
+                                          blocker, str(tmp_path), hide=(hidden,)), "preprocess", hidden)
+    proc = run_script("preprocess-sft", preprocess_args(tmp_path, [gz]) + ["--overwrite"], blocker, str(tmp_path),
+                      hide=("zstandard", "pyarrow", "zlib_ng", "torch", "megatron"))
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_check_idx_needs_no_extra(blocker, tmp_path):
+    proc = run_script("check-idx", [GOLDEN, "--json"], blocker, str(tmp_path), hide=OPTIONAL)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["passed"] is True
+
+
+def test_write_manifest_needs_no_extra(blocker, tmp_path):
+    out = tmp_path / "m.json"
+    proc = run_script("write-sft-manifest", [str(out), GOLDEN, "--json"], blocker, str(tmp_path), hide=OPTIONAL)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(out.read_text())
+
+
+def test_sft_idx_check_without_native_is_one_line(blocker, tmp_path):
+    proc = run_script("sft_idx_check", [GOLDEN], blocker, str(tmp_path), hide=OPTIONAL,
+                      env={"MEGATRON_SFT_IDX_NATIVE": "0"})
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "MEGATRON_SFT_IDX_NATIVE=0" in proc.stderr
