@@ -8,6 +8,7 @@ without it and ``_native/NOT_BUILT`` records why (the Python reader and gate nee
 """
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -25,10 +26,11 @@ NOT_BUILT = "NOT_BUILT"
 def _why_not(returncode, stderr):
     """One line: why csrc/build.sh produced nothing."""
     lines = [line.strip() for line in stderr.splitlines() if line.strip()]
-    if returncode == 2:  # build.sh: no compiler
-        return lines[-1] if lines else "no C++ compiler"
+    if returncode == 2 and lines:  # build.sh: the compiler is not there
+        return lines[-1].replace("build.sh: ", "")
     errors = [line for line in lines if "error" in line.lower()]
-    return f"C++ build failed: {(errors or lines or ['exit status %d' % returncode])[0]}"
+    detail = errors[0] if errors else f"exit status {returncode}"
+    return f"the C++ build with CXX={os.environ.get('CXX', 'g++')} failed: {detail}"
 
 
 class BuildNative(build_ext):
@@ -59,7 +61,8 @@ class BuildNative(build_ext):
         if not os.path.isfile(BUILD_SCRIPT):
             return "csrc/ is not in this source tree"
         try:
-            proc = subprocess.run(["bash", BUILD_SCRIPT, out], capture_output=True, text=True)
+            proc = subprocess.run([shutil.which("bash") or "/bin/bash", BUILD_SCRIPT, out], capture_output=True,
+                                  text=True)
         except OSError as exc:  # no bash
             return f"cannot run csrc/build.sh: {exc}"
         sys.stderr.write(proc.stderr)
