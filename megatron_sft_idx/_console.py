@@ -41,7 +41,7 @@ def run(name: str, argv: Optional[List[str]] = None) -> int:
         module, function = tool.target.split(":")
         return getattr(import_module(module), function)(argv)
     except MissingExtraError as exc:
-        print(f"{name}: error: {exc}", file=sys.stderr)
+        print(f"{name}: error: {exc.detail}", file=sys.stderr)
         return 2
 
 

@@ -27,8 +27,9 @@ class MissingExtraError(ImportError):
 
     def __init__(self, extra: str, module: str, user: str) -> None:
         self.extra, self.module, self.user = extra, module, user
-        super().__init__(f"{user} needs the '{extra}' extra ({module} is not installed): "
-                         f"{install_command(extra)}", name=module)
+        # What a tool prints after "tool: error: "; the exception's message leads with who needs it.
+        self.detail = f"needs the '{extra}' extra ({module} is not installed): {install_command(extra)}"
+        super().__init__(f"{user} {self.detail}", name=module)
 
     def __reduce__(self):  # raised in a worker process, it must unpickle in the parent
         return type(self), (self.extra, self.module, self.user)

@@ -76,11 +76,12 @@ def run_script(name, args, blocker, cwd, hide=(), env=None):
                           text=True, timeout=300)
 
 
-def assert_one_line_naming(proc, extra, module):
+def assert_one_line_naming(proc, extra, module, tool="preprocess-sft"):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert install_command(extra) in lines[0] and module in lines[0], lines[0]
+    assert lines[0] == (f"{tool}: error: needs the '{extra}' extra ({module} is not installed): "
+                        f"{install_command(extra)}"), lines[0]
 
 
 def preprocess_args(tmp_path, inputs):
