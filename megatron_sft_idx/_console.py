@@ -3,8 +3,12 @@
 Each tool's CLI lives in its own module as ``build_parser()`` + ``main(argv) -> int``; this
 module only starts it: it checks first that the extra the tool needs is installed, and turns a
 :class:`~megatron_sft_idx._extras.MissingExtraError` raised anywhere in the tool into one line
-on stderr and exit status 2, never a traceback. A new console script gets a row in ``TOOLS``
-and a function below (``tests/test_extras.py`` checks that every script has both).
+on stderr and exit status 2, never a traceback.
+
+Adding a console script: a row in ``TOOLS`` and the line
+``my-tool = "megatron_sft_idx._console:my_tool"`` in ``pyproject.toml`` (the function
+``my_tool`` is made from the row, below); ``tests/test_extras.py`` then asks for a real
+invocation of it in its ``PROBES`` table, and runs it with its dependencies hidden.
 """
 
 from __future__ import annotations
@@ -45,16 +49,12 @@ def run(name: str, argv: Optional[List[str]] = None) -> int:
         return 2
 
 
-def preprocess_sft() -> int:
-    return run("preprocess-sft")
-
-
-def check_idx() -> int:
-    return run("check-idx")
-
-
-def write_sft_manifest() -> int:
-    return run("write-sft-manifest")
+def __getattr__(name: str):
+    """``preprocess_sft`` etc.: the zero-argument function a console script calls, for each TOOLS row."""
+    tool = name.replace("_", "-")
+    if tool not in TOOLS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return lambda: run(tool)
 
 
 def sft_idx_check(argv: Optional[List[str]] = None) -> int:
@@ -77,4 +77,4 @@ def sft_idx_check(argv: Optional[List[str]] = None) -> int:
     return 2  # not reached
 
 
-__all__ = ["TOOLS", "run", "preprocess_sft", "check_idx", "write_sft_manifest", "sft_idx_check"]
+__all__ = ["TOOLS", "run", "sft_idx_check"]

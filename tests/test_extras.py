@@ -11,7 +11,6 @@ that the blocker, not the arguments, is what made a tool refuse.
 
 from __future__ import annotations
 
-import gzip
 import importlib.metadata
 import json
 import os
@@ -21,6 +20,7 @@ import sys
 
 import pytest
 
+from megatron_sft_idx._console import TOOLS
 from megatron_sft_idx._extras import MissingExtraError, install_command, require_extra
 
 try:
@@ -34,9 +34,15 @@ EXAMPLES = os.path.join(ROOT, "examples")
 PYPROJECT = tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))
 SCRIPTS = PYPROJECT["project"]["scripts"]
 EXTRAS = PYPROJECT["project"]["optional-dependencies"]
-# Everything an extra brings, by import name: hiding all of it leaves the core (numpy, numba).
+# Everything the extras bring, by import name: hiding all of it leaves the core (numpy, numba).
 OPTIONAL = ("transformers", "tokenizers", "jinja2", "tqdm", "pyarrow", "zstandard", "zlib_ng", "torch",
             "megatron", "matplotlib", "psutil")
+# Distributions of the extras that are never hidden, and why.
+NOT_HIDDEN = {
+    "packaging": "transformers and megatron-core import it too: hiding it would break the extra itself",
+    "pytest": "test tools", "hypothesis": "test tools", "pytest-xdist": "test tools", "tomli": "test tools",
+    "setuptools": "test tools", "megatron-sft-idx": "an extra that names other extras",
+}
 
 BLOCKER = '''
 import importlib.machinery, os, sys
@@ -92,27 +98,34 @@ def preprocess_args(tmp_path, inputs):
 # --------------------------------------------------------------------------- the table
 
 
-# Per console script: what a run needs, hidden one at a time (None: the tool needs no extra).
-NEEDS = {
-    "preprocess-sft": ("preprocess", ("transformers", "tokenizers", "jinja2", "tqdm")),
-    "check-idx": (None, ()),
-    "write-sft-manifest": (None, ()),
-    "sft_idx_check": (None, ()),
+# A real invocation of each console script in _console.TOOLS (one that exercises what the tool
+# needs), run from a scratch directory given as the argument.
+PROBES = {
+    "preprocess-sft": lambda tmp: preprocess_args(tmp, [os.path.join(EXAMPLES, "conversations.jsonl")]),
+    "check-idx": lambda tmp: [GOLDEN, "--json"],
+    "write-sft-manifest": lambda tmp: [str(tmp / "m.json"), GOLDEN, "--json"],
 }
 
 
 def test_every_console_script_is_covered_here():
     from megatron_sft_idx import _console
 
-    assert set(SCRIPTS) == set(NEEDS), "give each new console script a row in NEEDS (and in _console.TOOLS)"
+    assert set(SCRIPTS) == set(_console.TOOLS) | {"sft_idx_check"}, \
+        "a console script in pyproject.toml needs a row in megatron_sft_idx._console.TOOLS (and back)"
+    assert set(PROBES) == set(_console.TOOLS), "give each console script a real invocation in PROBES"
     for name, target in SCRIPTS.items():
-        assert target.startswith("megatron_sft_idx._console:"), \
+        assert target == f"megatron_sft_idx._console:{name.replace('-', '_')}", \
             f"{name} must start through megatron_sft_idx._console, which turns a missing extra into one line"
         assert callable(getattr(_console, target.split(":")[1]))
-    for name, (extra, modules) in NEEDS.items():
-        tool = _console.TOOLS.get(name)
-        if tool is not None:
-            assert (tool.extra, set(tool.modules)) == (extra, set(modules)), name
+
+
+def test_every_extra_package_is_hidden_by_these_tests():
+    provided = importlib.metadata.packages_distributions()
+    hidden = {d.lower().replace("_", "-") for m in OPTIONAL for d in provided.get(m, [])}
+    for extra in EXTRAS:
+        for dist in _requirements(extra) - hidden - set(NOT_HIDDEN):
+            pytest.fail(f"[{extra}] installs {dist}: add its import name to OPTIONAL (or to NOT_HIDDEN, "
+                        f"saying why) so the console-script tests run without it")
 
 
 def _requirements(extra, seen=()):
@@ -146,8 +159,6 @@ def _require_extra_calls():
 def test_each_extra_named_in_code_brings_the_module():
     """The extra a message names really installs the module: checked against the installed
     distributions (packages_distributions maps import names to the distributions providing them)."""
-    from megatron_sft_idx._console import TOOLS
-
     provided = importlib.metadata.packages_distributions()
     calls = _require_extra_calls() + [(n, t.extra, t.modules) for n, t in TOOLS.items() if t.extra]
     assert len(calls) >= 8
@@ -224,13 +235,19 @@ def test_library_import_without_the_extra(blocker, tmp_path):
 # --------------------------------------------------------------------------- the console scripts
 
 
-@pytest.mark.parametrize("hidden", NEEDS["preprocess-sft"][1])
-def test_preprocess_without_its_extra_is_one_line(blocker, tmp_path, hidden):
-    args = preprocess_args(tmp_path, [os.path.join(EXAMPLES, "conversations.jsonl")])
-    assert_one_line_naming(run_script("preprocess-sft", args, blocker, str(tmp_path), hide=(hidden,)),
-                           "preprocess", hidden)
-    assert_one_line_naming(run_script("preprocess-sft", ["--help"], blocker, str(tmp_path), hide=(hidden,)),
-                           "preprocess", hidden)
+@pytest.mark.parametrize("name", sorted(TOOLS))
+def test_console_script_runs_with_every_other_optional_package_hidden(blocker, tmp_path, name):
+    """Only what the tool declares may be needed: an undeclared import would fail here."""
+    hide = [m for m in OPTIONAL if m not in TOOLS[name].modules]
+    proc = run_script(name, PROBES[name](tmp_path), blocker, str(tmp_path), hide=hide)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("name, hidden", [(n, m) for n in sorted(TOOLS) for m in TOOLS[n].modules])
+def test_console_script_without_its_extra_is_one_line(blocker, tmp_path, name, hidden):
+    for args in (PROBES[name](tmp_path), ["--help"]):
+        proc = run_script(name, args, blocker, str(tmp_path), hide=(hidden,))
+        assert_one_line_naming(proc, TOOLS[name].extra, hidden, tool=name)
 
 
 def _small_inputs(tmp_path):
@@ -241,37 +258,19 @@ def _small_inputs(tmp_path):
     lines = open(os.path.join(EXAMPLES, "conversations.jsonl"), "rb").read().splitlines()[:20]
     zst = tmp_path / "conv.jsonl.zst"
     zst.write_bytes(zstandard.ZstdCompressor().compress(b"\n".join(lines) + b"\n"))
-    gz = tmp_path / "conv.jsonl.gz"
-    gz.write_bytes(gzip.compress(b"\n".join(lines) + b"\n"))
     parquet = tmp_path / "tok.parquet"
     pq.write_table(pa.table({"input_ids": [[1, 2, 3, 4], [5, 6, 7]], "loss_mask": [[0, 1, 1, 0], [1, 1, 0]]}),
                    str(parquet))
-    return str(zst), str(gz), str(parquet)
+    return str(zst), str(parquet)
 
 
 def test_preprocess_format_specific_packages(blocker, tmp_path):
-    """zstandard and pyarrow are needed only for .zst and Parquet inputs: one line when one is
-    needed and hidden (raised in a tokenizer worker), a normal run when the input does not need it."""
-    zst, gz, parquet = _small_inputs(tmp_path)
+    """zstandard and pyarrow are needed only for .zst and Parquet inputs (the run above with them
+    hidden read plain JSONL): one line when the input needs one, raised in a tokenizer worker."""
+    zst, parquet = _small_inputs(tmp_path)
     for path, hidden in ((zst, "zstandard"), (parquet, "pyarrow")):
-        assert_one_line_naming(run_script("preprocess-sft", preprocess_args(tmp_path, [path]) + ["--overwrite"],
-                                          blocker, str(tmp_path), hide=(hidden,)), "preprocess", hidden)
-    proc = run_script("preprocess-sft", preprocess_args(tmp_path, [gz]) + ["--overwrite"], blocker, str(tmp_path),
-                      hide=("zstandard", "pyarrow", "zlib_ng", "torch", "megatron"))
-    assert proc.returncode == 0, proc.stderr
-
-
-def test_check_idx_needs_no_extra(blocker, tmp_path):
-    proc = run_script("check-idx", [GOLDEN, "--json"], blocker, str(tmp_path), hide=OPTIONAL)
-    assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["passed"] is True
-
-
-def test_write_manifest_needs_no_extra(blocker, tmp_path):
-    out = tmp_path / "m.json"
-    proc = run_script("write-sft-manifest", [str(out), GOLDEN, "--json"], blocker, str(tmp_path), hide=OPTIONAL)
-    assert proc.returncode == 0, proc.stderr
-    assert json.loads(out.read_text())
+        proc = run_script("preprocess-sft", preprocess_args(tmp_path, [path]), blocker, str(tmp_path), hide=(hidden,))
+        assert_one_line_naming(proc, "preprocess", hidden)
 
 
 def test_sft_idx_check_without_native_is_one_line(blocker, tmp_path):
