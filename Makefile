@@ -1,8 +1,10 @@
 # The two quick-start commands (README): `make demo` and `make test`.
-# Both install what they need into the current Python environment.
+# Both install what they need into the current Python environment, editable (the native
+# reader/validator is built into megatron_sft_idx/_native/ when g++ is present).
+# .ci/constraints.txt pins this repo's dev/CI versions (torch 2.13.0 CPU, megatron-core);
+# the package metadata (pyproject.toml) pins neither.
 PYTHON ?= python3
-PIP = $(PYTHON) -m pip install --disable-pip-version-check -q
-MEGATRON_CORE = megatron-core==0.16.1
+PIP = $(PYTHON) -m pip install --disable-pip-version-check -q -c .ci/constraints.txt
 
 .PHONY: install install-test demo test bench
 
@@ -10,11 +12,10 @@ MEGATRON_CORE = megatron-core==0.16.1
 install:
 	$(PIP) -e '.[preprocess,gate]'
 
-# torch first and pinned (a CPU wheel); megatron-core without deps so it cannot replace it.
+# torch first, on its own, so the CPU wheel is in place before anything could ask for another.
 install-test:
-	$(PIP) torch==2.13.0
+	$(PIP) torch
 	$(PIP) -e '.[all]'
-	$(PIP) --no-deps $(MEGATRON_CORE)
 
 demo: install
 	$(PYTHON) tools/demo.py

@@ -18,6 +18,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence
 
 import numpy as np
 
+from .._extras import require_extra
 from ..builder import IndexedDatasetBuilder
 from ..errors import ShardError
 from ..packing import pack_lengths, pad_multiple_for, packing_summary, truncation_length
@@ -85,6 +86,7 @@ class Spooled:
 
 
 def _progress(enabled: bool, **kw):
+    require_extra("preprocess", "tqdm")
     from tqdm import tqdm
 
     return tqdm(disable=not enabled, dynamic_ncols=True, mininterval=0.5, **kw)

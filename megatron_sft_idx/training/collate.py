@@ -37,7 +37,11 @@ from __future__ import annotations
 from typing import List, Optional, Sequence
 
 import numpy as np
-import torch
+
+from .._extras import require_extra
+
+require_extra("train", "torch")
+import torch  # noqa: E402
 
 from ..errors import ShardError
 from ._sources import PackSummary

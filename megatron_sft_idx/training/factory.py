@@ -35,6 +35,7 @@ from typing import List, Optional, Sequence, Union
 
 import numpy as np
 
+from .._extras import require_extra
 from ..errors import InvariantError, ShardError, ShardNotFoundError
 from ..format import IDX_SUFFIX, Rule
 from ..reader import MMapIndexedDataset
@@ -245,6 +246,7 @@ def load_parquet(files: Union[str, Sequence[str]], *, path: Optional[str] = None
     Raises:
         ShardError: a column is missing or not a list of integers.
     """
+    require_extra("train", "pyarrow")
     import pyarrow as pa
     import pyarrow.parquet as pq
 

@@ -46,7 +46,11 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
-import torch
+
+from .._extras import require_extra
+
+require_extra("megatron", "torch", "megatron.core")
+import torch  # noqa: E402
 from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
 from megatron.core.datasets.megatron_dataset import MegatronDataset
 from megatron.core.datasets.utils import Split
