@@ -36,7 +36,7 @@ from typing import List, Optional, Sequence, Union
 import numpy as np
 
 from ..errors import InvariantError, ShardError, ShardNotFoundError
-from ..format import IDX_SUFFIX, Rule
+from ..format import IDX_SUFFIX, PAD_LAYOUT_RUNTIME, Rule
 from ..reader import MMapIndexedDataset
 from ._sources import FlatPackedSource
 
@@ -53,14 +53,19 @@ _ALLOWED_GLOBALS = frozenset({
 })
 
 
-def open_packed(path, *, pad_seq_to_mult: Optional[int] = None, check_packs: bool = False):
+def open_packed(path, *, pad_seq_to_mult: Optional[int] = None, pad_layout: str = PAD_LAYOUT_RUNTIME,
+                eos_id: Optional[int] = None, check_packs: bool = False):
     """Open packed SFT data in any supported format.
 
     Args:
         path: a shard prefix, a manifest ``.json``, a directory, a glob, a list of
             prefixes, a legacy ``.npy`` or packed Parquet (file, directory, glob).
-        pad_seq_to_mult: for ``.npy``/Parquet, the multiple the producer padded
-            sequences to (our shards record it themselves).
+        pad_seq_to_mult, pad_layout: for ``.npy``/Parquet, the multiple the producer padded
+            sequences to and its layout (Megatron-Bridge's packer: ``"runtime"``); our
+            shards record both themselves.
+        eos_id: for ``.npy``/Parquet, Bridge's EOS id: loss values at EOS inputs, which
+            Bridge never trains, are normalised to 0 (docs/FORMAT.md, "Data written by
+            Megatron-Bridge"). Each sequence's last position is always normalised to 0.
         check_packs: check each shard pack's invariants as it is read.
 
     Raises:
@@ -77,10 +82,12 @@ def open_packed(path, *, pad_seq_to_mult: Optional[int] = None, check_packs: boo
     if is_manifest(path):
         return MultiShardDataset.open(path, check_packs=check_packs)
     if path.endswith(".npy") and os.path.isfile(path):
-        return load_legacy_npy(path, pad_seq_to_mult=pad_seq_to_mult or 1)
+        return load_legacy_npy(path, pad_seq_to_mult=pad_seq_to_mult or 1, pad_layout=pad_layout,
+                               eos_id=eos_id)
     parquet = _parquet_files(path)
     if parquet:
-        return load_parquet(parquet, path=path, pad_seq_to_mult=pad_seq_to_mult or 1)
+        return load_parquet(parquet, path=path, pad_seq_to_mult=pad_seq_to_mult or 1, pad_layout=pad_layout,
+                            eos_id=eos_id)
     if os.path.isdir(path) or _glob.has_magic(path):
         return MultiShardDataset.open(path, check_packs=check_packs)
     if os.path.exists(path):
@@ -173,7 +180,8 @@ def _int_values(value, path: str, pack: int, key: str) -> np.ndarray:
     return out.astype(np.int64, copy=False)
 
 
-def load_legacy_npy(path, *, pad_seq_to_mult: int = 1) -> FlatPackedSource:
+def load_legacy_npy(path, *, pad_seq_to_mult: int = 1, pad_layout: str = PAD_LAYOUT_RUNTIME,
+                    eos_id: Optional[int] = None) -> FlatPackedSource:
     """Read Megatron-Bridge's legacy packed ``.npy`` without executing arbitrary pickle code.
 
     Raises:
@@ -194,10 +202,11 @@ def load_legacy_npy(path, *, pad_seq_to_mult: int = 1) -> FlatPackedSource:
                              actual=sorted(item) if isinstance(item, dict) else type(item).__name__)
         for key in _PACK_KEYS:
             fields[key].append(_int_values(item[key], path, i, key))
-    return _flat_from_lists(fields, path, pad_seq_to_mult)
+    return _flat_from_lists(fields, path, pad_seq_to_mult, pad_layout, eos_id)
 
 
-def _flat_from_lists(fields, path: str, pad_seq_to_mult: int) -> FlatPackedSource:
+def _flat_from_lists(fields, path: str, pad_seq_to_mult: int, pad_layout: str,
+                     eos_id: Optional[int]) -> FlatPackedSource:
     ids, loss, starts = fields["input_ids"], fields["loss_mask"], fields["seq_start_id"]
     lengths = np.fromiter((a.shape[0] for a in ids), dtype=np.int64, count=len(ids))
     loss_lengths = np.fromiter((a.shape[0] for a in loss), dtype=np.int64, count=len(loss))
@@ -207,11 +216,37 @@ def _flat_from_lists(fields, path: str, pad_seq_to_mult: int) -> FlatPackedSourc
                              path=path, pack=pack, field="loss_mask", rule=Rule.LENGTH_MISMATCH.name,
                              expected=int(lengths[pack]), actual=int(loss_lengths[pack]))
     counts = np.fromiter((a.shape[0] for a in starts), dtype=np.int64, count=len(starts))
-    tokens = np.concatenate(ids)
-    return FlatPackedSource(
-        _narrow_tokens(tokens), np.concatenate(loss), np.concatenate(starts),
-        np.concatenate(([0], np.cumsum(lengths))), np.concatenate(([0], np.cumsum(counts))),
-        path=path, pad_seq_to_mult=pad_seq_to_mult)
+    tokens = _narrow_tokens(np.concatenate(ids))
+    token_off = np.concatenate(([0], np.cumsum(lengths)))
+    seq_off = np.concatenate(([0], np.cumsum(counts)))
+    seq_starts = np.concatenate(starts)
+    loss = normalise_bridge_loss(np.concatenate(loss), tokens, seq_starts, token_off, seq_off, eos_id)
+    return FlatPackedSource(tokens, loss, seq_starts, token_off, seq_off, path=path,
+                            pad_seq_to_mult=pad_seq_to_mult, pad_layout=pad_layout)
+
+
+def normalise_bridge_loss(loss, tokens, seq_starts, token_offsets, seq_offsets,
+                          eos_id: Optional[int] = None) -> np.ndarray:
+    """Bridge's loss mask with the positions Bridge never trains set to 0 (a copy).
+
+    Each sequence's last position (Bridge's collate reads ``[start, end - 1)``), and with
+    ``eos_id`` every position whose input token is EOS (Bridge's collate zeroes them).
+    Malformed sequence starts are left alone here; the invariant scan names them.
+    """
+    loss = np.array(loss, dtype=np.int64)
+    seq_starts = np.asarray(seq_starts, dtype=np.int64)
+    counts = np.diff(np.asarray(seq_offsets, dtype=np.int64))
+    pack_len = np.diff(np.asarray(token_offsets, dtype=np.int64))
+    if counts.size and counts.min() >= 0 and seq_starts.shape[0] == int(counts.sum()):
+        pack_of = np.repeat(np.arange(counts.shape[0]), counts)
+        is_last = np.zeros(seq_starts.shape[0], dtype=bool)
+        is_last[np.cumsum(counts)[counts > 0] - 1] = True  # each pack's last sequence ends the pack
+        end = np.where(is_last, pack_len[pack_of], np.append(seq_starts[1:], 0))
+        ok = (seq_starts >= 0) & (end > seq_starts) & (end <= pack_len[pack_of])
+        loss[(np.asarray(token_offsets)[pack_of] + end - 1)[ok]] = 0
+    if eos_id is not None and loss.shape == np.shape(tokens):
+        loss[np.asarray(tokens) == eos_id] = 0
+    return loss
 
 
 def _narrow_tokens(tokens: np.ndarray) -> np.ndarray:
@@ -237,7 +272,8 @@ def _parquet_files(path: str) -> List[str]:
 
 
 def load_parquet(files: Union[str, Sequence[str]], *, path: Optional[str] = None,
-                 pad_seq_to_mult: int = 1) -> FlatPackedSource:
+                 pad_seq_to_mult: int = 1, pad_layout: str = PAD_LAYOUT_RUNTIME,
+                 eos_id: Optional[int] = None) -> FlatPackedSource:
     """Read packed Parquet (``input_ids``, ``loss_mask``, ``seq_start_id`` list columns).
 
     Rows of all files, in sorted file order, become packs in that order.
@@ -282,6 +318,8 @@ def load_parquet(files: Union[str, Sequence[str]], *, path: Optional[str] = None
         pack = int(np.flatnonzero(np.diff(id_off) != np.diff(loss_off))[0])
         raise InvariantError(f"pack {pack} breaks an invariant: {Rule.LENGTH_MISMATCH.describe}",
                              path=label, pack=pack, field="loss_mask", rule=Rule.LENGTH_MISMATCH.name)
-    return FlatPackedSource(_narrow_tokens(ids.astype(np.int64)), loss.astype(np.int64),
-                            starts.astype(np.int64), id_off, seq_off, path=label,
-                            pad_seq_to_mult=pad_seq_to_mult)
+    tokens = _narrow_tokens(ids.astype(np.int64))
+    starts = starts.astype(np.int64)
+    loss = normalise_bridge_loss(loss.astype(np.int64), tokens, starts, id_off, seq_off, eos_id)
+    return FlatPackedSource(tokens, loss, starts, id_off, seq_off, path=label,
+                            pad_seq_to_mult=pad_seq_to_mult, pad_layout=pad_layout)
