@@ -56,7 +56,10 @@ def _bare_package(name: str) -> None:
     if name in sys.modules:
         return
     parent_name, _, child = name.rpartition(".")
-    parent = importlib.import_module(parent_name)
+    try:
+        parent = importlib.import_module(parent_name)
+    except ModuleNotFoundError:
+        return  # not installed (the megatron-core-only stack)
     spec = importlib.machinery.PathFinder.find_spec(name, list(parent.__path__))
     if spec is None or spec.submodule_search_locations is None:
         return  # not installed (e.g. the megatron-core-only environment)

@@ -12,17 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-import stacks
+from bridge_data import PACK_SIZE, bridge_tokenizer, write_bridge_artifacts  
 
-if stacks.current().bridge is None:
-    pytest.skip("this stack has no Megatron-Bridge", allow_module_level=True)  # never collected there
-
-from bridge_data import PACK_SIZE, bridge_tokenizer, write_bridge_artifacts  # noqa: E402
-
-from megatron_sft_idx import MMapIndexedDataset  # noqa: E402
-from megatron_sft_idx.errors import ShardError  # noqa: E402
-from megatron_sft_idx.training.bridge import PackedSFTDataset  # noqa: E402
-from megatron_sft_idx.training.convert import convert  # noqa: E402
+from megatron_sft_idx import MMapIndexedDataset  
+from megatron_sft_idx.errors import ShardError  
+from megatron_sft_idx.training.bridge import PackedSFTDataset  
+from megatron_sft_idx.training.convert import convert  
 
 OPTION_SETS = [dict(pad_to_max_length=False, pad_cu_seqlens=False),
                dict(pad_to_max_length=True, pad_cu_seqlens=False),
