@@ -94,7 +94,7 @@ class PackedSFTDataset(torch.utils.data.Dataset):
                  stats: Optional[BridgePackingStats] = None) -> None:
         eos = eos_id if eos_id is not None else (pad_id if pad_id is not None else 0)
         if isinstance(source, (str, list, tuple)) or hasattr(source, "__fspath__"):
-            source = open_packed(source, pad_seq_to_mult=pad_seq_to_mult, pad_layout=pad_layout, eos_id=eos)
+            source = open_packed(source, pad_seq_to_mult=pad_seq_to_mult, pad_layout=pad_layout)
         self.source = source
         self.summary: PackSummary = summarize(source)
         self.max_seq_length = int(max_seq_length or self.summary.capacity)
