@@ -120,7 +120,7 @@ def test_restricted_unpickler_refuses_code_execution(tmp_path):
             allow_pickle=True)
     with pytest.raises(ShardError, match="refusing to load global"):
         load_legacy_npy(path2)
-    evil_eval = b"\x80\x03cbuiltins\neval\nX\x04\x00\x00\x001+1q\x00\x85q\x01Rq\x02."
+    evil_eval = b"\x80\x03cbuiltins\neval\nX\x03\x00\x00\x001+1q\x00\x85q\x01Rq\x02."
     path3 = str(tmp_path / "evil3.npy")
     _write_object_npy(path3, evil_eval)
     with pytest.raises(ShardError, match="builtins.eval"):

@@ -44,13 +44,43 @@ __all__ = ["open_packed", "load_legacy_npy", "load_parquet", "RestrictedUnpickle
 
 _PACK_KEYS = ("input_ids", "loss_mask", "seq_start_id")
 _PARQUET_SUFFIXES = (".parquet", ".pq")
+_RECONSTRUCT = frozenset({("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct")})
 #: The only globals a pickled numpy array needs (numpy 1.x and 2.x module names).
-_ALLOWED_GLOBALS = frozenset({
-    ("numpy.core.multiarray", "_reconstruct"),
-    ("numpy._core.multiarray", "_reconstruct"),
-    ("numpy", "ndarray"),
-    ("numpy", "dtype"),
-})
+_ALLOWED_GLOBALS = _RECONSTRUCT | {("numpy", "ndarray"), ("numpy", "dtype")}
+_MAX_NDIM = 32
+
+
+class _CheckedArray(np.ndarray):
+    """What the restricted unpickler builds for a pickled array: its ``__setstate__`` checks
+    that the state's shape and dtype describe exactly the data the pickle holds *before*
+    numpy allocates, so a few bytes cannot declare gigabytes (issue: memory before refusal)."""
+
+    def __setstate__(self, state):
+        if not isinstance(state, tuple) or len(state) not in (4, 5):
+            raise pickle.UnpicklingError("array state is not numpy's")
+        shape, dtype, _fortran, data = state[-4:]
+        if (not isinstance(shape, tuple) or len(shape) > _MAX_NDIM
+                or not all(type(d) is int and d >= 0 for d in shape) or not isinstance(dtype, np.dtype)):
+            raise pickle.UnpicklingError("array state: bad shape or dtype")
+        count = 1
+        for d in shape:
+            count *= d
+        if dtype.hasobject:
+            ok = isinstance(dtype, np.dtype) and dtype == np.dtype(object) and isinstance(data, list) \
+                and len(data) == count
+        else:
+            ok = isinstance(data, (bytes, bytearray)) and len(data) == count * dtype.itemsize
+        if not ok:
+            raise pickle.UnpicklingError("array state: the data present does not match the declared shape")
+        super().__setstate__(state)
+
+
+def _checked_reconstruct(subtype, shape, dtype):
+    """numpy's ``_reconstruct`` as numpy's own pickles call it: an empty ndarray, filled by BUILD."""
+    if subtype is not np.ndarray or not isinstance(shape, tuple) or \
+            not all(type(d) is int and d >= 0 for d in shape) or 0 not in shape:
+        raise pickle.UnpicklingError("array rebuild with a non-empty shape or a subclass")
+    return np.ndarray.__new__(_CheckedArray, (0,), np.uint8)
 
 
 def open_packed(path, *, pad_seq_to_mult: Optional[int] = None, pad_layout: str = PAD_LAYOUT_RUNTIME,
@@ -110,6 +140,8 @@ class RestrictedUnpickler(pickle.Unpickler):
     source = "<pickle>"
 
     def find_class(self, module: str, name: str):
+        if (module, name) in _RECONSTRUCT:
+            return _checked_reconstruct
         if (module, name) in _ALLOWED_GLOBALS:
             return super().find_class(module, name)
         raise ShardError(f"refusing to load global {module}.{name} from a pickle", path=self.source,
@@ -126,7 +158,7 @@ def _restricted_loads(stream, source: str):
         return unpickler.load()
     except ShardError:
         raise
-    except Exception as exc:  # a malformed pickle must not surface as a raw traceback
+    except Exception as exc:  # a malformed or hostile pickle must not surface as a raw traceback
         raise ShardError(f"the pickle payload is malformed ({type(exc).__name__}: {exc})",
                          path=source, field="pickle",
                          hint="the .npy was cut short or is not a packed dataset") from None
@@ -150,12 +182,27 @@ def _read_npy_object_array(path: str) -> np.ndarray:
                              field="dtype/shape", expected="object, 1-D",
                              actual=f"{dtype}, shape {shape}")
         payload = f.read()
+    from ._pickle_scan import first_bad_opcode
+
+    bad = first_bad_opcode(payload)
+    if bad is not None:  # checked before unpickling: CPython allocates declared lengths up front
+        raise ShardError(f"the pickle payload is malformed: {bad[1]}", path=path, field="pickle",
+                         actual=f"payload offset {bad[0]}",
+                         hint="the .npy was cut short or is not a packed dataset; do not load it")
     array = _restricted_loads(io.BytesIO(payload), path)
+    if isinstance(array, np.ndarray):
+        array = array.view(np.ndarray)
     if not isinstance(array, np.ndarray) or array.dtype != object or array.shape != tuple(shape):
         raise ShardError("the pickle payload is not the object array its header announces",
                          path=path, field="payload", expected=f"object array of shape {shape}",
                          actual=type(array).__name__)
-    return array
+    return array, len(payload)
+
+
+def _declared_len(value) -> int:
+    if isinstance(value, list):
+        return len(value)
+    return int(value.size) if isinstance(value, np.ndarray) else 0
 
 
 def _int_values(value, path: str, pack: int, key: str) -> np.ndarray:
@@ -168,16 +215,15 @@ def _int_values(value, path: str, pack: int, key: str) -> np.ndarray:
     if not isinstance(value, list):
         raise ShardError("field must be a list of ints", path=path, pack=pack, field=key,
                          actual=type(value).__name__)
-    if not value:
-        return np.empty(0, dtype=np.int64)
-    try:
-        out = np.array(value)
-    except (TypeError, ValueError, OverflowError):
-        out = None
-    if out is None or out.ndim != 1 or out.dtype.kind not in "biu":
+    kinds = set(map(type, value))  # checked before numpy sees it: a nested list is never expanded
+    if not kinds <= {int, bool}:
         raise ShardError("field must be a flat list of ints", path=path, pack=pack, field=key,
-                         actual=None if out is None else str(out.dtype))
-    return out.astype(np.int64, copy=False)
+                         actual=sorted(k.__name__ for k in kinds - {int, bool})[:4])
+    try:
+        return np.fromiter(value, dtype=np.int64, count=len(value))
+    except OverflowError:
+        raise ShardError("field must be a flat list of ints (each fitting int64)", path=path, pack=pack,
+                         field=key) from None
 
 
 def load_legacy_npy(path, *, pad_seq_to_mult: int = 1, pad_layout: str = PAD_LAYOUT_RUNTIME,
@@ -190,16 +236,25 @@ def load_legacy_npy(path, *, pad_seq_to_mult: int = 1, pad_layout: str = PAD_LAY
             rebuilders; InvariantError: a pack breaks a format invariant.
     """
     path = os.fspath(path)
-    array = _read_npy_object_array(path)
+    array, payload_bytes = _read_npy_object_array(path)
     if array.shape[0] == 0:
         raise ShardError("the packed dataset is empty", path=path, field="packs")
     fields = {k: [] for k in _PACK_KEYS}
+    declared = 0
     # One Python step per pack is inherent: the legacy format *is* a Python object per pack.
     for i, item in enumerate(array):
-        if not isinstance(item, dict) or set(item) != set(_PACK_KEYS):
+        if not isinstance(item, dict) or len(item) != len(_PACK_KEYS) or \
+                not all(isinstance(k, str) and k in item for k in _PACK_KEYS):
             raise ShardError("every element must be a dict with exactly the packed keys", path=path,
                              pack=i, field="keys", expected=sorted(_PACK_KEYS),
-                             actual=sorted(item) if isinstance(item, dict) else type(item).__name__)
+                             actual=type(item).__name__ if not isinstance(item, dict) else f"{len(item)} keys")
+        # Every value the pickle holds costs it at least a byte, unless one object is referenced
+        # many times: bound the expansion by the file before converting anything.
+        declared += sum(_declared_len(item[k]) for k in _PACK_KEYS)
+        if declared > payload_bytes:
+            raise ShardError("the pickle declares more values than it holds bytes (shared references)",
+                             path=path, pack=i, field="payload", expected=f"<= {payload_bytes} values",
+                             hint="this is not a file Megatron-Bridge's packer writes; do not load it")
         for key in _PACK_KEYS:
             fields[key].append(_int_values(item[key], path, i, key))
     return _flat_from_lists(fields, path, pad_seq_to_mult, pad_layout, eos_id)
