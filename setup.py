@@ -20,8 +20,10 @@ EXTRAS = {
     # Same CRC-32 as zlib, several times faster; the gate and builder fall back to zlib without it.
     "gate": ["zlib-ng>=0.5"],
     "train": [TORCH, "packaging", "pyarrow>=15"],
+    # pandas: HF datasets (imported by Megatron-Bridge's data modules in tests/compat) needs it;
+    # datasets itself is installed with --no-deps into .deps/ by the Makefile (install-compat).
     "test": [TORCH, "pytest>=8", "hypothesis>=6.100", "pytest-xdist>=3.5", "pyarrow>=15",
-             "packaging"],
+             "packaging", "pandas>=2"],
     "bench": [TORCH, "pyarrow>=15", "matplotlib>=3.8", "psutil>=5.9"],
 }
 EXTRAS["all"] = sorted({req for reqs in EXTRAS.values() for req in reqs})
