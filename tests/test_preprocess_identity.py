@@ -1,8 +1,8 @@
 """Byte identity of preprocessing outputs, pinned against shards built by the pre-staged pipeline.
 
 ``tests/golden/preprocess_digests.json`` was written by the single-process-tree pipeline that
-the staged one replaced (commit 126c196, ``python tests/test_preprocess_identity.py --write``
-run on that tree). Every case runs here through today's pipeline and must give the same bytes:
+the staged one replaced (main at 8013c3a, format 1.1 with ``pad_layout``; ``python
+tests/test_preprocess_identity.py --write`` run on that tree). Every case runs here through today's pipeline and must give the same bytes:
 the data files in full, and ``.seq.idx`` as its CSR bytes plus its metadata without the
 ``producer`` key (which changes with every release, and so would pin the version, not the data).
 
@@ -40,6 +40,8 @@ CASES = {
                              sp=True, pad_id=0),
     "tokens_truncate": dict(inputs=["in/tokens.jsonl"], tokenizer=None, vocab_size=70000, pad_id=1,
                             input_format="tokens", pack_size=64, overlong="truncate", split=[90, 10]),
+    "runtime_layout_cp4": dict(inputs=CHAT, pack_size=333, cp=4, pad_layout="runtime", overlong="truncate",
+                               max_packs_per_shard=40),
 }
 
 

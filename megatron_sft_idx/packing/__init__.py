@@ -1,7 +1,7 @@
 """Bin packing of sequence lengths (numba, O(N log N)) and parallelism padding helpers."""
 
 from .algorithms import ALGORITHMS, DEFAULT_ALGORITHM, PackAssignment, pack_lengths, pack_lengths_csr
-from .padding import pad_multiple_for, padded_lengths, truncation_length
+from .padding import is_padded, pad_multiple_for, pad_offset, padded_length, padded_lengths, truncation_length
 from .stats import packing_summary
 
 __all__ = [
@@ -11,7 +11,10 @@ __all__ = [
     "pack_lengths",
     "pack_lengths_csr",
     "pad_multiple_for",
+    "pad_offset",
+    "padded_length",
     "padded_lengths",
+    "is_padded",
     "truncation_length",
     "packing_summary",
 ]

@@ -24,6 +24,7 @@ import signal
 import traceback
 from typing import Callable, Protocol, Sequence
 
+from .._extras import MissingExtraError
 from ..errors import ShardError
 from .errors import output_error
 from .signals import Terminated, worker_signals
@@ -43,7 +44,7 @@ def run_unit(step: Step, unit: int) -> dict:
     """``step.run(unit)`` with failures named the same way under every engine."""
     try:
         return step.run(unit)
-    except ShardError:
+    except (ShardError, MissingExtraError):
         raise
     except OSError as exc:
         raise output_error(exc, where=getattr(step, "writes_to", None)) from None
@@ -88,7 +89,7 @@ def _worker_main(step, parent_pid, tasks, results) -> None:
         try:
             results.put(("done", unit, run_unit(step, unit)))
         except BaseException as exc:  # report, never hang the driver
-            if not isinstance(exc, ShardError):
+            if not isinstance(exc, (ShardError, MissingExtraError)):
                 exc = ShardError(f"{step.name} unit {unit} failed: {exc.__class__.__name__}: {exc}")
             results.put(("error", unit, exc))
             return

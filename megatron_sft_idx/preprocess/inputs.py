@@ -28,6 +28,7 @@ import json
 import os
 from typing import List, NamedTuple, Sequence
 
+from .._extras import require_extra
 from .errors import InputError, input_error
 
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
@@ -93,6 +94,7 @@ def open_text_bytes(path: str):
     if path.endswith(".gz"):
         return gzip.open(path, "rb")
     if path.endswith(".zst"):
+        require_extra("preprocess", "zstandard")
         import zstandard
 
         return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..builder import IndexedDatasetBuilder
 from ..format import PUBLISH_ORDER
-from ..packing import padded_lengths, truncation_length
+from ..packing import padded_length, truncation_length
 from ._materialize import exclusive_cumsum, fill_sequences
 from .planfile import PackPlan
 from .receipts import ReceiptBook
@@ -65,7 +65,8 @@ class MaterializeStep:
         store = SequenceStore(self.store_dir)
         plan = PackPlan(self.plan_path)
         settings = plan.metadata["settings"]
-        gather = Gatherer(store, settings["pack_size"], settings["pad_multiple"], self.pad_id)
+        gather = Gatherer(store, settings["pack_size"], settings["pad_multiple"], self.pad_id,
+                          settings.get("pad_layout", "stored"))
         arrays = plan.arrays(out.split)
         first, last = int(arrays["shard_starts"][out.shard]), int(arrays["shard_starts"][out.shard + 1])
         with IndexedDatasetBuilder(out.staged, overwrite=True, vocab_size=self.vocab_size,
@@ -98,11 +99,13 @@ def chunks(offsets: np.ndarray, loads: np.ndarray, first: int, last: int):
 class Gatherer:
     """Builds packs from store sequences: truncation, padding and the truncated-end mask rule."""
 
-    def __init__(self, store: SequenceStore, pack_size: int, pad_multiple: int, pad_id: int) -> None:
+    def __init__(self, store: SequenceStore, pack_size: int, pad_multiple: int, pad_id: int,
+                 pad_layout: str = "stored") -> None:
         self.store = store
         self.part_starts = store.starts()
-        self.truncate_to = truncation_length(pack_size, pad_multiple)
+        self.truncate_to = truncation_length(pack_size, pad_multiple, pad_layout)
         self.pad_multiple = pad_multiple
+        self.pad_layout = pad_layout
         self.pad_id = pad_id
         self._advised = set()
 
@@ -131,7 +134,7 @@ class Gatherer:
             sel = part == k
             full[sel] = self._part(int(k)).sequence_lengths[local[sel]]
         copy = np.minimum(full, self.truncate_to)
-        dst = exclusive_cumsum(padded_lengths(copy, self.pad_multiple))
+        dst = exclusive_cumsum(padded_length(copy, self.pad_multiple, self.pad_layout))
         ids = np.full(int(dst[-1]), self.pad_id, dtype=np.int64)
         mask = np.zeros(int(dst[-1]), dtype=np.uint8)
         for k in touched:

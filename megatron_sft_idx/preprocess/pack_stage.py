@@ -66,6 +66,7 @@ def shard_metadata(store: SequenceStore, job: PackJob, split: str, shard: int, c
     encode = store.identity["encode"]
     meta = {
         "pad_seq_to_mult": s.pad_multiple,
+        "pad_layout": s.pad_layout,
         "tokenizer": store.tokenizer,
         "packing": {"algorithm": s.algorithm, "seed": s.seed, "pack_size": s.pack_size, "overlong": s.overlong},
         "parallelism": {"cp": cp, "tp": tp, "sp": bool(sp)},

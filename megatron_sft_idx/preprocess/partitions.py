@@ -29,6 +29,7 @@ import os
 from dataclasses import dataclass
 from typing import Iterator, List, Tuple
 
+from .._extras import require_extra
 from .inputs import JSONL_SUFFIXES, PARQUET_SUFFIXES, OversizedRecord, open_text_bytes
 
 _BLOCK = 1 << 20
@@ -124,6 +125,7 @@ def _hash_and_cut_lines(path: str, partition_bytes: int) -> Tuple[str, List[Tupl
 
 
 def _row_partitions(path: str, file_index: int, partition_bytes: int) -> List[Partition]:
+    require_extra("preprocess", "pyarrow")
     import pyarrow.parquet as pq
 
     meta = pq.ParquetFile(path).metadata
@@ -225,6 +227,7 @@ def _bounded_lines(stream, limit: int, first_line: int, max_bytes: int) -> Itera
 
 
 def _parquet_batches(path: str, part: Partition, batch_size: int) -> Iterator[list]:
+    require_extra("preprocess", "pyarrow")
     import pyarrow.parquet as pq
 
     row = part.first_line

@@ -25,6 +25,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from .._extras import MissingExtraError, require_extra
 from ..errors import OutputError, ShardError, ShardExistsError
 from ..format import PUBLISH_ORDER
 from ..packing import pad_multiple_for
@@ -62,6 +63,7 @@ class Config:
     prompt_key: str = "prompt"
     completion_key: str = "completion"
     pad_seq_to_mult: int = 1
+    pad_layout: str = "stored"  # "runtime" pads for Megatron-Bridge (packing/padding.py)
     cp: int = 1
     tp: int = 1
     sp: bool = False
@@ -85,6 +87,7 @@ class Config:
 
 
 def _progress(enabled: bool, **kw):
+    require_extra("preprocess", "tqdm")
     from tqdm import tqdm
 
     return tqdm(disable=not enabled, dynamic_ncols=True, mininterval=0.5, **kw)
@@ -107,7 +110,7 @@ def plan_settings(cfg, mult: int, vocab: Optional[int]) -> PlanSettings:
         pack_size=cfg.pack_size, pad_multiple=mult, algorithm=cfg.algorithm, seed=cfg.seed,
         split=tuple(cfg.split) if cfg.split else None, overlong=cfg.overlong, skip_bad=cfg.skip_bad,
         max_packs_per_shard=cfg.max_packs_per_shard, max_shard_bytes=cfg.max_shard_bytes,
-        itemsize=2 if (vocab or 0) and vocab <= 65536 else 4)
+        itemsize=2 if (vocab or 0) and vocab <= 65536 else 4, pad_layout=cfg.pad_layout)
 
 
 def check_pad_id(pad_id: Optional[int], vocab: Optional[int]) -> int:
@@ -247,7 +250,7 @@ def execute(job: PackJob, run_key: str, resume: bool, engine_kind: str, workers:
             return build_summary(store, job, result, times, workers, engine.describe(), resumed, kept_store)
         except OutputError:
             raise
-        except ShardError:
+        except (ShardError, MissingExtraError):
             remove = True
             raise
         except OSError as exc:

@@ -21,7 +21,7 @@ import numba
 import numpy as np
 
 from ..errors import ShardError
-from ..packing import pack_lengths_csr, packing_summary, padded_lengths, truncation_length
+from ..packing import pack_lengths_csr, packing_summary, padded_length, truncation_length
 from ..packing.algorithms import index_dtype
 from ._materialize import exclusive_cumsum
 from .errors import input_error
@@ -47,10 +47,15 @@ class PlanSettings:
     max_packs_per_shard: Optional[int]
     max_shard_bytes: Optional[int]
     itemsize: int                   # bytes per output token (for --max-shard-bytes)
+    pad_layout: str = "stored"      # which length the pad multiple applies to (packing/padding.py)
 
     @property
     def truncate_to(self) -> int:
-        return truncation_length(self.pack_size, self.pad_multiple)
+        return truncation_length(self.pack_size, self.pad_multiple, self.pad_layout)
+
+    def padded(self, lengths) -> np.ndarray:
+        """Each length as padded in a pack (int64): the one padding rule, in this layout."""
+        return padded_length(lengths, self.pad_multiple, self.pad_layout)
 
     @property
     def split_names(self) -> Tuple[str, ...]:
@@ -190,7 +195,7 @@ def _overlong_error(s: PlanSettings, name: str, line: int, length: int):
     if s.overlong == "truncate":
         return input_error("nothing trained within the first --pack-size tokens", name, line,
                            reason="overlong_untrainable_after_truncation")
-    padded = int(padded_lengths([length], s.pad_multiple)[0])
+    padded = int(s.padded([length])[0])
     return input_error(f"sequence of {length} tokens (padded {padded}) exceeds --pack-size {s.pack_size}",
                        name, line, field="input_ids", reason="overlong",
                        hint="use --overlong truncate or drop, or a larger --pack-size")
@@ -212,7 +217,7 @@ def load_kept(store: SequenceStore, s: PlanSettings) -> Kept:
     for k, part in enumerate(store.partitions):
         rows = store.rows(k)
         full = rows["length"]
-        drop = padded_lengths(full, s.pad_multiple) > s.pack_size
+        drop = s.padded(full) > s.pack_size
         if drop.any():
             if s.overlong == "truncate":
                 drop &= rows["first_trained"] >= trunc - 1
@@ -227,7 +232,7 @@ def load_kept(store: SequenceStore, s: PlanSettings) -> Kept:
         keep = ~drop
         kept = full[keep]
         copy = np.minimum(kept, trunc)
-        pad = padded_lengths(copy, s.pad_multiple)
+        pad = s.padded(copy)
         truncated += int((kept > trunc).sum())
         padding += int(pad.sum() - copy.sum())
         padded[n:n + kept.size] = pad

@@ -17,16 +17,15 @@ import logging
 import os
 from typing import Optional, Sequence
 
+from .._extras import MissingExtraError, require_extra
 from ..errors import ShardError
 from .engine import OnDone, Step, run_unit
 
 
 def _require_ray():
-    try:
-        import ray
-    except ImportError:
-        raise ShardError("--engine ray needs Ray, which is not installed",
-                         hint="pip install 'megatron_sft_idx[ray]' on the driver and on every node") from None
+    require_extra("ray", "ray")
+    import ray
+
     return ray
 
 
@@ -35,7 +34,7 @@ def _ray_unit(step: Step, unit: int):
     for a project error, so the driver gets the error itself rather than Ray's wrapper)."""
     try:
         return "done", run_unit(step, unit)
-    except ShardError as exc:
+    except (ShardError, MissingExtraError) as exc:
         return "error", exc
 
 

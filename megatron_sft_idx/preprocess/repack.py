@@ -35,6 +35,7 @@ class RepackConfig:
     seed: int = 1234
     overlong: str = "truncate"
     pad_seq_to_mult: int = 1
+    pad_layout: str = "stored"
     cp: int = 1
     tp: int = 1
     sp: bool = False
@@ -129,7 +130,7 @@ def _config(args) -> RepackConfig:
     return RepackConfig(
         store=args.store, output_prefix=args.output_prefix, pack_size=args.pack_size,
         algorithm=args.packing_algorithm, seed=args.seed, overlong=args.overlong,
-        pad_seq_to_mult=args.pad_seq_to_mult, cp=args.cp, tp=args.tp, sp=args.sp, pad_id=args.pad_id,
+        pad_seq_to_mult=args.pad_seq_to_mult, pad_layout=args.pad_layout, cp=args.cp, tp=args.tp, sp=args.sp, pad_id=args.pad_id,
         split=args.split, max_packs_per_shard=args.max_packs_per_shard, max_shard_bytes=args.max_shard_bytes,
         skip_bad=args.skip_bad, workers=args.workers, engine=args.engine, ray_address=args.ray_address,
         resume=args.resume, overwrite=args.overwrite, check=args.check, verify_masks=args.verify_masks,
