@@ -205,8 +205,12 @@ def run_and_report(prog: str, run, cfg, args, formatter=None) -> int:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 1
     except (KeyboardInterrupt, Terminated) as exc:
-        print(f"{prog}: interrupted; nothing was published (rerun with --resume to continue from the "
-              f"completed units, or without it to start over)", file=sys.stderr)
+        if getattr(exc, "publishing", False):
+            what = "interrupted while publishing; no manifest was written (rerun with --resume to finish)"
+        else:
+            what = ("interrupted; nothing was published (rerun with --resume to continue from the completed "
+                    "units, or without it to start over)")
+        print(f"{prog}: {what}", file=sys.stderr)
         return exit_code(exc)
     if args.summary_json:
         with open(args.summary_json, "w", encoding="utf-8") as f:

@@ -146,6 +146,7 @@ def run_pack(store: SequenceStore, job: PackJob, engine, work: WorkDir, run_key:
     result.verify, result.gate = checked["verify"], checked["gate"]
     t = time.perf_counter()
     resumed["publish"] = len(b["publish"].completed(range(len(shards))))
+    work.publishing = True
     publish(result.staged, replaced, b["publish"])
     times["publish"] = time.perf_counter() - t
     return result

@@ -39,7 +39,7 @@ from .pack_stage import PackJob, books, run_pack
 from .partitions import DEFAULT_MAX_RECORD_BYTES, DEFAULT_PARTITION_BYTES, Partition
 from .plan import PlanSettings, plan_shards, split_conversations  # noqa: F401  (public names)
 from .receipts import ReceiptBook, settings_key
-from .signals import terminate_as_exception
+from .signals import Terminated, terminate_as_exception
 from .store import STORE_FILE, SequenceStore, tokenize_book, write_store_file
 from .summary import build_summary
 from .tokenize import IndexStep, TokenizeStep
@@ -252,6 +252,9 @@ def execute(job: PackJob, run_key: str, resume: bool, engine_kind: str, workers:
             raise
         except (ShardError, MissingExtraError):
             remove = True
+            raise
+        except (KeyboardInterrupt, Terminated) as exc:
+            exc.publishing = work.publishing  # the CLI says whether anything reached final names
             raise
         except OSError as exc:
             raise output_error(exc, where=os.path.dirname(os.path.abspath(job.output_prefix))) from None

@@ -102,6 +102,10 @@ def verify_masks(store, plan_path: str, shards, job, count: int) -> dict:
         raise ShardError("--verify-masks needs the tokenizer to decode", field="verify_masks",
                          hint="pass --tokenizer (the one the store was tokenized with)")
     tok = ChatTokenizer(job.tokenizer_path) if store.tokenizer is not None else None
+    if tok is not None and tok.identity()["files_sha256"] != store.tokenizer["files_sha256"]:
+        raise ShardError("--verify-masks: this is not the tokenizer the store was tokenized with",
+                         path=job.tokenizer_path, field="tokenizer",
+                         expected=store.tokenizer["files_sha256"], actual=tok.identity()["files_sha256"])
     encode = store.identity["encode"]
     plan = PackPlan(plan_path)
     chosen, truncated = _choose(store, plan, job.settings.truncate_to, count, job.settings.seed)

@@ -78,6 +78,7 @@ class WorkDir:
         self.path = os.path.join(self.parent, f".{self.name}.preprocess")
         self.lock = Lock(os.path.join(self.path, "lock"), f"output {output_prefix}")
         self.resumed = False
+        self.publishing = False  # set once files may appear under final names
 
     @property
     def receipts(self) -> str:
