@@ -73,10 +73,27 @@ def digests(directory: str) -> dict:
     return out
 
 
-def kill_and_resume(cmd: list, ref_wall: float, seed: int) -> dict:
-    """Kill ``cmd`` at a seeded moment in [10%, 90%] of the reference wall time, then resume it."""
+def _commits(work_dir: str, since: float) -> list:
+    """Seconds after ``since`` at which each receipt under ``work_dir`` was written (sorted)."""
+    out = []
+    for directory, _, names in os.walk(work_dir):
+        if os.sep + "receipts" in directory:
+            out += [os.path.getmtime(os.path.join(directory, n)) - since for n in names if n.endswith(".json")]
+    return sorted(t for t in out if t >= 0)
+
+
+def kill_and_resume(cmd: list, prefix: str, ref_wall: float, seed: int) -> dict:
+    """Kill ``cmd`` (SIGKILL to its process group) at a seeded moment in [10%, 90%] of the reference
+    wall time, then run it again with ``--resume``.
+
+    Time lost is measured within the killed run, so it does not depend on how busy the machine
+    was in other runs: the work since the last receipt before the kill (units in flight, redone),
+    plus the resumed run's restart cost (start-up, checking the inputs and receipts).
+    """
     at = random.Random(seed).uniform(0.1, 0.9) * ref_wall
-    t = time.perf_counter()
+    work_dir = os.path.join(os.path.dirname(prefix), f".{os.path.basename(prefix)}.preprocess")
+    shutil.rmtree(work_dir, ignore_errors=True)
+    start = time.time()
     proc = subprocess.Popen(cmd + ["--quiet"], env=_env(), start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -86,10 +103,15 @@ def kill_and_resume(cmd: list, ref_wall: float, seed: int) -> dict:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         finished = False
-    killed_after = time.perf_counter() - t
+    killed_after = time.time() - start
+    commits = _commits(work_dir, start)
+    last_commit = commits[-1] if commits else 0.0
     summary, resume_wall = run_json(cmd + ["--resume"])
+    restart = summary["seconds"].get("inputs", 0.0) + summary["seconds"].get("index", 0.0)
     return {"kill_at_s": killed_after, "finished_before_kill": finished, "resume_s": resume_wall,
-            "lost_s": killed_after + resume_wall - ref_wall, "resumed_units": summary["resumed_units"]}
+            "units_committed_before_kill": len(commits), "last_commit_s": last_commit,
+            "lost_s": killed_after - last_commit + restart, "restart_s": restart,
+            "resumed_units": summary["resumed_units"]}
 
 
 def child_reads(store: str, plan: str, prefix: str, reads: int, seed: int) -> dict:
@@ -167,25 +189,53 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cores-per-node", type=int, default=64, help="cores per node in the projection (default: 64)")
     p.add_argument("--target", type=int, default=13_000_000, help="conversations to project for (default: 13M)")
     p.add_argument("--work-dir", help="keep everything here (default: a temporary directory)")
+    p.add_argument("--kill-only", metavar="JSON",
+                   help="measure only the kill and resume again, reusing the reference run (in --work-dir) "
+                        "and every other figure of this earlier results file")
     return p
+
+
+def kill_only(args, work: str) -> int:
+    prev = json.load(open(args.kill_only))
+    common = _common(args, os.path.join(work, "in.jsonl"))
+    kill_prefix = os.path.join(work, "kill", "ds")
+    killed = kill_and_resume(_cli("preprocess_sft.py", *common, "--output-prefix", kill_prefix, "--overwrite"),
+                             kill_prefix, prev["reference_wall_s"], args.seed)
+    killed["identical_to_reference"] = digests(os.path.join(work, "kill")) == digests(os.path.join(work, "ref"))
+    prev["kill_resume"] = killed
+    prev["params"]["kill_only"] = args.kill_only
+    report(args, prev["reference"], prev["reference_wall_s"], killed, prev["repack_wall_s"], prev["plan_only_wall_s"],
+           prev["reads"], prev["projection"])
+    payload = {k: v for k, v in prev.items() if k not in ("benchmark", "command", "timestamp", "machine")}
+    print("wrote", write_json("stages", payload))
+    return 0
+
+
+def _common(args, data: str) -> list:
+    return ["--input", data, "--tokenizer", TOKENIZER, "--pack-size", args.pack_size, "--workers", args.workers,
+            "--partition-bytes", args.partition_bytes, "--max-shard-bytes", 1 << 30]
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.kill_only:
+        if not args.work_dir:
+            raise SystemExit("--kill-only needs the --work-dir of the earlier run")
+        return kill_only(args, args.work_dir)
     work = args.work_dir or tempfile.mkdtemp(prefix="bench-stages-")
     os.makedirs(work, exist_ok=True)
     data = os.path.join(work, "in.jsonl")
     try:
         if not os.path.exists(data):
             make_input(data, args.conversations)
-        common = ["--input", data, "--tokenizer", TOKENIZER, "--pack-size", args.pack_size, "--workers", args.workers,
-                  "--partition-bytes", args.partition_bytes, "--max-shard-bytes", 1 << 30]
+        common = _common(args, data)
         store = os.path.join(work, "store")
         shutil.rmtree(store, ignore_errors=True)
         ref, ref_wall = run_json(_cli("preprocess_sft.py", *common, "--output-prefix", os.path.join(work, "ref", "ds"),
                                       "--store", store, "--overwrite"))
-        killed = kill_and_resume(_cli("preprocess_sft.py", *common, "--output-prefix",
-                                      os.path.join(work, "kill", "ds"), "--overwrite"), ref_wall, args.seed)
+        kill_prefix = os.path.join(work, "kill", "ds")
+        killed = kill_and_resume(_cli("preprocess_sft.py", *common, "--output-prefix", kill_prefix, "--overwrite"),
+                                 kill_prefix, ref_wall, args.seed)
         killed["identical_to_reference"] = digests(os.path.join(work, "kill")) == digests(os.path.join(work, "ref"))
         repack_args = ["--store", store, "--pack-size", 2 * args.pack_size, "--cp", 2, "--workers", args.workers]
         repacked, repack_wall = run_json(_cli("repack_sft.py", *repack_args, "--output-prefix",
@@ -211,8 +261,10 @@ def report(args, ref, ref_wall, killed, repack_wall, plan_wall, reads, proj) -> 
     print(format_table(["stage", "seconds"], [[k, v] for k, v in ref["seconds"].items()] + [["wall", ref_wall]]))
     print(f"conversations {ref['conversations']:,}, packs {ref['packs']:,}; peak RSS driver {rss['main']:.0f} MiB, "
           f"largest worker {rss['workers_max']:.0f} MiB")
-    print(f"kill at {killed['kill_at_s']:.1f}s, resume {killed['resume_s']:.1f}s: lost {killed['lost_s']:.1f}s "
-          f"({killed['lost_s'] / ref_wall:.0%} of a run); resumed units {killed['resumed_units']}; "
+    print(f"kill at {killed['kill_at_s']:.1f}s ({killed['units_committed_before_kill']} units committed, the last at "
+          f"{killed['last_commit_s']:.1f}s); resume {killed['resume_s']:.1f}s; lost {killed['lost_s']:.1f}s "
+          f"(in-flight work {killed['kill_at_s'] - killed['last_commit_s']:.1f}s + restart {killed['restart_s']:.1f}s; "
+          f"{killed['lost_s'] / ref_wall:.1%} of a run); resumed units {killed['resumed_units']}; "
           f"identical bytes: {killed['identical_to_reference']}")
     print(f"repack (pack {2 * args.pack_size}, cp 2): {repack_wall:.1f}s = {repack_wall / ref_wall:.3f}x the "
           f"tokenizing run; --plan-only {plan_wall:.1f}s = {plan_wall / ref_wall:.3f}x")
