@@ -32,6 +32,8 @@ __all__ = [
     "InvariantError",
     "BuilderStateError",
     "InputError",
+    "RemoteStorageError",
+    "ObjectChangedError",
 ]
 
 
@@ -169,3 +171,18 @@ class InputError(ShardError):
     key under which ``--skip-bad`` counts it."""
 
     default_hint = "fix or remove the record, or pass --skip-bad to skip and count such records"
+
+
+class RemoteStorageError(ShardError):
+    """Object storage (``s3://``, ``msc://``) refused or kept failing a request: retries were
+    exhausted, access was denied, or a response was malformed. ``path`` names the object."""
+
+    default_hint = ("check the endpoint and credentials (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, "
+                    "AWS_SECRET_ACCESS_KEY, AWS_REGION, or the MSC profile) and that the object exists")
+
+
+class ObjectChangedError(RemoteStorageError):
+    """A remote object was replaced after the shard was opened (its ETag or size changed):
+    reading on would mix two generations of the shard."""
+
+    default_hint = "the shard was re-uploaded while it was being read; reopen it"

@@ -56,6 +56,7 @@ from .format import (
     ShardPaths,
 )
 from .metadata import ShardMetadata
+from .storage._url import is_remote
 
 _READ_ONLY_ZERO = np.zeros(1, dtype=SEQ_DTYPE.numpy)
 #: ``tuple.__new__`` skips NamedTuple's Python-level constructor on the hot path.
@@ -178,6 +179,13 @@ class MMapIndexedDataset:
         DTypeError, MetadataError, SizeMismatchError, TruncatedFileError.
     """
 
+    def __new__(cls, prefix=None, *args, **kwargs):
+        # An s3:// or msc:// prefix is served by the storage layer's subclass (same interface).
+        if cls is MMapIndexedDataset and is_remote(prefix):
+            from .storage.remote import RemoteIndexedDataset
+            cls = RemoteIndexedDataset
+        return super().__new__(cls)
+
     def __init__(self, prefix, *, check_packs: bool = False) -> None:
         if sys.byteorder != "little":
             raise ShardError("this reader supports little-endian hosts only", path=str(prefix))
@@ -185,6 +193,7 @@ class MMapIndexedDataset:
         self.paths = ShardPaths.from_prefix(self.prefix)
         self.check_packs = check_packs
         self._tokens = None  # mapped lazily, on first access
+        self._hot = None     # everything the per-pack path reads, as one tuple (set by _ensure_maps)
         self._mmaps: list = []
         self._open_headers()
         self._itemsize = self.dtype.itemsize
@@ -193,7 +202,8 @@ class MMapIndexedDataset:
 
     # ------------------------------------------------------------------ open
 
-    def _open_headers(self) -> None:
+    def _stat_files(self) -> dict:
+        """``{suffix: size}`` of the shard's files that exist (storage hook)."""
         sizes = {}
         for suffix, path in self.paths.by_suffix().items():
             try:
@@ -202,7 +212,14 @@ class MMapIndexedDataset:
                 pass
             except OSError as exc:
                 raise ShardError(f"cannot stat file: {exc.strerror}", path=path) from None
-        self._sizes = sizes
+        return sizes
+
+    def _local_file(self, suffix: str) -> str:
+        """Local path holding the bytes of the file ``suffix`` (storage hook: a cached copy)."""
+        return self.prefix + suffix
+
+    def _open_headers(self) -> None:
+        self._sizes = sizes = self._stat_files()
         companions = [s for s in SFT_SUFFIXES if s in sizes]
         if IDX_SUFFIX not in sizes:
             if not sizes:
@@ -219,7 +236,7 @@ class MMapIndexedDataset:
                 f"it as pretrain data", path=self.prefix + missing[0], field="files")
         self.is_pretrain = not companions
         allowed = READABLE_TOKEN_DTYPES if self.is_pretrain else TOKEN_DTYPES
-        with _Reader(self.paths.idx) as idx:
+        with _Reader(self._local_file(IDX_SUFFIX)) as idx:
             self.idx_header = IdxHeader.parse(idx.read(IDX_HEADER_SIZE, 0), self.paths.idx, sizes[IDX_SUFFIX],
                                               allowed_dtypes=allowed)
             self.dtype = self.idx_header.dtype
@@ -232,7 +249,7 @@ class MMapIndexedDataset:
                 pack_size=None, token_dtype=self.dtype.name, vocab_size=None, stats=None, files={},
                 producer={}, loss_mask_convention="pretrain_all_ones", kind="pretrain")
             return
-        with _Reader(self.paths.seq_idx) as seq_idx:
+        with _Reader(self._local_file(SEQ_IDX_SUFFIX)) as seq_idx:
             self.seq_header = h = SeqIdxHeader.parse(seq_idx.read(SEQ_IDX_HEADER_SIZE, 0), self.paths.seq_idx,
                                                      sizes[SEQ_IDX_SUFFIX])
             meta_raw = seq_idx.read(h.metadata_length, METADATA_OFFSET)
@@ -296,25 +313,34 @@ class MMapIndexedDataset:
         if self._tokens is not None:
             return
         ih, sizes = self.idx_header, self._sizes
-        idx = self._mapped(_map(self.paths.idx, sizes[IDX_SUFFIX]))
+        idx = self._map_file(IDX_SUFFIX)
         self._lengths = _view(idx, LENGTH_DTYPE, self._n, ih.lengths_offset)
         self._pointers = _view(idx, POINTER_DTYPE, self._n, ih.pointers_offset)
         self._documents = _view(idx, POINTER_DTYPE, ih.document_count, ih.document_indices_offset)
         # memoryviews index to Python ints several times faster than numpy scalars.
         self._len_mv = memoryview(self._lengths).cast("B").cast("i")
         self._ptr_mv = memoryview(self._pointers).cast("B").cast("q")
-        tokens = self._mapped(_map(self.paths.bin, sizes[BIN_SUFFIX]))
-        count = sizes[BIN_SUFFIX] // self._itemsize
-        if not self.is_pretrain:
+        tokens = self._data_array(BIN_SUFFIX, self.dtype.numpy, sizes[BIN_SUFFIX] // self._itemsize)
+        if self.is_pretrain:
+            self._off_mv = self._loss = self._starts = None
+        else:
             h = self.seq_header
-            self._offsets = _view(self._mapped(_map(self.paths.seq_idx, sizes[SEQ_IDX_SUFFIX])),
-                                  POINTER_DTYPE, self._n + 1, h.csr_offset)
+            self._offsets = _view(self._map_file(SEQ_IDX_SUFFIX), POINTER_DTYPE, self._n + 1, h.csr_offset)
             self._off_mv = memoryview(self._offsets).cast("B").cast("q")
-            self._loss = _view(self._mapped(_map(self.paths.loss_bin, sizes[LOSS_SUFFIX])), np.uint8,
-                               h.token_count, 0)
-            self._starts = _view(self._mapped(_map(self.paths.seq_bin, sizes[SEQ_BIN_SUFFIX])),
-                                 SEQ_DTYPE.numpy, h.sequence_count, 0)
-        self._tokens = _view(tokens, self.dtype.numpy, count, 0)  # set last: it marks "mapped"
+            self._loss = self._data_array(LOSS_SUFFIX, np.uint8, h.token_count)
+            self._starts = self._data_array(SEQ_BIN_SUFFIX, SEQ_DTYPE.numpy, h.sequence_count)
+        # The per-pack path unpacks this one tuple instead of reading nine attributes.
+        self._hot = (self._len_mv, self._ptr_mv, self._off_mv, tokens, self._loss, self._starts,
+                     self._itemsize, self._bin_size, self._seq_count)
+        self._tokens = tokens  # set last: it marks "mapped"
+
+    def _map_file(self, suffix: str) -> np.ndarray:
+        """Read-only uint8 map of one file (storage hook: remote shards map their cached copies)."""
+        return self._mapped(_map(self._local_file(suffix), self._sizes[suffix]))
+
+    def _data_array(self, suffix: str, dtype, count: int):
+        """Typed whole-file array of a data file (storage hook: remote shards fetch blocks)."""
+        return _view(self._map_file(suffix), dtype, count, 0)
 
     def _mapped(self, buf: np.ndarray) -> np.ndarray:
         self._mmaps.append(buf)
@@ -346,44 +372,119 @@ class MMapIndexedDataset:
         return self._n
 
     def __getitem__(self, idx):
-        if isinstance(idx, slice):
-            start, stop, step = idx.indices(self._n)
-            if step != 1:
-                raise ValueError("slices of a shard must be contiguous (step 1)")
-            return [self._pack(i) for i in range(start, stop)]
-        return self._pack(idx)
+        # The hot path of training: every line here costs time per sample (see bench.compare).
+        if idx.__class__ is not int or idx < 0 or idx >= self._n:
+            if isinstance(idx, slice):
+                start, stop, step = idx.indices(self._n)
+                if step != 1:
+                    raise ValueError("slices of a shard must be contiguous (step 1)")
+                return self.get_many(range(start, stop))
+            idx = pack_index(idx, self._n, self.prefix)
+        hot = self._hot
+        if hot is None:
+            self._ensure_maps()
+            hot = self._hot
+        len_mv, ptr_mv, off_mv, tokens, loss, starts, itemsize, bin_size, seq_count = hot
+        length = len_mv[idx]
+        ptr = ptr_mv[idx]
+        # Untrusted numbers: a corrupt index must become our error, never a numpy traceback
+        # or a silently short slice.
+        if length <= 0 or ptr < 0 or ptr % itemsize or ptr + length * itemsize > bin_size:
+            raise self._corrupt_pointer(idx, ptr, length)
+        t0 = ptr // itemsize
+        t1 = t0 + length
+        if off_mv is None:  # pretrain data: one sequence per pack, a loss mask of ones
+            return _new_pack(Pack, (tokens[t0:t1], self._ones(length), _READ_ONLY_ZERO))
+        s0 = off_mv[idx]
+        s1 = off_mv[idx + 1]
+        if s0 < 0 or s1 <= s0 or s1 > seq_count:
+            raise self._corrupt_offsets(idx, s0, s1)
+        pack = _new_pack(Pack, (tokens[t0:t1], loss[t0:t1], starts[s0:s1]))
+        if self.check_packs:
+            self._check_pack(idx, pack)
+        return pack
+
+    _pack = __getitem__
+
+    def get_many(self, indices) -> list:
+        """Packs ``indices`` (any integer sequence or array), as a list of :class:`Pack`.
+
+        One vectorised lookup and check of every index, pointer and offset, then three
+        slices per pack; a remote shard first fetches every block the packs need with
+        parallel requests. For collates and samplers that take a batch at a time.
+
+        Raises:
+            IndexError, TypeError: an index is out of range or not an integer.
+            InvariantError: an index entry of the shard is corrupt.
+        """
+        idx = self._index_array(indices)
+        if self._hot is None:
+            self._ensure_maps()
+        lengths = self._lengths[idx].astype(np.int64)
+        ptrs = self._pointers[idx]
+        itemsize = self._itemsize
+        bad = (lengths <= 0) | (ptrs < 0) | (ptrs % itemsize != 0) | (ptrs + lengths * itemsize > self._bin_size)
+        if bad.any():
+            k = int(np.argmax(bad))
+            raise self._corrupt_pointer(int(idx[k]), int(ptrs[k]), int(lengths[k]))
+        t0 = ptrs // itemsize
+        t1 = (t0 + lengths).tolist()
+        t0 = t0.tolist()
+        if self.is_pretrain:
+            tokens = self._gather(self._tokens, t0, t1)
+            return [_new_pack(Pack, (ids, self._ones(ids.shape[0]), _READ_ONLY_ZERO)) for ids in tokens]
+        s0, s1 = self._offsets[idx], self._offsets[idx + 1]
+        bad = (s0 < 0) | (s1 <= s0) | (s1 > self._seq_count)
+        if bad.any():
+            k = int(np.argmax(bad))
+            raise self._corrupt_offsets(int(idx[k]), int(s0[k]), int(s1[k]))
+        packs = [_new_pack(Pack, parts) for parts in zip(
+            self._gather(self._tokens, t0, t1), self._gather(self._loss, t0, t1),
+            self._gather(self._starts, s0.tolist(), s1.tolist()))]
+        if self.check_packs:
+            for i, pack in zip(idx.tolist(), packs):
+                self._check_pack(i, pack)
+        return packs
+
+    @staticmethod
+    def _gather(array, starts: list, stops: list) -> list:
+        gather = getattr(array, "gather", None)  # remote arrays fetch all blocks at once
+        if gather is not None:
+            return gather(list(zip(starts, stops)))
+        return [array[a:b] for a, b in zip(starts, stops)]
+
+    def _index_array(self, indices) -> np.ndarray:
+        """``indices`` as an int64 array in ``[0, n)`` (negative counts from the end)."""
+        if isinstance(indices, range):
+            idx = np.arange(indices.start, indices.stop, indices.step, dtype=np.int64)
+        else:
+            idx = np.asarray(indices)
+            if idx.dtype.kind not in "iub" or idx.ndim != 1:
+                if idx.size == 0 and idx.ndim == 1:
+                    return idx.astype(np.int64)
+                raise TypeError(f"pack indices must be a 1-D integer sequence, not {idx.dtype} "
+                                f"of shape {idx.shape}")
+            idx = idx.astype(np.int64)
+        if idx.size:
+            idx = np.where(idx < 0, idx + self._n, idx)
+            lo, hi = int(idx.min()), int(idx.max())
+            if lo < 0 or hi >= self._n:
+                bad = lo if lo < 0 else hi
+                raise IndexError(f"pack index {bad} out of range for {self._n} packs in {self.prefix}")
+        return idx
+
+    def _corrupt_pointer(self, i: int, ptr: int, length: int) -> ShardError:
+        return self._corrupt(i, "sequence_pointers/sequence_lengths", "pointer/length fall outside .bin",
+                             f"<= {self._bin_size}", f"pointer {ptr}, length {length}")
+
+    def _corrupt_offsets(self, i: int, s0: int, s1: int) -> ShardError:
+        return self._corrupt(i, "seq_offsets", "CSR offsets are not increasing within .seq.bin",
+                             f"0 <= start < end <= {self._seq_count}", (s0, s1))
 
     def _corrupt(self, i: int, field: str, what: str, expected=None, actual=None) -> ShardError:
         return InvariantError(f"pack {i} is corrupt: {what}", path=self.prefix, pack=i, field=field,
                               expected=expected, actual=actual,
                               hint="run tools/check_idx.py on this shard and rebuild it")
-
-    def _pack(self, idx) -> Pack:
-        # The hot path of training: every line here costs time per sample (see bench.compare).
-        i = pack_index(idx, self._n, self.prefix)
-        if self._tokens is None:
-            self._ensure_maps()
-        length = self._len_mv[i]
-        ptr = self._ptr_mv[i]
-        itemsize = self._itemsize
-        # Untrusted numbers: a corrupt index must become our error, never a numpy traceback
-        # or a silently short slice.
-        if length <= 0 or ptr < 0 or ptr % itemsize or ptr + length * itemsize > self._bin_size:
-            raise self._corrupt(i, "sequence_pointers/sequence_lengths", "pointer/length fall outside .bin",
-                                f"<= {self._bin_size}", f"pointer {ptr}, length {length}")
-        t0 = ptr // itemsize
-        t1 = t0 + length
-        if self.is_pretrain:
-            return _new_pack(Pack, (self._tokens[t0:t1], self._ones(length), _READ_ONLY_ZERO))
-        s0 = self._off_mv[i]
-        s1 = self._off_mv[i + 1]
-        if s0 < 0 or s1 <= s0 or s1 > self._seq_count:
-            raise self._corrupt(i, "seq_offsets", "CSR offsets are not increasing within .seq.bin",
-                                f"0 <= start < end <= {self._seq_count}", (s0, s1))
-        pack = _new_pack(Pack, (self._tokens[t0:t1], self._loss[t0:t1], self._starts[s0:s1]))
-        if self.check_packs:
-            self._check_pack(i, pack)
-        return pack
 
     def _check_pack(self, i: int, pack: Pack) -> None:
         from . import _kernels
@@ -411,19 +512,25 @@ class MMapIndexedDataset:
 
         The window's ``seq_start_id`` is 0 followed by the starts that fall strictly
         inside it, shifted by ``-offset``, so the pack invariants hold for the window.
+        ``get(i)`` is ``self[i]``.
         """
-        pack = self._pack(idx)
-        n = pack.packed_len
+        pack = self[idx]
+        if offset == 0 and length is None:
+            return pack
+        n = pack.input_ids.shape[0]
         if length is None:
             length = n - offset
         if not (0 <= offset < n and 0 < length <= n - offset):
             raise IndexError(f"window [{offset}, {offset + length}) is outside pack {idx} of length {n}")
         starts = pack.seq_start_id
-        inside = starts[(starts > offset) & (starts < offset + length)] - offset
-        window_starts = np.concatenate(([0], inside)).astype(SEQ_DTYPE.numpy)
+        end = offset + length
+        lo = int(starts.searchsorted(offset, "right"))
+        hi = int(starts.searchsorted(end, "left"))
+        window_starts = np.empty(1 + max(hi - lo, 0), dtype=SEQ_DTYPE.numpy)
+        window_starts[0] = 0
+        np.subtract(starts[lo:hi], offset, out=window_starts[1:])
         window_starts.flags.writeable = False
-        return Pack(pack.input_ids[offset:offset + length], pack.loss_mask[offset:offset + length],
-                    window_starts)
+        return _new_pack(Pack, (pack.input_ids[offset:end], pack.loss_mask[offset:end], window_starts))
 
     # ------------------------------------------------------------------ upstream names
 
@@ -477,8 +584,11 @@ class MMapIndexedDataset:
 
     @staticmethod
     def exists(prefix) -> bool:
-        """True when ``prefix.idx`` and ``prefix.bin`` exist (upstream's test)."""
+        """True when ``prefix.idx`` and ``prefix.bin`` exist (upstream's test; URLs too)."""
         prefix = os.fspath(prefix)
+        if is_remote(prefix):
+            from .storage.remote import remote_shard_exists
+            return remote_shard_exists(prefix)
         return os.path.exists(prefix + IDX_SUFFIX) and os.path.exists(prefix + BIN_SUFFIX)
 
     # ------------------------------------------------------------------ pickling

@@ -1,0 +1,326 @@
+"""Shards read from and written to a real S3 API (moto's server on 127.0.0.1, through a
+counting, fault-injecting proxy), via boto3 and via multi-storage-client."""
+
+import multiprocessing
+import os
+import pickle
+import threading
+import uuid
+
+import numpy as np
+import pytest
+
+from s3loop import S3Loop, reset_clients
+from shardgen import random_packs, write_shard
+
+from megatron_sft_idx import MMapIndexedDataset, open_packed
+from megatron_sft_idx.errors import (ChecksumError, IncompleteShardError, ObjectChangedError, RemoteStorageError,
+                                     ShardExistsError, ShardNotFoundError)
+from megatron_sft_idx.storage import publish, upload_shard
+from megatron_sft_idx.storage.remote import RemoteIndexedDataset
+
+pytest.importorskip("moto.server")
+PACK = 256
+BLOCK = 4096
+
+
+@pytest.fixture(scope="module")
+def loop():
+    with S3Loop() as server:
+        yield server
+
+
+@pytest.fixture
+def s3(loop, monkeypatch, tmp_path):
+    """AWS env pointing at the proxy, an empty index cache, small blocks, quick retries."""
+    for key, value in loop.env().items():
+        monkeypatch.setenv(key, value)
+    for key in ("AWS_PROFILE", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("MEGATRON_SFT_IDX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("MEGATRON_SFT_IDX_BLOCK_SIZE", str(BLOCK))
+    monkeypatch.setenv("MEGATRON_SFT_IDX_RETRIES", "4")
+    reset_clients()
+    loop.clear()
+    yield loop
+    loop.clear()
+    reset_clients()
+
+
+@pytest.fixture
+def bucket(s3):
+    return s3.make_bucket(f"b-{uuid.uuid4().hex[:12]}")
+
+
+def make_shard(path, n=200, seed=0):
+    write_shard(str(path), random_packs(np.random.default_rng(seed), n, pack_size=PACK), pack_size=PACK,
+                vocab_size=1000)
+    return str(path)
+
+
+@pytest.fixture
+def local(tmp_path):
+    return make_shard(tmp_path / "local" / "train_000")
+
+
+def same(a, b):
+    return all(x.dtype == y.dtype and np.array_equal(x, y) for x, y in zip(a, b))
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def test_remote_shard_reads_like_local(s3, bucket, local):
+    upload_shard(local, f"s3://{bucket}/sft/train_000")
+    remote, ref = MMapIndexedDataset(f"s3://{bucket}/sft/train_000"), MMapIndexedDataset(local)
+    assert isinstance(remote, RemoteIndexedDataset) and len(remote) == len(ref)
+    assert remote.metadata == ref.metadata
+    assert np.array_equal(remote.sequence_lengths, ref.sequence_lengths)
+    for i in range(len(ref)):
+        assert same(remote[i], ref[i]), i
+    order = np.random.default_rng(1).permutation(len(ref))
+    for got, want in zip(remote.get_many(order), ref.get_many(order)):
+        assert same(got, want)
+    assert all(same(a, b) for a, b in zip(remote[10:20], ref[10:20]))
+    assert same(remote.get(7, 3, 20), ref.get(7, 3, 20))
+    assert same(remote[-1], ref[-1])
+    clone = pickle.loads(pickle.dumps(remote))  # a worker reopens from the node's cache
+    assert same(clone[5], ref[5]) and clone.config == remote.config
+
+
+def test_a_pack_costs_at_most_one_request_per_data_file(s3, bucket, local):
+    upload_shard(local, f"s3://{bucket}/s")
+    remote, ref = MMapIndexedDataset(f"s3://{bucket}/s"), MMapIndexedDataset(local)
+    ptr, length = ref.sequence_pointers, ref.sequence_lengths.astype(np.int64)
+    straddles = (ptr // BLOCK) != ((ptr + 2 * length - 1) // BLOCK)
+    assert straddles.any() and (~straddles).any()
+    for i in list(np.flatnonzero(straddles)[:5]) + list(np.flatnonzero(~straddles)[:5]):
+        remote.clear_block_cache()
+        s3.clear()
+        assert same(remote[int(i)], ref[int(i)])
+        assert s3.count("GET", "/s.bin") == 1 and s3.count("GET", "/s.loss.bin") == 1
+        assert s3.count("GET") == 2
+    s3.clear()
+    remote[int(np.flatnonzero(~straddles)[0])]  # cached now: no request
+    assert s3.count("GET") == 0
+
+
+def test_msc_profile_reads_and_uploads(s3, bucket, local, tmp_path, monkeypatch):
+    pytest.importorskip("multistorageclient")
+    monkeypatch.setenv("MSC_CONFIG", s3.msc_config(str(tmp_path / "msc.json"), "loop", bucket))
+    upload_shard(local, "msc://loop/msc/train_000")
+    remote, ref = MMapIndexedDataset("msc://loop/msc/train_000"), MMapIndexedDataset(local)
+    assert len(remote) == len(ref)
+    for i in range(len(ref)):
+        assert same(remote[i], ref[i])
+    # The same objects through boto3: MSC wrote exactly what was asked.
+    assert same(MMapIndexedDataset(f"s3://{bucket}/msc/train_000")[3], ref[3])
+
+
+# --------------------------------------------------------------------------- every door takes a URL
+
+
+def test_open_packed_directories_globs_and_manifests(s3, bucket, tmp_path):
+    shards = [make_shard(tmp_path / "stage" / f"train_{k:03d}", n=30, seed=k) for k in range(3)]
+    published = publish(shards, f"s3://{bucket}/set", manifest="all.json")
+    assert published == [f"s3://{bucket}/set/train_{k:03d}" for k in range(3)]
+    want = [p for s in shards for p in MMapIndexedDataset(s)]
+    for spec in (f"s3://{bucket}/set/all.json", f"s3://{bucket}/set", f"s3://{bucket}/set/",
+                 f"s3://{bucket}/set/train_*", published):
+        ds = open_packed(spec)
+        assert len(ds) == 90 and all(same(ds[i], want[i]) for i in (0, 31, 89)), spec
+    local_manifest = tmp_path / "remote_set.json"
+    from megatron_sft_idx.training.multi import write_manifest
+    write_manifest(str(local_manifest), published)  # a local manifest listing URLs
+    ds = open_packed(str(local_manifest))
+    assert ds.prefixes == published and same(ds[60], want[60])
+    with pytest.raises(ShardNotFoundError):
+        open_packed(f"s3://{bucket}/nothing_here")
+
+
+def test_adapters_train_from_s3(s3, bucket, local):
+    torch = pytest.importorskip("torch")
+    from megatron_sft_idx.training.bridge import PackedSFTDataset
+
+    upload_shard(local, f"s3://{bucket}/b/train_000")
+    remote = PackedSFTDataset(f"s3://{bucket}/b/train_000", max_num_samples=64, pad_to_max_length=True)
+    ref = PackedSFTDataset(local, max_num_samples=64, pad_to_max_length=True)
+    got, want = remote.collate_fn([remote[i] for i in range(8)]), ref.collate_fn([ref[i] for i in range(8)])
+    assert got.keys() == want.keys()
+    for key in got:
+        assert (got[key] is None and want[key] is None) or torch.equal(torch.as_tensor(got[key]),
+                                                                       torch.as_tensor(want[key])), key
+
+    builder = pytest.importorskip("megatron.core.datasets.blended_megatron_dataset_builder")
+    from megatron_sft_idx.training import megatron as M
+
+    blend = M.parse_data_path(f"0.5 s3://{bucket}/b/train_000 0.5 {local}")
+    config = M.SFTIndexedDatasetConfig(random_seed=3, sequence_length=PACK, blend=blend, split="90,5,5")
+    train, _, _ = builder.BlendedMegatronDatasetBuilder(M.SFTIndexedDataset, [100, 10, 10],
+                                                        lambda: True, config).build()
+    a, b = train.datasets
+    assert isinstance(a.dataset, RemoteIndexedDataset)
+    for k in range(10):
+        assert torch.equal(a[k]["tokens"], b[k]["tokens"])  # same shard, same seed, same order
+
+
+# --------------------------------------------------------------------------- one index download per node
+
+
+def _open_and_read(prefix, env, barrier, out):
+    os.environ.update(env)
+    barrier.wait()
+    ds = MMapIndexedDataset(prefix)
+    out.put((len(ds), int(ds[len(ds) - 1].input_ids.sum())))
+
+
+def test_two_ranks_share_one_index_download(s3, bucket, local):
+    upload_shard(local, f"s3://{bucket}/r/s")
+    s3.clear()
+    ctx = multiprocessing.get_context("spawn")
+    barrier, out = ctx.Barrier(2), ctx.Queue()
+    env = {k: os.environ[k] for k in os.environ if k.startswith(("AWS_", "MEGATRON_SFT_IDX_"))}
+    procs = [ctx.Process(target=_open_and_read, args=(f"s3://{bucket}/r/s", env, barrier, out))
+             for _ in range(2)]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    ref = MMapIndexedDataset(local)
+    assert results == [(len(ref), int(ref[len(ref) - 1].input_ids.sum()))] * 2
+    for suffix in (".idx", ".seq.idx", ".seq.bin"):
+        assert s3.count("GET", "/s" + suffix) == 1, suffix  # one downloader, the other waited
+
+
+def test_dataloader_workers_share_index_downloads(s3, bucket, tmp_path):
+    torch = pytest.importorskip("torch")
+    shards = [make_shard(tmp_path / "st" / f"p_{k}", n=40, seed=k) for k in range(2)]
+    publish(shards, f"s3://{bucket}/dl", manifest="m.json")
+    s3.clear()
+    ds = open_packed(f"s3://{bucket}/dl/m.json")  # shards open lazily, in the workers
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, shuffle=True,
+                                         collate_fn=lambda pack: int(pack.input_ids.sum()),
+                                         persistent_workers=True,
+                                         generator=torch.Generator().manual_seed(0))
+    got = sorted(loader)
+    want = sorted(int(p.input_ids.sum()) for s in shards for p in MMapIndexedDataset(s))
+    assert got == want
+    for k in range(2):
+        for suffix in (".idx", ".seq.idx"):
+            assert s3.count("GET", f"/p_{k}{suffix}") == 1, (k, suffix)
+
+
+# --------------------------------------------------------------------------- faults
+
+
+def test_resets_500s_and_throttling_are_retried(s3, bucket, local):
+    upload_shard(local, f"s3://{bucket}/f/s")
+    s3.inject("503", lambda m, k, h: m == "GET" and "list-type" not in k and k.endswith(".seq.idx"))
+    s3.inject("reset", lambda m, k, h: m == "GET" and k.endswith("/s.bin"), times=2)
+    s3.inject("500", lambda m, k, h: m == "GET" and k.endswith(".loss.bin"), times=2)
+    s3.inject("truncate", lambda m, k, h: m == "GET" and k.endswith("/s.bin"), times=1)
+    remote, ref = MMapIndexedDataset(f"s3://{bucket}/f/s"), MMapIndexedDataset(local)
+    for i in range(len(ref)):
+        assert same(remote[i], ref[i])
+    assert s3.injected == {"503": 1, "reset": 2, "500": 2, "truncate": 1}
+
+
+def test_retries_exhausted_name_the_object(s3, bucket, local):
+    upload_shard(local, f"s3://{bucket}/g/s")
+    remote = MMapIndexedDataset(f"s3://{bucket}/g/s")
+    s3.inject("500", lambda m, k, h: m == "GET" and k.endswith("/g/s.bin"), times=100)
+    with pytest.raises(RemoteStorageError, match=r"s3://.*/g/s\.bin.*after 4 attempts.*InternalError"):
+        remote[0]
+    assert s3.injected["500"] == 4
+    s3.clear()
+    assert same(remote[0], MMapIndexedDataset(local)[0])  # the store recovered: so does the reader
+
+
+def test_idx_uploaded_without_its_bin_does_not_open(s3, bucket, local):
+    client = s3.client()
+    for suffix in (".idx", ".seq.idx", ".seq.bin", ".loss.bin"):
+        with open(local + suffix, "rb") as f:
+            client.put_object(Bucket=bucket, Key="h/s" + suffix, Body=f.read())
+    with pytest.raises(IncompleteShardError, match=r"\.bin is missing"):
+        MMapIndexedDataset(f"s3://{bucket}/h/s")
+    with open(local + ".bin", "rb") as f:
+        client.put_object(Bucket=bucket, Key="h/s.bin", Body=f.read())
+    client.delete_object(Bucket=bucket, Key="h/s.loss.bin")
+    with pytest.raises(IncompleteShardError, match="companions"):
+        MMapIndexedDataset(f"s3://{bucket}/h/s")
+
+
+def test_an_object_not_matching_the_metadata_is_refused(s3, bucket, local):
+    client = s3.client()
+    for suffix in (".bin", ".loss.bin", ".seq.bin", ".seq.idx", ".idx"):
+        with open(local + suffix, "rb") as f:
+            data = bytearray(f.read())
+        if suffix == ".seq.bin":
+            data[4] ^= 1  # same size, one bit flipped
+        client.put_object(Bucket=bucket, Key="c/s" + suffix, Body=bytes(data))
+    with pytest.raises(ChecksumError, match=r"s3://.*/c/s\.seq\.bin.*CRC-32"):
+        MMapIndexedDataset(f"s3://{bucket}/c/s")
+    assert s3.count("GET", "/c/s.seq.bin") == 2  # downloaded again once before refusing
+
+
+def test_a_replaced_shard_is_never_mixed_in(s3, bucket, local, tmp_path):
+    url = f"s3://{bucket}/x/s"
+    upload_shard(local, url)
+    old = MMapIndexedDataset(url)
+    old_dir = os.path.dirname(old.local_index_prefix)
+    assert same(old[0], MMapIndexedDataset(local)[0])
+    newer = make_shard(tmp_path / "v2" / "s", n=150, seed=99)
+    with pytest.raises(ShardExistsError):
+        upload_shard(newer, url)
+    upload_shard(newer, url, replace=True)
+    old.clear_block_cache()
+    with pytest.raises(ObjectChangedError, match="changed since"):
+        old[1]  # its ETag no longer matches: refused, never a pack of the new generation
+    fresh = MMapIndexedDataset(url)
+    assert len(fresh) == 150 and same(fresh[149], MMapIndexedDataset(newer)[149])
+    assert os.path.dirname(fresh.local_index_prefix) != old_dir and not os.path.exists(old_dir)
+
+
+def test_multipart_upload_puts_idx_last_and_readers_never_see_half(s3, bucket, tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGATRON_SFT_IDX_PART_SIZE", "5M")
+    reset_clients()
+    big = str(tmp_path / "big" / "s")
+    rng = np.random.default_rng(5)
+    write_shard(big, random_packs(rng, 1600, pack_size=2048, vocab=60000, full=True), pack_size=2048, vocab_size=60000)
+    assert os.path.getsize(big + ".bin") > 5 << 20
+    url = f"s3://{bucket}/big/s"
+    seen, stop = [], threading.Event()
+
+    def poll():
+        while not stop.is_set():
+            try:
+                ds = MMapIndexedDataset(url)
+                seen.append(("open", len(ds)))
+            except (ShardNotFoundError, IncompleteShardError) as exc:
+                seen.append(("refused", type(exc).__name__))
+
+    reader = threading.Thread(target=poll)
+    reader.start()
+    try:
+        upload_shard(big, url)
+    finally:
+        stop.set()
+        reader.join()
+    puts = [(m, k, q) for m, k, q in s3.requests if m in ("PUT", "POST")]
+    assert puts[-1][1].endswith("/big/s.idx")
+    assert any(m == "POST" for m, _, _ in puts) and s3.count("PUT", "/big/s.bin") >= 2  # parts
+    assert all(what == "refused" or n == 1600 for what, n in seen)
+    assert len(MMapIndexedDataset(url)) == 1600
+
+
+def test_local_read_path_imports_no_object_store_client():
+    import subprocess
+    import sys
+
+    probe = ("import sys; from megatron_sft_idx import MMapIndexedDataset, open_packed; "
+             "import megatron_sft_idx.storage; "
+             "print(sorted(m for m in ('boto3', 'botocore', 'multistorageclient') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
