@@ -324,3 +324,24 @@ def test_local_read_path_imports_no_object_store_client():
              "print(sorted(m for m in ('boto3', 'botocore', 'multistorageclient') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_block_local_order_fetches_each_block_once_per_epoch(s3, bucket, local, monkeypatch):
+    from megatron_sft_idx.locality import BlockLocalOrder
+
+    monkeypatch.setenv("MEGATRON_SFT_IDX_CACHE_BLOCKS", "2")
+    url = f"s3://{bucket}/o/s"
+    upload_shard(local, url)
+    remote, ref = MMapIndexedDataset(url), MMapIndexedDataset(local)
+    n = len(remote)
+    blocks = len(np.unique(ref.sequence_pointers // BLOCK))  # blocks where packs start
+    fetched = {}
+    for name, order in (("block_local", BlockLocalOrder(window=2)(remote, np.arange(n), np.random.RandomState(0))),
+                        ("shuffle", np.random.RandomState(0).permutation(n))):
+        remote.clear_block_cache()
+        s3.clear()
+        for i in order.tolist():
+            assert same(remote[i], ref[i])
+        fetched[name] = s3.count("GET", "/o/s.bin")
+    assert fetched["block_local"] == blocks  # each block once per epoch
+    assert fetched["shuffle"] >= 3 * fetched["block_local"]

@@ -1,12 +1,15 @@
 """A large remote file read as a 1-D array, through ranged GETs and an in-memory block cache.
 
-The object is cut into aligned blocks of ``block_size`` bytes. Reading elements
-``[a, b)`` needs the blocks they cover; every missing block of one read is fetched by
-one ranged GET (the missing blocks of a read are contiguous unless the read spans a
-cached block in the middle, which a pack smaller than a block never does). So a pack
-that fits in one block costs at most one request per file, and one that straddles a
-boundary still costs one. The last ``cache_blocks`` blocks stay in memory (LRU); a
-slice inside one block is a zero-copy view of it, a slice across blocks a copy.
+The object is cut into aligned blocks of ``block_size`` bytes. A read of elements
+``[a, b)`` is served from the block its first byte lies in. A block is fetched whole,
+by one ranged GET, the first time a read needs it; the fetch is extended past the
+block's end to the end of the record (pack) that straddles it — the reader tells the
+array where packs end — so a pack is always served by its first block's fetch: a pack
+that fits in a block costs at most one request per file, cached or not, and nothing
+is fetched twice for a pack that crosses a boundary. Missing blocks of one read (a
+pack longer than a block) or of one :meth:`RemoteArray.gather` are coalesced into one
+GET per contiguous run, runs fetched in parallel. The last ``cache_blocks`` blocks
+stay in memory (LRU); a slice inside one fetch is a zero-copy view of it.
 
 ``.loss.bin`` uses ``block_size / itemsize`` bytes per block, so its blocks cover the
 same tokens as ``.bin``'s: the block-local order (:mod:`megatron_sft_idx.locality`)
@@ -19,7 +22,7 @@ import collections
 import concurrent.futures as futures
 import os
 import threading
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -54,10 +57,14 @@ class RemoteArray:
         dtype: element type; ``block_size``: bytes per block (a multiple of the itemsize).
         cache_blocks: blocks kept in memory (LRU).
         concurrency: parallel GETs of :meth:`gather`.
+        extend: ``extend(e) -> element index``: where the record that straddles element
+            ``e`` ends (``e`` when none does). A fetch that ends at a block boundary is
+            extended to it (by at most one block), so a pack that starts in a block is
+            served from that block's fetch even when it runs into the next block.
     """
 
     def __init__(self, store, url: ObjectURL, size: int, etag: str, dtype, block_size: int,
-                 cache_blocks: int, concurrency: int = 8) -> None:
+                 cache_blocks: int, concurrency: int = 8, extend: Optional[Callable[[int], int]] = None) -> None:
         self.store = store
         self.url = url
         self.nbytes = int(size)
@@ -69,8 +76,10 @@ class RemoteArray:
         self.block_size = int(block_size)
         self.cache_blocks = max(1, int(cache_blocks))
         self.concurrency = int(concurrency)
+        self.extend = extend
         self.shape = (self.nbytes // self.itemsize,)
-        self._blocks: "collections.OrderedDict[int, bytes | memoryview]" = collections.OrderedDict()
+        # block number -> bytes from the block's start to the end of what was fetched with it
+        self._blocks: "collections.OrderedDict[int, memoryview]" = collections.OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
@@ -92,28 +101,34 @@ class RemoteArray:
             start, stop, step = key.indices(self.shape[0])
             if step != 1:
                 raise ValueError("remote arrays support contiguous slices only (step 1)")
-            return self._slice(start, max(start, stop), None)
+            return self._slice(start, max(start, stop), {})
         i = int(key)
         if i < 0:
             i += self.shape[0]
         if not 0 <= i < self.shape[0]:
             raise IndexError(f"index {key} out of range for {self.shape[0]} elements of {self.url}")
-        return self._slice(i, i + 1, None)[0]
+        return self._slice(i, i + 1, {})[0]
 
     def __array__(self, dtype=None, copy=None):
-        out = self._slice(0, self.shape[0], None)
+        out = self._slice(0, self.shape[0], {})
         return out if dtype is None else out.astype(dtype)
 
-    def _slice(self, start: int, stop: int, pinned: Optional[Dict[int, bytes]]) -> np.ndarray:
+    def _slice(self, start: int, stop: int, pinned: Dict[int, memoryview]) -> np.ndarray:
+        """Elements ``[start, stop)``; ``pinned`` holds blocks already fetched for this read."""
         b0, b1 = start * self.itemsize, stop * self.itemsize
         if b1 <= b0:
             out = np.empty(0, self.dtype)
             out.flags.writeable = False
             return out
-        k0, k1 = b0 // self.block_size, (b1 - 1) // self.block_size
-        blocks = pinned if pinned is not None else self._ensure(range(k0, k1 + 1))
-        if k0 == k1:  # the common case: a zero-copy view into one cached block
-            return np.frombuffer(blocks[k0], self.dtype, stop - start, b0 - k0 * self.block_size)
+        k0 = b0 // self.block_size
+        first = pinned.get(k0)
+        if first is None:
+            first = self._ensure([k0])[k0]
+        base = k0 * self.block_size
+        if b1 - base <= len(first):  # the common case: a zero-copy view of one fetch
+            return np.frombuffer(first, self.dtype, stop - start, b0 - base)
+        k1 = (b1 - 1) // self.block_size
+        blocks = {**pinned, **self._ensure([k for k in range(k0, k1 + 1) if k not in pinned])}
         parts = []
         for k in range(k0, k1 + 1):
             lo = max(b0, k * self.block_size) - k * self.block_size
@@ -126,20 +141,24 @@ class RemoteArray:
     def gather(self, ranges: Sequence[Tuple[int, int]]) -> List[np.ndarray]:
         """``[self[a:b] for a, b in ranges]``, fetching every missing block first with
         ``concurrency`` parallel GETs (contiguous missing blocks share one request)."""
-        needed = set()
-        for a, b in ranges:
+        firsts = sorted({a * self.itemsize // self.block_size for a, b in ranges if b > a})
+        pinned = self._ensure(firsts) if firsts else {}
+        more = set()
+        for a, b in ranges:  # reads running past their first block's fetch (long packs)
             if b > a:
-                needed.update(range(a * self.itemsize // self.block_size,
-                                    (b * self.itemsize - 1) // self.block_size + 1))
-        pinned = self._ensure(sorted(needed))
+                k0 = a * self.itemsize // self.block_size
+                if b * self.itemsize - k0 * self.block_size > len(pinned[k0]):
+                    more.update(range(k0 + 1, (b * self.itemsize - 1) // self.block_size + 1))
+        if more - pinned.keys():
+            pinned.update(self._ensure(sorted(more - pinned.keys())))
         return [self._slice(a, b, pinned) for a, b in ranges]
 
     # ------------------------------------------------------------------ the cache
 
-    def _ensure(self, ks: Iterable[int]) -> Dict[int, bytes]:
+    def _ensure(self, ks: Iterable[int]) -> Dict[int, memoryview]:
         """Blocks ``ks`` (fetched if missing), held in a dict so none is evicted before use."""
         ks = list(ks)
-        have: Dict[int, bytes] = {}
+        have: Dict[int, memoryview] = {}
         with self._lock:
             for k in ks:
                 data = self._blocks.get(k)
@@ -160,28 +179,29 @@ class RemoteArray:
                     self._blocks.popitem(last=False)
         return have
 
-    def _fetch(self, missing: List[int]) -> Dict[int, bytes]:
+    def _fetch(self, missing: List[int]) -> Dict[int, memoryview]:
         runs = _runs(missing, max(1, MAX_RUN_BYTES // self.block_size))
         if len(runs) == 1 or self.concurrency == 1:
             results = [self._fetch_run(r) for r in runs]
         else:
             results = list(_pool(self.concurrency).map(self._fetch_run, runs))
-        out: Dict[int, bytes] = {}
+        out: Dict[int, memoryview] = {}
         for part in results:
             out.update(part)
         return out
 
-    def _fetch_run(self, run: Tuple[int, int]) -> Dict[int, bytes]:
-        """One GET for blocks ``[k0, k1]``, split into per-block bytes."""
+    def _fetch_run(self, run: Tuple[int, int]) -> Dict[int, memoryview]:
+        """One GET for blocks ``[k0, k1]`` (plus the tail of a record straddling the end)."""
         k0, k1 = run
         start = k0 * self.block_size
         stop = min((k1 + 1) * self.block_size, self.nbytes)
-        data = self.store.read_range(self.url, start, stop - start, self.etag)
-        if k0 == k1:
-            return {k0: data}
-        view = memoryview(data)  # per-block views share the one buffer: no copy
-        return {k: view[(k - k0) * self.block_size:(k - k0 + 1) * self.block_size]
-                for k in range(k0, k1 + 1)}
+        if self.extend is not None and stop < self.nbytes:
+            # Untrusted index: never extend by more than one block.
+            end = int(self.extend(stop // self.itemsize)) * self.itemsize
+            stop = min(max(stop, end), stop + self.block_size, self.nbytes)
+        view = memoryview(self.store.read_range(self.url, start, stop - start, self.etag))
+        # Each block's entry runs to the end of the fetch (views of one buffer: no copy).
+        return {k: view[(k - k0) * self.block_size:] for k in range(k0, k1 + 1)}
 
     def cached_blocks(self) -> List[int]:
         with self._lock:

@@ -91,8 +91,18 @@ class RemoteIndexedDataset(MMapIndexedDataset):
         block = self.config.block_size
         if suffix != BIN_SUFFIX and suffix != SEQ_BIN_SUFFIX:
             block //= self._itemsize  # .loss.bin blocks cover the same tokens as .bin's
+        extend = self._pack_end if suffix != SEQ_BIN_SUFFIX else None
         return RemoteArray(self._store, self.url.with_suffix(suffix), info.size, info.etag, dtype, block,
-                           self.config.cache_blocks, self.config.concurrency)
+                           self.config.cache_blocks, self.config.concurrency, extend)
+
+    def _pack_end(self, token: int) -> int:
+        """Token index where the pack straddling ``token`` ends (``token`` if none does): a
+        block fetch is extended to it, so each pack is served by its first block's GET."""
+        ptrs, itemsize = self._pointers, self._itemsize
+        i = int(ptrs.searchsorted(token * itemsize, "left")) - 1
+        if i < 0:
+            return token
+        return max(token, int(ptrs[i]) // itemsize + int(self._lengths[i]))
 
     # ------------------------------------------------------------------ remote specifics
 

@@ -36,8 +36,12 @@ from .factory import open_packed
 __all__ = ["PackedSFTDataset", "build_samples_mapping", "bridge_datasets"]
 
 
-def build_samples_mapping(num_packs: int, max_num_samples: int, seed: int) -> np.ndarray:
+def build_samples_mapping(num_packs: int, max_num_samples: int, seed: int, order=None,
+                          source=None) -> np.ndarray:
     """Epoch-level shuffled pack indices: ``max_num_samples`` entries, each epoch a permutation.
+
+    ``order(source, indices, rng)`` replaces ``rng.permutation`` (e.g.
+    :class:`~megatron_sft_idx.locality.BlockLocalOrder` for object storage).
 
     Raises:
         ShardError: no packs, or a negative sample count.
@@ -50,7 +54,8 @@ def build_samples_mapping(num_packs: int, max_num_samples: int, seed: int) -> np
     dtype = np.int32 if num_packs <= np.iinfo(np.int32).max else np.int64
     mapping = np.empty(epochs * num_packs, dtype=dtype)
     for e in range(epochs):  # one permutation per epoch: O(epochs) Python steps
-        mapping[e * num_packs:(e + 1) * num_packs] = rng.permutation(num_packs)
+        mapping[e * num_packs:(e + 1) * num_packs] = (
+            rng.permutation(num_packs) if order is None else order(source, np.arange(num_packs), rng))
     out = mapping[:max_num_samples]
     out.flags.writeable = False
     return out
@@ -68,6 +73,8 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         pad_to_max_length, pad_seq_length_to_mult, pad_cu_seqlens, return_cu_seqlen:
             Bridge's collate options (see :class:`PackedCollator`).
         pad_seq_to_mult: overrides the source's recorded multiple (needed for ``.npy``/Parquet).
+        order: index order of each epoch of the samples mapping (default: a full shuffle;
+            :class:`~megatron_sft_idx.locality.BlockLocalOrder` reads a bucket block by block).
 
     Raises:
         ShardError: the source does not open, or options contradict its statistics.
@@ -77,14 +84,14 @@ class PackedSFTDataset(torch.utils.data.Dataset):
                  max_num_samples: Optional[int] = None, seed: int = 1234,
                  pad_to_max_length: bool = False, pad_seq_length_to_mult: int = 16,
                  pad_seq_to_mult: Optional[int] = None, pad_cu_seqlens: bool = False,
-                 return_cu_seqlen: bool = True) -> None:
+                 return_cu_seqlen: bool = True, order=None) -> None:
         if isinstance(source, (str, list, tuple)) or hasattr(source, "__fspath__"):
             source = open_packed(source, pad_seq_to_mult=pad_seq_to_mult)
         self.source = source
         self.summary: PackSummary = summarize(source)
         self.max_seq_length = int(max_seq_length or self.summary.capacity)
         self.samples_mapping = (None if max_num_samples is None else
-                                build_samples_mapping(len(source), int(max_num_samples), seed))
+                                build_samples_mapping(len(source), int(max_num_samples), seed, order, source))
         self.collate_fn = PackedCollator(
             self.max_seq_length, pad_id=pad_id, pad_to_max_length=pad_to_max_length,
             pad_seq_length_to_mult=pad_seq_length_to_mult,
