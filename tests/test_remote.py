@@ -10,7 +10,7 @@ import uuid
 import numpy as np
 import pytest
 
-from s3loop import S3Loop, reset_clients
+from bench.s3loop import S3Loop, reset_clients
 from shardgen import random_packs, write_shard
 
 from megatron_sft_idx import MMapIndexedDataset, open_packed
@@ -308,9 +308,9 @@ def test_multipart_upload_puts_idx_last_and_readers_never_see_half(s3, bucket, t
     finally:
         stop.set()
         reader.join()
-    puts = [(m, k, q) for m, k, q in s3.requests if m in ("PUT", "POST")]
+    puts = [(m, k) for m, k, _, _ in s3.requests if m in ("PUT", "POST")]
     assert puts[-1][1].endswith("/big/s.idx")
-    assert any(m == "POST" for m, _, _ in puts) and s3.count("PUT", "/big/s.bin") >= 2  # parts
+    assert any(m == "POST" for m, _ in puts) and s3.count("PUT", "/big/s.bin") >= 2  # parts
     assert all(what == "refused" or n == 1600 for what, n in seen)
     assert len(MMapIndexedDataset(url)) == 1600
 
@@ -345,3 +345,54 @@ def test_block_local_order_fetches_each_block_once_per_epoch(s3, bucket, local, 
         fetched[name] = s3.count("GET", "/o/s.bin")
     assert fetched["block_local"] == blocks  # each block once per epoch
     assert fetched["shuffle"] >= 3 * fetched["block_local"]
+
+
+# --------------------------------------------------------------------------- the gate and promotion
+
+
+def _put_raw(client, bucket, prefix, key):
+    for suffix in (".bin", ".loss.bin", ".seq.bin", ".seq.idx", ".idx"):
+        with open(prefix + suffix, "rb") as f:
+            client.put_object(Bucket=bucket, Key=key + suffix, Body=f.read())
+
+
+def _codes(report):
+    return sorted((f.code, f.pack) for f in report.shards[0].findings if f.severity == "error")
+
+
+@pytest.mark.parametrize("case", ["clean", "loss_two", "loss_on_last_sealed", "start_decreasing", "bin_flip"])
+def test_remote_gate_finds_what_the_local_gate_finds(s3, bucket, tmp_path, case, monkeypatch):
+    import corrupt
+    from megatron_sft_idx.gate import check
+    from megatron_sft_idx.gate import remote as gate_remote
+
+    monkeypatch.setattr(gate_remote, "CHUNK_TOKENS", 1500)  # many chunks: findings across chunk edges
+    prefix = make_shard(tmp_path / case / "s", n=120, seed=4)
+    edit = {"loss_two": corrupt.loss_two, "loss_on_last_sealed": corrupt.sealed(corrupt.loss_on_last),
+            "start_decreasing": corrupt.start_decreasing,
+            "bin_flip": lambda p, d: corrupt.flip(p + ".bin", 4001)}.get(case)
+    if edit:
+        edit(prefix, str(tmp_path / case))
+    _put_raw(s3.client(), bucket, prefix, f"gate/{case}")
+    s3.clear()
+    local, remote = check(prefix, level="deep"), check(f"s3://{bucket}/gate/{case}", level="deep")
+    assert remote.passed == local.passed == (case == "clean")
+    assert _codes(remote) == _codes(local) and (case == "clean" or _codes(local))
+    assert "packs+checksums (streamed)" in remote.shards[0].checks
+    assert s3.count("GET", f"/gate/{case}.bin") >= 2  # streamed in chunks, never one whole download
+
+
+def test_check_idx_promotes_into_a_bucket(s3, bucket, tmp_path):
+    from megatron_sft_idx.gate.cli import main
+
+    staging = tmp_path / "staging"
+    make_shard(staging / "train_000", n=50, seed=1)
+    ref = [np.array(p.input_ids) for p in MMapIndexedDataset(str(staging / "train_000"))]
+    assert main([str(staging), "--promote", f"s3://{bucket}/train", "--quiet"]) == 0
+    assert not os.path.exists(staging / "train_000.idx")  # moved, as a local promotion moves
+    promoted = MMapIndexedDataset(f"s3://{bucket}/train/train_000")
+    assert all(np.array_equal(promoted[i].input_ids, ref[i]) for i in range(50))
+    assert main([f"s3://{bucket}/train/train_000", "--quiet"]) == 0  # the gate reads it in place
+    make_shard(staging / "train_000", n=20, seed=2)
+    assert main([str(staging), "--promote", f"s3://{bucket}/train", "--quiet"]) == 1  # exists: refused
+    assert len(MMapIndexedDataset(f"s3://{bucket}/train/train_000")) == 50

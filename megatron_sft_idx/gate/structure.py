@@ -89,6 +89,11 @@ def locate_files(ctx: ShardContext, allow_pretrain: bool) -> bool:
             pass
         except OSError as exc:
             ctx.add("FILE_UNREADABLE", f"cannot stat: {exc.strerror}", suffix)
+    return classify_files(ctx, allow_pretrain)
+
+
+def classify_files(ctx: ShardContext, allow_pretrain: bool) -> bool:
+    """From ``ctx.sizes`` (the files found): the shard's kind and FILE_MISSING findings."""
     ctx.report.files = dict(ctx.sizes)
     if ctx.report.unreadable:
         return False

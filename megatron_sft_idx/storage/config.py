@@ -40,8 +40,9 @@ def default_cache_dir() -> str:
     return os.path.join(base, "megatron_sft_idx")
 
 
-def _parse_size(name: str, text: str) -> int:
-    raw = text.strip().upper().removesuffix("IB").removesuffix("B")
+def parse_size(text, name: str = "size") -> int:
+    """Bytes from ``"4194304"``, ``"4M"``, ``"512K"``, ``"1G"``, ``"4MiB"``. Raises ShardError."""
+    raw = str(text).strip().upper().removesuffix("IB").removesuffix("B")
     unit = raw[-1:] if raw[-1:] in _UNITS and raw[-1:] else ""
     try:
         value = int(float(raw[: len(raw) - len(unit)]) * _UNITS[unit])
@@ -115,7 +116,7 @@ def _from_env(base: StorageConfig) -> dict:
     sizes = {"BLOCK_SIZE": "block_size", "SEQ_BIN_LIMIT": "seq_bin_limit", "PART_SIZE": "part_size"}
     for var, name in sizes.items():
         if env.get(ENV_PREFIX + var):
-            out[name] = _parse_size(ENV_PREFIX + var, env[ENV_PREFIX + var])
+            out[name] = parse_size(env[ENV_PREFIX + var], ENV_PREFIX + var)
     counts = {"CACHE_BLOCKS": "cache_blocks", "RETRIES": "retries", "CONCURRENCY": "concurrency"}
     for var, name in counts.items():
         if env.get(ENV_PREFIX + var):
@@ -126,4 +127,4 @@ def _from_env(base: StorageConfig) -> dict:
     return out
 
 
-__all__ = ["StorageConfig", "default_cache_dir", "MIB"]
+__all__ = ["StorageConfig", "default_cache_dir", "parse_size", "MIB"]

@@ -15,7 +15,7 @@ import os
 from typing import List, Optional, Sequence, Union
 
 from ..errors import ShardError, ShardNotFoundError
-from ..format import IDX_SUFFIX, SEQ_IDX_SUFFIX
+from ..format import ALL_SUFFIXES, IDX_SUFFIX, SEQ_IDX_SUFFIX
 from ._stores import ObjectStore, store_for
 from ._url import ObjectURL, is_remote, join_url
 from .config import StorageConfig
@@ -69,7 +69,7 @@ def expand_remote(spec: str, config: Optional[StorageConfig] = None) -> List[str
         found = _glob(store, url)
     elif url.key.endswith("/") or not url.key:
         found = _shards_under(store, url)
-    elif store.head(url.with_suffix(IDX_SUFFIX)) is not None:
+    elif store.stat_files(url, ALL_SUFFIXES):  # any file of a shard here: the reader says what is missing
         return [str(url)]
     else:
         found = _shards_under(store, ObjectURL(url.scheme, url.bucket, url.key + "/"))

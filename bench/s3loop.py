@@ -1,8 +1,13 @@
 """A real S3 API on loopback for the remote tests and the remote benchmark.
 
+``python -m bench.s3loop`` serves one in its own process (the benchmark's readers must not
+share a GIL with the server) and prints ``{"endpoint": ..., "direct": ...}``; it stops
+when its stdin closes. ``GET /__loop/stats`` on the proxy returns the request counts,
+``POST /__loop/clear`` resets them.
+
 ``S3Loop`` starts moto's ``ThreadedMotoServer`` on 127.0.0.1 and, in front of it, a
 small HTTP proxy that forwards every request unchanged, counts them (method, key,
-range) and injects faults on demand: a connection reset after part of the body has
+range, bytes sent) and injects faults on demand: a connection reset after part of the body has
 been sent, a ``500 InternalError``, a ``503 SlowDown``. Clients are pointed at the proxy
 with ``AWS_ENDPOINT_URL`` (boto3) or an MSC profile's ``endpoint_url``.
 
@@ -61,16 +66,32 @@ class _Handler(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length", 0) or 0)
         return self.rfile.read(length) if length else b""
 
+    def _control(self) -> None:
+        loop = self.server.loop
+        if self.path.startswith("/__loop/clear"):
+            loop.clear()
+        with loop._lock:
+            payload = json.dumps({"requests": [list(r) for r in loop.requests],
+                                  "injected": dict(loop.injected)}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
     def _forward(self) -> None:
+        if self.path.startswith("/__loop/"):
+            self._body()
+            return self._control()
         body = self._body()
         loop = self.server.loop
         key = unquote(urlsplit(self.path).path)
         headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
         if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
             headers["Content-Length"] = str(len(body))
-        loop._record(self.command, key, self.headers.get("Range"))
         fault = loop._take_fault(self.command, key, dict(self.headers))
         if fault in ("500", "503"):
+            loop._record(self.command, key, self.headers.get("Range"), 0)
             return self._error(int(fault), key)
         conn = http.client.HTTPConnection(*loop.upstream, timeout=60)
         try:
@@ -80,6 +101,7 @@ class _Handler(BaseHTTPRequestHandler):
             status, reason, resp_headers = resp.status, resp.reason, resp.getheaders()
         finally:
             conn.close()
+        loop._record(self.command, key, self.headers.get("Range"), len(data))
         self.send_response(status, reason)
         head = self.command == "HEAD"
         for k, v in resp_headers:
@@ -190,9 +212,9 @@ class S3Loop:
 
     # ------------------------------------------------------------------ counting and faults
 
-    def _record(self, method: str, key: str, byte_range: Optional[str]) -> None:
+    def _record(self, method: str, key: str, byte_range: Optional[str], nbytes: int) -> None:
         with self._lock:
-            self.requests.append((method, key, byte_range))
+            self.requests.append((method, key, byte_range, nbytes))
 
     def _take_fault(self, method: str, key: str, headers: dict) -> Optional[str]:
         with self._lock:
@@ -217,7 +239,7 @@ class S3Loop:
 
     def count(self, method: str = "GET", suffix: str = "", ranged: Optional[bool] = None) -> int:
         with self._lock:
-            return sum(1 for m, k, r in self.requests if m == method and k.endswith(suffix)
+            return sum(1 for m, k, r, _ in self.requests if m == method and k.endswith(suffix)
                        and (ranged is None or (r is not None) == ranged))
 
 
@@ -226,3 +248,27 @@ def reset_clients() -> None:
     from megatron_sft_idx.storage import _stores
 
     _stores._STORES.clear()
+
+
+def fetch_stats(endpoint: str, clear: bool = False) -> dict:
+    """The request log of a server started with ``python -m bench.s3loop`` (optionally reset)."""
+    host, port = urlsplit(endpoint).hostname, urlsplit(endpoint).port
+    conn = http.client.HTTPConnection(host, port, timeout=30)
+    try:
+        conn.request("POST" if clear else "GET", "/__loop/clear" if clear else "/__loop/stats", body=b"")
+        return json.loads(conn.getresponse().read())
+    finally:
+        conn.close()
+
+
+def main() -> int:
+    import sys
+
+    with S3Loop() as loop:
+        print(json.dumps({"endpoint": loop.endpoint, "direct": loop.direct_endpoint}), flush=True)
+        sys.stdin.read()  # serve until the parent closes our stdin (or exits)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
