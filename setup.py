@@ -21,8 +21,10 @@ EXTRAS = {
     "gate": ["zlib-ng>=0.5"],
     "train": [TORCH, "packaging", "pyarrow>=15"],
     "test": [TORCH, "pytest>=8", "hypothesis>=6.100", "pytest-xdist>=3.5", "pyarrow>=15",
-             "packaging"],
-    "bench": [TORCH, "pyarrow>=15", "matplotlib>=3.8", "psutil>=5.9"],
+             "packaging", "moto[server]>=5", "boto3>=1.34", "multi-storage-client>=0.20"],
+    "bench": [TORCH, "pyarrow>=15", "matplotlib>=3.8", "psutil>=5.9", "moto[server]>=5"],
+    # s3:// and msc:// prefixes: boto3 reads AWS_ENDPOINT_URL and the other standard variables.
+    "s3": ["boto3>=1.34", "multi-storage-client>=0.20"],
 }
 EXTRAS["all"] = sorted({req for reqs in EXTRAS.values() for req in reqs})
 

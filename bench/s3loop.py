@@ -52,6 +52,12 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, *args) -> None:  # quiet
         pass
 
+    def setup(self) -> None:
+        super().setup()
+        # Headers and body leave in separate writes: without TCP_NODELAY, Nagle's algorithm and
+        # the client's delayed ACK stall some responses by ~40 ms each.
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
     def _body(self) -> bytes:
         if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
             out = bytearray()

@@ -122,6 +122,27 @@ def pack_index(idx, n: int, source: str) -> int:
     return i
 
 
+def pack_indices(indices, n: int, source: str) -> np.ndarray:
+    """:func:`pack_index` for a sequence or array of indices, vectorised: int64 in ``[0, n)``.
+
+    Raises:
+        TypeError: not a 1-D sequence of integers; IndexError: an index out of range.
+    """
+    if isinstance(indices, range):
+        idx = np.arange(indices.start, indices.stop, indices.step, dtype=np.int64)
+    else:
+        idx = np.asarray(indices)
+        if idx.ndim != 1 or (idx.dtype.kind not in "iub" and idx.size):
+            raise TypeError(f"pack indices must be a 1-D integer sequence, not {idx.dtype} of shape {idx.shape}")
+        idx = idx.astype(np.int64)
+    if idx.size:
+        idx = np.where(idx < 0, idx + n, idx)
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < 0 or hi >= n:
+            raise IndexError(f"pack index {lo if lo < 0 else hi} out of range for {n} packs in {source}")
+    return idx
+
+
 def _map(path: str, size: int) -> np.ndarray:
     """Read-only uint8 map of a whole file (an empty array for an empty file)."""
     if size == 0:
@@ -417,7 +438,7 @@ class MMapIndexedDataset:
             IndexError, TypeError: an index is out of range or not an integer.
             InvariantError: an index entry of the shard is corrupt.
         """
-        idx = self._index_array(indices)
+        idx = pack_indices(indices, self._n, self.prefix)
         if self._hot is None:
             self._ensure_maps()
         lengths = self._lengths[idx].astype(np.int64)
@@ -431,47 +452,24 @@ class MMapIndexedDataset:
         t1 = (t0 + lengths).tolist()
         t0 = t0.tolist()
         if self.is_pretrain:
-            tokens = self._gather(self._tokens, t0, t1)
+            tokens, = self._gather(((self._tokens, t0, t1),))
             return [_new_pack(Pack, (ids, self._ones(ids.shape[0]), _READ_ONLY_ZERO)) for ids in tokens]
         s0, s1 = self._offsets[idx], self._offsets[idx + 1]
         bad = (s0 < 0) | (s1 <= s0) | (s1 > self._seq_count)
         if bad.any():
             k = int(np.argmax(bad))
             raise self._corrupt_offsets(int(idx[k]), int(s0[k]), int(s1[k]))
-        packs = [_new_pack(Pack, parts) for parts in zip(
-            self._gather(self._tokens, t0, t1), self._gather(self._loss, t0, t1),
-            self._gather(self._starts, s0.tolist(), s1.tolist()))]
+        packs = [_new_pack(Pack, parts) for parts in zip(*self._gather(
+            ((self._tokens, t0, t1), (self._loss, t0, t1), (self._starts, s0.tolist(), s1.tolist()))))]
         if self.check_packs:
             for i, pack in zip(idx.tolist(), packs):
                 self._check_pack(i, pack)
         return packs
 
-    @staticmethod
-    def _gather(array, starts: list, stops: list) -> list:
-        gather = getattr(array, "gather", None)  # remote arrays fetch all blocks at once
-        if gather is not None:
-            return gather(list(zip(starts, stops)))
-        return [array[a:b] for a, b in zip(starts, stops)]
-
-    def _index_array(self, indices) -> np.ndarray:
-        """``indices`` as an int64 array in ``[0, n)`` (negative counts from the end)."""
-        if isinstance(indices, range):
-            idx = np.arange(indices.start, indices.stop, indices.step, dtype=np.int64)
-        else:
-            idx = np.asarray(indices)
-            if idx.dtype.kind not in "iub" or idx.ndim != 1:
-                if idx.size == 0 and idx.ndim == 1:
-                    return idx.astype(np.int64)
-                raise TypeError(f"pack indices must be a 1-D integer sequence, not {idx.dtype} "
-                                f"of shape {idx.shape}")
-            idx = idx.astype(np.int64)
-        if idx.size:
-            idx = np.where(idx < 0, idx + self._n, idx)
-            lo, hi = int(idx.min()), int(idx.max())
-            if lo < 0 or hi >= self._n:
-                bad = lo if lo < 0 else hi
-                raise IndexError(f"pack index {bad} out of range for {self._n} packs in {self.prefix}")
-        return idx
+    def _gather(self, parts) -> list:
+        """For each ``(array, starts, stops)``: the slices ``array[a:b]`` (storage hook: remote
+        shards fetch the blocks of every array at once, in parallel)."""
+        return [[array[a:b] for a, b in zip(starts, stops)] for array, starts, stops in parts]
 
     def _corrupt_pointer(self, i: int, ptr: int, length: int) -> ShardError:
         return self._corrupt(i, "sequence_pointers/sequence_lengths", "pointer/length fall outside .bin",

@@ -19,7 +19,6 @@ from megatron_sft_idx.errors import (ChecksumError, IncompleteShardError, Object
 from megatron_sft_idx.storage import publish, upload_shard
 from megatron_sft_idx.storage.remote import RemoteIndexedDataset
 
-pytest.importorskip("moto.server")
 PACK = 256
 BLOCK = 4096
 
@@ -106,7 +105,6 @@ def test_a_pack_costs_at_most_one_request_per_data_file(s3, bucket, local):
 
 
 def test_msc_profile_reads_and_uploads(s3, bucket, local, tmp_path, monkeypatch):
-    pytest.importorskip("multistorageclient")
     monkeypatch.setenv("MSC_CONFIG", s3.msc_config(str(tmp_path / "msc.json"), "loop", bucket))
     upload_shard(local, "msc://loop/msc/train_000")
     remote, ref = MMapIndexedDataset("msc://loop/msc/train_000"), MMapIndexedDataset(local)
@@ -212,6 +210,35 @@ def test_dataloader_workers_share_index_downloads(s3, bucket, tmp_path):
             assert s3.count("GET", f"/p_{k}{suffix}") == 1, (k, suffix)
 
 
+class _Probe:
+    """A pack's sums plus the identity of the store (client) that served it, in this process."""
+
+    def __init__(self, ds):
+        self.ds = ds
+
+    def __len__(self):
+        return len(self.ds)
+
+    def __getitem__(self, i):
+        pack = self.ds[i]
+        return int(pack.input_ids.sum()), int(pack.loss_mask.sum()), id(self.ds._tokens.store())
+
+
+def test_forked_workers_use_their_own_connections(s3, bucket, local):
+    torch = pytest.importorskip("torch")
+    upload_shard(local, f"s3://{bucket}/fork/s")
+    ds = MMapIndexedDataset(f"s3://{bucket}/fork/s")
+    ds[0]  # the parent has mapped the shard and holds pooled connections when the workers fork
+    parent_store = id(ds._tokens.store())
+    ds.clear_block_cache()
+    loader = torch.utils.data.DataLoader(_Probe(ds), batch_size=None, num_workers=2,
+                                         multiprocessing_context="fork")
+    got = list(loader)
+    ref = MMapIndexedDataset(local)
+    assert [tuple(g[:2]) for g in got] == [(int(p.input_ids.sum()), int(p.loss_mask.sum())) for p in ref]
+    assert parent_store not in {g[2] for g in got}  # every worker read through a client of its own
+
+
 # --------------------------------------------------------------------------- faults
 
 
@@ -313,17 +340,6 @@ def test_multipart_upload_puts_idx_last_and_readers_never_see_half(s3, bucket, t
     assert any(m == "POST" for m, _ in puts) and s3.count("PUT", "/big/s.bin") >= 2  # parts
     assert all(what == "refused" or n == 1600 for what, n in seen)
     assert len(MMapIndexedDataset(url)) == 1600
-
-
-def test_local_read_path_imports_no_object_store_client():
-    import subprocess
-    import sys
-
-    probe = ("import sys; from megatron_sft_idx import MMapIndexedDataset, open_packed; "
-             "import megatron_sft_idx.storage; "
-             "print(sorted(m for m in ('boto3', 'botocore', 'multistorageclient') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
 
 
 def test_block_local_order_fetches_each_block_once_per_epoch(s3, bucket, local, monkeypatch):

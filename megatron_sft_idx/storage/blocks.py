@@ -31,26 +31,29 @@ from ._url import ObjectURL
 #: Largest single GET when contiguous missing blocks are coalesced.
 MAX_RUN_BYTES = 64 << 20
 
-_POOL: Optional[futures.ThreadPoolExecutor] = None
-_POOL_PID = -1
+_POOLS: Dict[str, Tuple[int, futures.ThreadPoolExecutor]] = {}
 _POOL_LOCK = threading.Lock()
 
 
-def _pool(workers: int) -> futures.ThreadPoolExecutor:
-    """One fetch pool per process (a forked worker must not inherit the parent's threads)."""
-    global _POOL, _POOL_PID
+def fetch_pool(workers: int, name: str = "runs") -> futures.ThreadPoolExecutor:
+    """This process's thread pool ``name`` (a forked worker must not inherit the parent's
+    threads). Jobs of one pool never wait on jobs of the same pool: a job that fans out
+    uses another pool (``"arrays"`` fans out to ``"runs"``), so no pool can deadlock."""
     with _POOL_LOCK:
-        if _POOL is None or _POOL_PID != os.getpid():
-            _POOL = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="msi-fetch")
-            _POOL_PID = os.getpid()
-        return _POOL
+        pid, pool = _POOLS.get(name, (-1, None))
+        if pool is None or pid != os.getpid():
+            pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"msi-{name}")
+            _POOLS[name] = (os.getpid(), pool)
+        return pool
 
 
 class RemoteArray:
     """Read-only 1-D ``dtype`` array stored in an object; ``a[i:j]`` fetches what it needs.
 
     Args:
-        store: the :class:`~._stores.ObjectStore` to read through.
+        store: ``store()`` returns the :class:`~._stores.ObjectStore` to read through, looked
+            up on every fetch so that a forked DataLoader worker uses its own client (never
+            the parent's pooled connections).
         url: the object.
         size: its size in bytes (from the listing at open); ``etag``: its version, sent as
             ``If-Match`` so a replaced object is refused rather than mixed in.
@@ -138,9 +141,16 @@ class RemoteArray:
         out.flags.writeable = False
         return out
 
-    def gather(self, ranges: Sequence[Tuple[int, int]]) -> List[np.ndarray]:
+    def gather(self, ranges: Sequence[Tuple[int, int]], pinned: Optional[Dict[int, memoryview]] = None
+               ) -> List[np.ndarray]:
         """``[self[a:b] for a, b in ranges]``, fetching every missing block first with
-        ``concurrency`` parallel GETs (contiguous missing blocks share one request)."""
+        ``concurrency`` parallel GETs (contiguous missing blocks share one request).
+        ``pinned``: blocks already fetched for these ranges by :meth:`fetch_for`."""
+        pinned = self.fetch_for(ranges) if pinned is None else pinned
+        return [self._slice(a, b, pinned) for a, b in ranges]
+
+    def fetch_for(self, ranges: Sequence[Tuple[int, int]]) -> Dict[int, memoryview]:
+        """Every block the ``ranges`` need (missing ones fetched), held against eviction."""
         firsts = sorted({a * self.itemsize // self.block_size for a, b in ranges if b > a})
         pinned = self._ensure(firsts) if firsts else {}
         more = set()
@@ -151,7 +161,7 @@ class RemoteArray:
                     more.update(range(k0 + 1, (b * self.itemsize - 1) // self.block_size + 1))
         if more - pinned.keys():
             pinned.update(self._ensure(sorted(more - pinned.keys())))
-        return [self._slice(a, b, pinned) for a, b in ranges]
+        return pinned
 
     # ------------------------------------------------------------------ the cache
 
@@ -184,7 +194,7 @@ class RemoteArray:
         if len(runs) == 1 or self.concurrency == 1:
             results = [self._fetch_run(r) for r in runs]
         else:
-            results = list(_pool(self.concurrency).map(self._fetch_run, runs))
+            results = list(fetch_pool(self.concurrency).map(self._fetch_run, runs))
         out: Dict[int, memoryview] = {}
         for part in results:
             out.update(part)
@@ -199,7 +209,7 @@ class RemoteArray:
             # Untrusted index: never extend by more than one block.
             end = int(self.extend(stop // self.itemsize)) * self.itemsize
             stop = min(max(stop, end), stop + self.block_size, self.nbytes)
-        view = memoryview(self.store.read_range(self.url, start, stop - start, self.etag))
+        view = memoryview(self.store().read_range(self.url, start, stop - start, self.etag))
         # Each block's entry runs to the end of the fetch (views of one buffer: no copy).
         return {k: view[(k - k0) * self.block_size:] for k in range(k0, k1 + 1)}
 

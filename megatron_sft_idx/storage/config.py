@@ -7,8 +7,10 @@ environment, which wins over the default::
     MEGATRON_SFT_IDX_CACHE         directory of the per-node index cache
                                    (default: $XDG_CACHE_HOME/megatron_sft_idx, else
                                    ~/.cache/megatron_sft_idx)
-    MEGATRON_SFT_IDX_BLOCK_SIZE    bytes of .bin per ranged GET (default 4 MiB; suffixes
-                                   K/M/G accepted); .loss.bin blocks cover the same tokens
+    MEGATRON_SFT_IDX_BLOCK_SIZE    bytes of .bin per ranged GET (default 1 MiB; suffixes
+                                   K/M/G accepted); .loss.bin blocks cover the same tokens.
+                                   A full shuffle wants small blocks (64K-256K: a miss per
+                                   pack); the block-local order large ones (4M-16M)
     MEGATRON_SFT_IDX_CACHE_BLOCKS  blocks kept in memory per data file per process (default 16)
     MEGATRON_SFT_IDX_SEQ_BIN_LIMIT .seq.bin files up to this size are cached on local disk,
                                    larger ones are read by ranged GETs (default 256 MiB)
@@ -70,7 +72,7 @@ class StorageConfig:
     """
 
     cache_dir: Optional[str] = None
-    block_size: int = 4 * MIB
+    block_size: int = 1 * MIB
     cache_blocks: int = 16
     seq_bin_limit: int = 256 * MIB
     retries: int = 8

@@ -17,10 +17,10 @@ from __future__ import annotations
 from typing import Dict, Optional
 
 from ..format import ALL_SUFFIXES, BIN_SUFFIX, IDX_SUFFIX, SEQ_BIN_SUFFIX, SEQ_IDX_SUFFIX, SFT_SUFFIXES
-from ..reader import MMapIndexedDataset
+from ..reader import MMapIndexedDataset, pack_index
 from ._stores import ObjectInfo, ObjectStore, store_for
 from ._url import ObjectURL
-from .blocks import RemoteArray
+from .blocks import RemoteArray, fetch_pool
 from .config import StorageConfig
 from .index_cache import cached_prefix
 
@@ -60,7 +60,6 @@ class RemoteIndexedDataset(MMapIndexedDataset):
                  cache_dir: Optional[str] = None, block_size: Optional[int] = None) -> None:
         self.url = ObjectURL.parse(prefix)
         self.config = StorageConfig.resolve(config, cache_dir=cache_dir, block_size=block_size)
-        self._store = store_for(self.url, self.config)
         self._cached = frozenset()
         self._cache_prefix = None
         super().__init__(str(self.url), check_packs=check_packs)
@@ -68,7 +67,7 @@ class RemoteIndexedDataset(MMapIndexedDataset):
     # ------------------------------------------------------------------ reader hooks
 
     def _stat_files(self) -> dict:
-        self._infos = infos = stat_shard(self._store, self.url)
+        self._infos = infos = stat_shard(self._current_store(), self.url)
         sft = [s for s in SFT_SUFFIXES if s in infos]
         complete = IDX_SUFFIX in infos and BIN_SUFFIX in infos and len(sft) in (0, len(SFT_SUFFIXES))
         if complete:  # else the reader raises the precise error from the sizes alone
@@ -77,7 +76,7 @@ class RemoteIndexedDataset(MMapIndexedDataset):
                 cached.append(SEQ_IDX_SUFFIX)
                 if infos[SEQ_BIN_SUFFIX].size <= self.config.seq_bin_limit:
                     cached.append(SEQ_BIN_SUFFIX)
-            self._cache_prefix = cached_prefix(self._store, self.url, infos, cached, self.config.cache_root)
+            self._cache_prefix = cached_prefix(self._current_store(), self.url, infos, cached, self.config.cache_root)
             self._cached = frozenset(cached)
         return {s: i.size for s, i in infos.items()}
 
@@ -92,8 +91,12 @@ class RemoteIndexedDataset(MMapIndexedDataset):
         if suffix != BIN_SUFFIX and suffix != SEQ_BIN_SUFFIX:
             block //= self._itemsize  # .loss.bin blocks cover the same tokens as .bin's
         extend = self._pack_end if suffix != SEQ_BIN_SUFFIX else None
-        return RemoteArray(self._store, self.url.with_suffix(suffix), info.size, info.etag, dtype, block,
-                           self.config.cache_blocks, self.config.concurrency, extend)
+        return RemoteArray(self._current_store, self.url.with_suffix(suffix), info.size, info.etag, dtype,
+                           block, self.config.cache_blocks, self.config.concurrency, extend)
+
+    def _current_store(self) -> ObjectStore:
+        """This process's store (a forked worker gets its own client, not the parent's)."""
+        return store_for(self.url, self.config)
 
     def _pack_end(self, token: int) -> int:
         """Token index where the pack straddling ``token`` ends (``token`` if none does): a
@@ -103,6 +106,29 @@ class RemoteIndexedDataset(MMapIndexedDataset):
         if i < 0:
             return token
         return max(token, int(ptrs[i]) // itemsize + int(self._lengths[i]))
+
+    def __getitem__(self, idx):
+        # One pack's GETs (.bin, .loss.bin) go out in parallel: a miss costs one round trip.
+        if isinstance(idx, slice):
+            return super().__getitem__(idx)
+        return self.get_many((pack_index(idx, self._n, self.prefix),))[0]
+
+    _pack = __getitem__
+
+    def _gather(self, parts) -> list:
+        remote = [(array, list(zip(a, b))) for array, a, b in parts if isinstance(array, RemoteArray)]
+        pinned = {}
+        if len(remote) > 1:  # each array's missing blocks in its own thread, at the same time
+            pool = fetch_pool(4, "arrays")
+            jobs = {id(array): pool.submit(array.fetch_for, ranges) for array, ranges in remote}
+            pinned = {key: job.result() for key, job in jobs.items()}
+        out = []
+        for array, starts, stops in parts:
+            if isinstance(array, RemoteArray):
+                out.append(array.gather(list(zip(starts, stops)), pinned.get(id(array))))
+            else:
+                out.append([array[a:b] for a, b in zip(starts, stops)])
+        return out
 
     # ------------------------------------------------------------------ remote specifics
 

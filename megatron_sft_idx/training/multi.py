@@ -34,7 +34,7 @@ import numpy as np
 from .._atomic import write_file_atomically
 from ..errors import ShardError, ShardNotFoundError, SizeMismatchError
 from ..format import IDX_SUFFIX, SEQ_IDX_SUFFIX
-from ..reader import MMapIndexedDataset, pack_index
+from ..reader import MMapIndexedDataset, pack_index, pack_indices
 from ..storage import is_remote
 from ._sources import PackSummary, summarize
 
@@ -217,6 +217,18 @@ class MultiShardDataset:
     def __getitem__(self, i):
         k, local = self.shard_of(i)
         return self.shard(k)[local]
+
+    def get_many(self, indices) -> list:
+        """Packs ``indices`` as a list, one ``get_many`` per shard they fall in (so a remote
+        shard fetches the batch's blocks in parallel)."""
+        idx = pack_indices(indices, len(self), self.source)
+        shard_of = np.searchsorted(self.starts, idx, side="right") - 1
+        out: list = [None] * idx.size
+        for k in np.unique(shard_of).tolist():
+            where = np.flatnonzero(shard_of == k)
+            for j, pack in zip(where.tolist(), self.shard(k).get_many(idx[where] - int(self.starts[k]))):
+                out[j] = pack
+        return out
 
     @property
     def open_shards(self) -> List[int]:
