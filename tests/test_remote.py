@@ -136,7 +136,7 @@ def test_open_packed_directories_globs_and_manifests(s3, bucket, tmp_path):
         open_packed(f"s3://{bucket}/nothing_here")
 
 
-def test_adapters_train_from_s3(s3, bucket, local):
+def test_adapters_train_from_s3(s3, bucket, local, tmp_path):
     torch = pytest.importorskip("torch")
     from megatron_sft_idx.training.bridge import PackedSFTDataset
 
@@ -160,6 +160,30 @@ def test_adapters_train_from_s3(s3, bucket, local):
     assert isinstance(a.dataset, RemoteIndexedDataset)
     for k in range(10):
         assert torch.equal(a[k]["tokens"], b[k]["tokens"])  # same shard, same seed, same order
+
+    # megatron-core's own object-storage config has the same meaning here.
+    from megatron.core.datasets.object_storage_utils import ObjectStorageConfig
+    config = ObjectStorageConfig(path_to_idx_cache=str(tmp_path / "upstream_cache"), bin_chunk_nbytes=8192)
+    ds = MMapIndexedDataset(f"s3://{bucket}/b/train_000", object_storage_config=config)
+    assert ds.config.block_size == 8192 and ds.local_index_prefix.startswith(str(tmp_path / "upstream_cache"))
+    assert same(ds[3], MMapIndexedDataset(local)[3])
+
+
+def test_publish_to_exact_prefixes_and_directories(s3, bucket, local, tmp_path):
+    from megatron_sft_idx.storage import publish_shard
+
+    ref = MMapIndexedDataset(local)
+    for dest in (f"s3://{bucket}/exact/name_a", str(tmp_path / "pub" / "name_b")):
+        assert publish_shard(local, dest) == dest
+        assert same(MMapIndexedDataset(dest)[9], ref[9])
+        with pytest.raises(ShardExistsError):
+            publish_shard(local, dest)
+        publish_shard(local, dest, replace=True)
+    assert os.path.exists(local + ".idx")  # publishing copies: the staged shard stays
+    shards = [make_shard(tmp_path / "st" / f"s_{k}", n=10, seed=k) for k in range(2)]
+    published = publish(shards, str(tmp_path / "set"), manifest="all.json")
+    ds = open_packed(str(tmp_path / "set" / "all.json"))
+    assert ds.prefixes == published and same(ds[15], MMapIndexedDataset(shards[1])[5])
 
 
 # --------------------------------------------------------------------------- one index download per node

@@ -22,6 +22,7 @@ _PUBLIC = {
     "remote_shard_exists": ".remote",
     "upload_shard": ".upload",
     "publish": ".upload",
+    "publish_shard": ".upload",
     "request_counts": "._stores",
     "MissingExtraError": "._stores",
 }

@@ -48,6 +48,8 @@ class RemoteIndexedDataset(MMapIndexedDataset):
         check_packs: as for :class:`MMapIndexedDataset`.
         config: a :class:`StorageConfig` (default: from the environment).
         cache_dir, block_size: override those fields of ``config``.
+        object_storage_config: megatron-core's ``ObjectStorageConfig`` is accepted too:
+            ``path_to_idx_cache`` is the cache directory, ``bin_chunk_nbytes`` the block size.
 
     Raises:
         everything :class:`MMapIndexedDataset` raises, naming the objects; plus
@@ -57,7 +59,11 @@ class RemoteIndexedDataset(MMapIndexedDataset):
     """
 
     def __init__(self, prefix, *, check_packs: bool = False, config: Optional[StorageConfig] = None,
-                 cache_dir: Optional[str] = None, block_size: Optional[int] = None) -> None:
+                 cache_dir: Optional[str] = None, block_size: Optional[int] = None,
+                 object_storage_config=None) -> None:
+        if object_storage_config is not None:  # upstream's contract, same meaning
+            cache_dir = cache_dir or getattr(object_storage_config, "path_to_idx_cache", None)
+            block_size = block_size or getattr(object_storage_config, "bin_chunk_nbytes", None)
         self.url = ObjectURL.parse(prefix)
         self.config = StorageConfig.resolve(config, cache_dir=cache_dir, block_size=block_size)
         self._cached = frozenset()

@@ -8,8 +8,9 @@ one. Replacing a shard deletes the old ``.idx`` first, so the old index can neve
 with new data (and readers that opened the old shard are refused by ETag, see
 :mod:`._stores`). Sizes are checked against the local files after the upload.
 
-:func:`publish` takes finished local (staged) shards — one prefix, a list, or a
-directory — and a destination directory, local or remote. Locally, files are copied
+:func:`publish_shard` puts one finished local (staged) shard under an exact prefix,
+local or remote; :func:`publish` takes a set — one prefix, a list, or a directory —
+and a destination directory, local or remote. Locally, files are copied
 (or hard-linked) under temporary names and renamed ``.idx`` last
 (``megatron_sft_idx._atomic.publish``); remotely, each shard is uploaded as above.
 With ``manifest=NAME`` a manifest of the set is written last, the set's commit point:
@@ -31,7 +32,7 @@ from ._stores import store_for
 from ._url import ObjectURL, is_remote
 from .config import StorageConfig
 
-__all__ = ["upload_shard", "publish", "local_files"]
+__all__ = ["upload_shard", "publish", "publish_shard", "local_files"]
 
 
 def local_files(prefix: str) -> Dict[str, str]:
@@ -97,6 +98,28 @@ def _verify_sizes(listed, files: Dict[str, str], url: ObjectURL) -> None:
 # --------------------------------------------------------------------------- publish
 
 
+def publish_shard(prefix, dest, *, replace: bool = False, link: bool = False,
+                  config: Optional[StorageConfig] = None) -> str:
+    """Publish one finished local shard under the exact prefix ``dest`` (a path or a URL),
+    ``.idx`` last. Returns ``dest``.
+
+    Raises:
+        ShardExistsError: a shard exists at ``dest`` and ``replace`` is false (nothing written);
+        ShardError: the local shard does not open; RemoteStorageError / OSError while writing.
+    """
+    prefix, dest = os.fspath(prefix), os.fspath(dest)
+    files = local_files(prefix)
+    if not replace:
+        _refuse_existing(dest, config)
+    if is_remote(dest):
+        upload_shard(prefix, dest, replace=replace, config=config)
+    else:
+        if os.path.abspath(dest) == os.path.abspath(prefix):
+            raise ShardError("the shard is already at the destination", path=prefix)
+        _publish_local(files, dest, link)
+    return dest
+
+
 def publish(source: Union[str, Sequence[str]], dest, *, replace: bool = False, link: bool = False,
             manifest: Optional[str] = None, config: Optional[StorageConfig] = None) -> List[str]:
     """Publish finished local shards into directory ``dest`` (a local path or a URL).
@@ -125,15 +148,13 @@ def publish(source: Union[str, Sequence[str]], dest, *, replace: bool = False, l
     dest = os.fspath(dest)
     remote = is_remote(dest)
     targets = [str(ObjectURL.parse(dest).join(n)) if remote else os.path.join(dest, n) for n in names]
-    files = [local_files(p) for p in prefixes]  # every shard opens, before anything is written
+    for prefix in prefixes:  # every shard opens, before anything is written
+        local_files(prefix)
     if not replace:
         for target in targets:
             _refuse_existing(target, config)
-    for prefix, target, shard_files in zip(prefixes, targets, files):
-        if remote:
-            upload_shard(prefix, target, replace=replace, config=config)
-        else:
-            _publish_local(shard_files, target, link)
+    for prefix, target in zip(prefixes, targets):
+        publish_shard(prefix, target, replace=True, link=link, config=config)  # existence checked above
     if manifest:
         _publish_manifest(prefixes, dest, manifest, config)
     return targets
