@@ -21,7 +21,6 @@ import collections
 import http.client
 import json
 import logging
-import os
 import socket
 import struct
 import threading
