@@ -24,7 +24,6 @@ _PUBLIC = {
     "publish": ".upload",
     "publish_shard": ".upload",
     "request_counts": "._stores",
-    "MissingExtraError": "._stores",
 }
 
 __all__ = ["ObjectURL", "is_remote", *_PUBLIC]

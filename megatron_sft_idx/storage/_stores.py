@@ -3,8 +3,8 @@
 A store answers six questions — list, head, read a byte range, download, upload,
 delete — and raises only the project's errors: every request runs through
 :func:`~._retry.with_retries` with this module's classification of the client's
-exceptions. The clients are optional extras (``pip install megatron_sft_idx[s3]``),
-imported the first time a URL is used, never on the local read path.
+exceptions. The clients are the optional extra ``[s3]``, imported the first time a URL is
+used, never on the local read path; without them the error is one line naming the extra.
 
 boto3's own retries are switched off (one attempt per call) so that the policy,
 the attempt count and the final error are ours. Ranged reads carry ``If-Match``
@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as futures
-import importlib
 import os
 import re
 import threading
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
+from .._extras import require_extra
 from ._retry import Outcome, ShortReadError, with_retries
 from ._url import ObjectURL
 from .config import StorageConfig
@@ -41,10 +41,8 @@ _RETRY_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout
                 "ServiceUnavailable", "RequestLimitExceeded", "TooManyRequests", "Busy", "503", "500"}
 _MISSING_CODES = {"NoSuchKey", "NotFound", "404", "NoSuchBucket"}
 _STATUS = re.compile(r"status_code:\s*(\d{3})")
-
-
-class MissingExtraError(ImportError):
-    """An optional dependency of the remote path is not installed."""
+#: Who needs the extra, in the one-line MissingExtraError.
+_S3_USER, _MSC_USER = "s3:// URLs", "msc:// URLs"
 
 
 def _count(kind: str, nbytes: int = 0) -> None:
@@ -63,15 +61,6 @@ def request_counts() -> Dict[str, int]:
     """A copy of this process's request counters."""
     with _REQ_LOCK:
         return dict(REQUESTS)
-
-
-def _require(module: str, scheme: str):
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        package = "boto3" if scheme == "s3" else "multi-storage-client"
-        raise MissingExtraError(f"reading {scheme}:// URLs needs {package}: pip install "
-                                f"'megatron_sft_idx[s3]'") from None
 
 
 @dataclass(frozen=True)
@@ -226,8 +215,10 @@ class S3Store(ObjectStore):
 
     def __init__(self, config: StorageConfig) -> None:
         super().__init__(config)
-        boto3 = _require("boto3", "s3")
-        botocore_config = _require("botocore.config", "s3")
+        require_extra("s3", "boto3", user=_S3_USER)
+        import boto3
+        import botocore.config as botocore_config
+
         cfg = botocore_config.Config(retries={"total_max_attempts": 1},
                                      max_pool_connections=max(10, 2 * config.concurrency),
                                      connect_timeout=20, read_timeout=120)
@@ -334,7 +325,10 @@ class MscStore(ObjectStore):
 
     def __init__(self, config: StorageConfig) -> None:
         super().__init__(config)
-        self._msc = _require("multistorageclient", "msc")
+        require_extra("s3", "multistorageclient", user=_MSC_USER)
+        import multistorageclient
+
+        self._msc = multistorageclient
         self._clients: Dict[str, object] = {}
 
     def _client(self, url: ObjectURL):
