@@ -400,7 +400,8 @@ def _codes(report):
     return sorted((f.code, f.pack) for f in report.shards[0].findings if f.severity == "error")
 
 
-@pytest.mark.parametrize("case", ["clean", "loss_two", "loss_on_last_sealed", "start_decreasing", "bin_flip"])
+@pytest.mark.parametrize("case", ["clean", "loss_two", "loss_on_last_sealed", "start_decreasing", "bin_flip",
+                                  "stats_edit"])
 def test_remote_gate_finds_what_the_local_gate_finds(s3, bucket, tmp_path, case, monkeypatch):
     import corrupt
     from megatron_sft_idx.gate import check
@@ -410,7 +411,9 @@ def test_remote_gate_finds_what_the_local_gate_finds(s3, bucket, tmp_path, case,
     prefix = make_shard(tmp_path / case / "s", n=120, seed=4)
     edit = {"loss_two": corrupt.loss_two, "loss_on_last_sealed": corrupt.sealed(corrupt.loss_on_last),
             "start_decreasing": corrupt.start_decreasing,
-            "bin_flip": lambda p, d: corrupt.flip(p + ".bin", 4001)}.get(case)
+            "bin_flip": lambda p, d: corrupt.flip(p + ".bin", 4001),
+            "stats_edit": lambda p, d: corrupt.reseal(p, edit=lambda m: m["stats"].update(dataset_max_seqlen=1)),
+            }.get(case)
     if edit:
         edit(prefix, str(tmp_path / case))
     _put_raw(s3.client(), bucket, prefix, f"gate/{case}")

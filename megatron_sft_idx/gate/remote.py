@@ -29,6 +29,7 @@ from .. import _kernels
 from .._crc import crc32
 from ..errors import RemoteStorageError, ShardError, ShardNotFoundError
 from ..format import BIN_SUFFIX, CHECKSUMMED_SUFFIXES, LOSS_SUFFIX, PUBLISH_ORDER, Rule
+from ..packing.padding import pad_offset
 from ..storage._stores import store_for
 from ..storage._url import ObjectURL
 from ..storage.config import StorageConfig
@@ -236,12 +237,14 @@ class _Aggregate:
         out = (np.zeros(cap, np.int64), np.zeros(cap, np.int64), np.zeros(cap, np.int64))
         result = _kernels.scan_packs(lengths, local_offsets, seq_offsets, tokens, loss, starts,
                                      meta.pack_size or 0, int(np.iinfo(tokens.dtype).max), vocab or 0,
-                                     meta.pad_seq_to_mult, 0, lengths.shape[0], cap, *out, self.counts)
+                                     meta.pad_seq_to_mult, 0, lengths.shape[0], cap, *out, self.counts,
+                                     pad_offset(meta.pad_layout))
+        pad = f"{meta.pad_seq_to_mult}, pad_layout {meta.pad_layout}"  # as content.scan words it
         for k in range(int(result[0])):
             if self.recorded < cap:
                 rule, pos = int(out[0][k]), int(out[2][k])
                 content._rule_finding(ctx, Rule(rule), first + int(out[1][k]), pos, _Shifted(local_offsets, first,
-                                      ctx._window[0]), _Shifted(seq_offsets, first, 0), vocab, meta.pad_seq_to_mult)
+                                      ctx._window[0]), _Shifted(seq_offsets, first, 0), vocab, pad)
                 self.rule[self.recorded] = rule
                 self.recorded += 1
         s = self.stats
@@ -268,7 +271,8 @@ class _Aggregate:
                     pack=i, offset=int(token_offsets[i]))
         if not self.counts.any() and meta is not None:
             self.stats[0] = self.recorded
-            content._compare_stats(ctx, self.stats, n, n_seq, n_tok)
+            min_runtime = int((lengths.astype(np.int64) - np.diff(offsets)).min()) if n else 0
+            content._compare_stats(ctx, self.stats, n, n_seq, n_tok, min_runtime)
 
 
 class _Shifted:
