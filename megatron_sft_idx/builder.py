@@ -395,16 +395,11 @@ class IndexedDatasetBuilder:
     # ------------------------------------------------------------------ finishing
 
     def _stats(self) -> PackingStats:
-        n = len(self._lengths)
-        efficiency = None
-        if self.pack_size:
-            efficiency = round(self._tokens / (n * self.pack_size), 6)
-        return PackingStats(
-            pack_count=n, sequence_count=self._sequences, token_count=self._tokens,
+        return PackingStats.from_counts(
+            pack_count=len(self._lengths), sequence_count=self._sequences, token_count=self._tokens,
             loss_token_count=self._loss_tokens, max_samples_per_bin=self._max_samples,
             dataset_max_seqlen=self._max_seqlen, min_seqlen=self._min_seqlen,
-            min_packed_seqlen=self._min_packed, max_packed_seqlen=self._max_packed,
-            packing_factor=round(self._sequences / n, 6), packing_efficiency=efficiency)
+            min_packed_seqlen=self._min_packed, max_packed_seqlen=self._max_packed, pack_size=self.pack_size)
 
     def _write_idx(self) -> FileDigest:
         n = len(self._lengths)

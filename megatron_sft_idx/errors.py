@@ -32,6 +32,9 @@ __all__ = [
     "InvariantError",
     "BuilderStateError",
     "InputError",
+    "IncompatibleShardsError",
+    "FormatError",
+    "MissingDependencyError",
 ]
 
 
@@ -169,3 +172,18 @@ class InputError(ShardError):
     key under which ``--skip-bad`` counts it."""
 
     default_hint = "fix or remove the record, or pass --skip-bad to skip and count such records"
+
+
+class IncompatibleShardsError(ShardError):
+    """Shards that cannot become one: their token dtypes, loss-mask conventions, pad
+    multiples, context-parallel layouts or tokenizers differ (``field`` names which)."""
+
+    default_hint = "merge only shards produced with the same settings, or re-run preprocessing"
+
+
+class FormatError(ShardError):
+    """An input is not in the format a tool expected, or in no format it recognises."""
+
+
+class MissingDependencyError(ShardError):
+    """An optional dependency a tool needs is not installed; the hint names the extra."""
