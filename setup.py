@@ -21,8 +21,14 @@ EXTRAS = {
     "gate": ["zlib-ng>=0.5"],
     "train": [TORCH, "packaging", "pyarrow>=15"],
     "test": [TORCH, "pytest>=8", "hypothesis>=6.100", "pytest-xdist>=3.5", "pyarrow>=15",
-             "packaging"],
-    "bench": [TORCH, "pyarrow>=15", "matplotlib>=3.8", "psutil>=5.9"],
+             "packaging", "duckdb>=1.1", "polars>=1.0", "pandas>=2.0", "matplotlib>=3.8"],
+    "bench": [TORCH, "pyarrow>=15", "matplotlib>=3.8", "psutil>=5.9", "duckdb>=1.1"],
+    # inspect-idx --sql (DuckDB over zero-copy Arrow batches) and convert-packed's Parquet.
+    "sql": ["pyarrow>=15", "duckdb>=1.1"],
+    # inspect-idx --plot.
+    "plot": ["matplotlib>=3.8"],
+    # merge-shards needs nothing beyond the core; everything the three shard tools can use:
+    "tools": ["pyarrow>=15", "duckdb>=1.1", "matplotlib>=3.8", "tokenizers>=0.19", "zlib-ng>=0.5"],
 }
 EXTRAS["all"] = sorted({req for reqs in EXTRAS.values() for req in reqs})
 
@@ -40,6 +46,9 @@ setup(
         "preprocess-sft = megatron_sft_idx.preprocess.cli:main",
         "check-idx = megatron_sft_idx.gate.cli:main",
         "write-sft-manifest = megatron_sft_idx.training.manifest_cli:main",
+        "merge-shards = megatron_sft_idx.tools.merge_cli:main",
+        "convert-packed = megatron_sft_idx.tools.convert_cli:main",
+        "inspect-idx = megatron_sft_idx.tools.inspect_cli:main",
     ]},
     classifiers=["Programming Language :: Python :: 3", "License :: OSI Approved :: Apache Software License"],
 )

@@ -35,6 +35,7 @@ __all__ = [
     "IncompatibleShardsError",
     "FormatError",
     "MissingDependencyError",
+    "QueryError",
 ]
 
 
@@ -187,3 +188,10 @@ class FormatError(ShardError):
 
 class MissingDependencyError(ShardError):
     """An optional dependency a tool needs is not installed; the hint names the extra."""
+
+
+class QueryError(ShardError):
+    """A SQL query over shards failed to parse or run; the message is the engine's."""
+
+    default_hint = "query the table 'packs' (columns: pack, packed_len, num_sequences, trainable_tokens, " \
+                   "input_ids, loss_mask, seq_start_id, shard)"
