@@ -145,6 +145,13 @@ def test_combined_metadata_keeps_what_inputs_agree_on(tmp_path, rng):
         merge_shards(tmp_path / "out3", [str(tmp_path / "a")], pack_size=8)
 
 
+def test_parallelism_matters_only_for_padded_shards(tmp_path, rng):
+    write_shard(tmp_path / "a", random_packs(rng, 3), metadata={"parallelism": {"cp": 1, "tp": 1, "sp": False}})
+    write_shard(tmp_path / "b", random_packs(rng, 3))
+    result = merge_shards(tmp_path / "out", [str(tmp_path / "a"), str(tmp_path / "b")])
+    assert result.metadata.parallelism is None and any("parallelism" in n for n in result.notes)
+
+
 def test_unknown_tokenizer_or_vocab_makes_the_output_unknown_with_a_note(tmp_path, rng):
     write_shard(tmp_path / "a", random_packs(rng, 3), vocab_size=1000, metadata={"tokenizer": {"name": "t"}})
     write_shard(tmp_path / "b", random_packs(rng, 3))

@@ -122,7 +122,7 @@ def format_result(result: ConvertResult, source: str, gate) -> str:
     else:
         lines.append(f"  packs       {result.packs:,} in {result.details.get('row_groups', 0):,} row group(s)")
     for key, value in sorted(result.details.items()):
-        if key not in ("row_groups", "files") and value:
+        if key not in ("row_groups", "files", "packs") and value:
             lines.append(f"  {key.replace('_', ' '):<11} {value:,}")
     if gate is not None:
         lines.append(f"  gate        {'PASS' if gate.passed else 'FAIL'}")

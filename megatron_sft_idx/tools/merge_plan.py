@@ -10,9 +10,12 @@ key                        rule
 =========================  ============================================================
 token_dtype                equal, or ``widen=True``: int32 when any input is int32
 loss_mask_convention,      equal, else :class:`IncompatibleShardsError` naming the key,
-pad_seq_to_mult,           the first input and the one that differs. Any key this
-parallelism, and any key   module does not know is also compared, so a key a newer
-not listed here            format adds (e.g. a CP padding layout) is never mixed silently
+pad_seq_to_mult, and any   the first input and the one that differs. Any key this
+key not listed here        module does not know is also compared, so a key a newer
+                           format adds (e.g. a CP padding layout) is never mixed silently
+parallelism                equal when sequences are padded (``pad_seq_to_mult > 1``: the
+                           CP/TP/SP layout decides what the padding means); without
+                           padding it is kept when equal, else dropped (noted)
 tokenizer                  equal where recorded; different ones are refused; an input
                            without one makes the output's unknown (noted)
 pack_size                  the largest (or the caller's, if no pack is longer)
@@ -40,7 +43,7 @@ from ..training.multi import expand_shards, is_manifest, read_manifest
 
 #: Keys the merge recomputes or combines by its own rule; every other key must be equal.
 _COMBINED_KEYS = frozenset({"format", "stats", "files", "producer", "source", "extra", "packing",
-                            "pack_size", "vocab_size", "token_dtype", "tokenizer"})
+                            "pack_size", "vocab_size", "token_dtype", "tokenizer", "parallelism"})
 _HINTS = {
     "token_dtype": "pass --widen to write int32 tokens for all inputs",
     "pad_seq_to_mult": "shards padded for different context parallelism cannot share one pad multiple; "
@@ -99,6 +102,7 @@ class _Fold:
         self.tokenizer = self.ref.get("tokenizer")
         self.tokenizer_missing = False
         self.packing = self.ref.get("packing")
+        self.parallelism = self.ref.get("parallelism")
         self.source = self.ref.get("source")
         self.extra = dict(self.ref.get("extra") or {})
         self.vocab: Optional[int] = self.ref.get("vocab_size")
@@ -121,6 +125,10 @@ class _Fold:
         if len(self.dtypes) > 1 and not self.widen:
             raise self._refuse("token_dtype", shard.prefix, self.ref["token_dtype"], meta["token_dtype"])
         self._fold_tokenizer(shard.prefix, meta.get("tokenizer"))
+        if meta.get("parallelism") != self.parallelism:
+            if self.ref["pad_seq_to_mult"] > 1:
+                raise self._refuse("parallelism", shard.prefix, self.ref.get("parallelism"), meta.get("parallelism"))
+            self.parallelism = None
         if meta.get("packing") != self.packing:
             self.packing = None
         if meta.get("source") != self.source:
@@ -156,11 +164,14 @@ class _Fold:
             self.notes.append("some inputs record no vocab_size: the output's is unknown")
         if self.packing is None and self.ref.get("packing") is not None:
             self.notes.append("inputs were packed with different settings: 'packing' is not recorded")
+        if self.parallelism is None and self.ref.get("parallelism") is not None:
+            self.notes.append("inputs record different CP/TP/SP (unpadded): 'parallelism' is not recorded")
         source = dict(self.source or {})
         source["merged"] = {"inputs": [os.fspath(i) for i in inputs], "shards": shard_count}
         out.update(token_dtype=dtype.name, pack_size=pack_size, source=source,
                    vocab_size=None if self.vocab_missing else self.vocab,
-                   tokenizer=self.tokenizer, packing=self.packing, extra=self.extra or None)
+                   tokenizer=self.tokenizer, packing=self.packing, parallelism=self.parallelism,
+                   extra=self.extra or None)
         return {k: v for k, v in out.items() if v is not None or k in ("pack_size", "vocab_size")}
 
 
