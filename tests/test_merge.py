@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import tracemalloc
 
 import numpy as np
@@ -322,3 +323,34 @@ def test_the_script_runs_without_installation(tmp_path, rng):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "merge_shards.py"), str(tmp_path / "o"),
                            *prefixes], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and "already exists" in proc.stderr
+
+
+def test_sigterm_mid_merge_publishes_nothing_and_leaves_no_staging(tmp_path, rng):
+    prefixes, _ = _inputs(tmp_path, rng, [5, 6, 7])
+    marker = tmp_path / "copying"
+    script = f"""
+import sys, time
+from megatron_sft_idx.tools import merge
+from megatron_sft_idx.tools.merge_cli import main
+real = merge.copy_range
+def slow(*a, **kw):
+    open({str(marker)!r}, "w").close()
+    time.sleep(30)
+    return real(*a, **kw)
+merge.copy_range = slow
+sys.exit(main([{str(tmp_path / "out")!r}, *{prefixes!r}]))
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(600):
+            if marker.exists() or proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert marker.exists(), proc.stderr.read() if proc.poll() is not None else "merge never started copying"
+        proc.terminate()
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and "nothing was published" in err and "Traceback" not in err
+    assert not os.path.exists(tmp_path / "out.idx") and not _leftovers(tmp_path)
