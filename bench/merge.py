@@ -79,9 +79,23 @@ def make_inputs(directory: str, count: int, packs: int, mean_tokens: int, templa
 # --------------------------------------------------------------------------- children
 
 
+def _warm_up(directory: str) -> None:
+    """Merge one one-pack shard: loads the numba kernels, the gate and the reader (fixed costs,
+    ~100 MiB of LLVM runtime) before the RSS baseline, so growth above it is what the merge holds."""
+    from megatron_sft_idx import IndexedDatasetBuilder
+    from megatron_sft_idx.tools import merge
+
+    with IndexedDatasetBuilder(os.path.join(directory, "tiny"), pack_size=8) as b:
+        b.add_packed(np.array([1, 2, 3]), np.array([1, 1, 0]), np.array([0]))
+    merge.merge_shards(os.path.join(directory, "tiny_out"), [os.path.join(directory, "tiny")])
+
+
 def merge_ours(out: str, inputs: List[str]) -> Dict[str, float]:
     from megatron_sft_idx.tools import merge
 
+    scratch = tempfile.mkdtemp(prefix="warm_", dir=os.path.dirname(out))
+    _warm_up(scratch)
+    shutil.rmtree(scratch, ignore_errors=True)
     phases = {}
     real_gate = merge._gate
 
@@ -92,12 +106,14 @@ def merge_ours(out: str, inputs: List[str]) -> Dict[str, float]:
         phases["gate_peak_rss_mb"] = proc_status()["VmHWM"]
 
     merge._gate = measured_gate
+    reset_peak_rss()
     base = proc_status()["VmRSS"]
     t0 = time.perf_counter()
     result = merge.merge_shards(out, inputs)
     seconds = time.perf_counter() - t0
+    peak = max(phases["merge_peak_rss_mb"], phases["gate_peak_rss_mb"])
     return {"seconds": seconds, "gate_seconds": result.gate_seconds, "base_rss_mb": base,
-            "packs": result.metadata.stats.pack_count, **phases}
+            "peak_rss_mb": peak, "packs": result.metadata.stats.pack_count, **phases}
 
 
 def merge_upstream(out: str, inputs: List[str]) -> Dict[str, float]:
@@ -143,20 +159,35 @@ def run_scenario(name: str, work: str, count: int, packs: int, mean_tokens: int,
 
 
 def _table(rows: List[dict]) -> str:
+    """Peak RSS (and its growth above the process's RSS after imports: torch for upstream,
+    numba for ours), time with and without our gate pass, ratios ours ÷ upstream."""
     out = []
     for r in rows:
         o, u = r["ours"], r["upstream"]
-        out.append([r["scenario"], r["shards"], f"{r['packs']:,}", f"{r['input_bytes'] / 2**20:,.0f} MiB",
-                    o["peak_rss_mb"], o.get("merge_peak_rss_mb"), u["peak_rss_mb"],
+        o_delta, u_delta = o["peak_rss_mb"] - o["base_rss_mb"], u["peak_rss_mb"] - u["base_rss_mb"]
+        out.append([r["scenario"], f"{r['packs']:,}", f"{r['input_bytes'] / 2**20:,.0f} MiB",
+                    o["peak_rss_mb"], u["peak_rss_mb"],
                     ratio_cell(o["peak_rss_mb"], u["peak_rss_mb"], higher_is_better=False),
+                    o.get("merge_peak_rss_mb", 0) - o["base_rss_mb"], o_delta, u_delta,
                     o["seconds"], o["gate_seconds"], u["seconds"],
                     ratio_cell(o["seconds"], u["seconds"], higher_is_better=False),
                     ratio_cell(o["seconds"] - o["gate_seconds"], u["seconds"], higher_is_better=False),
                     r["same_bin_and_idx"]])
-    header = ["scenario", "shards", "packs", "input", "ours peak RSS MiB", "ours merge-only peak",
-              "upstream peak RSS MiB", "RSS ours÷up", "ours s (incl. gate)", "of which gate s", "upstream s",
-              "time ours÷up", "time ours w/o gate ÷ up", ".bin/.idx identical"]
+    header = ["scenario", "packs", "input", "ours peak RSS MiB", "upstream peak RSS MiB", "peak RSS ours÷up",
+              "ours merge growth MiB", "ours growth incl. gate", "upstream growth", "ours s (incl. gate)",
+              "of which gate s", "upstream s", "time ours÷up", "ours w/o gate ÷ up", ".bin/.idx identical"]
     return format_table(header, out)
+
+
+def render(paths: List[str]) -> str:
+    """The table of one or several results files (scenarios run separately)."""
+    import json
+
+    rows = []
+    for path in paths:
+        with open(path) as f:
+            rows += json.load(f)["rows"]
+    return _table(rows)
 
 
 def main(argv=None) -> int:
@@ -169,7 +200,13 @@ def main(argv=None) -> int:
     p.add_argument("--templates", type=int, default=8, help="distinct small shards (copied to the rest)")
     p.add_argument("--work", default=None, help="scratch directory (default: a temporary one)")
     p.add_argument("--skip-large", action="store_true")
+    p.add_argument("--name", default="merge", help="results file name under bench/results/ (default merge)")
+    p.add_argument("--render", nargs="+", default=None, metavar="JSON",
+                   help="only print the table of earlier results files")
     args = p.parse_args(argv)
+    if args.render:
+        print(render(args.render))
+        return 0
     work = args.work or tempfile.mkdtemp(prefix="bench_merge_")
     rows = []
     try:
@@ -185,7 +222,7 @@ def main(argv=None) -> int:
             shutil.rmtree(work, ignore_errors=True)
     table = _table(rows)
     print(table)
-    path = write_json("merge", {"rows": rows, "table": table})
+    path = write_json(args.name, {"rows": rows, "table": table})
     print(f"results: {path}")
     return 0 if all(r["same_bin_and_idx"] for r in rows) else 1
 

@@ -62,7 +62,7 @@ def query_text(spec, sql: str, *, max_rows: int = 40, max_width: int = 160) -> s
         relation = con.sql(sql)
         if relation is None:  # a statement without a result
             return ""
-        return relation.__str__() if max_rows is None else _render(relation, max_rows, max_width)
+        return _render(relation, max_rows, max_width)
     except duckdb.Error as exc:
         raise QueryError(f"the query failed: {exc}", field="sql", actual=sql) from None
     finally:
@@ -70,8 +70,9 @@ def query_text(spec, sql: str, *, max_rows: int = 40, max_width: int = 160) -> s
 
 
 def _render(relation, max_rows: int, max_width: int) -> str:
-    import io
+    """DuckDB's own table rendering (it prints; captured here)."""
     import contextlib
+    import io
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
