@@ -79,6 +79,32 @@ def make_inputs(directory: str, count: int, packs: int, mean_tokens: int, templa
 # --------------------------------------------------------------------------- children
 
 
+class _AnonPeak:
+    """Samples ``RssAnon`` (heap and other private memory; not mapped file pages, which are
+    reclaimable page cache) every few milliseconds: the kernel keeps no high-water mark of it."""
+
+    def __init__(self, interval: float = 0.005) -> None:
+        import threading
+
+        self.peak = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(interval,), daemon=True)
+
+    def _run(self, interval: float) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, proc_status().get("RssAnon", 0.0))
+            self._stop.wait(interval)
+
+    def __enter__(self) -> "_AnonPeak":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, proc_status().get("RssAnon", 0.0))
+
+
 def _warm_up(directory: str) -> None:
     """Merge one one-pack shard: loads the numba kernels, the gate and the reader (fixed costs,
     ~100 MiB of LLVM runtime) before the RSS baseline, so growth above it is what the merge holds."""
@@ -107,26 +133,30 @@ def merge_ours(out: str, inputs: List[str]) -> Dict[str, float]:
 
     merge._gate = measured_gate
     reset_peak_rss()
-    base = proc_status()["VmRSS"]
+    base, base_anon = proc_status()["VmRSS"], proc_status().get("RssAnon", 0.0)
     t0 = time.perf_counter()
-    result = merge.merge_shards(out, inputs)
+    with _AnonPeak() as anon:
+        result = merge.merge_shards(out, inputs)
     seconds = time.perf_counter() - t0
     peak = max(phases["merge_peak_rss_mb"], phases["gate_peak_rss_mb"])
     return {"seconds": seconds, "gate_seconds": result.gate_seconds, "base_rss_mb": base,
-            "peak_rss_mb": peak, "packs": result.metadata.stats.pack_count, **phases}
+            "peak_rss_mb": peak, "packs": result.metadata.stats.pack_count, "base_anon_mb": base_anon,
+            "peak_anon_mb": anon.peak, **phases}
 
 
 def merge_upstream(out: str, inputs: List[str]) -> Dict[str, float]:
     """Megatron-LM's tools/merge_datasets.py, as a loop over the installed builder."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
 
-    base = proc_status()["VmRSS"]
+    base, base_anon = proc_status()["VmRSS"], proc_status().get("RssAnon", 0.0)
     t0 = time.perf_counter()
-    builder = IndexedDatasetBuilder(get_bin_path(out), dtype=np.uint16)
-    for prefix in inputs:
-        builder.add_index(prefix)
-    builder.finalize(get_idx_path(out))
-    return {"seconds": time.perf_counter() - t0, "base_rss_mb": base, "packs": len(builder.sequence_lengths)}
+    with _AnonPeak() as anon:
+        builder = IndexedDatasetBuilder(get_bin_path(out), dtype=np.uint16)
+        for prefix in inputs:
+            builder.add_index(prefix)
+        builder.finalize(get_idx_path(out))
+    return {"seconds": time.perf_counter() - t0, "base_rss_mb": base, "packs": len(builder.sequence_lengths),
+            "base_anon_mb": base_anon, "peak_anon_mb": anon.peak}
 
 
 # --------------------------------------------------------------------------- driver
@@ -165,16 +195,20 @@ def _table(rows: List[dict]) -> str:
     for r in rows:
         o, u = r["ours"], r["upstream"]
         o_delta, u_delta = o["peak_rss_mb"] - o["base_rss_mb"], u["peak_rss_mb"] - u["base_rss_mb"]
+        o_anon = o.get("peak_anon_mb", 0) - o.get("base_anon_mb", 0)
+        u_anon = u.get("peak_anon_mb", 0) - u.get("base_anon_mb", 0)
         out.append([r["scenario"], f"{r['packs']:,}", f"{r['input_bytes'] / 2**20:,.0f} MiB",
                     o["peak_rss_mb"], u["peak_rss_mb"],
                     ratio_cell(o["peak_rss_mb"], u["peak_rss_mb"], higher_is_better=False),
-                    o.get("merge_peak_rss_mb", 0) - o["base_rss_mb"], o_delta, u_delta,
+                    o.get("merge_peak_rss_mb", 0) - o["base_rss_mb"], o_delta, u_delta, o_anon, u_anon,
+                    ratio_cell(o_anon, u_anon, higher_is_better=False),
                     o["seconds"], o["gate_seconds"], u["seconds"],
                     ratio_cell(o["seconds"], u["seconds"], higher_is_better=False),
                     ratio_cell(o["seconds"] - o["gate_seconds"], u["seconds"], higher_is_better=False),
                     r["same_bin_and_idx"]])
     header = ["scenario", "packs", "input", "ours peak RSS MiB", "upstream peak RSS MiB", "peak RSS ours÷up",
-              "ours merge growth MiB", "ours growth incl. gate", "upstream growth", "ours s (incl. gate)",
+              "ours merge growth MiB", "ours growth incl. gate", "upstream growth", "ours anon growth",
+              "upstream anon growth", "anon growth ours÷up", "ours s (incl. gate)",
               "of which gate s", "upstream s", "time ours÷up", "ours w/o gate ÷ up", ".bin/.idx identical"]
     return format_table(header, out)
 

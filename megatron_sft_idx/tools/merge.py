@@ -51,8 +51,8 @@ from ._copy import copy_range
 from .merge_plan import MergePlan, plan_merge
 
 
-#: Packs whose index entries are handled at once (~20 bytes each in flight).
-CHUNK_PACKS = 1 << 20
+#: Packs whose index entries are handled at once (~90 bytes each in flight: ~23 MiB).
+CHUNK_PACKS = 1 << 18
 #: Tokens widened uint16 -> int32 at once.
 _WIDEN_CHUNK = 1 << 24
 _INT64_MAX = int(np.iinfo(np.int64).max)
