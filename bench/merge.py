@@ -232,6 +232,7 @@ def main(argv=None) -> int:
     p.add_argument("--large-packs", type=int, default=2_500_000, help="packs per large shard")
     p.add_argument("--mean-tokens", type=int, default=48, help="mean tokens per pack")
     p.add_argument("--templates", type=int, default=8, help="distinct small shards (copied to the rest)")
+    p.add_argument("--results-dir", default=str(RESULTS_DIR))
     p.add_argument("--work", default=None, help="scratch directory (default: a temporary one)")
     p.add_argument("--skip-large", action="store_true")
     p.add_argument("--name", default="merge", help="results file name under bench/results/ (default merge)")
@@ -256,7 +257,7 @@ def main(argv=None) -> int:
             shutil.rmtree(work, ignore_errors=True)
     table = _table(rows)
     print(table)
-    path = write_json(args.name, {"rows": rows, "table": table})
+    path = write_json(args.name, {"rows": rows, "table": table}, args.results_dir)
     print(f"results: {path}")
     return 0 if all(r["same_bin_and_idx"] for r in rows) else 1
 

@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 
-from ._common import format_table, ratio_cell, write_json
+from ._common import RESULTS_DIR, format_table, ratio_cell, write_json
 
 QUERIES = {
     "count + sums": "SELECT count(*) AS packs, sum(packed_len) AS tokens, sum(trainable_tokens) AS trained FROM packs",
@@ -112,6 +112,7 @@ def main(argv=None) -> int:
     p.add_argument("--pack-size", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--results-dir", default=str(RESULTS_DIR))
     p.add_argument("--work", default=None)
     args = p.parse_args(argv)
     work = args.work or tempfile.mkdtemp(prefix="bench_sql_")
@@ -132,7 +133,7 @@ def main(argv=None) -> int:
     print(f"shard -> Parquet conversion (paid once before querying Parquet): {inputs['convert_s']:.2f} s; "
           f"{inputs['packs']:,} packs, {inputs['tokens']:,} tokens")
     path = write_json("sql", {"rows": rows, "table": table, "convert_s": inputs["convert_s"],
-                              "packs": inputs["packs"], "tokens": inputs["tokens"], **sizes})
+                              "packs": inputs["packs"], "tokens": inputs["tokens"], **sizes}, args.results_dir)
     print(f"results: {path}")
     return 0 if all(r["same_result"] for r in rows) else 1
 
