@@ -34,7 +34,6 @@ __all__ = [
     "InputError",
     "IncompatibleShardsError",
     "FormatError",
-    "MissingDependencyError",
     "QueryError",
 ]
 
@@ -184,10 +183,6 @@ class IncompatibleShardsError(ShardError):
 
 class FormatError(ShardError):
     """An input is not in the format a tool expected, or in no format it recognises."""
-
-
-class MissingDependencyError(ShardError):
-    """An optional dependency a tool needs is not installed; the hint names the extra."""
 
 
 class QueryError(ShardError):

@@ -103,13 +103,14 @@ def test_bridge_npy_and_parquet_to_shard_element_for_element(tmp_path_factory, n
     packs = random_packs(np.random.default_rng(seed), n, pad_mult=mult)
     _bridge_npy(str(tmp / "p.npy"), packs)
     _bridge_parquet(str(tmp / "p.parquet"), packs, row_group_size=7)
-    opts = ConvertOptions(pack_size=64, pad_seq_to_mult=mult, vocab_size=1000)
+    # shardgen pads each sequence to a multiple (Megatron-LM's stored layout); Bridge's default is runtime
+    opts = ConvertOptions(pack_size=64, pad_seq_to_mult=mult, vocab_size=1000, pad_layout="stored")
     for name in ("p.npy", "p.parquet"):
         out = str(tmp / ("out_" + name.split(".")[1]))
         result = convert(str(tmp / name), out, options=opts)
         _assert_packs(out, packs)
         m = result.metadata
-        assert m.pack_size == 64 and m.pad_seq_to_mult == mult and m.vocab_size == 1000
+        assert m.pack_size == 64 and m.pad_seq_to_mult == mult and m.vocab_size == 1000 and m.pad_layout == "stored"
         assert m.source["converted_from"]["format"] == name.split(".")[1]
     # and back to Parquet: what Bridge wrote is what it reads again
     convert(str(tmp / "out_parquet"), str(tmp / "again.parquet"))
@@ -303,3 +304,18 @@ def test_the_script_runs_without_installation(tmp_path, rng):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_packed.py"), str(tmp_path / "s"),
                            str(tmp_path / "s.parquet")], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "s.parquet" in proc.stdout, proc.stderr
+
+
+def test_bridge_quirks_are_normalised_by_the_factory(tmp_path):
+    """Bridge stores loss 1 on positions it never trains (each sequence's last) and pads for the
+    runtime layout; the factory normalises both on read, and the shard records the layout."""
+    ids = np.arange(1, 11)
+    loss = np.ones(10, dtype=np.uint8)  # loss on every position, the sequences' last ones included
+    starts = np.array([0, 5])           # lengths 5 and 5: runtime layout, multiple 2 ((5 - 1) % 2 == 0)
+    _bridge_npy(str(tmp_path / "b.npy"), [(ids, loss, starts)])
+    result = convert(str(tmp_path / "b.npy"), str(tmp_path / "s"), options=ConvertOptions(pad_seq_to_mult=2, eos_id=7))
+    assert result.metadata.pad_layout == "runtime" and result.metadata.pad_seq_to_mult == 2
+    expected = np.ones(10, dtype=np.uint8)
+    expected[[4, 9]] = 0                # the last position of each sequence
+    expected[ids == 7] = 0              # Bridge's collate zeroes the loss at EOS inputs
+    np.testing.assert_array_equal(MMapIndexedDataset(tmp_path / "s")[0].loss_mask, expected)

@@ -150,10 +150,11 @@ def test_cli_summary_json_pack_and_plot(two_shards, tmp_path, capsys):
 def test_missing_matplotlib_names_the_extra(two_shards, tmp_path):
     prefixes, _ = two_shards
     code = ("import sys; sys.modules['matplotlib'] = None\n"
-            "from megatron_sft_idx.tools.inspect_cli import main\n"
-            f"sys.exit(main([{prefixes[0]!r}, '--plot', {str(tmp_path / 'x.png')!r}]))")
+            "from megatron_sft_idx._console import run\n"
+            f"sys.exit(run('inspect-idx', [{prefixes[0]!r}, '--plot', {str(tmp_path / 'x.png')!r}]))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "megatron_sft_idx[plot]" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and "needs the 'tools' extra" in proc.stderr \
+        and "pip install 'megatron_sft_idx[tools]'" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_the_demo_shard_detokenizes_with_the_bundled_tokenizer(tmp_path):

@@ -130,6 +130,19 @@ def test_incompatible_settings_are_refused_naming_both_inputs(tmp_path, rng, key
     assert not os.path.exists(tmp_path / "out.idx") and not _leftovers(tmp_path)
 
 
+def test_padding_layouts_are_not_mixed(tmp_path):
+    stored = (np.arange(4), np.array([1, 1, 1, 0]), np.array([0]))    # 4 % 2 == 0
+    runtime = (np.arange(5), np.array([1, 1, 1, 1, 0]), np.array([0]))  # (5 - 1) % 2 == 0
+    write_shard(tmp_path / "s", [stored], metadata={"pad_seq_to_mult": 2, "pad_layout": "stored"})
+    write_shard(tmp_path / "r", [runtime], metadata={"pad_seq_to_mult": 2, "pad_layout": "runtime"})
+    with pytest.raises(IncompatibleShardsError) as info:
+        merge_shards(tmp_path / "out", [str(tmp_path / "s"), str(tmp_path / "r")])
+    assert info.value.field == "pad_layout" and "Megatron-Bridge" in str(info.value)
+    result = merge_shards(tmp_path / "out", [str(tmp_path / "r")])
+    assert result.metadata.pad_layout == "runtime" and result.metadata.stats.min_packed_runtime_len == 4
+    assert check(str(tmp_path / "out")).passed
+
+
 def test_combined_metadata_keeps_what_inputs_agree_on(tmp_path, rng):
     tok = {"name": "t", "files_sha256": "3" * 64, "path": "/x"}
     write_shard(tmp_path / "a", random_packs(rng, 4, vocab=900), pack_size=64, vocab_size=900,

@@ -136,7 +136,8 @@ def test_cli_sql(shards, capsys):
 def test_missing_duckdb_names_the_extra(shards):
     prefixes, _ = shards
     code = ("import sys; sys.modules['duckdb'] = None\n"
-            "from megatron_sft_idx.tools.inspect_cli import main\n"
-            f"sys.exit(main([{prefixes[0]!r}, '--sql', 'SELECT 1']))")
+            "from megatron_sft_idx._console import run\n"
+            f"sys.exit(run('inspect-idx', [{prefixes[0]!r}, '--sql', 'SELECT 1']))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "megatron_sft_idx[sql]" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and "needs the 'tools' extra" in proc.stderr \
+        and "pip install 'megatron_sft_idx[tools]'" in proc.stderr and "Traceback" not in proc.stderr

@@ -2,23 +2,24 @@
 
 Exit status: 0 success; 1 the tool refused or failed on readable input (incompatible
 shards, a corrupt shard, an output that failed the gate); 2 usage error or input it
-cannot use at all (no such shard, an existing output, a missing optional dependency).
-A user's mistake prints one line naming the file and what to do, never a traceback.
+cannot use at all (no such shard, an existing output; a missing optional dependency is
+:class:`~megatron_sft_idx._extras.MissingExtraError`, which :mod:`megatron_sft_idx._console`
+turns into one line naming the extra). A user's mistake prints one line naming the file and
+what to do, never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import signal
 import sys
 from typing import Callable, List, Optional, Union
 
-from ..errors import MissingDependencyError, ShardError, ShardExistsError, ShardNotFoundError
+from ..errors import ShardError, ShardExistsError, ShardNotFoundError
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
-_USAGE_ERRORS = (ShardNotFoundError, ShardExistsError, MissingDependencyError)
+_USAGE_ERRORS = (ShardNotFoundError, ShardExistsError)
 
 
 def parse(parser: argparse.ArgumentParser, argv: Optional[List[str]]) -> Union[argparse.Namespace, int]:
@@ -54,6 +55,8 @@ def run(prog: str, body: Callable[[], int]) -> int:
     except ShardError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_FAIL
+    except ImportError:  # a missing extra: megatron_sft_idx._console prints it in one line, exit 2
+        raise
     except OSError as exc:  # permission denied, disk full, a directory given for a file, ...
         where = f"{exc.filename}: " if getattr(exc, "filename", None) else ""
         print(f"{prog}: error: {where}{exc.strerror or exc}", file=sys.stderr)
@@ -72,21 +75,6 @@ def emit(text: str) -> None:
         print(text, flush=True)
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-
-
-def require(module: str, extra: str, purpose: str):
-    """Import an optional dependency or say, in one line, which extra installs it.
-
-    Raises:
-        MissingDependencyError: the module is not installed.
-    """
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        package = module.split(".")[0]
-        raise MissingDependencyError(f"{purpose} needs the '{package}' package, which is not installed",
-                                     field=package,
-                                     hint=f"pip install 'megatron_sft_idx[{extra}]'") from None
 
 
 def human_bytes(n: float) -> str:

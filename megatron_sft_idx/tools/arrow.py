@@ -31,6 +31,7 @@ from typing import Dict, Iterator, List, Optional, Sequence
 import numpy as np
 
 from .. import _kernels
+from .._extras import require_extra
 from ..errors import FormatError, InvariantError
 from ..reader import MMapIndexedDataset
 
@@ -43,9 +44,10 @@ _RELEASE_EVERY = 16
 
 
 def _pa():
-    from ._cli import require
+    require_extra("tools", "pyarrow")
+    import pyarrow
 
-    return require("pyarrow", "sql", "Arrow access to shards")
+    return pyarrow
 
 
 def _large_list(values: np.ndarray, offsets: np.ndarray, value_type):

@@ -49,6 +49,8 @@ class ConvertOptions:
     pack_size: Optional[int] = None
     vocab_size: Optional[int] = None
     pad_seq_to_mult: Optional[int] = None
+    pad_layout: Optional[str] = None     # .npy/Parquet: default the factory's (Bridge's: runtime)
+    eos_id: Optional[int] = None         # .npy/Parquet: Bridge's EOS id, whose loss its collate zeroes
     algorithm: str = "first_fit_decreasing"
     seed: int = 0
     overlong: str = "error"
@@ -141,6 +143,8 @@ def _builder(output: str, options: ConvertOptions, *, pack_size, dtype=None, voc
     meta = dict(metadata or {})
     if options.pad_seq_to_mult:
         meta["pad_seq_to_mult"] = options.pad_seq_to_mult
+    if options.pad_layout:
+        meta["pad_layout"] = options.pad_layout
     return IndexedDatasetBuilder(output, dtype=dtype, vocab_size=vocab_size or options.vocab_size,
                                  pack_size=pack_size, metadata=meta, overwrite=options.overwrite)
 
@@ -150,7 +154,9 @@ def _source_record(kind: str, path: str, **extra) -> dict:
 
 
 def _from_flat(kind: str, source: str, output: str, options: ConvertOptions) -> ConvertResult:
-    """Legacy ``.npy`` or packed Parquet, parsed by the factory one file at a time."""
+    """Legacy ``.npy`` or packed Parquet, parsed and normalised by the factory one file at a time
+    (Bridge's quirks -- loss on positions it never trains, the runtime padding layout -- are
+    handled there, once, for training and conversion alike)."""
     from ..training.factory import open_packed
 
     files = [source] if kind == "npy" else list(to_shard.parquet_files(source))
@@ -158,8 +164,12 @@ def _from_flat(kind: str, source: str, output: str, options: ConvertOptions) -> 
     if restored is None and not options.pack_size and len(files) > 1:
         raise FormatError("several Parquet files are read one at a time: the pack size is needed up front",
                           path=source, field="pack_size", hint="pass --pack-size N")
-    mult = options.pad_seq_to_mult or (restored or {}).get("pad_seq_to_mult")
-    sources = (open_packed(f, pad_seq_to_mult=mult) for f in files)
+    parse = {"pad_seq_to_mult": options.pad_seq_to_mult or (restored or {}).get("pad_seq_to_mult"),
+             "eos_id": options.eos_id}
+    layout = options.pad_layout or (restored or {}).get("pad_layout")
+    if layout:
+        parse["pad_layout"] = layout
+    sources = (open_packed(f, **parse) for f in files)
     first = next(sources)
     notes = []
     if restored is not None:  # written by --to parquet: the shard comes back as it was
@@ -172,8 +182,9 @@ def _from_flat(kind: str, source: str, output: str, options: ConvertOptions) -> 
         size = options.pack_size or first.summary.max_packed_seqlen
         if not options.pack_size:
             notes.append(f"pack size not given: using the longest pack of {files[0]} ({size}); set --pack-size")
-        builder = _builder(output, options, pack_size=size,
-                           metadata={"source": _source_record(kind, source, files=len(files))})
+        meta = {"source": _source_record(kind, source, files=len(files)),
+                "pad_seq_to_mult": first.summary.pad_seq_to_mult, "pad_layout": first.summary.pad_layout}
+        builder = _builder(output, options, pack_size=size, metadata=meta)
     with builder:
         packs = to_shard.add_flat_source(builder, first, files[0])
         del first

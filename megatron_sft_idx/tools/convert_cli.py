@@ -11,7 +11,7 @@ import json
 import sys
 from typing import List, Optional
 
-from ..format import ALL_SUFFIXES
+from ..format import ALL_SUFFIXES, PAD_LAYOUTS
 from ..packing import ALGORITHMS, DEFAULT_ALGORITHM
 from . import _cli
 from .convert import OVERLONG, SOURCE_FORMATS, TARGETS, ConvertOptions, ConvertResult, convert, detect_source
@@ -39,6 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-size", type=int, default=None, metavar="N", help="every token id must be < N")
     p.add_argument("--pad-seq-to-mult", type=int, default=None, metavar="M",
                    help="the multiple the producer padded sequences to (.npy/Parquet; checked on every sequence)")
+    p.add_argument("--pad-layout", choices=PAD_LAYOUTS, default=None,
+                   help=".npy/Parquet: which length the multiple applies to (default runtime, as Megatron-Bridge pads)")
+    p.add_argument("--eos-id", type=int, default=None, metavar="ID",
+                   help=".npy/Parquet: Bridge's EOS id; the loss at EOS inputs, which Bridge's collate zeroes, "
+                        "is zeroed in the shard")
     pre = p.add_argument_group("pretrain input (each document becomes one sequence, loss on all tokens)")
     pre.add_argument("--packing-algorithm", choices=ALGORITHMS, default=DEFAULT_ALGORITHM)
     pre.add_argument("--seed", type=int, default=0, help="seed of first_fit_shuffle (default 0)")
@@ -80,7 +85,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if kind == "pretrain" and not args.pack_size:
             return _cli.usage_error(parser, "pretrain input is packed while converting: pass --pack-size N")
         options = ConvertOptions(pack_size=args.pack_size, vocab_size=args.vocab_size,
-                                 pad_seq_to_mult=args.pad_seq_to_mult, algorithm=args.packing_algorithm,
+                                 pad_seq_to_mult=args.pad_seq_to_mult, pad_layout=args.pad_layout,
+                                 eos_id=args.eos_id, algorithm=args.packing_algorithm,
                                  seed=args.seed, overlong=args.overlong, row_group_size=args.row_group_size,
                                  pack_metadata=args.pack_metadata, overwrite=args.overwrite)
         result = convert(args.input, args.output, source_format=kind, to=args.to, options=options)

@@ -18,6 +18,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from .._atomic import write_file_atomically
+from .._extras import require_extra
 from ..errors import FormatError, ShardExistsError
 from ..reader import MMapIndexedDataset
 
@@ -77,6 +78,7 @@ def shards_to_parquet(prefixes: Sequence[str], output: str, *, row_group_size: i
         FormatError: an input is pretrain data (no loss mask or sequence starts to write).
         IncompatibleShardsError: several shards that could not be one shard.
     """
+    require_extra("tools", "pyarrow")
     import pyarrow as pa
     import pyarrow.parquet as pq
 

@@ -24,6 +24,7 @@ from typing import Any, Dict, Iterator, Optional, Sequence
 import numpy as np
 
 from .. import _kernels
+from .._extras import require_extra
 from ..builder import IndexedDatasetBuilder
 from ..errors import FormatError, InvariantError, ShardError
 from ..format import Rule
@@ -212,6 +213,7 @@ def parquet_files(path: str) -> Sequence[str]:
 
 def read_parquet_shard_metadata(path: str, key: bytes) -> Optional[dict]:
     """Our shard metadata, when this Parquet file was written by ``convert-packed --to parquet``."""
+    require_extra("train", "pyarrow")  # the factory's reader names the same extra
     import pyarrow.parquet as pq
 
     try:

@@ -110,6 +110,7 @@ def summarize(prefixes: Sequence[str], bins: int = BINS) -> Dict[str, Any]:
         "pack_size": sorted({s for s in sizes if s}) or None, "vocab_size": sorted({s.metadata.vocab_size or 0
                                                                                     for s in shards}),
         "pad_seq_to_mult": sorted({s.metadata.pad_seq_to_mult for s in shards}),
+        "pad_layout": sorted({getattr(s.metadata, "pad_layout", "stored") for s in shards}),
         "packing_efficiency": round(tokens / (packs * capacity), 6),
         "sequences_per_pack": {"mean": round(sequences / packs, 3), "max": max(s.max_samples_per_bin for s in stats)},
         "packed_length": {"min": min(s.min_packed_seqlen for s in stats), "max": max(s.max_packed_seqlen for s in stats)},
@@ -152,7 +153,8 @@ def format_summary(s: Dict[str, Any]) -> str:
         f"  pack size    {_one(s['pack_size'] or ['unknown'])}, packing efficiency {s['packing_efficiency']:.1%}, "
         f"packs {s['packed_length']['min']:,}-{s['packed_length']['max']:,} tokens",
         f"  sequences    {s['sequence_length']['min']:,}-{s['sequence_length']['max']:,} tokens "
-        f"(mean {s['sequence_length']['mean']:,}), pad multiple {_one(s['pad_seq_to_mult'])}",
+        f"(mean {s['sequence_length']['mean']:,}), pad multiple {_one(s['pad_seq_to_mult'])}"
+        + (f" ({_one(s['pad_layout'])} layout)" if max(s["pad_seq_to_mult"]) > 1 else ""),
         f"  on disk      {human_bytes(s['bytes'])}",
     ]
     lines += _provenance_lines(prov, s["vocab_size"])

@@ -165,7 +165,7 @@ class _MergeWriter:
         self.bytes = 0            # output .bin bytes so far (pointer base)
         self.sequences = 0        # output .seq.bin values so far (CSR base)
         self.shape = {"max_samples": 0, "min_packed": _INT64_MAX, "max_packed": 0,
-                      "min_seqlen": _INT64_MAX, "max_seqlen": 0}
+                      "min_seqlen": _INT64_MAX, "max_seqlen": 0, "min_runtime": _INT64_MAX}
         self.copy_methods: Counter = Counter()
 
     # ------------------------------------------------------------------ per input
@@ -212,6 +212,7 @@ class _MergeWriter:
         shape["max_packed"] = max(shape["max_packed"], int(lengths.max()))
         shape["min_seqlen"] = min(shape["min_seqlen"], int(seqlens.min()))
         shape["max_seqlen"] = max(shape["max_seqlen"], int(seqlens.max()))
+        shape["min_runtime"] = min(shape["min_runtime"], int((lengths.astype(np.int64) - counts).min()))
 
     def _write_index(self, lengths: np.ndarray, counts: np.ndarray) -> None:
         """Lengths and rebased pointers at their place in ``.idx``; rebased CSR ends to the spool."""
@@ -293,7 +294,7 @@ class _MergeWriter:
             loss_token_count=totals["loss_tokens"], max_samples_per_bin=shape["max_samples"],
             dataset_max_seqlen=shape["max_seqlen"], min_seqlen=shape["min_seqlen"],
             min_packed_seqlen=shape["min_packed"], max_packed_seqlen=shape["max_packed"],
-            pack_size=self.plan.pack_size)
+            min_packed_runtime_len=shape["min_runtime"], pack_size=self.plan.pack_size)
         files = {s: {"size": self.size[s], "crc32": self.crc[s]} for s in (BIN_SUFFIX, LOSS_SUFFIX, SEQ_BIN_SUFFIX)}
         files[IDX_SUFFIX] = {"size": self.idx_header.file_size, "crc32": idx_crc}
         raw = dict(self.plan.metadata, stats=dataclasses.asdict(stats), files=files,

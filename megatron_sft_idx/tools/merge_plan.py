@@ -13,9 +13,10 @@ loss_mask_convention,      equal, else :class:`IncompatibleShardsError` naming t
 pad_seq_to_mult, and any   the first input and the one that differs. Any key this
 key not listed here        module does not know is also compared, so a key a newer
                            format adds (e.g. a CP padding layout) is never mixed silently
-parallelism                equal when sequences are padded (``pad_seq_to_mult > 1``: the
-                           CP/TP/SP layout decides what the padding means); without
-                           padding it is kept when equal, else dropped (noted)
+parallelism, pad_layout    equal when sequences are padded (``pad_seq_to_mult > 1``: the
+                           CP/TP/SP and the stored/runtime layout decide what the padding
+                           means); without padding ``parallelism`` is kept when equal, else
+                           dropped (noted), and the first input's ``pad_layout`` is kept
 tokenizer                  equal where recorded; different ones are refused; an input
                            without one makes the output's unknown (noted)
 pack_size                  the largest (or the caller's, if no pack is longer)
@@ -43,12 +44,15 @@ from ..training.multi import expand_shards, is_manifest, read_manifest
 
 #: Keys the merge recomputes or combines by its own rule; every other key must be equal.
 _COMBINED_KEYS = frozenset({"format", "stats", "files", "producer", "source", "extra", "packing",
-                            "pack_size", "vocab_size", "token_dtype", "tokenizer", "parallelism"})
+                            "pack_size", "vocab_size", "token_dtype", "tokenizer", "parallelism",
+                            "pad_layout"})
 _HINTS = {
     "token_dtype": "pass --widen to write int32 tokens for all inputs",
     "pad_seq_to_mult": "shards padded for different context parallelism cannot share one pad multiple; "
                        "merge each group separately (blend them with data_path weights instead)",
     "parallelism": "shards padded for different CP/TP/SP layouts must stay separate; merge each group alone",
+    "pad_layout": "Megatron-LM (stored) and Megatron-Bridge (runtime) padding cannot share one shard; "
+                  "merge each group alone",
     "tokenizer": "shards tokenized with different tokenizers cannot be trained together; re-tokenize",
 }
 
@@ -129,6 +133,8 @@ class _Fold:
             if self.ref["pad_seq_to_mult"] > 1:
                 raise self._refuse("parallelism", shard.prefix, self.ref.get("parallelism"), meta.get("parallelism"))
             self.parallelism = None
+        if meta.get("pad_layout") != self.ref.get("pad_layout") and self.ref["pad_seq_to_mult"] > 1:
+            raise self._refuse("pad_layout", shard.prefix, self.ref.get("pad_layout"), meta.get("pad_layout"))
         if meta.get("packing") != self.packing:
             self.packing = None
         if meta.get("source") != self.source:

@@ -1,4 +1,4 @@
-"""The summary's histograms as one PNG (matplotlib, optional extra ``[plot]``)."""
+"""The summary's histograms as one PNG (matplotlib, optional extra ``[tools]``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 from typing import Any, Dict
 
 from .._atomic import write_file_atomically
-from ._cli import require
+from .._extras import require_extra
 
 _PANELS = (("sequences_per_pack", "sequences per pack", "packs", "int"),
            ("sequence_length", "sequence length (tokens)", "sequences", "int"),
@@ -24,9 +24,11 @@ def plot_summary(summary: Dict[str, Any], path: str) -> str:
     """Draw the three histograms of ``summary`` (from :func:`.inspect.summarize`) into ``path``.
 
     Raises:
-        MissingDependencyError: matplotlib is not installed.
+        MissingExtraError: matplotlib is not installed.
     """
-    matplotlib = require("matplotlib", "plot", "--plot")
+    require_extra("tools", "matplotlib")
+    import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -5,7 +5,7 @@
 
 The table is ``packs`` (columns in :mod:`.arrow`). Only the columns a query names are
 produced: ``trainable_tokens`` costs a pass over the loss mask, the list columns cost
-nothing until the engine reads them. DuckDB is an optional dependency (extra ``[sql]``).
+nothing until the engine reads them. DuckDB is an optional dependency (extra ``[tools]``).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from __future__ import annotations
 import re
 from typing import Optional, Sequence, Tuple
 
+from .._extras import require_extra
 from ..errors import QueryError
-from ._cli import require
 from .arrow import COLUMNS, PackTable
 
 TABLE = "packs"
@@ -31,7 +31,9 @@ def columns_for_query(sql: str) -> Tuple[str, ...]:
 
 
 def _connect(spec, sql: str, columns: Optional[Sequence[str]]):
-    duckdb = require("duckdb", "sql", "SQL over shards")
+    require_extra("tools", "duckdb")
+    import duckdb
+
     table = PackTable(spec, columns=columns or columns_for_query(sql))
     con = duckdb.connect()
     con.register(TABLE, table)
@@ -43,7 +45,7 @@ def query(spec, sql: str, *, columns: Optional[Sequence[str]] = None):
 
     Raises:
         QueryError: DuckDB refused or failed the query.
-        MissingDependencyError: duckdb is not installed.
+        MissingExtraError: duckdb is not installed (extra ``tools``).
         ShardError (any subclass): a shard is missing, unreadable or corrupt.
     """
     duckdb, con = _connect(spec, sql, columns)
