@@ -87,6 +87,15 @@ def test_remote_shard_reads_like_local(s3, bucket, local):
     assert same(clone[5], ref[5]) and clone.config == remote.config
 
 
+def test_a_large_seq_bin_is_read_remotely(s3, bucket, local, monkeypatch):
+    monkeypatch.setenv("MEGATRON_SFT_IDX_SEQ_BIN_LIMIT", "0")  # every .seq.bin counts as large
+    upload_shard(local, f"s3://{bucket}/q/s")
+    remote, ref = MMapIndexedDataset(f"s3://{bucket}/q/s"), MMapIndexedDataset(local)
+    assert not os.path.exists(remote.local_index_prefix + ".seq.bin")
+    assert all(same(a, b) for a, b in zip(remote.get_many(range(len(ref))), ref))
+    assert same(remote[17], ref[17]) and ".seq.bin" in remote.block_stats()
+
+
 def test_a_pack_costs_at_most_one_request_per_data_file(s3, bucket, local):
     upload_shard(local, f"s3://{bucket}/s")
     remote, ref = MMapIndexedDataset(f"s3://{bucket}/s"), MMapIndexedDataset(local)
