@@ -58,6 +58,28 @@ class _Unit:
     check: bool = False      # cross-check against the reference (sampled)
 
 
+_FAST: dict = {}
+
+
+def _load_fast(tok, backend: str):
+    """FastTokenizer per (tokenizer, backend), shared in the process and with workers forked after."""
+    key = (tok.path, backend)
+    if key not in _FAST:
+        _FAST.clear()
+        _FAST[key] = FastTokenizer.load(tok, backend)
+    return _FAST[key]
+
+
+def preload(options) -> None:
+    """Load the tokenizers once in the parent, so forked workers start with them (a 128k-token
+    tokenizer takes seconds to load); gigatoken then encodes on each worker's own thread."""
+    if options.tokenizer_path:
+        fast = _load_fast(load_chat_tokenizer(options.tokenizer_path), getattr(options, "tokenizer_backend", "auto"))
+        if fast is not None:  # load the numba kernel from its cache here, not once per worker
+            ids, off = fast.encode(["warm up"])
+            fast.trained_flags(["warm up"], [[(0, 4)]], ids, off)
+
+
 class RecordEncoder:
     """Encodes batches of raw records for one worker (tokenizer loaded once).
 
@@ -71,7 +93,9 @@ class RecordEncoder:
         self.tok = load_chat_tokenizer(options.tokenizer_path) if options.tokenizer_path else None
         backend = getattr(options, "tokenizer_backend", "auto")
         method = getattr(options, "span_method", "auto")
-        self.fast = FastTokenizer.load(self.tok, backend) if self.tok else None
+        self.fast = _load_fast(self.tok, backend) if self.tok else None
+        # how each text was handled (tests and --verbose read these)
+        self.stats = {"one_render": 0, "prefix_render": 0, "fast_tokens": 0, "reference_tokens": 0}
         self.locator = None
         if (self.tok is not None and self.tok.chat_template is not None and method == "auto"
                 and options.loss_on in ("assistant", "last-turn")):
@@ -136,7 +160,9 @@ class RecordEncoder:
                     raise ShardError(f"{path}:{line}: the one-render assistant spans differ from the "
                                      "prefix-render spans", field="span_method",
                                      hint="rerun with --span-method prefix, and report the template")
+                self.stats["one_render"] += 1
                 return _Unit(i, text, spans, False, check)
+        self.stats["prefix_render"] += 1
         text, spans = self.tok.chat_text_and_spans(messages, loss_on, path, line)
         return _Unit(i, text, spans, False, check)
 
@@ -154,6 +180,8 @@ class RecordEncoder:
                     trained[off[k]:off[k] + 1] = 0
                     proven[k] = 1
         redo = [k for k, u in enumerate(units) if not proven[k] or u.check]
+        self.stats["fast_tokens"] += int(proven.sum())
+        self.stats["reference_tokens"] += len(units) - int(proven.sum())
         ref = dict(zip(redo, self._reference([texts[k] for k in redo], [units[k] for k in redo])))
         for k, u in enumerate(units):
             if proven[k]:

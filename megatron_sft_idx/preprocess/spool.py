@@ -22,7 +22,7 @@ import numpy as np
 
 from ..builder import IndexedDatasetBuilder
 from ..errors import ShardError
-from .encode import RecordEncoder
+from .encode import RecordEncoder, preload
 
 
 @dataclass(frozen=True)
@@ -131,6 +131,7 @@ def run_spool(batches: Iterable[Batch], options: EncodeOptions, spool_dir: str, 
             raise
         encoder.finish()
         return prefixes
+    preload(options)  # workers fork with the tokenizers loaded
     ctx = mp.get_context("fork")
     tasks = ctx.Queue(maxsize=2 * workers)
     results = ctx.Queue()
