@@ -30,11 +30,18 @@ from typing import List, Optional, Tuple
 from bench._common import ROOT
 
 EXAMPLE_TOKENIZER = str(ROOT / "examples" / "tokenizer")
-# Llama-3 style: header tokens around the role, <|eot_id|> ends a turn (written for the benchmark)
+# Llama-3 style: header tokens around the role, <|eot_id|> ends a turn; {% generation %} marks the
+# assistant answers for tokenizers' own assistant mask, which Megatron-Bridge's chat path uses
+# (written for the benchmark)
 LLAMA_STYLE_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{% generation %}{{ message['content'] | trim + '<|eot_id|>' }}{% endgeneration %}"
+    "{% else %}"
     "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
 )
