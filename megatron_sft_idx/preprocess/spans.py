@@ -38,61 +38,78 @@ _PROBE_TEXTS = ("Hello there.", "", "  padded  ", "line one\nline two\n", "<|im_
 class _Recorder:
     """Shared state of one rendering: characters consumed, first access per message, flags."""
 
-    __slots__ = ("consumed", "first", "last_index", "unsafe")
+    __slots__ = ("consumed", "first", "current", "unsafe")
 
     def __init__(self, n: int) -> None:
         self.consumed = 0
         self.first = [-1] * n
-        self.last_index = -1
+        self.current = None
         self.unsafe = False
 
-    def touch(self, index: int) -> None:
-        if self.first[index] < 0:
-            self.first[index] = self.consumed
-            self.last_index = max(self.last_index, index)
-        elif index < self.last_index and self.consumed > self.first[index + 1]:
-            self.unsafe = True  # a look back after a later message's output began
+    def enter(self, message: "_Message") -> None:
+        """First access of ``message``: record where its output begins; the message before it
+        becomes a tripwire (a later look back at it means its output may not be finished)."""
+        self.first[message._index] = self.consumed
+        if self.current is not None:
+            self.current.__class__ = _Past
+        message.__class__ = _Current
+        self.current = message
 
 
 class _Message(dict):
-    """A message dict that reports every access to its recorder."""
+    """A message not yet looked at: its first access is recorded (then it becomes _Current)."""
 
     __slots__ = ("_rec", "_index")
 
-    def _touch(self):
-        self._rec.touch(self._index)
+    def _enter(self):
+        self._rec.enter(self)
 
     def __getitem__(self, key):
-        self._touch()
+        self._enter()
         return dict.__getitem__(self, key)
 
     def get(self, key, default=None):
-        self._touch()
+        self._enter()
         return dict.get(self, key, default)
 
     def __contains__(self, key):
-        self._touch()
+        self._enter()
         return dict.__contains__(self, key)
 
     def __iter__(self):
-        self._touch()
+        self._enter()
         return dict.__iter__(self)
 
     def __len__(self):
-        self._touch()
+        self._enter()
         return dict.__len__(self)
 
     def keys(self):
-        self._touch()
+        self._enter()
         return dict.keys(self)
 
     def values(self):
-        self._touch()
+        self._enter()
         return dict.values(self)
 
     def items(self):
-        self._touch()
+        self._enter()
         return dict.items(self)
+
+
+class _Current(dict):
+    """The message being rendered: plain dict access, no bookkeeping (the hot path)."""
+
+    __slots__ = ("_rec", "_index")
+
+
+class _Past(_Message):
+    """A message whose successor has been looked at: any access marks the rendering unsafe."""
+
+    __slots__ = ()
+
+    def _enter(self):
+        self._rec.unsafe = True
 
 
 class _Messages(list):
