@@ -8,7 +8,7 @@ MEGATRON_CORE = megatron-core==0.16.1
 
 # The main job needs no torch: the reader, the builder, preprocessing and the gate are numpy+numba.
 install:
-	$(PIP) -e '.[preprocess,gate]'
+	$(PIP) -e '.[preprocess,gate,fast]'
 
 # torch first and pinned (a CPU wheel); megatron-core without deps so it cannot replace it.
 install-test:
