@@ -19,6 +19,7 @@ the run and names ``--tokenizer-backend hf``.
 from __future__ import annotations
 
 import json
+import os
 import unicodedata
 from typing import List, Optional, Sequence, Tuple
 
@@ -70,6 +71,20 @@ def _spec_ok(spec: dict) -> Tuple[bool, bool, bool]:
     return True, bool(norms), any(p.get("trim_offsets") for p in posts)
 
 
+def _gigatoken_for(gigatoken, tok):
+    """gigatoken from the directory's tokenizer.json when it holds the tokenizer as loaded (same
+    size, same added tokens), else from the loaded tokenizer serialised (slower for a large vocab)."""
+    path = os.path.join(tok.directory, "tokenizer.json")
+    if os.path.isfile(path):
+        gt = gigatoken.Tokenizer(path)
+        added = tok.backend.get_added_tokens_decoder()
+        vocab = gt.vocab
+        if (gt.vocab_size == tok.backend.get_vocab_size(with_added_tokens=True)
+                and all(vocab.get(i) == t.content.encode("utf-8") for i, t in added.items())):
+            return gt
+    return gigatoken.Tokenizer.from_json(tok.backend.to_str())
+
+
 class FastTokenizer:
     """gigatoken for one ChatTokenizer, plus the tables that turn ids into byte positions."""
 
@@ -115,8 +130,7 @@ class FastTokenizer:
                                  hint="pip install 'megatron_sft_idx[fast]' (or gigatoken)") from None
             return None
         try:
-            gt = gigatoken.Tokenizer.from_json(tok.backend.to_str())  # as loaded, added tokens included
-            fast = cls(tok, gt)
+            fast = cls(tok, _gigatoken_for(gigatoken, tok))
         except Exception as exc:  # a tokenizer gigatoken cannot load
             if backend == "gigatoken":
                 raise ShardError(f"gigatoken cannot load this tokenizer ({exc})", path=tok.path,
