@@ -1,6 +1,6 @@
 """Assistant spans from ONE rendering of the conversation, exact to the prefix-render rule.
 
-The reference rule (:meth:`ChatTokenizer.chat_spans`) renders ``2k+1`` prefixes of a
+The reference rule (:meth:`ChatTokenizer.prefix_spans`) renders ``2k+1`` prefixes of a
 conversation with k assistant turns: turn k spans from the end of
 ``render(messages[:k], add_generation_prompt=True)`` to the end of
 ``render(messages[:k+1])``, minus trailing whitespace. For a template that renders
@@ -14,17 +14,23 @@ The result is used only when it can vouch for itself:
 
 * per template, :func:`qualify` compares the method with the reference on fixed
   probe conversations (roles, empty and whitespace contents, special tokens) and
-  also requires ``len(render(messages[:j])) == L_j`` for every j and a generation
+  also requires ``len(render(messages[:j])) == L_j`` for every j >= 1 and a generation
   prompt that is one constant string; a template that fails uses the reference
   for every conversation;
 * per conversation, :meth:`SpanLocator.locate` returns None (so the caller uses
   the reference) when the template asked for anything that depends on later
   messages (``len(messages)``, ``loop.last``/``loop.length``, negative indices,
-  ``reversed``), touched an earlier message after a later one's output began,
+  ``reversed``), looked at an earlier message again after a later one (a look back or
+  a second pass: the earlier turn's output may not be finished), looked at messages out of order,
   or when a located span fails the cheap checks (the generation prompt sits at the
   span start, the stripped assistant content lies inside the span);
 * the batched encoder cross-checks a deterministic sample of conversations against
   the reference and stops the run on any difference.
+
+What the recorder cannot see is output a template holds back (in a namespace variable or
+a ``set`` block) and writes after it looked at a later message; the generation-prompt and
+content checks, the probes and the sampled cross-check are what catch such templates, and
+``--span-method prefix`` turns the method off.
 """
 
 from __future__ import annotations
