@@ -169,21 +169,26 @@ class FastTokenizer:
         ``spans`` are character spans; a text whose flags could not be proven equal to the
         reference rule has proven 0 (its flags are then meaningless)."""
         n = len(texts)
-        blobs, bounds, span_off = [], [], np.zeros(n + 1, dtype=np.int64)
-        eligible = np.zeros(n, dtype=np.uint8)
-        for i, (text, sp) in enumerate(zip(texts, spans)):
-            data = text.encode("utf-8", "surrogatepass")
-            blobs.append(data)
-            if self.byte_positions and (not self.needs_nfc or unicodedata.is_normalized("NFC", text)):
-                eligible[i] = 1
-            if text.isascii():
-                bounds.extend(v for ab in sp for v in ab)
-            else:
-                bounds.extend(len(text[:v].encode("utf-8", "surrogatepass")) for ab in sp for v in ab)
-            span_off[i + 1] = span_off[i] + 2 * len(sp)
+        joined = "".join(texts)
+        text_bytes = np.frombuffer(joined.encode("utf-8", "surrogatepass"), dtype=np.uint8)
+        ascii_all = text_bytes.size == len(joined)
+        sizes = [len(t) if ascii_all or t.isascii() else len(t.encode("utf-8", "surrogatepass")) for t in texts]
         text_off = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum([len(b) for b in blobs], out=text_off[1:])
-        text_bytes = np.frombuffer(b"".join(blobs), dtype=np.uint8)
+        np.cumsum(sizes, out=text_off[1:])
+        bounds: List[int] = []
+        span_off = np.zeros(n + 1, dtype=np.int64)
+        for i, (text, sp) in enumerate(zip(texts, spans)):
+            if ascii_all or sizes[i] == len(text):
+                for a, b in sp:
+                    bounds += (a, b)
+            else:
+                for a, b in sp:
+                    bounds += (len(text[:a].encode("utf-8", "surrogatepass")),
+                               len(text[:b].encode("utf-8", "surrogatepass")))
+            span_off[i + 1] = len(bounds)
+        eligible = np.full(n, 1 if self.byte_positions else 0, dtype=np.uint8)
+        if self.byte_positions and self.needs_nfc:
+            eligible[:] = [unicodedata.is_normalized("NFC", t) for t in texts]
         trained = np.zeros(ids.size, dtype=np.uint8)
         proven = _trained_kernel(ids, offsets, text_bytes, text_off, np.asarray(bounds, dtype=np.int64), span_off,
                                  eligible, self.byte_len, self.byte_off, self.vocab_bytes, self.all_trim, trained)
