@@ -88,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline-ref", default=BASELINE_REF, help=f"git ref of the baseline (default: {BASELINE_REF})")
     p.add_argument("--pack-size", type=int, default=4096, help="pack size (default: 4096)")
     p.add_argument("--no-two-workers", action="store_true", help="skip ours with 2 workers")
+    p.add_argument("--no-warmup", action="store_true", help="skip the warm-up runs (smoke tests only)")
     return p
 
 
@@ -104,7 +105,7 @@ def main(argv=None) -> int:
             warm = os.path.join(tmp, f"{kind}_warm.jsonl")
             with open(path, "rb") as src, open(warm, "wb") as dst:
                 dst.writelines(line for line, _ in zip(src, range(300)))
-            for tree in (base, ""):  # numba compiles into each tree's cache once; not measured
+            for tree in () if args.no_warmup else (base, ""):  # numba compiles into each tree's cache once
                 run_child("bench.preprocess_speed:child_run", tree=tree, path=warm, tokenizer=tok, workers=1,
                           pack_size=args.pack_size, out=os.path.join(tmp, "warm"))
             runs = {}
