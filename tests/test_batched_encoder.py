@@ -9,7 +9,7 @@ import json
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from megatron_sft_idx.errors import ShardError
@@ -77,6 +77,7 @@ def encoder(path, loss_on):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.lists(_message, min_size=1, max_size=6), min_size=1, max_size=5),
        st.sampled_from(sorted(TEMPLATES) + sorted(HOSTILE)), st.sampled_from(["assistant", "last-turn", "all"]))
+@example(conversations=[[("assistant", ""), ("assistant", "")]], template="buffered", loss_on="last-turn")
 def test_batched_equals_reference(tok_dirs, conversations, template, loss_on):
     enc = encoder(tok_dirs[template], loss_on)
     tok = enc.tok
@@ -107,7 +108,7 @@ def test_fast_paths_are_taken_where_provable(tok_dirs):
     for name in HOSTILE:
         enc = RecordEncoder(EncodeOptions(tok_dirs[name], None, "assistant", "auto", "prompt", "completion",
                                           True, 4096, 1, "truncate", 4096))
-        assert enc.locator is None or enc.encode_batch(records, "x.jsonl") and enc.stats["one_render"] == 0, name
+        assert enc.locator is None, name   # disqualified by the probes: the reference renders prefixes
 
 
 def test_gigatoken_agrees_on_probes_and_disagreement_stops_the_run(tok_dirs, monkeypatch):

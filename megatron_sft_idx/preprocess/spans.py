@@ -214,7 +214,7 @@ class SpanLocator:
     # ------------------------------------------------------------ per-template qualification
 
     def qualify(self) -> bool:
-        """True when the method agrees with the reference on every probe conversation the
+        """True when the method gives the reference's spans on every probe conversation the
         template accepts (at least three), with one constant generation prompt."""
         prompts, accepted = set(), 0
         for messages in _probe_conversations():
@@ -231,31 +231,34 @@ class SpanLocator:
         return all(self._agrees(messages) for messages in _probe_conversations())
 
     def _agrees(self, messages) -> bool:
+        """The method gives exactly the reference's spans, or -- where the reference refuses the
+        conversation -- declines to locate it too. Declining where the reference succeeds also
+        disqualifies: a template the method does not follow on plain probes is not trusted."""
         turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
         try:
             text = self.tok.render(messages)
         except Exception:
             return True  # rejected by the template: both methods report the template's error
         try:
+            want = self.tok.prefix_spans(messages, turns, text, "probe", 0)
+        except Exception:
+            want = None
+        try:
             got_text, got = self.locate(messages, turns)
             _, starts = self.render_recorded(messages)
         except Exception:
             return False
-        if got_text != text:
+        if got_text != text or got != want:
             return False
         if got is None:
-            return True  # this conversation would use the reference
+            return True
         for j in range(1, len(messages)):
             try:
                 if len(self.tok.render(messages[:j])) != starts[j]:
                     return False
             except Exception:
                 return False
-        try:
-            want = self.tok.prefix_spans(messages, turns, text, "probe", 0)
-        except Exception:
-            return False  # the reference refuses what the method would accept
-        return got == want
+        return True
 
 
 def _probe_conversations():
