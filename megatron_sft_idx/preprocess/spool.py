@@ -1,9 +1,10 @@
 """Tokenization into a spool: per-worker shards of one conversation per "pack".
 
 The main process reads raw records in batches and hands them to ``--workers``
-processes through a bounded queue; each worker parses, tokenizes and masks its
-batches and appends every kept conversation to its own spool shard (written
-with :class:`IndexedDatasetBuilder`, ``pack_size=None``, ``seq_start_id=[0]``).
+processes through a bounded queue; each worker encodes a batch with one call
+(:meth:`~.encode.RecordEncoder.encode_batch`) and appends its kept sequences to its
+own spool shard in one builder call (:meth:`IndexedDatasetBuilder.add_sequences`,
+``pack_size=None``, one sequence per pack).
 Which worker takes which batch varies run to run, but every batch reports
 ``(batch_id, worker, first local index, lengths)``, and the conversations are
 ordered by batch id afterwards, so the global order never depends on ``N``.
