@@ -265,12 +265,24 @@ _LOADED: dict = {}
 
 def load_chat_tokenizer(path: str) -> ChatTokenizer:
     """A ChatTokenizer shared within the process (and with workers forked after it loaded):
-    a production tokenizer takes a second or more to load."""
-    key = os.path.abspath(path)
+    a production tokenizer takes a second or more to load. Reloaded when its files change."""
+    key = (os.path.abspath(path), _files_state(path))
     if key not in _LOADED:
         _LOADED.clear()
         _LOADED[key] = ChatTokenizer(path)
     return _LOADED[key]
+
+
+def _files_state(path: str) -> tuple:
+    directory = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    state = []
+    for name in _TOKENIZER_FILES:
+        try:
+            st = os.stat(os.path.join(directory, name))
+        except OSError:
+            continue
+        state.append((name, st.st_mtime_ns, st.st_size))
+    return tuple(state)
 
 
 def assistant_turns(messages, loss_on: str) -> List[int]:

@@ -63,11 +63,11 @@ _FAST: dict = {}
 
 def _load_fast(tok, backend: str):
     """FastTokenizer per (tokenizer, backend), shared in the process and with workers forked after."""
-    key = (tok.path, backend)
-    if key not in _FAST:
+    key = (id(tok), backend)
+    if key not in _FAST or _FAST[key][0] is not tok:
         _FAST.clear()
-        _FAST[key] = FastTokenizer.load(tok, backend)
-    return _FAST[key]
+        _FAST[key] = (tok, FastTokenizer.load(tok, backend))
+    return _FAST[key][1]
 
 
 def preload(options) -> None:
