@@ -11,7 +11,8 @@ workers), peak RSS the largest of the process and its workers.
 Bridge is not in the system environment. It installs with
 
     pip install --no-deps --ignore-requires-python --target .deps/megatron-bridge-0.6.2 \\
-        megatron-bridge==0.6.2 megatron-core==0.19.2
+        megatron-bridge==0.6.2 megatron-core==0.19.2 datasets==5.2.0 dill==0.4.1 \\
+        multiprocess==0.70.19 xxhash==4.1.0
 
 (``--bridge-deps`` points elsewhere). :func:`_bridge_import_shim` makes that install importable
 on a CPU-only Python 3.11 -- a stand-in for one Triton-only MoE kernel module, ``typing.override``
