@@ -146,3 +146,25 @@ def test_hf_backend_needs_no_gigatoken(tok_dirs, monkeypatch):
     assert FastTokenizer.load(tok, "auto") is None
     with pytest.raises(ShardError, match="needs the gigatoken package"):
         FastTokenizer.load(tok, "gigatoken")
+
+
+def test_errors_surface_in_record_order_as_the_reference_raises_them(tmp_path):
+    import shutil
+
+    from preprocess_identity import EXAMPLE_TOKENIZER
+
+    d = tmp_path / "no_template"
+    shutil.copytree(EXAMPLE_TOKENIZER, d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    del cfg["chat_template"]
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    good = json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})
+    records = [(1, b"{not json"), (2, good)]
+    opts = dict(input_format="auto", prompt_key="prompt", completion_key="completion", pack_size=4096,
+                pad_multiple=1, overlong="truncate", truncate_to=4096)
+    strict = RecordEncoder(EncodeOptions(str(d), None, "assistant", skip_bad=False, **opts))
+    with pytest.raises(InputError, match="x.jsonl:1: malformed JSON"):
+        strict.encode_batch(records, "x.jsonl")
+    lenient = RecordEncoder(EncodeOptions(str(d), None, "assistant", skip_bad=True, **opts))
+    with pytest.raises(ShardError, match="no chat template"):   # not a bad record: never skipped
+        lenient.encode_batch(records, "x.jsonl")

@@ -118,7 +118,7 @@ class RecordEncoder:
         for i, (line, raw) in enumerate(records):
             try:
                 self._prepare(i, line, raw, path, results, units)
-            except InputError as err:
+            except ShardError as err:  # raised (or skipped) in record order by _collect, as the reference does
                 results[i] = [err]
         self._tokenize(units, records, path, results)
         return self._collect(records, results, path)
@@ -222,6 +222,8 @@ class RecordEncoder:
         first: Dict[str, str] = {}
         for (line, _), items in zip(records, results):
             for item in items:
+                if isinstance(item, ShardError) and not isinstance(item, InputError):
+                    raise item  # not a bad record: e.g. the tokenizer has no chat template
                 if not isinstance(item, InputError):
                     try:
                         self._fit(item[0], item[1], path, line)
