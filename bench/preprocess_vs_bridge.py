@@ -8,17 +8,10 @@ same JSONL with the same tokenizer directory and pack size. Each run is a fresh 
 throughput is tokens each system wrote per wall second and per CPU-second (process plus its
 workers), peak RSS the largest of the process and its workers.
 
-Bridge is not in the system environment. It installs with
-
-    pip install --no-deps --ignore-requires-python --target .deps/megatron-bridge-0.6.2 \\
-        megatron-bridge==0.6.2 megatron-core==0.19.2 datasets==5.2.0 dill==0.4.1 \\
-        multiprocess==0.70.19 xxhash==4.1.0
-
-(``--bridge-deps`` points elsewhere). :func:`_bridge_import_shim` makes that install importable
-on a CPU-only Python 3.11 -- a stand-in for one Triton-only MoE kernel module, ``typing.override``
-(3.12), and Bridge's re-export-only ``__init__`` files registered as bare packages -- and is the
-only thing changed; the packing code runs unmodified. (The test suite's own place for this is
-being written separately; this copy is kept minimal and named so the two can be unified.)
+Bridge is not in the system environment: ``make install-compat`` installs it (with
+megatron-core 0.19.2) into ``.deps/megatron-bridge-0.6.2`` (``--bridge-deps`` points elsewhere),
+and the test suite's ``tests/compat/megatron_cpu.py`` makes it importable on a CPU-only
+Python 3.11; nothing else is changed, the packing code runs unmodified.
 
     python -m bench.preprocess_vs_bridge --count 3000
 """
@@ -26,48 +19,23 @@ being written separately; this copy is kept minimal and named so the two can be 
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.machinery
-import importlib.util
 import os
 import resource
 import sys
 import tempfile
 import time
-import types
-import typing
 
 from bench._common import ROOT, format_table, ratio, run_child, write_json
 
 DEPS = os.path.join(str(ROOT), ".deps", "megatron-bridge-0.6.2")
-_PAGED_STASH = "megatron.core.transformer.moe.ops.paged_stash"
 
 
-def _bridge_import_shim(deps: str) -> None:
-    """Make the ``--target`` install of Bridge 0.6.2 + core 0.19.2 importable on CPU (see module doc)."""
+def _import_bridge(deps: str) -> None:
+    """Put the ``make install-compat`` stack first on sys.path and apply the test suite's CPU
+    import measures (``tests/compat/megatron_cpu.py``, the one place they live)."""
     sys.path.insert(0, deps)
-    if importlib.util.find_spec("triton") is None and _PAGED_STASH not in sys.modules:
-        stub = types.ModuleType(_PAGED_STASH)
-        stub.GLOBAL_BLOCK_SIZE = 1024
-
-        def _needs_triton(*_a, **_k):
-            raise RuntimeError("MoE paged-stash kernels need Triton (GPU)")
-        stub.paged_stash_copy_kernel = stub.paged_stash_pop_kernel = _needs_triton
-        sys.modules[_PAGED_STASH] = stub
-    if not hasattr(typing, "override"):
-        import typing_extensions
-
-        typing.override = typing_extensions.override
-    for name in ("megatron.bridge", "megatron.bridge.data", "megatron.bridge.data.builders"):
-        parent_name, _, child = name.rpartition(".")
-        parent = importlib.import_module(parent_name)
-        spec = importlib.machinery.PathFinder.find_spec(name, list(parent.__path__))
-        module = types.ModuleType(name)
-        module.__path__ = list(spec.submodule_search_locations)
-        module.__spec__ = spec
-        module.__package__ = name
-        sys.modules[name] = module
-        setattr(parent, child, module)
+    sys.path.insert(0, os.path.join(str(ROOT), "tests", "compat"))
+    import megatron_cpu  # noqa: F401  (applies its measures on import)
     import megatron.core
 
     if not os.path.realpath(megatron.core.__file__).startswith(os.path.realpath(deps)):
@@ -82,7 +50,7 @@ def _usage() -> dict:
 
 
 def child_bridge(path: str, tokenizer: str, workers: int, pack_size: int, out: str, deps: str) -> dict:
-    _bridge_import_shim(deps)
+    _import_bridge(deps)
     import logging
     from pathlib import Path
 

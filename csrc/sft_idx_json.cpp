@@ -318,6 +318,9 @@ class KeyChecker {
       auto v = integer(s->get(f.name), std::string("stats.") + f.name, false, INT64_MIN);
       if (v) *f.dst = *v;
     }
+    if (s->get("min_packed_runtime_len") != nullptr)  // format 1.1
+      out->min_packed_runtime_len = integer(s->get("min_packed_runtime_len"), "stats.min_packed_runtime_len", true,
+                                            INT64_MIN);
     out->packing_factor = ratio(s->get("packing_factor"), "stats.packing_factor", false).value_or(0.0);
     out->packing_efficiency = ratio(s->get("packing_efficiency"), "stats.packing_efficiency", true);
   }
@@ -363,6 +366,8 @@ std::optional<Metadata> parse_metadata(std::string_view json, const std::string&
   m.vocab_size = c.integer(root.get("vocab_size"), "vocab_size", true, 1);
   m.loss_mask_convention = c.string_in("loss_mask_convention", {"label_aligned"});
   m.pad_seq_to_mult = c.integer(root.get("pad_seq_to_mult"), "pad_seq_to_mult", false, 1).value_or(1);
+  if (root.get("pad_layout") != nullptr)  // format 1.1; absent means "stored"
+    m.pad_offset = c.string_in("pad_layout", {"stored", "runtime"}) == "runtime" ? 1 : 0;
   if (const Json* s = c.object(root.get("stats"), "stats")) c.stats(s, &m.stats);
   if (const Json* files = c.object(root.get("files"), "files")) {
     for (int k = 0; k < 4; ++k) {

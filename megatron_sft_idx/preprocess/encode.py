@@ -25,6 +25,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from ..errors import ShardError
+from ..packing.padding import padded_length
 from .chat import ChatTokenizer, assistant_turns, load_chat_tokenizer, encode_tokens, template_rejected, trained_from_offsets
 from .errors import InputError, input_error
 from .fast_tokenizer import FastTokenizer
@@ -246,7 +247,7 @@ class RecordEncoder:
 
     def _fit(self, ids, mask, path, line) -> None:
         o = self.options
-        padded = -(-ids.size // o.pad_multiple) * o.pad_multiple
+        padded = int(padded_length([ids.size], o.pad_multiple, getattr(o, "pad_layout", "stored"))[0])
         if padded <= o.pack_size:
             return
         if o.overlong == "error":

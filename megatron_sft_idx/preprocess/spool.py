@@ -41,6 +41,7 @@ class EncodeOptions:
     pad_multiple: int
     overlong: str           # truncate | drop | error
     truncate_to: int        # longest kept length under truncate
+    pad_layout: str = "stored"  # which length pad_multiple applies to (packing/padding.py)
     tokenizer_backend: str = "auto"   # auto | gigatoken | hf (see fast_tokenizer)
     span_method: str = "auto"         # auto (one render, proven) | prefix (reference)
 
