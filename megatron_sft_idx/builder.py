@@ -288,7 +288,8 @@ class IndexedDatasetBuilder:
         counts = np.zeros(_kernels.N_RULES, np.int64)
         rec, max_len, min_len, loss_sum, max_samples, min_packed, max_packed = _kernels.scan_packs(
             lengths, offsets, np.arange(n + 1, dtype=np.int64), ids, loss, starts, self.pack_size or 0,
-            self._check_max, self.vocab_size or 0, self._pad_mult, 0, n, 1, out_rule, out_pack, out_pos, counts)
+            self._check_max, self.vocab_size or 0, self._pad_mult, 0, n, 1, out_rule, out_pack, out_pos, counts,
+            self._pad_offset)
         if rec:
             bad = int(out_pack[0])
             a = int(offsets[bad])
@@ -303,7 +304,7 @@ class IndexedDatasetBuilder:
         self._lengths.extend(lengths)
         self._seq_counts.extend(np.ones(n, dtype=np.int64))
         self._merge_stats(ids.size, n, int(loss_sum), int(max_len), int(min_len), int(max_samples),
-                          int(min_packed), int(max_packed))
+                          int(min_packed), int(max_packed), int(lengths.min()) - 1)
         return first
 
     def _record(self, n_tokens: int, n_seq: int, loss_sum: int, max_len: int, min_len: int) -> None:

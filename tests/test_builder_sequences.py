@@ -10,7 +10,7 @@ from megatron_sft_idx.errors import InvariantError
 
 
 def _files(prefix):
-    return [open(prefix + s, "rb").read() for s in (".bin", ".loss.bin", ".seq.bin", ".idx")]
+    return [open(prefix + s, "rb").read() for s in (".bin", ".loss.bin", ".seq.bin", ".idx", ".seq.idx")]
 
 
 @settings(max_examples=25, deadline=None)
