@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <climits>
 #include <cstring>
 #include <optional>
 #include <string>
@@ -36,7 +37,20 @@ inline constexpr size_t kSeqOffMajor = 8, kSeqOffMinor = 10, kSeqOffTokenDtype =
 inline constexpr size_t kSeqIdxHeaderSize = 64;
 inline constexpr size_t kMetadataOffset = 64;
 inline constexpr uint64_t kAlignment = 64;
+
+// FORMAT.md "Limits" (format.py holds the same numbers; tests/test_limits.py checks both agree).
 inline constexpr uint64_t kMaxMetadataLength = uint64_t{16} << 20;
+inline constexpr uint64_t kMaxMetadataDepth = 64;   // containers nested; the top-level object is 1
+inline constexpr uint64_t kMaxCount = uint64_t{1} << 56;  // pack/sequence/token counts of .seq.idx
+struct IntRange {
+  int64_t min, max;
+};
+inline constexpr IntRange kPackSizeRange = {1, INT32_MAX};
+inline constexpr IntRange kVocabSizeRange = {1, INT32_MAX};
+inline constexpr IntRange kPadRange = {1, INT32_MAX};
+inline constexpr IntRange kStatRange = {0, INT64_MAX};
+inline constexpr IntRange kFileSizeRange = {0, INT64_MAX};
+inline constexpr IntRange kCrcRange = {0, INT64_C(0xFFFFFFFF)};
 
 // ---------------------------------------------------------------- little-endian loads
 

@@ -167,6 +167,13 @@ bool seq_fields_valid(const Context& ctx, const SeqIdxHeader& h, Sink& sink) {
   }
   if (h.pack_count == 0)
     bad("SEQ_IDX_BAD_HEADER", "a shard holds at least one pack", {"pack_count", ">= 1", "0"}, kSeqOffPackCount);
+  const struct { const char* name; uint64_t value; size_t off; } counts[] = {
+      {"pack_count", h.pack_count, kSeqOffPackCount}, {"sequence_count", h.sequence_count, kSeqOffSeqCount},
+      {"token_count", h.token_count, kSeqOffTokenCount}};
+  for (const auto& c : counts)
+    if (c.value > kMaxCount)
+      bad("SEQ_IDX_BAD_HEADER", "a count exceeds the format's limit",
+          {c.name, "<= " + to_str(kMaxCount), to_str(c.value)}, c.off);
   if (h.sequence_count < h.pack_count)
     bad("SEQ_IDX_BAD_HEADER", "fewer sequences than packs (every pack holds at least one)",
         {"sequence_count", ">= " + to_str(h.pack_count), to_str(h.sequence_count)}, kSeqOffSeqCount);

@@ -160,6 +160,33 @@ LENGTH_DTYPE = np.dtype("<i4")
 UINT16_MAX = int(np.iinfo(np.uint16).max)
 INT32_MAX = int(np.iinfo(np.int32).max)
 
+# --------------------------------------------------------------------------- limits
+# The format's limits, stated in docs/FORMAT.md ("Limits") and enforced identically by
+# this package (here and in ``metadata.py``) and by the native implementation (``csrc/``).
+# Anything beyond them is refused with a named error before it reaches numba or C++.
+
+INT64_MIN = -(1 << 63)
+INT64_MAX = (1 << 63) - 1
+UINT32_MAX = (1 << 32) - 1
+#: Refuse absurd metadata before reading it (a corrupt length must not allocate GBs).
+MAX_METADATA_LENGTH = 16 << 20
+#: Containers (objects and arrays) nested in the metadata JSON, the top-level object being 1.
+MAX_METADATA_DEPTH = 64
+#: Upper bound of pack_count, sequence_count and token_count in a .seq.idx header, so that
+#: every byte size derived from a count (8 bytes per element at most) fits int64 with room.
+MAX_COUNT = 1 << 56
+#: Inclusive range of every JSON integer anywhere in the metadata (known key or not).
+METADATA_INT_RANGE = (INT64_MIN, INT64_MAX)
+#: Inclusive ranges of the metadata's integer fields (``stats.*`` is every statistic that is an int).
+METADATA_FIELD_RANGES = {
+    "pack_size": (1, INT32_MAX),
+    "vocab_size": (1, INT32_MAX),
+    "pad_seq_to_mult": (1, INT32_MAX),
+    "stats.*": (0, INT64_MAX),
+    "files.*.size": (0, INT64_MAX),
+    "files.*.crc32": (0, UINT32_MAX),
+}
+
 
 def choose_token_dtype(max_token_id: Optional[int]) -> DType:
     """uint16 when every id fits, else int32 (the reader trusts only the code)."""
@@ -253,8 +280,6 @@ SEQ_IDX_HEADER_SIZE = SEQ_IDX_HEADER.size  # 64
 #: The header CRC covers everything before itself.
 SEQ_IDX_HEADER_CRC_SPAN = SEQ_IDX_HEADER_SIZE - 4
 METADATA_OFFSET = SEQ_IDX_HEADER_SIZE
-#: Refuse absurd metadata before reading it (a corrupt length must not allocate GBs).
-MAX_METADATA_LENGTH = 16 << 20
 
 
 def align(n: int, to: int = ALIGNMENT) -> int:
@@ -347,6 +372,10 @@ class SeqIdxHeader:
         if npacks == 0:
             raise HeaderError("a shard holds at least one pack", path=path, field="pack_count",
                               expected=">= 1", actual=npacks)
+        for name, count in (("pack_count", npacks), ("sequence_count", nseq), ("token_count", ntok)):
+            if count > MAX_COUNT:
+                raise HeaderError(f"{name} exceeds the format's limit", path=path, field=name,
+                                  expected=f"<= {MAX_COUNT}", actual=count)
         if npacks > file_size:
             raise TruncatedFileError("pack count cannot fit in the file", path=path,
                                      field="pack_count", expected=f"<= {file_size}", actual=npacks)

@@ -9,14 +9,13 @@ reports everything that is wrong, not only the first thing.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import struct
 import zlib
 from typing import Dict, Optional
 
-from ..errors import DTypeError, MetadataError, ShardError, SizeMismatchError, VersionError
+from ..errors import DTypeError, MetadataError, MetadataLimitError, ShardError, SizeMismatchError, VersionError
 from ..format import (
     BIN_SUFFIX,
     CHECKSUMMED_SUFFIXES,
@@ -39,7 +38,7 @@ from ..format import (
     IdxHeader,
     SeqIdxHeader,
 )
-from ..metadata import ShardMetadata
+from ..metadata import ShardMetadata, parse_json
 from ._context import ShardContext
 
 IDX_FIELDS = ("magic", "version", "dtype_code", "sequence_count", "document_count")
@@ -211,10 +210,13 @@ def _read_metadata(ctx: ShardContext, header: SeqIdxHeader, size: int) -> None:
         return
     raw = ctx.read(SEQ_IDX_SUFFIX, header.metadata_length, METADATA_OFFSET)
     try:
-        obj = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        ctx.add("METADATA_UNPARSABLE", f"metadata ({header.metadata_length} bytes) is not valid UTF-8 JSON: "
-                f"{exc.__class__.__name__}: {str(exc)[:120]}", SEQ_IDX_SUFFIX, offset=METADATA_OFFSET)
+        obj = parse_json(raw, ctx.paths.seq_idx)
+    except MetadataLimitError as exc:
+        ctx.add("METADATA_LIMIT", exc.message[:200], SEQ_IDX_SUFFIX, offset=METADATA_OFFSET)
+        return
+    except MetadataError as exc:
+        ctx.add("METADATA_UNPARSABLE", f"metadata ({header.metadata_length} bytes): {exc.message[:200]}",
+                SEQ_IDX_SUFFIX, offset=METADATA_OFFSET)
         return
     try:
         ctx.metadata = ShardMetadata.from_dict(obj, path=ctx.paths.seq_idx)
