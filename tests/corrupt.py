@@ -210,3 +210,65 @@ def reader_raises_only_shard_errors(prefix):
             ds[i].seq_boundaries
     except ShardError:
         pass
+
+
+# --------------------------------------------------------------------------- a hostile corpus
+
+
+def with_metadata_value(prefix, key, text):
+    """Reseal ``prefix`` with top-level metadata ``key`` set to the raw JSON ``text``
+    (anything: ``1e999``, a 4000-digit integer, nesting 300 deep)."""
+    raw = open(prefix + ".seq.idx", "rb").read()
+    obj = json.loads(raw[METADATA_OFFSET:METADATA_OFFSET + seq_fields(prefix)["metadata_length"]])
+    obj[key] = "@@VALUE@@"
+    body = json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+    reseal(prefix, metadata_bytes=body.replace(b'"@@VALUE@@"', text.encode()))
+
+
+def _targeted(base_count):
+    """Corruptions aimed at integer and nesting limits and at the pack invariants."""
+    deep = lambda n: "[" * n + "]" * n  # noqa: E731
+    return [
+        ("seq-count-max", lambda p: reseal(p, header={"sequence_count": 1 << 56})),
+        ("seq-count-huge", lambda p: reseal(p, header={"sequence_count": 2 ** 64 - 1})),
+        ("token-count-huge", lambda p: reseal(p, header={"token_count": 2 ** 63})),
+        ("pack-count-huge", lambda p: reseal(p, header={"pack_count": (1 << 56) + 1})),
+        ("seq-count-plus-one", lambda p: reseal(p, header={"sequence_count": base_count + 1})),
+        ("vocab-2^70", lambda p: with_metadata_value(p, "vocab_size", str(2 ** 70))),
+        ("vocab-int64-max", lambda p: with_metadata_value(p, "vocab_size", str(2 ** 63 - 1))),
+        ("pack-size-2^64", lambda p: with_metadata_value(p, "pack_size", str(2 ** 64))),
+        ("pad-2^63", lambda p: with_metadata_value(p, "pad_seq_to_mult", str(2 ** 63))),
+        ("pad-4000-digits", lambda p: with_metadata_value(p, "pad_seq_to_mult", "9" * 4000)),
+        ("vocab-1e999", lambda p: with_metadata_value(p, "vocab_size", "1e999")),
+        ("nested-65", lambda p: with_metadata_value(p, "zz", deep(64))),
+        ("nested-300", lambda p: with_metadata_value(p, "zz", deep(300))),
+        ("nested-64", lambda p: with_metadata_value(p, "zz", deep(63))),
+        ("loss-two-sealed", lambda p: sealed(loss_two)(p, None)),
+        ("loss-on-last-sealed", lambda p: sealed(loss_on_last)(p, None)),
+        ("start-decreasing-sealed", lambda p: sealed(start_decreasing)(p, None)),
+        ("first-start-sealed", lambda p: sealed(first_start)(p, None)),
+    ]
+
+
+def hostile_corpus(directory, bases, seed, mutations_per_base=4, targeted=None):
+    """Copies of each base shard (``{name: prefix}``, each with >= 10 packs and a pack of 3+
+    sequences): pristine, every targeted corruption (only for the bases named in
+    ``targeted``, default all), and ``mutations_per_base`` random mutations (seeded).
+    Returns ``[(name, prefix)]``."""
+    import shutil
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for base_name, base in sorted(bases.items()):
+        count = seq_fields(base)["sequence_count"]
+        cases = [("pristine", lambda p: None)]
+        if targeted is None or base_name in targeted:
+            cases += _targeted(count)
+        cases += [(f"mutation-{k}", lambda p: mutate(rng, p)) for k in range(mutations_per_base)]
+        for name, corrupt in cases:
+            prefix = os.path.join(str(directory), f"{base_name}-{name}")
+            for suffix in ALL_SUFFIXES:
+                shutil.copyfile(base + suffix, prefix + suffix)
+            corrupt(prefix)
+            out.append((f"{base_name}/{name}", prefix))
+    return out
