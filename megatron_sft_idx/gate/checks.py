@@ -76,12 +76,21 @@ def check(prefixes: Union[PathLike, Sequence[PathLike]], *, level: str = "standa
     shards = resolve_prefixes(prefixes)
     if int(workers) > 1 and len(shards) > 1:
         ctx = multiprocessing.get_context("spawn")  # safe beside threads; each worker maps its own files
-        with futures.ProcessPoolExecutor(max_workers=min(int(workers), len(shards)), mp_context=ctx) as pool:
-            reports = list(pool.map(check_shard, shards, [options] * len(shards)))
+        # A Pool, not a ProcessPoolExecutor: leaving the block by an exception (Ctrl-C, SIGTERM
+        # turned into one by the CLI) terminates the workers instead of waiting for them.
+        with ctx.Pool(min(int(workers), len(shards)), initializer=_ignore_sigint) as pool:
+            reports = pool.starmap(check_shard, [(prefix, options) for prefix in shards])
     else:
         reports = [check_shard(prefix, options) for prefix in shards]
     return Report(shards=reports, level=level, options={**asdict(options), "workers": int(workers)},
                   seconds=time.perf_counter() - started)
+
+
+def _ignore_sigint() -> None:
+    """Pool workers leave Ctrl-C to the parent, which terminates them."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def check_shard(prefix: str, options: Options = Options()) -> ShardReport:

@@ -1,22 +1,47 @@
 """``check_idx``: the promotion gate's command line (also ``tools/check_idx.py``).
 
 Exit status: 0 every shard passed, 1 a shard failed (or its promotion did),
-2 usage error or unreadable input (no shard matched, a file cannot be read).
+2 usage error or unreadable input (no shard matched, a file cannot be read),
+130 / 143 interrupted by SIGINT / SIGTERM (a promotion under way is rolled back:
+its temporaries are removed and nothing that opens is left at the destination).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
 import sys
-from typing import List, Optional
+from typing import Iterator, List, Optional
 
 from ..errors import ShardError
 from .checks import check
 from .promote import promote_report
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+EXIT_SIGINT, EXIT_SIGTERM = 128 + signal.SIGINT, 128 + signal.SIGTERM
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised like KeyboardInterrupt so that cleanup handlers run."""
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    def raise_terminated(signum, frame):
+        raise Terminated()
+
+    try:
+        old = signal.signal(signal.SIGTERM, raise_terminated)
+    except ValueError:  # not the main thread: leave SIGTERM alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,13 +91,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"check_idx: error: {problem}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        report = check(args.prefixes, level=args.level, vocab_size=args.vocab_size, strict=args.strict,
-                       allow_pretrain=args.allow_pretrain, sample=args.sample, workers=args.workers)
+        with _sigterm_raises():
+            report = check(args.prefixes, level=args.level, vocab_size=args.vocab_size, strict=args.strict,
+                           allow_pretrain=args.allow_pretrain, sample=args.sample, workers=args.workers)
+            if args.promote is not None and report.exit_code != EXIT_USAGE:
+                promote_report(report, args.promote, link=args.link, replace=args.replace)
     except ShardError as exc:
         print(f"check_idx: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    if args.promote is not None and report.exit_code != EXIT_USAGE:
-        promote_report(report, args.promote, link=args.link, replace=args.replace)
+    except (KeyboardInterrupt, Terminated) as exc:
+        name = "SIGINT" if isinstance(exc, KeyboardInterrupt) else "SIGTERM"
+        print(f"check_idx: interrupted by {name}; each shard was promoted completely or not at all",
+              file=sys.stderr)
+        return EXIT_SIGINT if isinstance(exc, KeyboardInterrupt) else EXIT_SIGTERM
     if args.json:
         text = report.to_json()
     elif args.quiet:
