@@ -127,6 +127,10 @@ def publish(pairs: Sequence[Tuple[str, str]], unpublish_first: str, remove: Iter
             for tmp, final in pairs:
                 os.replace(tmp, final)
                 done.append(final)
+                if os.path.lexists(tmp):
+                    # rename() of two links to one inode succeeds and does nothing (POSIX): the
+                    # final name already holds this content (a rerun of a killed promotion).
+                    os.unlink(tmp)
         except BaseException:
             for final in done:
                 try:

@@ -141,7 +141,3 @@ class ShardContext:
 
     def close(self) -> None:
         self._maps.clear()
-
-    def identity(self, suffix: str) -> tuple:
-        st = os.stat(self.path(suffix))
-        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)

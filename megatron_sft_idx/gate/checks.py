@@ -1,5 +1,8 @@
 """The gate's entry point: check shards, return a :class:`Report`, never raise for a bad shard.
 
+The numba passes (``content``) are imported on the first check, not with the package, so
+that ``check_idx`` handles its signals from the first second (importing numba takes one).
+
 Order of passes for one SFT shard (each skips itself, saying so, when an input
 it needs failed an earlier pass):
 
@@ -23,7 +26,7 @@ from dataclasses import asdict, dataclass
 from typing import Optional, Sequence, Union
 
 from ..errors import ShardError
-from . import content, structure
+from . import structure
 from ._context import ShardContext, UnreadableFile
 from .discover import resolve_prefixes
 from .readback import read_back
@@ -142,6 +145,8 @@ def _run(ctx: ShardContext, options: Options) -> None:
 
 
 def _run_arrays(ctx: ShardContext, vocab: Optional[int], options: Options) -> None:
+    from . import content
+
     report = ctx.report
     if ctx.idx_arrays_ok:
         content.check_idx_arrays(ctx)
@@ -173,11 +178,15 @@ def _start_checksums(ctx: ShardContext, options: Options):
     if ctx.metadata is None:
         ctx.add("CHECKSUMS_SKIPPED", "no readable metadata to compare CRC-32s with")
         return None
+    from . import content
+
     pool = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gate-crc")
     return pool, pool.submit(content.checksums, ctx)
 
 
 def _run_pretrain(ctx: ShardContext, options: Options) -> None:
+    from . import content
+
     report = ctx.report
     ctx.add("CHECKSUMS_SKIPPED", "pretrain shard: no metadata records checksums")
     vocab = structure.cross_check(ctx, options.vocab_size)

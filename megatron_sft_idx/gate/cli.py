@@ -29,19 +29,35 @@ class Terminated(BaseException):
 
 
 @contextlib.contextmanager
-def _sigterm_raises() -> Iterator[None]:
-    def raise_terminated(signum, frame):
-        raise Terminated()
+def _signals_raise(received: List[int]) -> Iterator[None]:
+    """SIGINT raises KeyboardInterrupt and SIGTERM Terminated; both are also recorded in
+    ``received``, because an exception raised inside a C callback (numba's compiler calls
+    back into Python) is printed and dropped: the caller checks ``received`` at safe points."""
+    def handler(signum, frame):
+        received.append(signum)
+        raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated()
+
+    def unraisable(info):  # a dropped KeyboardInterrupt/Terminated is in `received`: no traceback
+        if not isinstance(info.exc_value, (KeyboardInterrupt, Terminated)):
+            previous_hook(info)
 
     try:
-        old = signal.signal(signal.SIGTERM, raise_terminated)
-    except ValueError:  # not the main thread: leave SIGTERM alone
+        old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    except ValueError:  # not the main thread: leave the signals alone
         yield
         return
+    previous_hook, sys.unraisablehook = sys.unraisablehook, unraisable
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, old)
+        sys.unraisablehook = previous_hook
+        for sig, previous in old.items():
+            signal.signal(sig, previous)
+
+
+def _stop_if_signalled(received: List[int]) -> None:
+    if received:
+        raise KeyboardInterrupt() if received[0] == signal.SIGINT else Terminated()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,12 +106,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.print_usage(sys.stderr)
         print(f"check_idx: error: {problem}", file=sys.stderr)
         return EXIT_USAGE
+    received: List[int] = []
     try:
-        with _sigterm_raises():
+        with _signals_raise(received):
             report = check(args.prefixes, level=args.level, vocab_size=args.vocab_size, strict=args.strict,
                            allow_pretrain=args.allow_pretrain, sample=args.sample, workers=args.workers)
+            _stop_if_signalled(received)
             if args.promote is not None and report.exit_code != EXIT_USAGE:
                 promote_report(report, args.promote, link=args.link, replace=args.replace)
+            _stop_if_signalled(received)
     except ShardError as exc:
         print(f"check_idx: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import struct
 import zlib
 from typing import Dict, Optional
@@ -82,12 +83,17 @@ def locate_files(ctx: ShardContext, allow_pretrain: bool) -> bool:
     """Stat the five files and decide the shard's kind. Returns False when nothing can be checked."""
     for suffix, path in ctx.paths.by_suffix().items():
         try:
-            ctx.sizes[suffix] = os.stat(path).st_size
-            ctx.report.identity[suffix] = ctx.identity(suffix)
+            st = os.stat(path)  # follows symbolic links: the target is what gets checked and promoted
         except FileNotFoundError:
-            pass
+            continue
         except OSError as exc:
             ctx.add("FILE_UNREADABLE", f"cannot stat: {exc.strerror}", suffix)
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            ctx.add("FILE_UNREADABLE", "not a regular file (a directory or a device?)", suffix)
+            continue
+        ctx.sizes[suffix] = st.st_size
+        ctx.report.identity[suffix] = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
     ctx.report.files = dict(ctx.sizes)
     if ctx.report.unreadable:
         return False
