@@ -65,3 +65,16 @@ def torn(ds) -> Optional[str]:
             if a.shape != b.shape or not np.array_equal(a, b):
                 return f"generation {g}, pack {i}: {name} is not generation {g}'s"
     return None
+
+
+def torn_native(shard) -> Optional[str]:
+    """:func:`torn` for a ``megatron_sft_idx.native.NativeShard``."""
+    g = shard.metadata.get("extra", {}).get("generation")
+    if len(shard) != N_PACKS:
+        return f"{len(shard)} packs"
+    for i in range(N_PACKS):
+        got = shard.pack(i)
+        for name, a, b in zip(("input_ids", "loss_mask", "seq_start_id"), got, pack(g, i)):
+            if a.shape != b.shape or not np.array_equal(a, b):
+                return f"generation {g}, pack {i}: {name} is not generation {g}'s (native)"
+    return None

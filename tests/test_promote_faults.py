@@ -29,7 +29,6 @@ import errno
 import importlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys

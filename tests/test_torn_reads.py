@@ -6,7 +6,8 @@ generations whose five files have identical sizes but whose every pack says whic
 generation it belongs to (``tests/generations.py``). Meanwhile
 
 * plain processes open the prefix, sometimes wait a little before the first read (the
-  reader maps files lazily), and read every pack;
+  reader maps files lazily), and read every pack; one of them through the native reader
+  (``csrc/``, which follows the same protocol);
 * a DataLoader with two workers reads through the dataset the parent opened before the
   replacements began (inherited by the forked workers) and through fresh unpickled
   copies (what a spawned worker or a new epoch does).
@@ -27,10 +28,11 @@ import time
 import numpy as np
 import pytest
 
-from generations import torn, write_generation
+from generations import torn, torn_native, write_generation
 from megatron_sft_idx import MMapIndexedDataset, ShardError
 from megatron_sft_idx.format import ALL_SUFFIXES
 from megatron_sft_idx.gate import check, promote_report
+from megatron_sft_idx.native import NativeShard
 
 RUN_SECONDS = float(os.environ.get("TORN_READ_SECONDS", 8))
 GENERATIONS = 4
@@ -61,15 +63,19 @@ def replace_forever(dest: str, sources, stop_at: float, done) -> None:
     done.value = k
 
 
-def read_forever(prefix: str, stop_at: float, seed: int, results) -> None:
+def read_forever(prefix: str, stop_at: float, seed: int, results, native_lib=None) -> None:
     rng = np.random.default_rng(seed)
     counts = collections.Counter()
     while time.monotonic() < stop_at:
         try:
-            ds = MMapIndexedDataset(prefix)
-            if rng.random() < 0.5:
-                time.sleep(float(rng.random()) * 0.002)  # the reader maps lazily: widen the window
-            why = torn(ds)
+            if native_lib is not None:
+                with NativeShard(prefix, lib_path=native_lib) as shard:
+                    why = torn_native(shard)
+            else:
+                ds = MMapIndexedDataset(prefix)
+                if rng.random() < 0.5:
+                    time.sleep(float(rng.random()) * 0.002)  # the reader maps lazily: widen the window
+                why = torn(ds)
         except ShardError as exc:
             counts[type(exc).__name__] += 1
             continue
@@ -99,7 +105,7 @@ class Reads:
 
 
 def dataloader_reads(prefix: str, stop_at: float) -> collections.Counter:
-    from torch.utils.data import DataLoader
+    from torch.utils.data import DataLoader  # imported by the test before the clock starts
 
     counts = collections.Counter()
     loader = DataLoader(Reads(prefix), batch_size=None, num_workers=2, collate_fn=lambda x: x,
@@ -124,18 +130,21 @@ def sources(tmp_path_factory):
     return out
 
 
-def test_no_torn_reads_during_repeated_replacement(tmp_path, sources):
+def test_no_torn_reads_during_repeated_replacement(tmp_path, sources, native_lib):
     dest = str(tmp_path / "train")
     report = promote_report(check(sources[0]), dest, link=True)
     assert report.passed, report.format_text(True)
     prefix = os.path.join(dest, "shard")
     assert torn(MMapIndexedDataset(prefix)) is None
 
+    import torch.utils.data  # noqa: F401  (seconds to import: not inside the timed run)
+
     start = time.monotonic()
     stop_at = start + RUN_SECONDS
     results, done = _fork.Queue(), _fork.Value("q", 0)
     replacer = _fork.Process(target=replace_forever, args=(dest, sources, stop_at, done))
-    readers = [_fork.Process(target=read_forever, args=(prefix, stop_at, seed, results)) for seed in range(2)]
+    readers = [_fork.Process(target=read_forever, args=(prefix, stop_at, seed, results, lib))
+               for seed, lib in ((0, None), (1, None), (2, native_lib))]
     loader_counts = collections.Counter()
     try:
         replacer.start()

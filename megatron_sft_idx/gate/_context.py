@@ -8,7 +8,6 @@ input they need is untrustworthy.
 from __future__ import annotations
 
 import mmap
-import os
 from typing import Dict, Optional
 
 import numpy as np
