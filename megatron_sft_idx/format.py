@@ -376,15 +376,16 @@ class SeqIdxHeader:
             if count > MAX_COUNT:
                 raise HeaderError(f"{name} exceeds the format's limit", path=path, field=name,
                                   expected=f"<= {MAX_COUNT}", actual=count)
-        if npacks > file_size:
-            raise TruncatedFileError("pack count cannot fit in the file", path=path,
-                                     field="pack_count", expected=f"<= {file_size}", actual=npacks)
         if nseq < npacks:
             raise HeaderError("fewer sequences than packs (every pack holds at least one)",
                               path=path, field="sequence_count", expected=f">= {npacks}", actual=nseq)
         if ntok < npacks:
             raise HeaderError("fewer tokens than packs (every pack holds at least one)",
                               path=path, field="token_count", expected=f">= {npacks}", actual=ntok)
+        # Every field is valid on its own: only now compare with the file (as csrc/ does).
+        if npacks > file_size:
+            raise TruncatedFileError("pack count cannot fit in the file", path=path,
+                                     field="pack_count", expected=f"<= {file_size}", actual=npacks)
         header = cls(token_dtype_code=tcode, pack_count=npacks, sequence_count=nseq,
                      token_count=ntok, metadata_length=mlen, body_crc32=body_crc,
                      version_major=major, version_minor=minor, seq_dtype_code=scode,

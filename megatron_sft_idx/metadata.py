@@ -79,7 +79,9 @@ class PackingStats:
     def from_dict(cls, raw: Mapping[str, Any], path: Optional[str] = None) -> "PackingStats":
         values = {}
         for name, kind in cls.__annotations__.items():
-            value = raw.get(name) if isinstance(raw, Mapping) else None
+            if not isinstance(raw, Mapping) or name not in raw:  # every key is required; null is not absence
+                raise MetadataError("packing statistic missing", path=path, field=f"stats.{name}", expected=kind)
+            value = raw[name]
             if name == "packing_efficiency" and value is None:
                 values[name] = None
                 continue
