@@ -24,6 +24,7 @@ import mmap
 import operator
 import os
 import sys
+import threading
 from typing import NamedTuple, Optional
 
 import numpy as np
@@ -148,6 +149,7 @@ class MMapIndexedDataset:
         self.check_packs = check_packs
         self._tokens = None  # mapped lazily, on first access
         self._mmaps: list = []
+        self._map_lock = threading.Lock()
         self._files: Optional[ShardFiles] = open_generation(self.prefix, self.paths)
         try:
             self._open_headers()
@@ -248,6 +250,11 @@ class MMapIndexedDataset:
         three slices of them, which is cheaper than building three arrays from buffers."""
         if self._tokens is not None:
             return
+        with self._map_lock:  # each descriptor is mapped once: threads racing to the first read wait
+            if self._tokens is None:
+                self._map_files()
+
+    def _map_files(self) -> None:
         ih = self.idx_header
         idx = self._mapped(IDX_SUFFIX)
         self._lengths = _view(idx, LENGTH_DTYPE, self._n, ih.lengths_offset)
