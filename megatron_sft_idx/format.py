@@ -41,9 +41,9 @@ P.seq.bin     every pack's ``seq_start_id`` concatenated, int32
     13      1     u8     seq_dtype_code    == 4 (int32): dtype of P.seq.bin
     14      1     u8     loss_dtype_code   == 1 (uint8): dtype of P.loss.bin
     15      1     u8     flags             == 0 (reserved)
-    16      8     u64    pack_count        N == P.idx sequence_count
-    24      8     u64    sequence_count    S: values in P.seq.bin
-    32      8     u64    token_count       T: elements of P.bin == bytes of P.loss.bin
+    16      8     u64    pack_count        N == P.idx sequence_count; 1 <= N <= MAX_COUNT
+    24      8     u64    sequence_count    S: values in P.seq.bin; N <= S <= MAX_COUNT
+    32      8     u64    token_count       T: elements of P.bin == bytes of P.loss.bin; N <= T <= MAX_COUNT
     40      8     u64    metadata_length   L: bytes of UTF-8 JSON starting at offset 64
     48      8     u64    csr_offset        align64(64 + L); bytes in between are zero
     56      4     u32    body_crc32        CRC-32 of bytes [64, end of file)
@@ -57,6 +57,10 @@ Pack ``i`` is ``input_ids = P.bin[ptr_i / itemsize : + len_i]`` (``ptr_i`` =
 ``sequence_pointers[i]``), ``loss_mask = P.loss.bin[ptr_i / itemsize : + len_i]``,
 ``seq_start_id = P.seq.bin[seq_offsets[i] : seq_offsets[i+1]]``. Its invariants
 are the members of :class:`Rule`.
+
+The format's limits (metadata length, nesting depth, integer ranges) are the constants
+under "limits" below, stated in docs/FORMAT.md "Limits" and enforced by
+``metadata.parse_json`` / ``ShardMetadata.from_dict`` and by csrc/ alike.
 
 Checksums are CRC-32 (zlib / IEEE 802.3 polynomial, as ``zlib.crc32``) of whole
 files; the metadata records the size and CRC-32 of P.bin, P.idx, P.loss.bin and
