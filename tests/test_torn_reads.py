@@ -1,7 +1,8 @@
 """Readers never see files of two generations while a shard is replaced under them.
 
 One process replaces the shard at ``dest/shard`` again and again -- ``check_idx --promote
---replace`` as a move and as ``--link``, and the builder's own ``overwrite=True`` -- with
+--replace`` (its ``main()`` and the library calls behind it) as a move and as ``--link``, and
+the builder's own ``overwrite=True`` -- with
 generations whose five files have identical sizes but whose every pack says which
 generation it belongs to (``tests/generations.py``). Meanwhile
 
@@ -32,6 +33,7 @@ from generations import torn, torn_native, write_generation
 from megatron_sft_idx import MMapIndexedDataset, ShardError
 from megatron_sft_idx.format import ALL_SUFFIXES
 from megatron_sft_idx.gate import check, promote_report
+from megatron_sft_idx.gate.cli import main as check_idx
 from megatron_sft_idx.native import NativeShard
 
 RUN_SECONDS = float(os.environ.get("TORN_READ_SECONDS", 8))
@@ -40,14 +42,19 @@ _fork = multiprocessing.get_context("fork")
 
 
 def replace_forever(dest: str, sources, stop_at: float, done) -> None:
-    """Replace ``dest/shard`` until ``stop_at``: promotion by move, by link, and builder overwrite."""
+    """Replace ``dest/shard`` until ``stop_at``: promotion by move and by link (library and command
+    line), and the builder's overwrite."""
     staging = os.path.join(os.path.dirname(dest), "staging")
     k = 0
     while time.monotonic() < stop_at:
         g = k % GENERATIONS
-        way = k % 3
+        way = k % 4
         if way == 0:  # --promote --replace --link: the source stays
             report = promote_report(check(sources[g]), dest, link=True, replace=True)
+        elif way == 3:  # the command line itself: check_idx --promote DEST --replace --link SRC
+            if check_idx(["--quiet", "--promote", dest, "--replace", "--link", sources[g]]) != 0:
+                raise AssertionError("check_idx --promote --replace failed")
+            report = None
         elif way == 1:  # --promote --replace (a move) of a fresh copy
             os.makedirs(staging, exist_ok=True)
             prefix = os.path.join(staging, "shard")
