@@ -1,20 +1,44 @@
 # The two quick-start commands (README): `make demo` and `make test`.
-# Both install what they need into the current Python environment.
+# Both install what they need into the current Python environment, editable (the native
+# reader/validator is built into megatron_sft_idx/_native/ when g++ is present).
+# .ci/constraints.txt pins this repo's dev/CI versions (torch 2.13.0 CPU, megatron-core);
+# the package metadata (pyproject.toml) pins neither.
 PYTHON ?= python3
-PIP = $(PYTHON) -m pip install --disable-pip-version-check -q
-MEGATRON_CORE = megatron-core==0.16.1
+PIP_BASE = $(PYTHON) -m pip install --disable-pip-version-check -q
+PIP = $(PIP_BASE) -c .ci/constraints.txt
+# Side-by-side megatron stacks for tests/compat (tests/compat/stacks.py), each in its own
+# --target directory so neither replaces the environment's megatron-core. Megatron-Bridge
+# declares Python >= 3.12 (the CPU torch wheel is for 3.11): --ignore-requires-python; its
+# data modules also need HF datasets (pure Python), pinned here without their deps.
+DEPS = .deps
+PIP_TARGET = $(PIP_BASE) --no-deps --ignore-requires-python --target
+STACK_CORE_016 = $(DEPS)/megatron-core-0.16.1
+STACK_BRIDGE_062 = $(DEPS)/megatron-bridge-0.6.2
 
-.PHONY: install install-test demo test bench
+.PHONY: install install-test install-compat demo test bench
 
 # The main job needs no torch: the reader, the builder, preprocessing and the gate are numpy+numba.
 install:
 	$(PIP) -e '.[preprocess,gate]'
 
-# torch first and pinned (a CPU wheel); megatron-core without deps so it cannot replace it.
+# torch first, on its own, so the CPU wheel is in place before anything could ask for another.
 install-test:
-	$(PIP) torch==2.13.0
+	$(PIP) torch
 	$(PIP) -e '.[all]'
-	$(PIP) --no-deps $(MEGATRON_CORE)
+	$(MAKE) install-compat
+
+install-compat: $(STACK_CORE_016)/.installed $(STACK_BRIDGE_062)/.installed
+
+$(STACK_CORE_016)/.installed:
+	rm -rf $(STACK_CORE_016)
+	$(PIP_TARGET) $(STACK_CORE_016) megatron-core==0.16.1
+	touch $@
+
+$(STACK_BRIDGE_062)/.installed:
+	rm -rf $(STACK_BRIDGE_062)
+	$(PIP_TARGET) $(STACK_BRIDGE_062) megatron-core==0.19.2 megatron-bridge==0.6.2 \
+		datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0
+	touch $@
 
 demo: install
 	$(PYTHON) tools/demo.py

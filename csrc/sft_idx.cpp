@@ -55,7 +55,7 @@ constexpr RuleInfo kRules[] = {
     {"SEQ_FIRST_NOT_ZERO", "SEQ_FIRST_NOT_ZERO", "seq_start_id[0] must be 0"},
     {"SEQ_NOT_INCREASING", "SEQ_NOT_INCREASING", "seq_start_id must be strictly increasing"},
     {"SEQ_START_OUT_OF_RANGE", "SEQ_START_OUT_OF_RANGE", "every seq_start_id must be < packed_len"},
-    {"SEQ_NOT_PAD_MULTIPLE", "SEQ_NOT_PAD_MULTIPLE", "every sequence length must be a multiple of pad_seq_to_mult"},
+    {"SEQ_NOT_PAD_MULTIPLE", "SEQ_NOT_PAD_MULTIPLE", "every sequence length (pad_layout stored), or length minus one (runtime), must be a multiple of pad_seq_to_mult"},
     {"TOKEN_NEGATIVE", "TOKEN_NEGATIVE", "token ids must be >= 0"},
     {"TOKEN_TOO_LARGE", "TOKEN_TOO_LARGE", "token id does not fit the shard's token dtype"},
     {"TOKEN_OUT_OF_VOCAB", "TOKEN_OUT_OF_VOCAB", "token id must be < vocab_size"},
@@ -351,6 +351,7 @@ PackCheck Shard::check_pack(const PackView& pack, int64_t vocab_override) const 
   lim.pack_size = impl_->meta.pack_size.value_or(0);
   lim.vocab_size = vocab_override > 0 ? vocab_override : impl_->meta.vocab_size.value_or(0);
   lim.pad_mult = impl_->meta.pad_seq_to_mult;
+  lim.pad_offset = impl_->meta.pad_offset;
   lim.dtype_max = detail::dtype_max(pack.token_dtype);
   return detail::check_pack_raw(pack.token_dtype, pack.input_ids, pack.loss_mask.data, pack.packed_len,
                                 pack.seq_start_id.data, pack.seq_start_id.size, lim, nullptr);

@@ -33,7 +33,7 @@ namespace sft_idx {
 
 // .seq.idx version this code implements; a file with another major is refused.
 inline constexpr int kSupportedMajor = 1;
-inline constexpr int kKnownMinor = 0;
+inline constexpr int kKnownMinor = 1;  // 1.1: pad_layout, stats.min_packed_runtime_len
 
 // Megatron's dtype codes (FORMAT.md "Dtype codes").
 enum class DType : uint8_t {
@@ -128,6 +128,7 @@ struct Stats {
   int64_t pack_count = 0, sequence_count = 0, token_count = 0, loss_token_count = 0;
   int64_t max_samples_per_bin = 0, dataset_max_seqlen = 0, min_seqlen = 0;
   int64_t min_packed_seqlen = 0, max_packed_seqlen = 0;
+  std::optional<int64_t> min_packed_runtime_len;  // format 1.1; absent in 1.0
   double packing_factor = 0.0;
   std::optional<double> packing_efficiency;  // null without pack_size
 };
@@ -139,6 +140,7 @@ struct Metadata {
   std::optional<int64_t> vocab_size;  // every token id < vocab_size when known
   std::string loss_mask_convention;   // "label_aligned"
   int64_t pad_seq_to_mult = 1;
+  int64_t pad_offset = 0;             // pad_layout: 0 "stored" (absent in 1.0), 1 "runtime"
   FileDigest files[4];                // .bin, .idx, .loss.bin, .seq.bin (kChecksummed order)
   Stats stats;
 };

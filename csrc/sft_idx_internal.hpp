@@ -198,6 +198,7 @@ struct PackLimits {
   int64_t pack_size = 0;   // 0 = unknown
   int64_t vocab_size = 0;  // 0 = unknown
   int64_t pad_mult = 1;
+  int64_t pad_offset = 0;  // 1 for pad_layout "runtime": (length - 1) % pad_mult == 0
   int64_t dtype_max = 0;
 };
 struct PackStats {  // of one valid pack

@@ -25,12 +25,12 @@ namespace {
 enum class Want { None, Root, Stats, Files, FileEntry };
 
 constexpr const char* kRootKeys[] = {"format", "pack_size", "token_dtype", "vocab_size", "loss_mask_convention",
-                                     "pad_seq_to_mult", "stats", "files", "producer", "tokenizer", "packing",
-                                     "parallelism", "source", "extra"};
+                                     "pad_seq_to_mult", "pad_layout", "stats", "files", "producer", "tokenizer",
+                                     "packing", "parallelism", "source", "extra"};
 constexpr const char* kStatKeys[] = {"pack_count", "sequence_count", "token_count", "loss_token_count",
                                      "max_samples_per_bin", "dataset_max_seqlen", "min_seqlen",
                                      "min_packed_seqlen", "max_packed_seqlen", "packing_factor",
-                                     "packing_efficiency"};
+                                     "packing_efficiency", "min_packed_runtime_len"};
 constexpr const char* kFileEntryKeys[] = {"size", "crc32"};
 
 template <size_t N>
@@ -396,6 +396,9 @@ class KeyChecker {
       auto v = integer(s->get(f.name), std::string("stats.") + f.name, false, kStatRange);
       if (v) *f.dst = *v;
     }
+    if (s->get("min_packed_runtime_len") != nullptr)  // format 1.1
+      out->min_packed_runtime_len = integer(s->get("min_packed_runtime_len"), "stats.min_packed_runtime_len", true,
+                                            kStatRange);
     out->packing_factor = ratio(s->get("packing_factor"), "stats.packing_factor", false).value_or(0.0);
     out->packing_efficiency = ratio(s->get("packing_efficiency"), "stats.packing_efficiency", true);
   }
@@ -447,6 +450,8 @@ std::optional<Metadata> parse_metadata(std::string_view json, const std::string&
   m.vocab_size = c.integer(root.get("vocab_size"), "vocab_size", true, kVocabSizeRange);
   m.loss_mask_convention = c.string_in("loss_mask_convention", {"label_aligned"});
   m.pad_seq_to_mult = c.integer(root.get("pad_seq_to_mult"), "pad_seq_to_mult", false, kPadRange).value_or(1);
+  if (root.get("pad_layout") != nullptr)  // format 1.1; absent means "stored"
+    m.pad_offset = c.string_in("pad_layout", {"stored", "runtime"}) == "runtime" ? 1 : 0;
   if (const Json* s = c.object(root.get("stats"), "stats")) c.stats(s, &m.stats);
   if (const Json* files = c.object(root.get("files"), "files")) {
     for (int k = 0; k < 4; ++k) {

@@ -107,7 +107,7 @@ PackCheck check_pack_raw(DType dtype, const void* ids, const uint8_t* loss, size
       if (end >= int64_t(n)) return {Rule::SEQ_START_OUT_OF_RANGE, int64_t(k + 1)};
     }
     const int64_t len = end - begin;
-    if (lim.pad_mult > 1 && len % lim.pad_mult != 0) return {Rule::SEQ_NOT_PAD_MULTIPLE, int64_t(k)};
+    if (lim.pad_mult > 1 && (len - lim.pad_offset) % lim.pad_mult != 0) return {Rule::SEQ_NOT_PAD_MULTIPLE, int64_t(k)};
     max_len = len > max_len ? len : max_len;
     min_len = len < min_len ? len : min_len;
   }
@@ -242,7 +242,7 @@ void check_offsets(Context& ctx, Sink& sink) {
 
 struct Totals {
   int64_t max_seqlen = 0, min_seqlen = INT64_MAX, loss_sum = 0, max_samples = 0;
-  int64_t min_packed = INT64_MAX, max_packed = 0;
+  int64_t min_packed = INT64_MAX, max_packed = 0, min_runtime = INT64_MAX;
   uint64_t bad_packs = 0;
 };
 
@@ -280,7 +280,8 @@ void pack_finding(const Context& ctx, Sink& sink, uint64_t i, const PackCheck& c
       break;
     }
     default:
-      if (c.rule == Rule::SEQ_NOT_PAD_MULTIPLE) d.expected = "sequence lengths multiple of " + to_str_i(lim.pad_mult);
+      if (c.rule == Rule::SEQ_NOT_PAD_MULTIPLE) d.expected = std::string(lim.pad_offset ? "sequence lengths minus one" : "sequence lengths") +
+                                                      " multiple of " + to_str_i(lim.pad_mult);
       break;
   }
   Finding f = make_finding(rule_code(c.rule), ctx, file, rule_text(c.rule), std::move(d), offset, int64_t(i));
@@ -317,6 +318,8 @@ Totals scan_packs(const Context& ctx, Sink& sink, const PackLimits& lim) {
     t.max_samples = int64_t(s1 - s0) > t.max_samples ? int64_t(s1 - s0) : t.max_samples;
     t.min_packed = len < t.min_packed ? len : t.min_packed;
     t.max_packed = len > t.max_packed ? len : t.max_packed;
+    const int64_t runtime = len - int64_t(s1 - s0);
+    t.min_runtime = runtime < t.min_runtime ? runtime : t.min_runtime;
   }
   return t;
 }
@@ -336,6 +339,8 @@ void compare_stats(const Context& ctx, Sink& sink, const Totals& t) {
   };
   for (const auto& f : ints)
     if (f.recorded != f.actual) mismatch(f.name, to_str_i(f.recorded), to_str_i(f.actual));
+  if (s.min_packed_runtime_len && *s.min_packed_runtime_len != t.min_runtime)
+    mismatch("min_packed_runtime_len", to_str_i(*s.min_packed_runtime_len), to_str_i(t.min_runtime));
   // The ratios are written rounded to 6 decimals: allow that rounding plus float noise.
   const double factor = double(seqs) / double(n);
   if (!(std::fabs(s.packing_factor - factor) <= 1.5e-6))
@@ -390,6 +395,7 @@ Report validate(const std::string& prefix, const ValidateOptions& options) {
         lim.pack_size = ctx.meta->pack_size.value_or(0);
         lim.vocab_size = ctx.meta->vocab_size.value_or(0);
         lim.pad_mult = ctx.meta->pad_seq_to_mult;
+        lim.pad_offset = ctx.meta->pad_offset;
       }
       if (options.vocab_size && *options.vocab_size > 0) lim.vocab_size = *options.vocab_size;
       const Totals t = scan_packs(ctx, sink, lim);

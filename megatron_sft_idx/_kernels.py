@@ -108,11 +108,13 @@ def _check_tokens(ids, dtype_max, vocab_size):
 
 
 @_jit
-def _check_layout(n_tokens, loss, starts, pack_size, pad_mult):
+def _check_layout(n_tokens, loss, starts, pack_size, pad_mult, pad_offset):
     """Checks that need no token values: lengths, loss values, sequence starts.
 
     Returns ``(rule, position, max_seqlen, min_seqlen, loss_sum)``; position is a
     token index for loss rules and an index into ``starts`` for sequence rules.
+    ``pad_offset`` is 0 for the "stored" padding layout (length % pad_mult == 0) and 1
+    for "runtime" ((length - 1) % pad_mult == 0).
     """
     if n_tokens <= 0:
         return _PACK_EMPTY, 0, 0, 0, 0
@@ -138,7 +140,7 @@ def _check_layout(n_tokens, loss, starts, pack_size, pad_mult):
         else:
             end = np.int64(n_tokens)
         seqlen = end - begin
-        if pad_mult > 1 and seqlen % pad_mult != 0:
+        if pad_mult > 1 and (seqlen - pad_offset) % pad_mult != 0:
             return _SEQ_NOT_PAD_MULTIPLE, k, 0, 0, 0
         if seqlen > max_len:
             max_len = seqlen
@@ -165,9 +167,9 @@ def _check_layout(n_tokens, loss, starts, pack_size, pad_mult):
 
 
 @_jit
-def _check_pack(ids, loss, starts, pack_size, dtype_max, vocab_size, pad_mult):
+def _check_pack(ids, loss, starts, pack_size, dtype_max, vocab_size, pad_mult, pad_offset):
     """All invariants of one pack. Returns ``(rule, position, max_seqlen, min_seqlen, loss_sum)``."""
-    result = _check_layout(ids.shape[0], loss, starts, pack_size, pad_mult)
+    result = _check_layout(ids.shape[0], loss, starts, pack_size, pad_mult, pad_offset)
     if result[0] != _OK:
         return result
     rule, pos = _check_tokens(ids, dtype_max, vocab_size)
@@ -176,9 +178,10 @@ def _check_pack(ids, loss, starts, pack_size, dtype_max, vocab_size, pad_mult):
     return result
 
 
-def check_pack(ids, loss, starts, pack_size, dtype_max, vocab_size, pad_mult):
+def check_pack(ids, loss, starts, pack_size, dtype_max, vocab_size, pad_mult, pad_offset=0):
     """See ``_check_pack``; scalars always reach numba as int64."""
-    return _check_pack(ids, loss, starts, _i64(pack_size), _i64(dtype_max), _i64(vocab_size), _i64(pad_mult))
+    return _check_pack(ids, loss, starts, _i64(pack_size), _i64(dtype_max), _i64(vocab_size), _i64(pad_mult),
+                       _i64(pad_offset))
 
 
 @_jit
@@ -195,7 +198,7 @@ def max_token(ids):
 @_jit
 def _scan_packs(lengths, token_offsets, seq_offsets, tokens, loss, starts,
                 pack_size, dtype_max, vocab_size, pad_mult, first, last,
-                max_findings, out_rule, out_pack, out_pos, rule_counts):
+                max_findings, out_rule, out_pack, out_pos, rule_counts, pad_offset):
     """Check packs ``[first, last)`` of a whole shard.
 
     ``token_offsets[i]`` is pack i's first element in ``tokens``/``loss`` (already
@@ -217,7 +220,7 @@ def _scan_packs(lengths, token_offsets, seq_offsets, tokens, loss, starts,
         t0 = np.int64(token_offsets[i])
         s0 = np.int64(seq_offsets[i])
         s1 = np.int64(seq_offsets[i + 1])
-        res = _check_layout(n, loss[t0:t0 + n], starts[s0:s1], pack_size, pad_mult)
+        res = _check_layout(n, loss[t0:t0 + n], starts[s0:s1], pack_size, pad_mult, pad_offset)
         rule = res[0]
         pos = res[1]
         if rule == _OK:
@@ -245,11 +248,11 @@ def _scan_packs(lengths, token_offsets, seq_offsets, tokens, loss, starts,
 
 
 def scan_packs(lengths, token_offsets, seq_offsets, tokens, loss, starts, pack_size, dtype_max, vocab_size,
-               pad_mult, first, last, max_findings, out_rule, out_pack, out_pos, rule_counts):
+               pad_mult, first, last, max_findings, out_rule, out_pack, out_pos, rule_counts, pad_offset=0):
     """See ``_scan_packs``; scalars always reach numba as int64."""
     return _scan_packs(lengths, token_offsets, seq_offsets, tokens, loss, starts, _i64(pack_size),
                        _i64(dtype_max), _i64(vocab_size), _i64(pad_mult), _i64(first), _i64(last),
-                       _i64(max_findings), out_rule, out_pack, out_pos, rule_counts)
+                       _i64(max_findings), out_rule, out_pack, out_pos, rule_counts, _i64(pad_offset))
 
 
 @_jit

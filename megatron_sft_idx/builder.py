@@ -45,6 +45,7 @@ from .format import (
     choose_token_dtype,
 )
 from .metadata import FileDigest, PackingStats, ShardMetadata, split_user_metadata
+from .packing.padding import pad_offset
 from .version import __version__
 
 _BLOCK = 1 << 16          # entries per int32 block of per-pack buffers
@@ -171,6 +172,7 @@ class IndexedDatasetBuilder:
         self.vocab_size = None if vocab_size is None else int(vocab_size)
         self._user_metadata = split_user_metadata(metadata)
         self._pad_mult = int(self._user_metadata["pad_seq_to_mult"])
+        self._pad_offset = pad_offset(self._user_metadata["pad_layout"])
         self._auto_dtype = dtype is None and self.vocab_size is None
         if dtype is None:
             self.dtype = choose_token_dtype(None if self.vocab_size is None else self.vocab_size - 1)
@@ -206,6 +208,7 @@ class IndexedDatasetBuilder:
         self._min_seqlen = None
         self._max_samples = 0
         self._min_packed = None
+        self._min_runtime = None  # min over packs of packed_len - sequences (Bridge's min_packed_seqlen)
         self._max_packed = 0
         self._state = "open"
         self.metadata: Optional[ShardMetadata] = None
@@ -249,7 +252,8 @@ class IndexedDatasetBuilder:
         loss = _int_array(loss_mask, "loss_mask", index, allow_bool=True)
         starts = _int_array(seq_start_id, "seq_start_id", index)
         rule, pos, max_len, min_len, loss_sum = _kernels.check_pack(
-            ids, loss, starts, self.pack_size or 0, self._check_max, self.vocab_size or 0, self._pad_mult)
+            ids, loss, starts, self.pack_size or 0, self._check_max, self.vocab_size or 0, self._pad_mult,
+            self._pad_offset)
         if rule != Rule.OK:
             raise self._violation(Rule(rule), index, pos, ids, loss, starts)
         if self._auto_dtype and self.dtype == DType.uint16 and int(ids.max()) > UINT16_MAX:
@@ -263,10 +267,11 @@ class IndexedDatasetBuilder:
     def _record(self, n_tokens: int, n_seq: int, loss_sum: int, max_len: int, min_len: int) -> None:
         self._lengths.append(n_tokens)
         self._seq_counts.append(n_seq)
-        self._merge_stats(n_tokens, n_seq, loss_sum, max_len, min_len, n_seq, n_tokens, n_tokens)
+        self._merge_stats(n_tokens, n_seq, loss_sum, max_len, min_len, n_seq, n_tokens, n_tokens,
+                          n_tokens - n_seq)
 
     def _merge_stats(self, tokens: int, sequences: int, loss_sum: int, max_seqlen: int, min_seqlen: int,
-                     max_samples: int, min_packed: int, max_packed: int) -> None:
+                     max_samples: int, min_packed: int, max_packed: int, min_runtime: int) -> None:
         """Fold the statistics of one pack, or of a run of packs, into the shard's."""
         self._tokens += tokens
         self._sequences += sequences
@@ -276,6 +281,7 @@ class IndexedDatasetBuilder:
         self._max_samples = max(self._max_samples, max_samples)
         self._min_packed = min_packed if self._min_packed is None else min(self._min_packed, min_packed)
         self._max_packed = max(self._max_packed, max_packed)
+        self._min_runtime = min_runtime if self._min_runtime is None else min(self._min_runtime, min_runtime)
 
     def _violation(self, rule: Rule, index: int, pos: int, ids, loss, starts) -> InvariantError:
         field = {Rule.LOSS_VALUE: "loss_mask", Rule.LOSS_ON_LAST: "loss_mask",
@@ -296,7 +302,8 @@ class IndexedDatasetBuilder:
             actual = f"seq_start_id[{pos}] = {int(starts[pos])}"
         limit = {Rule.TOKEN_OUT_OF_VOCAB: f"vocab_size {self.vocab_size}",
                  Rule.TOKEN_TOO_LARGE: f"dtype {self.dtype.name}",
-                 Rule.SEQ_NOT_PAD_MULTIPLE: f"multiple {self._pad_mult}"}.get(rule)
+                 Rule.SEQ_NOT_PAD_MULTIPLE: f"multiple {self._pad_mult} "
+                                            f"(pad_layout {self._user_metadata['pad_layout']})"}.get(rule)
         where = f" at position {pos}" if pos >= 0 else ""
         return InvariantError(f"pack {index} rejected{where}: {rule.describe}", path=self.prefix,
                               pack=index, field=field, rule=rule.name, expected=limit, actual=actual,
@@ -377,7 +384,7 @@ class IndexedDatasetBuilder:
         rec, max_len, min_len, loss_sum, max_samples, min_packed, max_packed = _kernels.scan_packs(
             chunk_lengths, token_offsets, seq_off, chunk_tokens, chunk_loss, chunk_starts,
             self.pack_size or 0, dtype_max, self.vocab_size or 0, self._pad_mult, 0, last - first,
-            1, out_rule, out_pack, out_pos, counts)
+            1, out_rule, out_pack, out_pos, counts, self._pad_offset)
         if rec:
             rule = Rule(int(out_rule[0]))
             raise InvariantError(f"source pack rejected: {rule.describe}", path=src.prefix,
@@ -393,7 +400,8 @@ class IndexedDatasetBuilder:
         self._lengths.extend(chunk_lengths)
         self._seq_counts.extend(np.diff(seq_off))
         self._merge_stats(t1 - t0, s1 - s0, int(loss_sum), int(max_len), int(min_len), int(max_samples),
-                          int(min_packed), int(max_packed))
+                          int(min_packed), int(max_packed),
+                          int((chunk_lengths.astype(np.int64) - np.diff(seq_off)).min()))
 
     # ------------------------------------------------------------------ finishing
 
@@ -407,6 +415,7 @@ class IndexedDatasetBuilder:
             loss_token_count=self._loss_tokens, max_samples_per_bin=self._max_samples,
             dataset_max_seqlen=self._max_seqlen, min_seqlen=self._min_seqlen,
             min_packed_seqlen=self._min_packed, max_packed_seqlen=self._max_packed,
+            min_packed_runtime_len=self._min_runtime,
             packing_factor=round(self._sequences / n, 6), packing_efficiency=efficiency)
 
     def _write_idx(self) -> FileDigest:
@@ -488,7 +497,8 @@ class IndexedDatasetBuilder:
                 files={BIN_SUFFIX: self._bin.digest, IDX_SUFFIX: idx_digest,
                        LOSS_SUFFIX: self._loss.digest, SEQ_BIN_SUFFIX: self._seq.digest},
                 producer={"name": "megatron_sft_idx", "version": __version__},
-                pad_seq_to_mult=known["pad_seq_to_mult"], tokenizer=known.get("tokenizer"),
+                pad_seq_to_mult=known["pad_seq_to_mult"], pad_layout=known["pad_layout"],
+                tokenizer=known.get("tokenizer"),
                 packing=known.get("packing"), parallelism=known.get("parallelism"),
                 source=known.get("source"), extra=known["extra"])
             self._write_seq_idx(self.metadata)

@@ -274,7 +274,7 @@ class IdxHeader:
 # --------------------------------------------------------------------------- .seq.idx
 
 SEQ_IDX_MAGIC = b"MSFTSEQ\x00"
-SEQ_IDX_VERSION = (1, 0)
+SEQ_IDX_VERSION = (1, 1)  # 1.1 added metadata pad_layout and stats.min_packed_runtime_len
 SUPPORTED_SEQ_IDX_MAJORS = (1,)
 ALIGNMENT = 64
 #: magic, major, minor, token_dtype_code, seq_dtype_code, loss_dtype_code, flags,
@@ -443,7 +443,8 @@ _RULE_TEXT = {
     Rule.SEQ_FIRST_NOT_ZERO: "seq_start_id[0] must be 0",
     Rule.SEQ_NOT_INCREASING: "seq_start_id must be strictly increasing",
     Rule.SEQ_START_OUT_OF_RANGE: "every seq_start_id must be < packed_len",
-    Rule.SEQ_NOT_PAD_MULTIPLE: "every sequence length must be a multiple of pad_seq_to_mult",
+    Rule.SEQ_NOT_PAD_MULTIPLE: "every sequence length (pad_layout 'stored'), or length minus one "
+                               "(pad_layout 'runtime'), must be a multiple of pad_seq_to_mult",
     Rule.TOKEN_NEGATIVE: "token ids must be >= 0",
     Rule.TOKEN_TOO_LARGE: "token id does not fit the shard's token dtype",
     Rule.TOKEN_OUT_OF_VOCAB: "token id must be < vocab_size",
@@ -451,3 +452,11 @@ _RULE_TEXT = {
 
 #: The loss-mask convention every shard of this version uses (recorded in the metadata).
 LOSS_MASK_CONVENTION = "label_aligned"
+
+#: Context-parallel padding layouts (metadata ``pad_layout``, format 1.1; absent means "stored").
+#: "stored": every stored sequence length is a multiple of ``pad_seq_to_mult`` (Megatron-LM's
+#: SFT padding). "runtime": every stored length minus one is (Megatron-Bridge's: its runtime
+#: segment drops each sequence's last token for the label shift).
+PAD_LAYOUT_STORED = "stored"
+PAD_LAYOUT_RUNTIME = "runtime"
+PAD_LAYOUTS = (PAD_LAYOUT_STORED, PAD_LAYOUT_RUNTIME)

@@ -1,6 +1,8 @@
 """Shard metadata: the JSON object stored in ``P.seq.idx`` after the header.
 
-It makes a shard self-describing. Keys written by format 1.0:
+It makes a shard self-describing. Keys written by format 1.0 (1.1 adds ``pad_layout``
+and ``stats.min_packed_runtime_len``; a 1.0 shard reads as ``pad_layout = "stored"``
+with that statistic None):
 
 =====================  ========  ====================================================
 key                    required  meaning
@@ -11,6 +13,7 @@ token_dtype            yes       ``"uint16"`` or ``"int32"``; equals the header 
 vocab_size             yes       int or null; every token id is < vocab_size
 loss_mask_convention   yes       ``"label_aligned"``: mask[j] == 1 trains predicting j+1
 pad_seq_to_mult        yes       int >= 1; every sequence length is a multiple of it
+pad_layout             1.1       ``"stored"`` (L % mult == 0) or ``"runtime"`` ((L-1) % mult == 0)
 stats                  yes       packing statistics (see :class:`PackingStats`)
 files                  yes       ``{".bin"|".idx"|".loss.bin"|".seq.bin": {"size", "crc32"}}``
 producer               yes       ``{"name", "version"}`` of the writer
@@ -43,6 +46,8 @@ from .format import (
     MAX_METADATA_LENGTH,
     METADATA_FIELD_RANGES,
     METADATA_INT_RANGE,
+    PAD_LAYOUT_STORED,
+    PAD_LAYOUTS,
     TOKEN_DTYPES,
 )
 
@@ -52,15 +57,18 @@ RESERVED_KEYS = frozenset(
     {"format", "pack_size", "token_dtype", "vocab_size", "loss_mask_convention", "stats", "files", "producer"}
 )
 #: Optional keys with a known meaning; anything else a caller passes goes under ``extra``.
-OPTIONAL_KEYS = ("pad_seq_to_mult", "tokenizer", "packing", "parallelism", "source", "extra")
+OPTIONAL_KEYS = ("pad_seq_to_mult", "pad_layout", "tokenizer", "packing", "parallelism", "source", "extra")
 
 
 @dataclass(frozen=True)
 class PackingStats:
     """Statistics of the packs, computed by the builder from the data it wrote.
 
-    ``max_samples_per_bin``, ``dataset_max_seqlen`` and ``min_packed_seqlen`` are
-    the values Megatron-Bridge's ``pad_cu_seqlens`` needs.
+    ``max_samples_per_bin``, ``dataset_max_seqlen`` and ``min_packed_runtime_len`` give
+    the values Megatron-Bridge's ``pad_cu_seqlens`` needs (Bridge's ``dataset_max_seqlen``
+    is ours minus one; its ``min_packed_seqlen`` is our ``min_packed_runtime_len``: the
+    shortest pack's length minus its sequence count). ``min_packed_runtime_len`` is
+    new in format 1.1 and None when read from a 1.0 shard.
     """
 
     pack_count: int
@@ -74,25 +82,32 @@ class PackingStats:
     max_packed_seqlen: int
     packing_factor: float       # sequences per pack
     packing_efficiency: float   # tokens / (packs * pack_size); null without pack_size
+    min_packed_runtime_len: Optional[int] = None  # min over packs of (packed_len - sequences); 1.1
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], path: Optional[str] = None) -> "PackingStats":
         values = {}
         for name, kind in cls.__annotations__.items():
-            if not isinstance(raw, Mapping) or name not in raw:  # every key is required; null is not absence
+            # Every key is required (null is not absence), but for the one format 1.1 added.
+            if not isinstance(raw, Mapping) or (name not in raw and name not in _NEW_IN_1_1):
                 raise MetadataError("packing statistic missing", path=path, field=f"stats.{name}", expected=kind)
-            value = raw[name]
-            if name == "packing_efficiency" and value is None:
+            value = raw.get(name)
+            if name in _NULLABLE_STATS and value is None:
                 values[name] = None
                 continue
-            expected = (int,) if kind == "int" else (int, float)
+            expected = (int,) if kind in ("int", "Optional[int]") else (int, float)
             if isinstance(value, bool) or not isinstance(value, expected):
                 raise MetadataError("packing statistic missing or of the wrong type", path=path,
                                     field=f"stats.{name}", expected=kind, actual=value)
-            if kind == "int":
+            if kind in ("int", "Optional[int]"):
                 _check_range(value, "stats.*", f"stats.{name}", path)
             values[name] = value
         return cls(**values)
+
+
+_NULLABLE_STATS = ("packing_efficiency", "min_packed_runtime_len")
+#: Statistics a format 1.0 shard does not have (read as None).
+_NEW_IN_1_1 = ("min_packed_runtime_len",)
 
 
 @dataclass(frozen=True)
@@ -113,6 +128,7 @@ class ShardMetadata:
     producer: Dict[str, Any]
     loss_mask_convention: str = LOSS_MASK_CONVENTION
     pad_seq_to_mult: int = 1
+    pad_layout: str = PAD_LAYOUT_STORED
     tokenizer: Optional[Dict[str, Any]] = None
     packing: Optional[Dict[str, Any]] = None
     parallelism: Optional[Dict[str, Any]] = None
@@ -129,6 +145,7 @@ class ShardMetadata:
             "vocab_size": self.vocab_size,
             "loss_mask_convention": self.loss_mask_convention,
             "pad_seq_to_mult": self.pad_seq_to_mult,
+            "pad_layout": self.pad_layout,
             "stats": asdict(self.stats),
             "files": {k: asdict(v) for k, v in sorted(self.files.items())},
             "producer": dict(self.producer),
@@ -193,6 +210,10 @@ class ShardMetadata:
             raise MetadataError("unknown loss-mask convention", path=path, field="loss_mask_convention",
                                 expected=LOSS_MASK_CONVENTION, actual=convention)
         pad = need("pad_seq_to_mult", (int,))
+        layout = obj.get("pad_layout", PAD_LAYOUT_STORED)  # absent in format 1.0
+        if layout not in PAD_LAYOUTS:
+            raise MetadataError("unknown padding layout", path=path, field="pad_layout",
+                                expected=list(PAD_LAYOUTS), actual=layout)
         stats = PackingStats.from_dict(need("stats", (dict,)), path=path)
         raw_files = need("files", (dict,))
         files = {}
@@ -215,6 +236,7 @@ class ShardMetadata:
             optional[key] = value
         return cls(pack_size=pack_size, token_dtype=token_dtype, vocab_size=vocab_size, stats=stats,
                    files=files, producer=producer, loss_mask_convention=convention, pad_seq_to_mult=pad,
+                   pad_layout=layout,
                    tokenizer=optional["tokenizer"], packing=optional["packing"],
                    parallelism=optional["parallelism"], source=optional["source"],
                    extra=optional["extra"] or {})
@@ -315,7 +337,7 @@ def split_user_metadata(metadata: Optional[Mapping[str, Any]]) -> Dict[str, Any]
     Raises:
         MetadataError: a reserved key is set, or a known key has the wrong type.
     """
-    known: Dict[str, Any] = {"pad_seq_to_mult": 1, "extra": {}}
+    known: Dict[str, Any] = {"pad_seq_to_mult": 1, "pad_layout": PAD_LAYOUT_STORED, "extra": {}}
     if not metadata:
         return known
     if not isinstance(metadata, Mapping):
@@ -333,6 +355,11 @@ def split_user_metadata(metadata: Optional[Mapping[str, Any]]) -> Dict[str, Any]
             low, high = METADATA_FIELD_RANGES[key]
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
                 raise MetadataError(f"pad_seq_to_mult must be an int in {low}..{high}", field=key, actual=value)
+            known[key] = value
+        elif key == "pad_layout":
+            if value not in PAD_LAYOUTS:
+                raise MetadataError("unknown padding layout", field=key, expected=list(PAD_LAYOUTS),
+                                    actual=value)
             known[key] = value
         elif key in ("tokenizer", "packing", "parallelism", "source"):
             if not isinstance(value, Mapping):

@@ -1,15 +1,19 @@
 """ctypes binding of the native C++ reader/validator (``csrc/``), an independent
 implementation of ``docs/FORMAT.md``.
 
-Nothing is compiled at import time: build the library first, then point at it::
+``pip install`` builds the library when a C++ compiler (and zlib's headers) are present and
+ships it next to this module, in ``_native/``, with the ``sft_idx_check`` executable; without a
+compiler the install still succeeds, ``_native/NOT_BUILT`` says why, and the Python reader and
+gate (the reference) do everything. Nothing is compiled at import time::
 
-    bash csrc/build.sh build/native            # libsft_idx.so + sft_idx_check
-    export MEGATRON_SFT_IDX_NATIVE_LIB=build/native/libsft_idx.so
-
-    from megatron_sft_idx.native import NativeShard, validate
+    from megatron_sft_idx.native import NativeShard, available, validate
     shard = NativeShard("/data/train_000")     # or NativeShard(prefix, lib_path=...)
     input_ids, loss_mask, seq_start_id = shard.pack(17)
     report = validate("/data/train_000")       # report.passed, report.findings
+
+Which library: ``lib_path`` when given; else ``$MEGATRON_SFT_IDX_NATIVE_LIB`` (e.g. one built by
+``bash csrc/build.sh``, which puts ``sft_idx_check`` beside it); else the one the install built.
+``MEGATRON_SFT_IDX_NATIVE=0`` disables the last two (and skips the build at install time).
 
 Loading fails with :class:`NativeLibraryError` (an ``ImportError``), so callers
 can fall back to the pure-Python reader. A shard the native code refuses raises
@@ -42,12 +46,75 @@ from .errors import (
 )
 
 ENV_VAR = "MEGATRON_SFT_IDX_NATIVE_LIB"
+ENABLE_VAR = "MEGATRON_SFT_IDX_NATIVE"
 ABI_VERSION = 1
 VERDICTS = ("pass", "fail", "unreadable")
+# What the install builds (setup.py runs csrc/build.sh into this directory), or the reason it did not.
+BUNDLED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_native")
+LIBRARY_NAME = "libsft_idx.so"
+CHECKER_NAME = "sft_idx_check"
+NOT_BUILT_NAME = "NOT_BUILT"
+_REBUILD = ("install g++ and zlib's headers (apt-get install g++ zlib1g-dev) and reinstall megatron_sft_idx, "
+            "or build it with `bash csrc/build.sh DIR` and set MEGATRON_SFT_IDX_NATIVE_LIB=DIR/libsft_idx.so")
 
 
 class NativeLibraryError(ImportError):
-    """The native library is not configured, missing, or of another ABI version."""
+    """The native library is disabled, not built, missing, or of another ABI version."""
+
+
+def _bundled(name: str) -> str:
+    """``name`` in the directory the install built into, or why it is not there."""
+    path = os.path.join(BUNDLED_DIR, name)
+    if os.path.isfile(path):
+        return path
+    try:
+        with open(os.path.join(BUNDLED_DIR, NOT_BUILT_NAME), encoding="utf-8") as f:
+            reason = f.readline().strip()
+    except OSError:
+        reason = "no native build found next to the package"
+    raise NativeLibraryError(f"the native reader/validator was not built when megatron_sft_idx was installed "
+                             f"({reason}); {_REBUILD}; the Python reader and check-idx do not need it")
+
+
+def _enabled() -> None:
+    if os.environ.get(ENABLE_VAR, "1").strip() == "0":
+        raise NativeLibraryError(f"the native library is disabled by {ENABLE_VAR}=0")
+
+
+def library_path() -> str:
+    """The native library to load: ``$MEGATRON_SFT_IDX_NATIVE_LIB``, else the one built at install.
+
+    Raises:
+        NativeLibraryError: disabled by ``MEGATRON_SFT_IDX_NATIVE=0``, or nothing was built.
+    """
+    _enabled()
+    return os.environ.get(ENV_VAR) or _bundled(LIBRARY_NAME)
+
+
+def checker_path() -> str:
+    """The ``sft_idx_check`` executable: beside ``$MEGATRON_SFT_IDX_NATIVE_LIB``, else the one built at install.
+
+    Raises:
+        NativeLibraryError: disabled, not built, or missing beside the configured library.
+    """
+    _enabled()
+    configured = os.environ.get(ENV_VAR)
+    if not configured:
+        return _bundled(CHECKER_NAME)
+    path = os.path.join(os.path.dirname(os.path.abspath(configured)), CHECKER_NAME)
+    if not os.access(path, os.X_OK):
+        raise NativeLibraryError(f"no executable {CHECKER_NAME} beside {ENV_VAR}={configured} "
+                                 f"(csrc/build.sh writes both into one directory)")
+    return path
+
+
+def available() -> bool:
+    """True when :func:`load_library` with no argument would succeed."""
+    try:
+        load_library()
+    except NativeLibraryError:
+        return False
+    return True
 
 
 class _Error(ctypes.Structure):
@@ -98,16 +165,12 @@ _LOCK = threading.Lock()
 
 
 def load_library(lib_path: Optional[str] = None) -> ctypes.CDLL:
-    """The native library at ``lib_path`` (default: ``$MEGATRON_SFT_IDX_NATIVE_LIB``), loaded once per path.
+    """The native library at ``lib_path`` (default: :func:`library_path`), loaded once per path.
 
     Raises:
-        NativeLibraryError: no path given or configured, the file cannot be loaded, or its ABI differs.
+        NativeLibraryError: none is configured or built, the file cannot be loaded, or its ABI differs.
     """
-    path = lib_path if lib_path is not None else os.environ.get(ENV_VAR)
-    if not path:
-        raise NativeLibraryError(f"no native library given: pass lib_path or set {ENV_VAR} "
-                                 f"(build it with `bash csrc/build.sh`)")
-    path = os.path.abspath(os.fspath(path))
+    path = os.path.abspath(os.fspath(lib_path if lib_path is not None else library_path()))
     with _LOCK:
         lib = _LIBS.get(path)
         if lib is not None:
@@ -115,8 +178,7 @@ def load_library(lib_path: Optional[str] = None) -> ctypes.CDLL:
         try:
             lib = ctypes.CDLL(path)
         except OSError as exc:
-            raise NativeLibraryError(f"cannot load the native library {path}: {exc} "
-                                     f"(build it with `bash csrc/build.sh`)") from None
+            raise NativeLibraryError(f"cannot load the native library {path}: {exc}; {_REBUILD}") from None
         try:
             for name, (restype, argtypes) in _SIGNATURES.items():
                 fn = getattr(lib, name)
@@ -125,8 +187,8 @@ def load_library(lib_path: Optional[str] = None) -> ctypes.CDLL:
             raise NativeLibraryError(f"{path} is not the megatron_sft_idx native library: {exc}") from None
         version = lib.sft_idx_abi_version()
         if version != ABI_VERSION:
-            raise NativeLibraryError(f"{path} has ABI version {version}; this binding needs {ABI_VERSION} "
-                                     f"(rebuild it with `bash csrc/build.sh`)")
+            raise NativeLibraryError(f"{path} has ABI version {version}; this binding needs {ABI_VERSION}: "
+                                     f"rebuild it ({_REBUILD})")
         _LIBS[path] = lib
         return lib
 
@@ -337,4 +399,4 @@ class NativeShard:
 
 
 __all__ = ["NativeShard", "NativeReport", "NativeFinding", "NativeLibraryError", "validate", "load_library",
-           "ENV_VAR"]
+           "library_path", "checker_path", "available", "ENV_VAR", "ENABLE_VAR"]

@@ -10,7 +10,7 @@ from megatron_sft_idx import format as fmt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = open(os.path.join(ROOT, "docs", "FORMAT.md"), encoding="utf-8").read()
-GOLDEN = os.path.join(ROOT, "tests", "golden", "v1_0", "tiny")
+GOLDEN = os.path.join(ROOT, "tests", "golden", "v1_1", "tiny")
 
 
 def section(title: str) -> str:

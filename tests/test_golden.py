@@ -1,4 +1,4 @@
-"""The committed golden shard (format 1.0) pins the bytes: old shards stay readable, new ones identical."""
+"""The committed golden shards pin the bytes: old versions stay readable, the current one is rebuilt identically."""
 
 import importlib.util
 import json
@@ -13,7 +13,8 @@ from megatron_sft_idx import MMapIndexedDataset
 from megatron_sft_idx.format import ALL_SUFFIXES, METADATA_OFFSET, SeqIdxHeader
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-GOLDEN = os.path.join(HERE, "golden", "v1_0", "tiny")
+GOLDEN = os.path.join(HERE, "golden", "v1_1", "tiny")  # the current version
+GOLDEN_V1_0 = os.path.join(HERE, "golden", "v1_0", "tiny")
 
 
 def _load_maker():
@@ -45,8 +46,9 @@ def test_golden_files_are_committed():
         assert os.path.isfile(GOLDEN + suffix), f"missing golden file {GOLDEN + suffix}"
 
 
-def test_reader_reads_the_golden_packs():
-    ds = MMapIndexedDataset(GOLDEN, check_packs=True)
+@pytest.mark.parametrize("golden", [GOLDEN, GOLDEN_V1_0], ids=["v1_1", "v1_0"])
+def test_reader_reads_the_golden_packs(golden):
+    ds = MMapIndexedDataset(golden, check_packs=True)
     assert len(ds) == len(make_golden.PACKS) and ds.dtype.name == "uint16"
     for i, (ids, loss, starts) in enumerate(make_golden.PACKS):
         pack = ds[i]
@@ -62,14 +64,26 @@ def test_reader_reads_the_golden_packs():
     assert (s.max_samples_per_bin, s.dataset_max_seqlen, s.min_seqlen) == (3, 4, 1)
     assert (s.min_packed_seqlen, s.max_packed_seqlen) == (3, 8)
     assert s.packing_factor == 2.0 and s.packing_efficiency == pytest.approx(16 / 24, abs=1e-6)
+    assert m.pad_layout == "stored"  # 1.0 has no pad_layout: the stored layout
+    # New in 1.1 (Megatron-Bridge's min_packed_seqlen); a 1.0 shard does not record it.
+    assert s.min_packed_runtime_len == (None if golden == GOLDEN_V1_0 else 2)  # pack 1: 3 - 1 = 5 - 3
+    assert ds.seq_header.version_minor == (0 if golden == GOLDEN_V1_0 else 1)
 
 
-def test_recorded_checksums_match_the_committed_files():
-    m = MMapIndexedDataset(GOLDEN).metadata
+def test_the_gate_passes_every_golden_version():
+    from megatron_sft_idx.gate import check
+
+    report = check([GOLDEN, GOLDEN_V1_0], level="deep")
+    assert report.passed, report.format_text()
+
+
+@pytest.mark.parametrize("golden", [GOLDEN, GOLDEN_V1_0], ids=["v1_1", "v1_0"])
+def test_recorded_checksums_match_the_committed_files(golden):
+    m = MMapIndexedDataset(golden).metadata
     for suffix, digest in m.files.items():
-        raw = read(GOLDEN + suffix)
+        raw = read(golden + suffix)
         assert (len(raw), zlib.crc32(raw)) == (digest.size, digest.crc32), suffix
-    raw = read(GOLDEN + ".seq.idx")
+    raw = read(golden + ".seq.idx")
     h = SeqIdxHeader.parse(raw, "seq.idx", len(raw))
     assert h.body_crc32 == zlib.crc32(raw[METADATA_OFFSET:])
 
@@ -107,7 +121,7 @@ def test_pinned_bytes():
 
     seq_idx = read(GOLDEN + ".seq.idx")
     assert seq_idx[:8] == b"MSFTSEQ\x00"
-    assert struct.unpack_from("<HHBBBB", seq_idx, 8) == (1, 0, 8, 4, 1, 0)
+    assert struct.unpack_from("<HHBBBB", seq_idx, 8) == (1, 1, 8, 4, 1, 0)
     assert struct.unpack_from("<QQQ", seq_idx, 16) == (3, 6, 16)
     mlen, csr = struct.unpack_from("<QQ", seq_idx, 40)
     assert csr % 64 == 0 and csr == (64 + mlen + 63) // 64 * 64

@@ -44,14 +44,17 @@ INT_FIELDS = {  # dotted path -> (low, high, nullable)
     **{f"stats.{k}": (0, I64, False) for k in (
         "pack_count", "sequence_count", "token_count", "loss_token_count", "max_samples_per_bin",
         "dataset_max_seqlen", "min_seqlen", "min_packed_seqlen", "max_packed_seqlen")},
+    "stats.min_packed_runtime_len": (0, I64, True),  # format 1.1
     **{f"files.{s}.size": (0, I64, False) for s in (".bin", ".idx", ".loss.bin", ".seq.bin")},
     **{f"files.{s}.crc32": (0, 2 ** 32 - 1, False) for s in (".bin", ".idx", ".loss.bin", ".seq.bin")},
 }
 RATIO_FIELDS = {"stats.packing_factor": False, "stats.packing_efficiency": True}  # -> nullable
 OBJECT_FIELDS = {"producer": False, "tokenizer": True, "packing": True, "parallelism": True, "source": True,
                  "extra": True, "stats": False, "files": False}
+STRING_FIELDS = {"pad_layout": ("stored", "runtime"), "token_dtype": ("uint16",)}  # -> accepted values here
 FREE_FIELDS = ("zz_unknown", "extra.note", "tokenizer.name", "producer.version", "source.inputs")
-ALL_FIELDS = sorted(INT_FIELDS) + sorted(RATIO_FIELDS) + sorted(OBJECT_FIELDS) + list(FREE_FIELDS)
+ALL_FIELDS = (sorted(INT_FIELDS) + sorted(RATIO_FIELDS) + sorted(OBJECT_FIELDS) + sorted(STRING_FIELDS)
+              + list(FREE_FIELDS))
 
 
 class Hostile:
@@ -88,6 +91,8 @@ def expected_code(field: str, h: Hostile):
         ok = (h.kind == "int" and low <= h.value <= high) or (h.kind == "null" and nullable)
     elif field in RATIO_FIELDS:
         ok = h.kind in ("int", "float") or (h.kind == "null" and RATIO_FIELDS[field])
+    elif field in STRING_FIELDS:
+        ok = h.kind == "str" and h.value in STRING_FIELDS[field]
     elif field in ("stats", "files"):  # no hostile value is a complete stats/files object
         ok = False
     elif field in OBJECT_FIELDS:

@@ -23,9 +23,11 @@ from hypothesis import strategies as st
 
 from corrupt import (first_start, flip, idx_offset, layout, loss_on_last, loss_two, mutate, patch, reseal,
                      sealed, seq_fields, start_decreasing)
+from megatron_sft_idx.metadata import ShardMetadata
 from megatron_sft_idx import MMapIndexedDataset, ShardError
 from megatron_sft_idx.format import ALL_SUFFIXES, METADATA_OFFSET
 from megatron_sft_idx.gate import check
+from megatron_sft_idx import native as native_module
 from megatron_sft_idx.native import NativeLibraryError, NativeShard, load_library, validate
 from shardgen import random_packs, write_shard
 
@@ -88,14 +90,18 @@ def assert_same_packs(prefix, lib):
             assert shard.check_pack(i) == (0, -1)
         last = shard.pack(-1)
         np.testing.assert_array_equal(last[0], ds[len(ds) - 1].input_ids)
-        assert shard.metadata == ds.metadata.to_dict()
+        # The native binding returns the JSON as stored (a 1.0 shard has no pad_layout key).
+        assert ShardMetadata.from_dict(shard.metadata) == ds.metadata
         assert (shard.pack_size, shard.vocab_size) == (ds.metadata.pack_size, ds.metadata.vocab_size)
 
 
-def test_golden_shard_reads_identically(native):
+@pytest.mark.parametrize("version", ["v1_0", "v1_1"])
+def test_golden_shard_reads_identically(native, version):
     lib, _ = native
-    assert_same_packs(GOLDEN, lib)
-    with NativeShard(GOLDEN, lib_path=lib) as shard:
+    golden = os.path.join(ROOT, "tests", "golden", version, "tiny")
+    assert_same_packs(golden, lib)
+    assert validate(golden, lib_path=lib).passed
+    with NativeShard(golden, lib_path=lib) as shard:
         ids, loss, starts = shard.pack(0)
         assert ids.tolist() == [1, 2, 3, 4, 5, 6, 7, 8] and loss.tolist() == [0, 1, 1, 0, 1, 1, 1, 0]
         assert starts.tolist() == [0, 4]
@@ -130,17 +136,37 @@ def test_property_native_matches_python(native, tmp_path_factory, seed, n, pad, 
     assert validate(prefix, lib_path=native[0]).passed
 
 
-def test_library_must_be_given(monkeypatch):
+def test_library_not_built(monkeypatch, tmp_path):
+    """No build next to the package (an install without a compiler): a NativeLibraryError saying why."""
     monkeypatch.delenv("MEGATRON_SFT_IDX_NATIVE_LIB", raising=False)
-    with pytest.raises(NativeLibraryError, match="MEGATRON_SFT_IDX_NATIVE_LIB"):
+    monkeypatch.delenv("MEGATRON_SFT_IDX_NATIVE", raising=False)
+    monkeypatch.setattr(native_module, "BUNDLED_DIR", str(tmp_path))
+    with pytest.raises(NativeLibraryError, match="not built .*no native build found.*MEGATRON_SFT_IDX_NATIVE_LIB"):
         load_library()
+    (tmp_path / "NOT_BUILT").write_text("C++ compiler 'g++' not found\n")
+    with pytest.raises(NativeLibraryError, match=r"not built when .* \(C\+\+ compiler 'g\+\+' not found\)"):
+        native_module.checker_path()
+    assert not native_module.available()
     with pytest.raises(NativeLibraryError, match="cannot load"):
         load_library("/nonexistent/libsft_idx.so")
 
 
-def test_env_var_selects_library(native, monkeypatch):
-    monkeypatch.setenv("MEGATRON_SFT_IDX_NATIVE_LIB", native[0])
+def test_bundled_library_is_found_and_env_overrides(native, monkeypatch, tmp_path):
+    lib, cli = native
+    monkeypatch.delenv("MEGATRON_SFT_IDX_NATIVE_LIB", raising=False)
+    monkeypatch.delenv("MEGATRON_SFT_IDX_NATIVE", raising=False)
+    monkeypatch.setattr(native_module, "BUNDLED_DIR", os.path.dirname(lib))  # where the install puts it
+    assert native_module.library_path() == lib and native_module.checker_path() == cli
+    assert native_module.available() and len(NativeShard(GOLDEN)) == 3
+    monkeypatch.setattr(native_module, "BUNDLED_DIR", str(tmp_path))  # nothing bundled: the env var decides
+    monkeypatch.setenv("MEGATRON_SFT_IDX_NATIVE_LIB", lib)
+    assert native_module.library_path() == lib and native_module.checker_path() == cli
     assert len(NativeShard(GOLDEN)) == 3
+    monkeypatch.setenv("MEGATRON_SFT_IDX_NATIVE", "0")  # disables every default, not an explicit lib_path
+    with pytest.raises(NativeLibraryError, match="MEGATRON_SFT_IDX_NATIVE=0"):
+        NativeShard(GOLDEN)
+    assert not native_module.available()
+    assert len(NativeShard(GOLDEN, lib_path=lib)) == 3
 
 
 # --------------------------------------------------------------------------- corruptions

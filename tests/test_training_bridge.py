@@ -7,7 +7,6 @@ from hypothesis import given, settings, strategies as st
 
 from shardgen import random_packs, write_shard
 
-from bench.collate import reference_collate
 from megatron_sft_idx.errors import ShardError
 from megatron_sft_idx.training.bridge import PackedSFTDataset, build_samples_mapping, bridge_datasets
 from megatron_sft_idx.training.collate import PackedCollator
@@ -17,14 +16,15 @@ PAD = 0
 
 
 def cp_padded_pack(rng, mult, pack_size=PACK, max_seqs=6):
-    """A pack whose sequences end in alignment padding (PAD tokens, zero loss) to a multiple."""
+    """A pack whose sequences end in alignment padding (PAD = EOS tokens, zero loss) so that each
+    runtime segment (stored length minus one: Megatron-Bridge's layout) is a multiple."""
     ids, loss, starts = [], [], [0]
     while True:
         real = int(rng.integers(2, 20))
-        total = -(-real // mult) * mult
+        total = -(-(real - 1) // mult) * mult + 1
         if starts[-1] + total > pack_size or len(starts) > max_seqs:
             break
-        seq = rng.integers(1, 1000, real)
+        seq = rng.integers(1, 1000, real)  # never PAD: alignment padding is the only EOS
         mask = rng.integers(0, 2, real)
         mask[-1] = 0
         ids += list(seq) + [PAD] * (total - real)
@@ -32,7 +32,7 @@ def cp_padded_pack(rng, mult, pack_size=PACK, max_seqs=6):
         starts.append(starts[-1] + total)
     starts = starts[:-1] or [0]
     if not ids:
-        ids, loss = [5] * mult, [0] * mult
+        ids, loss = [5] * (mult + 1), [0] * (mult + 1)
     return np.array(ids), np.array(loss, dtype=np.uint8), np.array(starts)
 
 
@@ -48,7 +48,7 @@ def cp_shard(tmp_path_factory):
     prefix = str(tmp_path_factory.mktemp("bridge_cp") / "s")
     rng = np.random.default_rng(12)
     write_shard(prefix, [cp_padded_pack(rng, 4) for _ in range(30)],
-                metadata={"pad_seq_to_mult": 4})
+                metadata={"pad_seq_to_mult": 4, "pad_layout": "runtime"})
     return prefix
 
 
@@ -110,7 +110,7 @@ def test_bridge_datasets_from_a_build_context(shard):
     ctx = type("Ctx", (), {"train_samples": 50, "valid_samples": 5, "test_samples": 0, "tokenizer": Tok()})
     train, valid, test = bridge_datasets(ctx(), train=shard, valid=shard, test=shard)
     assert len(train) == 50 and len(valid) == 5 and test is None
-    assert train.collate_fn.pad_id == 7
+    assert train.collate_fn.eos_id == 7
 
 
 # --------------------------------------------------------------------------- collate
@@ -126,19 +126,17 @@ OPTIONS = st.fixed_dictionaries({
 
 @settings(max_examples=40, deadline=None)
 @given(opts=OPTIONS, cp=st.booleans())
-def test_vectorised_collate_equals_list_based(shard, cp_shard, opts, cp):
-    ds = PackedSFTDataset(cp_shard if cp else shard, pad_id=PAD,
+def test_collate_keeps_every_boundary_and_position(shard, cp_shard, opts, cp):
+    """Exact equality with Megatron-Bridge's own collate is tests/compat/test_bridge_parity.py;
+    here: the layout invariants on random batches of random shards."""
+    ds = PackedSFTDataset(cp_shard if cp else shard, eos_id=PAD,
                           pad_to_max_length=opts["pad_to_max_length"] or opts["pad_cu_seqlens"],
                           pad_cu_seqlens=opts["pad_cu_seqlens"])
     rng = np.random.default_rng(opts["seed"])
     batch = [ds[int(i)] for i in rng.integers(-len(ds), len(ds), opts["batch"])]
-    ours = ds.collate_fn(batch)
-    c = ds.collate_fn
-    ref = reference_collate(batch, ds.max_seq_length, pad_id=PAD, pad_to_max_length=c.pad_to_max_length,
-                            pad_seq_to_mult=c.pad_seq_to_mult, pad_cu_seqlens=c.pad_cu_seqlens,
-                            summary=ds.summary)
-    assert_batches_equal(ours, ref)
-    check_batch(batch, ours)
+    out = ds.collate_fn(batch)
+    assert "padding_mask" not in out and "pad_between_seqs" not in out  # Bridge 0.6.2 returns neither
+    check_batch(batch, out)
 
 
 def check_batch(batch, out):
@@ -154,30 +152,29 @@ def check_batch(batch, out):
         assert set(phys.tolist()) <= set(cu[b].tolist())
         assert (np.diff(cu[b]) >= 0).all() and (np.diff(logical[b]) >= 0).all()
         tokens, labels = out["tokens"][b].numpy(), out["labels"][b].numpy()
-        pos, loss, pad = out["position_ids"][b].numpy(), out["loss_mask"][b].numpy(), out["padding_mask"][b].numpy()
+        pos, loss = out["position_ids"][b].numpy(), out["loss_mask"][b].numpy()
         for k in range(len(seg)):
             lo, hi = phys[k], phys[k + 1]
             np.testing.assert_array_equal(tokens[lo:hi], ids[bnd[k]:bnd[k + 1] - 1])
             np.testing.assert_array_equal(labels[lo:hi], ids[bnd[k] + 1:bnd[k + 1]])
             np.testing.assert_array_equal(pos[lo:hi], np.arange(hi - lo))  # restart per sequence
-        assert not loss[pad].any()  # no loss on padding
-        assert (pad[phys[-1]:]).all() and (pos[phys[-1]:] == 0).all()
+        assert not loss[tokens == PAD].any()  # Bridge: no loss where the input is EOS (= padding)
+        assert not loss[phys[-1]:].any() and (pos[phys[-1]:] == 0).all()
 
 
 def test_padded_sequences_get_logical_and_physical_boundaries(cp_shard):
-    ds = PackedSFTDataset(cp_shard, pad_id=PAD, pad_to_max_length=True)
+    ds = PackedSFTDataset(cp_shard, eos_id=PAD, pad_to_max_length=True)
     assert ds.summary.pad_seq_to_mult == 4 and ds.collate_fn.pad_seq_to_mult == 4
     out = ds.collate_fn([ds[0], ds[1]])
-    assert "cu_seqlens_q_padded" in out and out["pad_between_seqs"] is True
     logical, phys = out["cu_seqlens_q"], out["cu_seqlens_q_padded"]
-    assert (logical <= phys).all() and (np.diff(logical.numpy()) <= np.diff(phys.numpy())).all()
-    # The tokens between a logical end and its physical end are exactly the padding.
-    pad = out["padding_mask"].numpy()
+    assert (np.diff(phys.numpy()[:, :-1]) % 4 == 0).all()  # runtime segments are the multiple
+    assert (np.diff(logical.numpy()) <= np.diff(phys.numpy())).all()
+    # A logical segment ends at its sequence's last non-EOS input token.
     for b in range(2):
-        expect = np.ones(PACK, dtype=bool)
-        for lo, n in zip(phys[b, :-1].tolist(), np.diff(logical[b].numpy()).tolist()):
-            expect[lo:lo + n] = False
-        np.testing.assert_array_equal(pad[b], expect)
+        tokens = out["tokens"][b].numpy()
+        for lo, hi, n in zip(phys[b, :-1].tolist(), phys[b, 1:].tolist(), np.diff(logical[b].numpy()).tolist()):
+            real = np.flatnonzero(tokens[lo:hi] != PAD)
+            assert n == (real[-1] + 1 if real.size else 0)
 
 
 def test_pad_cu_seqlens_has_a_static_shape_from_metadata(shard):
@@ -198,7 +195,7 @@ def test_batch_keys_and_dtypes(shard):
         assert out[key].dtype == torch.int64
     for key in ("cu_seqlens_q", "cu_seqlens_kv", "max_seqlen_q", "max_seqlen_kv"):
         assert out[key].dtype == torch.int32
-    assert out["padding_mask"].dtype == torch.bool and out["tokens"].shape[1] % 16 == 0
+    assert out["tokens"].shape[1] % 16 == 0 and "padding_mask" not in out
     assert out["token_count"] == [ds.source[0].packed_len - len(ds.source[0].seq_start_id),
                                   ds.source[5].packed_len - len(ds.source[5].seq_start_id)]
     assert "cu_seqlens_q_padded" not in out
@@ -210,7 +207,7 @@ def test_collator_refuses_bad_options_and_long_packs(shard):
     with pytest.raises(ShardError, match="pad_to_max_length"):
         PackedSFTDataset(shard, pad_cu_seqlens=True)
     with pytest.raises(ShardError, match="statistics"):
-        PackedCollator(64, pad_to_max_length=True, pad_cu_seqlens=True)
+        PackedCollator(64, eos_id=0, pad_to_max_length=True, pad_cu_seqlens=True)
     ds = PackedSFTDataset(shard, max_seq_length=8, pad_to_max_length=True)
     longest = int(np.argmax([p.packed_len - len(p.seq_start_id) for p in ds.source[0:40]]))
     with pytest.raises(ShardError, match="longer than max_seq_length"):

@@ -100,7 +100,7 @@ def prime_dispatchers():
         _kernels._first_pointer_mismatch(lengths, np.array([0, 2, 4]), itemsize, limit)
     ids, loss, starts = np.array([1, 2], np.uint16), np.array([1, 0], np.uint8), np.array([0], np.int32)
     for scalar in (np.int32, np.uint64):
-        _kernels._check_pack(ids, loss, starts, scalar(8), scalar(65535), scalar(10), scalar(1))
+        _kernels._check_pack(ids, loss, starts, scalar(8), scalar(65535), scalar(10), scalar(1), scalar(0))
 
 
 def test_verdicts_are_the_same_fresh_and_in_a_long_lived_process(corpus):

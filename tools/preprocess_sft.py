@@ -15,4 +15,6 @@ from megatron_sft_idx.preprocess.cli import build_parser, main  # noqa: E402
 __all__ = ["build_parser", "main"]
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron_sft_idx._console import run  # noqa: E402  (a missing extra: one line, exit 2)
+
+    sys.exit(run("preprocess-sft"))

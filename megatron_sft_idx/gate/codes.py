@@ -121,7 +121,8 @@ CODES: Dict[str, Code] = {
     "SEQ_FIRST_NOT_ZERO": Code(ERROR, ".seq.bin", "seq_start_id[0] is not 0", _REBUILD),
     "SEQ_NOT_INCREASING": Code(ERROR, ".seq.bin", "seq_start_id is not strictly increasing", _REBUILD),
     "SEQ_START_OUT_OF_RANGE": Code(ERROR, ".seq.bin", "a seq_start_id is >= packed_len", _REBUILD),
-    "SEQ_NOT_PAD_MULTIPLE": Code(ERROR, ".seq.bin", "a sequence length is not a multiple of the metadata "
+    "SEQ_NOT_PAD_MULTIPLE": Code(ERROR, ".seq.bin", "a sequence length (pad_layout 'stored') or length "
+                                 "minus one (pad_layout 'runtime') is not a multiple of the metadata "
                                  "pad_seq_to_mult", _REBUILD),
     "TOKEN_NEGATIVE": Code(ERROR, ".bin", "a token id is negative", _REBUILD),
     "TOKEN_TOO_LARGE": Code(ERROR, ".bin", "a token id does not fit the token dtype", _REBUILD),

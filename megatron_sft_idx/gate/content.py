@@ -19,12 +19,14 @@ from ..format import (
     IDX_SUFFIX,
     LENGTH_DTYPE,
     LOSS_SUFFIX,
+    PAD_LAYOUT_STORED,
     POINTER_DTYPE,
     SEQ_BIN_SUFFIX,
     SEQ_DTYPE,
     SEQ_IDX_SUFFIX,
     Rule,
 )
+from ..packing.padding import pad_offset
 from ._context import ShardContext
 
 from .._crc import crc32 as _crc32
@@ -126,9 +128,11 @@ def scan(ctx: ShardContext, vocab_size: Optional[int]) -> None:
     counts = np.zeros(_kernels.N_RULES, np.int64)
     dtype_max = int(np.iinfo(h.dtype.numpy).max)
     pad = meta.pad_seq_to_mult if meta is not None else 1
+    layout = meta.pad_layout if meta is not None else PAD_LAYOUT_STORED
     result = _kernels.scan_packs(lengths, token_offsets, offsets, tokens, loss, starts,
                                  (meta.pack_size or 0) if meta else 0, dtype_max, vocab_size or 0, pad,
-                                 0, n, MAX_PACK_FINDINGS, out_rule, out_pack, out_pos, counts)
+                                 0, n, MAX_PACK_FINDINGS, out_rule, out_pack, out_pos, counts,
+                                 pad_offset(layout))
     recorded = int(result[0])
     if int(counts.sum()) > recorded:  # the total first, so a shortened listing still shows it
         per_rule = ", ".join(f"{RULE_CODES[Rule(r)]}: {int(c)}" for r, c in enumerate(counts) if c)
@@ -136,10 +140,11 @@ def scan(ctx: ShardContext, vocab_size: Optional[int]) -> None:
                 f"only the first {recorded} are listed ({per_rule})", severity=ERROR)
     for k in range(recorded):
         _rule_finding(ctx, Rule(int(out_rule[k])), int(out_pack[k]), int(out_pos[k]), token_offsets,
-                      offsets, vocab_size, pad)
+                      offsets, vocab_size, f"{pad}, pad_layout {layout}")
     _zero_loss(ctx, lengths, token_offsets, loss)
     if not counts.any() and meta is not None:
-        _compare_stats(ctx, result, n, int(starts.shape[0]), int(tokens.shape[0]))
+        _compare_stats(ctx, result, n, int(starts.shape[0]), int(tokens.shape[0]),
+                       int((lengths.astype(np.int64) - np.diff(offsets)).min()))
 
 
 def _rule_finding(ctx, rule: Rule, i: int, pos: int, token_offsets, offsets, vocab_size, pad) -> None:
@@ -176,7 +181,7 @@ def _zero_loss(ctx, lengths, token_offsets, loss) -> None:
                 pack=i, offset=int(token_offsets[i]))
 
 
-def _compare_stats(ctx, result, n_packs: int, n_seq: int, n_tok: int) -> None:
+def _compare_stats(ctx, result, n_packs: int, n_seq: int, n_tok: int, min_runtime: int) -> None:
     """The metadata's packing statistics must be what the data says."""
     _, max_len, min_len, loss_sum, max_samples, min_packed, max_packed = (int(v) for v in result)
     stats = ctx.metadata.stats
@@ -188,6 +193,8 @@ def _compare_stats(ctx, result, n_packs: int, n_seq: int, n_tok: int) -> None:
         "packing_factor": round(n_seq / n_packs, 6),
         "packing_efficiency": round(n_tok / (n_packs * pack_size), 6) if pack_size else None,
     }
+    if stats.min_packed_runtime_len is not None:  # format 1.1; a 1.0 shard does not record it
+        actual["min_packed_runtime_len"] = min_runtime
     for name, value in actual.items():
         recorded = getattr(stats, name)
         same = (recorded is None and value is None) or (

@@ -1,7 +1,7 @@
 """Bin packing of sequence lengths (numba, O(N log N)) and parallelism padding helpers."""
 
 from .algorithms import ALGORITHMS, DEFAULT_ALGORITHM, PackAssignment, pack_lengths
-from .padding import pad_multiple_for, padded_lengths, truncation_length
+from .padding import is_padded, pad_multiple_for, pad_offset, padded_length, padded_lengths, truncation_length
 from .stats import packing_summary
 
 __all__ = [
@@ -10,7 +10,10 @@ __all__ = [
     "PackAssignment",
     "pack_lengths",
     "pad_multiple_for",
+    "pad_offset",
+    "padded_length",
     "padded_lengths",
+    "is_padded",
     "truncation_length",
     "packing_summary",
 ]

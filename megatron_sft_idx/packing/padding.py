@@ -1,9 +1,18 @@
-"""Per-sequence padding multiples for context/tensor/sequence parallelism.
+"""Per-sequence padding multiples for context/tensor/sequence parallelism, in both layouts.
 
 Context parallelism splits every sequence into ``2*CP`` chunks (two per rank,
-for causal load balance), so each sequence length must be a multiple of
-``2*CP``; with sequence parallelism each of those chunks is further split over
-the TP ranks, so the length must also be a multiple of ``CP*TP``.
+for causal load balance), so each sequence the attention kernel sees must be a
+multiple of ``2*CP`` tokens; with sequence parallelism each of those chunks is
+further split over the TP ranks, so the length must also be a multiple of ``CP*TP``.
+
+*Which* length the kernel sees depends on the consumer, so a shard records its
+``pad_layout`` (:data:`~megatron_sft_idx.format.PAD_LAYOUTS`):
+
+* ``"stored"`` (Megatron-LM's SFT datasets): the stored sequence itself, ``L``;
+* ``"runtime"`` (Megatron-Bridge): the runtime segment after the label shift, ``L - 1``.
+
+:func:`padded_length` is the one rule for both; :func:`truncation_length` the longest
+sequence that still fits a pack once padded.
 """
 
 from __future__ import annotations
@@ -13,6 +22,10 @@ import math
 import numpy as np
 
 from ..errors import ShardError
+from ..format import PAD_LAYOUT_RUNTIME, PAD_LAYOUT_STORED, PAD_LAYOUTS
+
+__all__ = ["pad_multiple_for", "pad_offset", "padded_length", "padded_lengths", "truncation_length",
+           "is_padded"]
 
 
 def pad_multiple_for(cp: int = 1, tp: int = 1, sp: bool = False) -> int:
@@ -30,12 +43,47 @@ def pad_multiple_for(cp: int = 1, tp: int = 1, sp: bool = False) -> int:
     return math.lcm(cp_mult, cp * tp) if sp else cp_mult
 
 
-def padded_lengths(lengths, multiple: int) -> np.ndarray:
-    """Each length rounded up to a multiple of ``multiple`` (int64)."""
+def pad_offset(layout: str) -> int:
+    """How many stored tokens of a sequence the padded segment leaves out: 0 stored, 1 runtime.
+
+    Raises:
+        ShardError: an unknown layout.
+    """
+    if layout == PAD_LAYOUT_STORED:
+        return 0
+    if layout == PAD_LAYOUT_RUNTIME:
+        return 1
+    raise ShardError("unknown padding layout", field="pad_layout", expected=list(PAD_LAYOUTS), actual=layout)
+
+
+def padded_length(lengths, multiple: int, layout: str = PAD_LAYOUT_STORED) -> np.ndarray:
+    """Each stored length padded so its segment in ``layout`` is a multiple of ``multiple`` (int64).
+
+    ``"stored"``: ``ceil(L / m) * m``. ``"runtime"``: ``ceil((L - 1) / m) * m + 1`` (a
+    1-token sequence stays 1 token: its runtime segment is empty). Lengths are >= 1.
+
+    >>> padded_length([1, 5, 8, 9], 4).tolist(), padded_length([1, 5, 8, 9], 4, "runtime").tolist()
+    ([4, 8, 8, 12], [1, 5, 9, 9])
+    """
+    off = pad_offset(layout)
     lengths = np.asarray(lengths, dtype=np.int64)
-    return -(-lengths // multiple) * multiple
+    if multiple <= 1:
+        return lengths.copy()
+    return -(-(lengths - off) // multiple) * multiple + off
 
 
-def truncation_length(pack_size: int, multiple: int) -> int:
-    """The longest sequence length that fits ``pack_size`` and is a multiple of ``multiple``."""
-    return (pack_size // multiple) * multiple
+def padded_lengths(lengths, multiple: int) -> np.ndarray:
+    """Each length rounded up to a multiple of ``multiple`` (the stored layout; int64)."""
+    return padded_length(lengths, multiple, PAD_LAYOUT_STORED)
+
+
+def is_padded(lengths, multiple: int, layout: str = PAD_LAYOUT_STORED) -> np.ndarray:
+    """True where a stored length already satisfies ``layout``'s rule for ``multiple``."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    return (lengths - pad_offset(layout)) % max(int(multiple), 1) == 0
+
+
+def truncation_length(pack_size: int, multiple: int, layout: str = PAD_LAYOUT_STORED) -> int:
+    """The longest stored sequence that fits ``pack_size`` and already satisfies ``layout``."""
+    off = pad_offset(layout)
+    return ((pack_size - off) // multiple) * multiple + off

@@ -21,6 +21,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
+from .._extras import require_extra
 from ..errors import ShardError
 from .errors import input_error
 
@@ -48,6 +49,7 @@ class ChatTokenizer:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        require_extra("preprocess", "transformers", "tokenizers", "jinja2")
         from transformers import PreTrainedTokenizerFast
 
         self.path = os.path.abspath(path)

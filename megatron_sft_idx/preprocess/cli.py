@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="sequences longer than --pack-size: cut, skip and count, or stop (default: truncate)")
     pk.add_argument("--pad-seq-to-mult", type=_positive, default=1,
                     help="pad every sequence to a multiple of this (combined by lcm with --cp/--tp/--sp; default: 1)")
+    pk.add_argument("--pad-layout", choices=("stored", "runtime"), default="stored",
+                    help="which length the pad multiple applies to: 'stored' (each stored sequence: "
+                         "Megatron-LM) or 'runtime' (stored length minus one: Megatron-Bridge) (default: stored)")
     pk.add_argument("--cp", type=_positive, default=1, help="context-parallel size to pad for (default: 1)")
     pk.add_argument("--tp", type=_positive, default=1, help="tensor-parallel size to pad for (default: 1)")
     pk.add_argument("--sp", action="store_true",
@@ -105,7 +108,8 @@ def _config(args):
         inputs=args.input, output_prefix=args.output_prefix, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
         pack_size=args.pack_size, workers=args.workers, seed=args.seed, algorithm=args.packing_algorithm,
         loss_on=args.loss_on, input_format=args.input_format, prompt_key=args.prompt_key,
-        completion_key=args.completion_key, pad_seq_to_mult=args.pad_seq_to_mult, cp=args.cp, tp=args.tp,
+        completion_key=args.completion_key, pad_seq_to_mult=args.pad_seq_to_mult,
+        pad_layout=args.pad_layout, cp=args.cp, tp=args.tp,
         sp=args.sp, pad_id=args.pad_id, overlong=args.overlong, skip_bad=args.skip_bad, overwrite=args.overwrite,
         split=args.split, max_packs_per_shard=args.max_packs_per_shard, max_shard_bytes=args.max_shard_bytes,
         batch_size=args.batch_size, check=args.check, verify_masks=args.verify_masks,

@@ -24,6 +24,7 @@ import json
 import os
 from typing import Iterator, List, Sequence, Tuple
 
+from .._extras import require_extra
 from .errors import InputError, input_error
 
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
@@ -80,6 +81,7 @@ def _open_text_bytes(path: str):
     if path.endswith(".gz"):
         return gzip.open(path, "rb")
     if path.endswith(".zst"):
+        require_extra("preprocess", "zstandard")
         import zstandard
 
         return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))
@@ -121,6 +123,7 @@ def iter_batches(path: str, batch_size: int) -> Iterator[Tuple[int, list]]:
 
 
 def _parquet_batches(path: str, batch_size: int):
+    require_extra("preprocess", "pyarrow")
     import pyarrow.parquet as pq
 
     row = 1

@@ -18,9 +18,10 @@ from typing import Dict, List, NamedTuple, Optional, Sequence
 
 import numpy as np
 
+from .._extras import require_extra
 from ..builder import IndexedDatasetBuilder
 from ..errors import ShardError
-from ..packing import pack_lengths, pad_multiple_for, packing_summary, truncation_length
+from ..packing import pack_lengths, pad_multiple_for, packing_summary, padded_length, truncation_length
 from ..reader import MMapIndexedDataset
 from . import outputs
 from ._materialize import exclusive_cumsum, fill_sequences
@@ -53,6 +54,7 @@ class Config:
     prompt_key: str = "prompt"
     completion_key: str = "completion"
     pad_seq_to_mult: int = 1
+    pad_layout: str = "stored"  # "runtime" pads for Megatron-Bridge (packing/padding.py)
     cp: int = 1
     tp: int = 1
     sp: bool = False
@@ -85,6 +87,7 @@ class Spooled:
 
 
 def _progress(enabled: bool, **kw):
+    require_extra("preprocess", "tqdm")
     from tqdm import tqdm
 
     return tqdm(disable=not enabled, dynamic_ncols=True, mininterval=0.5, **kw)
@@ -267,13 +270,13 @@ def _encode_options(cfg: Config, vocab: Optional[int], mult: int) -> EncodeOptio
         tokenizer_path=cfg.tokenizer, vocab_size=vocab, loss_on=cfg.loss_on, input_format=cfg.input_format,
         prompt_key=cfg.prompt_key, completion_key=cfg.completion_key, skip_bad=cfg.skip_bad,
         pack_size=cfg.pack_size, pad_multiple=mult, overlong=cfg.overlong,
-        truncate_to=truncation_length(cfg.pack_size, mult))
+        truncate_to=truncation_length(cfg.pack_size, mult, cfg.pad_layout), pad_layout=cfg.pad_layout)
 
 
 def _plan_split(cfg, name, members, sp, mult, itemsize, final_base, work) -> SplitPlan:
-    trunc = truncation_length(cfg.pack_size, mult)
+    trunc = truncation_length(cfg.pack_size, mult, cfg.pad_layout)
     copy_len = np.minimum(sp.lengths[members].astype(np.int64), trunc)
-    padded = -(-copy_len // mult) * mult
+    padded = padded_length(copy_len, mult, cfg.pad_layout)
     assignment = pack_lengths(padded, cfg.pack_size, cfg.algorithm, cfg.seed)
     starts = plan_shards(assignment.loads, np.diff(assignment.offsets), itemsize,
                          cfg.max_packs_per_shard, cfg.max_shard_bytes)
@@ -286,6 +289,7 @@ def _plan_split(cfg, name, members, sp, mult, itemsize, final_base, work) -> Spl
 def _metadata(cfg, tok_identity, mult, input_info, split, shard, shard_count) -> dict:
     meta = {
         "pad_seq_to_mult": mult,
+        "pad_layout": cfg.pad_layout,
         "tokenizer": tok_identity,
         "packing": {"algorithm": cfg.algorithm, "seed": cfg.seed, "pack_size": cfg.pack_size,
                     "overlong": cfg.overlong},
@@ -397,7 +401,7 @@ def run_gate(prefixes: Sequence[str]) -> dict:
 
 
 def build_summary(cfg, files, sp, plans, shard_meta, mult, times, verify, gate) -> dict:
-    trunc = truncation_length(cfg.pack_size, mult)
+    trunc = truncation_length(cfg.pack_size, mult, cfg.pad_layout)
     stats = [m["stats"] for m in shard_meta.values()]
     tokens = sum(s["token_count"] for s in stats)
     loss_tokens = sum(s["loss_token_count"] for s in stats)

@@ -22,6 +22,7 @@ import numpy as np
 
 from ..builder import IndexedDatasetBuilder
 from ..errors import ShardError
+from ..packing.padding import padded_length
 from .chat import ChatTokenizer, encode_tokens
 from .errors import InputError, input_error
 from .inputs import parse_record
@@ -44,6 +45,7 @@ class EncodeOptions:
     pad_multiple: int
     overlong: str           # truncate | drop | error
     truncate_to: int        # longest kept length under truncate
+    pad_layout: str = "stored"  # which length pad_multiple applies to (packing/padding.py)
 
 
 @dataclass
@@ -93,7 +95,7 @@ class BatchEncoder:
 
     def _fit(self, ids, mask, path, line):
         o = self.options
-        padded = -(-ids.size // o.pad_multiple) * o.pad_multiple
+        padded = int(padded_length([ids.size], o.pad_multiple, o.pad_layout)[0])
         if padded <= o.pack_size:
             return ids, mask
         if o.overlong == "error":

@@ -80,7 +80,7 @@ def _expected_ok(cfg, tok, kind, payload, ids, mask, path, line) -> str:
 
 def verify_masks(cfg, tok, plans, sp, files, mult: int, count: int) -> dict:
     """Check ``count`` random conversations (seeded). Raises ShardError listing the failures."""
-    trunc = truncation_length(cfg.pack_size, mult)
+    trunc = truncation_length(cfg.pack_size, mult, cfg.pad_layout)
     rng = np.random.default_rng(cfg.seed + 1)
     eligible = np.flatnonzero(sp.lengths <= trunc)
     chosen = np.sort(rng.choice(eligible, size=min(count, eligible.size), replace=False))

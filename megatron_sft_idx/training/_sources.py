@@ -18,7 +18,7 @@ from typing import Optional
 import numpy as np
 
 from ..errors import InvariantError, ShardError
-from ..format import Rule
+from ..format import PAD_LAYOUT_STORED, PAD_LAYOUTS, Rule
 from ..reader import MMapIndexedDataset, Pack, pack_index
 
 
@@ -28,7 +28,10 @@ class PackSummary:
 
     ``pack_size`` is None when the producer did not record one (then
     ``max_packed_seqlen`` bounds every pack). ``pad_seq_to_mult`` is the
-    multiple every sequence length was padded to (1 when unknown).
+    multiple every sequence was padded to (1 when unknown), in ``pad_layout``
+    (``"stored"``/``"runtime"``, or ``"mixed"`` for a combination of both).
+    ``min_packed_runtime_len`` is the shortest pack minus its sequence count
+    (None when the producer did not record it: see :func:`bridge_stats`).
     """
 
     pack_count: int
@@ -40,6 +43,8 @@ class PackSummary:
     dataset_max_seqlen: int
     min_packed_seqlen: int
     max_packed_seqlen: int
+    pad_layout: str = PAD_LAYOUT_STORED
+    min_packed_runtime_len: Optional[int] = None
 
     @property
     def capacity(self) -> int:
@@ -54,8 +59,14 @@ class PackSummary:
         values = {}
         for name in cls.__dataclass_fields__:
             value = raw.get(name) if isinstance(raw, dict) else None
-            if name == "pack_size" and value is None:
+            if name in ("pack_size", "min_packed_runtime_len") and value is None:
                 values[name] = None
+                continue
+            if name == "pad_layout":
+                values[name] = PAD_LAYOUT_STORED if value is None else value
+                if values[name] not in PAD_LAYOUTS + (MIXED_LAYOUT,):
+                    raise ShardError("shard summary pad_layout is unknown", path=path, field=name,
+                                     actual=value, hint="rewrite the manifest with tools/write_manifest.py")
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ShardError("shard summary field missing or not a non-negative integer",
@@ -70,6 +81,8 @@ class PackSummary:
         parts = list(parts)
         sizes = [p.pack_size for p in parts]
         mults = {p.pad_seq_to_mult for p in parts}
+        layouts = {p.pad_layout for p in parts if p.pad_seq_to_mult > 1} or {PAD_LAYOUT_STORED}
+        runtime = [p.min_packed_runtime_len for p in parts]
         return PackSummary(
             pack_count=sum(p.pack_count for p in parts),
             sequence_count=sum(p.sequence_count for p in parts),
@@ -81,6 +94,8 @@ class PackSummary:
             dataset_max_seqlen=max(p.dataset_max_seqlen for p in parts),
             min_packed_seqlen=min(p.min_packed_seqlen for p in parts),
             max_packed_seqlen=max(p.max_packed_seqlen for p in parts),
+            pad_layout=layouts.pop() if len(layouts) == 1 else MIXED_LAYOUT,
+            min_packed_runtime_len=None if None in runtime else min(runtime),
         )
 
 
@@ -106,14 +121,39 @@ def _shard_summary(shard: MMapIndexedDataset) -> PackSummary:
             pack_count=s.pack_count, sequence_count=s.sequence_count, token_count=s.token_count,
             pack_size=m.pack_size, pad_seq_to_mult=m.pad_seq_to_mult,
             max_samples_per_bin=s.max_samples_per_bin, dataset_max_seqlen=s.dataset_max_seqlen,
-            min_packed_seqlen=s.min_packed_seqlen, max_packed_seqlen=s.max_packed_seqlen)
+            min_packed_seqlen=s.min_packed_seqlen, max_packed_seqlen=s.max_packed_seqlen,
+            pad_layout=m.pad_layout, min_packed_runtime_len=s.min_packed_runtime_len)
     lengths = np.asarray(shard.sequence_lengths)
     n = int(lengths.shape[0])
     longest = int(lengths.max()) if n else 0
     return PackSummary(pack_count=n, sequence_count=n, token_count=int(lengths.sum(dtype=np.int64)),
                        pack_size=None, pad_seq_to_mult=1, max_samples_per_bin=1 if n else 0,
                        dataset_max_seqlen=longest, min_packed_seqlen=int(lengths.min()) if n else 0,
-                       max_packed_seqlen=longest)
+                       max_packed_seqlen=longest, min_packed_runtime_len=int(lengths.min()) - 1 if n else 0)
+
+
+def runtime_min_packed(source) -> int:
+    """The shortest pack's runtime length (``packed_len - sequences``) of any packed source.
+
+    From the summary when recorded (format 1.1); else computed from the index arrays of
+    each shard (``P.idx`` lengths and ``P.seq.idx`` offsets, no pack data read).
+    """
+    from .multi import MultiShardDataset
+
+    recorded = summarize(source).min_packed_runtime_len
+    if recorded is not None:
+        return int(recorded)
+    if isinstance(source, MultiShardDataset):
+        return min(runtime_min_packed(source.shard(k)) if s.min_packed_runtime_len is None
+                   else int(s.min_packed_runtime_len) for k, s in enumerate(source.summaries))
+    if isinstance(source, MMapIndexedDataset):
+        lengths = np.asarray(source.sequence_lengths, dtype=np.int64)
+        return int((lengths - np.diff(np.asarray(source.seq_offsets))).min())
+    raise TypeError(f"{type(source).__name__} records no min_packed_runtime_len")
+
+
+#: ``PackSummary.pad_layout`` of sources combining shards padded in different layouts.
+MIXED_LAYOUT = "mixed"
 
 
 class FlatPackedSource:
@@ -126,13 +166,15 @@ class FlatPackedSource:
         seq_offsets: ``n + 1`` int64 offsets of each pack in ``seq_starts``.
         path: where the data came from (for messages).
         pad_seq_to_mult: the multiple sequences were padded to, if the caller knows it.
+        pad_layout: which length that multiple applies to (``"stored"`` or ``"runtime"``).
 
     Raises:
         InvariantError: a pack breaks a format invariant (checked vectorised at open).
     """
 
     def __init__(self, tokens, loss_mask, seq_starts, token_offsets, seq_offsets, *, path: str,
-                 pad_seq_to_mult: int = 1, pack_size: Optional[int] = None) -> None:
+                 pad_seq_to_mult: int = 1, pack_size: Optional[int] = None,
+                 pad_layout: str = PAD_LAYOUT_STORED) -> None:
         self.path = str(path)
         self.tokens = _read_only(np.ascontiguousarray(tokens))
         self.token_offsets = _read_only(np.ascontiguousarray(token_offsets, dtype=np.int64))
@@ -140,6 +182,7 @@ class FlatPackedSource:
         self.seq_offsets = _read_only(np.ascontiguousarray(seq_offsets, dtype=np.int64))
         loss_mask = np.ascontiguousarray(loss_mask)
         # Checked before the cast to uint8, which would wrap a -1 or 256 into a valid-looking value.
+        self.pad_layout = pad_layout
         max_seqlen = self._validate(loss_mask, pad_seq_to_mult, pack_size)
         self.loss_mask = _read_only(loss_mask.astype(np.uint8))
         self.summary = self._summarize(pad_seq_to_mult, pack_size, max_seqlen)
@@ -165,6 +208,7 @@ class FlatPackedSource:
         in-memory formats (legacy ``.npy``, Parquet) come through this path.
         """
         from .. import _kernels
+        from ..packing.padding import pad_offset
 
         n = len(self)
         lengths = np.diff(self.token_offsets)
@@ -178,7 +222,7 @@ class FlatPackedSource:
         counts = np.zeros(_kernels.N_RULES, np.int64)
         result = _kernels.scan_packs(lengths, self.token_offsets, self.seq_offsets, self.tokens, loss_mask,
                                      self.seq_starts, pack_size or 0, _INT32_MAX, 0, int(pad_seq_to_mult),
-                                     0, n, 1, *found, counts)
+                                     0, n, 1, *found, counts, pad_offset(self.pad_layout))
         if result[0]:
             rule = Rule(int(found[0][0]))
             raise self._fail(int(found[1][0]), rule, _RULE_FIELD.get(rule, "seq_start_id"))
@@ -191,7 +235,8 @@ class FlatPackedSource:
             pack_count=len(self), sequence_count=int(counts.sum()), token_count=int(lengths.sum()),
             pack_size=pack_size, pad_seq_to_mult=int(pad_seq_to_mult),
             max_samples_per_bin=int(counts.max()), dataset_max_seqlen=max_seqlen,
-            min_packed_seqlen=int(lengths.min()), max_packed_seqlen=int(lengths.max()))
+            min_packed_seqlen=int(lengths.min()), max_packed_seqlen=int(lengths.max()),
+            pad_layout=self.pad_layout, min_packed_runtime_len=int((lengths - counts).min()))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.path!r}, packs={len(self)})"

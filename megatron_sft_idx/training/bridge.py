@@ -5,12 +5,13 @@
 ``seq_boundaries = seq_start_id + [packed_len]``), and ``dataset.collate_fn``
 turns a list of them into Bridge's packed batch (:mod:`.collate`). Example::
 
-    ds = PackedSFTDataset("/data/sft/train_000", pad_id=tok.eos_id, max_num_samples=100_000,
+    ds = PackedSFTDataset("/data/sft/train_000", eos_id=tok.eos_id, max_num_samples=100_000,
                           pad_to_max_length=True, pad_cu_seqlens=True)
     loader = DataLoader(ds, batch_size=1, collate_fn=ds.collate_fn, num_workers=4,
                         persistent_workers=True)
 
-Semantics kept from Bridge's ``GPTSFTPackedDataset``:
+Semantics kept from Bridge's ``GPTSFTPackedDataset`` (tested against the installed
+Megatron-Bridge 0.6.2 over its own ``.npy``/Parquet and over our shards of the same packs):
 
 * a negative index is a *padding sample*: the pack at that (Python-negative)
   position, with an all-zero loss mask, so padding a global batch never adds loss;
@@ -26,14 +27,20 @@ from __future__ import annotations
 from typing import Optional
 
 import numpy as np
-import torch
+
+from .._extras import require_extra
+
+require_extra("train", "torch")
+import torch  # noqa: E402
 
 from ..errors import ShardError
-from ._sources import PackSummary, summarize
-from .collate import PackedCollator
+from ..format import PAD_LAYOUT_RUNTIME
+from ._sources import PackSummary, runtime_min_packed, summarize
+from .collate import BridgePackingStats, PackedCollator
 from .factory import open_packed
 
-__all__ = ["PackedSFTDataset", "build_samples_mapping", "bridge_datasets"]
+__all__ = ["PackedSFTDataset", "build_samples_mapping", "bridge_datasets", "bridge_stats",
+           "bridge_metadata_stats"]
 
 
 def build_samples_mapping(num_packs: int, max_num_samples: int, seed: int) -> np.ndarray:
@@ -61,35 +68,60 @@ class PackedSFTDataset(torch.utils.data.Dataset):
 
     Args:
         source: a packed source or anything :func:`open_packed` opens.
-        max_seq_length: Bridge's ``seq_length`` (defaults to the source's pack size).
-        pad_id: padding token for the collate (Bridge uses the tokenizer's EOS id).
+        max_seq_length: Bridge's ``max_seq_length`` = its ``packed_sequence_size`` (default:
+            the source's pack size).
+        eos_id: the tokenizer's EOS id (Bridge pads with it and zeroes loss on it);
+            ``pad_id`` is accepted as an alias.
         max_num_samples: build a ``samples_mapping`` of this length (None: one pass, in order).
-        seed: seed of the samples mapping.
-        pad_to_max_length, pad_seq_length_to_mult, pad_cu_seqlens, return_cu_seqlen:
-            Bridge's collate options (see :class:`PackedCollator`).
-        pad_seq_to_mult: overrides the source's recorded multiple (needed for ``.npy``/Parquet).
+        seed: seed of the samples mapping (Bridge's default 1234).
+        pad_to_max_length, pad_seq_length_to_mult, pad_cu_seqlens, return_cu_seqlen,
+            answer_only_loss: Bridge's options (see :class:`PackedCollator`).
+        pad_seq_to_mult: Bridge's option; defaults to the multiple the source records.
+            Above 1 it turns on Bridge's context-parallel boundaries, which need sequences
+            padded in the ``"runtime"`` layout.
+        pad_layout: layout of ``.npy``/Parquet sources (Bridge's packer: ``"runtime"``).
+        pack_metadata_file_path: Bridge's packing-metadata JSON; with ``pad_cu_seqlens`` its
+            entries (max/min over all, as Bridge) replace the source's own statistics.
 
     Raises:
-        ShardError: the source does not open, or options contradict its statistics.
+        ShardError: the source does not open; options contradict its statistics; or it is
+            padded for context parallelism in Megatron-LM's ``"stored"`` layout, which
+            Bridge's runtime segments would break.
     """
 
-    def __init__(self, source, *, max_seq_length: Optional[int] = None, pad_id: int = 0,
-                 max_num_samples: Optional[int] = None, seed: int = 1234,
+    def __init__(self, source, *, max_seq_length: Optional[int] = None, eos_id: Optional[int] = None,
+                 pad_id: Optional[int] = None, max_num_samples: Optional[int] = None, seed: int = 1234,
                  pad_to_max_length: bool = False, pad_seq_length_to_mult: int = 16,
-                 pad_seq_to_mult: Optional[int] = None, pad_cu_seqlens: bool = False,
-                 return_cu_seqlen: bool = True) -> None:
+                 pad_seq_to_mult: Optional[int] = None, pad_layout: str = PAD_LAYOUT_RUNTIME,
+                 pad_cu_seqlens: bool = False, pack_metadata_file_path: Optional[str] = None,
+                 return_cu_seqlen: bool = True, answer_only_loss: bool = True,
+                 stats: Optional[BridgePackingStats] = None) -> None:
+        eos = eos_id if eos_id is not None else (pad_id if pad_id is not None else 0)
         if isinstance(source, (str, list, tuple)) or hasattr(source, "__fspath__"):
-            source = open_packed(source, pad_seq_to_mult=pad_seq_to_mult)
+            source = open_packed(source, pad_seq_to_mult=pad_seq_to_mult, pad_layout=pad_layout)
         self.source = source
         self.summary: PackSummary = summarize(source)
         self.max_seq_length = int(max_seq_length or self.summary.capacity)
+        mult = int(pad_seq_to_mult or self.summary.pad_seq_to_mult)
+        if mult > 1 and self.summary.pad_seq_to_mult > 1 and self.summary.pad_layout != PAD_LAYOUT_RUNTIME:
+            raise ShardError(
+                "this data is padded for context parallelism in the 'stored' layout (Megatron-LM's): "
+                "Megatron-Bridge's runtime segments (each sequence minus its last token) would not be "
+                "multiples of pad_seq_to_mult", path=getattr(source, "path", None) or getattr(source, "prefix", None),
+                field="pad_layout", expected=PAD_LAYOUT_RUNTIME, actual=self.summary.pad_layout,
+                hint="re-run preprocess_sft with --pad-layout runtime for Megatron-Bridge, or pass "
+                     "pad_seq_to_mult=1 to train without context parallelism")
         self.samples_mapping = (None if max_num_samples is None else
                                 build_samples_mapping(len(source), int(max_num_samples), seed))
+        if pad_cu_seqlens and stats is None:
+            stats = (bridge_metadata_stats(pack_metadata_file_path) if pack_metadata_file_path
+                     else bridge_stats(source))
+        self.stats = stats
         self.collate_fn = PackedCollator(
-            self.max_seq_length, pad_id=pad_id, pad_to_max_length=pad_to_max_length,
-            pad_seq_length_to_mult=pad_seq_length_to_mult,
-            pad_seq_to_mult=pad_seq_to_mult or self.summary.pad_seq_to_mult,
-            pad_cu_seqlens=pad_cu_seqlens, summary=self.summary, return_cu_seqlen=return_cu_seqlen)
+            self.max_seq_length, eos_id=eos, pad_to_max_length=pad_to_max_length,
+            pad_seq_length_to_mult=pad_seq_length_to_mult, pad_seq_to_mult=mult,
+            pad_cu_seqlens=pad_cu_seqlens, stats=stats, return_cu_seqlen=return_cu_seqlen,
+            answer_only_loss=answer_only_loss)
 
     def __len__(self) -> int:
         return len(self.samples_mapping) if self.samples_mapping is not None else len(self.source)
@@ -106,24 +138,54 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         return {"input_ids": pack.input_ids, "seq_boundaries": pack.seq_boundaries, "loss_mask": loss}
 
 
+def bridge_stats(source) -> BridgePackingStats:
+    """Bridge's ``pad_cu_seqlens`` statistics of a packed source, in Bridge's runtime units."""
+    s = summarize(source)
+    return BridgePackingStats(max_samples_per_bin=s.max_samples_per_bin,
+                              dataset_max_seqlen=s.dataset_max_seqlen - 1,
+                              min_packed_seqlen=runtime_min_packed(source))
+
+
+def bridge_metadata_stats(path) -> BridgePackingStats:
+    """The statistics in a Megatron-Bridge packing-metadata JSON (max/min over its entries).
+
+    Raises:
+        ShardError: the file cannot be read or is not Bridge's list of entries.
+    """
+    import json
+
+    try:
+        with open(path, "rb") as f:
+            entries = json.loads(f.read().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ShardError(f"cannot read Bridge packing metadata ({exc})", path=str(path), field="metadata") from None
+    return BridgePackingStats.from_bridge_metadata(entries, path=str(path))
+
+
 def bridge_datasets(context, train=None, valid=None, test=None, **options):
     """``(train, valid, test)`` datasets for a Megatron-Bridge ``DatasetProvider.build_datasets``.
 
     ``context`` is Bridge's ``DatasetBuildContext`` (``train_samples``,
     ``valid_samples``, ``test_samples``, ``tokenizer``); each split with a path
-    gets ``max_num_samples`` from it and ``pad_id`` from the tokenizer's EOS.
+    gets ``max_num_samples`` from it and ``eos_id`` from the tokenizer. With
+    ``pad_cu_seqlens`` the statistics are combined over every split given, as Bridge's
+    one metadata file for its train and validation packs combines them.
     """
     tokenizer = getattr(context, "tokenizer", None)
-    if "pad_id" not in options and tokenizer is not None:
+    if "eos_id" not in options and "pad_id" not in options and tokenizer is not None:
         for name in ("eos_id", "eod", "eos"):
             value = getattr(tokenizer, name, None)
             if isinstance(value, int):
-                options["pad_id"] = value
+                options["eos_id"] = value
                 break
-    out = []
-    for path, samples in ((train, getattr(context, "train_samples", None)),
-                          (valid, getattr(context, "valid_samples", None)),
-                          (test, getattr(context, "test_samples", None))):
-        out.append(None if path is None or not samples else
-                   PackedSFTDataset(path, max_num_samples=samples, **options))
+    splits = [(path, samples) for path, samples in ((train, getattr(context, "train_samples", None)),
+                                                    (valid, getattr(context, "valid_samples", None)),
+                                                    (test, getattr(context, "test_samples", None)))]
+    out = [None if path is None or not samples else PackedSFTDataset(path, max_num_samples=samples, **options)
+           for path, samples in splits]
+    if options.get("pad_cu_seqlens") and "stats" not in options and not options.get("pack_metadata_file_path"):
+        built = [ds for ds in out if ds is not None]
+        shared = BridgePackingStats.combine(ds.stats for ds in built) if built else None
+        for ds in built:
+            ds.stats = ds.collate_fn.stats = shared
     return tuple(out)

@@ -2,137 +2,148 @@
 
 Input: a list of Bridge packed samples ``{"input_ids", "seq_boundaries",
 "loss_mask"}`` (what :class:`~megatron_sft_idx.training.bridge.PackedSFTDataset`
-returns). Output: the dict Bridge's ``GPTSFTPackedDataset.collate_fn`` returns.
+returns). Output: the dict Megatron-Bridge's ``GPTSFTPackedDataset.collate_fn``
+returns (tested against the installed Megatron-Bridge 0.6.2, key for key, value,
+dtype and shape: ``tests/compat/test_bridge_parity.py``). The rules, as Bridge
+applies them:
 
-Layout (Bridge's, reproduced): a sequence of ``L`` stored tokens ``[b, b+L)``
-contributes ``L - 1`` positions — input ``ids[b : b+L-1]``, label
-``ids[b+1 : b+L]``, loss ``loss_mask[b : b+L-1]`` (the stored mask is
-label-aligned, so position ``j`` trains predicting ``j+1``), positions
-``0 .. L-2``. So no label ever crosses a sequence boundary. Rows are padded to
-``max_length`` with ``pad_id`` tokens/labels, loss 0, position 0.
+* a sequence of ``L`` stored tokens ``[b, b+L)`` contributes ``L - 1`` runtime
+  positions: input ``ids[b : b+L-1]``, label ``ids[b+1 : b+L]``, loss
+  ``loss_mask[b : b+L-1]`` (label-aligned), positions ``0 .. L-2``; so no label
+  crosses a sequence boundary and each sequence's last stored position is never read;
+* ``eos_id`` is Bridge's tokenizer EOS: rows are padded with it (tokens and labels),
+  loss 0 and position 0; and **loss is zeroed wherever the input token is EOS**;
+* ``answer_only_loss=False`` trains every position whose input is not EOS;
+* ``token_count``: each row's runtime length (a list of ints);
+* rows are ``max_seq_length`` long with ``pad_to_max_length``, else the longest row
+  rounded up to ``pad_seq_length_to_mult``, capped at ``max_seq_length``;
+* ``pad_seq_to_mult == 1``: ``cu_seqlens_q/kv`` are the cumulative runtime lengths,
+  plus ``max_length`` when the row is shorter (trailing padding is its own segment);
+* ``pad_seq_to_mult > 1`` (context parallelism; Bridge's packer padded every *runtime*
+  segment to the multiple): ``cu_seqlens_q/kv_padded`` are the physical boundaries
+  (cumulative runtime lengths, then ``max_length``); ``cu_seqlens_q/kv`` the logical
+  ones, each sequence ending at its last non-EOS input token (cumulative logical
+  lengths; one repeated entry where the padded list is longer);
+* ``pad_cu_seqlens`` extends every row with zero-length segments to
+  ``max_samples_per_bin + 2`` entries (a static shape for CUDA graphs), and
+  ``max_seqlen_q/kv`` become one static value per row, shape ``(B,)``:
+  ``max(dataset_max_seqlen, max_length - min_packed_seqlen)`` in Bridge's runtime
+  units (:class:`BridgePackingStats`); otherwise ``max_seqlen`` is each row's longest
+  (physical) segment, shape ``(B, 1)``;
+* rows of one batch are equalised with zero-length segments; ``attention_mask`` is None;
+* ``return_cu_seqlen=False``: no boundaries, a dense causal ``attention_mask``
+  ``(B, 1, L, L)`` (True = masked) instead.
 
-* ``cu_seqlens_q/kv``: the logical boundaries. With ``pad_seq_to_mult == 1`` they
-  are the cumulative ``L - 1`` plus ``max_length`` when the row is padded (the
-  padding is a segment of its own, so it never attends to a real sequence).
-* With ``pad_seq_to_mult > 1`` (sequences were padded for context parallelism):
-  ``cu_seqlens_q/kv_padded`` hold the physical boundaries (cumulative ``L - 1``,
-  then ``max_length``) and ``cu_seqlens_q/kv`` the logical ones, where each
-  sequence's trailing ``pad_id`` tokens with zero loss are alignment padding.
-* ``padding_mask[b, t]`` is True on every position that is not a logical token.
-* ``max_seqlen_q/kv``: per row, the longest (physical) segment, shape ``(B, 1)``;
-  with ``pad_cu_seqlens`` one static value per row, shape ``(B,)``, as Bridge.
-* ``pad_cu_seqlens`` pads every row's boundaries to ``max_samples_per_bin + 2``
-  entries with zero-length segments (a static shape for CUDA graphs); the
-  statistics come from the source's :class:`PackSummary` (shard metadata).
-
-Summary statistics are stored in raw units (sequence lengths including the last
-token); Bridge's are one less per sequence. The static ``max_seqlen`` is therefore
-``max(dataset_max_seqlen - 1, max_length - (min_packed_seqlen - max_samples_per_bin))``:
-the first term is exact, the second an upper bound of Bridge's value (a larger
-``max_seqlen`` is always safe for the attention kernels).
+Bridge 0.6.2 returns no ``padding_mask`` (its main branch adds one) and no Bridge
+version returns ``pad_between_seqs``; neither is returned here.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 import numpy as np
-import torch
+
+from .._extras import require_extra
+
+require_extra("train", "torch")
+import torch  # noqa: E402
 
 from ..errors import ShardError
-from ._sources import PackSummary
 
-__all__ = ["PackedCollator", "collate_fn"]
+__all__ = ["PackedCollator", "BridgePackingStats", "collate_fn"]
+
+
+@dataclass(frozen=True)
+class BridgePackingStats:
+    """The packing statistics Bridge's ``pad_cu_seqlens`` reads, in Bridge's (runtime) units.
+
+    ``dataset_max_seqlen``: the longest sequence minus one; ``min_packed_seqlen``: the
+    shortest pack's runtime length (stored length minus its sequence count);
+    ``max_samples_per_bin``: the most sequences in one pack. Bridge takes the max/min
+    of each over every entry of its metadata file.
+    """
+
+    max_samples_per_bin: int
+    dataset_max_seqlen: int
+    min_packed_seqlen: int
+
+    @classmethod
+    def combine(cls, parts) -> "BridgePackingStats":
+        parts = list(parts)
+        return cls(max(p.max_samples_per_bin for p in parts), max(p.dataset_max_seqlen for p in parts),
+                   min(p.min_packed_seqlen for p in parts))
+
+    @classmethod
+    def from_bridge_metadata(cls, entries, path: Optional[str] = None) -> "BridgePackingStats":
+        """From the list Bridge's ``prepare_gpt_sft_packed_data`` writes to its metadata JSON."""
+        keys = ("max_samples_per_bin", "dataset_max_seqlen", "min_packed_seqlen")
+        ok = isinstance(entries, list) and entries and all(
+            isinstance(e, dict) and all(isinstance(e.get(k), int) and not isinstance(e.get(k), bool)
+                                        for k in keys) for e in entries)
+        if not ok:
+            raise ShardError("not a Megatron-Bridge packing metadata list", path=path, field="metadata",
+                             expected=f"[{{{', '.join(keys)}: int, ...}}, ...]",
+                             hint="pass the packed_metadata_path JSON Bridge wrote with the packs")
+        return cls.combine(cls(*(e[k] for k in keys)) for e in entries)
 
 
 def _ceil_to(n: int, mult: int) -> int:
-    return -(-n // mult) * mult if mult > 1 else n
+    return -(-n // mult) * mult
 
 
 class PackedCollator:
     """Callable ``batch -> Bridge packed batch`` with Bridge's options.
 
     Args:
-        max_seq_length: the longest row (Bridge's ``seq_length``, the pack size).
-        pad_id: token used for padding tokens and labels (Bridge: the tokenizer's EOS).
-        pad_to_max_length: pad every row to ``max_seq_length`` (else to the batch's
-            longest row rounded up to ``pad_seq_length_to_mult``).
-        pad_seq_length_to_mult: rounding multiple when not padding to the max (Bridge: 16).
-        pad_seq_to_mult: multiple sequences were padded to for CP (> 1 adds the
-            ``*_padded`` boundaries).
-        pad_cu_seqlens: static-shape boundaries (requires ``pad_to_max_length`` and ``summary``).
-        summary: the source's :class:`PackSummary` (for ``pad_cu_seqlens``).
-        return_cu_seqlen: False gives a dense causal ``attention_mask`` instead of boundaries.
+        max_seq_length: Bridge's ``max_seq_length`` (the packed sequence size).
+        eos_id: the tokenizer's EOS id (Bridge pads with it and zeroes loss on it).
+        pad_to_max_length, pad_seq_length_to_mult, pad_seq_to_mult, pad_cu_seqlens,
+        return_cu_seqlen, answer_only_loss: Bridge's options of the same names.
+        stats: :class:`BridgePackingStats`, required with ``pad_cu_seqlens``.
 
     Raises:
-        ShardError: inconsistent options, or a pack longer than ``max_seq_length``.
+        ShardError: inconsistent options, or a row longer than ``max_seq_length``.
     """
 
-    def __init__(self, max_seq_length: int, *, pad_id: int = 0, pad_to_max_length: bool = False,
+    def __init__(self, max_seq_length: int, *, eos_id: int, pad_to_max_length: bool = False,
                  pad_seq_length_to_mult: int = 16, pad_seq_to_mult: int = 1,
-                 pad_cu_seqlens: bool = False, summary: Optional[PackSummary] = None,
-                 return_cu_seqlen: bool = True) -> None:
+                 pad_cu_seqlens: bool = False, stats: Optional[BridgePackingStats] = None,
+                 return_cu_seqlen: bool = True, answer_only_loss: bool = True) -> None:
         if pad_cu_seqlens and not pad_to_max_length:
             raise ShardError("pad_cu_seqlens requires pad_to_max_length=True (as in Megatron-Bridge)",
                              field="pad_cu_seqlens")
-        if pad_cu_seqlens and summary is None:
+        if pad_cu_seqlens and stats is None:
             raise ShardError("pad_cu_seqlens needs the packing statistics of the source",
-                             field="pad_cu_seqlens", hint="pass summary=summarize(source)")
+                             field="pad_cu_seqlens", hint="pass stats=BridgePackingStats(...)")
         if max_seq_length < 1 or pad_seq_to_mult < 1 or pad_seq_length_to_mult < 1:
             raise ShardError("lengths and multiples must be positive", field="max_seq_length",
                              actual=(max_seq_length, pad_seq_to_mult, pad_seq_length_to_mult))
         self.max_seq_length = int(max_seq_length)
-        self.pad_id = int(pad_id)
-        self.pad_to_max_length = pad_to_max_length
+        self.eos_id = int(eos_id)
+        self.pad_to_max_length = bool(pad_to_max_length)
         self.pad_seq_length_to_mult = int(pad_seq_length_to_mult)
         self.pad_seq_to_mult = int(pad_seq_to_mult)
-        self.pad_cu_seqlens = pad_cu_seqlens
-        self.summary = summary
-        self.return_cu_seqlen = return_cu_seqlen
+        self.pad_cu_seqlens = bool(pad_cu_seqlens)
+        self.stats = stats
+        self.return_cu_seqlen = bool(return_cu_seqlen)
+        self.answer_only_loss = bool(answer_only_loss)
 
-    # ------------------------------------------------------------------ helpers
+    def static_max_seqlen(self, max_length: int) -> int:
+        """Bridge's ``pad_cu_seqlens`` value: ``max(dataset_max_seqlen, max_length - min_packed_seqlen)``."""
+        return max(self.stats.dataset_max_seqlen, max_length - self.stats.min_packed_seqlen)
 
-    def _static_max_seqlen(self, max_length: int) -> int:
-        s = self.summary
-        bridge_min_packed = max(s.min_packed_seqlen - s.max_samples_per_bin, 0)
-        return max(s.dataset_max_seqlen - 1, max_length - bridge_min_packed)
-
-    def _row_boundaries(self, phys: np.ndarray, logical: np.ndarray, max_length: int):
-        """One row's (logical, physical-or-None) boundary lists, Bridge's appending rules applied."""
-        padded = self.pad_seq_to_mult > 1
-        if padded:
-            if phys[-1] != max_length:
-                phys = np.append(phys, max_length)
-            if phys.shape[0] > logical.shape[0]:
-                logical = np.append(logical, logical[-1])
-        elif logical[-1] != max_length:
-            logical = np.append(logical, max_length)
-        if self.pad_cu_seqlens:
-            target = self.summary.max_samples_per_bin + 2
-            have = (phys if padded else logical).shape[0]
-            if have > target:
-                raise ShardError("a pack holds more sequences than max_samples_per_bin records",
-                                 field="max_samples_per_bin", expected=f"<= {target - 2}",
-                                 actual=have - 2, hint="the shard statistics are wrong; rebuild it")
-            fill = target - have
-            if padded:
-                phys = np.concatenate((phys, np.full(fill, max_length, phys.dtype)))
-                logical = np.concatenate((logical, np.full(fill, logical[-1], logical.dtype)))
-            else:
-                logical = np.concatenate((logical, np.full(fill, max_length, logical.dtype)))
-        return logical, (phys if padded else None)
-
-    @staticmethod
-    def _stack_ragged(rows: List[np.ndarray]) -> np.ndarray:
-        """Rows of boundaries as one int32 matrix, short rows extended by zero-length segments."""
-        width = max(r.shape[0] for r in rows)
-        out = np.empty((len(rows), width), dtype=np.int32)
-        for b, r in enumerate(rows):
-            out[b, : r.shape[0]] = r
-            out[b, r.shape[0]:] = r[-1]
-        return out
-
-    # ------------------------------------------------------------------ main
+    def _max_length(self, longest: int) -> int:
+        if self.pad_to_max_length:
+            max_length = self.max_seq_length
+        else:
+            max_length = min(self.max_seq_length, _ceil_to(longest, self.pad_seq_length_to_mult))
+        if longest > max_length:
+            raise ShardError("a pack is longer than max_seq_length", field="max_seq_length",
+                             expected=f"<= {max_length} runtime tokens (each sequence drops its last)",
+                             actual=longest, hint="raise max_seq_length to the packed sequence size")
+        return max_length
 
     def __call__(self, batch: Sequence[dict]) -> dict:
         if not batch:
@@ -147,52 +158,29 @@ class PackedCollator:
 
         ids = np.concatenate(ids_parts).astype(np.int64, copy=False)
         loss = np.concatenate(loss_parts).astype(np.int64, copy=False)
-        # Every sequence of the batch: global start, length, and the row it belongs to.
+        # Every sequence of the batch: global start, stored length, and its row.
         seq_row = np.repeat(np.arange(n_rows), n_seqs)
         starts = np.concatenate([b[:-1] for b in bounds]) + pack_off[seq_row]
         lengths = np.concatenate([np.diff(b) for b in bounds])
-        keep = np.ones(ids.shape[0], dtype=bool)
-        keep[starts + lengths - 1] = False  # a sequence's last token predicts nothing
-        kept = np.flatnonzero(keep)
-        seq_of_token = np.repeat(np.arange(lengths.shape[0]), lengths)
-        sid = seq_of_token[kept]
+        seg = lengths - 1  # runtime positions per sequence
+        kept = np.repeat(starts, seg) + _ranges(seg)  # every runtime position, in order
+        sid = np.repeat(np.arange(seg.shape[0]), seg)
         local = kept - starts[sid]
 
         row_count = pack_len - n_seqs  # Bridge's token_count
-        longest = int(row_count.max())
-        if self.pad_to_max_length:
-            max_length = self.max_seq_length
-        else:
-            max_length = min(self.max_seq_length, _ceil_to(longest, self.pad_seq_length_to_mult))
-        if longest > max_length:
-            raise ShardError("a pack is longer than max_seq_length", field="max_seq_length",
-                             expected=f"<= {max_length} tokens after dropping each sequence's last",
-                             actual=longest, hint="raise seq_length to the shard's pack size")
-        row = seq_row[sid]
-        col = np.arange(kept.shape[0]) - np.repeat(np.concatenate(([0], np.cumsum(row_count)))[:-1], row_count)
-        flat = row * max_length + col
+        max_length = self._max_length(int(row_count.max()))
+        row_off = np.concatenate(([0], np.cumsum(row_count)))
+        flat = seq_row[sid] * max_length + (np.arange(kept.shape[0]) - row_off[seq_row[sid]])
 
-        tokens = np.full(n_rows * max_length, self.pad_id, dtype=np.int64)
-        labels = np.full(n_rows * max_length, self.pad_id, dtype=np.int64)
+        tokens = np.full(n_rows * max_length, self.eos_id, dtype=np.int64)
+        labels = np.full(n_rows * max_length, self.eos_id, dtype=np.int64)
         loss_out = np.zeros(n_rows * max_length, dtype=np.int64)
         positions = np.zeros(n_rows * max_length, dtype=np.int64)
         tokens[flat] = ids[kept]
         labels[flat] = ids[kept + 1]
-        loss_out[flat] = loss[kept]
+        loss_out[flat] = loss[kept] if self.answer_only_loss else 1
+        loss_out[tokens == self.eos_id] = 0  # Bridge: EOS (and padding) inputs carry no loss
         positions[flat] = local
-
-        seg = lengths - 1  # positions each sequence contributes
-        if self.pad_seq_to_mult > 1:
-            # Alignment padding: a sequence's trailing pad_id tokens that carry no loss.
-            real = (ids[kept] != self.pad_id) | (loss[kept] != 0)
-            logical_len = np.zeros(seg.shape[0], dtype=np.int64)
-            np.maximum.at(logical_len, sid, np.where(real, local + 1, 0))
-            is_logical = local < logical_len[sid]
-        else:
-            logical_len = seg
-            is_logical = np.ones(kept.shape[0], dtype=bool)
-        padding_mask = np.ones(n_rows * max_length, dtype=bool)
-        padding_mask[flat[is_logical]] = False
 
         out = {
             "tokens": torch.from_numpy(tokens.reshape(n_rows, max_length)),
@@ -200,47 +188,80 @@ class PackedCollator:
             "loss_mask": torch.from_numpy(loss_out.reshape(n_rows, max_length)),
             "position_ids": torch.from_numpy(positions.reshape(n_rows, max_length)),
             "token_count": [int(c) for c in row_count],
-            "padding_mask": torch.from_numpy(padding_mask.reshape(n_rows, max_length)),
         }
         if not self.return_cu_seqlen:
             causal = torch.tril(torch.ones((1, max_length, max_length))) < 0.5
-            out["attention_mask"] = causal.expand(n_rows, 1, max_length, max_length).clone()
+            out["attention_mask"] = causal.unsqueeze(0).expand(n_rows, 1, max_length, max_length).clone()
             return out
-        return self._add_boundaries(out, seg, logical_len, n_seqs, max_length)
+        logical = seg
+        if self.pad_seq_to_mult > 1:
+            # Logical length: up to the sequence's last non-EOS input token (alignment padding excluded).
+            logical = np.zeros(seg.shape[0], dtype=np.int64)
+            real = ids[kept] != self.eos_id
+            np.maximum.at(logical, sid[real], local[real] + 1)
+        return self._add_boundaries(out, seg, logical, n_seqs, max_length)
+
+    def _row_boundaries(self, phys: np.ndarray, logical: np.ndarray, max_length: int):
+        """One row's (logical, physical-or-None) boundaries with Bridge's appending rules."""
+        if self.pad_seq_to_mult > 1:
+            if phys[-1] != max_length:
+                phys = np.append(phys, max_length)
+            if phys.shape[0] > logical.shape[0]:
+                logical = np.append(logical, logical[-1])
+            if self.pad_cu_seqlens:
+                fill = max(self.stats.max_samples_per_bin - phys.shape[0] + 2, 0)
+                phys = np.concatenate((phys, np.full(fill, max_length, np.int64)))
+                logical = np.concatenate((logical, np.full(fill, logical[-1], np.int64)))
+            return logical, phys
+        if phys[-1] != max_length:
+            phys = np.append(phys, max_length)
+        if self.pad_cu_seqlens:
+            fill = max(self.stats.max_samples_per_bin - phys.shape[0] + 2, 0)
+            phys = np.concatenate((phys, np.full(fill, max_length, np.int64)))
+        return phys, None
 
     def _add_boundaries(self, out: dict, seg, logical_len, n_seqs, max_length: int) -> dict:
-        seq_split = np.cumsum(n_seqs)[:-1]
-        logical_rows, phys_rows = [], []
-        pad_between = False
-        for phys_len, log_len in zip(np.split(seg, seq_split), np.split(logical_len, seq_split)):
+        split_at = np.cumsum(n_seqs)[:-1]
+        logical_rows: List[np.ndarray] = []
+        phys_rows: List[np.ndarray] = []
+        for phys_len, log_len in zip(np.split(seg, split_at), np.split(logical_len, split_at)):
             phys = np.concatenate(([0], np.cumsum(phys_len)))
             logical = np.concatenate(([0], np.cumsum(log_len)))
             logical, phys = self._row_boundaries(phys, logical, max_length)
             logical_rows.append(logical)
             if phys is not None:
                 phys_rows.append(phys)
-                pad_between = pad_between or not np.array_equal(logical, phys)
-        logical_mat = self._stack_ragged(logical_rows + phys_rows)
-        cu = torch.from_numpy(logical_mat[: len(logical_rows)].copy())
-        cu_padded = torch.from_numpy(logical_mat[len(logical_rows):].copy()) if phys_rows else None
-        reference = cu_padded if cu_padded is not None else cu
+        matrix = _stack_ragged(logical_rows + phys_rows)
+        cu = torch.from_numpy(matrix[: len(logical_rows)].copy())
+        cu_padded = torch.from_numpy(matrix[len(logical_rows):].copy()) if phys_rows else None
         if self.pad_cu_seqlens:
-            max_seqlen = torch.full((reference.shape[0],), self._static_max_seqlen(max_length),
-                                    dtype=torch.int32)
+            max_seqlen = torch.full((n_seqs.shape[0],), self.static_max_seqlen(max_length), dtype=torch.int32)
         else:
-            max_seqlen = (reference[:, 1:] - reference[:, :-1]).max(dim=1, keepdim=True).values
-        out.update({
-            "pad_between_seqs": pad_between,
-            "attention_mask": None,
-            "cu_seqlens_q": cu,
-            "cu_seqlens_kv": cu,
-            "max_seqlen_q": max_seqlen,
-            "max_seqlen_kv": max_seqlen,
-        })
+            ref = cu_padded if cu_padded is not None else cu
+            max_seqlen = (ref[:, 1:] - ref[:, :-1]).max(dim=1, keepdim=True).values
+        out.update({"attention_mask": None, "cu_seqlens_q": cu, "max_seqlen_q": max_seqlen,
+                    "max_seqlen_kv": max_seqlen, "cu_seqlens_kv": cu})
         if cu_padded is not None:
             out["cu_seqlens_q_padded"] = cu_padded
             out["cu_seqlens_kv_padded"] = cu_padded
         return out
+
+
+def _ranges(counts: np.ndarray) -> np.ndarray:
+    """``concatenate([arange(c) for c in counts])`` without a Python loop."""
+    total = int(counts.sum())
+    ends = np.cumsum(counts)
+    return np.arange(total, dtype=np.int64) - np.repeat(ends - counts, counts)
+
+
+def _stack_ragged(rows: List[np.ndarray]) -> np.ndarray:
+    """Rows of boundaries as one int32 matrix, short rows extended by zero-length segments."""
+    width = max(r.shape[0] for r in rows)
+    out = np.empty((len(rows), width), dtype=np.int32)
+    for b, r in enumerate(rows):
+        out[b, : r.shape[0]] = r
+        out[b, r.shape[0]:] = r[-1]
+    return out
 
 
 def collate_fn(batch: Sequence[dict], max_seq_length: int, **options) -> dict:

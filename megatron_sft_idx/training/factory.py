@@ -35,8 +35,9 @@ from typing import List, Optional, Sequence, Union
 
 import numpy as np
 
+from .._extras import require_extra
 from ..errors import InvariantError, ShardError, ShardNotFoundError
-from ..format import IDX_SUFFIX, Rule
+from ..format import IDX_SUFFIX, PAD_LAYOUT_RUNTIME, Rule
 from ..reader import MMapIndexedDataset
 from ._sources import FlatPackedSource
 
@@ -44,23 +45,58 @@ __all__ = ["open_packed", "load_legacy_npy", "load_parquet", "RestrictedUnpickle
 
 _PACK_KEYS = ("input_ids", "loss_mask", "seq_start_id")
 _PARQUET_SUFFIXES = (".parquet", ".pq")
+_RECONSTRUCT = frozenset({("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct")})
 #: The only globals a pickled numpy array needs (numpy 1.x and 2.x module names).
-_ALLOWED_GLOBALS = frozenset({
-    ("numpy.core.multiarray", "_reconstruct"),
-    ("numpy._core.multiarray", "_reconstruct"),
-    ("numpy", "ndarray"),
-    ("numpy", "dtype"),
-})
+_ALLOWED_GLOBALS = _RECONSTRUCT | {("numpy", "ndarray"), ("numpy", "dtype")}
+_MAX_NDIM = 32
 
 
-def open_packed(path, *, pad_seq_to_mult: Optional[int] = None, check_packs: bool = False):
+class _CheckedArray(np.ndarray):
+    """What the restricted unpickler builds for a pickled array: its ``__setstate__`` checks
+    that the state's shape and dtype describe exactly the data the pickle holds *before*
+    numpy allocates, so a few bytes cannot declare gigabytes (issue: memory before refusal)."""
+
+    def __setstate__(self, state):
+        if not isinstance(state, tuple) or len(state) not in (4, 5):
+            raise pickle.UnpicklingError("array state is not numpy's")
+        shape, dtype, _fortran, data = state[-4:]
+        if (not isinstance(shape, tuple) or len(shape) > _MAX_NDIM
+                or not all(type(d) is int and d >= 0 for d in shape) or not isinstance(dtype, np.dtype)):
+            raise pickle.UnpicklingError("array state: bad shape or dtype")
+        count = 1
+        for d in shape:
+            count *= d
+        if dtype.hasobject:
+            ok = isinstance(dtype, np.dtype) and dtype == np.dtype(object) and isinstance(data, list) \
+                and len(data) == count
+        else:
+            ok = isinstance(data, (bytes, bytearray)) and len(data) == count * dtype.itemsize
+        if not ok:
+            raise pickle.UnpicklingError("array state: the data present does not match the declared shape")
+        super().__setstate__(state)
+
+
+def _checked_reconstruct(subtype, shape, dtype):
+    """numpy's ``_reconstruct`` as numpy's own pickles call it: an empty ndarray, filled by BUILD."""
+    if subtype is not np.ndarray or not isinstance(shape, tuple) or \
+            not all(type(d) is int and d >= 0 for d in shape) or 0 not in shape:
+        raise pickle.UnpicklingError("array rebuild with a non-empty shape or a subclass")
+    return np.ndarray.__new__(_CheckedArray, (0,), np.uint8)
+
+
+def open_packed(path, *, pad_seq_to_mult: Optional[int] = None, pad_layout: str = PAD_LAYOUT_RUNTIME,
+                eos_id: Optional[int] = None, check_packs: bool = False):
     """Open packed SFT data in any supported format.
 
     Args:
         path: a shard prefix, a manifest ``.json``, a directory, a glob, a list of
             prefixes, a legacy ``.npy`` or packed Parquet (file, directory, glob).
-        pad_seq_to_mult: for ``.npy``/Parquet, the multiple the producer padded
-            sequences to (our shards record it themselves).
+        pad_seq_to_mult, pad_layout: for ``.npy``/Parquet, the multiple the producer padded
+            sequences to and its layout (Megatron-Bridge's packer: ``"runtime"``); our
+            shards record both themselves.
+        eos_id: for ``.npy``/Parquet, Bridge's EOS id: loss values at EOS inputs, which
+            Bridge never trains, are normalised to 0 (docs/FORMAT.md, "Data written by
+            Megatron-Bridge"). Each sequence's last position is always normalised to 0.
         check_packs: check each shard pack's invariants as it is read.
 
     Raises:
@@ -77,10 +113,12 @@ def open_packed(path, *, pad_seq_to_mult: Optional[int] = None, check_packs: boo
     if is_manifest(path):
         return MultiShardDataset.open(path, check_packs=check_packs)
     if path.endswith(".npy") and os.path.isfile(path):
-        return load_legacy_npy(path, pad_seq_to_mult=pad_seq_to_mult or 1)
+        return load_legacy_npy(path, pad_seq_to_mult=pad_seq_to_mult or 1, pad_layout=pad_layout,
+                               eos_id=eos_id)
     parquet = _parquet_files(path)
     if parquet:
-        return load_parquet(parquet, path=path, pad_seq_to_mult=pad_seq_to_mult or 1)
+        return load_parquet(parquet, path=path, pad_seq_to_mult=pad_seq_to_mult or 1, pad_layout=pad_layout,
+                            eos_id=eos_id)
     if os.path.isdir(path) or _glob.has_magic(path):
         return MultiShardDataset.open(path, check_packs=check_packs)
     if os.path.exists(path):
@@ -103,6 +141,8 @@ class RestrictedUnpickler(pickle.Unpickler):
     source = "<pickle>"
 
     def find_class(self, module: str, name: str):
+        if (module, name) in _RECONSTRUCT:
+            return _checked_reconstruct
         if (module, name) in _ALLOWED_GLOBALS:
             return super().find_class(module, name)
         raise ShardError(f"refusing to load global {module}.{name} from a pickle", path=self.source,
@@ -119,7 +159,7 @@ def _restricted_loads(stream, source: str):
         return unpickler.load()
     except ShardError:
         raise
-    except Exception as exc:  # a malformed pickle must not surface as a raw traceback
+    except Exception as exc:  # a malformed or hostile pickle must not surface as a raw traceback
         raise ShardError(f"the pickle payload is malformed ({type(exc).__name__}: {exc})",
                          path=source, field="pickle",
                          hint="the .npy was cut short or is not a packed dataset") from None
@@ -143,12 +183,27 @@ def _read_npy_object_array(path: str) -> np.ndarray:
                              field="dtype/shape", expected="object, 1-D",
                              actual=f"{dtype}, shape {shape}")
         payload = f.read()
+    from ._pickle_scan import first_bad_opcode
+
+    bad = first_bad_opcode(payload)
+    if bad is not None:  # checked before unpickling: CPython allocates declared lengths up front
+        raise ShardError(f"the pickle payload is malformed: {bad[1]}", path=path, field="pickle",
+                         actual=f"payload offset {bad[0]}",
+                         hint="the .npy was cut short or is not a packed dataset; do not load it")
     array = _restricted_loads(io.BytesIO(payload), path)
+    if isinstance(array, np.ndarray):
+        array = array.view(np.ndarray)
     if not isinstance(array, np.ndarray) or array.dtype != object or array.shape != tuple(shape):
         raise ShardError("the pickle payload is not the object array its header announces",
                          path=path, field="payload", expected=f"object array of shape {shape}",
                          actual=type(array).__name__)
-    return array
+    return array, len(payload)
+
+
+def _declared_len(value) -> int:
+    if isinstance(value, list):
+        return len(value)
+    return int(value.size) if isinstance(value, np.ndarray) else 0
 
 
 def _int_values(value, path: str, pack: int, key: str) -> np.ndarray:
@@ -161,19 +216,19 @@ def _int_values(value, path: str, pack: int, key: str) -> np.ndarray:
     if not isinstance(value, list):
         raise ShardError("field must be a list of ints", path=path, pack=pack, field=key,
                          actual=type(value).__name__)
-    if not value:
-        return np.empty(0, dtype=np.int64)
-    try:
-        out = np.array(value)
-    except (TypeError, ValueError, OverflowError):
-        out = None
-    if out is None or out.ndim != 1 or out.dtype.kind not in "biu":
+    kinds = set(map(type, value))  # checked before numpy sees it: a nested list is never expanded
+    if not kinds <= {int, bool}:
         raise ShardError("field must be a flat list of ints", path=path, pack=pack, field=key,
-                         actual=None if out is None else str(out.dtype))
-    return out.astype(np.int64, copy=False)
+                         actual=sorted(k.__name__ for k in kinds - {int, bool})[:4])
+    try:
+        return np.fromiter(value, dtype=np.int64, count=len(value))
+    except OverflowError:
+        raise ShardError("field must be a flat list of ints (each fitting int64)", path=path, pack=pack,
+                         field=key) from None
 
 
-def load_legacy_npy(path, *, pad_seq_to_mult: int = 1) -> FlatPackedSource:
+def load_legacy_npy(path, *, pad_seq_to_mult: int = 1, pad_layout: str = PAD_LAYOUT_RUNTIME,
+                    eos_id: Optional[int] = None) -> FlatPackedSource:
     """Read Megatron-Bridge's legacy packed ``.npy`` without executing arbitrary pickle code.
 
     Raises:
@@ -182,22 +237,32 @@ def load_legacy_npy(path, *, pad_seq_to_mult: int = 1) -> FlatPackedSource:
             rebuilders; InvariantError: a pack breaks a format invariant.
     """
     path = os.fspath(path)
-    array = _read_npy_object_array(path)
+    array, payload_bytes = _read_npy_object_array(path)
     if array.shape[0] == 0:
         raise ShardError("the packed dataset is empty", path=path, field="packs")
     fields = {k: [] for k in _PACK_KEYS}
+    declared = 0
     # One Python step per pack is inherent: the legacy format *is* a Python object per pack.
     for i, item in enumerate(array):
-        if not isinstance(item, dict) or set(item) != set(_PACK_KEYS):
+        if not isinstance(item, dict) or len(item) != len(_PACK_KEYS) or \
+                not all(isinstance(k, str) and k in item for k in _PACK_KEYS):
             raise ShardError("every element must be a dict with exactly the packed keys", path=path,
                              pack=i, field="keys", expected=sorted(_PACK_KEYS),
-                             actual=sorted(item) if isinstance(item, dict) else type(item).__name__)
+                             actual=type(item).__name__ if not isinstance(item, dict) else f"{len(item)} keys")
+        # Every value the pickle holds costs it at least a byte, unless one object is referenced
+        # many times: bound the expansion by the file before converting anything.
+        declared += sum(_declared_len(item[k]) for k in _PACK_KEYS)
+        if declared > payload_bytes:
+            raise ShardError("the pickle declares more values than it holds bytes (shared references)",
+                             path=path, pack=i, field="payload", expected=f"<= {payload_bytes} values",
+                             hint="this is not a file Megatron-Bridge's packer writes; do not load it")
         for key in _PACK_KEYS:
             fields[key].append(_int_values(item[key], path, i, key))
-    return _flat_from_lists(fields, path, pad_seq_to_mult)
+    return _flat_from_lists(fields, path, pad_seq_to_mult, pad_layout, eos_id)
 
 
-def _flat_from_lists(fields, path: str, pad_seq_to_mult: int) -> FlatPackedSource:
+def _flat_from_lists(fields, path: str, pad_seq_to_mult: int, pad_layout: str,
+                     eos_id: Optional[int]) -> FlatPackedSource:
     ids, loss, starts = fields["input_ids"], fields["loss_mask"], fields["seq_start_id"]
     lengths = np.fromiter((a.shape[0] for a in ids), dtype=np.int64, count=len(ids))
     loss_lengths = np.fromiter((a.shape[0] for a in loss), dtype=np.int64, count=len(loss))
@@ -207,11 +272,37 @@ def _flat_from_lists(fields, path: str, pad_seq_to_mult: int) -> FlatPackedSourc
                              path=path, pack=pack, field="loss_mask", rule=Rule.LENGTH_MISMATCH.name,
                              expected=int(lengths[pack]), actual=int(loss_lengths[pack]))
     counts = np.fromiter((a.shape[0] for a in starts), dtype=np.int64, count=len(starts))
-    tokens = np.concatenate(ids)
-    return FlatPackedSource(
-        _narrow_tokens(tokens), np.concatenate(loss), np.concatenate(starts),
-        np.concatenate(([0], np.cumsum(lengths))), np.concatenate(([0], np.cumsum(counts))),
-        path=path, pad_seq_to_mult=pad_seq_to_mult)
+    tokens = _narrow_tokens(np.concatenate(ids))
+    token_off = np.concatenate(([0], np.cumsum(lengths)))
+    seq_off = np.concatenate(([0], np.cumsum(counts)))
+    seq_starts = np.concatenate(starts)
+    loss = normalise_bridge_loss(np.concatenate(loss), tokens, seq_starts, token_off, seq_off, eos_id)
+    return FlatPackedSource(tokens, loss, seq_starts, token_off, seq_off, path=path,
+                            pad_seq_to_mult=pad_seq_to_mult, pad_layout=pad_layout)
+
+
+def normalise_bridge_loss(loss, tokens, seq_starts, token_offsets, seq_offsets,
+                          eos_id: Optional[int] = None) -> np.ndarray:
+    """Bridge's loss mask with the positions Bridge never trains set to 0 (a copy).
+
+    Each sequence's last position (Bridge's collate reads ``[start, end - 1)``), and with
+    ``eos_id`` every position whose input token is EOS (Bridge's collate zeroes them).
+    Malformed sequence starts are left alone here; the invariant scan names them.
+    """
+    loss = np.array(loss, dtype=np.int64)
+    seq_starts = np.asarray(seq_starts, dtype=np.int64)
+    counts = np.diff(np.asarray(seq_offsets, dtype=np.int64))
+    pack_len = np.diff(np.asarray(token_offsets, dtype=np.int64))
+    if counts.size and counts.min() >= 0 and seq_starts.shape[0] == int(counts.sum()):
+        pack_of = np.repeat(np.arange(counts.shape[0]), counts)
+        is_last = np.zeros(seq_starts.shape[0], dtype=bool)
+        is_last[np.cumsum(counts)[counts > 0] - 1] = True  # each pack's last sequence ends the pack
+        end = np.where(is_last, pack_len[pack_of], np.append(seq_starts[1:], 0))
+        ok = (seq_starts >= 0) & (end > seq_starts) & (end <= pack_len[pack_of])
+        loss[(np.asarray(token_offsets)[pack_of] + end - 1)[ok]] = 0
+    if eos_id is not None and loss.shape == np.shape(tokens):
+        loss[np.asarray(tokens) == eos_id] = 0
+    return loss
 
 
 def _narrow_tokens(tokens: np.ndarray) -> np.ndarray:
@@ -237,7 +328,8 @@ def _parquet_files(path: str) -> List[str]:
 
 
 def load_parquet(files: Union[str, Sequence[str]], *, path: Optional[str] = None,
-                 pad_seq_to_mult: int = 1) -> FlatPackedSource:
+                 pad_seq_to_mult: int = 1, pad_layout: str = PAD_LAYOUT_RUNTIME,
+                 eos_id: Optional[int] = None) -> FlatPackedSource:
     """Read packed Parquet (``input_ids``, ``loss_mask``, ``seq_start_id`` list columns).
 
     Rows of all files, in sorted file order, become packs in that order.
@@ -245,6 +337,7 @@ def load_parquet(files: Union[str, Sequence[str]], *, path: Optional[str] = None
     Raises:
         ShardError: a column is missing or not a list of integers.
     """
+    require_extra("train", "pyarrow")
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -282,6 +375,8 @@ def load_parquet(files: Union[str, Sequence[str]], *, path: Optional[str] = None
         pack = int(np.flatnonzero(np.diff(id_off) != np.diff(loss_off))[0])
         raise InvariantError(f"pack {pack} breaks an invariant: {Rule.LENGTH_MISMATCH.describe}",
                              path=label, pack=pack, field="loss_mask", rule=Rule.LENGTH_MISMATCH.name)
-    return FlatPackedSource(_narrow_tokens(ids.astype(np.int64)), loss.astype(np.int64),
-                            starts.astype(np.int64), id_off, seq_off, path=label,
-                            pad_seq_to_mult=pad_seq_to_mult)
+    tokens = _narrow_tokens(ids.astype(np.int64))
+    starts = starts.astype(np.int64)
+    loss = normalise_bridge_loss(loss.astype(np.int64), tokens, starts, id_off, seq_off, eos_id)
+    return FlatPackedSource(tokens, loss, starts, id_off, seq_off, path=label,
+                            pad_seq_to_mult=pad_seq_to_mult, pad_layout=pad_layout)

@@ -46,13 +46,18 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
-import torch
+
+from .._extras import require_extra
+
+require_extra("megatron", "torch", "megatron.core")
+import torch  # noqa: E402
 from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
 from megatron.core.datasets.megatron_dataset import MegatronDataset
 from megatron.core.datasets.utils import Split
 
 from .._atomic import write_file_atomically
 from ..errors import ShardError
+from ..format import PAD_LAYOUT_STORED
 from ._sources import PackSummary, summarize
 from .factory import open_packed
 from .multi import MultiShardDataset
@@ -203,6 +208,12 @@ def check_compatible(source, config, path: str) -> None:
 
 
 def _check_summary(path: str, summary: PackSummary, seq_len: int, divisor: int) -> None:
+    if divisor > 1 and summary.pad_seq_to_mult > 1 and summary.pad_layout != PAD_LAYOUT_STORED:
+        raise ShardError("shard is padded for Megatron-Bridge's runtime segments (pad_layout "
+                         f"{summary.pad_layout!r}): with context parallelism Megatron-LM needs every stored "
+                         "sequence length to be the multiple", path=path, field="pad_layout",
+                         expected=PAD_LAYOUT_STORED, actual=summary.pad_layout,
+                         hint="re-run preprocess_sft with --pad-layout stored for Megatron-LM")
     if summary.capacity > seq_len:
         raise ShardError("shard pack size exceeds the run's sequence length", path=path,
                          field="pack_size", expected=f"<= {seq_len}", actual=summary.capacity,
@@ -276,7 +287,25 @@ class SFTIndexedDataset(MegatronDataset):
         base = f"{self.unique_description_hash}-{type(self).__name__}-{self.index_split.name}"
         return os.path.join(cache, base)
 
+    def _refuse_empty_split(self) -> None:
+        """A split with no packs cannot give samples: say so before anything is cached.
+
+        Megatron's blend would otherwise draw from a dataset of size 0 (its own
+        ``BlendedDataset`` check names that as oversampling); caching an empty index for
+        a non-zero sample count would poison every later run.
+        """
+        count = self._sample_count()
+        if count > 0 and len(self.indices) == 0:
+            raise ShardError(
+                f"the {self.index_split.name} split of this dataset holds no packs, yet {count} samples "
+                "are requested from it: the blend oversamples it in excess of its size 0",
+                path=self.dataset_path, field="split", expected="at least one pack in the split",
+                actual=f"split {getattr(self.config, 'split', None)!r} of {len(self.dataset)} packs",
+                hint="give this split more data (a larger shard or another --split), or drop the shard "
+                     "from this split's blend; nothing was cached")
+
     def _build_sample_index(self) -> np.ndarray:
+        self._refuse_empty_split()
         base = self._cache_path()
         if base is None:
             return self._compute_sample_index()

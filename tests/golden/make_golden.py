@@ -4,7 +4,7 @@ Run it only when the format version changes (into a new ``v<major>_<minor>``
 directory); the files of every released version stay committed unchanged, so
 a reader change that breaks old shards fails the golden test::
 
-    python tests/golden/make_golden.py            # writes tests/golden/v1_0/tiny.*
+    python tests/golden/make_golden.py            # writes tests/golden/v1_1/tiny.*
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_PREFIX = os.path.join(HERE, "v1_0", "tiny")
+DEFAULT_PREFIX = os.path.join(HERE, "v1_1", "tiny")
 PACK_SIZE = 8
 VOCAB_SIZE = 32
 METADATA = {"tokenizer": {"name": "golden"}, "pad_seq_to_mult": 1}

@@ -1,0 +1,80 @@
+"""Entry points of the console scripts (``[project.scripts]`` in ``pyproject.toml``) and ``tools/*.py``.
+
+Each tool's CLI lives in its own module as ``build_parser()`` + ``main(argv) -> int``; this
+module only starts it: it checks first that the extra the tool needs is installed, and turns a
+:class:`~megatron_sft_idx._extras.MissingExtraError` raised anywhere in the tool into one line
+on stderr and exit status 2, never a traceback.
+
+Adding a console script: a row in ``TOOLS`` and the line
+``my-tool = "megatron_sft_idx._console:my_tool"`` in ``pyproject.toml`` (the function
+``my_tool`` is made from the row, below); ``tests/test_extras.py`` then asks for a real
+invocation of it in its ``PROBES`` table, and runs it with its dependencies hidden.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from importlib import import_module
+from typing import List, NamedTuple, Optional, Tuple
+
+from ._extras import MissingExtraError, require_extra
+
+
+class Tool(NamedTuple):
+    target: str                  # "module:function", the tool's main(argv) -> int
+    extra: Optional[str]         # the extra every run needs (None: numpy + numba suffice)
+    modules: Tuple[str, ...]     # what that extra must provide for any run of the tool
+
+
+TOOLS = {
+    # Format-specific packages (zstandard for .zst, pyarrow for Parquet) are checked where used.
+    "preprocess-sft": Tool("megatron_sft_idx.preprocess.cli:main", "preprocess",
+                           ("transformers", "tokenizers", "jinja2", "tqdm")),
+    "check-idx": Tool("megatron_sft_idx.gate.cli:main", None, ()),
+    "write-sft-manifest": Tool("megatron_sft_idx.training.manifest_cli:main", None, ()),
+}
+
+
+def run(name: str, argv: Optional[List[str]] = None) -> int:
+    """Run tool ``name`` with ``argv`` (default ``sys.argv[1:]``); its exit status."""
+    tool = TOOLS[name]
+    try:
+        if tool.extra is not None:
+            require_extra(tool.extra, *tool.modules, user=name)
+        module, function = tool.target.split(":")
+        return getattr(import_module(module), function)(argv)
+    except MissingExtraError as exc:
+        print(f"{name}: error: {exc.detail}", file=sys.stderr)
+        return 2
+
+
+def __getattr__(name: str):
+    """``preprocess_sft`` etc.: the zero-argument function a console script calls, for each TOOLS row."""
+    tool = name.replace("_", "-")
+    if tool not in TOOLS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return lambda: run(tool)
+
+
+def sft_idx_check(argv: Optional[List[str]] = None) -> int:
+    """The native checker (``csrc/sft_idx_check.cpp``) built at install time, run in this process's place.
+
+    Without it (no C++ compiler when the package was installed, or ``MEGATRON_SFT_IDX_NATIVE=0``)
+    one line says why and what to do instead; exit status 2.
+    """
+    from .native import NativeLibraryError, checker_path
+
+    try:
+        path = checker_path()
+    except NativeLibraryError as exc:
+        print(f"sft_idx_check: error: {exc}", file=sys.stderr)
+        return 2
+    args = sys.argv[1:] if argv is None else list(argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(path, ["sft_idx_check", *args])  # replaces this process: exit status and signals are the checker's
+    return 2  # not reached
+
+
+__all__ = ["TOOLS", "run", "sft_idx_check"]

@@ -1,0 +1,26 @@
+"""Compatibility tests against the real megatron-core / Megatron-Bridge wheels.
+
+They run in a subprocess per installed stack (``tests/test_compat_stacks.py``), with that
+stack's ``--target`` directory first on PYTHONPATH and ``MEGATRON_SFT_IDX_STACK`` naming it;
+the plain suite does not collect this directory (``tests/conftest.py``). The first thing
+here checks that the intended megatron-core was imported, not another one on the path.
+"""
+
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+import megatron_cpu  # noqa: E402,F401  (before any megatron import)
+import stacks  # noqa: E402
+
+STACK = stacks.current()
+stacks.verify(STACK)
+
+# Modules that need what only some stacks ship: Megatron-Bridge (needs megatron-core >= 0.17),
+# Megatron-LM's SFTDataset (megatron/training/, shipped in the megatron-core wheel from 0.17 on).
+collect_ignore = []
+if STACK.bridge is None:
+    collect_ignore += ["test_bridge_parity.py", "test_sft_dataset_parity.py"]
