@@ -44,6 +44,7 @@ from .errors import (
     TruncatedFileError,
     VersionError,
 )
+from .format import INT32_MAX
 
 ENV_VAR = "MEGATRON_SFT_IDX_NATIVE_LIB"
 ENABLE_VAR = "MEGATRON_SFT_IDX_NATIVE"
@@ -262,8 +263,8 @@ def validate(prefix, checksums: bool = True, vocab_size: Optional[int] = None, m
         NativeLibraryError: the library cannot be loaded.
         ValueError: ``vocab_size`` or ``max_findings`` is not positive.
     """
-    if vocab_size is not None and int(vocab_size) <= 0 or int(max_findings) <= 0:
-        raise ValueError("vocab_size and max_findings must be positive")
+    if vocab_size is not None and not 1 <= int(vocab_size) <= INT32_MAX or not 1 <= int(max_findings) <= INT32_MAX:
+        raise ValueError(f"vocab_size and max_findings must be in 1..{INT32_MAX}")
     lib = load_library(lib_path)
     prefix = os.fspath(prefix)
     handle = lib.sft_idx_validate(os.fsencode(prefix), int(bool(checksums)), int(vocab_size or 0),

@@ -349,3 +349,21 @@ def test_deepest_allowed_metadata_round_trips_everywhere(tmp_path, native_lib):
     ds = MMapIndexedDataset(prefix)
     assert ds.metadata.extra["n"] == -2 ** 63 and ds.metadata.extra["deep"] == deep
     assert check(prefix).passed and validate(prefix, lib_path=native_lib).passed
+
+
+def test_vocab_size_arguments_beyond_the_range_are_usage_errors(base, native_lib, tmp_path):
+    """--vocab-size is held to the metadata field's range by every entry point, never passed on."""
+    from megatron_sft_idx.gate.cli import main as check_idx
+
+    prefix = base[0]
+    for value in (2 ** 31, 2 ** 63, 2 ** 70):
+        with pytest.raises(ValueError, match="vocab_size must be an integer in 1..2147483647"):
+            check(prefix, vocab_size=value)
+        with pytest.raises(ValueError, match="1..2147483647"):
+            validate(prefix, vocab_size=value, lib_path=native_lib)
+        assert check_idx(["--quiet", "--vocab-size", str(value), prefix]) == 2
+    assert check(prefix, vocab_size=2 ** 31 - 1).passed
+    cli = os.path.join(os.path.dirname(native_lib), "sft_idx_check")
+    import subprocess
+    assert subprocess.run([cli, prefix, "--vocab-size", str(2 ** 31)], capture_output=True).returncode == 2
+    assert subprocess.run([cli, prefix, "--vocab-size", str(2 ** 31 - 1)], capture_output=True).returncode == 0

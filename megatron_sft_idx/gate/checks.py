@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from typing import Optional, Sequence, Union
 
 from ..errors import ShardError
+from ..format import METADATA_FIELD_RANGES
 from . import structure
 from ._context import ShardContext, UnreadableFile
 from .discover import resolve_prefixes
@@ -69,8 +70,10 @@ def check(prefixes: Union[PathLike, Sequence[PathLike]], *, level: str = "standa
     """
     if level not in LEVELS:
         raise ValueError(f"level must be one of {LEVELS}, not {level!r}")
-    if vocab_size is not None and (isinstance(vocab_size, bool) or int(vocab_size) <= 0):
-        raise ValueError(f"vocab_size must be a positive integer, not {vocab_size!r}")
+    low, high = METADATA_FIELD_RANGES["vocab_size"]
+    if vocab_size is not None and (isinstance(vocab_size, bool) or not low <= int(vocab_size) <= high):
+        raise ValueError(f"vocab_size must be an integer in {low}..{high} (docs/FORMAT.md \"Limits\"), "
+                         f"not {vocab_size!r}")
     if int(workers) < 1 or int(sample) < 0:
         raise ValueError("workers must be >= 1 and sample >= 0")
     options = Options(level, None if vocab_size is None else int(vocab_size), bool(strict),

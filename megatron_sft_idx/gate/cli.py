@@ -17,6 +17,7 @@ import sys
 from typing import Iterator, List, Optional
 
 from ..errors import ShardError
+from ..format import METADATA_FIELD_RANGES
 from .checks import check
 from .promote import promote_report
 
@@ -143,8 +144,9 @@ def _usage_problem(args) -> Optional[str]:
         return "--workers must be >= 1"
     if args.sample < 0:
         return "--sample must be >= 0"
-    if args.vocab_size is not None and args.vocab_size <= 0:
-        return "--vocab-size must be positive"
+    low, high = METADATA_FIELD_RANGES["vocab_size"]
+    if args.vocab_size is not None and not low <= args.vocab_size <= high:
+        return f"--vocab-size must be in {low}..{high}"
     return None
 
 
