@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import struct
 import zlib
 
@@ -101,13 +102,13 @@ def reseal(prefix, header=None, metadata_bytes=None, edit=None, pad_byte=False):
     ``pad_byte`` leaves a nonzero byte in the padding before the CSR offsets.
     """
     path = prefix + ".seq.idx"
-    raw = open(path, "rb").read()
+    raw = pathlib.Path(path).read_bytes()
     fields = dict(zip(SEQ_IDX_FIELDS, SEQ_IDX_HEADER.unpack_from(raw)))
     csr = raw[fields["csr_offset"]:]
     if metadata_bytes is None:
         obj = json.loads(raw[METADATA_OFFSET:METADATA_OFFSET + fields["metadata_length"]])
         for suffix in CHECKSUMMED_SUFFIXES:
-            data = open(prefix + suffix, "rb").read()
+            data = pathlib.Path(prefix + suffix).read_bytes()
             obj["files"][suffix] = {"size": len(data), "crc32": zlib.crc32(data)}
         if edit:
             edit(obj)
@@ -175,7 +176,7 @@ def mutate(rng, prefix):
     """Apply one random mutation to one random file; return a description (or None if no-op)."""
     suffix = ALL_SUFFIXES[int(rng.integers(len(ALL_SUFFIXES)))]
     path = prefix + suffix
-    data = bytearray(open(path, "rb").read())
+    data = bytearray(pathlib.Path(path).read_bytes())
     before = bytes(data)
     kind = int(rng.integers(6))
     size = len(data)
@@ -218,7 +219,7 @@ def reader_raises_only_shard_errors(prefix):
 def with_metadata_value(prefix, key, text):
     """Reseal ``prefix`` with top-level metadata ``key`` set to the raw JSON ``text``
     (anything: ``1e999``, a 4000-digit integer, nesting 300 deep)."""
-    raw = open(prefix + ".seq.idx", "rb").read()
+    raw = pathlib.Path(prefix + ".seq.idx").read_bytes()
     obj = json.loads(raw[METADATA_OFFSET:METADATA_OFFSET + seq_fields(prefix)["metadata_length"]])
     obj[key] = "@@VALUE@@"
     body = json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import shutil
 import struct
 import zlib
@@ -64,17 +65,17 @@ def mutate_data_sealed(rng, prefix):
     """A few bytes of one data file changed, then the metadata's sizes and CRCs updated."""
     suffix = (".bin", ".loss.bin", ".seq.bin", ".idx")[int(rng.integers(4))]
     path = prefix + suffix
-    raw = bytearray(open(path, "rb").read())
+    raw = bytearray(pathlib.Path(path).read_bytes())
     for _ in range(int(rng.integers(1, 4))):
         pos = int(rng.integers(len(raw)))
         raw[pos] = int(rng.choice([0, 1, 2, 0x7F, 0x80, 0xFF, int(rng.integers(256))]))
-    open(path, "wb").write(raw)
+    pathlib.Path(path).write_bytes(bytes(raw))
     reseal(prefix)
     return f"sealed {suffix}"
 
 
 def mutate_metadata(rng, prefix):
-    raw = open(prefix + ".seq.idx", "rb").read()
+    raw = pathlib.Path(prefix + ".seq.idx").read_bytes()
     meta = bytearray(raw[METADATA_OFFSET:METADATA_OFFSET + seq_fields(prefix)["metadata_length"]])
     kind = int(rng.integers(3))
     if kind == 0:  # random bytes

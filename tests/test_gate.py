@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import pathlib
 import re
 
 import numpy as np
@@ -159,7 +160,7 @@ def test_promote_link_keeps_source(tmp_path):
         # The data files are linked; the .idx is always a fresh copy (readers tell
         # generations apart by its inode: _files.py).
         assert os.path.samefile(src + s, dest + s) == (s != ".idx")
-        assert open(src + s, "rb").read() == open(dest + s, "rb").read()
+        assert pathlib.Path(src + s).read_bytes() == pathlib.Path(dest + s).read_bytes()
     assert report.passed and check(src).passed
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pathlib
 import shutil
 import sys
 
@@ -165,7 +166,7 @@ def base(tmp_path_factory):
     rng = np.random.default_rng(7)
     write_shard(prefix, random_packs(rng, 12, vocab=1000), vocab_size=1000,
                 metadata={"tokenizer": {"name": "t"}, "source": {"inputs": []}})
-    raw = open(prefix + ".seq.idx", "rb").read()
+    raw = pathlib.Path(prefix + ".seq.idx").read_bytes()
     meta = json.loads(raw[METADATA_OFFSET:METADATA_OFFSET + seq_fields(prefix)["metadata_length"]])
     return prefix, meta
 
@@ -246,7 +247,7 @@ def test_depth_limit_is_exact_in_both(base, native_lib, tmp_path, where, kind):
 
 def test_limits_are_the_documented_numbers():
     """format.py, FORMAT.md and csrc state the same limits."""
-    doc = open(os.path.join(ROOT, "docs", "FORMAT.md"), encoding="utf-8").read()
+    doc = pathlib.Path(ROOT, "docs", "FORMAT.md").read_text(encoding="utf-8")
     limits = doc[doc.index("## Limits"):]
     limits = limits[:limits.index("\n## ", 1)]
     assert fmt.MAX_METADATA_DEPTH == DEPTH and f"{DEPTH}" in limits
@@ -256,7 +257,7 @@ def test_limits_are_the_documented_numbers():
     for field, (low, high, _) in INT_FIELDS.items():
         assert fmt.METADATA_FIELD_RANGES[rule_of(field)] == (low, high), field
         assert f"| `{rule_of(field)}` | {low} | {high_text(high)} |" in limits, field
-    internal = open(os.path.join(ROOT, "csrc", "sft_idx_internal.hpp"), encoding="utf-8").read()
+    internal = pathlib.Path(ROOT, "csrc", "sft_idx_internal.hpp").read_text(encoding="utf-8")
     assert "kMaxMetadataDepth = 64" in internal and "kMaxCount = uint64_t{1} << 56" in internal
     assert "kMaxMetadataLength = uint64_t{16} << 20" in internal
 

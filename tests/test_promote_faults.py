@@ -29,6 +29,7 @@ import errno
 import importlib
 import json
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -102,12 +103,13 @@ class Zygote:
         self.proc.stdin.write(json.dumps(case) + "\n")
         self.proc.stdin.flush()
         result = json.loads(self.proc.stdout.readline())
-        result["stderr"] = open(case["stderr"]).read()
+        result["stderr"] = pathlib.Path(case["stderr"]).read_text()
         return result
 
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait(timeout=60)
+        self.proc.stdout.close()
 
 
 @pytest.fixture(scope="module")
@@ -237,7 +239,7 @@ def big_source(root) -> str:
 
 
 def contents(prefix):
-    return {s: open(prefix + s, "rb").read() for s in ALL_SUFFIXES if os.path.exists(prefix + s)}
+    return {s: pathlib.Path(prefix + s).read_bytes() for s in ALL_SUFFIXES if os.path.exists(prefix + s)}
 
 
 def assert_failed_cleanly(report, src, before, dest_prefix, old=None):

@@ -11,6 +11,7 @@ the other shard.
 from __future__ import annotations
 
 import os
+import pathlib
 import shutil
 import stat
 
@@ -31,7 +32,7 @@ def make(directory, name="s", seed=0):
 
 
 def contents(prefix):
-    return {s: open(prefix + s, "rb").read() for s in ALL_SUFFIXES}
+    return {s: pathlib.Path(prefix + s).read_bytes() for s in ALL_SUFFIXES}
 
 
 def linked_shard(tmp_path, relative=True):
