@@ -18,6 +18,7 @@ import contextlib
 import glob
 import os
 import secrets
+import shutil
 from typing import BinaryIO, Callable, Iterable, Iterator, List, Sequence, Tuple
 
 _TMP_TAG = ".tmp-"
@@ -48,14 +49,21 @@ def _alive(pid: int) -> bool:
 
 
 def clear_stale_temporaries(final_paths: Iterable[str]) -> List[str]:
-    """Remove temporaries of ``final_paths`` left by processes that no longer run."""
+    """Remove temporaries of ``final_paths`` left by processes that no longer run.
+
+    A temporary may be a directory (the merge tool stages a whole shard in one); it is
+    removed with its contents.
+    """
     removed = []
     for final in final_paths:
         for tmp in glob.glob(glob.escape(final) + _TMP_TAG + "*"):
             pid = _writer_pid(tmp)
             if pid == os.getpid() or not _alive(pid):
                 try:
-                    os.unlink(tmp)
+                    if os.path.isdir(tmp) and not os.path.islink(tmp):
+                        shutil.rmtree(tmp, ignore_errors=True)
+                    else:
+                        os.unlink(tmp)
                     removed.append(tmp)
                 except FileNotFoundError:
                     pass

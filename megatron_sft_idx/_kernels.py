@@ -366,3 +366,28 @@ def _first_bad_token(ids, dtype_max, vocab_size):
 def first_bad_token(ids, dtype_max, vocab_size):
     """See ``_first_bad_token``; scalars always reach numba as int64."""
     return _first_bad_token(ids, _i64(dtype_max), _i64(vocab_size))
+
+
+# ---- shard tools kernels (merge, inspect; appended)
+
+
+@_jit
+def sequence_lengths_of(lengths, seq_offsets, starts, out):
+    """Every sequence's length into ``out`` (``seq_offsets[-1] - seq_offsets[0]`` entries)."""
+    base = np.int64(seq_offsets[0])
+    for i in range(lengths.shape[0]):
+        s0 = np.int64(seq_offsets[i])
+        s1 = np.int64(seq_offsets[i + 1])
+        for k in range(s0, s1):
+            end = np.int64(starts[k + 1]) if k + 1 < s1 else np.int64(lengths[i])
+            out[k - base] = end - np.int64(starts[k])
+
+
+@_jit
+def segment_sums(values, offsets, out):
+    """``out[i] = sum(values[offsets[i]:offsets[i+1]])`` (e.g. trained positions per pack)."""
+    for i in range(out.shape[0]):
+        acc = np.int64(0)
+        for j in range(np.int64(offsets[i]), np.int64(offsets[i + 1])):
+            acc += values[j]
+        out[i] = acc

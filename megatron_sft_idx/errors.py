@@ -34,6 +34,9 @@ __all__ = [
     "InvariantError",
     "BuilderStateError",
     "InputError",
+    "IncompatibleShardsError",
+    "FormatError",
+    "QueryError",
 ]
 
 
@@ -190,3 +193,21 @@ class InputError(ShardError):
     key under which ``--skip-bad`` counts it."""
 
     default_hint = "fix or remove the record, or pass --skip-bad to skip and count such records"
+
+
+class IncompatibleShardsError(ShardError):
+    """Shards that cannot become one: their token dtypes, loss-mask conventions, pad
+    multiples, context-parallel layouts or tokenizers differ (``field`` names which)."""
+
+    default_hint = "merge only shards produced with the same settings, or re-run preprocessing"
+
+
+class FormatError(ShardError):
+    """An input is not in the format a tool expected, or in no format it recognises."""
+
+
+class QueryError(ShardError):
+    """A SQL query over shards failed to parse or run; the message is the engine's."""
+
+    default_hint = "query the table 'packs' (columns: pack, packed_len, num_sequences, trainable_tokens, " \
+                   "input_ids, loss_mask, seq_start_id, shard)"

@@ -85,6 +85,20 @@ class PackingStats:
     min_packed_runtime_len: Optional[int] = None  # min over packs of (packed_len - sequences); 1.1
 
     @classmethod
+    def from_counts(cls, *, pack_count: int, sequence_count: int, token_count: int, loss_token_count: int,
+                    max_samples_per_bin: int, dataset_max_seqlen: int, min_seqlen: int,
+                    min_packed_seqlen: int, max_packed_seqlen: int, min_packed_runtime_len: Optional[int],
+                    pack_size: Optional[int]) -> "PackingStats":
+        """The statistics with the two ratios derived (rounded to 6 places, as stored)."""
+        efficiency = round(token_count / (pack_count * pack_size), 6) if pack_size else None
+        return cls(pack_count=pack_count, sequence_count=sequence_count, token_count=token_count,
+                   loss_token_count=loss_token_count, max_samples_per_bin=max_samples_per_bin,
+                   dataset_max_seqlen=dataset_max_seqlen, min_seqlen=min_seqlen,
+                   min_packed_seqlen=min_packed_seqlen, max_packed_seqlen=max_packed_seqlen,
+                   packing_factor=round(sequence_count / pack_count, 6), packing_efficiency=efficiency,
+                   min_packed_runtime_len=min_packed_runtime_len)
+
+    @classmethod
     def from_dict(cls, raw: Mapping[str, Any], path: Optional[str] = None) -> "PackingStats":
         values = {}
         for name, kind in cls.__annotations__.items():

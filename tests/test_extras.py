@@ -36,7 +36,7 @@ SCRIPTS = PYPROJECT["project"]["scripts"]
 EXTRAS = PYPROJECT["project"]["optional-dependencies"]
 # Everything the extras bring, by import name: hiding all of it leaves the core (numpy, numba).
 OPTIONAL = ("transformers", "tokenizers", "jinja2", "tqdm", "pyarrow", "zstandard", "zlib_ng", "torch",
-            "megatron", "matplotlib", "psutil")
+            "megatron", "matplotlib", "psutil", "duckdb", "polars")
 # Distributions of the extras that are never hidden, and why.
 NOT_HIDDEN = {
     "packaging": "transformers and megatron-core import it too: hiding it would break the extra itself",
@@ -105,7 +105,19 @@ PROBES = {
     "preprocess-sft": lambda tmp: preprocess_args(tmp, [os.path.join(EXAMPLES, "conversations.jsonl")]),
     "check-idx": lambda tmp: [GOLDEN, "--json"],
     "write-sft-manifest": lambda tmp: [str(tmp / "m.json"), GOLDEN, "--json"],
+    "merge-shards": lambda tmp: [str(tmp / "merged"), GOLDEN, "--json"],
+    "convert-packed": lambda tmp: [_pretrain_copy(tmp), str(tmp / "from_pretrain"), "--pack-size", "16", "--json"],
+    "inspect-idx": lambda tmp: [GOLDEN, "--pack", "1", "--json"],
 }
+
+
+def _pretrain_copy(tmp):
+    """The golden shard's .bin/.idx alone: upstream pretrain data."""
+    import shutil
+
+    for suffix in (".bin", ".idx"):
+        shutil.copyfile(GOLDEN + suffix, str(tmp / "pretrain") + suffix)
+    return str(tmp / "pretrain")
 
 
 def test_every_console_script_is_covered_here():

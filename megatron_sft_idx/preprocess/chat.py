@@ -34,6 +34,22 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def tokenizer_files_sha256(path: str) -> Tuple[str, List[str]]:
+    """The hash a shard records as ``tokenizer.files_sha256`` (over the tokenizer's files, by
+    name and content) and the names hashed; ``path`` is a directory or a ``tokenizer.json``.
+    Tools recompute it to tell whether a local tokenizer is the one a shard was made with."""
+    path = os.path.abspath(path)
+    directory = path if os.path.isdir(path) else os.path.dirname(path)
+    names = [n for n in _TOKENIZER_FILES if os.path.isfile(os.path.join(directory, n))]
+    if not os.path.isdir(path):
+        names = sorted(set(names) | {os.path.basename(path)})
+    h = hashlib.sha256()
+    for name in sorted(names):
+        with open(os.path.join(directory, name), "rb") as f:
+            h.update(name.encode() + b"\0" + _sha256(f.read()).encode())
+    return h.hexdigest(), sorted(names)
+
+
 class ChatTokenizer:
     """A local Hugging Face fast tokenizer plus the encoders the pipeline needs.
 
@@ -96,18 +112,12 @@ class ChatTokenizer:
 
     def identity(self) -> dict:
         """Name, sha256 over the tokenizer's files, template hash, vocab size, special ids."""
-        h = hashlib.sha256()
-        names = [n for n in _TOKENIZER_FILES if os.path.isfile(os.path.join(self.directory, n))]
-        if not os.path.isdir(self.path):
-            names = sorted(set(names) | {os.path.basename(self.path)})
-        for name in sorted(names):
-            with open(os.path.join(self.directory, name), "rb") as f:
-                h.update(name.encode() + b"\0" + _sha256(f.read()).encode())
+        files_sha256, names = tokenizer_files_sha256(self.path)
         return {
             "name": self._declared_name(),
             "path": self.path,
-            "files_sha256": h.hexdigest(),
-            "files": sorted(names),
+            "files_sha256": files_sha256,
+            "files": names,
             "chat_template_sha256": _sha256(self.chat_template.encode()) if self.chat_template else None,
             "vocab_size": self.vocab_size,
             "eos_id": self.eos_id,
