@@ -27,6 +27,7 @@ from .format import (
     BIN_SUFFIX,
     IDX_SUFFIX,
     LOSS_SUFFIX,
+    METADATA_FIELD_RANGES,
     METADATA_OFFSET,
     POINTER_DTYPE,
     PUBLISH_ORDER,
@@ -176,9 +177,11 @@ class IndexedDatasetBuilder:
         self.prefix = os.fspath(prefix)
         self.paths = ShardPaths.from_prefix(self.prefix)
         for name, value in (("pack_size", pack_size), ("vocab_size", vocab_size)):
+            low, high = METADATA_FIELD_RANGES[name]
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))
-                                      or value <= 0):
-                raise ShardError(f"{name} must be a positive integer or None", field=name, actual=value)
+                                      or not low <= value <= high):
+                raise ShardError(f"{name} must be an integer in {low}..{high} or None", field=name,
+                                 expected=f"{low}..{high}", actual=value)
         self.pack_size = None if pack_size is None else int(pack_size)
         self.vocab_size = None if vocab_size is None else int(vocab_size)
         self._user_metadata = split_user_metadata(metadata)
@@ -527,6 +530,7 @@ class IndexedDatasetBuilder:
     def _write_seq_idx(self, metadata: ShardMetadata) -> None:
         n = len(self._lengths)
         meta_bytes = metadata.encode()
+        ShardMetadata.decode(meta_bytes, path=self.paths.seq_idx)  # never write what a reader refuses
         header = SeqIdxHeader(token_dtype_code=int(self.dtype), pack_count=n,
                               sequence_count=self._sequences, token_count=self._tokens,
                               metadata_length=len(meta_bytes))
