@@ -27,6 +27,7 @@ from .format import (
     BIN_SUFFIX,
     IDX_SUFFIX,
     LOSS_SUFFIX,
+    METADATA_FIELD_RANGES,
     METADATA_OFFSET,
     POINTER_DTYPE,
     PUBLISH_ORDER,
@@ -176,9 +177,11 @@ class IndexedDatasetBuilder:
         self.prefix = os.fspath(prefix)
         self.paths = ShardPaths.from_prefix(self.prefix)
         for name, value in (("pack_size", pack_size), ("vocab_size", vocab_size)):
+            low, high = METADATA_FIELD_RANGES[name]
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))
-                                      or value <= 0):
-                raise ShardError(f"{name} must be a positive integer or None", field=name, actual=value)
+                                      or not low <= value <= high):
+                raise ShardError(f"{name} must be an integer in {low}..{high} or None", field=name,
+                                 expected=f"{low}..{high}", actual=value)
         self.pack_size = None if pack_size is None else int(pack_size)
         self.vocab_size = None if vocab_size is None else int(vocab_size)
         self._user_metadata = split_user_metadata(metadata)
@@ -274,6 +277,52 @@ class IndexedDatasetBuilder:
         self._seq.write(starts.astype(_SEQ_NP))
         self._record(ids.size, starts.size, loss_sum, max_len, min_len)
         return index
+
+    def add_sequences(self, tokens, loss_mask, lengths) -> int:
+        """Append many one-sequence packs at once: pack i is ``tokens[o_i:o_i + lengths[i]]``
+        (``o`` the running sum of ``lengths``), its ``seq_start_id`` is ``[0]``. Same checks as
+        :meth:`add_packed` on every pack, in one numba pass. Returns the first new pack's index.
+
+        Raises:
+            InvariantError: naming the first bad pack; nothing of the batch is written.
+        """
+        self._require_open()
+        first = len(self._lengths)
+        lengths = np.ascontiguousarray(lengths, dtype=np.int64)
+        ids = _int_array(tokens, "input_ids", first)
+        loss = _int_array(loss_mask, "loss_mask", first, allow_bool=True)
+        n = lengths.size
+        if n == 0:
+            return first
+        offsets = np.zeros(n, dtype=np.int64)
+        np.cumsum(lengths[:-1], out=offsets[1:])
+        if int(offsets[-1] + lengths[-1]) != ids.size or ids.size != loss.size or int(lengths.min()) < 0:
+            raise ShardError("add_sequences: lengths do not add up to the token and loss arrays",
+                             path=self.prefix, field="lengths",
+                             actual=f"{int(lengths.sum())} vs {ids.size} tokens, {loss.size} loss values")
+        starts = np.zeros(n, dtype=np.int64)
+        out_rule, out_pack, out_pos = np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64)
+        counts = np.zeros(_kernels.N_RULES, np.int64)
+        rec, max_len, min_len, loss_sum, max_samples, min_packed, max_packed = _kernels.scan_packs(
+            lengths, offsets, np.arange(n + 1, dtype=np.int64), ids, loss, starts, self.pack_size or 0,
+            self._check_max, self.vocab_size or 0, self._pad_mult, 0, n, 1, out_rule, out_pack, out_pos, counts,
+            self._pad_offset)
+        if rec:
+            bad = int(out_pack[0])
+            a = int(offsets[bad])
+            piece = slice(a, a + int(lengths[bad]))
+            raise self._violation(Rule(int(out_rule[0])), first + bad, int(out_pos[0]), ids[piece], loss[piece],
+                                  starts[:1])
+        if self._auto_dtype and self.dtype == DType.uint16 and _kernels.max_token(ids) > UINT16_MAX:
+            self._widen_tokens()
+        self._bin.write(ids.astype(self._token_np))
+        self._loss.write(loss.astype(np.uint8))
+        self._seq.write(starts.astype(_SEQ_NP))
+        self._lengths.extend(lengths)
+        self._seq_counts.extend(np.ones(n, dtype=np.int64))
+        self._merge_stats(ids.size, n, int(loss_sum), int(max_len), int(min_len), int(max_samples),
+                          int(min_packed), int(max_packed), int(lengths.min()) - 1)
+        return first
 
     def _record(self, n_tokens: int, n_seq: int, loss_sum: int, max_len: int, min_len: int) -> None:
         self._lengths.append(n_tokens)
@@ -481,6 +530,7 @@ class IndexedDatasetBuilder:
     def _write_seq_idx(self, metadata: ShardMetadata) -> None:
         n = len(self._lengths)
         meta_bytes = metadata.encode()
+        ShardMetadata.decode(meta_bytes, path=self.paths.seq_idx)  # never write what a reader refuses
         header = SeqIdxHeader(token_dtype_code=int(self.dtype), pack_count=n,
                               sequence_count=self._sequences, token_count=self._tokens,
                               metadata_length=len(meta_bytes))

@@ -22,12 +22,14 @@ __all__ = [
     "ShardNotFoundError",
     "ShardExistsError",
     "IncompleteShardError",
+    "ShardChangedError",
     "SizeMismatchError",
     "TruncatedFileError",
     "HeaderError",
     "VersionError",
     "DTypeError",
     "MetadataError",
+    "MetadataLimitError",
     "ChecksumError",
     "InvariantError",
     "BuilderStateError",
@@ -121,6 +123,16 @@ class IncompleteShardError(ShardError):
     )
 
 
+class ShardChangedError(ShardError):
+    """The shard's files were replaced (or removed) while it was being opened, again and again.
+
+    A reader takes the five files of one generation or none: it retries a few times while a
+    replacement is under way and raises this when the files keep changing under it.
+    """
+
+    default_hint = "another process keeps replacing this shard; open it again once the replacement is done"
+
+
 class SizeMismatchError(ShardError):
     """A file's size disagrees with what a header or the metadata records."""
 
@@ -151,6 +163,15 @@ class DTypeError(HeaderError):
 
 class MetadataError(ShardError):
     """The shard metadata (JSON in ``.seq.idx``) is unparsable, incomplete or contradictory."""
+
+
+class MetadataLimitError(MetadataError):
+    """The metadata exceeds one of the format's limits (docs/FORMAT.md "Limits"): nesting
+    depth, or a number no implementation can hold (an integer outside int64, a float that
+    overflows to infinity)."""
+
+    default_hint = ("a writer of this format never produces such metadata: the .seq.idx is corrupt "
+                    "or was written by another tool; rebuild the shard")
 
 
 class ChecksumError(ShardError):

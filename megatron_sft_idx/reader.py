@@ -1,10 +1,12 @@
 """Memory-mapped reader of shards: O(1) random access, nothing loaded at open.
 
-``MMapIndexedDataset(prefix)`` reads the fixed headers and the metadata,
-checks every size it can check without reading data (the five files against
-each other, the headers and the metadata), and maps the files only when a pack
-is first read. It pickles as its prefix, so each DataLoader worker and each
-rank maps the files itself. Example::
+``MMapIndexedDataset(prefix)`` opens the five files of one generation of the
+shard (``_files.open_generation``: never files of two generations, even while the
+shard is being replaced), reads the fixed headers and the metadata, checks every
+size it can check without reading data (the five files against each other, the
+headers and the metadata), and maps the files -- from the descriptors it opened,
+never by path again -- only when a pack is first read. It pickles as its prefix,
+so each DataLoader worker and each rank opens the files itself. Example::
 
     ds = MMapIndexedDataset("/data/train_000")
     pack = ds[17]              # Pack(input_ids, loss_mask, seq_start_id), read-only views
@@ -22,15 +24,16 @@ import mmap
 import operator
 import os
 import sys
+import threading
 from typing import NamedTuple, Optional
 
 import numpy as np
 
+from ._files import ShardFiles, open_generation
 from .errors import (
     IncompleteShardError,
     MetadataError,
     ShardError,
-    ShardNotFoundError,
     SizeMismatchError,
     TruncatedFileError,
     InvariantError,
@@ -143,48 +146,8 @@ def pack_indices(indices, n: int, source: str) -> np.ndarray:
     return idx
 
 
-def _map(path: str, size: int) -> np.ndarray:
-    """Read-only uint8 map of a whole file (an empty array for an empty file)."""
-    if size == 0:
-        out = np.empty(0, dtype=np.uint8)
-        out.flags.writeable = False
-        return out
-    try:
-        return np.memmap(path, dtype=np.uint8, mode="r", shape=(size,))
-    except (OSError, ValueError) as exc:  # gone, not a file, or shrunk since open
-        raise ShardError(f"cannot map file: {exc}", path=path,
-                         hint="the file changed after the shard was opened; reopen it") from None
-
-
 def _view(buf: np.ndarray, dtype, count: int, offset: int) -> np.ndarray:
     return np.frombuffer(buf, dtype=dtype, count=count, offset=offset)
-
-
-class _Reader:
-    """One open file for the few small reads an open needs; OSErrors become ShardErrors."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        try:
-            self._fd = os.open(path, os.O_RDONLY)
-        except OSError as exc:
-            raise self._error(exc) from None
-
-    def read(self, size: int, offset: int) -> bytes:
-        try:
-            return os.pread(self._fd, size, offset)
-        except OSError as exc:  # a directory, an I/O error: name the file, not errno
-            raise self._error(exc) from None
-
-    def _error(self, exc: OSError) -> ShardError:
-        return ShardError(f"cannot read file: {exc.strerror or exc}", path=self.path,
-                          hint="check that the path is a readable regular file")
-
-    def __enter__(self) -> "_Reader":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        os.close(self._fd)
 
 
 class MMapIndexedDataset:
@@ -196,7 +159,7 @@ class MMapIndexedDataset:
             per pack; the promotion gate is the place for whole-shard checks).
 
     Raises:
-        ShardNotFoundError, IncompleteShardError, HeaderError, VersionError,
+        ShardNotFoundError, IncompleteShardError, ShardChangedError, HeaderError, VersionError,
         DTypeError, MetadataError, SizeMismatchError, TruncatedFileError.
     """
 
@@ -214,40 +177,30 @@ class MMapIndexedDataset:
         self.paths = ShardPaths.from_prefix(self.prefix)
         self.check_packs = check_packs
         self._tokens = None  # mapped lazily, on first access
-        self._hot = None     # everything the per-pack path reads, as one tuple (set by _ensure_maps)
+        self._hot = None     # everything the per-pack path reads, as one tuple (set by _map_files)
         self._mmaps: list = []
-        self._open_headers()
+        self._map_lock = threading.Lock()
+        self._files: Optional[ShardFiles] = self._open_files()
+        try:
+            self._open_headers()
+        except BaseException:
+            self._files.close()
+            raise
         self._itemsize = self.dtype.itemsize
         self._bin_size = self._sizes[BIN_SUFFIX]
         self._seq_count = 0 if self.is_pretrain else self.seq_header.sequence_count
 
     # ------------------------------------------------------------------ open
 
-    def _stat_files(self) -> dict:
-        """``{suffix: size}`` of the shard's files that exist (storage hook)."""
-        sizes = {}
-        for suffix, path in self.paths.by_suffix().items():
-            try:
-                sizes[suffix] = os.stat(path).st_size
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                raise ShardError(f"cannot stat file: {exc.strerror}", path=path) from None
-        return sizes
-
-    def _local_file(self, suffix: str) -> str:
-        """Local path holding the bytes of the file ``suffix`` (storage hook: a cached copy)."""
-        return self.prefix + suffix
+    def _open_files(self) -> ShardFiles:
+        """Descriptors and sizes of one generation of the five files (storage hook: a remote
+        shard lists its objects and opens its verified local copies of the index files)."""
+        return open_generation(self.prefix, self.paths)
 
     def _open_headers(self) -> None:
-        self._sizes = sizes = self._stat_files()
+        files = self._files
+        self._sizes = sizes = files.sizes
         companions = [s for s in SFT_SUFFIXES if s in sizes]
-        if IDX_SUFFIX not in sizes:
-            if not sizes:
-                raise ShardNotFoundError("no shard at this prefix (no .idx, .bin or SFT companions)",
-                                         path=self.prefix)
-            raise IncompleteShardError(f"{self.prefix}.idx is missing but {sorted(sizes)} exist",
-                                       path=self.paths.idx, field="files")
         if BIN_SUFFIX not in sizes:
             raise IncompleteShardError(".bin is missing", path=self.paths.bin, field="files")
         if companions and len(companions) != len(SFT_SUFFIXES):
@@ -257,12 +210,11 @@ class MMapIndexedDataset:
                 f"it as pretrain data", path=self.prefix + missing[0], field="files")
         self.is_pretrain = not companions
         allowed = READABLE_TOKEN_DTYPES if self.is_pretrain else TOKEN_DTYPES
-        with _Reader(self._local_file(IDX_SUFFIX)) as idx:
-            self.idx_header = IdxHeader.parse(idx.read(IDX_HEADER_SIZE, 0), self.paths.idx, sizes[IDX_SUFFIX],
-                                              allowed_dtypes=allowed)
-            self.dtype = self.idx_header.dtype
-            self._n = self.idx_header.sequence_count
-            bin_end = self._last_pack_end(idx)
+        self.idx_header = IdxHeader.parse(files.read(IDX_SUFFIX, IDX_HEADER_SIZE, 0), self.paths.idx,
+                                          sizes[IDX_SUFFIX], allowed_dtypes=allowed)
+        self.dtype = self.idx_header.dtype
+        self._n = self.idx_header.sequence_count
+        bin_end = self._last_pack_end(files)
         if self.is_pretrain:
             self._check_bin_end(bin_end)
             self.seq_header = None
@@ -270,10 +222,9 @@ class MMapIndexedDataset:
                 pack_size=None, token_dtype=self.dtype.name, vocab_size=None, stats=None, files={},
                 producer={}, loss_mask_convention="pretrain_all_ones", kind="pretrain")
             return
-        with _Reader(self._local_file(SEQ_IDX_SUFFIX)) as seq_idx:
-            self.seq_header = h = SeqIdxHeader.parse(seq_idx.read(SEQ_IDX_HEADER_SIZE, 0), self.paths.seq_idx,
-                                                     sizes[SEQ_IDX_SUFFIX])
-            meta_raw = seq_idx.read(h.metadata_length, METADATA_OFFSET)
+        self.seq_header = h = SeqIdxHeader.parse(files.read(SEQ_IDX_SUFFIX, SEQ_IDX_HEADER_SIZE, 0),
+                                                 self.paths.seq_idx, sizes[SEQ_IDX_SUFFIX])
+        meta_raw = files.read(SEQ_IDX_SUFFIX, h.metadata_length, METADATA_OFFSET)
         self.metadata = ShardMetadata.decode(meta_raw, path=self.paths.seq_idx)
         self._cross_check()  # sizes against headers and metadata first: the more precise finding
         self._check_bin_end(bin_end)
@@ -309,13 +260,14 @@ class MMapIndexedDataset:
             agree("file size disagrees with the size recorded in the metadata", path, "size",
                   m.files[suffix].size, actual, err)
 
-    def _last_pack_end(self, idx: _Reader) -> int:
+    def _last_pack_end(self, files: ShardFiles) -> int:
         """Byte offset where the last pack ends in .bin, from two index entries (0 without packs)."""
         n, ih = self._n, self.idx_header
         if n == 0:
             return 0
-        last_len = int.from_bytes(idx.read(4, ih.lengths_offset + 4 * (n - 1)), "little", signed=True)
-        last_ptr = int.from_bytes(idx.read(8, ih.pointers_offset + 8 * (n - 1)), "little", signed=True)
+        last_len = int.from_bytes(files.read(IDX_SUFFIX, 4, ih.lengths_offset + 4 * (n - 1)), "little", signed=True)
+        last_ptr = int.from_bytes(files.read(IDX_SUFFIX, 8, ih.pointers_offset + 8 * (n - 1)), "little",
+                                  signed=True)
         return last_ptr + last_len * self.dtype.itemsize
 
     def _check_bin_end(self, end: int) -> None:
@@ -333,38 +285,43 @@ class MMapIndexedDataset:
         three slices of them, which is cheaper than building three arrays from buffers."""
         if self._tokens is not None:
             return
-        ih, sizes = self.idx_header, self._sizes
-        idx = self._map_file(IDX_SUFFIX)
+        with self._map_lock:  # each descriptor is mapped once: threads racing to the first read wait
+            if self._tokens is None:
+                self._map_files()
+
+    def _map_files(self) -> None:
+        ih = self.idx_header
+        idx = self._mapped(IDX_SUFFIX)
         self._lengths = _view(idx, LENGTH_DTYPE, self._n, ih.lengths_offset)
         self._pointers = _view(idx, POINTER_DTYPE, self._n, ih.pointers_offset)
         self._documents = _view(idx, POINTER_DTYPE, ih.document_count, ih.document_indices_offset)
         # memoryviews index to Python ints several times faster than numpy scalars.
         self._len_mv = memoryview(self._lengths).cast("B").cast("i")
         self._ptr_mv = memoryview(self._pointers).cast("B").cast("q")
-        tokens = self._data_array(BIN_SUFFIX, self.dtype.numpy, sizes[BIN_SUFFIX] // self._itemsize)
+        tokens = self._data_array(BIN_SUFFIX, self.dtype.numpy, self._sizes[BIN_SUFFIX] // self._itemsize)
         if self.is_pretrain:
             self._off_mv = self._loss = self._starts = None
         else:
             h = self.seq_header
-            self._offsets = _view(self._map_file(SEQ_IDX_SUFFIX), POINTER_DTYPE, self._n + 1, h.csr_offset)
+            self._offsets = _view(self._mapped(SEQ_IDX_SUFFIX), POINTER_DTYPE, self._n + 1, h.csr_offset)
             self._off_mv = memoryview(self._offsets).cast("B").cast("q")
             self._loss = self._data_array(LOSS_SUFFIX, np.uint8, h.token_count)
             self._starts = self._data_array(SEQ_BIN_SUFFIX, SEQ_DTYPE.numpy, h.sequence_count)
+        self._files.close()  # every map holds its own descriptor now
         # The per-pack path unpacks this one tuple instead of reading nine attributes.
         self._hot = (self._len_mv, self._ptr_mv, self._off_mv, tokens, self._loss, self._starts,
                      self._itemsize, self._bin_size, self._seq_count)
         self._tokens = tokens  # set last: it marks "mapped"
 
-    def _map_file(self, suffix: str) -> np.ndarray:
-        """Read-only uint8 map of one file (storage hook: remote shards map their cached copies)."""
-        return self._mapped(_map(self._local_file(suffix), self._sizes[suffix]))
-
     def _data_array(self, suffix: str, dtype, count: int):
         """Typed whole-file array of a data file (storage hook: remote shards fetch blocks)."""
-        return _view(self._map_file(suffix), dtype, count, 0)
+        return _view(self._mapped(suffix), dtype, count, 0)
 
-    def _mapped(self, buf: np.ndarray) -> np.ndarray:
-        self._mmaps.append(buf)
+    def _mapped(self, suffix: str) -> np.ndarray:
+        """Map a file from the descriptor opened with its generation (never by path)."""
+        buf, mm = self._files.map(suffix)
+        if mm is not None:
+            self._mmaps.append(mm)
         return buf
 
     def advise(self, advice: int) -> None:
@@ -372,10 +329,9 @@ class MMapIndexedDataset:
         platform lacks ``madvise``. E.g. ``mmap.MADV_RANDOM`` for scattered reads: no
         read-ahead and no fault-around, so each read maps only the pages it touches."""
         self._ensure_maps()
-        for buf in self._mmaps:
-            raw = getattr(buf, "_mmap", None)  # np.memmap keeps its mmap.mmap here
-            if raw is not None and hasattr(raw, "madvise"):
-                raw.madvise(advice)
+        for mm in self._mmaps:
+            if hasattr(mm, "madvise"):
+                mm.madvise(advice)
 
     def release_pages(self) -> None:
         """Drop this process's resident pages of the mapped files (``MADV_DONTNEED``).

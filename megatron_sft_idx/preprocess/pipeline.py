@@ -25,7 +25,7 @@ from ..packing import pack_lengths, pad_multiple_for, packing_summary, padded_le
 from ..reader import MMapIndexedDataset
 from . import outputs
 from ._materialize import exclusive_cumsum, fill_sequences
-from .chat import ChatTokenizer
+from .chat import load_chat_tokenizer
 from .inputs import expand_inputs, file_digest, iter_batches
 from .spool import Batch, BatchResult, EncodeOptions, run_spool
 
@@ -69,6 +69,8 @@ class Config:
     check: bool = False
     verify_masks: int = 0
     progress: bool = True
+    tokenizer_backend: str = "auto"
+    span_method: str = "auto"
 
 
 @dataclass
@@ -270,7 +272,8 @@ def _encode_options(cfg: Config, vocab: Optional[int], mult: int) -> EncodeOptio
         tokenizer_path=cfg.tokenizer, vocab_size=vocab, loss_on=cfg.loss_on, input_format=cfg.input_format,
         prompt_key=cfg.prompt_key, completion_key=cfg.completion_key, skip_bad=cfg.skip_bad,
         pack_size=cfg.pack_size, pad_multiple=mult, overlong=cfg.overlong,
-        truncate_to=truncation_length(cfg.pack_size, mult, cfg.pad_layout), pad_layout=cfg.pad_layout)
+        truncate_to=truncation_length(cfg.pack_size, mult, cfg.pad_layout), pad_layout=cfg.pad_layout,
+        tokenizer_backend=cfg.tokenizer_backend, span_method=cfg.span_method)
 
 
 def _plan_split(cfg, name, members, sp, mult, itemsize, final_base, work) -> SplitPlan:
@@ -312,7 +315,7 @@ def run(cfg: Config) -> dict:
     times: Dict[str, float] = {}
     t = time.perf_counter()
     files = expand_inputs(cfg.inputs)
-    tok = ChatTokenizer(cfg.tokenizer) if cfg.tokenizer else None
+    tok = load_chat_tokenizer(cfg.tokenizer) if cfg.tokenizer else None
     vocab = cfg.vocab_size or (tok.vocab_size if tok else None)
     pad_id = cfg.pad_id if cfg.pad_id is not None else (tok.pad_id if tok else None)
     if pad_id is None or pad_id < 0 or (vocab is not None and pad_id >= vocab):

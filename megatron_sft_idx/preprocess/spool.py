@@ -1,9 +1,10 @@
 """Tokenization into a spool: per-worker shards of one conversation per "pack".
 
 The main process reads raw records in batches and hands them to ``--workers``
-processes through a bounded queue; each worker parses, tokenizes and masks its
-batches and appends every kept conversation to its own spool shard (written
-with :class:`IndexedDatasetBuilder`, ``pack_size=None``, ``seq_start_id=[0]``).
+processes through a bounded queue; each worker encodes a batch with one call
+(:meth:`~.encode.RecordEncoder.encode_batch`) and appends its kept sequences to its
+own spool shard in one builder call (:meth:`IndexedDatasetBuilder.add_sequences`,
+``pack_size=None``, one sequence per pack).
 Which worker takes which batch varies run to run, but every batch reports
 ``(batch_id, worker, first local index, lengths)``, and the conversations are
 ordered by batch id afterwards, so the global order never depends on ``N``.
@@ -22,12 +23,7 @@ import numpy as np
 
 from ..builder import IndexedDatasetBuilder
 from ..errors import ShardError
-from ..packing.padding import padded_length
-from .chat import ChatTokenizer, encode_tokens
-from .errors import InputError, input_error
-from .inputs import parse_record
-
-_ZERO_START = np.zeros(1, dtype=np.int64)
+from .encode import RecordEncoder, preload
 
 
 @dataclass(frozen=True)
@@ -46,6 +42,8 @@ class EncodeOptions:
     overlong: str           # truncate | drop | error
     truncate_to: int        # longest kept length under truncate
     pad_layout: str = "stored"  # which length pad_multiple applies to (packing/padding.py)
+    tokenizer_backend: str = "auto"   # auto | gigatoken | hf (see fast_tokenizer)
+    span_method: str = "auto"         # auto (one render, proven) | prefix (reference)
 
 
 @dataclass
@@ -70,67 +68,21 @@ class BatchResult:
 
 
 class BatchEncoder:
-    """Encodes batches for one worker and appends them to its spool shard."""
+    """Encodes batches for one worker (:class:`~.encode.RecordEncoder`) and appends them to its spool shard."""
 
     def __init__(self, options: EncodeOptions, spool_prefix: str, worker: int) -> None:
         self.options = options
         self.worker = worker
-        self.tokenizer = ChatTokenizer(options.tokenizer_path) if options.tokenizer_path else None
+        self.encoder = RecordEncoder(options)
         self.builder = IndexedDatasetBuilder(spool_prefix, vocab_size=options.vocab_size, pack_size=None,
                                              overwrite=True)
 
-    def encode_record(self, raw, path: str, line: int):
-        o = self.options
-        kind, payload = parse_record(raw, path, line, o.input_format, o.prompt_key, o.completion_key)
-        if kind == "tokens":
-            ids, mask = encode_tokens(*payload, o.vocab_size, path, line)
-        elif self.tokenizer is None:
-            raise input_error(f"{kind} records need --tokenizer", path, line, reason="missing_key",
-                              hint="pass --tokenizer PATH (a local Hugging Face tokenizer)")
-        elif kind == "chat":
-            ids, mask = self.tokenizer.encode_chat(payload, o.loss_on, path, line)
-        else:
-            ids, mask = self.tokenizer.encode_prompt(*payload, path, line)
-        return self._fit(ids, mask, path, line)
-
-    def _fit(self, ids, mask, path, line):
-        o = self.options
-        padded = int(padded_length([ids.size], o.pad_multiple, o.pad_layout)[0])
-        if padded <= o.pack_size:
-            return ids, mask
-        if o.overlong == "error":
-            raise input_error(f"sequence of {ids.size} tokens (padded {padded}) exceeds --pack-size "
-                              f"{o.pack_size}", path, line, field="input_ids", reason="overlong",
-                              hint="use --overlong truncate or drop, or a larger --pack-size")
-        if o.overlong == "drop":
-            raise input_error("overlong sequence dropped", path, line, reason="overlong_dropped")
-        if not mask[:o.truncate_to - 1].any():
-            raise input_error("nothing trained within the first --pack-size tokens", path, line,
-                              reason="overlong_untrainable_after_truncation")
-        return ids, mask
-
     def run(self, batch: Batch) -> BatchResult:
         local_start = len(self.builder)
-        lengths: List[int] = []
-        lines: List[int] = []
-        skipped: Dict[str, int] = {}
-        first: Dict[str, str] = {}
-        for line, raw in batch.records:
-            try:
-                ids, mask = self.encode_record(raw, batch.path, line)
-            except InputError as err:
-                reason = getattr(err, "reason", "bad_record")
-                dropping = reason == "overlong_dropped" or reason.startswith("overlong_untrainable")
-                if not (self.options.skip_bad or dropping):
-                    raise
-                skipped[reason] = skipped.get(reason, 0) + 1
-                first.setdefault(reason, str(err))
-                continue
-            self.builder.add_packed(ids, mask, _ZERO_START)
-            lengths.append(ids.size)
-            lines.append(line)
-        return BatchResult(batch.batch_id, self.worker, local_start, np.asarray(lengths, dtype=np.int32),
-                           np.asarray(lines, dtype=np.int64), batch.file_index, skipped, first)
+        encoded = self.encoder.encode_batch(batch.records, batch.path)
+        self.builder.add_sequences(encoded.ids, encoded.loss_mask, encoded.lengths)
+        return BatchResult(batch.batch_id, self.worker, local_start, encoded.lengths.astype(np.int32),
+                           encoded.lines, batch.file_index, encoded.skipped, encoded.first_skipped)
 
     def finish(self) -> int:
         """Publish the spool shard (when it holds anything); returns its conversation count."""
@@ -181,6 +133,7 @@ def run_spool(batches: Iterable[Batch], options: EncodeOptions, spool_dir: str, 
             raise
         encoder.finish()
         return prefixes
+    preload(options)  # workers fork with the tokenizers loaded
     ctx = mp.get_context("fork")
     tasks = ctx.Queue(maxsize=2 * workers)
     results = ctx.Queue()

@@ -1,11 +1,17 @@
 """``--verify-masks N``: decode N random conversations back from the written shards.
 
-For each, the trained spans (label-aligned mask → target tokens) are decoded
-and compared with what the loss mode says must be trained, computed from the
-source record directly (not from the mask code): each assistant content
-followed by exactly one special (end-of-turn) token; under ``all`` the whole
-rendering; for prompt/completion the completion plus EOS; for pre-tokenized
-records the input mask itself.
+Two checks per sampled sequence, both from the source record:
+
+* exact: the record is encoded again by the reference path (one record at a
+  time, prefix renders, ``tokenizers`` offsets; for ``per-turn`` the prefix that
+  ends at that sequence's turn) and its ids and mask must equal the shard's;
+* meaning, computed without the mask code: the trained spans (label-aligned mask
+  → target tokens) decoded must be what the loss mode trains: for each trained
+  assistant turn, a run that holds its visible answer (the content after any
+  ``</think>``, stripped; the whole content when the template renders it verbatim)
+  and ends in exactly one special (end-of-turn) token; under ``all`` the whole
+  rendering; for prompt/completion the completion plus EOS; for pre-tokenized
+  records the input mask itself.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import numpy as np
 from ..errors import ShardError
 from ..packing import truncation_length
 from ..reader import MMapIndexedDataset
-from .chat import encode_tokens
+from .chat import assistant_turns, encode_tokens
 from .inputs import iter_batches, parse_record
 
 
@@ -52,7 +58,11 @@ def _source_records(files, wanted: Dict[int, set]):
     return found
 
 
-def _expected_ok(cfg, tok, kind, payload, ids, mask, path, line) -> str:
+def _visible_answer(content: str) -> str:
+    return content.rsplit("</think>", 1)[-1].strip()
+
+
+def _expected_ok(cfg, tok, kind, payload, ids, mask, path, line, turn: int = 0) -> str:
     """'' when the sequence's trained tokens are what the loss mode requires, else why not."""
     targets = np.flatnonzero(mask) + 1
     if kind == "tokens":
@@ -65,17 +75,51 @@ def _expected_ok(cfg, tok, kind, payload, ids, mask, path, line) -> str:
             return f"{targets.size} trained tokens, expected {ids.size - 1}"
         return "" if tok.decode(ids) == tok.render(payload) else "decoded text differs from the rendering"
     else:
+        if cfg.loss_on == "per-turn":
+            k = assistant_turns(payload, "assistant")[turn]
+            payload = payload[:k + 1]
+        why = _same_as_reference(tok, payload, cfg.loss_on, ids, mask, path, line)
+        if why:
+            return why
         contents = [m["content"] for m in payload if m["role"] == "assistant"]
-        want = contents[-1:] if cfg.loss_on == "last-turn" else contents
+        want = contents if cfg.loss_on == "assistant" else contents[-1:]
     got = [tok.decode(ids[r]) for r in _runs(targets)]
     if len(got) != len(want):
         return f"{len(got)} trained spans, expected {len(want)}"
     for g, w in zip(got, want):
         if kind == "prompt" and g != w:
             return f"trained {g!r}, expected {w!r}"
-        if kind == "chat" and not (g.startswith(w) and g[len(w):] in tok.special_tokens):
-            return f"trained {g!r}, expected {w!r} + one end-of-turn token"
+        if kind == "chat" and not _turn_ok(tok, g, w):
+            return f"trained {g!r}, expected {w!r} (its visible answer) + one end-of-turn token"
     return ""
+
+
+def _turn_ok(tok, got: str, content: str) -> bool:
+    if got.startswith(content) and got[len(content):] in tok.special_tokens:
+        return True
+    ends = [t for t in tok.special_tokens if got.endswith(t)]
+    return bool(ends) and _visible_answer(content) in got[:-len(ends[0])]
+
+
+def _same_as_reference(tok, messages, loss_on, ids, mask, path, line) -> str:
+    mode = "last-turn" if loss_on == "per-turn" else loss_on
+    try:
+        want_ids, want_mask = tok.encode_chat(messages, mode, path, line)
+    except ShardError as exc:
+        return f"the reference path refuses this record ({exc})"
+    if not np.array_equal(want_ids, ids):
+        return "token ids differ from the reference encoding"
+    if not np.array_equal(want_mask, mask):
+        return "loss mask differs from the reference encoding"
+    return ""
+
+
+def _turn_of(sp, conv: int) -> int:
+    """How many earlier sequences came from the same record (``per-turn``: the turn's ordinal)."""
+    k = conv
+    while k > 0 and sp.line[k - 1] == sp.line[conv] and sp.file_index[k - 1] == sp.file_index[conv]:
+        k -= 1
+    return conv - k
 
 
 def verify_masks(cfg, tok, plans, sp, files, mult: int, count: int) -> dict:
@@ -100,7 +144,8 @@ def verify_masks(cfg, tok, plans, sp, files, mult: int, count: int) -> dict:
         mask = np.asarray(pack.loss_mask[start:start + n])
         kind, payload = parse_record(sources[(fi, line)], files[fi], line, cfg.input_format,
                                      cfg.prompt_key, cfg.completion_key)
-        why = _expected_ok(cfg, tok, kind, payload, ids, mask, files[fi], line)
+        turn = _turn_of(sp, int(c)) if cfg.loss_on == "per-turn" else 0
+        why = _expected_ok(cfg, tok, kind, payload, ids, mask, files[fi], line, turn)
         if why:
             failures.append(f"{files[fi]}:{line}: {why}")
     if failures:

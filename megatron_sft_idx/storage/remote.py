@@ -14,8 +14,11 @@ DataLoader worker and rank reopens it (from the cache) itself.
 
 from __future__ import annotations
 
+import os
 from typing import Dict, Optional
 
+from .._files import ShardFiles
+from ..errors import IncompleteShardError, ShardError, ShardNotFoundError
 from ..format import ALL_SUFFIXES, BIN_SUFFIX, IDX_SUFFIX, SEQ_BIN_SUFFIX, SEQ_IDX_SUFFIX, SFT_SUFFIXES
 from ..reader import MMapIndexedDataset, pack_index
 from ._stores import ObjectInfo, ObjectStore, store_for
@@ -72,22 +75,36 @@ class RemoteIndexedDataset(MMapIndexedDataset):
 
     # ------------------------------------------------------------------ reader hooks
 
-    def _stat_files(self) -> dict:
+    def _open_files(self) -> ShardFiles:
+        """The objects' sizes from one listing; descriptors of the node's verified copies of
+        the index files (cache entries are never rewritten in place, see index_cache)."""
         self._infos = infos = stat_shard(self._current_store(), self.url)
+        sizes = {s: i.size for s, i in infos.items()}
+        if IDX_SUFFIX not in infos:  # as a local open says it
+            if not infos:
+                raise ShardNotFoundError("no shard at this URL (no .idx, .bin or SFT companions)", path=self.prefix)
+            raise IncompleteShardError(f"{self.prefix}.idx is missing but {sorted(infos)} exist",
+                                       path=self.paths.idx, field="files")
         sft = [s for s in SFT_SUFFIXES if s in infos]
-        complete = IDX_SUFFIX in infos and BIN_SUFFIX in infos and len(sft) in (0, len(SFT_SUFFIXES))
-        if complete:  # else the reader raises the precise error from the sizes alone
-            cached = [IDX_SUFFIX]
-            if sft:
-                cached.append(SEQ_IDX_SUFFIX)
-                if infos[SEQ_BIN_SUFFIX].size <= self.config.seq_bin_limit:
-                    cached.append(SEQ_BIN_SUFFIX)
-            self._cache_prefix = cached_prefix(self._current_store(), self.url, infos, cached, self.config.cache_root)
-            self._cached = frozenset(cached)
-        return {s: i.size for s, i in infos.items()}
-
-    def _local_file(self, suffix: str) -> str:
-        return self._cache_prefix + suffix
+        if BIN_SUFFIX not in infos or len(sft) not in (0, len(SFT_SUFFIXES)):
+            return ShardFiles(self.prefix, self.paths, {}, sizes)  # the reader names what is missing
+        cached = [IDX_SUFFIX]
+        if sft:
+            cached.append(SEQ_IDX_SUFFIX)
+            if infos[SEQ_BIN_SUFFIX].size <= self.config.seq_bin_limit:
+                cached.append(SEQ_BIN_SUFFIX)
+        self._cache_prefix = cached_prefix(self._current_store(), self.url, infos, cached, self.config.cache_root)
+        self._cached = frozenset(cached)
+        fds = {}
+        try:
+            for suffix in cached:
+                fds[suffix] = os.open(self._cache_prefix + suffix, os.O_RDONLY)
+        except OSError as exc:
+            for fd in fds.values():
+                os.close(fd)
+            raise ShardError(f"cannot open the cached index file: {exc.strerror or exc}",
+                             path=self._cache_prefix + suffix, hint="clear the index cache directory") from None
+        return ShardFiles(self.prefix, self.paths, fds, sizes)
 
     def _data_array(self, suffix: str, dtype, count: int):
         if suffix in self._cached:
