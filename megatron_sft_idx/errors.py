@@ -37,6 +37,8 @@ __all__ = [
     "IncompatibleShardsError",
     "FormatError",
     "QueryError",
+    "RemoteStorageError",
+    "ObjectChangedError",
 ]
 
 
@@ -211,3 +213,18 @@ class QueryError(ShardError):
 
     default_hint = "query the table 'packs' (columns: pack, packed_len, num_sequences, trainable_tokens, " \
                    "input_ids, loss_mask, seq_start_id, shard)"
+
+
+class RemoteStorageError(ShardError):
+    """Object storage (``s3://``, ``msc://``) refused or kept failing a request: retries were
+    exhausted, access was denied, or a response was malformed. ``path`` names the object."""
+
+    default_hint = ("check the endpoint and credentials (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, "
+                    "AWS_SECRET_ACCESS_KEY, AWS_REGION, or the MSC profile) and that the object exists")
+
+
+class ObjectChangedError(RemoteStorageError):
+    """A remote object was replaced after the shard was opened (its ETag or size changed):
+    reading on would mix two generations of the shard."""
+
+    default_hint = "the shard was re-uploaded while it was being read; reopen it"

@@ -59,6 +59,7 @@ from .format import (
     ShardPaths,
 )
 from .metadata import ShardMetadata
+from .storage._url import is_remote
 
 _READ_ONLY_ZERO = np.zeros(1, dtype=SEQ_DTYPE.numpy)
 #: ``tuple.__new__`` skips NamedTuple's Python-level constructor on the hot path.
@@ -124,6 +125,27 @@ def pack_index(idx, n: int, source: str) -> int:
     return i
 
 
+def pack_indices(indices, n: int, source: str) -> np.ndarray:
+    """:func:`pack_index` for a sequence or array of indices, vectorised: int64 in ``[0, n)``.
+
+    Raises:
+        TypeError: not a 1-D sequence of integers; IndexError: an index out of range.
+    """
+    if isinstance(indices, range):
+        idx = np.arange(indices.start, indices.stop, indices.step, dtype=np.int64)
+    else:
+        idx = np.asarray(indices)
+        if idx.ndim != 1 or (idx.dtype.kind not in "iub" and idx.size):
+            raise TypeError(f"pack indices must be a 1-D integer sequence, not {idx.dtype} of shape {idx.shape}")
+        idx = idx.astype(np.int64)
+    if idx.size:
+        idx = np.where(idx < 0, idx + n, idx)
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < 0 or hi >= n:
+            raise IndexError(f"pack index {lo if lo < 0 else hi} out of range for {n} packs in {source}")
+    return idx
+
+
 def _view(buf: np.ndarray, dtype, count: int, offset: int) -> np.ndarray:
     return np.frombuffer(buf, dtype=dtype, count=count, offset=offset)
 
@@ -141,6 +163,13 @@ class MMapIndexedDataset:
         DTypeError, MetadataError, SizeMismatchError, TruncatedFileError.
     """
 
+    def __new__(cls, prefix=None, *args, **kwargs):
+        # An s3:// or msc:// prefix is served by the storage layer's subclass (same interface).
+        if cls is MMapIndexedDataset and is_remote(prefix):
+            from .storage.remote import RemoteIndexedDataset
+            cls = RemoteIndexedDataset
+        return super().__new__(cls)
+
     def __init__(self, prefix, *, check_packs: bool = False) -> None:
         if sys.byteorder != "little":
             raise ShardError("this reader supports little-endian hosts only", path=str(prefix))
@@ -148,9 +177,10 @@ class MMapIndexedDataset:
         self.paths = ShardPaths.from_prefix(self.prefix)
         self.check_packs = check_packs
         self._tokens = None  # mapped lazily, on first access
+        self._hot = None     # everything the per-pack path reads, as one tuple (set by _map_files)
         self._mmaps: list = []
         self._map_lock = threading.Lock()
-        self._files: Optional[ShardFiles] = open_generation(self.prefix, self.paths)
+        self._files: Optional[ShardFiles] = self._open_files()
         try:
             self._open_headers()
         except BaseException:
@@ -161,6 +191,11 @@ class MMapIndexedDataset:
         self._seq_count = 0 if self.is_pretrain else self.seq_header.sequence_count
 
     # ------------------------------------------------------------------ open
+
+    def _open_files(self) -> ShardFiles:
+        """Descriptors and sizes of one generation of the five files (storage hook: a remote
+        shard lists its objects and opens its verified local copies of the index files)."""
+        return open_generation(self.prefix, self.paths)
 
     def _open_headers(self) -> None:
         files = self._files
@@ -263,16 +298,24 @@ class MMapIndexedDataset:
         # memoryviews index to Python ints several times faster than numpy scalars.
         self._len_mv = memoryview(self._lengths).cast("B").cast("i")
         self._ptr_mv = memoryview(self._pointers).cast("B").cast("q")
-        tokens = self._mapped(BIN_SUFFIX)
-        count = self._sizes[BIN_SUFFIX] // self._itemsize
-        if not self.is_pretrain:
+        tokens = self._data_array(BIN_SUFFIX, self.dtype.numpy, self._sizes[BIN_SUFFIX] // self._itemsize)
+        if self.is_pretrain:
+            self._off_mv = self._loss = self._starts = None
+        else:
             h = self.seq_header
             self._offsets = _view(self._mapped(SEQ_IDX_SUFFIX), POINTER_DTYPE, self._n + 1, h.csr_offset)
             self._off_mv = memoryview(self._offsets).cast("B").cast("q")
-            self._loss = _view(self._mapped(LOSS_SUFFIX), np.uint8, h.token_count, 0)
-            self._starts = _view(self._mapped(SEQ_BIN_SUFFIX), SEQ_DTYPE.numpy, h.sequence_count, 0)
+            self._loss = self._data_array(LOSS_SUFFIX, np.uint8, h.token_count)
+            self._starts = self._data_array(SEQ_BIN_SUFFIX, SEQ_DTYPE.numpy, h.sequence_count)
         self._files.close()  # every map holds its own descriptor now
-        self._tokens = _view(tokens, self.dtype.numpy, count, 0)  # set last: it marks "mapped"
+        # The per-pack path unpacks this one tuple instead of reading nine attributes.
+        self._hot = (self._len_mv, self._ptr_mv, self._off_mv, tokens, self._loss, self._starts,
+                     self._itemsize, self._bin_size, self._seq_count)
+        self._tokens = tokens  # set last: it marks "mapped"
+
+    def _data_array(self, suffix: str, dtype, count: int):
+        """Typed whole-file array of a data file (storage hook: remote shards fetch blocks)."""
+        return _view(self._mapped(suffix), dtype, count, 0)
 
     def _mapped(self, suffix: str) -> np.ndarray:
         """Map a file from the descriptor opened with its generation (never by path)."""
@@ -306,44 +349,96 @@ class MMapIndexedDataset:
         return self._n
 
     def __getitem__(self, idx):
-        if isinstance(idx, slice):
-            start, stop, step = idx.indices(self._n)
-            if step != 1:
-                raise ValueError("slices of a shard must be contiguous (step 1)")
-            return [self._pack(i) for i in range(start, stop)]
-        return self._pack(idx)
+        # The hot path of training: every line here costs time per sample (see bench.compare).
+        if idx.__class__ is not int or idx < 0 or idx >= self._n:
+            if isinstance(idx, slice):
+                start, stop, step = idx.indices(self._n)
+                if step != 1:
+                    raise ValueError("slices of a shard must be contiguous (step 1)")
+                return self.get_many(range(start, stop))
+            idx = pack_index(idx, self._n, self.prefix)
+        hot = self._hot
+        if hot is None:
+            self._ensure_maps()
+            hot = self._hot
+        len_mv, ptr_mv, off_mv, tokens, loss, starts, itemsize, bin_size, seq_count = hot
+        length = len_mv[idx]
+        ptr = ptr_mv[idx]
+        # Untrusted numbers: a corrupt index must become our error, never a numpy traceback
+        # or a silently short slice.
+        if length <= 0 or ptr < 0 or ptr % itemsize or ptr + length * itemsize > bin_size:
+            raise self._corrupt_pointer(idx, ptr, length)
+        t0 = ptr // itemsize
+        t1 = t0 + length
+        if off_mv is None:  # pretrain data: one sequence per pack, a loss mask of ones
+            return _new_pack(Pack, (tokens[t0:t1], self._ones(length), _READ_ONLY_ZERO))
+        s0 = off_mv[idx]
+        s1 = off_mv[idx + 1]
+        if s0 < 0 or s1 <= s0 or s1 > seq_count:
+            raise self._corrupt_offsets(idx, s0, s1)
+        pack = _new_pack(Pack, (tokens[t0:t1], loss[t0:t1], starts[s0:s1]))
+        if self.check_packs:
+            self._check_pack(idx, pack)
+        return pack
+
+    _pack = __getitem__
+
+    def get_many(self, indices) -> list:
+        """Packs ``indices`` (any integer sequence or array), as a list of :class:`Pack`.
+
+        One vectorised lookup and check of every index, pointer and offset, then three
+        slices per pack; a remote shard first fetches every block the packs need with
+        parallel requests. For collates and samplers that take a batch at a time.
+
+        Raises:
+            IndexError, TypeError: an index is out of range or not an integer.
+            InvariantError: an index entry of the shard is corrupt.
+        """
+        idx = pack_indices(indices, self._n, self.prefix)
+        if self._hot is None:
+            self._ensure_maps()
+        lengths = self._lengths[idx].astype(np.int64)
+        ptrs = self._pointers[idx]
+        itemsize = self._itemsize
+        bad = (lengths <= 0) | (ptrs < 0) | (ptrs % itemsize != 0) | (ptrs + lengths * itemsize > self._bin_size)
+        if bad.any():
+            k = int(np.argmax(bad))
+            raise self._corrupt_pointer(int(idx[k]), int(ptrs[k]), int(lengths[k]))
+        t0 = ptrs // itemsize
+        t1 = (t0 + lengths).tolist()
+        t0 = t0.tolist()
+        if self.is_pretrain:
+            tokens, = self._gather(((self._tokens, t0, t1),))
+            return [_new_pack(Pack, (ids, self._ones(ids.shape[0]), _READ_ONLY_ZERO)) for ids in tokens]
+        s0, s1 = self._offsets[idx], self._offsets[idx + 1]
+        bad = (s0 < 0) | (s1 <= s0) | (s1 > self._seq_count)
+        if bad.any():
+            k = int(np.argmax(bad))
+            raise self._corrupt_offsets(int(idx[k]), int(s0[k]), int(s1[k]))
+        packs = [_new_pack(Pack, parts) for parts in zip(*self._gather(
+            ((self._tokens, t0, t1), (self._loss, t0, t1), (self._starts, s0.tolist(), s1.tolist()))))]
+        if self.check_packs:
+            for i, pack in zip(idx.tolist(), packs):
+                self._check_pack(i, pack)
+        return packs
+
+    def _gather(self, parts) -> list:
+        """For each ``(array, starts, stops)``: the slices ``array[a:b]`` (storage hook: remote
+        shards fetch the blocks of every array at once, in parallel)."""
+        return [[array[a:b] for a, b in zip(starts, stops)] for array, starts, stops in parts]
+
+    def _corrupt_pointer(self, i: int, ptr: int, length: int) -> ShardError:
+        return self._corrupt(i, "sequence_pointers/sequence_lengths", "pointer/length fall outside .bin",
+                             f"<= {self._bin_size}", f"pointer {ptr}, length {length}")
+
+    def _corrupt_offsets(self, i: int, s0: int, s1: int) -> ShardError:
+        return self._corrupt(i, "seq_offsets", "CSR offsets are not increasing within .seq.bin",
+                             f"0 <= start < end <= {self._seq_count}", (s0, s1))
 
     def _corrupt(self, i: int, field: str, what: str, expected=None, actual=None) -> ShardError:
         return InvariantError(f"pack {i} is corrupt: {what}", path=self.prefix, pack=i, field=field,
                               expected=expected, actual=actual,
                               hint="run tools/check_idx.py on this shard and rebuild it")
-
-    def _pack(self, idx) -> Pack:
-        # The hot path of training: every line here costs time per sample (see bench.compare).
-        i = pack_index(idx, self._n, self.prefix)
-        if self._tokens is None:
-            self._ensure_maps()
-        length = self._len_mv[i]
-        ptr = self._ptr_mv[i]
-        itemsize = self._itemsize
-        # Untrusted numbers: a corrupt index must become our error, never a numpy traceback
-        # or a silently short slice.
-        if length <= 0 or ptr < 0 or ptr % itemsize or ptr + length * itemsize > self._bin_size:
-            raise self._corrupt(i, "sequence_pointers/sequence_lengths", "pointer/length fall outside .bin",
-                                f"<= {self._bin_size}", f"pointer {ptr}, length {length}")
-        t0 = ptr // itemsize
-        t1 = t0 + length
-        if self.is_pretrain:
-            return _new_pack(Pack, (self._tokens[t0:t1], self._ones(length), _READ_ONLY_ZERO))
-        s0 = self._off_mv[i]
-        s1 = self._off_mv[i + 1]
-        if s0 < 0 or s1 <= s0 or s1 > self._seq_count:
-            raise self._corrupt(i, "seq_offsets", "CSR offsets are not increasing within .seq.bin",
-                                f"0 <= start < end <= {self._seq_count}", (s0, s1))
-        pack = _new_pack(Pack, (self._tokens[t0:t1], self._loss[t0:t1], self._starts[s0:s1]))
-        if self.check_packs:
-            self._check_pack(i, pack)
-        return pack
 
     def _check_pack(self, i: int, pack: Pack) -> None:
         from . import _kernels
@@ -371,19 +466,25 @@ class MMapIndexedDataset:
 
         The window's ``seq_start_id`` is 0 followed by the starts that fall strictly
         inside it, shifted by ``-offset``, so the pack invariants hold for the window.
+        ``get(i)`` is ``self[i]``.
         """
-        pack = self._pack(idx)
-        n = pack.packed_len
+        pack = self[idx]
+        if offset == 0 and length is None:
+            return pack
+        n = pack.input_ids.shape[0]
         if length is None:
             length = n - offset
         if not (0 <= offset < n and 0 < length <= n - offset):
             raise IndexError(f"window [{offset}, {offset + length}) is outside pack {idx} of length {n}")
         starts = pack.seq_start_id
-        inside = starts[(starts > offset) & (starts < offset + length)] - offset
-        window_starts = np.concatenate(([0], inside)).astype(SEQ_DTYPE.numpy)
+        end = offset + length
+        lo = int(starts.searchsorted(offset, "right"))
+        hi = int(starts.searchsorted(end, "left"))
+        window_starts = np.empty(1 + max(hi - lo, 0), dtype=SEQ_DTYPE.numpy)
+        window_starts[0] = 0
+        np.subtract(starts[lo:hi], offset, out=window_starts[1:])
         window_starts.flags.writeable = False
-        return Pack(pack.input_ids[offset:offset + length], pack.loss_mask[offset:offset + length],
-                    window_starts)
+        return _new_pack(Pack, (pack.input_ids[offset:end], pack.loss_mask[offset:end], window_starts))
 
     # ------------------------------------------------------------------ upstream names
 
@@ -437,8 +538,11 @@ class MMapIndexedDataset:
 
     @staticmethod
     def exists(prefix) -> bool:
-        """True when ``prefix.idx`` and ``prefix.bin`` exist (upstream's test)."""
+        """True when ``prefix.idx`` and ``prefix.bin`` exist (upstream's test; URLs too)."""
         prefix = os.fspath(prefix)
+        if is_remote(prefix):
+            from .storage.remote import remote_shard_exists
+            return remote_shard_exists(prefix)
         return os.path.exists(prefix + IDX_SUFFIX) and os.path.exists(prefix + BIN_SUFFIX)
 
     # ------------------------------------------------------------------ pickling

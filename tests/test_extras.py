@@ -36,13 +36,14 @@ SCRIPTS = PYPROJECT["project"]["scripts"]
 EXTRAS = PYPROJECT["project"]["optional-dependencies"]
 # Everything the extras bring, by import name: hiding all of it leaves the core (numpy, numba).
 OPTIONAL = ("transformers", "tokenizers", "jinja2", "tqdm", "pyarrow", "zstandard", "zlib_ng", "torch",
-            "megatron", "matplotlib", "psutil", "duckdb", "polars", "gigatoken")
+            "megatron", "matplotlib", "psutil", "duckdb", "polars", "gigatoken", "boto3", "multistorageclient")
 # Distributions of the extras that are never hidden, and why.
 NOT_HIDDEN = {
     "packaging": "transformers and megatron-core import it too: hiding it would break the extra itself",
     "pytest": "test tools", "hypothesis": "test tools", "pytest-xdist": "test tools", "tomli": "test tools",
     "setuptools": "test tools", "megatron-sft-idx": "an extra that names other extras",
     "pandas": "test tools: HF datasets needs it in the Megatron-Bridge compat stack (tests/compat)",
+    "moto": "test tools: the S3 server on loopback of tests/test_remote.py and bench/remote.py",
 }
 
 BLOCKER = '''

@@ -27,6 +27,7 @@ from typing import Optional, Sequence, Union
 
 from ..errors import ShardError
 from ..format import METADATA_FIELD_RANGES
+from ..storage import is_remote
 from . import structure
 from ._context import ShardContext, UnreadableFile
 from .discover import resolve_prefixes
@@ -101,6 +102,9 @@ def _ignore_sigint() -> None:
 
 def check_shard(prefix: str, options: Options = Options()) -> ShardReport:
     """Every pass over one shard. Never raises: an unexpected exception becomes GATE_INTERNAL_ERROR."""
+    if is_remote(prefix):  # s3:// and msc://: the same passes over streamed bytes
+        from .remote import check_remote_shard
+        return check_remote_shard(prefix, options)
     started = time.perf_counter()
     report = ShardReport(prefix=prefix, level=options.level, strict=options.strict)
     ctx = ShardContext(prefix, report)

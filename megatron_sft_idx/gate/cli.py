@@ -87,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--quiet", action="store_true", help="print only the overall verdict")
     p.add_argument("--verbose", action="store_true", help="also show info findings and the passes run")
     p.add_argument("--promote", metavar="DEST", default=None,
-                   help="after a pass, move the five files into directory DEST atomically (.idx last)")
+                   help="after a pass, move the five files into directory DEST atomically (.idx last); "
+                        "DEST may be s3://bucket/dir or msc://profile/dir (uploaded, .idx last)")
     p.add_argument("--link", action="store_true", help="with --promote: hard-link instead of moving")
     p.add_argument("--replace", action="store_true",
                    help="with --promote: replace a shard of the same name at DEST (its .idx goes first)")

@@ -30,7 +30,8 @@ import shutil
 from typing import Dict
 
 from .. import _atomic
-from ..errors import ShardError, ShardExistsError
+from ..errors import RemoteStorageError, ShardError, ShardExistsError
+from ..storage import is_remote
 from ..format import IDX_SUFFIX, PUBLISH_ORDER, ShardPaths
 from .report import Report, ShardReport, make_finding
 
@@ -138,6 +139,12 @@ def copy_file(src: str, dst: str) -> None:
     _atomic.fsync_file(dst)
 
 
+def promote_remote(shard: ShardReport, dest, **kw) -> Dict[str, str]:
+    from .remote import promote_remote as upload
+
+    return upload(shard, dest, **kw)
+
+
 def promote_report(report: Report, dest, *, link: bool = False, replace: bool = False) -> Report:
     """Promote every passing shard of ``report``; record where each file went, or why not.
 
@@ -157,7 +164,10 @@ def promote_report(report: Report, dest, *, link: bool = False, replace: bool = 
             continue
         names.add(name)
         try:
-            shard.promoted = promote(shard, dest, link=link, replace=replace)
+            place = promote_remote if is_remote(dest) else promote  # s3:// msc://: upload, .idx last
+            shard.promoted = place(shard, dest, link=link, replace=replace)
+        except RemoteStorageError as exc:  # mid-upload: the destination's .idx was not written
+            shard.add(make_finding("PROMOTION_FAILED", str(exc), shard.prefix))
         except ShardError as exc:  # raised before anything was touched
             shard.add(make_finding("PROMOTION_REFUSED", str(exc), shard.prefix))
         except OSError as exc:

@@ -94,6 +94,11 @@ def locate_files(ctx: ShardContext, allow_pretrain: bool) -> bool:
             continue
         ctx.sizes[suffix] = st.st_size
         ctx.report.identity[suffix] = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    return classify_files(ctx, allow_pretrain)
+
+
+def classify_files(ctx: ShardContext, allow_pretrain: bool) -> bool:
+    """From ``ctx.sizes`` (the files found): the shard's kind and FILE_MISSING findings."""
     ctx.report.files = dict(ctx.sizes)
     if ctx.report.unreadable:
         return False
