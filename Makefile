@@ -19,7 +19,7 @@ STACK_BRIDGE_062 = $(DEPS)/megatron-bridge-0.6.2
 
 # The main job needs no torch: the reader, the builder, preprocessing and the gate are numpy+numba.
 install:
-	$(PIP) -e '.[preprocess,gate]'
+	$(PIP) -e '.[preprocess,gate,fast]'
 
 # torch first, on its own, so the CPU wheel is in place before anything could ask for another.
 install-test:

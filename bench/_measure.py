@@ -68,6 +68,109 @@ def _access_pass(reader, order: np.ndarray, max_seconds: float) -> tuple:
     return k, clock() - t0
 
 
+BATCH = 32
+
+
+def _get_pass(mod, reader, order: np.ndarray, max_seconds: float) -> Optional[float]:
+    """packs/s of the system's own ``get(i)`` (fetch only), when it has one."""
+    if not hasattr(mod, "get"):
+        return None
+    get, clock = mod.get, time.perf_counter
+    t0, k = clock(), 0
+    for i in order.tolist():
+        get(reader, i)
+        k += 1
+        if not k & 31 and clock() - t0 > max_seconds:
+            break
+    return k / (clock() - t0)
+
+
+def _batched_pass(mod, reader, order: np.ndarray, max_seconds: float) -> Optional[float]:
+    """packs/s fetching ``BATCH`` packs at a time with ``get_many`` and touching every array."""
+    if not hasattr(mod, "get_many"):
+        return None
+    touch, clock = mod.touch, time.perf_counter
+    t0, k = clock(), 0
+    while k < order.size and clock() - t0 <= max_seconds:
+        batch = order[k:k + BATCH]
+        for rec in mod.get_many(reader, batch):
+            touch(rec)
+        k += batch.size
+    return k / (clock() - t0)
+
+
+def resident_fraction(paths) -> Optional[float]:
+    """Fraction of the files' pages in the page cache (``mincore``), or None where unavailable."""
+    import ctypes
+    import mmap
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    except (OSError, AttributeError):
+        return None
+    resident = total = 0
+    for path in paths:
+        size = os.path.getsize(path)
+        if not size:
+            continue
+        pages = -(-size // mmap.PAGESIZE)
+        vec = (ctypes.c_ubyte * pages)()
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if addr in (None, ctypes.c_void_p(-1).value):
+                return None
+            try:
+                if libc.mincore(addr, size, vec) != 0:
+                    return None
+            finally:
+                libc.munmap(addr, size)
+        finally:
+            os.close(fd)
+        resident += sum(b & 1 for b in bytes(vec))
+        total += pages
+    return resident / total if total else None
+
+
+def evict(paths) -> None:
+    """Drop the files' pages from the page cache (``posix_fadvise(DONTNEED)``): targeted at
+    these files, so concurrent jobs on the machine keep their own cached data."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def cold_task(system: str, out_dir: str, seed: int = 0, reads: int = 0, max_seconds: float = 10.0,
+              tokens_only: bool = False) -> dict:
+    """Evict the system's files from the page cache, then open and read in random order
+    (every array touched, or tokens only): reads that go to the disk."""
+    mod = peers.load(system)
+    files = mod.files(out_dir)
+    evict(files)
+    before = resident_fraction(files)
+    t0 = time.perf_counter()
+    reader = mod.open_reader(out_dir)
+    open_s = time.perf_counter() - t0
+    order = np.random.default_rng(seed + 7).permutation(len(reader))
+    if reads:
+        order = order[:reads]
+    touch = (lambda rec: (0, mod.touch_tokens(rec), 0, 0)) if tokens_only else mod.touch
+    out = np.zeros((order.size, 4), dtype=np.int64)
+    n, secs = _timed_pass(reader, touch, order, out, max_seconds)
+    key = "cold_tokens_touched_packs_per_s" if tokens_only else "cold_random_packs_per_s"
+    return {"system": system, key: n / secs if secs else None, "cold_open_s": open_s,
+            "cold_resident_before": before}
+
+
 def read_task(system: str, out_dir: str, seed: int = 0, reads: int = 0, max_seconds: float = 10.0,
               sequential: bool = True, access_only: bool = True, digests_out: str = "") -> dict:
     """Open the written data the way ``system``'s dataset does and read it back.
@@ -110,6 +213,8 @@ def read_task(system: str, out_dir: str, seed: int = 0, reads: int = 0, max_seco
         tok_n, tok_s = _timed_pass(reader, lambda rec: (0, mod.touch_tokens(rec), 0, 0), order, tok_out,
                                    max_seconds)
         result["tokens_touched_packs_per_s"] = tok_n / tok_s if tok_s else None
+        result["get_packs_per_s"] = _get_pass(mod, reader, order, max_seconds)
+        result["batched_touched_packs_per_s"] = _batched_pass(mod, reader, order, max_seconds)
     end = proc_status()
     result.update(reader_peak_rss_mb=end["VmHWM"], reader_peak_delta_mb=end["VmHWM"] - before["VmRSS"],
                   rss_anon_after_reads_mb=end.get("RssAnon"))

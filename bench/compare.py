@@ -49,11 +49,16 @@ METRICS = (
     ("sequential_packs_per_s", "sequential packs/s, every array touched", True, 1),
     ("access_only_packs_per_s", "random fetch-only packs/s (no touch)", True, 1),
     ("tokens_touched_packs_per_s", "random packs/s, tokens touched only", True, 1),
+    ("get_packs_per_s", "random get(i) packs/s (the reader's get, fetch only)", True, 1),
+    ("batched_touched_packs_per_s", "random packs/s, every array touched, get_many(32)", True, 1),
+    ("cold_random_packs_per_s", "cold cache: random packs/s, every array touched", True, 1),
+    ("cold_tokens_touched_packs_per_s", "cold cache: random packs/s, tokens touched only", True, 1),
+    ("cold_resident_before", "cold cache: fraction of file pages cached before the pass", False, 1),
     ("reader_peak_rss_mb", "reader peak RSS (MiB)", False, 1),
     ("rss_anon_after_reads_mb", "reader anonymous RSS after reads (MiB)", False, 1),
 )
 DIFF_METRICS = ("open_rss_delta_mb",)
-OURS_ONLY = ("write_first_pack_s",)
+OURS_ONLY = ("write_first_pack_s", "cold_resident_before")  # not compared as ratios
 OTHER_BENCHES = ("gate", "collate", "packing", "preprocess")
 
 
@@ -98,11 +103,18 @@ def run_system(system: str, corpus: Corpus, digests: np.ndarray, work: Path, arg
                          seed=args.seed + repeat, reads=args.reads, max_seconds=args.max_seconds,
                          digests_out=str(dig_path))
         check = verify_digests(digests, str(dig_path))
+        # Cold cache: the system's files evicted from the page cache (posix_fadvise), fresh child.
+        cold = {}
+        for tokens_only in (False, True):
+            cold.update(run_child("bench._measure:cold_task", system=system, out_dir=str(out_dir),
+                                  seed=args.seed + repeat, reads=args.reads, max_seconds=args.max_seconds,
+                                  tokens_only=tokens_only))
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
     row = {k: v for k, v in wrote.items() if k.startswith(("write", "bytes"))}
     row.update({k: v for k, v in read.items() if k not in ("system", "rss_end_mb", "rss_anon_end_mb",
                                                            "peak_rss_mb", "child_wall_s")})
+    row.update({k: v for k, v in cold.items() if k.startswith("cold_")})
     row["verified"] = check["mismatches"] == 0 and check["checked"] > 0
     row["checked_packs"] = check["checked"]
     row["mismatched_packs"] = check["mismatches"]

@@ -164,25 +164,31 @@ MappedFile& MappedFile::operator=(MappedFile&& other) noexcept {
 bool MappedFile::map(const std::string& path, bool populate, std::string* why) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
+    errno_ = errno;
     *why = std::strerror(errno);
     return false;
   }
   struct stat st;
   if (::fstat(fd, &st) != 0) {
+    errno_ = errno;
     *why = std::strerror(errno);
     ::close(fd);
     return false;
   }
   if (!S_ISREG(st.st_mode)) {
+    errno_ = EINVAL;
     *why = "not a regular file";
     ::close(fd);
     return false;
   }
+  dev_ = uint64_t(st.st_dev);
+  ino_ = uint64_t(st.st_ino);
   size_ = uint64_t(st.st_size);
   if (size_ > 0) {
     // Pre-faulting in the kernel costs far less than one page fault per 4 KiB on a full pass.
     void* base = ::mmap(nullptr, size_t(size_), PROT_READ, MAP_SHARED | (populate ? MAP_POPULATE : 0), fd, 0);
     if (base == MAP_FAILED) {
+      errno_ = errno;
       *why = std::strerror(errno);
       size_ = 0;
       ::close(fd);

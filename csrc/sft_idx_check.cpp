@@ -6,6 +6,7 @@
 // document with --json). Exit status: 0 every shard passed, 1 a shard failed,
 // 2 usage error or unreadable input (no file at a prefix, a file cannot be mapped).
 #include <cerrno>
+#include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -55,8 +56,8 @@ int parse_args(int argc, char** argv, Args* args) {
       args->json = true;
     } else if (a == "--vocab-size" || a == "--max-findings") {
       long long v = 0;
-      if (i + 1 >= argc || !parse_positive(argv[i + 1], &v)) {
-        std::fprintf(stderr, "sft_idx_check: error: %s needs a positive integer\n%s", a.c_str(), kUsage);
+      if (i + 1 >= argc || !parse_positive(argv[i + 1], &v) || v > INT32_MAX) {  // FORMAT.md "Limits"
+        std::fprintf(stderr, "sft_idx_check: error: %s needs an integer in 1..2147483647\n%s", a.c_str(), kUsage);
         return kExitUsage;
       }
       ++i;

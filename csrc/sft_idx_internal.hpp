@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <climits>
 #include <cstring>
 #include <optional>
 #include <string>
@@ -36,7 +37,24 @@ inline constexpr size_t kSeqOffMajor = 8, kSeqOffMinor = 10, kSeqOffTokenDtype =
 inline constexpr size_t kSeqIdxHeaderSize = 64;
 inline constexpr size_t kMetadataOffset = 64;
 inline constexpr uint64_t kAlignment = 64;
+
+// FORMAT.md "Limits" (format.py holds the same numbers; tests/test_limits.py checks both agree).
 inline constexpr uint64_t kMaxMetadataLength = uint64_t{16} << 20;
+inline constexpr uint64_t kMaxMetadataDepth = 64;   // containers nested; the top-level object is 1
+inline constexpr uint64_t kMaxCount = uint64_t{1} << 56;  // pack/sequence/token counts of .seq.idx
+// Opening one generation of a shard that is being replaced (FORMAT.md "Publication"):
+// attempts, and the first pause in microseconds (doubled up to kOpenMaxPauseUs).
+inline constexpr int kOpenAttempts = 12;
+inline constexpr unsigned kOpenFirstPauseUs = 1000, kOpenMaxPauseUs = 50000;
+struct IntRange {
+  int64_t min, max;
+};
+inline constexpr IntRange kPackSizeRange = {1, INT32_MAX};
+inline constexpr IntRange kVocabSizeRange = {1, INT32_MAX};
+inline constexpr IntRange kPadRange = {1, INT32_MAX};
+inline constexpr IntRange kStatRange = {0, INT64_MAX};
+inline constexpr IntRange kFileSizeRange = {0, INT64_MAX};
+inline constexpr IntRange kCrcRange = {0, INT64_C(0xFFFFFFFF)};
 
 // ---------------------------------------------------------------- little-endian loads
 
@@ -86,11 +104,17 @@ class MappedFile {
   bool map(const std::string& path, bool populate, std::string* why);
   const uint8_t* data() const noexcept { return data_; }
   uint64_t size() const noexcept { return size_; }
+  // Identity of the mapped file (st_dev, st_ino), and errno of the last failed map().
+  uint64_t dev() const noexcept { return dev_; }
+  uint64_t ino() const noexcept { return ino_; }
+  int error() const noexcept { return errno_; }
 
  private:
   const uint8_t* data_ = nullptr;
   uint64_t size_ = 0;
   void* base_ = nullptr;
+  uint64_t dev_ = 0, ino_ = 0;
+  int errno_ = 0;
 };
 
 // ---------------------------------------------------------------- parsed headers

@@ -1,6 +1,7 @@
 // sft_idx_json.cpp -- the metadata: strict UTF-8, a small RFC 8259 JSON parser, and
 // the required keys of FORMAT.md "Metadata". Unknown keys are parsed (so the whole
-// document must be valid JSON) and ignored; a duplicate key keeps its last value.
+// document must be valid JSON within FORMAT.md "Limits") and ignored; a duplicate key
+// keeps its last value. Only the values the required-key checks read are stored.
 #include <charconv>
 #include <cmath>
 #include <climits>
@@ -18,23 +19,61 @@ namespace sft_idx {
 namespace detail {
 namespace {
 
-// Deep enough for any real metadata, shallow enough for the stack.
-constexpr int kMaxDepth = 256;
+// Which members of an object the parser keeps (everything is parsed and checked against
+// the limits; only what the required-key checks read is stored, so memory stays small
+// whatever the document holds).
+enum class Want { None, Root, Stats, Files, FileEntry };
+
+constexpr const char* kRootKeys[] = {"format", "pack_size", "token_dtype", "vocab_size", "loss_mask_convention",
+                                     "pad_seq_to_mult", "pad_layout", "stats", "files", "producer", "tokenizer",
+                                     "packing", "parallelism", "source", "extra"};
+constexpr const char* kStatKeys[] = {"pack_count", "sequence_count", "token_count", "loss_token_count",
+                                     "max_samples_per_bin", "dataset_max_seqlen", "min_seqlen",
+                                     "min_packed_seqlen", "max_packed_seqlen", "packing_factor",
+                                     "packing_efficiency", "min_packed_runtime_len"};
+constexpr const char* kFileEntryKeys[] = {"size", "crc32"};
+
+template <size_t N>
+bool one_of(std::string_view key, const char* const (&names)[N]) {
+  for (const char* n : names)
+    if (key == n) return true;
+  return false;
+}
+
+// Whether an object member is kept, and what its own members are wanted for.
+bool keep_member(Want want, std::string_view key, Want* child) {
+  *child = Want::None;
+  switch (want) {
+    case Want::Root:
+      *child = key == "stats" ? Want::Stats : key == "files" ? Want::Files : Want::None;
+      return one_of(key, kRootKeys);
+    case Want::Stats: return one_of(key, kStatKeys);
+    case Want::Files: *child = Want::FileEntry; return one_of(key, kChecksummed);
+    case Want::FileEntry: return one_of(key, kFileEntryKeys);
+    case Want::None: return false;
+  }
+  return false;
+}
 
 struct Json {
   enum Kind { Null, Bool, Int, Float, String, Array, Object } kind = Null;
   bool boolean = false;
   int64_t integer = 0;
-  bool int_overflow = false;  // an integer literal outside int64
   double number = 0.0;
   std::string text;
-  std::vector<std::string> keys;   // Object: keys[k] -> values[k]
-  std::vector<Json> values;        // Object values or Array items
+  std::vector<std::string> keys;   // Object: keys[k] -> values[k] (kept members only, unique)
+  std::vector<Json> values;
 
   const Json* get(std::string_view key) const {
-    for (size_t k = keys.size(); k-- > 0;)
+    for (size_t k = 0; k < keys.size(); ++k)
       if (keys[k] == key) return &values[k];
     return nullptr;
+  }
+  void put(std::string key, Json value) {  // a duplicate key keeps its last value
+    for (size_t k = 0; k < keys.size(); ++k)
+      if (keys[k] == key) { values[k] = std::move(value); return; }
+    keys.push_back(std::move(key));
+    values.push_back(std::move(value));
   }
 };
 
@@ -64,28 +103,58 @@ int64_t invalid_utf8_at(std::string_view s) {
   return -1;
 }
 
+// Whether a decimal literal that std::from_chars found out of range overflows (true) or
+// underflows (false): the sign of the decimal exponent of its leading non-zero digit.
+bool decimal_overflows(std::string_view lit) {
+  size_t i = (!lit.empty() && lit[0] == '-') ? 1 : 0;
+  int64_t digits = 0, int_digits = -1, lead = -1;  // lead: index of the first non-zero digit
+  for (; i < lit.size() && lit[i] != 'e' && lit[i] != 'E'; ++i) {
+    if (lit[i] == '.') { int_digits = digits; continue; }
+    if (lit[i] != '0' && lead < 0) lead = digits;
+    ++digits;
+  }
+  if (int_digits < 0) int_digits = digits;
+  int64_t exponent = 0;
+  bool negative = false;
+  if (i < lit.size()) {
+    ++i;
+    if (i < lit.size() && (lit[i] == '+' || lit[i] == '-')) negative = lit[i++] == '-';
+    for (; i < lit.size(); ++i)  // saturates: any exponent this large is out of range anyway
+      if (exponent < (int64_t{1} << 40)) exponent = exponent * 10 + (lit[i] - '0');
+  }
+  if (lead < 0) return false;  // zero is never out of range
+  return (negative ? -exponent : exponent) + int_digits - 1 - lead >= 0;
+}
+
 class Parser {
  public:
   explicit Parser(std::string_view s) : s_(s) {}
 
-  // Parses one value followed only by whitespace; on failure *error says where.
+  // Parses one value followed only by whitespace; on failure *error says where and
+  // limit_exceeded() tells a limit (FORMAT.md "Limits") from a syntax error.
   bool parse_document(Json* out, std::string* error) {
     skip_ws();
-    if (!value(out, 0)) { *error = error_; return false; }
+    if (!value(out, 0, Want::Root)) { *error = error_; return false; }
     skip_ws();
     if (pos_ != s_.size()) { *error = at("extra data after the JSON value"); return false; }
     return true;
   }
+  bool limit_exceeded() const noexcept { return limit_; }
 
  private:
   std::string_view s_;
   size_t pos_ = 0;
   std::string error_;
+  bool limit_ = false;
 
   std::string at(const std::string& what) const { return what + " at byte " + to_str(pos_); }
   bool fail(const std::string& what) {
     if (error_.empty()) error_ = at(what);
     return false;
+  }
+  bool over_limit(const std::string& what) {
+    if (error_.empty()) limit_ = true;
+    return fail(what);
   }
   void skip_ws() {
     while (pos_ < s_.size() && (s_[pos_] == ' ' || s_[pos_] == '\t' || s_[pos_] == '\n' || s_[pos_] == '\r')) ++pos_;
@@ -96,14 +165,16 @@ class Parser {
     return true;
   }
 
-  bool value(Json* out, int depth) {
-    if (depth > kMaxDepth) return fail("nesting deeper than " + to_str(kMaxDepth));
+  // `depth`: containers enclosing this value (0 for the top-level value).
+  bool value(Json* out, int depth, Want want) {
     if (pos_ >= s_.size()) return fail("unexpected end of input");
     const char c = s_[pos_];
+    if ((c == '{' || c == '[') && depth + 1 > int(kMaxMetadataDepth))
+      return over_limit("containers nested deeper than " + to_str(kMaxMetadataDepth));
     switch (c) {
-      case '{': return object(out, depth);
-      case '[': return array(out, depth);
-      case '"': out->kind = Json::String; return string(&out->text);
+      case '{': return object(out, depth + 1, want);
+      case '[': return array(out, depth + 1);
+      case '"': out->kind = Json::String; return string(depth <= 1 ? &out->text : nullptr);  // kept values only
       case 't': out->kind = Json::Bool; out->boolean = true; return literal("true");
       case 'f': out->kind = Json::Bool; out->boolean = false; return literal("false");
       case 'n': out->kind = Json::Null; return literal("null");
@@ -113,7 +184,8 @@ class Parser {
     }
   }
 
-  bool object(Json* out, int depth) {
+  // `depth`: this container's own depth (1 for the top-level object).
+  bool object(Json* out, int depth, Want want) {
     out->kind = Json::Object;
     ++pos_;
     skip_ws();
@@ -127,10 +199,11 @@ class Parser {
       if (pos_ >= s_.size() || s_[pos_] != ':') return fail("expected ':'");
       ++pos_;
       skip_ws();
+      Want child = Want::None;
+      const bool keep = keep_member(want, key, &child);
       Json item;
-      if (!value(&item, depth + 1)) return false;
-      out->keys.push_back(std::move(key));
-      out->values.push_back(std::move(item));
+      if (!value(&item, depth, child)) return false;
+      if (keep) out->put(std::move(key), std::move(item));
       skip_ws();
       if (pos_ < s_.size() && s_[pos_] == ',') { ++pos_; continue; }
       if (pos_ < s_.size() && s_[pos_] == '}') { ++pos_; return true; }
@@ -138,7 +211,7 @@ class Parser {
     }
   }
 
-  bool array(Json* out, int depth) {
+  bool array(Json* out, int depth) {  // no required key is an array: items are checked, not kept
     out->kind = Json::Array;
     ++pos_;
     skip_ws();
@@ -146,8 +219,7 @@ class Parser {
     for (;;) {
       skip_ws();
       Json item;
-      if (!value(&item, depth + 1)) return false;
-      out->values.push_back(std::move(item));
+      if (!value(&item, depth, Want::None)) return false;
       skip_ws();
       if (pos_ < s_.size() && s_[pos_] == ',') { ++pos_; continue; }
       if (pos_ < s_.size() && s_[pos_] == ']') { ++pos_; return true; }
@@ -171,6 +243,7 @@ class Parser {
   }
 
   static void put_utf8(std::string* out, uint32_t cp) {
+    if (out == nullptr) return;
     if (cp < 0x80) { out->push_back(char(cp)); return; }
     if (cp < 0x800) { out->push_back(char(0xC0 | cp >> 6)); }
     else if (cp < 0x10000) { out->push_back(char(0xE0 | cp >> 12)); out->push_back(char(0x80 | (cp >> 6 & 0x3F))); }
@@ -182,25 +255,27 @@ class Parser {
     out->push_back(char(0x80 | (cp & 0x3F)));
   }
 
+  // Reads a string into *out (nullptr: checked and dropped).
   bool string(std::string* out) {
     ++pos_;  // opening quote
+    auto put = [out](char ch) { if (out != nullptr) out->push_back(ch); };
     for (;;) {
       if (pos_ >= s_.size()) return fail("unterminated string");
       const unsigned char c = static_cast<unsigned char>(s_[pos_]);
       if (c == '"') { ++pos_; return true; }
       if (c < 0x20) return fail("control character in string");
-      if (c != '\\') { out->push_back(char(c)); ++pos_; continue; }
+      if (c != '\\') { put(char(c)); ++pos_; continue; }
       if (++pos_ >= s_.size()) return fail("unterminated escape");
       const char e = s_[pos_++];
       switch (e) {
-        case '"': out->push_back('"'); break;
-        case '\\': out->push_back('\\'); break;
-        case '/': out->push_back('/'); break;
-        case 'b': out->push_back('\b'); break;
-        case 'f': out->push_back('\f'); break;
-        case 'n': out->push_back('\n'); break;
-        case 'r': out->push_back('\r'); break;
-        case 't': out->push_back('\t'); break;
+        case '"': put('"'); break;
+        case '\\': put('\\'); break;
+        case '/': put('/'); break;
+        case 'b': put('\b'); break;
+        case 'f': put('\f'); break;
+        case 'n': put('\n'); break;
+        case 'r': put('\r'); break;
+        case 't': put('\t'); break;
         case 'u': {
           uint32_t cp;
           if (!hex4(&cp)) return false;
@@ -252,15 +327,16 @@ class Parser {
     const char* last = s_.data() + pos_;
     if (!is_float) {
       out->kind = Json::Int;
-      const auto r = std::from_chars(first, last, out->integer);
-      out->int_overflow = r.ec != std::errc();
+      if (std::from_chars(first, last, out->integer).ec != std::errc())
+        return over_limit("an integer of " + to_str(uint64_t(last - first)) + " characters is outside int64");
       return true;
     }
     out->kind = Json::Float;
     const auto r = std::from_chars(first, last, out->number);
     if (r.ec == std::errc::result_out_of_range) {
-      // Python parses it too (to inf or 0.0); only the magnitude is lost.
-      out->number = (*first == '-') ? -HUGE_VAL : HUGE_VAL;
+      if (decimal_overflows(std::string_view(first, size_t(last - first))))
+        return over_limit("a number overflows a double");
+      out->number = 0.0;  // underflow: Python parses it as 0.0 (or a subnormal) too
     }
     return true;
   }
@@ -279,13 +355,15 @@ class KeyChecker {
                            {key, expected, ""}, int64_t(kMetadataOffset)));
   }
 
-  // A non-bool JSON integer (optionally null); `min` is the least value allowed.
-  std::optional<int64_t> integer(const Json* v, const std::string& key, bool nullable, int64_t min) {
+  // A non-bool JSON integer (optionally null) in [range.min, range.max] (FORMAT.md "Limits").
+  std::optional<int64_t> integer(const Json* v, const std::string& key, bool nullable, IntRange range) {
     if (v == nullptr) { invalid(key, "present", "is missing"); return std::nullopt; }
     if (v->kind == Json::Null && nullable) return std::nullopt;
     if (v->kind != Json::Int) { invalid(key, nullable ? "int or null" : "int", "has the wrong type"); return std::nullopt; }
-    if (v->int_overflow) { invalid(key, "an int64", "is out of range"); return std::nullopt; }
-    if (v->integer < min) { invalid(key, ">= " + to_str_i(min), "is " + to_str_i(v->integer)); return std::nullopt; }
+    if (v->integer < range.min || v->integer > range.max) {
+      invalid(key, to_str_i(range.min) + ".." + to_str_i(range.max), "is out of range: " + to_str_i(v->integer));
+      return std::nullopt;
+    }
     return v->integer;
   }
 
@@ -315,12 +393,12 @@ class KeyChecker {
         {"min_seqlen", &out->min_seqlen}, {"min_packed_seqlen", &out->min_packed_seqlen},
         {"max_packed_seqlen", &out->max_packed_seqlen}};
     for (const auto& f : ints) {
-      auto v = integer(s->get(f.name), std::string("stats.") + f.name, false, INT64_MIN);
+      auto v = integer(s->get(f.name), std::string("stats.") + f.name, false, kStatRange);
       if (v) *f.dst = *v;
     }
     if (s->get("min_packed_runtime_len") != nullptr)  // format 1.1
       out->min_packed_runtime_len = integer(s->get("min_packed_runtime_len"), "stats.min_packed_runtime_len", true,
-                                            INT64_MIN);
+                                            kStatRange);
     out->packing_factor = ratio(s->get("packing_factor"), "stats.packing_factor", false).value_or(0.0);
     out->packing_efficiency = ratio(s->get("packing_efficiency"), "stats.packing_efficiency", true);
   }
@@ -355,17 +433,23 @@ std::optional<Metadata> parse_metadata(std::string_view json, const std::string&
   if (bad >= 0) return unparsable("invalid UTF-8 at byte " + to_str_i(bad));
   Json root;
   std::string error;
-  if (!Parser(json).parse_document(&root, &error)) return unparsable(error);
+  Parser parser(json);
+  if (!parser.parse_document(&root, &error)) {
+    if (!parser.limit_exceeded()) return unparsable(error);
+    sink.add(make_finding("METADATA_LIMIT", where, kSeqIdx, "metadata exceeds the format's limits: " + error,
+                          {"metadata", "FORMAT.md \"Limits\"", ""}, int64_t(kMetadataOffset)));
+    return std::nullopt;
+  }
   if (root.kind != Json::Object) return unparsable("the top-level value is not an object");
 
   KeyChecker c(root, sink, where);
   Metadata m;
   c.string_in("format", {"megatron_sft_idx"});
-  m.pack_size = c.integer(root.get("pack_size"), "pack_size", true, 1);
+  m.pack_size = c.integer(root.get("pack_size"), "pack_size", true, kPackSizeRange);
   m.token_dtype = c.string_in("token_dtype", {"uint16", "int32"});
-  m.vocab_size = c.integer(root.get("vocab_size"), "vocab_size", true, 1);
+  m.vocab_size = c.integer(root.get("vocab_size"), "vocab_size", true, kVocabSizeRange);
   m.loss_mask_convention = c.string_in("loss_mask_convention", {"label_aligned"});
-  m.pad_seq_to_mult = c.integer(root.get("pad_seq_to_mult"), "pad_seq_to_mult", false, 1).value_or(1);
+  m.pad_seq_to_mult = c.integer(root.get("pad_seq_to_mult"), "pad_seq_to_mult", false, kPadRange).value_or(1);
   if (root.get("pad_layout") != nullptr)  // format 1.1; absent means "stored"
     m.pad_offset = c.string_in("pad_layout", {"stored", "runtime"}) == "runtime" ? 1 : 0;
   if (const Json* s = c.object(root.get("stats"), "stats")) c.stats(s, &m.stats);
@@ -374,8 +458,8 @@ std::optional<Metadata> parse_metadata(std::string_view json, const std::string&
       const std::string key = std::string("files.") + kChecksummed[k];
       const Json* entry = c.object(files->get(kChecksummed[k]), key);
       if (entry == nullptr) continue;
-      auto size = c.integer(entry->get("size"), key + ".size", false, 0);
-      auto crc = c.integer(entry->get("crc32"), key + ".crc32", false, 0);
+      auto size = c.integer(entry->get("size"), key + ".size", false, kFileSizeRange);
+      auto crc = c.integer(entry->get("crc32"), key + ".crc32", false, kCrcRange);
       m.files[k].size = uint64_t(size.value_or(0));
       m.files[k].crc32 = uint64_t(crc.value_or(0));
     }

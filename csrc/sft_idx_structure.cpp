@@ -3,6 +3,7 @@
 // Each pass carries on past a finding where the bytes allow (a header whose only
 // fault is its CRC or the file's size is still read for its fields).
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cstdio>
@@ -29,32 +30,64 @@ bool is_token_code(uint8_t code) { return code == uint8_t(DType::uint16) || code
 
 // ---------------------------------------------------------------- presence and maps
 
-bool locate_and_map(Context& ctx, Sink& sink, bool populate) {
-  int present = 0;
+namespace {
+
+enum class Located { kOk, kRetry, kDone };
+
+// Which of the five files exist (FILE_UNREADABLE for other stat errors).
+Located stat_files(Context& ctx, Sink& sink) {
   for (int id = 0; id < kFileCount; ++id) {
     ctx.path[id] = ctx.prefix + kSuffix[id];
     struct stat st;
-    if (::stat(ctx.path[id].c_str(), &st) == 0) {
-      ctx.present[id] = true;
+    ctx.present[id] = ::stat(ctx.path[id].c_str(), &st) == 0;
+    if (ctx.present[id]) {
       ctx.stat_size[id] = uint64_t(st.st_size);
-      ++present;
     } else if (errno != ENOENT && errno != ENOTDIR) {
       sink.unreadable = true;
       sink.add(make_finding("FILE_UNREADABLE", ctx, id, std::string("cannot stat: ") + std::strerror(errno)));
     }
   }
-  if (sink.unreadable) return false;
+  return sink.unreadable ? Located::kDone : Located::kOk;
+}
+
+// Maps one generation: .idx first, then the others, then the path .idx must still name the
+// mapped inode -- if it does, no replacement touched a companion in between (FORMAT.md
+// "Publication"). kRetry when the files changed meanwhile.
+Located map_generation(Context& ctx, Sink& sink, bool populate) {
+  const FileId order[kFileCount] = {kIdx, kBin, kLoss, kSeqIdx, kSeqBin};
+  for (FileId id : order) {
+    std::string why;
+    if (ctx.file[id].map(ctx.path[id], populate, &why)) continue;
+    if (ctx.file[id].error() == ENOENT) return Located::kRetry;  // removed by a replacement
+    sink.unreadable = true;
+    sink.add(make_finding("FILE_UNREADABLE", ctx, id, "cannot open or map: " + why));
+    return Located::kDone;
+  }
+  struct stat now;
+  if (::stat(ctx.path[kIdx].c_str(), &now) != 0 || uint64_t(now.st_dev) != ctx.file[kIdx].dev() ||
+      uint64_t(now.st_ino) != ctx.file[kIdx].ino())
+    return Located::kRetry;
+  for (int id = 0; id < kFileCount; ++id) ctx.stat_size[id] = ctx.file[id].size();
+  return Located::kOk;
+}
+
+// Presence, kind, missing files; kRetry while .idx is missing but other files exist
+// (the middle of a replacement), unless `last`.
+Located classify(Context& ctx, Sink& sink, bool last) {
+  int present = 0;
+  for (int id = 0; id < kFileCount; ++id) present += ctx.present[id];
   if (present == 0) {
     sink.unreadable = true;
     sink.add(make_finding("SHARD_NOT_FOUND", ctx, -1, "no shard at this prefix: none of .bin .idx .loss.bin "
                           ".seq.idx .seq.bin exists"));
-    return false;
+    return Located::kDone;
   }
+  if (!ctx.present[kIdx] && !last) return Located::kRetry;
   const bool companions = ctx.present[kLoss] || ctx.present[kSeqIdx] || ctx.present[kSeqBin];
   if (!companions && ctx.present[kBin] && ctx.present[kIdx]) {
     sink.add(make_finding("PRETRAIN_SHARD", ctx, kIdx, "only .bin/.idx exist: upstream pretrain data, not "
                           "an SFT shard (this validator checks SFT shards)"));
-    return false;
+    return Located::kDone;
   }
   bool missing = false;
   for (int id = 0; id < kFileCount; ++id) {
@@ -63,15 +96,30 @@ bool locate_and_map(Context& ctx, Sink& sink, bool populate) {
     sink.add(make_finding("FILE_MISSING", ctx, id, std::string(kSuffix[id]) + " is missing; a shard is all five "
                           "files (.bin .idx .loss.bin .seq.idx .seq.bin)"));
   }
-  if (missing) return false;
-  for (int id = 0; id < kFileCount; ++id) {
-    std::string why;
-    if (!ctx.file[id].map(ctx.path[id], populate, &why)) {
+  return missing ? Located::kDone : Located::kOk;
+}
+
+}  // namespace
+
+bool locate_and_map(Context& ctx, Sink& sink, bool populate) {
+  unsigned pause = kOpenFirstPauseUs;
+  for (int attempt = 1;; ++attempt) {
+    const bool last = attempt == kOpenAttempts;
+    Located r = stat_files(ctx, sink);
+    if (r == Located::kOk) r = classify(ctx, sink, last);
+    if (r == Located::kOk) r = map_generation(ctx, sink, populate);
+    if (r == Located::kOk) return true;
+    if (r == Located::kDone) return false;
+    for (MappedFile& f : ctx.file) f = MappedFile();
+    if (last) {
       sink.unreadable = true;
-      sink.add(make_finding("FILE_UNREADABLE", ctx, id, "cannot open or map: " + why));
+      sink.add(make_finding("FILE_UNREADABLE", ctx, -1, "the shard was replaced while it was being opened, " +
+                            to_str(uint64_t(kOpenAttempts)) + " times; open it again once the replacement is done"));
+      return false;
     }
+    ::usleep(pause);
+    pause = pause * 2 < kOpenMaxPauseUs ? pause * 2 : kOpenMaxPauseUs;
   }
-  return !sink.unreadable;
 }
 
 // ---------------------------------------------------------------- P.idx
@@ -167,6 +215,13 @@ bool seq_fields_valid(const Context& ctx, const SeqIdxHeader& h, Sink& sink) {
   }
   if (h.pack_count == 0)
     bad("SEQ_IDX_BAD_HEADER", "a shard holds at least one pack", {"pack_count", ">= 1", "0"}, kSeqOffPackCount);
+  const struct { const char* name; uint64_t value; size_t off; } counts[] = {
+      {"pack_count", h.pack_count, kSeqOffPackCount}, {"sequence_count", h.sequence_count, kSeqOffSeqCount},
+      {"token_count", h.token_count, kSeqOffTokenCount}};
+  for (const auto& c : counts)
+    if (c.value > kMaxCount)
+      bad("SEQ_IDX_BAD_HEADER", "a count exceeds the format's limit",
+          {c.name, "<= " + to_str(kMaxCount), to_str(c.value)}, c.off);
   if (h.sequence_count < h.pack_count)
     bad("SEQ_IDX_BAD_HEADER", "fewer sequences than packs (every pack holds at least one)",
         {"sequence_count", ">= " + to_str(h.pack_count), to_str(h.sequence_count)}, kSeqOffSeqCount);

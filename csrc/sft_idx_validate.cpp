@@ -211,7 +211,8 @@ void check_idx_arrays(Context& ctx, Sink& sink) {
                           {"sequence_pointers[-1] + sequence_lengths[-1] * itemsize", to_str(expected),
                            to_str(ctx.f(kBin).size())}, -1, n ? int64_t(n - 1) : -1));
   }
-  ctx.pointers_ok = chain_ok && check_document_indices(ctx, sink);
+  const bool docs_ok = check_document_indices(ctx, sink);  // reported even after a chain finding
+  ctx.pointers_ok = chain_ok && docs_ok;
 }
 
 // ---------------------------------------------------------------- CSR offsets

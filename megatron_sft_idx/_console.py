@@ -35,6 +35,10 @@ TOOLS = {
     "repack-sft": Tool("megatron_sft_idx.preprocess.repack:main", "preprocess", ("tqdm",)),
     "check-idx": Tool("megatron_sft_idx.gate.cli:main", None, ()),
     "write-sft-manifest": Tool("megatron_sft_idx.training.manifest_cli:main", None, ()),
+    # The shard tools need the core only; --to parquet, --sql and --plot check the 'tools' extra where used.
+    "merge-shards": Tool("megatron_sft_idx.tools.merge_cli:main", None, ()),
+    "convert-packed": Tool("megatron_sft_idx.tools.convert_cli:main", None, ()),
+    "inspect-idx": Tool("megatron_sft_idx.tools.inspect_cli:main", None, ()),
 }
 
 

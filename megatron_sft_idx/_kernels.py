@@ -6,6 +6,15 @@ Kernels never raise: they return a rule number (:class:`format.Rule`) and a
 position, and the Python caller turns that into the project's error with the
 file, pack and field named. Importing this module is what imports numba; the
 reader imports it only when asked to validate.
+
+A kernel's answer must depend on its arguments' values only, never on which
+specialisation an earlier call compiled: numba types a Python int as int64, or
+as uint64 when it does not fit, and reuses an existing int64 specialisation for
+a later uint64 argument (or raises OverflowError converting it). So every public
+kernel is a thin Python wrapper that passes each scalar as an ``np.int64`` (the
+format's limits keep every value in range; ``np.int64`` raises OverflowError
+rather than wrap if a caller ever passes one that is not). Arrays are typed by
+their dtype, which the bytes determine.
 """
 
 from __future__ import annotations
@@ -34,10 +43,11 @@ N_RULES = len(Rule)
 _INT64_MAX = np.iinfo(np.int64).max
 
 _jit = numba.njit(cache=True, nogil=True)
+_i64 = np.int64
 
 
 @_jit
-def exclusive_cumsum(values, scale, start):
+def _exclusive_cumsum(values, scale, start):
     """``out[i] = start + scale * sum(values[:i])`` in int64, plus the running end (int32 values).
 
     Returns ``(out, end, bad)`` where ``bad`` is the first index whose value is
@@ -57,6 +67,11 @@ def exclusive_cumsum(values, scale, start):
             return out, acc, i
         acc += step
     return out, acc, -1
+
+
+def exclusive_cumsum(values, scale, start):
+    """See ``_exclusive_cumsum``; scalars always reach numba as int64."""
+    return _exclusive_cumsum(values, _i64(scale), _i64(start))
 
 
 @_jit
@@ -152,7 +167,7 @@ def _check_layout(n_tokens, loss, starts, pack_size, pad_mult, pad_offset):
 
 
 @_jit
-def check_pack(ids, loss, starts, pack_size, dtype_max, vocab_size, pad_mult, pad_offset=0):
+def _check_pack(ids, loss, starts, pack_size, dtype_max, vocab_size, pad_mult, pad_offset):
     """All invariants of one pack. Returns ``(rule, position, max_seqlen, min_seqlen, loss_sum)``."""
     result = _check_layout(ids.shape[0], loss, starts, pack_size, pad_mult, pad_offset)
     if result[0] != _OK:
@@ -161,6 +176,12 @@ def check_pack(ids, loss, starts, pack_size, dtype_max, vocab_size, pad_mult, pa
     if rule != _OK:
         return rule, pos, 0, 0, 0
     return result
+
+
+def check_pack(ids, loss, starts, pack_size, dtype_max, vocab_size, pad_mult, pad_offset=0):
+    """See ``_check_pack``; scalars always reach numba as int64."""
+    return _check_pack(ids, loss, starts, _i64(pack_size), _i64(dtype_max), _i64(vocab_size), _i64(pad_mult),
+                       _i64(pad_offset))
 
 
 @_jit
@@ -175,9 +196,9 @@ def max_token(ids):
 
 
 @_jit
-def scan_packs(lengths, token_offsets, seq_offsets, tokens, loss, starts,
-               pack_size, dtype_max, vocab_size, pad_mult, first, last,
-               max_findings, out_rule, out_pack, out_pos, rule_counts, pad_offset=0):
+def _scan_packs(lengths, token_offsets, seq_offsets, tokens, loss, starts,
+                pack_size, dtype_max, vocab_size, pad_mult, first, last,
+                max_findings, out_rule, out_pack, out_pos, rule_counts, pad_offset):
     """Check packs ``[first, last)`` of a whole shard.
 
     ``token_offsets[i]`` is pack i's first element in ``tokens``/``loss`` (already
@@ -226,8 +247,16 @@ def scan_packs(lengths, token_offsets, seq_offsets, tokens, loss, starts,
     return n_rec, max_seqlen, min_seqlen, loss_sum, max_samples, min_packed, max_packed
 
 
+def scan_packs(lengths, token_offsets, seq_offsets, tokens, loss, starts, pack_size, dtype_max, vocab_size,
+               pad_mult, first, last, max_findings, out_rule, out_pack, out_pos, rule_counts, pad_offset=0):
+    """See ``_scan_packs``; scalars always reach numba as int64."""
+    return _scan_packs(lengths, token_offsets, seq_offsets, tokens, loss, starts, _i64(pack_size),
+                       _i64(dtype_max), _i64(vocab_size), _i64(pad_mult), _i64(first), _i64(last),
+                       _i64(max_findings), out_rule, out_pack, out_pos, rule_counts, _i64(pad_offset))
+
+
 @_jit
-def first_pointer_mismatch(lengths, pointers, itemsize, limit):
+def _first_pointer_mismatch(lengths, pointers, itemsize, limit):
     """Structural check of an ``.idx``: pointers must be the exclusive cumsum of
     lengths × itemsize, starting at 0, every pack inside ``limit`` bytes.
 
@@ -247,8 +276,13 @@ def first_pointer_mismatch(lengths, pointers, itemsize, limit):
     return -1, 0
 
 
+def first_pointer_mismatch(lengths, pointers, itemsize, limit):
+    """See ``_first_pointer_mismatch``; scalars always reach numba as int64."""
+    return _first_pointer_mismatch(lengths, pointers, _i64(itemsize), _i64(limit))
+
+
 @_jit
-def first_offset_mismatch(offsets, total):
+def _first_offset_mismatch(offsets, total):
     """CSR offsets: [0] == 0, strictly increasing, last == total. Returns first bad index or -1."""
     if offsets.shape[0] == 0 or offsets[0] != 0:
         return 0
@@ -260,11 +294,16 @@ def first_offset_mismatch(offsets, total):
     return -1
 
 
+def first_offset_mismatch(offsets, total):
+    """See ``_first_offset_mismatch``; scalars always reach numba as int64."""
+    return _first_offset_mismatch(offsets, _i64(total))
+
+
 # ---- gate kernels (used by megatron_sft_idx.gate; appended, the kernels above are unchanged)
 
 
 @_jit
-def first_document_mismatch(documents, n_sequences, one_per_sequence):
+def _first_document_mismatch(documents, n_sequences, one_per_sequence):
     """``document_indices``: [0] == 0, non-decreasing, last == ``n_sequences``.
 
     With ``one_per_sequence`` (SFT shards: one document per pack) every entry
@@ -284,8 +323,13 @@ def first_document_mismatch(documents, n_sequences, one_per_sequence):
     return -1
 
 
+def first_document_mismatch(documents, n_sequences, one_per_sequence):
+    """See ``_first_document_mismatch``; scalars always reach numba as int64."""
+    return _first_document_mismatch(documents, _i64(n_sequences), bool(one_per_sequence))
+
+
 @_jit
-def zero_loss_packs(lengths, token_offsets, loss, max_out, out):
+def _zero_loss_packs(lengths, token_offsets, loss, max_out, out):
     """Packs whose loss mask is all zero (nothing to train on).
 
     Stops reading a pack at its first non-zero value, so a normal shard costs
@@ -308,7 +352,42 @@ def zero_loss_packs(lengths, token_offsets, loss, max_out, out):
     return count
 
 
+def zero_loss_packs(lengths, token_offsets, loss, max_out, out):
+    """See ``_zero_loss_packs``; scalars always reach numba as int64."""
+    return _zero_loss_packs(lengths, token_offsets, loss, _i64(max_out), out)
+
+
 @_jit
-def first_bad_token(ids, dtype_max, vocab_size):
+def _first_bad_token(ids, dtype_max, vocab_size):
     """Token range of a whole ``.bin`` (pretrain shards): ``(rule, position)`` or ``(OK, -1)``."""
     return _check_tokens(ids, dtype_max, vocab_size)
+
+
+def first_bad_token(ids, dtype_max, vocab_size):
+    """See ``_first_bad_token``; scalars always reach numba as int64."""
+    return _first_bad_token(ids, _i64(dtype_max), _i64(vocab_size))
+
+
+# ---- shard tools kernels (merge, inspect; appended)
+
+
+@_jit
+def sequence_lengths_of(lengths, seq_offsets, starts, out):
+    """Every sequence's length into ``out`` (``seq_offsets[-1] - seq_offsets[0]`` entries)."""
+    base = np.int64(seq_offsets[0])
+    for i in range(lengths.shape[0]):
+        s0 = np.int64(seq_offsets[i])
+        s1 = np.int64(seq_offsets[i + 1])
+        for k in range(s0, s1):
+            end = np.int64(starts[k + 1]) if k + 1 < s1 else np.int64(lengths[i])
+            out[k - base] = end - np.int64(starts[k])
+
+
+@_jit
+def segment_sums(values, offsets, out):
+    """``out[i] = sum(values[offsets[i]:offsets[i+1]])`` (e.g. trained positions per pack)."""
+    for i in range(out.shape[0]):
+        acc = np.int64(0)
+        for j in range(np.int64(offsets[i]), np.int64(offsets[i + 1])):
+            acc += values[j]
+        out[i] = acc

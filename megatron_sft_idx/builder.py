@@ -27,6 +27,7 @@ from .format import (
     BIN_SUFFIX,
     IDX_SUFFIX,
     LOSS_SUFFIX,
+    METADATA_FIELD_RANGES,
     METADATA_OFFSET,
     POINTER_DTYPE,
     PUBLISH_ORDER,
@@ -136,6 +137,20 @@ def _int_array(values, name: str, pack: int, allow_bool: bool = False) -> np.nda
     return np.ascontiguousarray(arr, dtype=np.int64)
 
 
+def _int_view(values, name: str, pack: int) -> np.ndarray:
+    """A 1-D integer array without converting its dtype (no copy for a contiguous one);
+    bools are viewed as uint8. The numba scan reads any integer dtype."""
+    arr = np.asarray(values)
+    if arr.dtype.kind == "b":
+        arr = arr.view(np.uint8)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise InvariantError(f"{name} must be a one-dimensional integer array", pack=pack, field=name,
+                             expected="1-D integers", actual=f"{arr.ndim}-D {arr.dtype}")
+    if arr.dtype == np.uint64:  # the kernels compare in int64
+        return _int_array(arr, name, pack)
+    return np.ascontiguousarray(arr)
+
+
 class IndexedDatasetBuilder:
     """Write one shard, streaming, and publish it atomically.
 
@@ -162,9 +177,11 @@ class IndexedDatasetBuilder:
         self.prefix = os.fspath(prefix)
         self.paths = ShardPaths.from_prefix(self.prefix)
         for name, value in (("pack_size", pack_size), ("vocab_size", vocab_size)):
+            low, high = METADATA_FIELD_RANGES[name]
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))
-                                      or value <= 0):
-                raise ShardError(f"{name} must be a positive integer or None", field=name, actual=value)
+                                      or not low <= value <= high):
+                raise ShardError(f"{name} must be an integer in {low}..{high} or None", field=name,
+                                 expected=f"{low}..{high}", actual=value)
         self.pack_size = None if pack_size is None else int(pack_size)
         self.vocab_size = None if vocab_size is None else int(vocab_size)
         self._user_metadata = split_user_metadata(metadata)
@@ -260,6 +277,52 @@ class IndexedDatasetBuilder:
         self._seq.write(starts.astype(_SEQ_NP))
         self._record(ids.size, starts.size, loss_sum, max_len, min_len)
         return index
+
+    def add_sequences(self, tokens, loss_mask, lengths) -> int:
+        """Append many one-sequence packs at once: pack i is ``tokens[o_i:o_i + lengths[i]]``
+        (``o`` the running sum of ``lengths``), its ``seq_start_id`` is ``[0]``. Same checks as
+        :meth:`add_packed` on every pack, in one numba pass. Returns the first new pack's index.
+
+        Raises:
+            InvariantError: naming the first bad pack; nothing of the batch is written.
+        """
+        self._require_open()
+        first = len(self._lengths)
+        lengths = np.ascontiguousarray(lengths, dtype=np.int64)
+        ids = _int_array(tokens, "input_ids", first)
+        loss = _int_array(loss_mask, "loss_mask", first, allow_bool=True)
+        n = lengths.size
+        if n == 0:
+            return first
+        offsets = np.zeros(n, dtype=np.int64)
+        np.cumsum(lengths[:-1], out=offsets[1:])
+        if int(offsets[-1] + lengths[-1]) != ids.size or ids.size != loss.size or int(lengths.min()) < 0:
+            raise ShardError("add_sequences: lengths do not add up to the token and loss arrays",
+                             path=self.prefix, field="lengths",
+                             actual=f"{int(lengths.sum())} vs {ids.size} tokens, {loss.size} loss values")
+        starts = np.zeros(n, dtype=np.int64)
+        out_rule, out_pack, out_pos = np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64)
+        counts = np.zeros(_kernels.N_RULES, np.int64)
+        rec, max_len, min_len, loss_sum, max_samples, min_packed, max_packed = _kernels.scan_packs(
+            lengths, offsets, np.arange(n + 1, dtype=np.int64), ids, loss, starts, self.pack_size or 0,
+            self._check_max, self.vocab_size or 0, self._pad_mult, 0, n, 1, out_rule, out_pack, out_pos, counts,
+            self._pad_offset)
+        if rec:
+            bad = int(out_pack[0])
+            a = int(offsets[bad])
+            piece = slice(a, a + int(lengths[bad]))
+            raise self._violation(Rule(int(out_rule[0])), first + bad, int(out_pos[0]), ids[piece], loss[piece],
+                                  starts[:1])
+        if self._auto_dtype and self.dtype == DType.uint16 and _kernels.max_token(ids) > UINT16_MAX:
+            self._widen_tokens()
+        self._bin.write(ids.astype(self._token_np))
+        self._loss.write(loss.astype(np.uint8))
+        self._seq.write(starts.astype(_SEQ_NP))
+        self._lengths.extend(lengths)
+        self._seq_counts.extend(np.ones(n, dtype=np.int64))
+        self._merge_stats(ids.size, n, int(loss_sum), int(max_len), int(min_len), int(max_samples),
+                          int(min_packed), int(max_packed), int(lengths.min()) - 1)
+        return first
 
     def _record(self, n_tokens: int, n_seq: int, loss_sum: int, max_len: int, min_len: int) -> None:
         self._lengths.append(n_tokens)
@@ -369,51 +432,77 @@ class IndexedDatasetBuilder:
         t0 = int(pointers[first]) // itemsize
         t1 = int(pointers[last - 1]) // itemsize + int(lengths[last - 1])
         s0, s1 = int(offsets[first]), int(offsets[last])
-        token_offsets = (np.asarray(pointers[first:last], dtype=np.int64) // itemsize) - t0
-        seq_off = np.asarray(offsets[first:last + 1], dtype=np.int64) - s0
-        chunk_lengths = np.asarray(lengths[first:last])
-        dtype_max = _INT32_MAX if self._auto_dtype else self._dtype_max(self.dtype)
-        out_rule = np.zeros(1, np.int64)
-        out_pack = np.zeros(1, np.int64)
-        out_pos = np.zeros(1, np.int64)
+        token_offsets = np.empty(last - first + 1, dtype=np.int64)
+        token_offsets[:-1] = np.asarray(pointers[first:last], dtype=np.int64) // itemsize - t0
+        token_offsets[-1] = t1 - t0
+        self.add_packs(tokens[t0:t1], loss[t0:t1], starts[s0:s1], token_offsets,
+                       np.asarray(offsets[first:last + 1], dtype=np.int64) - s0,
+                       source=src.prefix, first_pack=first,
+                       hint="this builder's pack_size/vocab_size/dtype/pad multiple is stricter "
+                            "than the source shard's")
+
+    def add_packs(self, input_ids, loss_mask, seq_start_id, token_offsets, seq_offsets, *,
+                  source: Optional[str] = None, first_pack: int = 0, hint: Optional[str] = None) -> int:
+        """Append a run of packs given as flat arrays: pack i is ``input_ids`` and ``loss_mask``
+        ``[token_offsets[i]:token_offsets[i+1]]`` and ``seq_start_id[seq_offsets[i]:seq_offsets[i+1]]``.
+
+        The vectorised twin of :meth:`add_packed` (converters feed it thousands of packs at
+        once): every invariant is checked in one numba pass before anything is written.
+        Returns the number of packs appended.
+
+        Raises:
+            InvariantError: a pack breaks a rule, named by ``first_pack`` + its index in the
+                run and by ``source`` (the input's path); nothing of the run is written.
+        """
+        self._require_open()
+        label = self.prefix if source is None else str(source)
+        token_offsets = np.ascontiguousarray(token_offsets, dtype=np.int64)
+        seq_offsets = np.ascontiguousarray(seq_offsets, dtype=np.int64)
+        tokens = _int_view(input_ids, "input_ids", first_pack)
+        loss = _int_view(loss_mask, "loss_mask", first_pack)
+        starts = _int_view(seq_start_id, "seq_start_id", first_pack)
+        n = token_offsets.size - 1
+        if (n < 1 or seq_offsets.size != n + 1 or token_offsets[0] != 0 or seq_offsets[0] != 0
+                or token_offsets[-1] != tokens.size or seq_offsets[-1] != starts.size or loss.size != tokens.size):
+            raise InvariantError("a run of packs needs n+1 offsets from 0 to the end of each array",
+                                 path=label, pack=first_pack, field="token_offsets/seq_offsets",
+                                 expected=f"[0 .. {tokens.size}] and [0 .. {starts.size}], equal lengths",
+                                 actual=f"{token_offsets.size} and {seq_offsets.size} offsets",
+                                 rule=Rule.LENGTH_MISMATCH.name if loss.size != tokens.size else None)
+        lengths = np.diff(token_offsets)
+        out_rule, out_pack, out_pos = np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64)
         counts = np.zeros(_kernels.N_RULES, np.int64)
-        chunk_tokens, chunk_loss, chunk_starts = tokens[t0:t1], loss[t0:t1], starts[s0:s1]
+        dtype_max = _INT32_MAX if self._auto_dtype else self._dtype_max(self.dtype)
         rec, max_len, min_len, loss_sum, max_samples, min_packed, max_packed = _kernels.scan_packs(
-            chunk_lengths, token_offsets, seq_off, chunk_tokens, chunk_loss, chunk_starts,
-            self.pack_size or 0, dtype_max, self.vocab_size or 0, self._pad_mult, 0, last - first,
-            1, out_rule, out_pack, out_pos, counts, self._pad_offset)
+            lengths, token_offsets, seq_offsets, tokens, loss, starts, self.pack_size or 0, dtype_max,
+            self.vocab_size or 0, self._pad_mult, 0, n, 1, out_rule, out_pack, out_pos, counts, self._pad_offset)
         if rec:
             rule = Rule(int(out_rule[0]))
-            raise InvariantError(f"source pack rejected: {rule.describe}", path=src.prefix,
-                                 pack=first + int(out_pack[0]), rule=rule.name,
-                                 hint="this builder's pack_size/vocab_size/dtype/pad multiple is stricter "
-                                      "than the source shard's")
-        if self._auto_dtype and self.dtype == DType.uint16 and _kernels.max_token(chunk_tokens) > UINT16_MAX:
+            raise InvariantError(f"source pack rejected: {rule.describe}", path=label,
+                                 pack=first_pack + int(out_pack[0]), rule=rule.name,
+                                 hint=hint or "fix the pack; the builder is still usable")
+        if self._auto_dtype and self.dtype == DType.uint16 and _kernels.max_token(tokens) > UINT16_MAX:
             self._widen_tokens()
-        for start in range(0, t1 - t0, _COPY_CHUNK):
-            self._bin.write(np.asarray(chunk_tokens[start:start + _COPY_CHUNK], dtype=self._token_np))
-        self._loss.write(np.ascontiguousarray(chunk_loss))
-        self._seq.write(np.ascontiguousarray(chunk_starts, dtype=_SEQ_NP))
-        self._lengths.extend(chunk_lengths)
-        self._seq_counts.extend(np.diff(seq_off))
-        self._merge_stats(t1 - t0, s1 - s0, int(loss_sum), int(max_len), int(min_len), int(max_samples),
-                          int(min_packed), int(max_packed),
-                          int((chunk_lengths.astype(np.int64) - np.diff(seq_off)).min()))
+        for start in range(0, tokens.size, _COPY_CHUNK):
+            self._bin.write(np.asarray(tokens[start:start + _COPY_CHUNK], dtype=self._token_np))
+        self._loss.write(np.ascontiguousarray(loss, dtype=np.uint8))
+        self._seq.write(np.ascontiguousarray(starts, dtype=_SEQ_NP))
+        counts = np.diff(seq_offsets)
+        self._lengths.extend(lengths)
+        self._seq_counts.extend(counts)
+        self._merge_stats(int(tokens.size), int(starts.size), int(loss_sum), int(max_len), int(min_len),
+                          int(max_samples), int(min_packed), int(max_packed), int((lengths - counts).min()))
+        return n
 
     # ------------------------------------------------------------------ finishing
 
     def _stats(self) -> PackingStats:
-        n = len(self._lengths)
-        efficiency = None
-        if self.pack_size:
-            efficiency = round(self._tokens / (n * self.pack_size), 6)
-        return PackingStats(
-            pack_count=n, sequence_count=self._sequences, token_count=self._tokens,
+        return PackingStats.from_counts(
+            pack_count=len(self._lengths), sequence_count=self._sequences, token_count=self._tokens,
             loss_token_count=self._loss_tokens, max_samples_per_bin=self._max_samples,
             dataset_max_seqlen=self._max_seqlen, min_seqlen=self._min_seqlen,
             min_packed_seqlen=self._min_packed, max_packed_seqlen=self._max_packed,
-            min_packed_runtime_len=self._min_runtime,
-            packing_factor=round(self._sequences / n, 6), packing_efficiency=efficiency)
+            min_packed_runtime_len=self._min_runtime, pack_size=self.pack_size)
 
     def _write_idx(self) -> FileDigest:
         n = len(self._lengths)
@@ -441,6 +530,7 @@ class IndexedDatasetBuilder:
     def _write_seq_idx(self, metadata: ShardMetadata) -> None:
         n = len(self._lengths)
         meta_bytes = metadata.encode()
+        ShardMetadata.decode(meta_bytes, path=self.paths.seq_idx)  # never write what a reader refuses
         header = SeqIdxHeader(token_dtype_code=int(self.dtype), pack_count=n,
                               sequence_count=self._sequences, token_count=self._tokens,
                               metadata_length=len(meta_bytes))

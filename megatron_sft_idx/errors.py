@@ -22,16 +22,23 @@ __all__ = [
     "ShardNotFoundError",
     "ShardExistsError",
     "IncompleteShardError",
+    "ShardChangedError",
     "SizeMismatchError",
     "TruncatedFileError",
     "HeaderError",
     "VersionError",
     "DTypeError",
     "MetadataError",
+    "MetadataLimitError",
     "ChecksumError",
     "InvariantError",
     "BuilderStateError",
     "InputError",
+    "IncompatibleShardsError",
+    "FormatError",
+    "QueryError",
+    "RemoteStorageError",
+    "ObjectChangedError",
     "OutputError",
 ]
 
@@ -117,6 +124,16 @@ class IncompleteShardError(ShardError):
     )
 
 
+class ShardChangedError(ShardError):
+    """The shard's files were replaced (or removed) while it was being opened, again and again.
+
+    A reader takes the five files of one generation or none: it retries a few times while a
+    replacement is under way and raises this when the files keep changing under it.
+    """
+
+    default_hint = "another process keeps replacing this shard; open it again once the replacement is done"
+
+
 class SizeMismatchError(ShardError):
     """A file's size disagrees with what a header or the metadata records."""
 
@@ -149,6 +166,15 @@ class MetadataError(ShardError):
     """The shard metadata (JSON in ``.seq.idx``) is unparsable, incomplete or contradictory."""
 
 
+class MetadataLimitError(MetadataError):
+    """The metadata exceeds one of the format's limits (docs/FORMAT.md "Limits"): nesting
+    depth, or a number no implementation can hold (an integer outside int64, a float that
+    overflows to infinity)."""
+
+    default_hint = ("a writer of this format never produces such metadata: the .seq.idx is corrupt "
+                    "or was written by another tool; rebuild the shard")
+
+
 class ChecksumError(ShardError):
     """A file's CRC-32 differs from the one recorded when the shard was written."""
 
@@ -170,6 +196,39 @@ class InputError(ShardError):
     key under which ``--skip-bad`` counts it."""
 
     default_hint = "fix or remove the record, or pass --skip-bad to skip and count such records"
+
+
+class IncompatibleShardsError(ShardError):
+    """Shards that cannot become one: their token dtypes, loss-mask conventions, pad
+    multiples, context-parallel layouts or tokenizers differ (``field`` names which)."""
+
+    default_hint = "merge only shards produced with the same settings, or re-run preprocessing"
+
+
+class FormatError(ShardError):
+    """An input is not in the format a tool expected, or in no format it recognises."""
+
+
+class QueryError(ShardError):
+    """A SQL query over shards failed to parse or run; the message is the engine's."""
+
+    default_hint = "query the table 'packs' (columns: pack, packed_len, num_sequences, trainable_tokens, " \
+                   "input_ids, loss_mask, seq_start_id, shard)"
+
+
+class RemoteStorageError(ShardError):
+    """Object storage (``s3://``, ``msc://``) refused or kept failing a request: retries were
+    exhausted, access was denied, or a response was malformed. ``path`` names the object."""
+
+    default_hint = ("check the endpoint and credentials (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, "
+                    "AWS_SECRET_ACCESS_KEY, AWS_REGION, or the MSC profile) and that the object exists")
+
+
+class ObjectChangedError(RemoteStorageError):
+    """A remote object was replaced after the shard was opened (its ETag or size changed):
+    reading on would mix two generations of the shard."""
+
+    default_hint = "the shard was re-uploaded while it was being read; reopen it"
 
 
 class OutputError(ShardError):

@@ -41,9 +41,9 @@ P.seq.bin     every pack's ``seq_start_id`` concatenated, int32
     13      1     u8     seq_dtype_code    == 4 (int32): dtype of P.seq.bin
     14      1     u8     loss_dtype_code   == 1 (uint8): dtype of P.loss.bin
     15      1     u8     flags             == 0 (reserved)
-    16      8     u64    pack_count        N == P.idx sequence_count
-    24      8     u64    sequence_count    S: values in P.seq.bin
-    32      8     u64    token_count       T: elements of P.bin == bytes of P.loss.bin
+    16      8     u64    pack_count        N == P.idx sequence_count; 1 <= N <= MAX_COUNT
+    24      8     u64    sequence_count    S: values in P.seq.bin; N <= S <= MAX_COUNT
+    32      8     u64    token_count       T: elements of P.bin == bytes of P.loss.bin; N <= T <= MAX_COUNT
     40      8     u64    metadata_length   L: bytes of UTF-8 JSON starting at offset 64
     48      8     u64    csr_offset        align64(64 + L); bytes in between are zero
     56      4     u32    body_crc32        CRC-32 of bytes [64, end of file)
@@ -57,6 +57,10 @@ Pack ``i`` is ``input_ids = P.bin[ptr_i / itemsize : + len_i]`` (``ptr_i`` =
 ``sequence_pointers[i]``), ``loss_mask = P.loss.bin[ptr_i / itemsize : + len_i]``,
 ``seq_start_id = P.seq.bin[seq_offsets[i] : seq_offsets[i+1]]``. Its invariants
 are the members of :class:`Rule`.
+
+The format's limits (metadata length, nesting depth, integer ranges) are the constants
+under "limits" below, stated in docs/FORMAT.md "Limits" and enforced by
+``metadata.parse_json`` / ``ShardMetadata.from_dict`` and by csrc/ alike.
 
 Checksums are CRC-32 (zlib / IEEE 802.3 polynomial, as ``zlib.crc32``) of whole
 files; the metadata records the size and CRC-32 of P.bin, P.idx, P.loss.bin and
@@ -160,6 +164,33 @@ LENGTH_DTYPE = np.dtype("<i4")
 UINT16_MAX = int(np.iinfo(np.uint16).max)
 INT32_MAX = int(np.iinfo(np.int32).max)
 
+# --------------------------------------------------------------------------- limits
+# The format's limits, stated in docs/FORMAT.md ("Limits") and enforced identically by
+# this package (here and in ``metadata.py``) and by the native implementation (``csrc/``).
+# Anything beyond them is refused with a named error before it reaches numba or C++.
+
+INT64_MIN = -(1 << 63)
+INT64_MAX = (1 << 63) - 1
+UINT32_MAX = (1 << 32) - 1
+#: Refuse absurd metadata before reading it (a corrupt length must not allocate GBs).
+MAX_METADATA_LENGTH = 16 << 20
+#: Containers (objects and arrays) nested in the metadata JSON, the top-level object being 1.
+MAX_METADATA_DEPTH = 64
+#: Upper bound of pack_count, sequence_count and token_count in a .seq.idx header, so that
+#: every byte size derived from a count (8 bytes per element at most) fits int64 with room.
+MAX_COUNT = 1 << 56
+#: Inclusive range of every JSON integer anywhere in the metadata (known key or not).
+METADATA_INT_RANGE = (INT64_MIN, INT64_MAX)
+#: Inclusive ranges of the metadata's integer fields (``stats.*`` is every statistic that is an int).
+METADATA_FIELD_RANGES = {
+    "pack_size": (1, INT32_MAX),
+    "vocab_size": (1, INT32_MAX),
+    "pad_seq_to_mult": (1, INT32_MAX),
+    "stats.*": (0, INT64_MAX),
+    "files.*.size": (0, INT64_MAX),
+    "files.*.crc32": (0, UINT32_MAX),
+}
+
 
 def choose_token_dtype(max_token_id: Optional[int]) -> DType:
     """uint16 when every id fits, else int32 (the reader trusts only the code)."""
@@ -253,8 +284,6 @@ SEQ_IDX_HEADER_SIZE = SEQ_IDX_HEADER.size  # 64
 #: The header CRC covers everything before itself.
 SEQ_IDX_HEADER_CRC_SPAN = SEQ_IDX_HEADER_SIZE - 4
 METADATA_OFFSET = SEQ_IDX_HEADER_SIZE
-#: Refuse absurd metadata before reading it (a corrupt length must not allocate GBs).
-MAX_METADATA_LENGTH = 16 << 20
 
 
 def align(n: int, to: int = ALIGNMENT) -> int:
@@ -347,15 +376,20 @@ class SeqIdxHeader:
         if npacks == 0:
             raise HeaderError("a shard holds at least one pack", path=path, field="pack_count",
                               expected=">= 1", actual=npacks)
-        if npacks > file_size:
-            raise TruncatedFileError("pack count cannot fit in the file", path=path,
-                                     field="pack_count", expected=f"<= {file_size}", actual=npacks)
+        for name, count in (("pack_count", npacks), ("sequence_count", nseq), ("token_count", ntok)):
+            if count > MAX_COUNT:
+                raise HeaderError(f"{name} exceeds the format's limit", path=path, field=name,
+                                  expected=f"<= {MAX_COUNT}", actual=count)
         if nseq < npacks:
             raise HeaderError("fewer sequences than packs (every pack holds at least one)",
                               path=path, field="sequence_count", expected=f">= {npacks}", actual=nseq)
         if ntok < npacks:
             raise HeaderError("fewer tokens than packs (every pack holds at least one)",
                               path=path, field="token_count", expected=f">= {npacks}", actual=ntok)
+        # Every field is valid on its own: only now compare with the file (as csrc/ does).
+        if npacks > file_size:
+            raise TruncatedFileError("pack count cannot fit in the file", path=path,
+                                     field="pack_count", expected=f"<= {file_size}", actual=npacks)
         header = cls(token_dtype_code=tcode, pack_count=npacks, sequence_count=nseq,
                      token_count=ntok, metadata_length=mlen, body_crc32=body_crc,
                      version_major=major, version_minor=minor, seq_dtype_code=scode,

@@ -25,17 +25,31 @@ extra                  no        anything the producer wants to keep
 =====================  ========  ====================================================
 
 Readers ignore keys they do not know (a newer minor version may add some);
-they refuse a missing required key or a value of the wrong type.
+they refuse a missing required key or a value of the wrong type. The whole document,
+known keys or not, stays within the format's limits (``format.py``, docs/FORMAT.md
+"Limits"): :func:`parse_json` is the one place the bytes become a JSON value, for the
+reader, the gate and the builder alike.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Mapping, Optional
 
-from .errors import MetadataError
-from .format import CHECKSUMMED_SUFFIXES, LOSS_MASK_CONVENTION, PAD_LAYOUT_STORED, PAD_LAYOUTS, TOKEN_DTYPES
+from .errors import MetadataError, MetadataLimitError
+from .format import (
+    CHECKSUMMED_SUFFIXES,
+    LOSS_MASK_CONVENTION,
+    MAX_METADATA_DEPTH,
+    MAX_METADATA_LENGTH,
+    METADATA_FIELD_RANGES,
+    METADATA_INT_RANGE,
+    PAD_LAYOUT_STORED,
+    PAD_LAYOUTS,
+    TOKEN_DTYPES,
+)
 
 FORMAT_NAME = "megatron_sft_idx"
 #: Keys the builder owns; a caller's ``metadata=`` may not set them.
@@ -71,10 +85,27 @@ class PackingStats:
     min_packed_runtime_len: Optional[int] = None  # min over packs of (packed_len - sequences); 1.1
 
     @classmethod
+    def from_counts(cls, *, pack_count: int, sequence_count: int, token_count: int, loss_token_count: int,
+                    max_samples_per_bin: int, dataset_max_seqlen: int, min_seqlen: int,
+                    min_packed_seqlen: int, max_packed_seqlen: int, min_packed_runtime_len: Optional[int],
+                    pack_size: Optional[int]) -> "PackingStats":
+        """The statistics with the two ratios derived (rounded to 6 places, as stored)."""
+        efficiency = round(token_count / (pack_count * pack_size), 6) if pack_size else None
+        return cls(pack_count=pack_count, sequence_count=sequence_count, token_count=token_count,
+                   loss_token_count=loss_token_count, max_samples_per_bin=max_samples_per_bin,
+                   dataset_max_seqlen=dataset_max_seqlen, min_seqlen=min_seqlen,
+                   min_packed_seqlen=min_packed_seqlen, max_packed_seqlen=max_packed_seqlen,
+                   packing_factor=round(sequence_count / pack_count, 6), packing_efficiency=efficiency,
+                   min_packed_runtime_len=min_packed_runtime_len)
+
+    @classmethod
     def from_dict(cls, raw: Mapping[str, Any], path: Optional[str] = None) -> "PackingStats":
         values = {}
         for name, kind in cls.__annotations__.items():
-            value = raw.get(name) if isinstance(raw, Mapping) else None
+            # Every key is required (null is not absence), but for the one format 1.1 added.
+            if not isinstance(raw, Mapping) or (name not in raw and name not in _NEW_IN_1_1):
+                raise MetadataError("packing statistic missing", path=path, field=f"stats.{name}", expected=kind)
+            value = raw.get(name)
             if name in _NULLABLE_STATS and value is None:
                 values[name] = None
                 continue
@@ -82,11 +113,15 @@ class PackingStats:
             if isinstance(value, bool) or not isinstance(value, expected):
                 raise MetadataError("packing statistic missing or of the wrong type", path=path,
                                     field=f"stats.{name}", expected=kind, actual=value)
+            if kind in ("int", "Optional[int]"):
+                _check_range(value, "stats.*", f"stats.{name}", path)
             values[name] = value
         return cls(**values)
 
 
 _NULLABLE_STATS = ("packing_efficiency", "min_packed_runtime_len")
+#: Statistics a format 1.0 shard does not have (read as None).
+_NEW_IN_1_1 = ("min_packed_runtime_len",)
 
 
 @dataclass(frozen=True)
@@ -148,13 +183,13 @@ class ShardMetadata:
 
     @classmethod
     def decode(cls, raw: bytes, path: Optional[str] = None) -> "ShardMetadata":
-        try:
-            obj = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
-        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-            raise MetadataError(f"metadata is not valid UTF-8 JSON ({exc.__class__.__name__}: {exc})",
-                                path=path, field="metadata",
-                                hint="the .seq.idx metadata block is corrupt or cut short; rebuild the shard") from None
-        return cls.from_dict(obj, path=path)
+        """Parse the metadata bytes of a ``.seq.idx`` (see :func:`parse_json` and :meth:`from_dict`).
+
+        Raises:
+            MetadataError: not UTF-8 JSON, a required key missing or of the wrong type or range;
+            MetadataLimitError (a MetadataError): beyond the format's limits.
+        """
+        return cls.from_dict(parse_json(raw, path), path=path)
 
     @classmethod
     def from_dict(cls, obj: Any, path: Optional[str] = None) -> "ShardMetadata":
@@ -171,31 +206,24 @@ class ShardMetadata:
             if isinstance(value, bool) and bool not in types or not isinstance(value, types):
                 raise MetadataError(f"metadata key '{key}' has the wrong type", path=path, field=key,
                                     expected=" or ".join(t.__name__ for t in types), actual=value)
+            if key in METADATA_FIELD_RANGES:
+                _check_range(value, key, key, path)
             return value
 
         if obj.get("format") != FORMAT_NAME:
             raise MetadataError("metadata does not declare this format", path=path, field="format",
                                 expected=FORMAT_NAME, actual=obj.get("format"))
         pack_size = need("pack_size", (int,), allow_none=True)
-        if pack_size is not None and pack_size <= 0:
-            raise MetadataError("pack_size must be positive", path=path, field="pack_size",
-                                expected="> 0", actual=pack_size)
         token_dtype = need("token_dtype", (str,))
         if token_dtype not in {d.name for d in TOKEN_DTYPES}:
             raise MetadataError("unknown token dtype", path=path, field="token_dtype",
                                 expected=[d.name for d in TOKEN_DTYPES], actual=token_dtype)
         vocab_size = need("vocab_size", (int,), allow_none=True)
-        if vocab_size is not None and vocab_size <= 0:
-            raise MetadataError("vocab_size must be positive", path=path, field="vocab_size",
-                                expected="> 0", actual=vocab_size)
         convention = need("loss_mask_convention", (str,))
         if convention != LOSS_MASK_CONVENTION:
             raise MetadataError("unknown loss-mask convention", path=path, field="loss_mask_convention",
                                 expected=LOSS_MASK_CONVENTION, actual=convention)
         pad = need("pad_seq_to_mult", (int,))
-        if pad < 1:
-            raise MetadataError("pad_seq_to_mult must be >= 1", path=path, field="pad_seq_to_mult",
-                                expected=">= 1", actual=pad)
         layout = obj.get("pad_layout", PAD_LAYOUT_STORED)  # absent in format 1.0
         if layout not in PAD_LAYOUTS:
             raise MetadataError("unknown padding layout", path=path, field="pad_layout",
@@ -209,6 +237,8 @@ class ShardMetadata:
                     or not _is_int(entry.get("crc32"))):
                 raise MetadataError(f"size/crc32 of '{suffix}' missing or malformed", path=path,
                                     field=f"files.{suffix}", actual=entry)
+            _check_range(entry["size"], "files.*.size", f"files.{suffix}.size", path)
+            _check_range(entry["crc32"], "files.*.crc32", f"files.{suffix}.crc32", path)
             files[suffix] = FileDigest(size=entry["size"], crc32=entry["crc32"])
         producer = need("producer", (dict,))
         optional = {}
@@ -226,12 +256,93 @@ class ShardMetadata:
                    extra=optional["extra"] or {})
 
 
+def _check_range(value: int, rule: str, key: str, path: Optional[str]) -> None:
+    low, high = METADATA_FIELD_RANGES[rule]
+    if not low <= value <= high:
+        raise MetadataError(f"metadata key '{key}' is out of range", path=path, field=key,
+                            expected=f"{low}..{high}", actual=value)
+
+
+# --------------------------------------------------------------------------- JSON within the limits
+
+#: Longest integer literal that can hold an int64 ("-9223372036854775808"): longer ones are
+#: refused by their length, never converted (int() of a long digit string is quadratic).
+_MAX_INT_LITERAL = len(str(METADATA_INT_RANGE[0]))
+
+
+class _OverLimit(Exception):
+    """Raised from inside json's number hooks; not a ValueError, so it is never taken for a syntax error."""
+
+
+def _parse_int(text: str) -> int:
+    if len(text) > _MAX_INT_LITERAL:
+        raise _OverLimit(f"an integer of {len(text.lstrip('-'))} digits is outside int64")
+    value = int(text)
+    if not METADATA_INT_RANGE[0] <= value <= METADATA_INT_RANGE[1]:
+        raise _OverLimit(f"the integer {value} is outside int64")
+    return value
+
+
+def _parse_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise _OverLimit(f"the number {text[:40]}{'...' if len(text) > 40 else ''} overflows a double")
+    return value
+
+
 def _refuse_constant(name: str):
     raise ValueError(f"{name} is not JSON (RFC 8259)")
 
 
+def _too_deep(obj: Any, limit: int) -> bool:
+    """Whether containers nest deeper than ``limit`` (the top-level container is depth 1)."""
+    stack = [(obj, 1)] if isinstance(obj, (dict, list)) else []
+    while stack:
+        value, depth = stack.pop()
+        if depth > limit:
+            return True
+        for child in (value.values() if isinstance(value, dict) else value):
+            if isinstance(child, (dict, list)):
+                stack.append((child, depth + 1))
+    return False
+
+
+def parse_json(raw: bytes, path: Optional[str] = None) -> Any:
+    """The metadata bytes as a JSON value, within the format's limits (docs/FORMAT.md "Limits").
+
+    Strict UTF-8 and RFC 8259 JSON (no ``NaN``/``Infinity``); at most ``MAX_METADATA_LENGTH``
+    bytes; containers nested at most ``MAX_METADATA_DEPTH`` deep; every integer within
+    int64 and every other number finite as a double -- anywhere in the document.
+
+    Raises:
+        MetadataError: not UTF-8, or not JSON.
+        MetadataLimitError: a limit is exceeded.
+    """
+    def limit(what: str) -> MetadataLimitError:
+        return MetadataLimitError(f"metadata exceeds the format's limits: {what}", path=path, field="metadata")
+
+    raw = bytes(raw)
+    if len(raw) > MAX_METADATA_LENGTH:
+        raise limit(f"{len(raw)} bytes, more than {MAX_METADATA_LENGTH}")
+    try:
+        obj = json.loads(raw.decode("utf-8"), parse_int=_parse_int, parse_float=_parse_float,
+                         parse_constant=_refuse_constant)
+    except _OverLimit as exc:
+        raise limit(str(exc)) from None
+    except RecursionError:
+        raise limit(f"containers nested deeper than {MAX_METADATA_DEPTH}") from None
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise MetadataError(f"metadata is not valid UTF-8 JSON ({exc.__class__.__name__}: {exc})",
+                            path=path, field="metadata",
+                            hint="the .seq.idx metadata block is corrupt or cut short; rebuild the shard") from None
+    # Fast path: fewer brackets in the bytes than the limit cannot nest deeper than it.
+    if raw.count(b"[") + raw.count(b"{") > MAX_METADATA_DEPTH and _too_deep(obj, MAX_METADATA_DEPTH):
+        raise limit(f"containers nested deeper than {MAX_METADATA_DEPTH}")
+    return obj
+
+
 def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def split_user_metadata(metadata: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
@@ -255,8 +366,9 @@ def split_user_metadata(metadata: Optional[Mapping[str, Any]]) -> Dict[str, Any]
     extra = dict(extra)
     for key, value in metadata.items():
         if key == "pad_seq_to_mult":
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise MetadataError("pad_seq_to_mult must be an int >= 1", field=key, actual=value)
+            low, high = METADATA_FIELD_RANGES[key]
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise MetadataError(f"pad_seq_to_mult must be an int in {low}..{high}", field=key, actual=value)
             known[key] = value
         elif key == "pad_layout":
             if value not in PAD_LAYOUTS:
@@ -270,4 +382,23 @@ def split_user_metadata(metadata: Optional[Mapping[str, Any]]) -> Dict[str, Any]
         elif key != "extra":
             extra[key] = value
     known["extra"] = extra
+    check_user_limits(known)
     return known
+
+
+def check_user_limits(known: Mapping[str, Any]) -> None:
+    """Refuse, when the builder is created, metadata a reader would refuse once written.
+
+    ``known`` holds keys that sit at the top level of the shard's metadata, so its
+    encoding nests exactly as deep as they will.
+
+    Raises:
+        MetadataError: not JSON-serialisable (e.g. NaN or an object), or beyond the limits.
+    """
+    try:
+        raw = json.dumps(dict(known), sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                         allow_nan=False).encode("utf-8")
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise MetadataError(f"metadata is not JSON-serialisable: {exc}", field="metadata",
+                            hint="pass only str/int/float/bool/None/list/dict values, finite floats") from None
+    parse_json(raw)

@@ -37,12 +37,14 @@ from .errors import (
     IncompleteShardError,
     InvariantError,
     MetadataError,
+    MetadataLimitError,
     ShardError,
     ShardNotFoundError,
     SizeMismatchError,
     TruncatedFileError,
     VersionError,
 )
+from .format import INT32_MAX
 
 ENV_VAR = "MEGATRON_SFT_IDX_NATIVE_LIB"
 ENABLE_VAR = "MEGATRON_SFT_IDX_NATIVE"
@@ -200,6 +202,7 @@ _ERROR_CLASSES: Tuple[Tuple[Tuple[str, ...], type], ...] = (
     (("_SIZE_MISMATCH", "PACK_COUNT_MISMATCH"), SizeMismatchError),
     (("_BAD_VERSION",), VersionError),
     (("_BAD_DTYPE", "DTYPE_MISMATCH"), DTypeError),
+    (("METADATA_LIMIT",), MetadataLimitError),
     (("METADATA_",), MetadataError),
     (("IDX_",), HeaderError),
     (("PACK_OUT_OF_BOUNDS",), InvariantError),
@@ -260,8 +263,8 @@ def validate(prefix, checksums: bool = True, vocab_size: Optional[int] = None, m
         NativeLibraryError: the library cannot be loaded.
         ValueError: ``vocab_size`` or ``max_findings`` is not positive.
     """
-    if vocab_size is not None and int(vocab_size) <= 0 or int(max_findings) <= 0:
-        raise ValueError("vocab_size and max_findings must be positive")
+    if vocab_size is not None and not 1 <= int(vocab_size) <= INT32_MAX or not 1 <= int(max_findings) <= INT32_MAX:
+        raise ValueError(f"vocab_size and max_findings must be in 1..{INT32_MAX}")
     lib = load_library(lib_path)
     prefix = os.fspath(prefix)
     handle = lib.sft_idx_validate(os.fsencode(prefix), int(bool(checksums)), int(vocab_size or 0),

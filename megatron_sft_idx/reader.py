@@ -1,10 +1,12 @@
 """Memory-mapped reader of shards: O(1) random access, nothing loaded at open.
 
-``MMapIndexedDataset(prefix)`` reads the fixed headers and the metadata,
-checks every size it can check without reading data (the five files against
-each other, the headers and the metadata), and maps the files only when a pack
-is first read. It pickles as its prefix, so each DataLoader worker and each
-rank maps the files itself. Example::
+``MMapIndexedDataset(prefix)`` opens the five files of one generation of the
+shard (``_files.open_generation``: never files of two generations, even while the
+shard is being replaced), reads the fixed headers and the metadata, checks every
+size it can check without reading data (the five files against each other, the
+headers and the metadata), and maps the files -- from the descriptors it opened,
+never by path again -- only when a pack is first read. It pickles as its prefix,
+so each DataLoader worker and each rank opens the files itself. Example::
 
     ds = MMapIndexedDataset("/data/train_000")
     pack = ds[17]              # Pack(input_ids, loss_mask, seq_start_id), read-only views
@@ -22,15 +24,16 @@ import mmap
 import operator
 import os
 import sys
+import threading
 from typing import NamedTuple, Optional
 
 import numpy as np
 
+from ._files import ShardFiles, open_generation
 from .errors import (
     IncompleteShardError,
     MetadataError,
     ShardError,
-    ShardNotFoundError,
     SizeMismatchError,
     TruncatedFileError,
     InvariantError,
@@ -56,6 +59,7 @@ from .format import (
     ShardPaths,
 )
 from .metadata import ShardMetadata
+from .storage._url import is_remote
 
 _READ_ONLY_ZERO = np.zeros(1, dtype=SEQ_DTYPE.numpy)
 #: ``tuple.__new__`` skips NamedTuple's Python-level constructor on the hot path.
@@ -121,48 +125,29 @@ def pack_index(idx, n: int, source: str) -> int:
     return i
 
 
-def _map(path: str, size: int) -> np.ndarray:
-    """Read-only uint8 map of a whole file (an empty array for an empty file)."""
-    if size == 0:
-        out = np.empty(0, dtype=np.uint8)
-        out.flags.writeable = False
-        return out
-    try:
-        return np.memmap(path, dtype=np.uint8, mode="r", shape=(size,))
-    except (OSError, ValueError) as exc:  # gone, not a file, or shrunk since open
-        raise ShardError(f"cannot map file: {exc}", path=path,
-                         hint="the file changed after the shard was opened; reopen it") from None
+def pack_indices(indices, n: int, source: str) -> np.ndarray:
+    """:func:`pack_index` for a sequence or array of indices, vectorised: int64 in ``[0, n)``.
+
+    Raises:
+        TypeError: not a 1-D sequence of integers; IndexError: an index out of range.
+    """
+    if isinstance(indices, range):
+        idx = np.arange(indices.start, indices.stop, indices.step, dtype=np.int64)
+    else:
+        idx = np.asarray(indices)
+        if idx.ndim != 1 or (idx.dtype.kind not in "iub" and idx.size):
+            raise TypeError(f"pack indices must be a 1-D integer sequence, not {idx.dtype} of shape {idx.shape}")
+        idx = idx.astype(np.int64)
+    if idx.size:
+        idx = np.where(idx < 0, idx + n, idx)
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < 0 or hi >= n:
+            raise IndexError(f"pack index {lo if lo < 0 else hi} out of range for {n} packs in {source}")
+    return idx
 
 
 def _view(buf: np.ndarray, dtype, count: int, offset: int) -> np.ndarray:
     return np.frombuffer(buf, dtype=dtype, count=count, offset=offset)
-
-
-class _Reader:
-    """One open file for the few small reads an open needs; OSErrors become ShardErrors."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        try:
-            self._fd = os.open(path, os.O_RDONLY)
-        except OSError as exc:
-            raise self._error(exc) from None
-
-    def read(self, size: int, offset: int) -> bytes:
-        try:
-            return os.pread(self._fd, size, offset)
-        except OSError as exc:  # a directory, an I/O error: name the file, not errno
-            raise self._error(exc) from None
-
-    def _error(self, exc: OSError) -> ShardError:
-        return ShardError(f"cannot read file: {exc.strerror or exc}", path=self.path,
-                          hint="check that the path is a readable regular file")
-
-    def __enter__(self) -> "_Reader":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        os.close(self._fd)
 
 
 class MMapIndexedDataset:
@@ -174,9 +159,16 @@ class MMapIndexedDataset:
             per pack; the promotion gate is the place for whole-shard checks).
 
     Raises:
-        ShardNotFoundError, IncompleteShardError, HeaderError, VersionError,
+        ShardNotFoundError, IncompleteShardError, ShardChangedError, HeaderError, VersionError,
         DTypeError, MetadataError, SizeMismatchError, TruncatedFileError.
     """
+
+    def __new__(cls, prefix=None, *args, **kwargs):
+        # An s3:// or msc:// prefix is served by the storage layer's subclass (same interface).
+        if cls is MMapIndexedDataset and is_remote(prefix):
+            from .storage.remote import RemoteIndexedDataset
+            cls = RemoteIndexedDataset
+        return super().__new__(cls)
 
     def __init__(self, prefix, *, check_packs: bool = False) -> None:
         if sys.byteorder != "little":
@@ -185,31 +177,30 @@ class MMapIndexedDataset:
         self.paths = ShardPaths.from_prefix(self.prefix)
         self.check_packs = check_packs
         self._tokens = None  # mapped lazily, on first access
+        self._hot = None     # everything the per-pack path reads, as one tuple (set by _map_files)
         self._mmaps: list = []
-        self._open_headers()
+        self._map_lock = threading.Lock()
+        self._files: Optional[ShardFiles] = self._open_files()
+        try:
+            self._open_headers()
+        except BaseException:
+            self._files.close()
+            raise
         self._itemsize = self.dtype.itemsize
         self._bin_size = self._sizes[BIN_SUFFIX]
         self._seq_count = 0 if self.is_pretrain else self.seq_header.sequence_count
 
     # ------------------------------------------------------------------ open
 
+    def _open_files(self) -> ShardFiles:
+        """Descriptors and sizes of one generation of the five files (storage hook: a remote
+        shard lists its objects and opens its verified local copies of the index files)."""
+        return open_generation(self.prefix, self.paths)
+
     def _open_headers(self) -> None:
-        sizes = {}
-        for suffix, path in self.paths.by_suffix().items():
-            try:
-                sizes[suffix] = os.stat(path).st_size
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                raise ShardError(f"cannot stat file: {exc.strerror}", path=path) from None
-        self._sizes = sizes
+        files = self._files
+        self._sizes = sizes = files.sizes
         companions = [s for s in SFT_SUFFIXES if s in sizes]
-        if IDX_SUFFIX not in sizes:
-            if not sizes:
-                raise ShardNotFoundError("no shard at this prefix (no .idx, .bin or SFT companions)",
-                                         path=self.prefix)
-            raise IncompleteShardError(f"{self.prefix}.idx is missing but {sorted(sizes)} exist",
-                                       path=self.paths.idx, field="files")
         if BIN_SUFFIX not in sizes:
             raise IncompleteShardError(".bin is missing", path=self.paths.bin, field="files")
         if companions and len(companions) != len(SFT_SUFFIXES):
@@ -219,12 +210,11 @@ class MMapIndexedDataset:
                 f"it as pretrain data", path=self.prefix + missing[0], field="files")
         self.is_pretrain = not companions
         allowed = READABLE_TOKEN_DTYPES if self.is_pretrain else TOKEN_DTYPES
-        with _Reader(self.paths.idx) as idx:
-            self.idx_header = IdxHeader.parse(idx.read(IDX_HEADER_SIZE, 0), self.paths.idx, sizes[IDX_SUFFIX],
-                                              allowed_dtypes=allowed)
-            self.dtype = self.idx_header.dtype
-            self._n = self.idx_header.sequence_count
-            bin_end = self._last_pack_end(idx)
+        self.idx_header = IdxHeader.parse(files.read(IDX_SUFFIX, IDX_HEADER_SIZE, 0), self.paths.idx,
+                                          sizes[IDX_SUFFIX], allowed_dtypes=allowed)
+        self.dtype = self.idx_header.dtype
+        self._n = self.idx_header.sequence_count
+        bin_end = self._last_pack_end(files)
         if self.is_pretrain:
             self._check_bin_end(bin_end)
             self.seq_header = None
@@ -232,10 +222,9 @@ class MMapIndexedDataset:
                 pack_size=None, token_dtype=self.dtype.name, vocab_size=None, stats=None, files={},
                 producer={}, loss_mask_convention="pretrain_all_ones", kind="pretrain")
             return
-        with _Reader(self.paths.seq_idx) as seq_idx:
-            self.seq_header = h = SeqIdxHeader.parse(seq_idx.read(SEQ_IDX_HEADER_SIZE, 0), self.paths.seq_idx,
-                                                     sizes[SEQ_IDX_SUFFIX])
-            meta_raw = seq_idx.read(h.metadata_length, METADATA_OFFSET)
+        self.seq_header = h = SeqIdxHeader.parse(files.read(SEQ_IDX_SUFFIX, SEQ_IDX_HEADER_SIZE, 0),
+                                                 self.paths.seq_idx, sizes[SEQ_IDX_SUFFIX])
+        meta_raw = files.read(SEQ_IDX_SUFFIX, h.metadata_length, METADATA_OFFSET)
         self.metadata = ShardMetadata.decode(meta_raw, path=self.paths.seq_idx)
         self._cross_check()  # sizes against headers and metadata first: the more precise finding
         self._check_bin_end(bin_end)
@@ -271,13 +260,14 @@ class MMapIndexedDataset:
             agree("file size disagrees with the size recorded in the metadata", path, "size",
                   m.files[suffix].size, actual, err)
 
-    def _last_pack_end(self, idx: _Reader) -> int:
+    def _last_pack_end(self, files: ShardFiles) -> int:
         """Byte offset where the last pack ends in .bin, from two index entries (0 without packs)."""
         n, ih = self._n, self.idx_header
         if n == 0:
             return 0
-        last_len = int.from_bytes(idx.read(4, ih.lengths_offset + 4 * (n - 1)), "little", signed=True)
-        last_ptr = int.from_bytes(idx.read(8, ih.pointers_offset + 8 * (n - 1)), "little", signed=True)
+        last_len = int.from_bytes(files.read(IDX_SUFFIX, 4, ih.lengths_offset + 4 * (n - 1)), "little", signed=True)
+        last_ptr = int.from_bytes(files.read(IDX_SUFFIX, 8, ih.pointers_offset + 8 * (n - 1)), "little",
+                                  signed=True)
         return last_ptr + last_len * self.dtype.itemsize
 
     def _check_bin_end(self, end: int) -> None:
@@ -295,29 +285,43 @@ class MMapIndexedDataset:
         three slices of them, which is cheaper than building three arrays from buffers."""
         if self._tokens is not None:
             return
-        ih, sizes = self.idx_header, self._sizes
-        idx = self._mapped(_map(self.paths.idx, sizes[IDX_SUFFIX]))
+        with self._map_lock:  # each descriptor is mapped once: threads racing to the first read wait
+            if self._tokens is None:
+                self._map_files()
+
+    def _map_files(self) -> None:
+        ih = self.idx_header
+        idx = self._mapped(IDX_SUFFIX)
         self._lengths = _view(idx, LENGTH_DTYPE, self._n, ih.lengths_offset)
         self._pointers = _view(idx, POINTER_DTYPE, self._n, ih.pointers_offset)
         self._documents = _view(idx, POINTER_DTYPE, ih.document_count, ih.document_indices_offset)
         # memoryviews index to Python ints several times faster than numpy scalars.
         self._len_mv = memoryview(self._lengths).cast("B").cast("i")
         self._ptr_mv = memoryview(self._pointers).cast("B").cast("q")
-        tokens = self._mapped(_map(self.paths.bin, sizes[BIN_SUFFIX]))
-        count = sizes[BIN_SUFFIX] // self._itemsize
-        if not self.is_pretrain:
+        tokens = self._data_array(BIN_SUFFIX, self.dtype.numpy, self._sizes[BIN_SUFFIX] // self._itemsize)
+        if self.is_pretrain:
+            self._off_mv = self._loss = self._starts = None
+        else:
             h = self.seq_header
-            self._offsets = _view(self._mapped(_map(self.paths.seq_idx, sizes[SEQ_IDX_SUFFIX])),
-                                  POINTER_DTYPE, self._n + 1, h.csr_offset)
+            self._offsets = _view(self._mapped(SEQ_IDX_SUFFIX), POINTER_DTYPE, self._n + 1, h.csr_offset)
             self._off_mv = memoryview(self._offsets).cast("B").cast("q")
-            self._loss = _view(self._mapped(_map(self.paths.loss_bin, sizes[LOSS_SUFFIX])), np.uint8,
-                               h.token_count, 0)
-            self._starts = _view(self._mapped(_map(self.paths.seq_bin, sizes[SEQ_BIN_SUFFIX])),
-                                 SEQ_DTYPE.numpy, h.sequence_count, 0)
-        self._tokens = _view(tokens, self.dtype.numpy, count, 0)  # set last: it marks "mapped"
+            self._loss = self._data_array(LOSS_SUFFIX, np.uint8, h.token_count)
+            self._starts = self._data_array(SEQ_BIN_SUFFIX, SEQ_DTYPE.numpy, h.sequence_count)
+        self._files.close()  # every map holds its own descriptor now
+        # The per-pack path unpacks this one tuple instead of reading nine attributes.
+        self._hot = (self._len_mv, self._ptr_mv, self._off_mv, tokens, self._loss, self._starts,
+                     self._itemsize, self._bin_size, self._seq_count)
+        self._tokens = tokens  # set last: it marks "mapped"
 
-    def _mapped(self, buf: np.ndarray) -> np.ndarray:
-        self._mmaps.append(buf)
+    def _data_array(self, suffix: str, dtype, count: int):
+        """Typed whole-file array of a data file (storage hook: remote shards fetch blocks)."""
+        return _view(self._mapped(suffix), dtype, count, 0)
+
+    def _mapped(self, suffix: str) -> np.ndarray:
+        """Map a file from the descriptor opened with its generation (never by path)."""
+        buf, mm = self._files.map(suffix)
+        if mm is not None:
+            self._mmaps.append(mm)
         return buf
 
     def advise(self, advice: int) -> None:
@@ -325,10 +329,9 @@ class MMapIndexedDataset:
         platform lacks ``madvise``. E.g. ``mmap.MADV_RANDOM`` for scattered reads: no
         read-ahead and no fault-around, so each read maps only the pages it touches."""
         self._ensure_maps()
-        for buf in self._mmaps:
-            raw = getattr(buf, "_mmap", None)  # np.memmap keeps its mmap.mmap here
-            if raw is not None and hasattr(raw, "madvise"):
-                raw.madvise(advice)
+        for mm in self._mmaps:
+            if hasattr(mm, "madvise"):
+                mm.madvise(advice)
 
     def release_pages(self) -> None:
         """Drop this process's resident pages of the mapped files (``MADV_DONTNEED``).
@@ -346,44 +349,96 @@ class MMapIndexedDataset:
         return self._n
 
     def __getitem__(self, idx):
-        if isinstance(idx, slice):
-            start, stop, step = idx.indices(self._n)
-            if step != 1:
-                raise ValueError("slices of a shard must be contiguous (step 1)")
-            return [self._pack(i) for i in range(start, stop)]
-        return self._pack(idx)
+        # The hot path of training: every line here costs time per sample (see bench.compare).
+        if idx.__class__ is not int or idx < 0 or idx >= self._n:
+            if isinstance(idx, slice):
+                start, stop, step = idx.indices(self._n)
+                if step != 1:
+                    raise ValueError("slices of a shard must be contiguous (step 1)")
+                return self.get_many(range(start, stop))
+            idx = pack_index(idx, self._n, self.prefix)
+        hot = self._hot
+        if hot is None:
+            self._ensure_maps()
+            hot = self._hot
+        len_mv, ptr_mv, off_mv, tokens, loss, starts, itemsize, bin_size, seq_count = hot
+        length = len_mv[idx]
+        ptr = ptr_mv[idx]
+        # Untrusted numbers: a corrupt index must become our error, never a numpy traceback
+        # or a silently short slice.
+        if length <= 0 or ptr < 0 or ptr % itemsize or ptr + length * itemsize > bin_size:
+            raise self._corrupt_pointer(idx, ptr, length)
+        t0 = ptr // itemsize
+        t1 = t0 + length
+        if off_mv is None:  # pretrain data: one sequence per pack, a loss mask of ones
+            return _new_pack(Pack, (tokens[t0:t1], self._ones(length), _READ_ONLY_ZERO))
+        s0 = off_mv[idx]
+        s1 = off_mv[idx + 1]
+        if s0 < 0 or s1 <= s0 or s1 > seq_count:
+            raise self._corrupt_offsets(idx, s0, s1)
+        pack = _new_pack(Pack, (tokens[t0:t1], loss[t0:t1], starts[s0:s1]))
+        if self.check_packs:
+            self._check_pack(idx, pack)
+        return pack
+
+    _pack = __getitem__
+
+    def get_many(self, indices) -> list:
+        """Packs ``indices`` (any integer sequence or array), as a list of :class:`Pack`.
+
+        One vectorised lookup and check of every index, pointer and offset, then three
+        slices per pack; a remote shard first fetches every block the packs need with
+        parallel requests. For collates and samplers that take a batch at a time.
+
+        Raises:
+            IndexError, TypeError: an index is out of range or not an integer.
+            InvariantError: an index entry of the shard is corrupt.
+        """
+        idx = pack_indices(indices, self._n, self.prefix)
+        if self._hot is None:
+            self._ensure_maps()
+        lengths = self._lengths[idx].astype(np.int64)
+        ptrs = self._pointers[idx]
+        itemsize = self._itemsize
+        bad = (lengths <= 0) | (ptrs < 0) | (ptrs % itemsize != 0) | (ptrs + lengths * itemsize > self._bin_size)
+        if bad.any():
+            k = int(np.argmax(bad))
+            raise self._corrupt_pointer(int(idx[k]), int(ptrs[k]), int(lengths[k]))
+        t0 = ptrs // itemsize
+        t1 = (t0 + lengths).tolist()
+        t0 = t0.tolist()
+        if self.is_pretrain:
+            tokens, = self._gather(((self._tokens, t0, t1),))
+            return [_new_pack(Pack, (ids, self._ones(ids.shape[0]), _READ_ONLY_ZERO)) for ids in tokens]
+        s0, s1 = self._offsets[idx], self._offsets[idx + 1]
+        bad = (s0 < 0) | (s1 <= s0) | (s1 > self._seq_count)
+        if bad.any():
+            k = int(np.argmax(bad))
+            raise self._corrupt_offsets(int(idx[k]), int(s0[k]), int(s1[k]))
+        packs = [_new_pack(Pack, parts) for parts in zip(*self._gather(
+            ((self._tokens, t0, t1), (self._loss, t0, t1), (self._starts, s0.tolist(), s1.tolist()))))]
+        if self.check_packs:
+            for i, pack in zip(idx.tolist(), packs):
+                self._check_pack(i, pack)
+        return packs
+
+    def _gather(self, parts) -> list:
+        """For each ``(array, starts, stops)``: the slices ``array[a:b]`` (storage hook: remote
+        shards fetch the blocks of every array at once, in parallel)."""
+        return [[array[a:b] for a, b in zip(starts, stops)] for array, starts, stops in parts]
+
+    def _corrupt_pointer(self, i: int, ptr: int, length: int) -> ShardError:
+        return self._corrupt(i, "sequence_pointers/sequence_lengths", "pointer/length fall outside .bin",
+                             f"<= {self._bin_size}", f"pointer {ptr}, length {length}")
+
+    def _corrupt_offsets(self, i: int, s0: int, s1: int) -> ShardError:
+        return self._corrupt(i, "seq_offsets", "CSR offsets are not increasing within .seq.bin",
+                             f"0 <= start < end <= {self._seq_count}", (s0, s1))
 
     def _corrupt(self, i: int, field: str, what: str, expected=None, actual=None) -> ShardError:
         return InvariantError(f"pack {i} is corrupt: {what}", path=self.prefix, pack=i, field=field,
                               expected=expected, actual=actual,
                               hint="run tools/check_idx.py on this shard and rebuild it")
-
-    def _pack(self, idx) -> Pack:
-        # The hot path of training: every line here costs time per sample (see bench.compare).
-        i = pack_index(idx, self._n, self.prefix)
-        if self._tokens is None:
-            self._ensure_maps()
-        length = self._len_mv[i]
-        ptr = self._ptr_mv[i]
-        itemsize = self._itemsize
-        # Untrusted numbers: a corrupt index must become our error, never a numpy traceback
-        # or a silently short slice.
-        if length <= 0 or ptr < 0 or ptr % itemsize or ptr + length * itemsize > self._bin_size:
-            raise self._corrupt(i, "sequence_pointers/sequence_lengths", "pointer/length fall outside .bin",
-                                f"<= {self._bin_size}", f"pointer {ptr}, length {length}")
-        t0 = ptr // itemsize
-        t1 = t0 + length
-        if self.is_pretrain:
-            return _new_pack(Pack, (self._tokens[t0:t1], self._ones(length), _READ_ONLY_ZERO))
-        s0 = self._off_mv[i]
-        s1 = self._off_mv[i + 1]
-        if s0 < 0 or s1 <= s0 or s1 > self._seq_count:
-            raise self._corrupt(i, "seq_offsets", "CSR offsets are not increasing within .seq.bin",
-                                f"0 <= start < end <= {self._seq_count}", (s0, s1))
-        pack = _new_pack(Pack, (self._tokens[t0:t1], self._loss[t0:t1], self._starts[s0:s1]))
-        if self.check_packs:
-            self._check_pack(i, pack)
-        return pack
 
     def _check_pack(self, i: int, pack: Pack) -> None:
         from . import _kernels
@@ -411,19 +466,25 @@ class MMapIndexedDataset:
 
         The window's ``seq_start_id`` is 0 followed by the starts that fall strictly
         inside it, shifted by ``-offset``, so the pack invariants hold for the window.
+        ``get(i)`` is ``self[i]``.
         """
-        pack = self._pack(idx)
-        n = pack.packed_len
+        pack = self[idx]
+        if offset == 0 and length is None:
+            return pack
+        n = pack.input_ids.shape[0]
         if length is None:
             length = n - offset
         if not (0 <= offset < n and 0 < length <= n - offset):
             raise IndexError(f"window [{offset}, {offset + length}) is outside pack {idx} of length {n}")
         starts = pack.seq_start_id
-        inside = starts[(starts > offset) & (starts < offset + length)] - offset
-        window_starts = np.concatenate(([0], inside)).astype(SEQ_DTYPE.numpy)
+        end = offset + length
+        lo = int(starts.searchsorted(offset, "right"))
+        hi = int(starts.searchsorted(end, "left"))
+        window_starts = np.empty(1 + max(hi - lo, 0), dtype=SEQ_DTYPE.numpy)
+        window_starts[0] = 0
+        np.subtract(starts[lo:hi], offset, out=window_starts[1:])
         window_starts.flags.writeable = False
-        return Pack(pack.input_ids[offset:offset + length], pack.loss_mask[offset:offset + length],
-                    window_starts)
+        return _new_pack(Pack, (pack.input_ids[offset:end], pack.loss_mask[offset:end], window_starts))
 
     # ------------------------------------------------------------------ upstream names
 
@@ -477,8 +538,11 @@ class MMapIndexedDataset:
 
     @staticmethod
     def exists(prefix) -> bool:
-        """True when ``prefix.idx`` and ``prefix.bin`` exist (upstream's test)."""
+        """True when ``prefix.idx`` and ``prefix.bin`` exist (upstream's test; URLs too)."""
         prefix = os.fspath(prefix)
+        if is_remote(prefix):
+            from .storage.remote import remote_shard_exists
+            return remote_shard_exists(prefix)
         return os.path.exists(prefix + IDX_SUFFIX) and os.path.exists(prefix + BIN_SUFFIX)
 
     # ------------------------------------------------------------------ pickling

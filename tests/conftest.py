@@ -13,6 +13,26 @@ def rng():
     return np.random.default_rng(1234)
 
 
+@pytest.fixture(scope="session")
+def native_lib(tmp_path_factory):
+    """Path of the native library (csrc/), built once per test session (per xdist worker).
+
+    g++ is part of this project's toolchain: a missing compiler fails the tests that need it.
+    """
+    import shutil
+    import subprocess
+
+    if shutil.which(os.environ.get("CXX", "g++")) is None:
+        pytest.fail("g++ is not installed: the native reader (csrc/) cannot be built. Install g++ "
+                    "(apt-get install -y g++ zlib1g-dev); it is part of this project's toolchain.")
+    out = tmp_path_factory.mktemp("native-session")
+    proc = subprocess.run(["bash", os.path.join(ROOT, "csrc", "build.sh"), str(out)], capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        pytest.fail(f"csrc/build.sh failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return str(out / "libsft_idx.so")
+
+
 # tests/compat/ imports the real megatron-core / Megatron-Bridge of one installed stack each;
 # tests/test_compat_stacks.py runs it once per stack in a subprocess with that stack on the path.
 if not os.environ.get("MEGATRON_SFT_IDX_STACK"):

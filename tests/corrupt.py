@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import struct
 import zlib
 
@@ -101,13 +102,13 @@ def reseal(prefix, header=None, metadata_bytes=None, edit=None, pad_byte=False):
     ``pad_byte`` leaves a nonzero byte in the padding before the CSR offsets.
     """
     path = prefix + ".seq.idx"
-    raw = open(path, "rb").read()
+    raw = pathlib.Path(path).read_bytes()
     fields = dict(zip(SEQ_IDX_FIELDS, SEQ_IDX_HEADER.unpack_from(raw)))
     csr = raw[fields["csr_offset"]:]
     if metadata_bytes is None:
         obj = json.loads(raw[METADATA_OFFSET:METADATA_OFFSET + fields["metadata_length"]])
         for suffix in CHECKSUMMED_SUFFIXES:
-            data = open(prefix + suffix, "rb").read()
+            data = pathlib.Path(prefix + suffix).read_bytes()
             obj["files"][suffix] = {"size": len(data), "crc32": zlib.crc32(data)}
         if edit:
             edit(obj)
@@ -175,7 +176,7 @@ def mutate(rng, prefix):
     """Apply one random mutation to one random file; return a description (or None if no-op)."""
     suffix = ALL_SUFFIXES[int(rng.integers(len(ALL_SUFFIXES)))]
     path = prefix + suffix
-    data = bytearray(open(path, "rb").read())
+    data = bytearray(pathlib.Path(path).read_bytes())
     before = bytes(data)
     kind = int(rng.integers(6))
     size = len(data)
@@ -210,3 +211,65 @@ def reader_raises_only_shard_errors(prefix):
             ds[i].seq_boundaries
     except ShardError:
         pass
+
+
+# --------------------------------------------------------------------------- a hostile corpus
+
+
+def with_metadata_value(prefix, key, text):
+    """Reseal ``prefix`` with top-level metadata ``key`` set to the raw JSON ``text``
+    (anything: ``1e999``, a 4000-digit integer, nesting 300 deep)."""
+    raw = pathlib.Path(prefix + ".seq.idx").read_bytes()
+    obj = json.loads(raw[METADATA_OFFSET:METADATA_OFFSET + seq_fields(prefix)["metadata_length"]])
+    obj[key] = "@@VALUE@@"
+    body = json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+    reseal(prefix, metadata_bytes=body.replace(b'"@@VALUE@@"', text.encode()))
+
+
+def _targeted(base_count):
+    """Corruptions aimed at integer and nesting limits and at the pack invariants."""
+    deep = lambda n: "[" * n + "]" * n  # noqa: E731
+    return [
+        ("seq-count-max", lambda p: reseal(p, header={"sequence_count": 1 << 56})),
+        ("seq-count-huge", lambda p: reseal(p, header={"sequence_count": 2 ** 64 - 1})),
+        ("token-count-huge", lambda p: reseal(p, header={"token_count": 2 ** 63})),
+        ("pack-count-huge", lambda p: reseal(p, header={"pack_count": (1 << 56) + 1})),
+        ("seq-count-plus-one", lambda p: reseal(p, header={"sequence_count": base_count + 1})),
+        ("vocab-2^70", lambda p: with_metadata_value(p, "vocab_size", str(2 ** 70))),
+        ("vocab-int64-max", lambda p: with_metadata_value(p, "vocab_size", str(2 ** 63 - 1))),
+        ("pack-size-2^64", lambda p: with_metadata_value(p, "pack_size", str(2 ** 64))),
+        ("pad-2^63", lambda p: with_metadata_value(p, "pad_seq_to_mult", str(2 ** 63))),
+        ("pad-4000-digits", lambda p: with_metadata_value(p, "pad_seq_to_mult", "9" * 4000)),
+        ("vocab-1e999", lambda p: with_metadata_value(p, "vocab_size", "1e999")),
+        ("nested-65", lambda p: with_metadata_value(p, "zz", deep(64))),
+        ("nested-300", lambda p: with_metadata_value(p, "zz", deep(300))),
+        ("nested-64", lambda p: with_metadata_value(p, "zz", deep(63))),
+        ("loss-two-sealed", lambda p: sealed(loss_two)(p, None)),
+        ("loss-on-last-sealed", lambda p: sealed(loss_on_last)(p, None)),
+        ("start-decreasing-sealed", lambda p: sealed(start_decreasing)(p, None)),
+        ("first-start-sealed", lambda p: sealed(first_start)(p, None)),
+    ]
+
+
+def hostile_corpus(directory, bases, seed, mutations_per_base=4, targeted=None):
+    """Copies of each base shard (``{name: prefix}``, each with >= 10 packs and a pack of 3+
+    sequences): pristine, every targeted corruption (only for the bases named in
+    ``targeted``, default all), and ``mutations_per_base`` random mutations (seeded).
+    Returns ``[(name, prefix)]``."""
+    import shutil
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for base_name, base in sorted(bases.items()):
+        count = seq_fields(base)["sequence_count"]
+        cases = [("pristine", lambda p: None)]
+        if targeted is None or base_name in targeted:
+            cases += _targeted(count)
+        cases += [(f"mutation-{k}", lambda p: mutate(rng, p)) for k in range(mutations_per_base)]
+        for name, corrupt in cases:
+            prefix = os.path.join(str(directory), f"{base_name}-{name}")
+            for suffix in ALL_SUFFIXES:
+                shutil.copyfile(base + suffix, prefix + suffix)
+            corrupt(prefix)
+            out.append((f"{base_name}/{name}", prefix))
+    return out

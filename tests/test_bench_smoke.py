@@ -129,6 +129,30 @@ def test_bad_arguments_exit_2(tmp_path):
     assert scale.main(["--sizes", "0", "--results-dir", str(tmp_path)]) == 2
 
 
+@pytest.mark.skipif(not HAVE_MEGATRON, reason="the upstream merge peer is the installed megatron-core")
+def test_merge_entry_point(tmp_path):
+    from bench import merge as bench_merge
+
+    rc = bench_merge.main(["--small-shards", "3", "--small-packs", "40", "--skip-large", "--templates", "2",
+                           "--results-dir", str(tmp_path), "--work", str(tmp_path / "work")])
+    assert rc == 0
+    row = json.loads((tmp_path / "merge.json").read_text())["rows"][0]
+    assert row["same_bin_and_idx"] is True and row["packs"] == 120
+    for system in ("ours", "upstream"):
+        assert {"seconds", "peak_rss_mb", "base_rss_mb", "peak_anon_mb"} <= set(row[system])
+    assert row["ours"]["gate_seconds"] > 0 and row["ours"]["packs"] == row["upstream"]["packs"] == 120
+
+
+def test_sql_entry_point(tmp_path):
+    from bench import sql as bench_sql
+
+    rc = bench_sql.main(["--packs", "30", "--pack-size", "256", "--repeats", "1", "--results-dir", str(tmp_path),
+                         "--work", str(tmp_path / "work")])
+    assert rc == 0
+    doc = json.loads((tmp_path / "sql.json").read_text())
+    assert len(doc["rows"]) == len(bench_sql.QUERIES) and all(r["same_result"] for r in doc["rows"])
+
+
 def test_plan_benchmark_entry_point(tmp_path, monkeypatch):
     from bench import plan
 

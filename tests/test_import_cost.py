@@ -14,8 +14,10 @@ ds = MMapIndexedDataset({GOLDEN!r})
 pack = ds[0]
 pack.seq_boundaries
 open_packed({GOLDEN!r})[1]
-heavy = sorted(m for m in ("numba", "llvmlite", "torch", "megatron", "pyarrow", "transformers")
-               if m in sys.modules)
+import megatron_sft_idx.storage  # URL support is there, its clients are not imported
+MMapIndexedDataset.exists({GOLDEN!r})
+heavy = sorted(m for m in ("numba", "llvmlite", "torch", "megatron", "pyarrow", "transformers",
+                           "boto3", "botocore", "multistorageclient") if m in sys.modules)
 print(",".join(heavy) or "none")
 """
 

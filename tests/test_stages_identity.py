@@ -1,6 +1,6 @@
 """Byte identity of preprocessing outputs, pinned against shards built by the pre-staged pipeline.
 
-``tests/golden/preprocess_digests.json`` was written by the single-process-tree pipeline that
+``tests/golden/stages_digests.json`` was written by the single-process-tree pipeline that
 the staged one replaced (main at 8013c3a, format 1.1 with ``pad_layout``; ``python
 tests/test_preprocess_identity.py --write`` run on that tree). Every case runs here through today's pipeline and must give the same bytes:
 the data files in full, and ``.seq.idx`` as its CSR bytes plus its metadata without the
@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 EXAMPLES = os.path.join(ROOT, "examples")
 TOKENIZER = os.path.join(EXAMPLES, "tokenizer")
-GOLDEN = os.path.join(ROOT, "tests", "golden", "preprocess_digests.json")
+GOLDEN = os.path.join(ROOT, "tests", "golden", "stages_digests.json")
 CHAT = ["in/conversations.jsonl", "in/conversations_sharegpt.jsonl"]
 
 CASES = {
@@ -140,5 +140,5 @@ def _write_golden() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:] != ["--write"]:
-        sys.exit("usage: python tests/test_preprocess_identity.py --write  (only from the legacy pipeline)")
+        sys.exit("usage: python tests/test_stages_identity.py --write  (only from the legacy pipeline)")
     _write_golden()

@@ -12,7 +12,9 @@ Every module defines:
   object with ``__len__`` and ``__getitem__`` giving the system's own record;
 - ``touch(record) -> tuple``: ``(length, sum ids, sum loss, sum starts)`` reading every
   value of the record, so lazy views are really read;
-- ``as_arrays(record) -> (ids, loss, starts)`` numpy copies (correctness checks only).
+- ``as_arrays(record) -> (ids, loss, starts)`` numpy copies (correctness checks only);
+- optionally ``get(reader, i)`` (a reader's own ``get`` method, fetch only) and
+  ``get_many(reader, indices) -> records`` (a batched fetch), measured where offered.
 """
 
 from importlib import import_module

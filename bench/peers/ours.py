@@ -61,3 +61,11 @@ def touch_tokens(pack):
 
 def as_arrays(pack):
     return np.array(pack.input_ids), np.array(pack.loss_mask), np.array(pack.seq_start_id)
+
+
+def get(reader, i):
+    return reader.get(i)
+
+
+def get_many(reader, indices):
+    return reader.get_many(indices)

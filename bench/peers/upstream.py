@@ -55,3 +55,7 @@ def touch_tokens(tokens):
 
 def as_arrays(tokens):
     return np.array(tokens), None, None
+
+
+def get(reader, i):
+    return reader.get(i)

@@ -8,7 +8,6 @@ input they need is untrustworthy.
 from __future__ import annotations
 
 import mmap
-import os
 from typing import Dict, Optional
 
 import numpy as np
@@ -141,7 +140,3 @@ class ShardContext:
 
     def close(self) -> None:
         self._maps.clear()
-
-    def identity(self, suffix: str) -> tuple:
-        st = os.stat(self.path(suffix))
-        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)

@@ -1,5 +1,8 @@
 """The gate's entry point: check shards, return a :class:`Report`, never raise for a bad shard.
 
+The numba passes (``content``) are imported on the first check, not with the package, so
+that ``check_idx`` handles its signals from the first second (importing numba takes one).
+
 Order of passes for one SFT shard (each skips itself, saying so, when an input
 it needs failed an earlier pass):
 
@@ -23,7 +26,9 @@ from dataclasses import asdict, dataclass
 from typing import Optional, Sequence, Union
 
 from ..errors import ShardError
-from . import content, structure
+from ..format import METADATA_FIELD_RANGES
+from ..storage import is_remote
+from . import structure
 from ._context import ShardContext, UnreadableFile
 from .discover import resolve_prefixes
 from .readback import read_back
@@ -66,8 +71,10 @@ def check(prefixes: Union[PathLike, Sequence[PathLike]], *, level: str = "standa
     """
     if level not in LEVELS:
         raise ValueError(f"level must be one of {LEVELS}, not {level!r}")
-    if vocab_size is not None and (isinstance(vocab_size, bool) or int(vocab_size) <= 0):
-        raise ValueError(f"vocab_size must be a positive integer, not {vocab_size!r}")
+    low, high = METADATA_FIELD_RANGES["vocab_size"]
+    if vocab_size is not None and (isinstance(vocab_size, bool) or not low <= int(vocab_size) <= high):
+        raise ValueError(f"vocab_size must be an integer in {low}..{high} (docs/FORMAT.md \"Limits\"), "
+                         f"not {vocab_size!r}")
     if int(workers) < 1 or int(sample) < 0:
         raise ValueError("workers must be >= 1 and sample >= 0")
     options = Options(level, None if vocab_size is None else int(vocab_size), bool(strict),
@@ -76,16 +83,28 @@ def check(prefixes: Union[PathLike, Sequence[PathLike]], *, level: str = "standa
     shards = resolve_prefixes(prefixes)
     if int(workers) > 1 and len(shards) > 1:
         ctx = multiprocessing.get_context("spawn")  # safe beside threads; each worker maps its own files
-        with futures.ProcessPoolExecutor(max_workers=min(int(workers), len(shards)), mp_context=ctx) as pool:
-            reports = list(pool.map(check_shard, shards, [options] * len(shards)))
+        # A Pool, not a ProcessPoolExecutor: leaving the block by an exception (Ctrl-C, SIGTERM
+        # turned into one by the CLI) terminates the workers instead of waiting for them.
+        with ctx.Pool(min(int(workers), len(shards)), initializer=_ignore_sigint) as pool:
+            reports = pool.starmap(check_shard, [(prefix, options) for prefix in shards])
     else:
         reports = [check_shard(prefix, options) for prefix in shards]
     return Report(shards=reports, level=level, options={**asdict(options), "workers": int(workers)},
                   seconds=time.perf_counter() - started)
 
 
+def _ignore_sigint() -> None:
+    """Pool workers leave Ctrl-C to the parent, which terminates them."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def check_shard(prefix: str, options: Options = Options()) -> ShardReport:
     """Every pass over one shard. Never raises: an unexpected exception becomes GATE_INTERNAL_ERROR."""
+    if is_remote(prefix):  # s3:// and msc://: the same passes over streamed bytes
+        from .remote import check_remote_shard
+        return check_remote_shard(prefix, options)
     started = time.perf_counter()
     report = ShardReport(prefix=prefix, level=options.level, strict=options.strict)
     ctx = ShardContext(prefix, report)
@@ -133,6 +152,8 @@ def _run(ctx: ShardContext, options: Options) -> None:
 
 
 def _run_arrays(ctx: ShardContext, vocab: Optional[int], options: Options) -> None:
+    from . import content
+
     report = ctx.report
     if ctx.idx_arrays_ok:
         content.check_idx_arrays(ctx)
@@ -164,11 +185,15 @@ def _start_checksums(ctx: ShardContext, options: Options):
     if ctx.metadata is None:
         ctx.add("CHECKSUMS_SKIPPED", "no readable metadata to compare CRC-32s with")
         return None
+    from . import content
+
     pool = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gate-crc")
     return pool, pool.submit(content.checksums, ctx)
 
 
 def _run_pretrain(ctx: ShardContext, options: Options) -> None:
+    from . import content
+
     report = ctx.report
     ctx.add("CHECKSUMS_SKIPPED", "pretrain shard: no metadata records checksums")
     vocab = structure.cross_check(ctx, options.vocab_size)

@@ -1,22 +1,64 @@
 """``check_idx``: the promotion gate's command line (also ``tools/check_idx.py``).
 
 Exit status: 0 every shard passed, 1 a shard failed (or its promotion did),
-2 usage error or unreadable input (no shard matched, a file cannot be read).
+2 usage error or unreadable input (no shard matched, a file cannot be read),
+130 / 143 interrupted by SIGINT / SIGTERM (a promotion under way is rolled back:
+its temporaries are removed and nothing that opens is left at the destination).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
 import sys
-from typing import List, Optional
+from typing import Iterator, List, Optional
 
 from ..errors import ShardError
+from ..format import METADATA_FIELD_RANGES
 from .checks import check
 from .promote import promote_report
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+EXIT_SIGINT, EXIT_SIGTERM = 128 + signal.SIGINT, 128 + signal.SIGTERM
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised like KeyboardInterrupt so that cleanup handlers run."""
+
+
+@contextlib.contextmanager
+def _signals_raise(received: List[int]) -> Iterator[None]:
+    """SIGINT raises KeyboardInterrupt and SIGTERM Terminated; both are also recorded in
+    ``received``, because an exception raised inside a C callback (numba's compiler calls
+    back into Python) is printed and dropped: the caller checks ``received`` at safe points."""
+    def handler(signum, frame):
+        received.append(signum)
+        raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated()
+
+    def unraisable(info):  # a dropped KeyboardInterrupt/Terminated is in `received`: no traceback
+        if not isinstance(info.exc_value, (KeyboardInterrupt, Terminated)):
+            previous_hook(info)
+
+    try:
+        old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    except ValueError:  # not the main thread: leave the signals alone
+        yield
+        return
+    previous_hook, sys.unraisablehook = sys.unraisablehook, unraisable
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous_hook
+        for sig, previous in old.items():
+            signal.signal(sig, previous)
+
+
+def _stop_if_signalled(received: List[int]) -> None:
+    if received:
+        raise KeyboardInterrupt() if received[0] == signal.SIGINT else Terminated()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--quiet", action="store_true", help="print only the overall verdict")
     p.add_argument("--verbose", action="store_true", help="also show info findings and the passes run")
     p.add_argument("--promote", metavar="DEST", default=None,
-                   help="after a pass, move the five files into directory DEST atomically (.idx last)")
+                   help="after a pass, move the five files into directory DEST atomically (.idx last); "
+                        "DEST may be s3://bucket/dir or msc://profile/dir (uploaded, .idx last)")
     p.add_argument("--link", action="store_true", help="with --promote: hard-link instead of moving")
     p.add_argument("--replace", action="store_true",
                    help="with --promote: replace a shard of the same name at DEST (its .idx goes first)")
@@ -65,14 +108,23 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.print_usage(sys.stderr)
         print(f"check_idx: error: {problem}", file=sys.stderr)
         return EXIT_USAGE
+    received: List[int] = []
     try:
-        report = check(args.prefixes, level=args.level, vocab_size=args.vocab_size, strict=args.strict,
-                       allow_pretrain=args.allow_pretrain, sample=args.sample, workers=args.workers)
+        with _signals_raise(received):
+            report = check(args.prefixes, level=args.level, vocab_size=args.vocab_size, strict=args.strict,
+                           allow_pretrain=args.allow_pretrain, sample=args.sample, workers=args.workers)
+            _stop_if_signalled(received)
+            if args.promote is not None and report.exit_code != EXIT_USAGE:
+                promote_report(report, args.promote, link=args.link, replace=args.replace)
+            _stop_if_signalled(received)
     except ShardError as exc:
         print(f"check_idx: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    if args.promote is not None and report.exit_code != EXIT_USAGE:
-        promote_report(report, args.promote, link=args.link, replace=args.replace)
+    except (KeyboardInterrupt, Terminated) as exc:
+        name = "SIGINT" if isinstance(exc, KeyboardInterrupt) else "SIGTERM"
+        print(f"check_idx: interrupted by {name}; each shard was promoted completely or not at all",
+              file=sys.stderr)
+        return EXIT_SIGINT if isinstance(exc, KeyboardInterrupt) else EXIT_SIGTERM
     if args.json:
         text = report.to_json()
     elif args.quiet:
@@ -93,8 +145,9 @@ def _usage_problem(args) -> Optional[str]:
         return "--workers must be >= 1"
     if args.sample < 0:
         return "--sample must be >= 0"
-    if args.vocab_size is not None and args.vocab_size <= 0:
-        return "--vocab-size must be positive"
+    low, high = METADATA_FIELD_RANGES["vocab_size"]
+    if args.vocab_size is not None and not low <= args.vocab_size <= high:
+        return f"--vocab-size must be in {low}..{high}"
     return None
 
 

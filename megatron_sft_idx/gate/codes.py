@@ -80,7 +80,10 @@ CODES: Dict[str, Code] = {
     "METADATA_UNPARSABLE": Code(ERROR, ".seq.idx", "the metadata is not valid UTF-8 JSON (cut short, "
                                 "overwritten)", _REBUILD),
     "METADATA_INVALID": Code(ERROR, ".seq.idx", "a required metadata key is missing or has the wrong type "
-                             "or value", _REBUILD),
+                             "or a value outside its range (docs/FORMAT.md \"Limits\")", _REBUILD),
+    "METADATA_LIMIT": Code(ERROR, ".seq.idx", "the metadata exceeds a limit of the format (docs/FORMAT.md "
+                           "\"Limits\": containers nested deeper than 64, an integer outside int64, a number "
+                           "that overflows a double)", _REBUILD),
     "METADATA_STATS_MISMATCH": Code(ERROR, ".seq.idx", "metadata statistics disagree with the header or "
                                     "with the statistics recomputed from the data (Megatron-Bridge's "
                                     "pad_cu_seqlens would use wrong values)", _REBUILD),

@@ -8,6 +8,7 @@ from typing import List, Optional, Sequence, Union
 
 from ..errors import ShardNotFoundError
 from ..format import ALL_SUFFIXES
+from ..storage import is_remote
 
 #: Longest first, so "x.seq.idx" is prefix "x", not "x.seq".
 _SUFFIXES = tuple(sorted(ALL_SUFFIXES, key=len, reverse=True))
@@ -40,6 +41,9 @@ def _in_directory(directory: str) -> List[str]:
 
 
 def _expand(arg: str) -> List[str]:
+    if is_remote(arg):
+        from ..storage.discover import expand_remote
+        return expand_remote(arg)
     if os.path.isdir(arg):
         return _in_directory(arg)
     if _is_prefix(arg):

@@ -3,16 +3,24 @@
 A shard that passed is moved (or hard-linked with ``link=True``) into a
 destination directory so that no reader ever opens a half-promoted shard:
 
-1. every file is placed under a temporary name beside its final name — a hard
-   link on the same filesystem (no data copied), else a copy that is fsynced;
+1. every file is placed under a temporary name beside its final name: the
+   ``.idx`` always as a fresh copy (readers tell generations apart by its inode,
+   see ``_files.py``), the others as a hard link on the same filesystem (no data
+   copied), else as a copy that is fsynced;
 2. when replacing, the old ``.idx`` is removed first (an old index can never
    pair with new data), then any old file the new shard lacks;
 3. the temporaries are renamed over the final names in publish order, ``.idx``
-   last, and the directory is fsynced (``_atomic.publish``, shared with the builder);
+   last, and the directory is fsynced (``_atomic.publish``, shared with the
+   builder, under the directory's lock);
 4. for a move, the source files are removed, ``.idx`` first.
 
 A crash before step 3 ends leaves no ``.idx`` at the destination, so nothing
 there opens; a crash in step 4 leaves a complete copy at both places.
+
+Symbolic links are resolved: the destination always receives regular files
+holding the content that was checked (a hard link to, or a copy of, the link's
+target); a move removes the source links, never their targets. A link that
+dangles, or whose target changed since the check, is refused.
 """
 
 from __future__ import annotations
@@ -22,7 +30,8 @@ import shutil
 from typing import Dict
 
 from .. import _atomic
-from ..errors import ShardError, ShardExistsError
+from ..errors import RemoteStorageError, ShardError, ShardExistsError
+from ..storage import is_remote
 from ..format import IDX_SUFFIX, PUBLISH_ORDER, ShardPaths
 from .report import Report, ShardReport, make_finding
 
@@ -35,8 +44,9 @@ def promote(shard: ShardReport, dest, *, link: bool = False, replace: bool = Fal
 
     Raises:
         ShardExistsError: a shard exists at the destination and ``replace`` is false.
-        ShardError: the shard did not pass, a file changed since it was checked, or ``link``
-            across filesystems -- all refused before anything is touched.
+        ShardError: the shard did not pass, a file changed (or a link's target vanished)
+            since it was checked, or ``link`` across filesystems -- all refused before
+            anything is published.
         OSError: an I/O failure while placing files (nothing that opens is left at ``dest``).
     """
     if not shard.passed:
@@ -54,8 +64,9 @@ def promote(shard: ShardReport, dest, *, link: bool = False, replace: bool = Fal
     if existing and not replace:
         raise ShardExistsError("a shard already exists at the destination", path=dest_prefix,
                                actual=[os.path.basename(p) for p in existing])
-    same_fs = os.stat(os.path.dirname(os.path.abspath(shard.prefix))).st_dev == os.stat(dest).st_dev
-    if link and not same_fs:
+    dest_dev = os.stat(dest).st_dev
+    same_fs = {s: shard.identity[s][0] == dest_dev for s in suffixes}
+    if link and not all(same_fs[s] for s in suffixes if s != IDX_SUFFIX):
         raise ShardError("--link needs the destination on the same filesystem as the shard",
                          path=dest, hint="promote without --link (the files are then copied)")
     _atomic.clear_stale_temporaries(final.values())
@@ -63,48 +74,75 @@ def promote(shard: ShardReport, dest, *, link: bool = False, replace: bool = Fal
     try:
         for suffix in suffixes:
             tmp[suffix] = _atomic.temporary_path(final[suffix])
-            _place(source[suffix], tmp[suffix], same_fs, link, shard.files[suffix])
-        if existing:
-            _remove_old(dest_prefix, final)
-        _atomic.publish([(tmp[s], final[s]) for s in suffixes], unpublish_first=dest_prefix + IDX_SUFFIX)
+            _place(source[suffix], tmp[suffix], same_fs[suffix] and suffix != IDX_SUFFIX, link,
+                   shard.identity[suffix])
+        old = [p for p in ShardPaths.from_prefix(dest_prefix) if p not in final.values()] if existing else []
+        _atomic.publish([(tmp[s], final[s]) for s in suffixes], unpublish_first=dest_prefix + IDX_SUFFIX,
+                        remove=old)
     except BaseException:
         _atomic.remove_quietly(tmp.values())
         raise
     if not link:
-        # The source goes .idx first, so its prefix never opens with files missing.
+        # The source goes .idx first, so its prefix never opens with files missing. A source
+        # that is a symbolic link loses the link only.
         _atomic.remove_quietly(source[s] for s in reversed(suffixes))
         _atomic.fsync_dir(shard.prefix)
     return final
 
 
+def _identity(path: str) -> tuple:
+    st = os.stat(path)  # follows symbolic links: the content is what was checked
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 def _verify_unchanged(shard: ShardReport, source: Dict[str, str]) -> None:
     for suffix, path in source.items():
-        st = os.stat(path)
-        if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != shard.identity.get(suffix):
-            raise ShardError("the file changed after it was checked", path=path,
-                                   hint="check the shard again before promoting it")
-
-
-def _place(src: str, tmp: str, same_fs: bool, link: bool, size: int) -> None:
-    """Put ``src``'s bytes at ``tmp``: a hard link when possible, else a copy that is fsynced."""
-    if same_fs:
         try:
-            os.link(src, tmp)
-            return
+            now = _identity(path)
+        except OSError as exc:
+            raise ShardError(f"the file is gone or unreadable since it was checked: {exc.strerror or exc}",
+                             path=path, hint="check the shard again before promoting it") from None
+        if now != shard.identity.get(suffix):
+            raise ShardError("the file changed after it was checked", path=path,
+                             hint="check the shard again before promoting it")
+
+
+def _place(src: str, tmp: str, hard_link: bool, link: bool, identity: tuple) -> None:
+    """Put the checked content of ``src`` at ``tmp`` as a regular file: a hard link to its
+    (symbolic links resolved) inode when ``hard_link``, else a copy that is fsynced.
+
+    Raises:
+        ShardError: the content is no longer the one that was checked.
+        OSError: linking (with ``link``) or copying failed.
+    """
+    target = os.path.realpath(src)
+    if hard_link:
+        try:
+            os.link(target, tmp)
         except OSError:
             if link:
                 raise
-    shutil.copyfile(src, tmp)
-    if os.path.getsize(tmp) != size:
-        raise OSError(f"copy of {src} has {os.path.getsize(tmp)} bytes, expected {size}")
-    _atomic.fsync_file(tmp)
+        else:
+            if _identity(tmp)[:2] != identity[:2]:
+                raise ShardError("the file changed after it was checked", path=src,
+                                 hint="check the shard again before promoting it")
+            return
+    copy_file(target, tmp)
+    if os.path.getsize(tmp) != identity[2] or _identity(target) != identity:
+        raise ShardError("the file changed while it was copied", path=src,
+                         hint="check the shard again before promoting it")
 
 
-def _remove_old(dest_prefix: str, final: Dict[str, str]) -> None:
-    """Old .idx first, then old files the new shard does not replace (e.g. SFT companions)."""
-    _atomic.remove_quietly([dest_prefix + IDX_SUFFIX])
-    _atomic.fsync_dir(dest_prefix)
-    _atomic.remove_quietly(p for p in ShardPaths.from_prefix(dest_prefix) if p not in final.values())
+def copy_file(src: str, dst: str) -> None:
+    """Copy ``src`` to the new file ``dst`` and fsync it (the one place promotion writes data)."""
+    shutil.copyfile(src, dst)
+    _atomic.fsync_file(dst)
+
+
+def promote_remote(shard: ShardReport, dest, **kw) -> Dict[str, str]:
+    from .remote import promote_remote as upload
+
+    return upload(shard, dest, **kw)
 
 
 def promote_report(report: Report, dest, *, link: bool = False, replace: bool = False) -> Report:
@@ -126,7 +164,10 @@ def promote_report(report: Report, dest, *, link: bool = False, replace: bool = 
             continue
         names.add(name)
         try:
-            shard.promoted = promote(shard, dest, link=link, replace=replace)
+            place = promote_remote if is_remote(dest) else promote  # s3:// msc://: upload, .idx last
+            shard.promoted = place(shard, dest, link=link, replace=replace)
+        except RemoteStorageError as exc:  # mid-upload: the destination's .idx was not written
+            shard.add(make_finding("PROMOTION_FAILED", str(exc), shard.prefix))
         except ShardError as exc:  # raised before anything was touched
             shard.add(make_finding("PROMOTION_REFUSED", str(exc), shard.prefix))
         except OSError as exc:

@@ -9,14 +9,14 @@ reports everything that is wrong, not only the first thing.
 
 from __future__ import annotations
 
-import json
 import os
 import re
+import stat
 import struct
 import zlib
 from typing import Dict, Optional
 
-from ..errors import DTypeError, MetadataError, ShardError, SizeMismatchError, VersionError
+from ..errors import DTypeError, MetadataError, MetadataLimitError, ShardError, SizeMismatchError, VersionError
 from ..format import (
     BIN_SUFFIX,
     CHECKSUMMED_SUFFIXES,
@@ -39,7 +39,7 @@ from ..format import (
     IdxHeader,
     SeqIdxHeader,
 )
-from ..metadata import ShardMetadata
+from ..metadata import ShardMetadata, parse_json
 from ._context import ShardContext
 
 IDX_FIELDS = ("magic", "version", "dtype_code", "sequence_count", "document_count")
@@ -83,12 +83,22 @@ def locate_files(ctx: ShardContext, allow_pretrain: bool) -> bool:
     """Stat the five files and decide the shard's kind. Returns False when nothing can be checked."""
     for suffix, path in ctx.paths.by_suffix().items():
         try:
-            ctx.sizes[suffix] = os.stat(path).st_size
-            ctx.report.identity[suffix] = ctx.identity(suffix)
+            st = os.stat(path)  # follows symbolic links: the target is what gets checked and promoted
         except FileNotFoundError:
-            pass
+            continue
         except OSError as exc:
             ctx.add("FILE_UNREADABLE", f"cannot stat: {exc.strerror}", suffix)
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            ctx.add("FILE_UNREADABLE", "not a regular file (a directory or a device?)", suffix)
+            continue
+        ctx.sizes[suffix] = st.st_size
+        ctx.report.identity[suffix] = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    return classify_files(ctx, allow_pretrain)
+
+
+def classify_files(ctx: ShardContext, allow_pretrain: bool) -> bool:
+    """From ``ctx.sizes`` (the files found): the shard's kind and FILE_MISSING findings."""
     ctx.report.files = dict(ctx.sizes)
     if ctx.report.unreadable:
         return False
@@ -211,10 +221,13 @@ def _read_metadata(ctx: ShardContext, header: SeqIdxHeader, size: int) -> None:
         return
     raw = ctx.read(SEQ_IDX_SUFFIX, header.metadata_length, METADATA_OFFSET)
     try:
-        obj = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        ctx.add("METADATA_UNPARSABLE", f"metadata ({header.metadata_length} bytes) is not valid UTF-8 JSON: "
-                f"{exc.__class__.__name__}: {str(exc)[:120]}", SEQ_IDX_SUFFIX, offset=METADATA_OFFSET)
+        obj = parse_json(raw, ctx.paths.seq_idx)
+    except MetadataLimitError as exc:
+        ctx.add("METADATA_LIMIT", exc.message[:200], SEQ_IDX_SUFFIX, offset=METADATA_OFFSET)
+        return
+    except MetadataError as exc:
+        ctx.add("METADATA_UNPARSABLE", f"metadata ({header.metadata_length} bytes): {exc.message[:200]}",
+                SEQ_IDX_SUFFIX, offset=METADATA_OFFSET)
         return
     try:
         ctx.metadata = ShardMetadata.from_dict(obj, path=ctx.paths.seq_idx)

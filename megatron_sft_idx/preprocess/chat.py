@@ -9,7 +9,18 @@ after its end-of-turn token. The tokens that start inside that span are trained
 LABEL-ALIGNED mask the shard stores: ``mask[j] = trained[j+1]``, last position 0.
 
 Loss modes: ``assistant`` (every assistant turn), ``last-turn`` (the last
-assistant turn only), ``all`` (every token).
+assistant turn only), ``all`` (every token), ``per-turn`` (one training sequence
+per assistant turn: the conversation up to and including that turn, rendered as
+the template renders a conversation ending there, loss on that turn only).
+
+Templates whose rendering of earlier turns depends on later ones (thinking
+templates that drop ``<think>`` from the history, Qwen3- and DeepSeek-R1-style)
+are not prefix-stable: ``assistant`` refuses them, naming the modes that work
+(``last-turn``, ``per-turn``, ``all``), since a mask over one rendering cannot
+train every turn as the model saw it.
+
+This module is the reference implementation: :mod:`.encode` produces the same
+ids and masks faster (one render, batched tokenization) and is pinned to it.
 """
 
 from __future__ import annotations
@@ -25,13 +36,32 @@ from .._extras import require_extra
 from ..errors import ShardError
 from .errors import input_error
 
-LOSS_MODES = ("assistant", "last-turn", "all")
+LOSS_MODES = ("assistant", "last-turn", "all", "per-turn")
+PREFIX_HINT = ("use --loss-on last-turn (loss on the final assistant turn, history as the template renders it), "
+               "--loss-on per-turn (one training sequence per assistant turn, each rendered as the template "
+               "renders it at that turn) or --loss-on all")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "chat_template.jinja", "chat_template.json", "added_tokens.json")
 
 
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def tokenizer_files_sha256(path: str) -> Tuple[str, List[str]]:
+    """The hash a shard records as ``tokenizer.files_sha256`` (over the tokenizer's files, by
+    name and content) and the names hashed; ``path`` is a directory or a ``tokenizer.json``.
+    Tools recompute it to tell whether a local tokenizer is the one a shard was made with."""
+    path = os.path.abspath(path)
+    directory = path if os.path.isdir(path) else os.path.dirname(path)
+    names = [n for n in _TOKENIZER_FILES if os.path.isfile(os.path.join(directory, n))]
+    if not os.path.isdir(path):
+        names = sorted(set(names) | {os.path.basename(path)})
+    h = hashlib.sha256()
+    for name in sorted(names):
+        with open(os.path.join(directory, name), "rb") as f:
+            h.update(name.encode() + b"\0" + _sha256(f.read()).encode())
+    return h.hexdigest(), sorted(names)
 
 
 class ChatTokenizer:
@@ -77,8 +107,8 @@ class ChatTokenizer:
         self.special_tokens = sorted(set(self.hf.all_special_tokens)
                                      | {t.content for t in self.hf.added_tokens_decoder.values() if t.special})
         self.chat_template = self.hf.chat_template if isinstance(self.hf.chat_template, str) else None
-        self._compiled = self._compile(self.chat_template)
-        self._template_kwargs = {k: v for k, v in self.hf.special_tokens_map.items() if isinstance(v, str)}
+        self.compiled = self._compile(self.chat_template)
+        self.template_kwargs = {k: v for k, v in self.hf.special_tokens_map.items() if isinstance(v, str)}
 
     @staticmethod
     def _compile(template: Optional[str]):
@@ -96,18 +126,12 @@ class ChatTokenizer:
 
     def identity(self) -> dict:
         """Name, sha256 over the tokenizer's files, template hash, vocab size, special ids."""
-        h = hashlib.sha256()
-        names = [n for n in _TOKENIZER_FILES if os.path.isfile(os.path.join(self.directory, n))]
-        if not os.path.isdir(self.path):
-            names = sorted(set(names) | {os.path.basename(self.path)})
-        for name in sorted(names):
-            with open(os.path.join(self.directory, name), "rb") as f:
-                h.update(name.encode() + b"\0" + _sha256(f.read()).encode())
+        files_sha256, names = tokenizer_files_sha256(self.path)
         return {
             "name": self._declared_name(),
             "path": self.path,
-            "files_sha256": h.hexdigest(),
-            "files": sorted(names),
+            "files_sha256": files_sha256,
+            "files": names,
             "chat_template_sha256": _sha256(self.chat_template.encode()) if self.chat_template else None,
             "vocab_size": self.vocab_size,
             "eos_id": self.eos_id,
@@ -128,64 +152,96 @@ class ChatTokenizer:
 
     def render(self, messages, add_generation_prompt: bool = False) -> str:
         """The chat template applied to plain ``{"role", "content"}`` dicts (no tokenization)."""
-        if self._compiled is not None:
-            return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **self._template_kwargs)
+        if self.compiled is not None:
+            return self.compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                        **self.template_kwargs)
         return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def require_template(self) -> None:
+        if self.chat_template is None:
+            raise ShardError("the tokenizer has no chat template", path=self.path, field="chat_template",
+                             hint="use a tokenizer with a chat_template in tokenizer_config.json")
+
+    def chat_text_and_spans(self, messages: List[dict], loss_on: str, path: str, line: int
+                            ) -> Tuple[str, List[Tuple[int, int]]]:
+        """The full rendering and the character spans to train (reference: prefix renders).
+
+        Raises:
+            InputError: the template rejects the conversation or does not render its
+                prefixes as prefixes of the full conversation.
+        """
+        self.require_template()
+        try:
+            full = self.render(messages)
+            spans = [] if loss_on == "all" else self.prefix_spans(
+                messages, assistant_turns(messages, loss_on), full, path, line)
+        except ShardError:
+            raise
+        except Exception as exc:  # jinja2 TemplateError, raise_exception(), bad content types
+            raise template_rejected(exc, path, line) from None
+        return full, spans
+
+    def turn_texts_and_spans(self, messages: List[dict], path: str, line: int
+                             ) -> List[Tuple[str, List[Tuple[int, int]]]]:
+        """``per-turn``: for each assistant turn k, ``render(messages[:k+1])`` and its last turn's span.
+
+        Raises:
+            InputError: as :meth:`chat_text_and_spans`; or no assistant turn.
+        """
+        turns = assistant_turns(messages, "assistant")
+        if not turns:
+            raise input_error("no token is trained: the conversation has no assistant turn", path, line,
+                              field="loss_mask", reason="no_trainable_tokens",
+                              hint="the conversation has no assistant turn (or the template hides it)")
+        return [self.chat_text_and_spans(messages[:k + 1], "last-turn", path, line) for k in turns]
 
     def encode_chat(self, messages: List[dict], loss_on: str, path: str, line: int
                     ) -> Tuple[np.ndarray, np.ndarray]:
-        """Token ids and LABEL-ALIGNED loss mask of one conversation.
+        """Token ids and LABEL-ALIGNED loss mask of one conversation (``per-turn``: of its
+        last assistant turn's sequence only; the pipeline uses :mod:`.encode`).
 
         Raises:
             InputError: no chat template, the template rejects the conversation
                 (e.g. an unknown role), prefixes do not render consistently, or
                 no token is trained.
         """
-        if self.chat_template is None:
-            raise ShardError("the tokenizer has no chat template", path=self.path, field="chat_template",
-                             hint="use a tokenizer with a chat_template in tokenizer_config.json")
-        try:
-            full = self.render(messages)
-            spans = [] if loss_on == "all" else self._assistant_spans(messages, full, loss_on, path, line)
-        except ShardError:
-            raise
-        except Exception as exc:  # jinja2 TemplateError, raise_exception(), bad content types
-            raise input_error(f"the chat template rejected the conversation ({exc})", path, line,
-                              field="messages", reason="template_error") from None
+        if loss_on == "per-turn":
+            full, spans = self.turn_texts_and_spans(messages, path, line)[-1]
+        else:
+            full, spans = self.chat_text_and_spans(messages, loss_on, path, line)
         enc = self.backend.encode(full, add_special_tokens=False)
         ids = np.asarray(enc.ids, dtype=np.int64)
         if loss_on == "all":
             trained = np.ones(ids.size, dtype=np.uint8)
             trained[:1] = 0
         else:
-            starts = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)[:, 0]
-            trained = np.zeros(ids.size, dtype=np.uint8)
-            for a, b in spans:
-                trained[np.searchsorted(starts, a, "left"):np.searchsorted(starts, b, "left")] = 1
+            trained = trained_from_offsets(np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)[:, 0], spans)
         return ids, self._label_aligned(trained, path, line)
 
-    def _assistant_spans(self, messages, full: str, loss_on: str, path: str, line: int):
-        turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
-        if loss_on == "last-turn":
-            turns = turns[-1:]
+    def prefix_spans(self, messages, turns: List[int], full: str, path: str, line: int):
+        """Reference spans of the assistant messages at ``turns`` (prefix renders).
+
+        Raises:
+            InputError: a prefix does not render as a prefix of ``full``.
+        """
         spans = []
         for k in turns:
-            before = self.render(messages[:k], add_generation_prompt=True) if k else self._empty_prefix()
+            before = self.render(messages[:k], add_generation_prompt=True) if k else self.empty_prefix()
             after = self.render(messages[:k + 1])
             if not (full.startswith(before) and full.startswith(after) and len(before) <= len(after)):
                 raise input_error("the chat template does not render conversation prefixes as prefixes "
-                                  "of the full conversation, so assistant spans cannot be located",
-                                  path, line, field="chat_template", reason="template_error",
-                                  hint="use --loss-on all, or a template without history-dependent output")
+                                  "of the full conversation (its output for earlier turns depends on later "
+                                  "ones, as thinking templates that drop <think> from the history do), so "
+                                  "every assistant turn cannot be trained from one rendering",
+                                  path, line, field="chat_template", reason="template_error", hint=PREFIX_HINT)
             end = len(after)
             while end > len(before) and after[end - 1].isspace():
                 end -= 1
             spans.append((len(before), end))
         return spans
 
-    def _empty_prefix(self) -> str:
-        # An assistant turn first in the conversation: its prefix is the generation prompt alone.
+    def empty_prefix(self) -> str:
+        """What precedes an assistant turn that opens the conversation: the generation prompt alone."""
         try:
             return self.render([], add_generation_prompt=True)
         except Exception:
@@ -214,6 +270,50 @@ class ChatTokenizer:
 
     def decode(self, ids) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+_LOADED: dict = {}
+
+
+def load_chat_tokenizer(path: str) -> ChatTokenizer:
+    """A ChatTokenizer shared within the process (and with workers forked after it loaded):
+    a production tokenizer takes a second or more to load. Reloaded when its files change."""
+    key = (os.path.abspath(path), _files_state(path))
+    if key not in _LOADED:
+        _LOADED.clear()
+        _LOADED[key] = ChatTokenizer(path)
+    return _LOADED[key]
+
+
+def _files_state(path: str) -> tuple:
+    directory = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    state = []
+    for name in _TOKENIZER_FILES:
+        try:
+            st = os.stat(os.path.join(directory, name))
+        except OSError:
+            continue
+        state.append((name, st.st_mtime_ns, st.st_size))
+    return tuple(state)
+
+
+def assistant_turns(messages, loss_on: str) -> List[int]:
+    """Indices of the assistant messages trained under ``loss_on`` (``last-turn``: the last one)."""
+    turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+    return turns[-1:] if loss_on == "last-turn" else turns
+
+
+def template_rejected(exc: BaseException, path: str, line: int):
+    return input_error(f"the chat template rejected the conversation ({exc})", path, line,
+                       field="messages", reason="template_error")
+
+
+def trained_from_offsets(starts: np.ndarray, spans) -> np.ndarray:
+    """Token-aligned flags: 1 on every token whose start offset lies inside a span (reference rule)."""
+    trained = np.zeros(starts.size, dtype=np.uint8)
+    for a, b in spans:
+        trained[np.searchsorted(starts, a, "left"):np.searchsorted(starts, b, "left")] = 1
+    return trained
 
 
 def encode_tokens(ids, loss_mask, answer_start: Optional[int], vocab_size: Optional[int], path: str, line: int):

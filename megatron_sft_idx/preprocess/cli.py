@@ -18,6 +18,8 @@ import sys
 from ..errors import ShardError
 from ..packing import ALGORITHMS, DEFAULT_ALGORITHM
 from .chat import LOSS_MODES
+from .encode import SPAN_METHODS
+from .fast_tokenizer import BACKENDS
 from .inputs import INPUT_FORMATS
 from .partitions import DEFAULT_MAX_RECORD_BYTES, DEFAULT_PARTITION_BYTES
 
@@ -136,7 +138,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="vocabulary size (default: the tokenizer's; required for pre-tokenized input "
                          "without --tokenizer)")
     tk.add_argument("--loss-on", choices=LOSS_MODES, default="assistant",
-                    help="tokens trained: every assistant turn, the last one, or all (default: assistant)")
+                    help="tokens trained: every assistant turn; the last one (history as the template renders "
+                         "it); per-turn: one training sequence per assistant turn, each rendered as the template "
+                         "renders a conversation ending at that turn, loss on that turn (for thinking templates "
+                         "that drop <think> from the history); or all (default: assistant)")
+    tk.add_argument("--tokenizer-backend", choices=BACKENDS, default="auto",
+                    help="gigatoken (batched, checked against tokenizers at start and on a sample of every "
+                         "batch), hf (tokenizers only), or auto: gigatoken when installed and it agrees "
+                         "(default: auto)")
+    tk.add_argument("--span-method", choices=SPAN_METHODS, default="auto",
+                    help="assistant spans from one rendering where the template proves it gives the prefix-render "
+                         "spans (auto), or from prefix renders always (prefix) (default: auto)")
     tk.add_argument("--batch-size", type=_positive, default=256, help="records per worker batch (default: 256)")
     add_packing_arguments(p)
     add_run_arguments(p, "worker processes for tokenizing and writing (local engine) (default: 1)")
@@ -155,6 +167,7 @@ def _config(args):
         sp=args.sp, pad_id=args.pad_id, overlong=args.overlong, skip_bad=args.skip_bad, overwrite=args.overwrite,
         split=args.split, max_packs_per_shard=args.max_packs_per_shard, max_shard_bytes=args.max_shard_bytes,
         batch_size=args.batch_size, check=args.check, verify_masks=args.verify_masks,
+        tokenizer_backend=args.tokenizer_backend, span_method=args.span_method,
         progress=not args.quiet and sys.stderr.isatty(), store=args.store, resume=args.resume,
         engine=args.engine, ray_address=args.ray_address, partition_bytes=args.partition_bytes,
         max_record_bytes=args.max_record_bytes)

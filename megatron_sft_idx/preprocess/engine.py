@@ -31,6 +31,9 @@ from .signals import Terminated, worker_signals
 
 
 class Step(Protocol):
+    """A unit of work by number; optionally ``prepare()``, called once in the process that forks
+    local workers (e.g. to load a tokenizer they then share)."""
+
     name: str
     writes_to: str   # where the step writes: named when the filesystem refuses a write
 
@@ -71,6 +74,9 @@ class LocalEngine:
             for unit in units:
                 on_done(run_unit(step, unit))
             return
+        prepare = getattr(step, "prepare", None)
+        if prepare is not None:
+            prepare()
         _Pool(step, units, min(self.workers, len(units))).run(on_done)
 
     def describe(self) -> dict:

@@ -30,7 +30,7 @@ from ..errors import OutputError, ShardError, ShardExistsError
 from ..format import PUBLISH_ORDER
 from ..packing import pad_multiple_for
 from . import outputs
-from .chat import ChatTokenizer
+from .chat import load_chat_tokenizer
 from .encode import EncodeOptions
 from .engine import make_engine
 from .errors import output_error
@@ -39,7 +39,7 @@ from .pack_stage import PackJob, books, run_pack
 from .partitions import DEFAULT_MAX_RECORD_BYTES, DEFAULT_PARTITION_BYTES, Partition
 from .plan import PlanSettings, plan_shards, split_conversations  # noqa: F401  (public names)
 from .receipts import ReceiptBook, settings_key
-from .signals import Terminated, terminate_as_exception
+from .signals import Terminated, signals_deferred, terminate_as_exception
 from .store import STORE_FILE, SequenceStore, tokenize_book, write_store_file
 from .summary import build_summary
 from .tokenize import IndexStep, TokenizeStep
@@ -84,6 +84,8 @@ class Config:
     ray_address: Optional[str] = None
     partition_bytes: int = DEFAULT_PARTITION_BYTES
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+    tokenizer_backend: str = "auto"   # the same bytes either way (checked): not in the store's identity
+    span_method: str = "auto"
 
 
 def _progress(enabled: bool, **kw):
@@ -136,12 +138,13 @@ class Inputs:
 
 def resolve_inputs(cfg: Config) -> Inputs:
     names = expand_inputs(cfg.inputs)
-    tok = ChatTokenizer(cfg.tokenizer) if cfg.tokenizer else None
+    tok = load_chat_tokenizer(cfg.tokenizer) if cfg.tokenizer else None
     vocab = cfg.vocab_size or (tok.vocab_size if tok else None)
     pad_id = check_pad_id(cfg.pad_id if cfg.pad_id is not None else (tok.pad_id if tok else None), vocab)
     options = EncodeOptions(tokenizer_path=tok.path if tok else None, vocab_size=vocab, loss_on=cfg.loss_on,
                             input_format=cfg.input_format, prompt_key=cfg.prompt_key,
-                            completion_key=cfg.completion_key, skip_bad=cfg.skip_bad)
+                            completion_key=cfg.completion_key, skip_bad=cfg.skip_bad,
+                            tokenizer_backend=cfg.tokenizer_backend, span_method=cfg.span_method)
     identity = {k: v for k, v in tok.identity().items() if k != "path"} if tok else None
     return Inputs(names, [os.path.abspath(n) for n in names], options, identity, pad_id)
 
@@ -230,7 +233,8 @@ def execute(job: PackJob, run_key: str, resume: bool, engine_kind: str, workers:
     """Everything after the settings are resolved, for preprocess_sft and repack_sft alike:
     the work directory, the engine, ``get_store(engine, work, resumed)``, the pack stages, the
     summary. The work directory stays after an interruption or a filesystem error (for
-    ``--resume``) and is removed otherwise."""
+    ``--resume``) and is removed otherwise. Once every output is published the run is
+    committed: a signal during the last cleanup no longer fails it."""
     work = WorkDir(job.output_prefix)
     ours = published_files_from(work, run_key) if resume else set()
     replaced = outputs.refuse_existing(job.bases, job.overwrite, ours)
@@ -246,14 +250,20 @@ def execute(job: PackJob, run_key: str, resume: bool, engine_kind: str, workers:
             store = get_store(engine, work, resumed)
             with _progress(progress, desc="write", unit="pack") as bar:
                 result = run_pack(store, job, engine, work, run_key, replaced, times, bar, resumed)
-            remove = True
-            return build_summary(store, job, result, times, workers, engine.describe(), resumed, kept_store)
+            with signals_deferred():  # committed: finish the cleanup whatever arrives now
+                summary = build_summary(store, job, result, times, workers, engine.describe(), resumed, kept_store)
+                engine.close()
+                engine = None
+                work.close(remove=True)
+            return summary
         except OutputError:
             raise
         except (ShardError, MissingExtraError):
             remove = True
             raise
         except (KeyboardInterrupt, Terminated) as exc:
+            if work.closed:  # arrived during the committed cleanup (delivered when it ended)
+                return summary
             exc.publishing = work.publishing  # the CLI says whether anything reached final names
             raise
         except OSError as exc:
@@ -261,13 +271,16 @@ def execute(job: PackJob, run_key: str, resume: bool, engine_kind: str, workers:
         finally:
             if engine is not None:
                 engine.close()
-            work.close(remove)
+            if not work.closed:
+                work.close(remove)
 
 
 def published_files_from(work: WorkDir, run_key: str) -> set:
     """Final files a previous attempt of this run already published (not "existing outputs")."""
     book = books(work, run_key)["publish"]
-    return {r["final"] + s for r in book.present().values() for s in PUBLISH_ORDER}
+    receipts = book.present().values()
+    return ({r["final"] + s for r in receipts if "final" in r for s in PUBLISH_ORDER}
+            | {m for r in receipts for m in r.get("manifests", ())})
 
 
 def run(cfg: Config) -> dict:

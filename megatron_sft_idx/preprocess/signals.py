@@ -46,6 +46,21 @@ def terminate_as_exception():
             signal.signal(s, handler)
 
 
+@contextlib.contextmanager
+def signals_deferred():
+    """Hold SIGINT/SIGTERM/SIGHUP back within the block (main thread, POSIX); one that arrived
+    is delivered when the block ends, by the handler then installed."""
+    signals = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def die_with_parent() -> None:
     """Ask the kernel to SIGKILL this process when its parent dies (Linux); a no-op elsewhere."""
     if sys.platform.startswith("linux"):

@@ -18,12 +18,11 @@ import numpy as np
 from ..builder import IndexedDatasetBuilder
 from ..errors import InputError
 from ._materialize import exclusive_cumsum
-from .encode import EncodedBatch, EncodeOptions, RecordEncoder
+from .encode import EncodedBatch, EncodeOptions, RecordEncoder, preload
 from .partitions import Partition, index_file, read_batches
 from .receipts import ReceiptBook
 from .store import ROW_DTYPE, ROWS_SUFFIX, part_prefix, tokenize_book
 
-_ZERO_START = np.zeros(1, dtype=np.int64)
 _ENCODERS: Dict[EncodeOptions, RecordEncoder] = {}  # one per process and options: load the tokenizer once
 
 
@@ -69,13 +68,11 @@ class PartWriter:
 
     def add(self, batch: EncodedBatch) -> None:
         ends = exclusive_cumsum(batch.lengths)
-        for k in range(batch.lengths.size):
-            a, b = ends[k], ends[k + 1]
-            self.builder.add_packed(batch.ids[a:b], batch.mask[a:b], _ZERO_START)
+        self.builder.add_sequences(batch.ids, batch.loss_mask, batch.lengths)  # one pack per conversation
         rows = np.empty(batch.lengths.size, dtype=ROW_DTYPE)
         rows["line"] = batch.lines
         rows["length"] = batch.lengths
-        rows["first_trained"] = first_trained(batch.mask, ends)
+        rows["first_trained"] = first_trained(batch.loss_mask, ends)
         self.rows.append(rows)
         self.tokens += int(ends[-1])
 
@@ -132,6 +129,11 @@ class TokenizeStep:
     @property
     def book(self) -> ReceiptBook:
         return tokenize_book(self.directory, self.store_id)
+
+    def prepare(self) -> None:
+        """Load the tokenizers once in the process that forks the workers, so they start with them."""
+        preload(self.options)
+        encoder_for(self.options)
 
     def run(self, unit: int) -> dict:
         part = self.partitions[unit]

@@ -1,11 +1,17 @@
 """``--verify-masks N``: decode N random conversations back from the written shards.
 
-For each, the trained spans (label-aligned mask → target tokens) are decoded
-and compared with what the loss mode says must be trained, computed from the
-source record directly (not from the mask code): each assistant content
-followed by exactly one special (end-of-turn) token; under ``all`` the whole
-rendering; for prompt/completion the completion plus EOS; for pre-tokenized
-records the input mask itself.
+Two checks per sampled sequence, both from the source record:
+
+* exact: the record is encoded again by the reference path (one record at a
+  time, prefix renders, ``tokenizers`` offsets; for ``per-turn`` the prefix that
+  ends at that sequence's turn) and its ids and mask must equal the shard's;
+* meaning, computed without the mask code: the trained spans (label-aligned mask
+  → target tokens) decoded must be what the loss mode trains: for each trained
+  assistant turn, a run that holds its visible answer (the content after any
+  ``</think>``, stripped; the whole content when the template renders it verbatim)
+  and ends in exactly one special (end-of-turn) token; under ``all`` the whole
+  rendering; for prompt/completion the completion plus EOS; for pre-tokenized
+  records the input mask itself.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import numpy as np
 
 from ..errors import ShardError
 from ..reader import MMapIndexedDataset
-from .chat import ChatTokenizer, encode_tokens
+from .chat import assistant_turns, encode_tokens, load_chat_tokenizer
 from .inputs import parse_record
 from .partitions import read_batches
 from .planfile import PackPlan
@@ -28,7 +34,11 @@ def _runs(positions: np.ndarray) -> List[np.ndarray]:
     return np.split(positions, np.flatnonzero(np.diff(positions) != 1) + 1)
 
 
-def _expected_ok(loss_on, tok, kind, payload, ids, mask, path, line) -> str:
+def _visible_answer(content: str) -> str:
+    return content.rsplit("</think>", 1)[-1].strip()
+
+
+def _expected_ok(loss_on, tok, kind, payload, ids, mask, path, line, turn: int = 0) -> str:
     """'' when the sequence's trained tokens are what the loss mode requires, else why not."""
     targets = np.flatnonzero(mask) + 1
     if kind == "tokens":
@@ -41,16 +51,42 @@ def _expected_ok(loss_on, tok, kind, payload, ids, mask, path, line) -> str:
             return f"{targets.size} trained tokens, expected {ids.size - 1}"
         return "" if tok.decode(ids) == tok.render(payload) else "decoded text differs from the rendering"
     else:
+        if loss_on == "per-turn":
+            k = assistant_turns(payload, "assistant")[turn]
+            payload = payload[:k + 1]
+        why = _same_as_reference(tok, payload, loss_on, ids, mask, path, line)
+        if why:
+            return why
         contents = [m["content"] for m in payload if m["role"] == "assistant"]
-        want = contents[-1:] if loss_on == "last-turn" else contents
+        want = contents if loss_on == "assistant" else contents[-1:]
     got = [tok.decode(ids[r]) for r in _runs(targets)]
     if len(got) != len(want):
         return f"{len(got)} trained spans, expected {len(want)}"
     for g, w in zip(got, want):
         if kind == "prompt" and g != w:
             return f"trained {g!r}, expected {w!r}"
-        if kind == "chat" and not (g.startswith(w) and g[len(w):] in tok.special_tokens):
-            return f"trained {g!r}, expected {w!r} + one end-of-turn token"
+        if kind == "chat" and not _turn_ok(tok, g, w):
+            return f"trained {g!r}, expected {w!r} (its visible answer) + one end-of-turn token"
+    return ""
+
+
+def _turn_ok(tok, got: str, content: str) -> bool:
+    if got.startswith(content) and got[len(content):] in tok.special_tokens:
+        return True
+    ends = [t for t in tok.special_tokens if got.endswith(t)]
+    return bool(ends) and _visible_answer(content) in got[:-len(ends[0])]
+
+
+def _same_as_reference(tok, messages, loss_on, ids, mask, path, line) -> str:
+    mode = "last-turn" if loss_on == "per-turn" else loss_on
+    try:
+        want_ids, want_mask = tok.encode_chat(messages, mode, path, line)
+    except ShardError as exc:
+        return f"the reference path refuses this record ({exc})"
+    if not np.array_equal(want_ids, ids):
+        return "token ids differ from the reference encoding"
+    if not np.array_equal(want_mask, mask):
+        return "loss mask differs from the reference encoding"
     return ""
 
 
@@ -101,7 +137,7 @@ def verify_masks(store, plan_path: str, shards, job, count: int) -> dict:
     if not job.tokenizer_path and store.tokenizer is not None:
         raise ShardError("--verify-masks needs the tokenizer to decode", field="verify_masks",
                          hint="pass --tokenizer (the one the store was tokenized with)")
-    tok = ChatTokenizer(job.tokenizer_path) if store.tokenizer is not None else None
+    tok = load_chat_tokenizer(job.tokenizer_path) if store.tokenizer is not None else None
     if tok is not None and tok.identity()["files_sha256"] != store.tokenizer["files_sha256"]:
         raise ShardError("--verify-masks: this is not the tokenizer the store was tokenized with",
                          path=job.tokenizer_path, field="tokenizer",
@@ -113,8 +149,12 @@ def verify_masks(store, plan_path: str, shards, job, count: int) -> dict:
     part_of = np.searchsorted(starts, chosen, side="right") - 1
     wanted: Dict[int, set] = {}
     line_of = {}
+    turn_of = {}
     for g, k in zip(chosen, part_of):
-        line_of[int(g)] = int(store.rows(int(k))["line"][g - starts[k]])
+        lines = store.rows(int(k))["line"]
+        local = int(g - starts[k])
+        line_of[int(g)] = int(lines[local])
+        turn_of[int(g)] = local - int(np.searchsorted(lines, lines[local]))  # per-turn: the turn's ordinal
         wanted.setdefault(int(k), set()).add(line_of[int(g)])
     sources = _source_records(store, wanted)
     where = _locate(plan, shards, chosen)
@@ -131,7 +171,7 @@ def verify_masks(store, plan_path: str, shards, job, count: int) -> dict:
         name, line = store.inputs[store.partitions[k].file]["name"], line_of[g]
         kind, payload = parse_record(sources[(k, line)], name, line, encode["input_format"],
                                      encode["prompt_key"], encode["completion_key"])
-        why = _expected_ok(encode["loss_on"], tok, kind, payload, ids, mask, name, line)
+        why = _expected_ok(encode["loss_on"], tok, kind, payload, ids, mask, name, line, turn_of[g])
         if why:
             failures.append(f"{name}:{line}: {why}")
     if failures:

@@ -79,6 +79,7 @@ class WorkDir:
         self.lock = Lock(os.path.join(self.path, "lock"), f"output {output_prefix}")
         self.resumed = False
         self.publishing = False  # set once files may appear under final names
+        self.closed = False
 
     @property
     def receipts(self) -> str:
@@ -129,3 +130,4 @@ class WorkDir:
         self.lock.release()
         if remove:
             shutil.rmtree(self.path, ignore_errors=True)
+        self.closed = True

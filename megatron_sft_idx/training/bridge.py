@@ -43,8 +43,12 @@ __all__ = ["PackedSFTDataset", "build_samples_mapping", "bridge_datasets", "brid
            "bridge_metadata_stats"]
 
 
-def build_samples_mapping(num_packs: int, max_num_samples: int, seed: int) -> np.ndarray:
+def build_samples_mapping(num_packs: int, max_num_samples: int, seed: int, order=None,
+                          source=None) -> np.ndarray:
     """Epoch-level shuffled pack indices: ``max_num_samples`` entries, each epoch a permutation.
+
+    ``order(source, indices, rng)`` replaces ``rng.permutation`` (e.g.
+    :class:`~megatron_sft_idx.locality.BlockLocalOrder` for object storage).
 
     Raises:
         ShardError: no packs, or a negative sample count.
@@ -57,7 +61,8 @@ def build_samples_mapping(num_packs: int, max_num_samples: int, seed: int) -> np
     dtype = np.int32 if num_packs <= np.iinfo(np.int32).max else np.int64
     mapping = np.empty(epochs * num_packs, dtype=dtype)
     for e in range(epochs):  # one permutation per epoch: O(epochs) Python steps
-        mapping[e * num_packs:(e + 1) * num_packs] = rng.permutation(num_packs)
+        mapping[e * num_packs:(e + 1) * num_packs] = (
+            rng.permutation(num_packs) if order is None else order(source, np.arange(num_packs), rng))
     out = mapping[:max_num_samples]
     out.flags.writeable = False
     return out
@@ -82,6 +87,8 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         pad_layout: layout of ``.npy``/Parquet sources (Bridge's packer: ``"runtime"``).
         pack_metadata_file_path: Bridge's packing-metadata JSON; with ``pad_cu_seqlens`` its
             entries (max/min over all, as Bridge) replace the source's own statistics.
+        order: index order of each epoch of the samples mapping (default: a full shuffle;
+            :class:`~megatron_sft_idx.locality.BlockLocalOrder` reads a bucket block by block).
 
     Raises:
         ShardError: the source does not open; options contradict its statistics; or it is
@@ -95,7 +102,7 @@ class PackedSFTDataset(torch.utils.data.Dataset):
                  pad_seq_to_mult: Optional[int] = None, pad_layout: str = PAD_LAYOUT_RUNTIME,
                  pad_cu_seqlens: bool = False, pack_metadata_file_path: Optional[str] = None,
                  return_cu_seqlen: bool = True, answer_only_loss: bool = True,
-                 stats: Optional[BridgePackingStats] = None) -> None:
+                 stats: Optional[BridgePackingStats] = None, order=None) -> None:
         eos = eos_id if eos_id is not None else (pad_id if pad_id is not None else 0)
         if isinstance(source, (str, list, tuple)) or hasattr(source, "__fspath__"):
             source = open_packed(source, pad_seq_to_mult=pad_seq_to_mult, pad_layout=pad_layout)
@@ -112,7 +119,7 @@ class PackedSFTDataset(torch.utils.data.Dataset):
                 hint="re-run preprocess_sft with --pad-layout runtime for Megatron-Bridge, or pass "
                      "pad_seq_to_mult=1 to train without context parallelism")
         self.samples_mapping = (None if max_num_samples is None else
-                                build_samples_mapping(len(source), int(max_num_samples), seed))
+                                build_samples_mapping(len(source), int(max_num_samples), seed, order, source))
         if pad_cu_seqlens and stats is None:
             stats = (bridge_metadata_stats(pack_metadata_file_path) if pack_metadata_file_path
                      else bridge_stats(source))

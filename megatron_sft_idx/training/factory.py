@@ -39,6 +39,8 @@ from .._extras import require_extra
 from ..errors import InvariantError, ShardError, ShardNotFoundError
 from ..format import IDX_SUFFIX, PAD_LAYOUT_RUNTIME, Rule
 from ..reader import MMapIndexedDataset
+from ..storage import is_remote
+from ..storage.discover import open_remote
 from ._sources import FlatPackedSource
 
 __all__ = ["open_packed", "load_legacy_npy", "load_parquet", "RestrictedUnpickler"]
@@ -105,6 +107,8 @@ def open_packed(path, *, pad_seq_to_mult: Optional[int] = None, pad_layout: str 
     """
     from .multi import MultiShardDataset, is_manifest
 
+    if is_remote(path) or isinstance(path, (list, tuple)) and any(map(is_remote, path)):
+        return open_remote(path, check_packs=check_packs)  # s3:// and msc:// (storage layer)
     if isinstance(path, (list, tuple)):
         return MultiShardDataset.open(list(path), check_packs=check_packs)
     path = os.fspath(path)

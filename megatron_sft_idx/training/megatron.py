@@ -153,6 +153,10 @@ class SFTIndexedDatasetConfig(BlendedMegatronDatasetConfig):
     check_packs: bool = False
     """Check each pack's invariants as it is read."""
 
+    pack_order: Optional[object] = None
+    """Order of each epoch's packs: None is a full shuffle; ``BlockLocalOrder(window)``
+    (:mod:`megatron_sft_idx.locality`) fetches each object-storage block once per epoch."""
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.sequence_length < 2:
@@ -241,6 +245,8 @@ class SFTIndexedDataset(MegatronDataset):
         # Sample order depends on `shuffle`, which Megatron-LM's GPTDatasetConfig lacks: add it to
         # the identity (and so to the cache file names) here rather than in _key_config_attributes.
         self.unique_identifiers["shuffle"] = bool(getattr(config, "shuffle", True))
+        if getattr(config, "pack_order", None) is not None:
+            self.unique_identifiers["pack_order"] = repr(config.pack_order)
         self.unique_description = json.dumps(self.unique_identifiers, indent=4,
                                              default=lambda obj: obj.unique_identifiers)
         self.unique_description_hash = hashlib.md5(self.unique_description.encode("utf-8"),
@@ -276,7 +282,11 @@ class SFTIndexedDataset(MegatronDataset):
         rng = np.random.RandomState(self.config.random_seed)
         out = np.empty(epochs * n, dtype=np.int64)
         for e in range(epochs):  # one vectorised permutation per epoch
-            block = rng.permutation(self.indices) if getattr(self.config, "shuffle", True) else self.indices
+            order = getattr(self.config, "pack_order", None)
+            if not getattr(self.config, "shuffle", True):
+                block = self.indices
+            else:
+                block = rng.permutation(self.indices) if order is None else order(self.dataset, self.indices, rng)
             out[e * n:(e + 1) * n] = block
         return out[:count]
 

@@ -34,7 +34,8 @@ import numpy as np
 from .._atomic import write_file_atomically
 from ..errors import ShardError, ShardNotFoundError, SizeMismatchError
 from ..format import IDX_SUFFIX, SEQ_IDX_SUFFIX
-from ..reader import MMapIndexedDataset, pack_index
+from ..reader import MMapIndexedDataset, pack_index, pack_indices
+from ..storage import is_remote
 from ._sources import PackSummary, summarize
 
 __all__ = ["MultiShardDataset", "write_manifest", "read_manifest", "is_manifest", "expand_shards",
@@ -100,8 +101,8 @@ def write_manifest(path, shards: Union[str, Sequence[str]], *, relative: bool = 
     entries = []
     for prefix in expand_shards(shards):
         shard = MMapIndexedDataset(prefix)
-        stored = os.path.abspath(prefix)
-        if relative:
+        stored = prefix if is_remote(prefix) else os.path.abspath(prefix)
+        if relative and not is_remote(stored):
             stored = os.path.relpath(stored, base)
         entries.append({"prefix": stored, "packs": len(shard), "summary": summarize(shard).to_dict()})
     manifest = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "shards": entries}
@@ -143,7 +144,7 @@ def read_manifest(path) -> tuple:
         if summary.pack_count != packs:
             raise ShardError(f"manifest entry {k}: packs and summary.pack_count differ", path=path,
                              field=f"shards[{k}].packs", expected=summary.pack_count, actual=packs)
-        prefixes.append(prefix if os.path.isabs(prefix) else os.path.join(base, prefix))
+        prefixes.append(prefix if os.path.isabs(prefix) or is_remote(prefix) else os.path.join(base, prefix))
         counts.append(packs)
         summaries.append(summary)
     return prefixes, counts, summaries
@@ -216,6 +217,18 @@ class MultiShardDataset:
     def __getitem__(self, i):
         k, local = self.shard_of(i)
         return self.shard(k)[local]
+
+    def get_many(self, indices) -> list:
+        """Packs ``indices`` as a list, one ``get_many`` per shard they fall in (so a remote
+        shard fetches the batch's blocks in parallel)."""
+        idx = pack_indices(indices, len(self), self.source)
+        shard_of = np.searchsorted(self.starts, idx, side="right") - 1
+        out: list = [None] * idx.size
+        for k in np.unique(shard_of).tolist():
+            where = np.flatnonzero(shard_of == k)
+            for j, pack in zip(where.tolist(), self.shard(k).get_many(idx[where] - int(self.starts[k]))):
+                out[j] = pack
+        return out
 
     @property
     def open_shards(self) -> List[int]:

@@ -17,7 +17,7 @@ from bridge_data import PACK_SIZE, bridge_tokenizer, write_bridge_artifacts
 from megatron_sft_idx import MMapIndexedDataset  
 from megatron_sft_idx.errors import ShardError  
 from megatron_sft_idx.training.bridge import PackedSFTDataset  
-from megatron_sft_idx.training.convert import convert  
+from megatron_sft_idx.tools.convert import ConvertOptions, convert
 
 OPTION_SETS = [dict(pad_to_max_length=False, pad_cu_seqlens=False),
                dict(pad_to_max_length=True, pad_cu_seqlens=False),
@@ -36,7 +36,8 @@ def artifacts(tmp_path_factory, tokenizer):
     shards = {}
     for a in arts:
         prefix = str(out / f"{a.kind}_cp{a.pad_seq_to_mult}_shard")
-        convert(a.npy, prefix, pad_seq_to_mult=a.pad_seq_to_mult, eos_id=tokenizer.eos_id)
+        convert(a.npy, prefix, options=ConvertOptions(pad_seq_to_mult=a.pad_seq_to_mult,
+                                                    eos_id=tokenizer.eos_id))
         shards[(a.kind, a.pad_seq_to_mult)] = prefix
     return arts, shards
 

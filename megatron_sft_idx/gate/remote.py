@@ -1,0 +1,344 @@
+"""The gate on a shard in object storage, and promotion into a bucket.
+
+:func:`check_remote_shard` runs the same passes as a local check, with the same
+finding codes, without downloading the data files to disk:
+
+* presence and sizes from one listing of the five objects;
+* the index files (``.idx``, ``.seq.idx``, ``.seq.bin``) are read into memory and go
+  through the header, metadata, cross-file, pointer-chain and CSR passes unchanged;
+* ``.bin`` and ``.loss.bin`` are streamed once, in chunks of whole packs: each chunk
+  updates the running CRC-32 of both files and is scanned for every pack invariant
+  by the same numba kernel, so memory stays at one chunk whatever the shard's size;
+* the read-back opens the shard through the remote reader and compares a sample of
+  packs (every pack at ``deep``) with the bytes fetched directly.
+
+:func:`promote_remote` uploads a shard that passed (``.idx`` last, see
+:func:`megatron_sft_idx.storage.upload_shard`) and then removes the local source,
+``.idx`` first, as a local promotion moves it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Dict, Optional
+
+import numpy as np
+
+from .. import _kernels
+from .._crc import crc32
+from ..errors import RemoteStorageError, ShardError, ShardNotFoundError
+from ..format import BIN_SUFFIX, CHECKSUMMED_SUFFIXES, LOSS_SUFFIX, PUBLISH_ORDER, Rule
+from ..packing.padding import pad_offset
+from ..storage._stores import store_for
+from ..storage._url import ObjectURL
+from ..storage.config import StorageConfig
+from . import content, structure
+from ._context import ShardContext, UnreadableFile
+from .codes import ERROR, RULE_CODES
+from .readback import sample_indices
+from .report import ShardReport
+
+#: Tokens per streamed chunk (x itemsize + 1 bytes of memory): whole packs, about this many.
+CHUNK_TOKENS = 16 << 20
+
+__all__ = ["check_remote_shard", "promote_remote"]
+
+
+class RemoteShardContext(ShardContext):
+    """A :class:`ShardContext` whose index files are read from the store into memory."""
+
+    def __init__(self, prefix: str, report: ShardReport, config: StorageConfig) -> None:
+        super().__init__(prefix, report)
+        self.url = ObjectURL.parse(prefix)
+        self.store = store_for(self.url, config)
+        self.infos = {}
+        self._bytes: Dict[str, bytes] = {}
+        self._window = None  # (first token, tokens, loss) of the chunk being scanned
+
+    def locate(self, allow_pretrain: bool) -> bool:
+        self.infos = self.store.stat_files(self.url, PUBLISH_ORDER)
+        self.sizes = {s: i.size for s, i in self.infos.items()}
+        self.report.identity = {s: (i.size, i.etag) for s, i in self.infos.items()}
+        return structure.classify_files(self, allow_pretrain)
+
+    def _whole(self, suffix: str) -> bytes:
+        if suffix not in self._bytes:
+            if suffix in (BIN_SUFFIX, LOSS_SUFFIX):
+                raise ShardError("data files are streamed, never held whole", path=self.path(suffix))
+            info = self.infos[suffix]
+            try:
+                self._bytes[suffix] = b"".join(self.store.read_chunks(self.url.with_suffix(suffix), info.size,
+                                                                      info.etag))
+            except RemoteStorageError as exc:
+                self.add("FILE_UNREADABLE", f"cannot read: {exc.message}", suffix)
+                raise UnreadableFile(suffix) from None
+        return self._bytes[suffix]
+
+    def read(self, suffix: str, size: int, offset: int = 0) -> bytes:
+        return self._whole(suffix)[offset:offset + size]
+
+    def map(self, suffix: str) -> np.ndarray:
+        return np.frombuffer(self._whole(suffix), dtype=np.uint8)
+
+    # Findings about a pack quote its values: served from the chunk being scanned.
+    def tokens(self):
+        return _Window(self._window[0], self._window[1])
+
+    def loss(self):
+        return _Window(self._window[0], self._window[2])
+
+    def identity(self, suffix: str) -> tuple:
+        info = self.infos[suffix]
+        return (info.size, info.etag)
+
+
+class _Window:
+    """Global element indices into the chunk being scanned."""
+
+    def __init__(self, base: int, values: np.ndarray) -> None:
+        self.base, self.values = base, values
+
+    def __getitem__(self, i: int):
+        return self.values[int(i) - self.base]
+
+
+def check_remote_shard(prefix: str, options, config: Optional[StorageConfig] = None) -> ShardReport:
+    """Every pass over one remote shard (see the module doc). Never raises."""
+    started = time.perf_counter()
+    report = ShardReport(prefix=prefix, level=options.level, strict=options.strict)
+    try:
+        ctx = RemoteShardContext(prefix, report, StorageConfig.resolve(config))
+        _run(ctx, options)
+    except UnreadableFile:
+        pass
+    except (RemoteStorageError, ShardNotFoundError) as exc:  # the store failed us, not the shard
+        report.add(_unreadable(exc, prefix))
+    except Exception as exc:  # the gate must report, not crash; the shard fails to be safe
+        report.add(_internal(exc, prefix))
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _unreadable(exc: ShardError, prefix: str):
+    from .report import make_finding
+
+    return make_finding("FILE_UNREADABLE", exc.message, exc.path or prefix)
+
+
+def _internal(exc: Exception, prefix: str):
+    from .report import make_finding
+
+    return make_finding("GATE_INTERNAL_ERROR", f"{exc.__class__.__name__}: {exc}", prefix)
+
+
+def _run(ctx: RemoteShardContext, options) -> None:
+    report = ctx.report
+    if not ctx.locate(options.allow_pretrain):
+        return
+    report.checks.append("presence")
+    structure.parse_idx(ctx)
+    report.checks.append("idx-header")
+    if ctx.idx_header is not None:
+        report.packs = ctx.idx_header.sequence_count
+    if report.kind == "pretrain":
+        ctx.add("CHECK_SKIPPED", "remote pretrain shards are checked for presence and headers only")
+        return
+    structure.parse_seq_idx(ctx)
+    report.checks.append("seq-idx-header+metadata")
+    vocab = structure.cross_check(ctx, options.vocab_size)
+    report.checks.append("cross-file")
+    ctx.headers_clean = report.count("error") == 0
+    if ctx.seq_header is not None:
+        report.tokens = ctx.seq_header.token_count
+    _index_checksums(ctx, options)
+    if ctx.idx_arrays_ok:
+        content.check_idx_arrays(ctx)
+        report.checks.append("idx-arrays")
+    if ctx.csr_ok:
+        content.check_offsets(ctx)
+        report.checks.append("csr-offsets")
+    if not (ctx.pointers_ok and ctx.offsets_ok and ctx.sizes_ok):
+        ctx.skip("streamed pack scan and read-back", "an earlier structural finding makes the arrays untrustworthy")
+        return
+    _stream_scan(ctx, vocab, options)
+    report.checks.append("packs+checksums (streamed)" if options.level != "fast" else "packs (streamed)")
+    if not ctx.headers_clean:
+        ctx.skip("read-back", "the reader refuses the header/metadata findings reported above")
+    elif report.count("error"):  # the remote reader verifies the cached index files' CRCs and refuses them
+        ctx.skip("read-back", "the remote reader refuses a shard whose files do not match their checksums")
+    else:
+        _read_back(ctx, options)
+
+
+def _index_checksums(ctx: RemoteShardContext, options) -> None:
+    """CRC-32 of ``.idx`` and ``.seq.bin`` (already in memory) against the metadata."""
+    if options.level == "fast" or ctx.metadata is None:
+        return
+    for suffix in CHECKSUMMED_SUFFIXES:
+        if suffix in (BIN_SUFFIX, LOSS_SUFFIX):
+            continue  # streamed below
+        recorded = ctx.metadata.files[suffix]
+        if ctx.sizes.get(suffix) == recorded.size:
+            _compare_crc(ctx, suffix, crc32(ctx.map(suffix)), recorded.crc32)
+
+
+def _compare_crc(ctx, suffix: str, crc: int, recorded: int) -> None:
+    if crc != recorded:
+        ctx.add("CHECKSUM_MISMATCH", f"CRC-32 is {crc:#010x}, the metadata records {recorded:#010x}", suffix)
+
+
+def _stream_scan(ctx: RemoteShardContext, vocab: Optional[int], options) -> None:
+    """One pass over ``.bin`` and ``.loss.bin`` in chunks of whole packs: CRC + pack invariants."""
+    meta, h = ctx.metadata, ctx.idx_header
+    itemsize = h.dtype.itemsize
+    lengths, pointers, offsets, starts = ctx.lengths(), ctx.pointers(), ctx.seq_offsets(), ctx.seq_starts()
+    token_offsets = pointers // itemsize
+    n = h.sequence_count
+    agg = _Aggregate()
+    crcs = {BIN_SUFFIX: 0, LOSS_SUFFIX: 0}
+    first = 0
+    while first < n:
+        t0 = int(token_offsets[first])
+        last = max(first + 1, int(np.searchsorted(token_offsets, t0 + CHUNK_TOKENS, "right")) - 1)
+        last = min(last, n)
+        t1 = int(token_offsets[last - 1]) + int(lengths[last - 1])
+        raw = {s: ctx.store.read_range(ctx.url.with_suffix(s), t0 * (itemsize if s == BIN_SUFFIX else 1),
+                                       (t1 - t0) * (itemsize if s == BIN_SUFFIX else 1), ctx.infos[s].etag)
+               for s in (BIN_SUFFIX, LOSS_SUFFIX)}
+        for suffix, data in raw.items():
+            crcs[suffix] = crc32(data, crcs[suffix])
+        tokens = np.frombuffer(raw[BIN_SUFFIX], dtype=h.dtype.numpy)
+        loss = np.frombuffer(raw[LOSS_SUFFIX], dtype=np.uint8)
+        ctx._window = (t0, tokens, loss)
+        agg.scan(ctx, lengths[first:last], token_offsets[first:last] - t0, offsets[first:last + 1], tokens, loss,
+                 starts, first, vocab, meta)
+        first = last
+    agg.report(ctx, token_offsets, offsets, vocab, meta, n, int(starts.shape[0]), int(token_offsets[-1] + lengths[-1]) if n else 0)
+    if options.level != "fast":
+        for suffix in (BIN_SUFFIX, LOSS_SUFFIX):
+            _compare_crc(ctx, suffix, crcs[suffix], meta.files[suffix].crc32)
+
+
+class _Aggregate:
+    """Findings and statistics of the chunked scan, combined as one whole-shard scan would give."""
+
+    def __init__(self) -> None:
+        cap = content.MAX_PACK_FINDINGS
+        self.rule, self.pack, self.pos = (np.zeros(cap, np.int64) for _ in range(3))
+        self.recorded = 0
+        self.counts = np.zeros(_kernels.N_RULES, np.int64)
+        self.stats = [0, 0, np.iinfo(np.int64).max, 0, 0, np.iinfo(np.int64).max, 0]
+        self.zero = []
+        self.zero_count = 0
+
+    def scan(self, ctx, lengths, local_offsets, seq_offsets, tokens, loss, starts, first, vocab, meta) -> None:
+        cap = content.MAX_PACK_FINDINGS
+        out = (np.zeros(cap, np.int64), np.zeros(cap, np.int64), np.zeros(cap, np.int64))
+        result = _kernels.scan_packs(lengths, local_offsets, seq_offsets, tokens, loss, starts,
+                                     meta.pack_size or 0, int(np.iinfo(tokens.dtype).max), vocab or 0,
+                                     meta.pad_seq_to_mult, 0, lengths.shape[0], cap, *out, self.counts,
+                                     pad_offset(meta.pad_layout))
+        pad = f"{meta.pad_seq_to_mult}, pad_layout {meta.pad_layout}"  # as content.scan words it
+        for k in range(int(result[0])):
+            if self.recorded < cap:
+                rule, pos = int(out[0][k]), int(out[2][k])
+                content._rule_finding(ctx, Rule(rule), first + int(out[1][k]), pos, _Shifted(local_offsets, first,
+                                      ctx._window[0]), _Shifted(seq_offsets, first, 0), vocab, pad)
+                self.rule[self.recorded] = rule
+                self.recorded += 1
+        s = self.stats
+        s[1], s[2] = max(s[1], int(result[1])), min(s[2], int(result[2]))
+        s[3] += int(result[3])
+        s[4], s[5], s[6] = max(s[4], int(result[4])), min(s[5], int(result[5])), max(s[6], int(result[6]))
+        zero = np.zeros(cap, np.int64)
+        count = int(_kernels.zero_loss_packs(lengths, local_offsets, loss, cap, zero))
+        self.zero += [first + int(i) for i in zero[:min(count, cap)]]
+        self.zero_count += count
+
+    def report(self, ctx, token_offsets, offsets, vocab, meta, n, n_seq, n_tok) -> None:
+        if int(self.counts.sum()) > self.recorded:
+            per_rule = ", ".join(f"{RULE_CODES[Rule(r)]}: {int(c)}" for r, c in enumerate(self.counts) if c)
+            ctx.add(RULE_CODES[Rule(int(self.rule[0]))], f"{int(self.counts.sum())} packs break an invariant in "
+                    f"total, only the first {self.recorded} are listed ({per_rule})", severity=ERROR)
+        cap = content.MAX_PACK_FINDINGS
+        if self.zero_count > cap:
+            ctx.add("ZERO_LOSS_PACK", f"{self.zero_count} of {n} packs have an all-zero loss mask; the first "
+                    f"{cap} are listed", LOSS_SUFFIX)
+        lengths = ctx.lengths()
+        for i in self.zero[:cap]:
+            ctx.add("ZERO_LOSS_PACK", f"the loss mask is 0 at all {int(lengths[i])} positions", LOSS_SUFFIX,
+                    pack=i, offset=int(token_offsets[i]))
+        if not self.counts.any() and meta is not None:
+            self.stats[0] = self.recorded
+            min_runtime = int((lengths.astype(np.int64) - np.diff(offsets)).min()) if n else 0
+            content._compare_stats(ctx, self.stats, n, n_seq, n_tok, min_runtime)
+
+
+class _Shifted:
+    """``offsets[i]`` for a global pack ``i``, from a chunk's local array (for finding messages)."""
+
+    def __init__(self, local: np.ndarray, first: int, base: int) -> None:
+        self.local, self.first, self.base = local, first, base
+
+    def __getitem__(self, i: int):
+        return int(self.local[int(i) - self.first]) + self.base
+
+
+def _read_back(ctx: RemoteShardContext, options) -> None:
+    """Packs through the remote reader equal the bytes fetched directly (a sample; all at deep)."""
+    from ..reader import MMapIndexedDataset
+
+    try:
+        ds = MMapIndexedDataset(ctx.prefix)
+    except ShardError as exc:
+        ctx.add("READER_REFUSED", f"the remote reader refused to open it: {exc}")
+        return
+    n = ctx.idx_header.sequence_count
+    idx = sample_indices(n, options.sample, options.level == "deep")
+    itemsize = ctx.idx_header.dtype.itemsize
+    lengths, pointers, offsets, starts = ctx.lengths(), ctx.pointers(), ctx.seq_offsets(), ctx.seq_starts()
+    for i, pack in zip(idx.tolist(), ds.get_many(idx)):
+        t0, n_i = int(pointers[i]) // itemsize, int(lengths[i])
+        want = (np.frombuffer(ctx.store.read_range(ctx.url.with_suffix(BIN_SUFFIX), t0 * itemsize, n_i * itemsize,
+                                                   ctx.infos[BIN_SUFFIX].etag), dtype=ctx.idx_header.dtype.numpy),
+                np.frombuffer(ctx.store.read_range(ctx.url.with_suffix(LOSS_SUFFIX), t0, n_i,
+                                                   ctx.infos[LOSS_SUFFIX].etag), dtype=np.uint8),
+                starts[int(offsets[i]):int(offsets[i + 1])])
+        for name, got, exp in zip(("input_ids", "loss_mask", "seq_start_id"), pack, want):
+            if not np.array_equal(got, exp):
+                ctx.add("READBACK_MISMATCH", f"{name} read through the remote reader differs from the object's "
+                        "bytes", pack=i)
+                break
+    ctx.report.checks.append("read-back-all" if options.level == "deep" else "read-back-sample")
+
+
+# --------------------------------------------------------------------------- promotion
+
+
+def promote_remote(shard: ShardReport, dest: str, *, link: bool = False, replace: bool = False) -> Dict[str, str]:
+    """Upload a passing local shard into the "directory" URL ``dest`` (``.idx`` last), then
+    remove the local files (``.idx`` first), as a local promotion moves them.
+
+    Raises:
+        ShardError: the shard did not pass, changed since it was checked, ``link`` was asked
+            for, or a shard exists at the destination without ``replace`` (nothing uploaded).
+        RemoteStorageError: an upload failed (the destination's ``.idx`` was not written).
+    """
+    from .. import _atomic
+    from ..storage.upload import upload_shard
+
+    if not shard.passed:
+        raise ShardError("refusing to promote a shard that failed the check", path=shard.prefix)
+    if link:
+        raise ShardError("--link cannot link into object storage", path=dest, hint="promote without --link")
+    for suffix in shard.files:
+        st = os.stat(shard.prefix + suffix)
+        if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != shard.identity.get(suffix):
+            raise ShardError("the file changed after it was checked", path=shard.prefix + suffix,
+                             hint="check the shard again before promoting it")
+    target = str(ObjectURL.parse(dest).join(os.path.basename(shard.prefix)))
+    uploaded = upload_shard(shard.prefix, target, replace=replace)
+    _atomic.remove_quietly(shard.prefix + s for s in reversed([s for s in PUBLISH_ORDER if s in shard.files]))
+    _atomic.fsync_dir(shard.prefix)
+    return uploaded

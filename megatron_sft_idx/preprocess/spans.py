@@ -1,0 +1,278 @@
+"""Assistant spans from ONE rendering of the conversation, exact to the prefix-render rule.
+
+The reference rule (:meth:`ChatTokenizer.prefix_spans`) renders ``2k+1`` prefixes of a
+conversation with k assistant turns: turn k spans from the end of
+``render(messages[:k], add_generation_prompt=True)`` to the end of
+``render(messages[:k+1])``, minus trailing whitespace. For a template that renders
+messages one after another, ``render(messages[:j])`` is the full rendering cut where
+the template first looks at message j. So the full rendering is produced once
+through ``Template.generate`` with every message wrapped in a dict that records, on
+its first access, how many characters the consumer has already taken from the
+generator (a generator runs only when pulled, so that count is exact).
+
+The result is used only when it can vouch for itself:
+
+* per template, :func:`qualify` compares the method with the reference on fixed
+  probe conversations (roles, empty and whitespace contents, special tokens) and
+  also requires ``len(render(messages[:j])) == L_j`` for every j >= 1 and a generation
+  prompt that is one constant string; a template that fails uses the reference
+  for every conversation;
+* per conversation, :meth:`SpanLocator.locate` returns None (so the caller uses
+  the reference) when the template asked for anything that depends on later
+  messages (``len(messages)``, ``loop.last``/``loop.length``, negative indices,
+  ``reversed``), looked at an earlier message again after a later one (a look back or
+  a second pass: the earlier turn's output may not be finished), looked at messages out of order,
+  or when a located span fails the cheap checks (the generation prompt sits at the
+  span start, the stripped assistant content lies inside the span);
+* the batched encoder cross-checks a deterministic sample of conversations against
+  the reference and stops the run on any difference.
+
+What the recorder cannot see is output a template holds back (in a namespace variable or
+a ``set`` block) and writes after it looked at a later message; the generation-prompt and
+content checks, the probes and the sampled cross-check are what catch such templates, and
+``--span-method prefix`` turns the method off.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+_PROBE_TEXTS = ("Hello there.", "", "  padded  ", "line one\nline two\n", "<|im_end|>", "x", " ",
+                "\n\nlead", "trail\n\n", "ünïcødé 日本 😀", "user", "assistant", "{{ not jinja }}")
+
+
+class _Recorder:
+    """Shared state of one rendering: characters consumed, first access per message, flags."""
+
+    __slots__ = ("consumed", "first", "current", "unsafe")
+
+    def __init__(self, n: int) -> None:
+        self.consumed = 0
+        self.first = [-1] * n
+        self.current = None
+        self.unsafe = False
+
+    def enter(self, message: "_Message") -> None:
+        """First access of ``message``: record where its output begins; the message before it
+        becomes a tripwire (a later look back at it means its output may not be finished)."""
+        self.first[message._index] = self.consumed
+        if self.current is not None:
+            self.current.__class__ = _Past
+        message.__class__ = _Current
+        self.current = message
+
+
+class _Message(dict):
+    """A message not yet looked at: its first access is recorded (then it becomes _Current)."""
+
+    __slots__ = ("_rec", "_index")
+
+    def _enter(self):
+        self._rec.enter(self)
+
+    def __getitem__(self, key):
+        self._enter()
+        return dict.__getitem__(self, key)
+
+    def get(self, key, default=None):
+        self._enter()
+        return dict.get(self, key, default)
+
+    def __contains__(self, key):
+        self._enter()
+        return dict.__contains__(self, key)
+
+    def __iter__(self):
+        self._enter()
+        return dict.__iter__(self)
+
+    def __len__(self):
+        self._enter()
+        return dict.__len__(self)
+
+    def keys(self):
+        self._enter()
+        return dict.keys(self)
+
+    def values(self):
+        self._enter()
+        return dict.values(self)
+
+    def items(self):
+        self._enter()
+        return dict.items(self)
+
+
+class _Current(dict):
+    """The message being rendered: plain dict access, no bookkeeping (the hot path)."""
+
+    __slots__ = ("_rec", "_index")
+
+
+class _Past(_Message):
+    """A message whose successor has been looked at: any access marks the rendering unsafe."""
+
+    __slots__ = ()
+
+    def _enter(self):
+        self._rec.unsafe = True
+
+
+class _Messages(list):
+    """The message list; anything that reveals how many messages follow marks the rendering unsafe."""
+
+    __slots__ = ("_rec",)
+
+    def __len__(self):
+        self._rec.unsafe = True
+        return list.__len__(self)
+
+    def __reversed__(self):
+        self._rec.unsafe = True
+        return list.__reversed__(self)
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            if any(v is not None and (not isinstance(v, int) or v < 0) for v in (key.start, key.stop, key.step)):
+                self._rec.unsafe = True
+            out = _Messages(list.__getitem__(self, key))
+            out._rec = self._rec
+            return out
+        if not isinstance(key, int) or key < 0:
+            self._rec.unsafe = True
+        return list.__getitem__(self, key)
+
+    def __bool__(self):
+        return list.__len__(self) > 0
+
+
+def _wrap(messages, rec: _Recorder) -> _Messages:
+    out = _Messages()
+    out._rec = rec
+    for i, m in enumerate(messages):
+        w = _Message(m)
+        w._rec = rec
+        w._index = i
+        list.append(out, w)
+    return out
+
+
+class SpanLocator:
+    """One-render span location for one tokenizer's template (see the module docstring)."""
+
+    def __init__(self, tok) -> None:
+        self.tok = tok
+        self.generation_prompt: Optional[str] = None
+        self.empty_prefix = tok.empty_prefix()
+        self.enabled = tok.compiled is not None and self.qualify()
+
+    def render_recorded(self, messages) -> Tuple[str, Optional[List[int]]]:
+        """The full rendering and, when safe, the position where each message's output begins."""
+        rec = _Recorder(len(messages))
+        parts = []
+        for chunk in self.tok.compiled.generate(messages=_wrap(messages, rec), add_generation_prompt=False,
+                                                **self.tok.template_kwargs):
+            rec.consumed += len(chunk)
+            parts.append(chunk)
+        text = "".join(parts)
+        first = rec.first
+        if rec.unsafe or min(first, default=0) < 0 or any(a > b for a, b in zip(first, first[1:])):
+            return text, None
+        return text, first
+
+    def locate(self, messages, turns: List[int]) -> Tuple[str, Optional[List[Tuple[int, int]]]]:
+        """``(full rendering, spans)`` of the assistant messages at ``turns``; spans None when the
+        one-render method cannot vouch for this conversation (use the reference).
+
+        Raises:
+            Exception: whatever the template raises (the caller reports it as the reference does).
+        """
+        text, starts = self.render_recorded(messages)
+        if starts is None:
+            return text, None
+        g = self.generation_prompt
+        spans = []
+        for k in turns:
+            if k == 0:
+                begin = len(self.empty_prefix)
+                if not text.startswith(self.empty_prefix):
+                    return text, None
+            else:
+                if not text.startswith(g, starts[k]):
+                    return text, None
+                begin = starts[k] + len(g)
+            end = starts[k + 1] if k + 1 < len(messages) else len(text)
+            if end < begin:
+                return text, None
+            while end > begin and text[end - 1].isspace():
+                end -= 1
+            if messages[k]["content"].strip() not in text[begin:end]:
+                return text, None
+            spans.append((begin, end))
+        return text, spans
+
+    # ------------------------------------------------------------ per-template qualification
+
+    def qualify(self) -> bool:
+        """True when the method gives the reference's spans on every probe conversation the
+        template accepts (at least three), with one constant generation prompt."""
+        prompts, accepted = set(), 0
+        for messages in _probe_conversations():
+            try:
+                plain = self.tok.render(messages)
+                prompted = self.tok.render(messages, add_generation_prompt=True)
+            except Exception:  # the template rejects this probe (e.g. roles must alternate)
+                continue
+            prompts.add(prompted[len(plain):] if prompted.startswith(plain) else None)
+            accepted += 1
+        if accepted < 3 or len(prompts) != 1 or None in prompts:
+            return False
+        self.generation_prompt = prompts.pop()
+        return all(self._agrees(messages) for messages in _probe_conversations())
+
+    def _agrees(self, messages) -> bool:
+        """The method gives exactly the reference's spans, or -- where the reference refuses the
+        conversation -- declines to locate it too. Declining where the reference succeeds also
+        disqualifies: a template the method does not follow on plain probes is not trusted."""
+        turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+        try:
+            text = self.tok.render(messages)
+        except Exception:
+            return True  # rejected by the template: both methods report the template's error
+        try:
+            want = self.tok.prefix_spans(messages, turns, text, "probe", 0)
+        except Exception:
+            want = None
+        try:
+            got_text, got = self.locate(messages, turns)
+            _, starts = self.render_recorded(messages)
+        except Exception:
+            return False
+        if got_text != text or got != want:
+            return False
+        if got is None:
+            return True
+        for j in range(1, len(messages)):
+            try:
+                if len(self.tok.render(messages[:j])) != starts[j]:
+                    return False
+            except Exception:
+                return False
+        return True
+
+
+def _probe_conversations():
+    """Fixed conversations covering roles, orders and awkward contents."""
+    t = _PROBE_TEXTS
+    out = []
+    for i in range(len(t)):
+        a, b, c = t[i], t[(i + 3) % len(t)], t[(i + 7) % len(t)]
+        out.append([{"role": "system", "content": a}, {"role": "user", "content": b},
+                    {"role": "assistant", "content": c}, {"role": "user", "content": a},
+                    {"role": "assistant", "content": b}])
+        out.append([{"role": "user", "content": c}, {"role": "assistant", "content": a}])
+    out.append([{"role": "assistant", "content": "first"}, {"role": "user", "content": "q"},
+                {"role": "assistant", "content": "second"}])
+    out.append([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+                {"role": "assistant", "content": "b"}, {"role": "user", "content": "end"}])
+    return out

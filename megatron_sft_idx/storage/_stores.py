@@ -1,0 +1,392 @@
+"""Clients of object storage behind one small interface: boto3 for ``s3://``, MSC for ``msc://``.
+
+A store answers six questions — list, head, read a byte range, download, upload,
+delete — and raises only the project's errors: every request runs through
+:func:`~._retry.with_retries` with this module's classification of the client's
+exceptions. The clients are the optional extra ``[s3]``, imported the first time a URL is
+used, never on the local read path; without them the error is one line naming the extra.
+
+boto3's own retries are switched off (one attempt per call) so that the policy,
+the attempt count and the final error are ours. Ranged reads carry ``If-Match``
+with the ETag seen at open, so a shard replaced mid-read fails with
+:class:`~megatron_sft_idx.errors.ObjectChangedError` instead of mixing generations
+(``s3://``; MSC's read API takes no precondition). A response shorter or longer
+than the range asked for is retried, never returned.
+
+Clients are created once per process (a DataLoader worker or a forked rank gets its own:
+connection pools do not survive ``fork``).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as futures
+import os
+import re
+import threading
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+from .._extras import require_extra
+from ._retry import Outcome, ShortReadError, with_retries
+from ._url import ObjectURL
+from .config import StorageConfig
+
+#: Requests made by this process, by kind (``get``, ``head``, ``list``, ``put``, ...) plus
+#: ``get_bytes``; attempts count, so a retried GET counts twice. Benchmarks and tests read it.
+REQUESTS: collections.Counter = collections.Counter()
+_REQ_LOCK = threading.Lock()
+
+_RETRY_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "InternalError",
+                "ServiceUnavailable", "RequestLimitExceeded", "TooManyRequests", "Busy", "503", "500"}
+_MISSING_CODES = {"NoSuchKey", "NotFound", "404", "NoSuchBucket"}
+_STATUS = re.compile(r"status_code:\s*(\d{3})")
+#: Who needs the extra, in the one-line MissingExtraError.
+_S3_USER, _MSC_USER = "s3:// URLs", "msc:// URLs"
+
+
+def _count(kind: str, nbytes: int = 0) -> None:
+    with _REQ_LOCK:
+        REQUESTS[kind] += 1
+        if nbytes:
+            REQUESTS[kind + "_bytes"] += nbytes
+
+
+def _count_bytes(nbytes: int) -> None:
+    with _REQ_LOCK:
+        REQUESTS["get_bytes"] += nbytes
+
+
+def request_counts() -> Dict[str, int]:
+    """A copy of this process's request counters."""
+    with _REQ_LOCK:
+        return dict(REQUESTS)
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """Size and version tag (ETag; empty when the store gives none) of one object."""
+
+    size: int
+    etag: str = ""
+
+
+# --------------------------------------------------------------------------- classification
+
+
+def classify(exc: BaseException) -> Outcome:
+    """What to do about one failed request, from the exception and its causes."""
+    seen = 0
+    while exc is not None and seen < 8:
+        outcome = _classify_one(exc)
+        if outcome is not None:
+            return outcome
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return Outcome.FATAL
+
+
+def _classify_one(exc: BaseException) -> Optional[Outcome]:
+    name = type(exc).__name__
+    if isinstance(exc, ShortReadError) or name in ("RetryableError",):
+        return Outcome.RETRY
+    if name == "PreconditionFailedError":
+        return Outcome.CHANGED
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict) and "Error" in response:  # botocore ClientError
+        code = str(response["Error"].get("Code", ""))
+        status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+        if status == 404 or code in _MISSING_CODES:
+            return Outcome.MISSING
+        if status == 412 or code == "PreconditionFailed":
+            return Outcome.CHANGED
+        if status >= 500 or status == 429 or code in _RETRY_CODES:
+            return Outcome.RETRY
+        return Outcome.FATAL
+    if isinstance(exc, FileNotFoundError):
+        return Outcome.MISSING
+    if isinstance(exc, PermissionError) or name in ("NoCredentialsError", "PartialCredentialsError"):
+        return Outcome.FATAL
+    if name in ("EndpointConnectionError", "ConnectionClosedError", "ConnectTimeoutError", "ReadTimeoutError",
+                "IncompleteReadError", "ResponseStreamingError", "ProtocolError", "HTTPClientError",
+                "RustRetryableError") or isinstance(exc, (ConnectionError, TimeoutError)):
+        return Outcome.RETRY
+    match = _STATUS.search(str(exc)) if isinstance(exc, RuntimeError) else None
+    if match:  # MSC maps unlisted statuses (e.g. 500) to RuntimeError("... status_code: 500")
+        status = int(match.group(1))
+        return Outcome.RETRY if status >= 500 or status == 429 else Outcome.FATAL
+    if isinstance(exc, OSError) and not isinstance(exc, PermissionError):
+        return Outcome.RETRY  # resets and broken pipes surface as plain OSErrors from the socket
+    return None
+
+
+# --------------------------------------------------------------------------- the base
+
+
+class ObjectStore:
+    """One scheme's client with the project's retry policy. Use :func:`store_for`."""
+
+    scheme = ""
+
+    def __init__(self, config: StorageConfig) -> None:
+        self.config = config
+
+    def _retry(self, op, what: str, url: ObjectURL):
+        c = self.config
+        return with_retries(op, what=what, path=str(url), classify=classify, attempts=c.retries,
+                            base=c.backoff, ceiling=c.backoff_max)
+
+    # The primitives each client implements (one attempt each, client exceptions allowed).
+    def _head(self, url: ObjectURL) -> ObjectInfo: raise NotImplementedError
+    def _list(self, url: ObjectURL, recursive: bool) -> List[Tuple[ObjectURL, ObjectInfo]]: raise NotImplementedError
+    def _get(self, url: ObjectURL, start: int, length: int, etag: str) -> bytes: raise NotImplementedError
+    def _put(self, url: ObjectURL, path: str, size: int) -> None: raise NotImplementedError
+    def _delete(self, url: ObjectURL) -> None: raise NotImplementedError
+
+    # ------------------------------------------------------------------ public, retried
+
+    def head(self, url: ObjectURL) -> Optional[ObjectInfo]:
+        """Size and ETag of ``url``, or None when it does not exist."""
+        from ..errors import ShardNotFoundError
+
+        try:
+            return self._retry(lambda: self._head(url), "HEAD", url)
+        except ShardNotFoundError:
+            return None
+
+    def stat_files(self, url: ObjectURL, suffixes: Sequence[str]) -> Dict[str, ObjectInfo]:
+        """``{suffix: ObjectInfo}`` of the objects ``url + suffix`` that exist (one HEAD each)."""
+        infos = {}
+        for suffix in suffixes:
+            info = self.head(url.with_suffix(suffix))
+            if info is not None:
+                infos[suffix] = info
+        return infos
+
+    def list(self, url: ObjectURL, recursive: bool = False) -> List[Tuple[ObjectURL, ObjectInfo]]:
+        """Objects whose key starts with ``url.key`` (not below a further ``/`` unless recursive)."""
+        return self._retry(lambda: self._list(url, recursive), "LIST", url)
+
+    def read_range(self, url: ObjectURL, start: int, length: int, etag: str = "") -> bytes:
+        """Exactly ``length`` bytes of ``url`` from ``start`` (``If-Match: etag`` when given)."""
+        if length <= 0:
+            return b""
+
+        def op():
+            data = self._get(url, start, length, etag)
+            if len(data) != length:
+                raise ShortReadError(f"asked for {length} bytes at {start}, got {len(data)}")
+            return data
+
+        return self._retry(op, f"GET bytes {start}-{start + length - 1}", url)
+
+    def read_chunks(self, url: ObjectURL, size: int, etag: str = "", chunk: int = 16 << 20) -> Iterator[bytes]:
+        """The whole object in order, ``chunk`` bytes per ranged GET (each retried on its own)."""
+        for start in range(0, size, chunk):
+            yield self.read_range(url, start, min(chunk, size - start), etag)
+
+    def download(self, url: ObjectURL, dest: str, info: ObjectInfo, chunk: int = 64 << 20) -> None:
+        """Write ``url`` to the local file ``dest`` (created or truncated), chunk by chunk."""
+        with open(dest, "wb") as f:
+            for data in self.read_chunks(url, info.size, info.etag, chunk):
+                f.write(data)
+
+    def upload(self, path: str, url: ObjectURL) -> None:
+        """Upload local file ``path`` to ``url`` (multipart above ``config.part_size``)."""
+        size = os.path.getsize(path)
+        self._retry(lambda: self._put(url, path, size), "PUT", url)
+
+    def delete(self, url: ObjectURL) -> None:
+        from ..errors import ShardNotFoundError
+
+        try:
+            self._retry(lambda: self._delete(url), "DELETE", url)
+        except ShardNotFoundError:
+            pass
+
+
+# --------------------------------------------------------------------------- boto3
+
+
+class S3Store(ObjectStore):
+    """``s3://bucket/key`` through boto3; endpoint and credentials from the AWS environment."""
+
+    scheme = "s3"
+
+    def __init__(self, config: StorageConfig) -> None:
+        super().__init__(config)
+        require_extra("s3", "boto3", user=_S3_USER)
+        import boto3
+        import botocore.config as botocore_config
+
+        cfg = botocore_config.Config(retries={"total_max_attempts": 1},
+                                     max_pool_connections=max(10, 2 * config.concurrency),
+                                     connect_timeout=20, read_timeout=120)
+        self.client = boto3.session.Session().client("s3", config=cfg)
+
+    def stat_files(self, url: ObjectURL, suffixes: Sequence[str]) -> Dict[str, ObjectInfo]:
+        """One LIST of the keys starting with ``url.key + "."``; HEADs where listing is denied."""
+        from ..errors import RemoteStorageError
+
+        try:
+            listed = self.list(url.with_suffix("."))
+        except RemoteStorageError:  # e.g. AccessDenied on ListBucket with GetObject allowed
+            return super().stat_files(url, suffixes)
+        by_key = {u.key: info for u, info in listed}
+        return {s: by_key[url.key + s] for s in suffixes if url.key + s in by_key}
+
+    def _head(self, url):
+        _count("head")
+        r = self.client.head_object(Bucket=url.bucket, Key=url.key)
+        return ObjectInfo(int(r["ContentLength"]), r.get("ETag", ""))
+
+    def _list(self, url, recursive):
+        out = []
+        kwargs = {"Bucket": url.bucket, "Prefix": url.key}
+        if not recursive:
+            kwargs["Delimiter"] = "/"
+        while True:
+            _count("list")
+            r = self.client.list_objects_v2(**kwargs)
+            for item in r.get("Contents", []):
+                out.append((ObjectURL("s3", url.bucket, item["Key"]), ObjectInfo(int(item["Size"]), item.get("ETag", ""))))
+            if not r.get("IsTruncated"):
+                return out
+            kwargs["ContinuationToken"] = r["NextContinuationToken"]
+
+    def _get(self, url, start, length, etag):
+        _count("get")
+        kwargs = {"Bucket": url.bucket, "Key": url.key, "Range": f"bytes={start}-{start + length - 1}"}
+        if etag:
+            kwargs["IfMatch"] = etag
+        body = self.client.get_object(**kwargs)["Body"]
+        try:
+            data = body.read()
+        finally:
+            body.close()
+        _count_bytes(len(data))
+        return data
+
+    def _put(self, url, path, size):
+        if size <= self.config.part_size:
+            _count("put")
+            with open(path, "rb") as f:
+                self.client.put_object(Bucket=url.bucket, Key=url.key, Body=f.read())
+            return
+        self._multipart(url, path, size)
+
+    def _multipart(self, url, path, size):
+        """Parts in parallel, each retried on its own; any failure aborts the upload (no
+        orphaned parts are left billed)."""
+        _count("put")
+        upload_id = self.client.create_multipart_upload(Bucket=url.bucket, Key=url.key)["UploadId"]
+        part = self.config.part_size
+        starts = list(range(0, size, part))
+
+        def send(k: int) -> dict:
+            start = starts[k]
+            with open(path, "rb") as f:
+                f.seek(start)
+                data = f.read(min(part, size - start))
+
+            def op():
+                _count("put_part", len(data))
+                r = self.client.upload_part(Bucket=url.bucket, Key=url.key, UploadId=upload_id,
+                                            PartNumber=k + 1, Body=data)
+                return {"PartNumber": k + 1, "ETag": r["ETag"]}
+
+            return self._retry(op, f"PUT part {k + 1}/{len(starts)}", url)
+
+        try:
+            with futures.ThreadPoolExecutor(max_workers=self.config.concurrency) as pool:
+                parts = list(pool.map(send, range(len(starts))))
+            _count("put")
+            self.client.complete_multipart_upload(Bucket=url.bucket, Key=url.key, UploadId=upload_id,
+                                                  MultipartUpload={"Parts": parts})
+        except BaseException:
+            try:
+                self.client.abort_multipart_upload(Bucket=url.bucket, Key=url.key, UploadId=upload_id)
+            except Exception:  # the abort is best effort; the original error matters
+                pass
+            raise
+
+    def _delete(self, url):
+        _count("delete")
+        self.client.delete_object(Bucket=url.bucket, Key=url.key)
+
+
+# --------------------------------------------------------------------------- multi-storage-client
+
+
+class MscStore(ObjectStore):
+    """``msc://profile/path`` through multi-storage-client (its config names the backend)."""
+
+    scheme = "msc"
+
+    def __init__(self, config: StorageConfig) -> None:
+        super().__init__(config)
+        require_extra("s3", "multistorageclient", user=_MSC_USER)
+        import multistorageclient
+
+        self._msc = multistorageclient
+        self._clients: Dict[str, object] = {}
+
+    def _client(self, url: ObjectURL):
+        client = self._clients.get(url.bucket)
+        if client is None:
+            client, _ = self._msc.resolve_storage_client(f"msc://{url.bucket}/")
+            self._clients[url.bucket] = client
+        return client
+
+    def _head(self, url):
+        _count("head")
+        meta = self._client(url).info(url.key)
+        return ObjectInfo(int(meta.content_length), meta.etag or "")
+
+    def _list(self, url, recursive):
+        """MSC lists directories, not key prefixes: list the key's directory, keep the prefix."""
+        _count("list")
+        client = self._client(url)
+        directory = url.key[: url.key.rfind("/") + 1]
+        out = []
+        for meta in client.list(path=directory, include_directories=not recursive):
+            key = meta.key
+            if getattr(meta, "type", "file") != "file" or not key.startswith(url.key):
+                continue
+            if not recursive and "/" in key[len(directory):]:
+                continue
+            out.append((ObjectURL("msc", url.bucket, key), ObjectInfo(int(meta.content_length), meta.etag or "")))
+        return out
+
+    def _get(self, url, start, length, etag):
+        _count("get")
+        data = self._client(url).read(url.key, byte_range=self._msc.types.Range(offset=start, size=length))
+        _count_bytes(len(data))
+        return bytes(data)
+
+    def _put(self, url, path, size):
+        _count("put")
+        self._client(url).upload_file(url.key, path)
+
+    def _delete(self, url):
+        _count("delete")
+        self._client(url).delete(url.key)
+
+
+# --------------------------------------------------------------------------- per process
+
+_STORES: Dict[tuple, ObjectStore] = {}
+_STORES_LOCK = threading.Lock()
+
+
+def store_for(url: ObjectURL, config: StorageConfig) -> ObjectStore:
+    """This process's store for ``url``'s scheme and ``config`` (created on first use)."""
+    key = (os.getpid(), url.scheme, config)
+    store = _STORES.get(key)
+    if store is None:
+        with _STORES_LOCK:
+            store = _STORES.get(key)
+            if store is None:
+                store = (S3Store if url.scheme == "s3" else MscStore)(config)
+                _STORES[key] = store
+    return store

@@ -1,0 +1,85 @@
+"""What the three tool command lines share: exit codes, error reporting, signals, output.
+
+Exit status: 0 success; 1 the tool refused or failed on readable input (incompatible
+shards, a corrupt shard, an output that failed the gate); 2 usage error or input it
+cannot use at all (no such shard, an existing output; a missing optional dependency is
+:class:`~megatron_sft_idx._extras.MissingExtraError`, which :mod:`megatron_sft_idx._console`
+turns into one line naming the extra). A user's mistake prints one line naming the file and
+what to do, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from typing import Callable, List, Optional, Union
+
+from ..errors import ShardError, ShardExistsError, ShardNotFoundError
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+_USAGE_ERRORS = (ShardNotFoundError, ShardExistsError)
+
+
+def parse(parser: argparse.ArgumentParser, argv: Optional[List[str]]) -> Union[argparse.Namespace, int]:
+    """Parsed arguments, or the exit code when argparse exited (``--help``: 0, a bad flag: 2)."""
+    try:
+        return parser.parse_args(argv)
+    except SystemExit as exc:
+        return EXIT_OK if exc.code == 0 else EXIT_USAGE
+
+
+def usage_error(parser: argparse.ArgumentParser, message: str) -> int:
+    parser.print_usage(sys.stderr)
+    print(f"{parser.prog}: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def run(prog: str, body: Callable[[], int]) -> int:
+    """Run ``body`` with the project's error policy; SIGTERM unwinds like Ctrl-C, so a tool's
+    cleanup (removing its staging files) runs and nothing is published."""
+
+    def terminate(signum, frame):
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, terminate)
+    except ValueError:  # not the main thread: leave signals alone
+        previous = None
+    try:
+        return body()
+    except _USAGE_ERRORS as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except ShardError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return EXIT_FAIL
+    except ImportError:  # a missing extra: megatron_sft_idx._console prints it in one line, exit 2
+        raise
+    except OSError as exc:  # permission denied, disk full, a directory given for a file, ...
+        where = f"{exc.filename}: " if getattr(exc, "filename", None) else ""
+        print(f"{prog}: error: {where}{exc.strerror or exc}", file=sys.stderr)
+        return EXIT_FAIL
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted; nothing was published", file=sys.stderr)
+        return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def emit(text: str) -> None:
+    """Print to stdout; a closed pipe (``| head``) is not an error."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover

@@ -1,0 +1,228 @@
+"""``convert(INPUT, OUTPUT)``: between the packed formats users have and shards.
+
+Formats are inferred from the paths (or named with ``source_format`` / ``to``):
+
+===============  ===================================================  ===========
+kind             what INPUT is                                        to
+===============  ===================================================  ===========
+``npy``          Megatron-Bridge's legacy packed ``.npy`` (pickled,   shard
+                 read through the factory's restricted unpickler)
+``parquet``      Bridge packed Parquet: a file, a directory or glob   shard
+``option-a``     the RFC's Option A directory (``manifest.json``       shard
+                 with ``format: memmap_padded_v1``)
+``pretrain``     upstream megatron-core ``.bin/.idx`` (no SFT files)  shard
+``shard``        our shards: prefix, glob, directory or manifest      parquet
+===============  ===================================================  ===========
+
+OUTPUT is a shard prefix, or a ``.parquet``/``.pq`` file (``to="parquet"``). Example::
+
+    convert("/data/train.npy", "/data/shards/train")               # legacy -> shard
+    convert("/data/shards/train", "/data/train.parquet")           # shard -> Bridge Parquet
+    convert("/data/pretrain_text_document", "/data/sft/pt", pack_size=4096)
+"""
+
+from __future__ import annotations
+
+import glob as _glob
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+from ..builder import IndexedDatasetBuilder
+from ..errors import FormatError, ShardExistsError, ShardNotFoundError
+from ..format import IDX_SUFFIX, SFT_SUFFIXES
+from ..metadata import RESERVED_KEYS, ShardMetadata
+from . import convert_to_shard as to_shard
+from .convert_to_parquet import METADATA_KEY, ROW_GROUP_SIZE, shards_to_parquet
+
+SOURCE_FORMATS = ("npy", "parquet", "option-a", "pretrain", "shard")
+TARGETS = ("shard", "parquet")
+OVERLONG = ("error", "truncate", "drop")
+_PARQUET_SUFFIXES = (".parquet", ".pq")
+
+
+@dataclass
+class ConvertOptions:
+    pack_size: Optional[int] = None
+    vocab_size: Optional[int] = None
+    pad_seq_to_mult: Optional[int] = None
+    pad_layout: Optional[str] = None     # .npy/Parquet: default the factory's (Bridge's: runtime)
+    eos_id: Optional[int] = None         # .npy/Parquet: Bridge's EOS id, whose loss its collate zeroes
+    algorithm: str = "first_fit_decreasing"
+    seed: int = 0
+    overlong: str = "error"
+    row_group_size: int = ROW_GROUP_SIZE
+    pack_metadata: Optional[str] = None
+    overwrite: bool = False
+
+
+@dataclass
+class ConvertResult:
+    source_format: str
+    target: str
+    output: str
+    packs: int
+    seconds: float
+    metadata: Optional[ShardMetadata] = None
+    details: Dict[str, Any] = field(default_factory=dict)
+    notes: List[str] = field(default_factory=list)
+
+
+def detect_source(path: str) -> str:
+    """The format of INPUT, from the path alone (see the module table).
+
+    Raises:
+        ShardNotFoundError: nothing at ``path``.
+        FormatError: something is there, in no format this tool reads.
+    """
+    if os.path.exists(path + IDX_SUFFIX):
+        return "shard" if any(os.path.exists(path + s) for s in SFT_SUFFIXES) else "pretrain"
+    if path.endswith(".npy") and os.path.isfile(path):
+        return "npy"
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "manifest.json")):
+        return "option-a"
+    if to_shard.parquet_files(path):
+        return "parquet"
+    if path.endswith(".json") and os.path.isfile(path):
+        return "shard"  # a manifest of shards
+    if os.path.isdir(path) or (_glob.has_magic(path) and _glob.glob(path)):
+        return "shard"
+    if os.path.exists(path):
+        raise FormatError("not a packed format this tool reads", path=path, field="format",
+                          expected=list(SOURCE_FORMATS),
+                          hint="give a legacy .npy, a packed .parquet (or a directory of them), an Option A "
+                               "directory, a shard prefix (without .idx) or upstream pretrain .bin/.idx prefix")
+    raise ShardNotFoundError("nothing at this path", path=path)
+
+
+def detect_target(output: str) -> str:
+    return "parquet" if output.endswith(_PARQUET_SUFFIXES) else "shard"
+
+
+def convert(source: str, output: str, *, source_format: Optional[str] = None, to: Optional[str] = None,
+            options: Optional[ConvertOptions] = None) -> ConvertResult:
+    """Convert ``source`` to ``output`` (see the module table); the output appears atomically.
+
+    Raises:
+        FormatError: an unsupported pair of formats, or an unreadable source.
+        ShardExistsError: ``output`` exists and ``options.overwrite`` is false.
+        InvariantError: a pack breaks an invariant (named by file and pack).
+        ShardError (any subclass): the source is malformed.
+    """
+    options = options or ConvertOptions()
+    source, output = os.fspath(source), os.fspath(output)
+    kind = source_format or detect_source(source)
+    target = to or detect_target(output)
+    started = time.perf_counter()
+    if target == "parquet":
+        if kind != "shard":
+            raise FormatError(f"--to parquet converts shards; this input is {kind}", path=source, field="to",
+                              hint="convert it to a shard first, then the shard to Parquet")
+        from .merge_plan import resolve_inputs
+
+        counts = shards_to_parquet(resolve_inputs([source]), output, row_group_size=options.row_group_size,
+                                   overwrite=options.overwrite, pack_metadata=options.pack_metadata)
+        return ConvertResult(kind, target, output, counts["packs"], time.perf_counter() - started,
+                             details=counts)
+    if kind == "shard":
+        raise FormatError("the input is already a shard", path=source, field="to",
+                          hint="use merge-shards to copy or combine shards, or --to parquet")
+    if not options.overwrite and os.path.exists(output + IDX_SUFFIX):
+        raise ShardExistsError("a shard already exists at the output prefix", path=output)
+    writer = {"npy": _from_flat, "parquet": _from_flat, "option-a": _from_option_a, "pretrain": _from_pretrain}
+    result = writer[kind](kind, source, output, options)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _builder(output: str, options: ConvertOptions, *, pack_size, dtype=None, vocab_size=None,
+             metadata: Optional[dict] = None) -> IndexedDatasetBuilder:
+    meta = dict(metadata or {})
+    if options.pad_seq_to_mult:
+        meta["pad_seq_to_mult"] = options.pad_seq_to_mult
+    if options.pad_layout:
+        meta["pad_layout"] = options.pad_layout
+    return IndexedDatasetBuilder(output, dtype=dtype, vocab_size=vocab_size or options.vocab_size,
+                                 pack_size=pack_size, metadata=meta, overwrite=options.overwrite)
+
+
+def _source_record(kind: str, path: str, **extra) -> dict:
+    return {"converted_from": {"format": kind, "path": os.path.abspath(path), **extra}}
+
+
+def _from_flat(kind: str, source: str, output: str, options: ConvertOptions) -> ConvertResult:
+    """Legacy ``.npy`` or packed Parquet, parsed and normalised by the factory one file at a time
+    (Bridge's quirks -- loss on positions it never trains, the runtime padding layout -- are
+    handled there, once, for training and conversion alike)."""
+    from ..training.factory import open_packed
+
+    files = [source] if kind == "npy" else list(to_shard.parquet_files(source))
+    restored = to_shard.read_parquet_shard_metadata(files[0], METADATA_KEY) if kind == "parquet" else None
+    if restored is None and not options.pack_size and len(files) > 1:
+        raise FormatError("several Parquet files are read one at a time: the pack size is needed up front",
+                          path=source, field="pack_size", hint="pass --pack-size N")
+    parse = {"pad_seq_to_mult": options.pad_seq_to_mult or (restored or {}).get("pad_seq_to_mult"),
+             "eos_id": options.eos_id}
+    layout = options.pad_layout or (restored or {}).get("pad_layout")
+    if layout:
+        parse["pad_layout"] = layout
+    sources = (open_packed(f, **parse) for f in files)
+    first = next(sources)
+    notes = []
+    if restored is not None:  # written by --to parquet: the shard comes back as it was
+        builder = IndexedDatasetBuilder(output, dtype=np.dtype(restored.get("token_dtype", "int32")),
+                                        vocab_size=restored.get("vocab_size"),
+                                        pack_size=options.pack_size or restored.get("pack_size"),
+                                        metadata={k: v for k, v in restored.items() if k not in RESERVED_KEYS},
+                                        overwrite=options.overwrite)
+    else:
+        size = options.pack_size or first.summary.max_packed_seqlen
+        if not options.pack_size:
+            notes.append(f"pack size not given: using the longest pack of {files[0]} ({size}); set --pack-size")
+        meta = {"source": _source_record(kind, source, files=len(files)),
+                "pad_seq_to_mult": first.summary.pad_seq_to_mult, "pad_layout": first.summary.pad_layout}
+        builder = _builder(output, options, pack_size=size, metadata=meta)
+    with builder:
+        packs = to_shard.add_flat_source(builder, first, files[0])
+        del first
+        for path, src in zip(files[1:], sources):
+            packs += to_shard.add_flat_source(builder, src, path, first_pack=packs)
+    return ConvertResult(kind, "shard", output, packs, 0.0, builder.metadata, {"files": len(files)}, notes)
+
+
+def _from_option_a(kind: str, source: str, output: str, options: ConvertOptions) -> ConvertResult:
+    manifest = to_shard.read_option_a_manifest(source)
+    builder = _builder(output, options, pack_size=options.pack_size or manifest["pack_size"],
+                       metadata={"source": _source_record(kind, source, manifest_version=manifest.get("version"))})
+    with builder:
+        packs = to_shard.add_option_a(builder, source, manifest)
+    return ConvertResult(kind, "shard", output, packs, 0.0, builder.metadata)
+
+
+def _from_pretrain(kind: str, source: str, output: str, options: ConvertOptions) -> ConvertResult:
+    from ..packing import pack_lengths
+    from ..reader import MMapIndexedDataset
+
+    if not options.pack_size:
+        raise FormatError("converting pretrain data packs its documents: the pack size is needed",
+                          path=source, field="pack_size", hint="pass --pack-size N")
+    if options.overlong not in OVERLONG:
+        raise FormatError("unknown overlong policy", field="overlong", expected=list(OVERLONG),
+                          actual=options.overlong)
+    src = MMapIndexedDataset(source)
+    plan = to_shard.plan_documents(src, options.pack_size, options.overlong)
+    if not plan["copy"].size:
+        raise FormatError("no non-empty document to convert", path=source, field="documents",
+                          actual=plan["counts"])
+    assignment = pack_lengths(plan["copy"], options.pack_size, options.algorithm, options.seed)
+    dtype = src.dtype.numpy if src.dtype.name in ("uint16", "int32") else None
+    meta = {"packing": {"algorithm": options.algorithm, "seed": options.seed, "pack_size": options.pack_size,
+                        "overlong": options.overlong},
+            "source": _source_record(kind, source, **plan["counts"]), "extra": {"loss_on": "all"}}
+    builder = _builder(output, options, pack_size=options.pack_size, dtype=dtype, metadata=meta)
+    with builder:
+        packs = to_shard.add_pretrain(builder, src, plan, assignment)
+    return ConvertResult(kind, "shard", output, packs, 0.0, builder.metadata, dict(plan["counts"]))

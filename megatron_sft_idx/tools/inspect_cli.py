@@ -1,0 +1,107 @@
+"""``inspect-idx PREFIX...`` (also ``tools/inspect_idx.py``): what shards hold, one pack, or SQL.
+
+Modes: a summary (default; ``--plot OUT.png`` also draws its histograms), ``--pack N``
+(one pack with its boundaries and trained spans, detokenized when the recorded tokenizer
+is available), ``--sql "SELECT ... FROM packs"`` (DuckDB over the shards, zero-copy).
+Exit status: 0 done; 1 a shard is corrupt or the query failed; 2 usage error, a missing
+shard or a missing optional dependency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import List, Optional
+
+from . import _cli
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="inspect_idx",
+        description="Summarise megatron_sft_idx shards, show one pack with its trained spans, or query them "
+                    "with SQL (table 'packs'). Exit 0 = done, 1 = corrupt shard or failed query, 2 = usage error.")
+    p.add_argument("shards", nargs="+", metavar="PREFIX",
+                   help="shard prefix, glob, directory or manifest .json (several are read as one dataset)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--pack", type=int, default=None, metavar="N", help="show pack N (global index; -1 = last)")
+    mode.add_argument("--sql", default=None, metavar="QUERY",
+                      help="run QUERY over the table 'packs' (columns: pack, packed_len, num_sequences, "
+                           "trainable_tokens, input_ids, loss_mask, seq_start_id, shard); needs duckdb")
+    p.add_argument("--seq", type=int, default=None, metavar="K", help="with --pack: show only sequence K's text")
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="with --pack: detokenize with this tokenizer directory or tokenizer.json "
+                        "(default: the one the metadata records, if its files are unchanged)")
+    p.add_argument("--no-text", action="store_true", help="with --pack: token ids only, no detokenizing")
+    p.add_argument("--max-chars", type=int, default=1200, metavar="N",
+                   help="with --pack: characters of text shown per sequence (default 1200)")
+    p.add_argument("--max-rows", type=int, default=40, metavar="N", help="with --sql: rows printed (default 40)")
+    p.add_argument("--bins", type=int, default=12, metavar="N", help="histogram bins (default 12)")
+    p.add_argument("--plot", default=None, metavar="OUT.png", help="draw the summary's histograms to a PNG")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    return p
+
+
+def _usage_problem(args) -> Optional[str]:
+    if args.seq is not None and args.pack is None:
+        return "--seq needs --pack"
+    if args.plot and (args.pack is not None or args.sql):
+        return "--plot draws the summary: use it without --pack/--sql"
+    for flag in ("max_chars", "max_rows", "bins"):
+        if getattr(args, flag) <= 0:
+            return f"--{flag.replace('_', '-')} must be positive"
+    return None
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = _cli.parse(parser, argv)
+    if isinstance(args, int):
+        return args
+    problem = _usage_problem(args)
+    if problem:
+        return _cli.usage_error(parser, problem)
+    return _cli.run("inspect_idx", lambda: _run(args))
+
+
+def _run(args) -> int:
+    from .merge_plan import resolve_inputs
+
+    if args.sql:
+        return _sql(args)
+    prefixes = resolve_inputs(args.shards)
+    if args.pack is not None:
+        from .pack_view import describe_pack, format_pack
+
+        view = describe_pack(prefixes, args.pack, args.tokenizer, detokenize=not args.no_text)
+        _cli.emit(json.dumps(view, indent=1) if args.json else format_pack(view, args.seq, args.max_chars))
+        return _cli.EXIT_OK
+    from .inspect import format_summary, summarize
+
+    summary = summarize(prefixes, bins=args.bins)
+    if args.plot:
+        from .plot import plot_summary
+
+        summary["plot"] = plot_summary(summary, args.plot)
+    text = json.dumps(summary, indent=1) if args.json else format_summary(summary)
+    if args.plot and not args.json:
+        text += f"\nplot written to {summary['plot']}"
+    _cli.emit(text)
+    return _cli.EXIT_OK
+
+
+def _sql(args) -> int:
+    from .sql import query, query_text
+
+    spec = list(args.shards)
+    if args.json:
+        table = query(spec, args.sql)
+        _cli.emit(json.dumps(table.to_pylist(), default=str))
+    else:
+        _cli.emit(query_text(spec, args.sql, max_rows=args.max_rows))
+    return _cli.EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

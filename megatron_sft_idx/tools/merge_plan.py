@@ -1,0 +1,230 @@
+"""What a merge will write, decided from the inputs' headers alone (no data is read).
+
+:func:`plan_merge` opens each input's headers once, in order, refuses inputs that
+cannot become one shard, and folds everything the output needs into running
+totals, so its memory is one path and one pack count per input, whatever the
+inputs hold. The rules, by metadata key:
+
+=========================  ============================================================
+key                        rule
+=========================  ============================================================
+token_dtype                equal, or ``widen=True``: int32 when any input is int32
+loss_mask_convention,      equal, else :class:`IncompatibleShardsError` naming the key,
+pad_seq_to_mult, and any   the first input and the one that differs. Any key this
+key not listed here        module does not know is also compared, so a key a newer
+                           format adds (e.g. a CP padding layout) is never mixed silently
+parallelism, pad_layout    equal when sequences are padded (``pad_seq_to_mult > 1``: the
+                           CP/TP/SP and the stored/runtime layout decide what the padding
+                           means); without padding ``parallelism`` is kept when equal, else
+                           dropped (noted), and the first input's ``pad_layout`` is kept
+tokenizer                  equal where recorded; different ones are refused; an input
+                           without one makes the output's unknown (noted)
+pack_size                  the largest (or the caller's, if no pack is longer)
+vocab_size                 the largest when all are known, else unknown (noted)
+packing                    kept when equal, else dropped (noted)
+source                     ``{"merged": {"inputs": [...], "shards": K}}`` plus the inputs'
+                           common source when they share one
+extra                      the entries every input agrees on
+stats, files, producer     recomputed by the merge
+=========================  ============================================================
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from ..errors import IncompatibleShardsError, InvariantError, ShardError
+from ..format import DType
+from ..reader import MMapIndexedDataset
+from ..training.multi import expand_shards, is_manifest, read_manifest
+
+#: Keys the merge recomputes or combines by its own rule; every other key must be equal.
+_COMBINED_KEYS = frozenset({"format", "stats", "files", "producer", "source", "extra", "packing",
+                            "pack_size", "vocab_size", "token_dtype", "tokenizer", "parallelism",
+                            "pad_layout"})
+_HINTS = {
+    "token_dtype": "pass --widen to write int32 tokens for all inputs",
+    "pad_seq_to_mult": "shards padded for different context parallelism cannot share one pad multiple; "
+                       "merge each group separately (blend them with data_path weights instead)",
+    "parallelism": "shards padded for different CP/TP/SP layouts must stay separate; merge each group alone",
+    "pad_layout": "Megatron-LM (stored) and Megatron-Bridge (runtime) padding cannot share one shard; "
+                  "merge each group alone",
+    "tokenizer": "shards tokenized with different tokenizers cannot be trained together; re-tokenize",
+}
+
+
+@dataclass
+class MergePlan:
+    """The inputs in order and everything the output's header and metadata need."""
+
+    prefixes: List[str]
+    packs: np.ndarray                 # int64 pack count per input
+    dtype: DType                      # output token dtype
+    metadata: Dict[str, Any]          # the output's metadata but stats, files and producer
+    totals: Dict[str, int]            # packs, sequences, tokens, loss_tokens, max_packed, uint16_inputs
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def pack_size(self) -> Optional[int]:
+        return self.metadata["pack_size"]
+
+
+def resolve_inputs(inputs: Sequence[str]) -> List[str]:
+    """Shard prefixes named by prefixes, globs, directories and manifests, in the order given.
+
+    Raises:
+        ShardNotFoundError: an input names no shard.
+        ShardError: a manifest is malformed, or a shard is named twice.
+    """
+    out: List[str] = []
+    for part in inputs:
+        part = os.fspath(part)
+        out.extend(read_manifest(part)[0] if is_manifest(part) else expand_shards(part))
+    seen: Dict[str, str] = {}
+    for prefix in out:
+        key = os.path.realpath(prefix)
+        if key in seen:
+            raise ShardError("the same shard is named twice", path=prefix, field="inputs",
+                             expected="each shard once", actual=f"also named as {seen[key]}",
+                             hint="list each shard once; weight data with blends, not duplicates")
+        seen[key] = prefix
+    return out
+
+
+class _Fold:
+    """Running comparison and combination of the inputs' metadata (see the module table)."""
+
+    def __init__(self, first: MMapIndexedDataset, widen: bool) -> None:
+        self.first = first.prefix
+        self.ref = first.metadata.to_dict()
+        self.widen = widen
+        self.dtypes = set()
+        self.tokenizer = self.ref.get("tokenizer")
+        self.tokenizer_missing = False
+        self.packing = self.ref.get("packing")
+        self.parallelism = self.ref.get("parallelism")
+        self.source = self.ref.get("source")
+        self.extra = dict(self.ref.get("extra") or {})
+        self.vocab: Optional[int] = self.ref.get("vocab_size")
+        self.vocab_missing = self.vocab is None
+        self.vocab_seen = self.vocab is not None
+        self.pack_size: Optional[int] = self.ref.get("pack_size")
+        self.notes: List[str] = []
+
+    def _refuse(self, key: str, prefix: str, mine: Any, theirs: Any) -> IncompatibleShardsError:
+        return IncompatibleShardsError(
+            f"'{key}' differs between inputs: {self.first} has {mine!r}, this shard has {theirs!r}",
+            path=prefix, field=key, expected=mine, actual=theirs, hint=_HINTS.get(key))
+
+    def add(self, shard: MMapIndexedDataset) -> None:
+        meta = shard.metadata.to_dict()
+        for key in sorted((set(meta) | set(self.ref)) - _COMBINED_KEYS):
+            if meta.get(key) != self.ref.get(key):
+                raise self._refuse(key, shard.prefix, self.ref.get(key), meta.get(key))
+        self.dtypes.add(meta["token_dtype"])
+        if len(self.dtypes) > 1 and not self.widen:
+            raise self._refuse("token_dtype", shard.prefix, self.ref["token_dtype"], meta["token_dtype"])
+        self._fold_tokenizer(shard.prefix, meta.get("tokenizer"))
+        if meta.get("parallelism") != self.parallelism:
+            if self.ref["pad_seq_to_mult"] > 1:
+                raise self._refuse("parallelism", shard.prefix, self.ref.get("parallelism"), meta.get("parallelism"))
+            self.parallelism = None
+        if meta.get("pad_layout") != self.ref.get("pad_layout") and self.ref["pad_seq_to_mult"] > 1:
+            raise self._refuse("pad_layout", shard.prefix, self.ref.get("pad_layout"), meta.get("pad_layout"))
+        if meta.get("packing") != self.packing:
+            self.packing = None
+        if meta.get("source") != self.source:
+            self.source = None
+        extra = meta.get("extra") or {}
+        self.extra = {k: v for k, v in self.extra.items() if k in extra and extra[k] == v}
+        vocab = meta.get("vocab_size")
+        self.vocab_seen |= vocab is not None
+        if vocab is None:
+            self.vocab_missing = True
+        elif not self.vocab_missing:
+            self.vocab = max(self.vocab, vocab)
+        size = meta.get("pack_size")
+        self.pack_size = None if size is None or self.pack_size is None else max(self.pack_size, size)
+
+    def _fold_tokenizer(self, prefix: str, tokenizer) -> None:
+        if tokenizer is None:
+            self.tokenizer_missing = True
+        elif self.tokenizer is None:
+            self.tokenizer = tokenizer
+        elif _tokenizer_key(tokenizer) != _tokenizer_key(self.tokenizer):
+            raise self._refuse("tokenizer", prefix, _tokenizer_key(self.tokenizer), _tokenizer_key(tokenizer))
+
+    def result(self, inputs: Sequence[str], shard_count: int, dtype: DType,
+               pack_size: Optional[int]) -> Dict[str, Any]:
+        """The output's metadata as a dict, without ``stats``/``files``/``producer`` (the merge
+        fills those). Built on the first input's, so keys a newer format adds carry over."""
+        out = {k: v for k, v in self.ref.items() if k not in ("stats", "files", "producer")}
+        if self.tokenizer_missing and self.tokenizer is not None:
+            self.notes.append("some inputs record no tokenizer: the output's tokenizer is unknown")
+            self.tokenizer = None
+        if self.vocab_missing and self.vocab_seen:
+            self.notes.append("some inputs record no vocab_size: the output's is unknown")
+        if self.packing is None and self.ref.get("packing") is not None:
+            self.notes.append("inputs were packed with different settings: 'packing' is not recorded")
+        if self.parallelism is None and self.ref.get("parallelism") is not None:
+            self.notes.append("inputs record different CP/TP/SP (unpadded): 'parallelism' is not recorded")
+        source = dict(self.source or {})
+        source["merged"] = {"inputs": [os.fspath(i) for i in inputs], "shards": shard_count}
+        out.update(token_dtype=dtype.name, pack_size=pack_size, source=source,
+                   vocab_size=None if self.vocab_missing else self.vocab,
+                   tokenizer=self.tokenizer, packing=self.packing, parallelism=self.parallelism,
+                   extra=self.extra or None)
+        return {k: v for k, v in out.items() if v is not None or k in ("pack_size", "vocab_size")}
+
+
+def _tokenizer_key(tokenizer: dict) -> Any:
+    """What identifies a tokenizer: its files' hash when recorded, else the whole record
+    (a path alone may differ between machines holding the same files)."""
+    if isinstance(tokenizer, dict) and tokenizer.get("files_sha256"):
+        return tokenizer.get("files_sha256"), tokenizer.get("chat_template_sha256")
+    return tokenizer
+
+
+def plan_merge(inputs: Sequence[str], *, widen: bool = False, pack_size: Optional[int] = None) -> MergePlan:
+    """Open every input's headers once and decide the output (see the module table).
+
+    Raises:
+        ShardNotFoundError, ShardError: an input is missing or unreadable.
+        IncompatibleShardsError: inputs that cannot become one shard.
+        InvariantError: ``pack_size`` is shorter than an input's longest pack.
+    """
+    prefixes = resolve_inputs(inputs)
+    packs = np.zeros(len(prefixes), dtype=np.int64)
+    totals = {"packs": 0, "sequences": 0, "tokens": 0, "loss_tokens": 0, "max_packed": 0, "uint16_inputs": 0}
+    fold: Optional[_Fold] = None
+    for k, prefix in enumerate(prefixes):
+        shard = MMapIndexedDataset(prefix)
+        if shard.is_pretrain:
+            raise IncompatibleShardsError(
+                "this input is upstream pretrain data (.bin/.idx only): it has no loss mask or sequence starts",
+                path=prefix, field="kind", expected="sft", actual="pretrain",
+                hint="convert it first: convert-packed PREFIX OUT --pack-size N")
+        fold = fold or _Fold(shard, widen)
+        fold.add(shard)
+        stats = shard.metadata.stats
+        packs[k] = stats.pack_count
+        totals["packs"] += stats.pack_count
+        totals["sequences"] += stats.sequence_count
+        totals["tokens"] += stats.token_count
+        totals["loss_tokens"] += stats.loss_token_count
+        totals["max_packed"] = max(totals["max_packed"], stats.max_packed_seqlen)
+        totals["uint16_inputs"] += shard.dtype == DType.uint16
+    dtype = DType.int32 if "int32" in fold.dtypes else DType.uint16
+    out_size = fold.pack_size
+    if pack_size is not None:
+        if pack_size < totals["max_packed"]:
+            raise InvariantError("--pack-size is shorter than the longest pack of the inputs",
+                                 field="pack_size", expected=f">= {totals['max_packed']}", actual=pack_size,
+                                 rule="PACK_TOO_LONG", hint="leave --pack-size out to keep the inputs' largest")
+        out_size = pack_size
+    metadata = fold.result(inputs, len(prefixes), dtype, out_size)
+    return MergePlan(prefixes, packs, dtype, metadata, totals, fold.notes)

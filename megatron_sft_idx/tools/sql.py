@@ -1,0 +1,82 @@
+"""SQL over shards without converting them: DuckDB reading a :class:`~.arrow.PackTable`.
+
+    from megatron_sft_idx.tools.sql import query
+    query("/data/train_*", "SELECT num_sequences, count(*) AS packs FROM packs GROUP BY 1 ORDER BY 1")
+
+The table is ``packs`` (columns in :mod:`.arrow`). Only the columns a query names are
+produced: ``trainable_tokens`` costs a pass over the loss mask, the list columns cost
+nothing until the engine reads them. DuckDB is an optional dependency (extra ``[tools]``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional, Sequence, Tuple
+
+from .._extras import require_extra
+from ..errors import QueryError
+from .arrow import COLUMNS, PackTable
+
+TABLE = "packs"
+_COUNT_STAR = re.compile(r"count\s*\(\s*\*\s*\)", re.IGNORECASE)
+
+
+def columns_for_query(sql: str) -> Tuple[str, ...]:
+    """The columns a query may read: every column named in it, or all of them when it has a
+    ``*`` other than ``count(*)`` (a string literal naming a column only costs that column)."""
+    if "*" in _COUNT_STAR.sub("", sql):
+        return COLUMNS
+    named = tuple(c for c in COLUMNS if re.search(rf"\b{c}\b", sql, re.IGNORECASE))
+    return named or ("pack",)
+
+
+def _connect(spec, sql: str, columns: Optional[Sequence[str]]):
+    require_extra("tools", "duckdb")
+    import duckdb
+
+    table = PackTable(spec, columns=columns or columns_for_query(sql))
+    con = duckdb.connect()
+    con.register(TABLE, table)
+    return duckdb, con
+
+
+def query(spec, sql: str, *, columns: Optional[Sequence[str]] = None):
+    """Run ``sql`` over the table ``packs`` of ``spec``'s shards; return a ``pyarrow.Table``.
+
+    Raises:
+        QueryError: DuckDB refused or failed the query.
+        MissingExtraError: duckdb is not installed (extra ``tools``).
+        ShardError (any subclass): a shard is missing, unreadable or corrupt.
+    """
+    duckdb, con = _connect(spec, sql, columns)
+    try:
+        return con.sql(sql).fetch_arrow_table()
+    except duckdb.Error as exc:
+        raise QueryError(f"the query failed: {exc}", field="sql", actual=sql) from None
+    finally:
+        con.close()
+
+
+def query_text(spec, sql: str, *, max_rows: int = 40, max_width: int = 160) -> str:
+    """The query's result rendered as DuckDB's text table (for people)."""
+    duckdb, con = _connect(spec, sql, None)
+    try:
+        relation = con.sql(sql)
+        if relation is None:  # a statement without a result
+            return ""
+        return _render(relation, max_rows, max_width)
+    except duckdb.Error as exc:
+        raise QueryError(f"the query failed: {exc}", field="sql", actual=sql) from None
+    finally:
+        con.close()
+
+
+def _render(relation, max_rows: int, max_width: int) -> str:
+    """DuckDB's own table rendering (it prints; captured here)."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        relation.show(max_rows=max_rows, max_width=max_width)
+    return out.getvalue().rstrip("\n")

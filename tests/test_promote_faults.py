@@ -1,0 +1,331 @@
+"""Fault injection into ``check_idx --promote``: signals, a full disk, a read-only destination.
+
+Signals. ``check_idx --promote DEST [--link] [--replace] SRC`` runs in a process forked
+from a warmed-up interpreter (so a case costs a fraction of a second). Every filesystem
+step of the promotion (``os.link``, ``shutil.copyfile``, ``os.fsync``, ``os.unlink``,
+``os.replace``) is counted, and the process sends itself SIGKILL, SIGTERM or SIGINT just
+before step ``k`` -- ``k`` drawn with a fixed seed over every step, plus the step between
+removing the old ``.idx`` and publishing the new one. A few real ``tools/check_idx.py``
+processes are also killed after a seeded random delay. After each case:
+
+* SIGTERM / SIGINT end the tool with 143 / 130 and no traceback;
+* the destination either has no ``.idx`` (nothing opens there, the reader raises a named
+  error) or opens as exactly one generation: the old one (``--replace``) or the new one;
+* the new generation is readable at the source or at the destination (never lost);
+* running the same promotion again succeeds and leaves no temporaries.
+
+Disk faults. The destination is a size-limited tmpfs mounted for the test, or -- where the
+sandbox cannot mount -- the same failures injected into the one copy helper
+(``promote.copy_file``) and ``os.fsync``: ENOSPC while copying or syncing, EROFS on a
+read-only destination (a read-only tmpfs remount when possible). The promotion fails with
+``PROMOTION_FAILED`` (exit 1), the destination holds nothing new that opens and no
+temporaries, an old shard being replaced stays intact when the failure precedes the
+publication, and the source is untouched.
+"""
+
+from __future__ import annotations
+
+import errno
+import importlib
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from generations import torn, write_generation
+from megatron_sft_idx import MMapIndexedDataset, ShardError
+from megatron_sft_idx.format import ALL_SUFFIXES
+from megatron_sft_idx.gate import check, promote_report
+from megatron_sft_idx.gate.cli import main as check_idx
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SEED = 4242
+CASES_PER_MODE = 4
+OLD, NEW = 1, 2
+
+#: Forks one child per case from a warmed-up interpreter. The child counts the filesystem
+#: steps of the promotion and signals itself before step ``kill_at`` (0: never), then runs
+#: check_idx's main(argv). Its exit status, and the steps counted, go to stdout.
+ZYGOTE = r"""
+import json, os, shutil, signal, sys
+from megatron_sft_idx.gate.cli import main
+from megatron_sft_idx.gate import check
+check(sys.argv[1])  # load the kernels once, here, not in every child
+
+def instrument(kill_at, sig, log_path):
+    log = open(log_path, "w", buffering=1)
+    count = [0]
+    def wrap(owner, name):
+        real = getattr(owner, name)
+        def step(*args, **kwargs):
+            count[0] += 1
+            log.write(json.dumps([name, os.path.basename(str(args[-1])) if args else ""]) + "\n")
+            if count[0] == kill_at:
+                os.kill(os.getpid(), sig)
+            return real(*args, **kwargs)
+        setattr(owner, name, step)
+    for owner, name in ((os, "link"), (os, "replace"), (os, "unlink"), (os, "fsync"), (shutil, "copyfile")):
+        wrap(owner, name)
+
+for line in sys.stdin:
+    case = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        err = os.open(case["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(err, 2)
+        out = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(out, 1)
+        instrument(case["kill_at"], case["sig"], case["counter"])
+        os._exit(main(case["argv"]))
+    _, status = os.waitpid(pid, 0)
+    code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+    steps = [json.loads(l) for l in open(case["counter"])] if os.path.exists(case["counter"]) else []
+    print(json.dumps({"code": code, "steps": steps}), flush=True)
+"""
+
+
+class Zygote:
+    def __init__(self, warm_prefix: str) -> None:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+        self.proc = subprocess.Popen([sys.executable, "-c", ZYGOTE, warm_prefix], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env)
+
+    def run(self, argv, kill_at, sig, work) -> dict:
+        case = {"argv": argv, "kill_at": kill_at, "sig": int(sig), "stderr": str(work / "stderr"),
+                "counter": str(work / f"steps-{uuid.uuid4().hex}")}
+        self.proc.stdin.write(json.dumps(case) + "\n")
+        self.proc.stdin.flush()
+        result = json.loads(self.proc.stdout.readline())
+        result["stderr"] = pathlib.Path(case["stderr"]).read_text()
+        return result
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+        self.proc.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def zygote(tmp_path_factory):
+    warm = str(tmp_path_factory.mktemp("warm") / "shard")
+    write_generation(warm, 0)
+    z = Zygote(warm)
+    yield z
+    z.close()
+
+
+def generation_at(prefix: str):
+    """The generation that opens at ``prefix``, or None when nothing opens (a named error)."""
+    try:
+        ds = MMapIndexedDataset(prefix)
+    except ShardError:
+        assert not os.path.exists(prefix + ".idx") or not os.path.exists(prefix + ".bin"), \
+            f"{prefix}.idx exists but the shard does not open"
+        return None
+    why = torn(ds)
+    assert why is None, why
+    return ds.metadata.extra["generation"]
+
+
+def setup_case(root, mode: str):
+    """(source prefix, destination dir, argv) of one promotion; ``--replace`` has an old shard at DEST."""
+    src_dir, dest = root / "staging", root / "train"
+    src = str(src_dir / "shard")
+    write_generation(src, NEW)
+    if "replace" in mode:
+        write_generation(str(dest / "shard"), OLD)
+    argv = ["--quiet", "--promote", str(dest)] + ["--link"] * ("link" in mode) + ["--replace"] * (
+        "replace" in mode) + [src]
+    return src, str(dest), argv
+
+
+def check_outcome(src: str, dest: str, mode: str, where: str = "") -> None:
+    at_dest = generation_at(os.path.join(dest, "shard"))
+    assert at_dest in ((None, OLD, NEW) if "replace" in mode else (None, NEW)), at_dest
+    at_src = generation_at(src)
+    assert at_src in (None, NEW)
+    assert NEW in (at_src, at_dest), "the new generation is readable nowhere"
+    # Running the promotion again (when the source is still there) completes it and clears leftovers.
+    if at_src == NEW:
+        report = promote_report(check(src), dest, link="link" in mode, replace=True)
+        assert report.passed, report.format_text(True)
+    assert generation_at(os.path.join(dest, "shard")) == NEW
+    assert not [n for n in os.listdir(dest) if ".tmp-" in n], (where, at_src, at_dest, os.getpid(), os.listdir(dest))
+
+
+MODES = ("move", "link", "replace")
+SIGNALS = (signal.SIGKILL, signal.SIGTERM, signal.SIGINT)
+EXIT_BY_SIGNAL = {signal.SIGKILL: -signal.SIGKILL, signal.SIGTERM: 143, signal.SIGINT: 130}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_signal_before_promotion_steps(zygote, tmp_path, mode):
+    """Seeded points over all steps, each signal, plus the step after the old .idx is removed."""
+    steps = zygote.run(setup_case(tmp_path / "dry", mode)[2], 0, signal.SIGKILL, tmp_path)["steps"]
+    assert len(steps) >= 10, steps
+    rng = np.random.default_rng([SEED, MODES.index(mode)])
+    cases = [(sig, int(k)) for sig in SIGNALS for k in rng.integers(1, len(steps) + 1, CASES_PER_MODE)]
+    if mode == "replace":  # right after the old .idx is gone: the widest window of a replacement
+        unlink = steps.index(["unlink", "shard.idx"]) + 1  # 1-based step number
+        cases += [(sig, unlink + 1) for sig in SIGNALS]
+    for n, (sig, kill_at) in enumerate(cases):
+        root = tmp_path / f"case{n}"
+        src, dest, argv = setup_case(root, mode)
+        result = zygote.run(argv, kill_at, sig, root)
+        where = f"{mode}, {signal.Signals(sig).name} before step {kill_at} {steps[kill_at - 1]}"
+        assert result["code"] == EXIT_BY_SIGNAL[sig], (where, result["code"], result["stderr"])
+        assert "Traceback" not in result["stderr"], (where, result["stderr"])
+        check_outcome(src, dest, mode, where)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
+def test_real_tool_killed_at_a_random_time(tmp_path, sig):
+    src, dest, argv = setup_case(tmp_path, "replace")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", "check_idx.py"), *argv], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(float(np.random.default_rng([SEED, sig]).uniform(0.5, 3.0)))
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=60)
+    # Before main() runs (the interpreter still importing) Python's default handling applies:
+    # killed by the signal, nothing touched yet. From main() on: the conventional exit code.
+    assert proc.returncode in (0, -sig, EXIT_BY_SIGNAL[sig]), (proc.returncode, err)
+    if proc.returncode in (0, EXIT_BY_SIGNAL[sig]) and sig != signal.SIGKILL:
+        assert "Traceback" not in err, err
+    check_outcome(src, dest, "replace")
+
+
+# --------------------------------------------------------------------------- disk faults
+
+
+def _mount(path, options) -> bool:
+    try:
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True,
+                              timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return proc.returncode == 0
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 256 KiB tmpfs at tmp_path/fs, or None where this sandbox cannot mount one."""
+    path = tmp_path / "fs"
+    path.mkdir()
+    mounted = _mount(path, "size=256k,mode=755")
+    yield path if mounted else None
+    if mounted:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def big_source(root) -> str:
+    """A shard of ~600 KiB (larger than the small tmpfs)."""
+    prefix = str(root / "staging" / "shard")
+    from megatron_sft_idx import IndexedDatasetBuilder
+    rng = np.random.default_rng(1)
+    with IndexedDatasetBuilder(prefix, dtype=np.uint16, vocab_size=60000, pack_size=4096) as b:
+        for _ in range(80):
+            ids = rng.integers(0, 60000, 4096)
+            loss = np.zeros(4096, np.uint8)
+            b.add_packed(ids, loss, np.array([0]))
+    return prefix
+
+
+def contents(prefix):
+    return {s: pathlib.Path(prefix + s).read_bytes() for s in ALL_SUFFIXES if os.path.exists(prefix + s)}
+
+
+def assert_failed_cleanly(report, src, before, dest_prefix, old=None):
+    assert not report.passed and "PROMOTION_FAILED" in report.shards[0].codes(), report.format_text(True)
+    assert contents(src) == before, "the source changed"
+    dest_dir = os.path.dirname(dest_prefix)
+    leftovers = [n for n in os.listdir(dest_dir) if ".tmp-" in n] if os.path.isdir(dest_dir) else []
+    assert not leftovers, leftovers
+    if old is None:
+        with pytest.raises(ShardError):
+            MMapIndexedDataset(dest_prefix)
+    else:
+        assert contents(dest_prefix) == old, "the old shard was damaged by a failure before publication"
+
+
+def test_full_disk(tmp_path, small_fs, monkeypatch):
+    src = big_source(tmp_path)
+    before = contents(src)
+    if small_fs is not None:
+        dest = small_fs / "train"
+    else:  # no mount here: the copy helper fails as a full disk would
+        promote_mod = importlib.import_module("megatron_sft_idx.gate.promote")
+
+        def full(a, b):
+            with open(b, "wb") as f:
+                f.write(b"\0" * 1000)
+            raise OSError(errno.ENOSPC, "No space left on device (injected)", b)
+
+        def cross_device(a, b):
+            raise OSError(errno.EXDEV, "Invalid cross-device link (injected)")
+
+        monkeypatch.setattr(promote_mod.os, "link", cross_device)
+        monkeypatch.setattr(promote_mod, "copy_file", full)
+        dest = tmp_path / "train"
+    report = promote_report(check(src), dest)
+    assert_failed_cleanly(report, src, before, str(dest / "shard"))
+    assert "No space left on device" in report.format_text(True)
+
+
+@pytest.mark.parametrize("fail", ["copy", "fsync"])
+def test_full_disk_while_replacing_keeps_the_old_shard(tmp_path, monkeypatch, fail):
+    """ENOSPC while copying or syncing a temporary (injected: this must run everywhere)."""
+    from megatron_sft_idx import _atomic
+    promote_mod = importlib.import_module("megatron_sft_idx.gate.promote")
+
+    src = big_source(tmp_path)
+    before = contents(src)
+    write_generation(str(tmp_path / "train" / "shard"), OLD)
+    old = contents(str(tmp_path / "train" / "shard"))
+    real_copy, real_fsync = promote_mod.copy_file, _atomic.fsync_file
+
+    def copy_enospc(a, b):
+        if a.endswith(".idx"):
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        return real_copy(a, b)
+
+    def fsync_enospc(path):
+        if path.endswith(".idx") or ".bin.tmp-" in path:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        return real_fsync(path)
+
+    if fail == "copy":
+        monkeypatch.setattr(promote_mod, "copy_file", copy_enospc)
+    else:
+        monkeypatch.setattr(_atomic, "fsync_file", fsync_enospc)
+    report = promote_report(check(src), tmp_path / "train", replace=True)
+    assert_failed_cleanly(report, src, before, str(tmp_path / "train" / "shard"), old=old)
+
+
+def test_read_only_destination(tmp_path, small_fs, monkeypatch):
+    src = big_source(tmp_path)
+    before = contents(src)
+    if small_fs is not None and subprocess.run(["mount", "-o", "remount,ro", str(small_fs)],
+                                               capture_output=True).returncode == 0:
+        dest = small_fs  # the read-only filesystem itself
+    else:  # no mount here: creating files at the destination fails as on a read-only filesystem
+        promote_mod = importlib.import_module("megatron_sft_idx.gate.promote")
+
+        def read_only(*args, **kwargs):
+            raise OSError(errno.EROFS, "Read-only file system (injected)")
+
+        monkeypatch.setattr(promote_mod.os, "link", read_only)
+        monkeypatch.setattr(promote_mod, "copy_file", read_only)
+        dest = tmp_path / "train"
+    code = check_idx(["--quiet", "--promote", str(dest), src])
+    assert code == 1
+    report = promote_report(check(src), dest)
+    assert_failed_cleanly(report, src, before, str(dest / "shard"))
+    assert "Read-only file system" in report.format_text(True)
