@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     io.add_argument("--max-record-bytes", type=_size, default=DEFAULT_MAX_RECORD_BYTES, metavar="BYTES",
                     help="longest input record (JSONL line) accepted; longer ones are an error, or skipped "
                          "and counted with --skip-bad, never read into memory whole. Tokenizing a chat record "
-                         "takes ~300x its size in memory, so this bounds a worker's peak (default: 2M)")
+                         "takes ~330x its size in memory, so this bounds a worker's peak (default: 2M)")
     io.add_argument("--partition-bytes", type=_size, default=DEFAULT_PARTITION_BYTES, metavar="BYTES",
                     help="input bytes per unit of tokenization work (a resumed run redoes at most one "
                          "unit per worker) (default: 64M)")
