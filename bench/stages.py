@@ -152,14 +152,15 @@ def project(ref: dict, n_ref: int, workers: int, target: int, cores_per_node: in
     """Wall time for ``target`` conversations on 1, 8, 64 nodes from the measured per-core rates.
 
     Inputs (scaled linearly): tokenize conversations/s per core and materialize packs/s per core
-    (from the reference run), plan seconds per conversation (one process, see :func:`plan_rate`),
+    (from the reference run; materialize ran on as many cores as it had output shards), plan seconds per conversation (one process, see :func:`plan_rate`),
     index core-seconds per conversation (one process per input file; inputs split into enough
     files or partitions to keep every core busy).
     """
     sec = ref["seconds"]
     tok_core = n_ref / (sec["tokenize"] * workers)
     packs_per_conv = ref["packs"] / n_ref
-    mat_core = ref["packs"] / (sec["materialize"] * workers)
+    mat_units = min(workers, len(ref["outputs"]))  # materialize runs one unit per output shard
+    mat_core = ref["packs"] / (sec["materialize"] * mat_units)
     plan_per_conv, plan_source = plan_rate(ref, n_ref)
     index_per_conv_core = sec["index"] * workers / n_ref  # hashing + cutting, parallel over files
     rows = {}
