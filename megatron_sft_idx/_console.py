@@ -45,6 +45,10 @@ TOOLS = {
 def run(name: str, argv: Optional[List[str]] = None) -> int:
     """Run tool ``name`` with ``argv`` (default ``sys.argv[1:]``); its exit status."""
     tool = TOOLS[name]
+    if argv is None:  # the process's own command line: the tool owns its signals until exit
+        from .preprocess.signals import process_entry
+
+        process_entry()
     try:
         if tool.extra is not None:
             require_extra(tool.extra, *tool.modules, user=name)

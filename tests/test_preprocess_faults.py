@@ -6,6 +6,8 @@
   with the bytes of an uninterrupted run, and a run without it clears the leftovers.
 * Random seeded kill points (SIGKILL / SIGTERM / SIGINT at a random moment) then ``--resume``:
   byte-identical output every time.
+* A kill after the last publish (before completion is recorded, or while the work directory
+  is being removed): ``--resume`` claims the outputs as its own and finishes, exit 0.
 * A publish killed half-way: no manifest exists (a reader of the set sees no set, never a mix),
   every prefix present is one complete shard, and ``--resume`` completes the set.
 * Disk faults: a full disk and a read-only filesystem (a size-limited tmpfs when this machine
@@ -228,6 +230,52 @@ def test_a_publish_killed_half_way_is_all_or_nothing_for_a_reader_of_the_set(cor
     # the second shard was moved, then the signal came before its receipt: redone (moves are idempotent)
     assert json.loads(done.stdout)["resumed_units"]["publish"] == 1
     assert outputs(tmp_path / "out") == outputs(corpus / "ref")
+
+
+KILL_AT_COMMIT = r"""
+import os, signal, sys
+from megatron_sft_idx.preprocess import receipts, workdir
+from megatron_sft_idx.preprocess.cli import main
+where = os.environ["WHERE"]
+write, remove = receipts.ReceiptBook.write, workdir.remove_receipts_last
+def write_then_die(self, unit, body, artifacts=()):
+    if self.step == "done" and where == "before_done":
+        os.kill(os.getpid(), signal.SIGKILL)   # every output is published, completion not recorded
+    return write(self, unit, body, artifacts)
+def remove_half_then_die(path):
+    if where == "in_cleanup":                  # completion recorded, the work directory half removed
+        for name in os.listdir(path):
+            if name != "receipts" and os.path.isdir(os.path.join(path, name)):
+                workdir.shutil.rmtree(os.path.join(path, name))
+                break
+        os.kill(os.getpid(), signal.SIGKILL)
+    remove(path)
+receipts.ReceiptBook.write = write_then_die
+workdir.remove_receipts_last = remove_half_then_die
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("where", ["before_done", "in_cleanup"])
+def test_a_kill_after_the_last_publish_then_resume_finishes_without_redoing_or_refusing(corpus, tmp_path, where):
+    """The outputs are all under final names when the kill lands: ``--resume`` must recognise
+    them as this run's own (not refuse them as existing outputs) and leave no work directory."""
+    prefix = tmp_path / "out" / "ds"
+    args = cmd(prefix, corpus / "in.jsonl")[2:]
+    proc = subprocess.run([sys.executable, "-c", KILL_AT_COMMIT, *args], env=dict(ENV, WHERE=where),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert outputs(tmp_path / "out") == outputs(corpus / "ref")  # published before the kill
+    done = subprocess.run(cmd(prefix, corpus / "in.jsonl", "--resume", "--json"), env=ENV, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    resumed = json.loads(done.stdout)["resumed_units"]
+    if where == "in_cleanup":
+        assert resumed == {"done": 1}             # nothing redone: the recorded summary is reported
+    else:
+        assert resumed["publish"] == len([n for n in outputs(corpus / "ref") if n.endswith(".seq.idx")])
+    assert outputs(tmp_path / "out") == outputs(corpus / "ref")
+    assert [n for n in os.listdir(tmp_path / "out") if n.startswith(".")] == []
 
 
 # ---------------------------------------------------------------- disk faults

@@ -27,7 +27,7 @@ from typing import Callable, Protocol, Sequence
 from .._extras import MissingExtraError
 from ..errors import ShardError
 from .errors import output_error
-from .signals import Terminated, worker_signals
+from .signals import Terminated, signals_deferred, worker_signals
 
 
 class Step(Protocol):
@@ -118,8 +118,9 @@ class _Pool:
     def run(self, on_done: OnDone) -> None:
         pending = set(self.units)
         try:
-            for p in self.procs:
-                p.start()
+            with signals_deferred():  # a signal during fork would land in the fork hooks
+                for p in self.procs:
+                    p.start()
             while pending:
                 item = self._next(pending)
                 if item is None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..errors import ShardError
+from ..format import PUBLISH_ORDER
 from . import outputs
 from .materialize import MaterializeStep, OutputShard
 from .plan import PlanSettings, PlanStep
@@ -52,7 +53,8 @@ class PackResult:
 
 def books(work: WorkDir, run_key: str, job: Optional[PackJob] = None) -> Dict[str, ReceiptBook]:
     """The receipts of the pack stages; those of the checks also depend on which checks run."""
-    out = {name: ReceiptBook(work.receipts, name, run_key, work.path) for name in ("plan", "materialize", "publish")}
+    out = {name: ReceiptBook(work.receipts, name, run_key, work.path)
+           for name in ("plan", "materialize", "intent", "publish", "done")}
     if job is not None:
         out["checks"] = ReceiptBook(work.receipts, "checks", settings_key([run_key, job.check, job.verify_masks]),
                                     work.path)
@@ -146,6 +148,9 @@ def run_pack(store: SequenceStore, job: PackJob, engine, work: WorkDir, run_key:
     result.verify, result.gate = checked["verify"], checked["gate"]
     t = time.perf_counter()
     resumed["publish"] = len(b["publish"].completed(range(len(shards))))
+    # before any final name is touched: the files this run owns (a resumed publish may replace them)
+    b["intent"].write(0, {"files": sorted({s.final + x for s in shards for x in PUBLISH_ORDER}
+                                          | {path for path, _ in result.staged.manifests})})
     work.publishing = True
     publish(result.staged, replaced, b["publish"])
     times["publish"] = time.perf_counter() - t

@@ -27,7 +27,6 @@ import numpy as np
 
 from .._extras import MissingExtraError, require_extra
 from ..errors import OutputError, ShardError, ShardExistsError
-from ..format import PUBLISH_ORDER
 from ..packing import pad_multiple_for
 from . import outputs
 from .chat import load_chat_tokenizer
@@ -39,7 +38,7 @@ from .pack_stage import PackJob, books, run_pack
 from .partitions import DEFAULT_MAX_RECORD_BYTES, DEFAULT_PARTITION_BYTES, Partition
 from .plan import PlanSettings, plan_shards, split_conversations  # noqa: F401  (public names)
 from .receipts import ReceiptBook, settings_key
-from .signals import Terminated, signals_deferred, terminate_as_exception
+from .signals import Terminated, committed, signals_deferred, terminate_as_exception
 from .store import STORE_FILE, SequenceStore, tokenize_book, write_store_file
 from .summary import build_summary
 from .tokenize import IndexStep, TokenizeStep
@@ -236,6 +235,10 @@ def execute(job: PackJob, run_key: str, resume: bool, engine_kind: str, workers:
     ``--resume``) and is removed otherwise. Once every output is published the run is
     committed: a signal during the last cleanup no longer fails it."""
     work = WorkDir(job.output_prefix)
+    if resume:
+        summary = finished_run(work, run_key)
+        if summary is not None:
+            return summary
     ours = published_files_from(work, run_key) if resume else set()
     replaced = outputs.refuse_existing(job.bases, job.overwrite, ours)
     with terminate_as_exception():
@@ -250,8 +253,10 @@ def execute(job: PackJob, run_key: str, resume: bool, engine_kind: str, workers:
             store = get_store(engine, work, resumed)
             with _progress(progress, desc="write", unit="pack") as bar:
                 result = run_pack(store, job, engine, work, run_key, replaced, times, bar, resumed)
+            summary = build_summary(store, job, result, times, workers, engine.describe(), resumed, kept_store)
+            books(work, run_key)["done"].write(0, {"summary": summary})
+            committed()  # (a signal from here on is ignored by the tool, or caught below)
             with signals_deferred():  # committed: finish the cleanup whatever arrives now
-                summary = build_summary(store, job, result, times, workers, engine.describe(), resumed, kept_store)
                 engine.close()
                 engine = None
                 work.close(remove=True)
@@ -276,11 +281,23 @@ def execute(job: PackJob, run_key: str, resume: bool, engine_kind: str, workers:
 
 
 def published_files_from(work: WorkDir, run_key: str) -> set:
-    """Final files a previous attempt of this run already published (not "existing outputs")."""
-    book = books(work, run_key)["publish"]
-    receipts = book.present().values()
-    return ({r["final"] + s for r in receipts if "final" in r for s in PUBLISH_ORDER}
-            | {m for r in receipts for m in r.get("manifests", ())})
+    """Final files a previous attempt of this run may have published (not "existing outputs")."""
+    intent = books(work, run_key)["intent"].read(0)
+    return set(intent["files"]) if intent else set()
+
+
+def finished_run(work: WorkDir, run_key: str) -> Optional[dict]:
+    """The summary of this run if it already finished (killed while removing its work
+    directory): ``--resume`` then has nothing left to do."""
+    for directory in [work.path] + work.finished():
+        book = ReceiptBook(os.path.join(directory, "receipts"), "done", run_key, directory)
+        done = book.read(0)
+        if done is not None:
+            from .workdir import remove_receipts_last
+
+            remove_receipts_last(directory)
+            return dict(done["summary"], resumed_units={"done": 1})
+    return None
 
 
 def run(cfg: Config) -> dict:

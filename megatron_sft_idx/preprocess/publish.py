@@ -69,9 +69,6 @@ def publish(staged: StagedSet, replaced: Sequence[str], book: ReceiptBook) -> No
         from ..training.multi import write_manifest
 
         write_manifest(path, list(finals), relative=True)
-    if staged.manifests:  # (so a rerun after a kill right here counts them as this run's own)
-        book.write(len(staged.shards), {"manifests": [path for path, _ in staged.manifests]},
-                   [path for path, _ in staged.manifests])
 
 
 def _move_shard(shard: StagedShard) -> None:

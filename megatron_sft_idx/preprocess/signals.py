@@ -18,6 +18,9 @@ import sys
 import threading
 
 _PR_SET_PDEATHSIG = 1
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+#: Inside :func:`tool_scope`: whether a run has committed (its late signals are ignored).
+_scope = {"depth": 0, "committed": False, "process": False}
 
 
 class Terminated(BaseException):
@@ -42,8 +45,43 @@ def terminate_as_exception():
     try:
         yield
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        if not _scope["committed"]:  # committed: keep ignoring until the tool exits
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def tool_scope():
+    """A command-line tool's lifetime. Once its run commits (:func:`committed`), a late SIGINT or
+    SIGTERM -- while cleaning up, printing the summary or exiting -- is ignored: the outputs are
+    published, and turning that success into exit 143 would make ``--resume`` find nothing to
+    resume. Outside a tool (a library call) signals are never changed this way."""
+    saved = {s: signal.getsignal(s) for s in _SIGNALS}
+    _scope["depth"] += 1
+    try:
+        yield
+    finally:
+        _scope["depth"] -= 1
+        if _scope["depth"] == 0 and _scope["committed"] and not _scope["process"]:
+            _scope["committed"] = False
+            for s, handler in saved.items():
+                signal.signal(s, handler)
+
+
+def process_entry() -> None:
+    """This process is a command-line tool (its command line, not a library call): a committed
+    run keeps ignoring SIGINT/SIGTERM/SIGHUP until the process exits, so a signal during the
+    interpreter's shutdown cannot turn a finished run into a killed one."""
+    _scope["process"] = True
+
+
+def committed() -> None:
+    """The run's outputs are published and its completion recorded: inside :func:`tool_scope`
+    (main thread), ignore SIGINT/SIGTERM/SIGHUP from now until the tool exits."""
+    if _scope["depth"] and threading.current_thread() is threading.main_thread():
+        for s in _SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+        _scope["committed"] = True
 
 
 @contextlib.contextmanager
@@ -75,6 +113,8 @@ def worker_signals(parent_pid: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    if hasattr(signal, "pthread_sigmask"):  # forked while the parent held signals back
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
     die_with_parent()
     if os.getppid() != parent_pid:  # the parent died before the request took effect
         os._exit(1)

@@ -22,6 +22,7 @@ from .._atomic import _alive
 from ..errors import ShardError
 
 _LEGACY_TAG = ".work-"  # work directories of the pre-staged pipeline: .<name>.work-<pid>
+_DONE_TAG = ".done-"    # a finished run's work directory being removed: .<name>.preprocess.done-<pid>
 
 
 class Lock:
@@ -105,7 +106,7 @@ class WorkDir:
             ShardError: another live run holds the lock.
         """
         os.makedirs(self.parent, exist_ok=True)
-        self._clear_legacy()
+        self._clear_stale()
         existed = os.path.isdir(self.path)
         if existed:
             owner = self.lock.owner()
@@ -118,16 +119,39 @@ class WorkDir:
         self.lock.acquire()
         self.resumed = existed and resume
 
-    def _clear_legacy(self) -> None:
+    def finished(self) -> list:
+        """Directories of this output's runs that finished and were being removed (dead owners)."""
+        return [d for d in glob.glob(glob.escape(self.path + _DONE_TAG) + "*")
+                if d.rsplit(_DONE_TAG, 1)[-1].isdigit() and not _alive(int(d.rsplit(_DONE_TAG, 1)[-1]))]
+
+    def _clear_stale(self) -> None:
         for stale in glob.glob(os.path.join(self.parent, glob.escape(f".{self.name}{_LEGACY_TAG}") + "*")):
             pid = stale.rsplit(_LEGACY_TAG, 1)[-1]
             if pid.isdigit() and not _alive(int(pid)):
                 shutil.rmtree(stale, ignore_errors=True)
+        for stale in self.finished():
+            remove_receipts_last(stale)
 
     def close(self, remove: bool) -> None:
         """Release the lock; ``remove`` deletes the directory (after success, or a failure no
-        resume can fix). The directory is kept after an interruption or a filesystem error."""
+        resume can fix): renamed out of the way first, in one step, then deleted receipts last,
+        so a kill during the deletion leaves either the whole directory or a finished one's
+        receipts. The directory is kept after an interruption or a filesystem error."""
         self.lock.release()
-        if remove:
-            shutil.rmtree(self.path, ignore_errors=True)
+        if remove and os.path.isdir(self.path):
+            done = self.path + _DONE_TAG + str(os.getpid())
+            os.replace(self.path, done)
+            remove_receipts_last(done)
         self.closed = True
+
+
+def remove_receipts_last(path: str) -> None:
+    """Delete a work directory, its receipts (the commit points) after everything else."""
+    for name in os.listdir(path):
+        if name != "receipts":
+            full = os.path.join(path, name)
+            if os.path.isdir(full):
+                shutil.rmtree(full, ignore_errors=True)
+            else:
+                os.unlink(full)
+    shutil.rmtree(path, ignore_errors=True)
