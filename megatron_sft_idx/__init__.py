@@ -36,6 +36,7 @@ _PUBLIC = {
     "InputError": ".errors",
     "check": ".gate",
     "open_packed": ".training.factory",
+    "VirtualPackedDataset": ".preprocess.virtual",
 }
 
 __all__ = ["__version__", *_PUBLIC]

@@ -31,6 +31,8 @@ TOOLS = {
     # Format-specific packages (zstandard for .zst, pyarrow for Parquet) are checked where used.
     "preprocess-sft": Tool("megatron_sft_idx.preprocess.cli:main", "preprocess",
                            ("transformers", "tokenizers", "jinja2", "tqdm")),
+    # A store holds tokens already: no tokenizer unless --verify-masks (checked where used).
+    "repack-sft": Tool("megatron_sft_idx.preprocess.repack:main", "preprocess", ("tqdm",)),
     "check-idx": Tool("megatron_sft_idx.gate.cli:main", None, ()),
     "write-sft-manifest": Tool("megatron_sft_idx.training.manifest_cli:main", None, ()),
     # The shard tools need the core only; --to parquet, --sql and --plot check the 'tools' extra where used.
@@ -43,6 +45,10 @@ TOOLS = {
 def run(name: str, argv: Optional[List[str]] = None) -> int:
     """Run tool ``name`` with ``argv`` (default ``sys.argv[1:]``); its exit status."""
     tool = TOOLS[name]
+    if argv is None:  # the process's own command line: the tool owns its signals until exit
+        from .preprocess.signals import process_entry
+
+        process_entry()
     try:
         if tool.extra is not None:
             require_extra(tool.extra, *tool.modules, user=name)

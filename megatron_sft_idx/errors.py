@@ -39,6 +39,7 @@ __all__ = [
     "QueryError",
     "RemoteStorageError",
     "ObjectChangedError",
+    "OutputError",
 ]
 
 
@@ -228,3 +229,11 @@ class ObjectChangedError(RemoteStorageError):
     reading on would mix two generations of the shard."""
 
     default_hint = "the shard was re-uploaded while it was being read; reopen it"
+
+
+class OutputError(ShardError):
+    """Writing an output failed in the filesystem: the disk is full, the filesystem is
+    read-only, permission is denied, or a directory of the output cannot be created.
+    ``path`` is the file or directory the system refused; ``errno`` the system's code."""
+
+    default_hint = "fix the destination (free space, permissions, a writable filesystem) and rerun"

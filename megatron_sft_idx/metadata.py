@@ -8,7 +8,7 @@ with that statistic None):
 key                    required  meaning
 =====================  ========  ====================================================
 format                 yes       ``"megatron_sft_idx"``
-pack_size              yes       max tokens per pack (int), or null when unknown (spools)
+pack_size              yes       max tokens per pack (int), or null (sequence-store partitions)
 token_dtype            yes       ``"uint16"`` or ``"int32"``; equals the header code
 vocab_size             yes       int or null; every token id is < vocab_size
 loss_mask_convention   yes       ``"label_aligned"``: mask[j] == 1 trains predicting j+1

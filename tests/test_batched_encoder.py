@@ -17,7 +17,7 @@ from megatron_sft_idx.preprocess.chat import ChatTokenizer
 from megatron_sft_idx.preprocess.encode import RecordEncoder
 from megatron_sft_idx.preprocess.errors import InputError
 from megatron_sft_idx.preprocess.fast_tokenizer import FastTokenizer, _spec_ok, backend_spec
-from megatron_sft_idx.preprocess.spool import EncodeOptions
+from megatron_sft_idx.preprocess.encode import EncodeOptions
 from preprocess_identity import TEMPLATES, tokenizer_dir
 
 CHATML = "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"

@@ -151,3 +151,28 @@ def test_sql_entry_point(tmp_path):
     assert rc == 0
     doc = json.loads((tmp_path / "sql.json").read_text())
     assert len(doc["rows"]) == len(bench_sql.QUERIES) and all(r["same_result"] for r in doc["rows"])
+
+
+def test_plan_benchmark_entry_point(tmp_path, monkeypatch):
+    from bench import plan
+
+    monkeypatch.setattr("bench._common.RESULTS_DIR", tmp_path)
+    assert plan.main(["--sizes", "2000,6000", "--pack-size", "512", "--algorithms", "first_fit_decreasing,best_fit_decreasing",
+                      "--split", "90,10"]) == 0
+    doc = json.loads((tmp_path / "plan.json").read_text())
+    assert [(r["n"], r["algorithm"]) for r in doc["results"]] == [
+        (2000, "first_fit_decreasing"), (2000, "best_fit_decreasing"),
+        (6000, "first_fit_decreasing"), (6000, "best_fit_decreasing")]
+    assert all(r["packs"] > 0 and r["plan_bytes"] > 0 for r in doc["results"])
+
+
+def test_stages_benchmark_entry_point(tmp_path, monkeypatch):
+    from bench import stages
+
+    monkeypatch.setattr("bench._common.RESULTS_DIR", tmp_path)
+    assert stages.main(["--conversations", "600", "--partition-bytes", "100K", "--reads", "50",
+                        "--pack-size", "1024", "--work-dir", str(tmp_path / "work")]) == 0
+    doc = json.loads((tmp_path / "stages.json").read_text())
+    assert doc["reference"]["conversations"] == 600 and doc["kill_resume"]["identical_to_reference"] is True
+    assert doc["reads"]["virtual_checksum"] == doc["reads"]["materialized_checksum"]
+    assert set(doc["projection"]["projected_s"]) == {"1", "8", "64"}

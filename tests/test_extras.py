@@ -36,7 +36,8 @@ SCRIPTS = PYPROJECT["project"]["scripts"]
 EXTRAS = PYPROJECT["project"]["optional-dependencies"]
 # Everything the extras bring, by import name: hiding all of it leaves the core (numpy, numba).
 OPTIONAL = ("transformers", "tokenizers", "jinja2", "tqdm", "pyarrow", "zstandard", "zlib_ng", "torch",
-            "megatron", "matplotlib", "psutil", "duckdb", "polars", "gigatoken", "boto3", "multistorageclient")
+            "megatron", "matplotlib", "psutil", "duckdb", "polars", "gigatoken", "boto3", "multistorageclient",
+            "ray")
 # Distributions of the extras that are never hidden, and why.
 NOT_HIDDEN = {
     "packaging": "transformers and megatron-core import it too: hiding it would break the extra itself",
@@ -102,8 +103,21 @@ def preprocess_args(tmp_path, inputs):
 
 # A real invocation of each console script in _console.TOOLS (one that exercises what the tool
 # needs), run from a scratch directory given as the argument.
+def repack_args(tmp_path):
+    """A store made here (nothing hidden), then repacked by the probe."""
+    store = tmp_path / "store"
+    if not (store / "store.json").exists():
+        from megatron_sft_idx.preprocess.cli import main
+
+        args = preprocess_args(tmp_path, [os.path.join(EXAMPLES, "conversations_sharegpt.jsonl")])
+        assert main(args + ["--store", str(store), "--quiet", "--output-prefix", str(tmp_path / "first" / "x")]) == 0
+    return ["--store", str(store), "--output-prefix", str(tmp_path / "re" / "x"), "--pack-size", "1024",
+            "--overwrite"]
+
+
 PROBES = {
     "preprocess-sft": lambda tmp: preprocess_args(tmp, [os.path.join(EXAMPLES, "conversations.jsonl")]),
+    "repack-sft": repack_args,
     "check-idx": lambda tmp: [GOLDEN, "--json"],
     "write-sft-manifest": lambda tmp: [str(tmp / "m.json"), GOLDEN, "--json"],
     "merge-shards": lambda tmp: [str(tmp / "merged"), GOLDEN, "--json"],
@@ -292,3 +306,10 @@ def test_sft_idx_check_without_native_is_one_line(blocker, tmp_path):
                       env={"MEGATRON_SFT_IDX_NATIVE": "0"})
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "MEGATRON_SFT_IDX_NATIVE=0" in proc.stderr
+
+
+def test_engine_ray_without_ray_is_one_line(blocker, tmp_path):
+    """Ray is needed only for --engine ray (the local runs above had it hidden)."""
+    for name, args in (("preprocess-sft", PROBES["preprocess-sft"](tmp_path)), ("repack-sft", repack_args(tmp_path))):
+        proc = run_script(name, args + ["--engine", "ray"], blocker, str(tmp_path), hide=("ray",))
+        assert_one_line_naming(proc, "ray", "ray", tool=name)

@@ -25,3 +25,23 @@ print(",".join(heavy) or "none")
 def test_reading_a_pack_imports_nothing_heavy():
     out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "none", out.stdout + out.stderr
+
+
+LOCAL_RUN = """
+import os, sys, tempfile
+from megatron_sft_idx.preprocess.cli import main
+root = {root!r}
+out = tempfile.mkdtemp()
+rc = main(["--input", os.path.join(root, "examples", "conversations_sharegpt.jsonl"), "--tokenizer",
+           os.path.join(root, "examples", "tokenizer"), "--output-prefix", os.path.join(out, "ds"),
+           "--pack-size", "1024", "--workers", "2", "--quiet"])
+print(rc, "ray" in sys.modules)
+"""
+
+
+def test_the_local_engine_never_imports_ray():
+    """Ray is the optional [ray] extra: a local run, workers included, must not import it."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", LOCAL_RUN.format(root=root)], capture_output=True, text=True,
+                         check=True, env=dict(os.environ, PYTHONPATH=root))
+    assert out.stdout.split() == ["0", "False"], out.stdout + out.stderr

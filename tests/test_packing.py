@@ -164,3 +164,32 @@ def test_pad_helpers():
     assert truncation_length(4097, 8) == 4096
     with pytest.raises(ShardError):
         pad_multiple_for(0, 1)
+
+
+# ---------------------------------------------------------------- the lean kernels vs the old ones
+
+from legacy.packing_126c196 import legacy_pack  # noqa: E402
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 200), min_size=0, max_size=400), st.integers(200, 260), st.integers(0, 5),
+       st.sampled_from(ALGORITHMS), st.sampled_from([np.int32, np.int64]))
+def test_every_algorithm_places_every_sequence_where_the_previous_kernels_did(lengths, capacity, seed,
+                                                                              algorithm, dtype):
+    arr = np.array(lengths, dtype=dtype)
+    a = pack_lengths(arr, capacity, algorithm, seed=seed)
+    bin_of, offsets, items, loads = legacy_pack(arr, capacity, algorithm, seed)
+    assert np.array_equal(a.bin_of, bin_of) and np.array_equal(a.offsets, offsets)
+    assert np.array_equal(a.items, items) and np.array_equal(a.loads, loads)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_many_bins_grow_the_trees_and_still_match(algorithm):
+    # > 1024 bins (the initial tree and per-bin arrays) and a heavy tail of large items
+    rng = np.random.default_rng(4)
+    lengths = np.concatenate([rng.integers(600, 1001, 3000), rng.integers(1, 400, 5000)]).astype(np.int32)
+    rng.shuffle(lengths)
+    a = pack_lengths(lengths, 1000, algorithm, seed=9)
+    bin_of, offsets, items, loads = legacy_pack(lengths, 1000, algorithm, 9)
+    assert a.n_bins > 3000 and np.array_equal(a.bin_of, bin_of) and np.array_equal(a.items, items)
+    assert a.items.dtype == np.int32

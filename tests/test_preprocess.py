@@ -260,7 +260,7 @@ def test_existing_output_is_not_overwritten(tmp_path):
     assert open(tmp_path / "out" / "ds.bin", "rb").read() == before
     s = run(cfg(tmp_path, [path], loss_on="all", overwrite=True))
     assert MMapIndexedDataset(s["outputs"][0]).metadata.extra["loss_on"] == "all"
-    assert not [n for n in os.listdir(tmp_path / "out") if ".work-" in n or ".tmp-" in n]
+    assert not [n for n in os.listdir(tmp_path / "out") if ".work-" in n or ".preprocess" in n or ".tmp-" in n]
 
 
 @pytest.mark.parametrize("algorithm", ["first_fit_shuffle", "best_fit_decreasing", "modified_first_fit_decreasing"])

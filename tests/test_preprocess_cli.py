@@ -127,10 +127,9 @@ def test_killed_run_leaves_no_shard_and_next_run_clears_temporaries(tmp_path):
         deadline = time.monotonic() + 120  # a hang guard, not a performance threshold
         work = None
         while time.monotonic() < deadline and proc.poll() is None:
-            dirs = [d for d in os.listdir(out) if ".work-" in d] if out.exists() else []
-            spool = out / dirs[0] / "spool" if dirs else None
-            if spool is not None and spool.exists() and os.listdir(spool):
-                work = out / dirs[0]
+            parts = out / ".ds.preprocess" / "store" / "parts"
+            if parts.exists() and os.listdir(parts):  # tokenizing: the store is being written
+                work = out / ".ds.preprocess"
                 break
             time.sleep(0.02)
         assert work is not None, "the run finished before it could be interrupted"
@@ -147,7 +146,7 @@ def test_killed_run_leaves_no_shard_and_next_run_clears_temporaries(tmp_path):
                  "--pack-size", "1024", "--quiet"]) == 0
     assert not work.exists()  # ... until the next run clears them
     assert sorted(_final_files(out, "ds")) == sorted("ds" + s for s in ALL_SUFFIXES)
-    assert [n for n in os.listdir(out) if ".work-" in n or ".tmp-" in n] == []
+    assert [n for n in os.listdir(out) if ".preprocess" in n or ".tmp-" in n] == []
     assert MMapIndexedDataset(out / "ds").metadata.stats.sequence_count == 30
 
 

@@ -16,8 +16,8 @@ def packing_summary(assignment: PackAssignment, lengths) -> Dict[str, float]:
     ``efficiency`` is tokens / (bins * capacity); ``bins_over_lower_bound`` is
     bins / ceil(tokens / capacity) (1.0 is optimal).
     """
-    lengths = np.asarray(lengths, dtype=np.int64)
-    tokens = int(lengths.sum())
+    lengths = np.asarray(lengths)
+    tokens = int(lengths.sum(dtype=np.int64))  # no int64 copy of the lengths: a planner's memory
     bins = assignment.n_bins
     lower = max(1, math.ceil(tokens / assignment.capacity)) if tokens else 0
     counts = np.diff(assignment.offsets)

@@ -1,4 +1,4 @@
-"""numba kernel that copies spooled sequences into a chunk of packs (``cache=True``)."""
+"""numba kernel that copies store sequences into a chunk of packs (``cache=True``)."""
 
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ from .chat import LOSS_MODES
 from .encode import SPAN_METHODS
 from .fast_tokenizer import BACKENDS
 from .inputs import INPUT_FORMATS
+from .partitions import DEFAULT_MAX_RECORD_BYTES, DEFAULT_PARTITION_BYTES
 
 
 def _positive(text: str) -> int:
@@ -40,43 +41,20 @@ def _split(text: str):
     return parts
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="preprocess_sft", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    io = p.add_argument_group("input and output")
-    io.add_argument("--input", nargs="+", required=True, metavar="PATH",
-                    help="input files, globs or directories: .jsonl, .jsonl.gz, .jsonl.zst, .parquet")
-    io.add_argument("--output-prefix", required=True,
-                    help="output shard prefix; shards are PREFIX[_train|_valid|_test][_000000...]")
-    io.add_argument("--input-format", choices=INPUT_FORMATS, default="auto",
-                    help="record kind; auto detects messages / conversations / input_ids / prompt key "
-                         "per record (default: auto)")
-    io.add_argument("--prompt-key", default="prompt", help="prompt key of prompt/completion records (default: prompt)")
-    io.add_argument("--completion-key", default="completion",
-                    help="completion key of prompt/completion records (default: completion)")
-    io.add_argument("--overwrite", action="store_true", help="replace existing outputs (default: refuse)")
-    io.add_argument("--summary-json", metavar="PATH", help="also write the summary as JSON to PATH")
-    tk = p.add_argument_group("tokenization")
-    tk.add_argument("--tokenizer", metavar="PATH",
-                    help="local Hugging Face tokenizer directory or tokenizer.json (required unless every "
-                         "record is pre-tokenized)")
-    tk.add_argument("--vocab-size", type=_positive,
-                    help="vocabulary size (default: the tokenizer's; required for pre-tokenized input "
-                         "without --tokenizer)")
-    tk.add_argument("--loss-on", choices=LOSS_MODES, default="assistant",
-                    help="tokens trained: every assistant turn; the last one (history as the template renders "
-                         "it); per-turn: one training sequence per assistant turn, each rendered as the template "
-                         "renders a conversation ending at that turn, loss on that turn (for thinking templates "
-                         "that drop <think> from the history); or all (default: assistant)")
-    tk.add_argument("--tokenizer-backend", choices=BACKENDS, default="auto",
-                    help="gigatoken (batched, checked against tokenizers at start and on a sample of every "
-                         "batch), hf (tokenizers only), or auto: gigatoken when installed and it agrees "
-                         "(default: auto)")
-    tk.add_argument("--span-method", choices=SPAN_METHODS, default="auto",
-                    help="assistant spans from one rendering where the template proves it gives the prefix-render "
-                         "spans (auto), or from prefix renders always (prefix) (default: auto)")
-    tk.add_argument("--workers", type=_positive, default=1, help="tokenizer processes (default: 1)")
-    tk.add_argument("--batch-size", type=_positive, default=256, help="records per worker batch (default: 256)")
+def _size(text: str) -> int:
+    """Bytes, with an optional K/M/G suffix (binary)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    try:
+        value = int(text[:-1]) * units[text[-1].upper()] if text[-1:].upper() in units else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a byte count like 8M or 65536, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def add_packing_arguments(p: argparse.ArgumentParser) -> None:
+    """The packing flags, shared by preprocess_sft and repack_sft."""
     pk = p.add_argument_group("packing")
     pk.add_argument("--pack-size", type=_positive, default=4096, help="tokens per pack (default: 4096)")
     pk.add_argument("--packing-algorithm", choices=ALGORITHMS, default=DEFAULT_ALGORITHM,
@@ -101,15 +79,79 @@ def build_parser() -> argparse.ArgumentParser:
                     help="split each output into PREFIX_000000, ... of at most this many packs (default: one shard)")
     pk.add_argument("--max-shard-bytes", type=_positive,
                     help="split each output into shards of about at most this many bytes (default: one shard)")
+
+
+def add_run_arguments(p: argparse.ArgumentParser, workers_help: str) -> None:
+    """Engine, resume, checks and reporting flags, shared by preprocess_sft and repack_sft."""
+    ex = p.add_argument_group("execution")
+    ex.add_argument("--workers", type=_positive, default=1, help=workers_help)
+    ex.add_argument("--engine", choices=("local", "ray"), default="local",
+                    help="local: this machine's processes; ray: Ray tasks on a cluster (RAY_ADDRESS or "
+                         "--ray-address joined; needs the [ray] extra and paths every node sees) (default: local)")
+    ex.add_argument("--ray-address", metavar="ADDR", help="Ray cluster to join (default: RAY_ADDRESS, else a "
+                                                          "local one-node cluster)")
+    ex.add_argument("--resume", action="store_true",
+                    help="continue an interrupted run with the same settings from its completed units "
+                         "(default: start over, clearing a previous run's leftovers)")
+    ex.add_argument("--overwrite", action="store_true", help="replace existing outputs (default: refuse)")
     qa = p.add_argument_group("checks and reporting")
     qa.add_argument("--skip-bad", action="store_true",
                     help="skip and count bad records instead of stopping at the first (default: stop)")
     qa.add_argument("--check", action="store_true", help="run the gate on every output before publishing it")
     qa.add_argument("--verify-masks", type=int, default=0, metavar="N",
                     help="decode N random conversations from the output and check their trained spans (default: 0)")
+    qa.add_argument("--summary-json", metavar="PATH", help="also write the summary as JSON to PATH")
     qa.add_argument("--quiet", action="store_true", help="no progress bars and no summary table")
     qa.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
     qa.add_argument("-v", "--verbose", action="store_true", help="log details to stderr")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="preprocess_sft", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    io = p.add_argument_group("input and output")
+    io.add_argument("--input", nargs="+", required=True, metavar="PATH",
+                    help="input files, globs or directories: .jsonl, .jsonl.gz, .jsonl.zst, .parquet")
+    io.add_argument("--output-prefix", required=True,
+                    help="output shard prefix; shards are PREFIX[_train|_valid|_test][_000000...]")
+    io.add_argument("--input-format", choices=INPUT_FORMATS, default="auto",
+                    help="record kind; auto detects messages / conversations / input_ids / prompt key "
+                         "per record (default: auto)")
+    io.add_argument("--prompt-key", default="prompt", help="prompt key of prompt/completion records (default: prompt)")
+    io.add_argument("--completion-key", default="completion",
+                    help="completion key of prompt/completion records (default: completion)")
+    io.add_argument("--store", metavar="DIR",
+                    help="keep the sequence store (every conversation tokenized once) in DIR, to repack it "
+                         "later with repack-sft (default: a temporary store, removed after the run)")
+    io.add_argument("--max-record-bytes", type=_size, default=DEFAULT_MAX_RECORD_BYTES, metavar="BYTES",
+                    help="longest input record (JSONL line) accepted; longer ones are an error, or skipped "
+                         "and counted with --skip-bad, never read into memory whole. Tokenizing a chat record "
+                         "takes ~330x its size in memory, so this bounds a worker's peak (default: 2M)")
+    io.add_argument("--partition-bytes", type=_size, default=DEFAULT_PARTITION_BYTES, metavar="BYTES",
+                    help="input bytes per unit of tokenization work (a resumed run redoes at most one "
+                         "unit per worker) (default: 64M)")
+    tk = p.add_argument_group("tokenization")
+    tk.add_argument("--tokenizer", metavar="PATH",
+                    help="local Hugging Face tokenizer directory or tokenizer.json (required unless every "
+                         "record is pre-tokenized)")
+    tk.add_argument("--vocab-size", type=_positive,
+                    help="vocabulary size (default: the tokenizer's; required for pre-tokenized input "
+                         "without --tokenizer)")
+    tk.add_argument("--loss-on", choices=LOSS_MODES, default="assistant",
+                    help="tokens trained: every assistant turn; the last one (history as the template renders "
+                         "it); per-turn: one training sequence per assistant turn, each rendered as the template "
+                         "renders a conversation ending at that turn, loss on that turn (for thinking templates "
+                         "that drop <think> from the history); or all (default: assistant)")
+    tk.add_argument("--tokenizer-backend", choices=BACKENDS, default="auto",
+                    help="gigatoken (batched, checked against tokenizers at start and on a sample of every "
+                         "batch), hf (tokenizers only), or auto: gigatoken when installed and it agrees "
+                         "(default: auto)")
+    tk.add_argument("--span-method", choices=SPAN_METHODS, default="auto",
+                    help="assistant spans from one rendering where the template proves it gives the prefix-render "
+                         "spans (auto), or from prefix renders always (prefix) (default: auto)")
+    tk.add_argument("--batch-size", type=_positive, default=256, help="records per worker batch (default: 256)")
+    add_packing_arguments(p)
+    add_run_arguments(p, "worker processes for tokenizing and writing (local engine) (default: 1)")
     return p
 
 
@@ -126,7 +168,9 @@ def _config(args):
         split=args.split, max_packs_per_shard=args.max_packs_per_shard, max_shard_bytes=args.max_shard_bytes,
         batch_size=args.batch_size, check=args.check, verify_masks=args.verify_masks,
         tokenizer_backend=args.tokenizer_backend, span_method=args.span_method,
-        progress=not args.quiet and sys.stderr.isatty())
+        progress=not args.quiet and sys.stderr.isatty(), store=args.store, resume=args.resume,
+        engine=args.engine, ray_address=args.ray_address, partition_bytes=args.partition_bytes,
+        max_record_bytes=args.max_record_bytes)
 
 
 def format_summary(s: dict) -> str:
@@ -150,10 +194,53 @@ def format_summary(s: dict) -> str:
         lines.append(f"verify-masks        {s['verify_masks']['checked']} conversations OK")
     if s.get("check"):
         lines.append(f"check               gate passed on {s['check']['shards']} shard(s)")
+    if s.get("manifests"):
+        lines.append(f"manifests           {', '.join(s['manifests'])}")
+    if s.get("store"):
+        lines.append(f"sequence store      {s['store']} (repack with repack-sft --store)")
+    resumed = {k: v for k, v in (s.get("resumed_units") or {}).items() if v}
+    if resumed:
+        lines.append("resumed             " + ", ".join(f"{k} {v}" for k, v in resumed.items()) + " unit(s) done before")
     lines.append("seconds             " + ", ".join(f"{k} {v:.2f}" for k, v in s["seconds"].items()))
     rss = s["peak_rss_mib"]
     lines.append(f"peak RSS            main {rss['main']:.0f} MiB, workers {rss['workers_max']:.0f} MiB")
     return "\n".join(lines)
+
+
+def run_and_report(prog: str, run, cfg, args, formatter=None) -> int:
+    """Run, print the summary (``formatter``, default :func:`format_summary`) or the one-line
+    error; the exit codes of both CLIs."""
+    from .signals import tool_scope
+
+    with tool_scope():
+        return _report(prog, run, cfg, args, formatter)
+
+
+def _report(prog: str, run, cfg, args, formatter) -> int:
+    from .signals import Terminated, exit_code
+
+    try:
+        summary = run(cfg)
+    except ShardError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 1
+    except (KeyboardInterrupt, Terminated) as exc:
+        if getattr(exc, "publishing", False):
+            what = "interrupted while publishing; no manifest was written (rerun with --resume to finish)"
+        else:
+            what = ("interrupted; nothing was published (rerun with --resume to continue from the completed "
+                    "units, or without it to start over)")
+        print(f"{prog}: {what}", file=sys.stderr)
+        return exit_code(exc)
+    if args.summary_json:
+        with open(args.summary_json, "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=2, sort_keys=True)
+            f.write("\n")
+    if args.json:
+        print(json.dumps(summary, indent=2, sort_keys=True))
+    elif not args.quiet:
+        print((formatter or format_summary)(summary))
+    return 0
 
 
 def main(argv=None) -> int:
@@ -165,20 +252,4 @@ def main(argv=None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from .pipeline import run
 
-    try:
-        summary = run(_config(args))
-    except ShardError as exc:
-        print(f"preprocess_sft: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("preprocess_sft: interrupted; nothing was published", file=sys.stderr)
-        return 130
-    if args.summary_json:
-        with open(args.summary_json, "w", encoding="utf-8") as f:
-            json.dump(summary, f, indent=2, sort_keys=True)
-            f.write("\n")
-    if args.json:
-        print(json.dumps(summary, indent=2, sort_keys=True))
-    elif not args.quiet:
-        print(format_summary(summary))
-    return 0
+    return run_and_report("preprocess_sft", run, _config(args), args)

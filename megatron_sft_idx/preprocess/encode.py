@@ -12,6 +12,11 @@ records fail and with which error, but does the work in bulk:
   ``tokenizers`` with offsets as the reference does;
 * label alignment, the all-zero check and the overlong rules are vectorised.
 
+The staged pipeline's tokenize step calls it with :class:`EncodeOptions` that carry no pack
+size: what a conversation *is* does not depend on the packing, so the overlong rules are
+applied later, by the plan stage, from the sequence store's lengths (one store serves every
+pack size).
+
 A deterministic sample of conversations (every ``SAMPLE_EVERY``-th of a batch) is
 also encoded the reference way and compared; a difference stops the run with
 :class:`~megatron_sft_idx.errors.ShardError` rather than write different bytes.
@@ -34,6 +39,37 @@ from .spans import SpanLocator
 
 SAMPLE_EVERY = 256
 SPAN_METHODS = ("auto", "prefix")
+
+
+@dataclass(frozen=True)
+class EncodeOptions:
+    """What a worker needs to turn raw records into (ids, label-aligned mask).
+
+    ``pack_size`` and the overlong fields are None for the tokenize stage (the plan stage
+    decides overlong sequences); a caller that sets them gets the rules applied per record.
+    """
+
+    tokenizer_path: Optional[str]
+    vocab_size: Optional[int]
+    loss_on: str
+    input_format: str
+    prompt_key: str
+    completion_key: str
+    skip_bad: bool
+    pack_size: Optional[int] = None   # None: no overlong rules here (the tokenize stage)
+    pad_multiple: int = 1
+    overlong: str = "truncate"
+    truncate_to: Optional[int] = None
+    pad_layout: str = "stored"
+    tokenizer_backend: str = "auto"   # auto | gigatoken | hf (fast_tokenizer): the same bytes either way
+    span_method: str = "auto"         # auto (one render, proven) | prefix (reference): the same bytes
+
+    def to_dict(self) -> dict:
+        """What decides the encoded bytes (the store's identity): not the backend or span method,
+        which are checked to give the same bytes as the reference path."""
+        return {"vocab_size": self.vocab_size, "loss_on": self.loss_on, "input_format": self.input_format,
+                "prompt_key": self.prompt_key, "completion_key": self.completion_key,
+                "skip_bad": self.skip_bad}
 
 
 @dataclass
@@ -247,6 +283,8 @@ class RecordEncoder:
 
     def _fit(self, ids, mask, path, line) -> None:
         o = self.options
+        if o.pack_size is None:  # the tokenize stage: the plan stage applies the overlong rules
+            return
         padded = int(padded_length([ids.size], o.pad_multiple, getattr(o, "pad_layout", "stored"))[0])
         if padded <= o.pack_size:
             return

@@ -1,10 +1,27 @@
-"""Locating bad input records (the error class itself is ``megatron_sft_idx.errors.InputError``)."""
+"""Locating bad input records, and naming filesystem failures of the output.
+
+The classes themselves are ``megatron_sft_idx.errors.InputError`` and ``OutputError``.
+"""
 
 from __future__ import annotations
 
-from ..errors import InputError
+import errno
 
-__all__ = ["InputError", "input_error"]
+from ..errors import InputError, OutputError
+
+__all__ = ["InputError", "OutputError", "input_error", "output_error"]
+
+_OS_REASONS = {
+    errno.ENOSPC: ("no space left on the device", "free space or choose another --output-prefix / --store"),
+    errno.EDQUOT: ("disk quota exceeded", "free space or choose another --output-prefix / --store"),
+    errno.EROFS: ("the filesystem is read-only", "choose a writable --output-prefix / --store"),
+    errno.EACCES: ("permission denied", "choose a directory you can write to"),
+    errno.EPERM: ("operation not permitted", "choose a directory you can write to"),
+    errno.ENOTDIR: ("a parent of this path is not a directory", "choose another --output-prefix / --store"),
+    errno.EEXIST: ("a file is in the way of a directory", "choose another --output-prefix / --store"),
+    errno.EIO: ("input/output error from the device", "check the disk and rerun"),
+    errno.EFBIG: ("a file exceeds the size limit (ulimit -f, or the filesystem's)", "raise the limit"),
+}
 
 
 def input_error(message: str, path: str, line: int, field=None, reason: str = "bad_record",
@@ -12,4 +29,17 @@ def input_error(message: str, path: str, line: int, field=None, reason: str = "b
     """An :class:`InputError` located at ``path:line``; ``reason`` is the skip-count key."""
     err = InputError(message, path=f"{path}:{line}", field=field, hint=hint)
     err.reason = reason
+    return err
+
+
+def output_error(exc: OSError, resumable: bool = True, where=None) -> OutputError:
+    """An :class:`OutputError` naming the path the system refused (``where`` when the error
+    carries none, as a failed ``write`` does) and what to do.
+
+    ``resumable``: completed units survive, so the hint says ``--resume`` continues from them.
+    """
+    what, todo = _OS_REASONS.get(exc.errno, (exc.strerror or str(exc), "fix the destination"))
+    hint = todo + ("; then rerun with --resume to continue from the completed units" if resumable else "")
+    err = OutputError(f"cannot write: {what}", path=exc.filename or where, hint=hint)
+    err.errno = exc.errno
     return err

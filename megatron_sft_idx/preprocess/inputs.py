@@ -1,8 +1,12 @@
 """Input files: expansion of files/globs/directories, streaming readers, record parsing.
 
-Records are read in batches of raw lines (JSONL, ``.jsonl.gz``, ``.jsonl.zst``)
+Records are read (:mod:`.partitions`) as raw lines (JSONL, ``.jsonl.gz``, ``.jsonl.zst``)
 or rows (Parquet); each keeps its 1-based line (row) number so that every
-error names ``file:line``. Parsing happens in the tokenizer workers.
+error names ``file:line``. Parsing happens in the tokenizer workers, and refuses
+what would otherwise reach the tokenizer as a traceback or a memory blow-up: a
+line longer than ``--max-record-bytes`` (never buffered whole), JSON nested
+deeper than Python's recursion limit, and text holding a lone UTF-16 surrogate
+(``"\ud800"`` escapes, or CESU-8 bytes, which JSON decoding lets through).
 
 Record kinds (``--input-format auto`` tells them apart by their keys):
 
@@ -22,7 +26,7 @@ import hashlib
 import io
 import json
 import os
-from typing import Iterator, List, Sequence, Tuple
+from typing import List, NamedTuple, Sequence
 
 from .._extras import require_extra
 from .errors import InputError, input_error
@@ -30,6 +34,14 @@ from .errors import InputError, input_error
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
 PARQUET_SUFFIXES = (".parquet",)
 INPUT_FORMATS = ("auto", "chat", "sharegpt", "tokens", "prompt")
+
+
+class OversizedRecord(NamedTuple):
+    """Stands for a record longer than the limit; only its size in bytes is kept."""
+
+    size: int
+
+
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
                   "assistant": "assistant", "chatgpt": "assistant", "model": "assistant",
                   "tool": "tool", "function": "tool"}
@@ -77,7 +89,8 @@ def file_digest(path: str) -> str:
     return h.hexdigest()
 
 
-def _open_text_bytes(path: str):
+def open_text_bytes(path: str):
+    """A binary stream of the file's (decompressed) bytes."""
     if path.endswith(".gz"):
         return gzip.open(path, "rb")
     if path.endswith(".zst"):
@@ -86,51 +99,6 @@ def _open_text_bytes(path: str):
 
         return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))
     return open(path, "rb")
-
-
-def iter_batches(path: str, batch_size: int) -> Iterator[Tuple[int, list]]:
-    """Yield ``(first_line_number, records)`` with up to ``batch_size`` raw records each.
-
-    JSONL records are ``bytes`` lines (blank lines are skipped but counted);
-    Parquet records are dicts. Line and row numbers are 1-based.
-
-    Raises:
-        InputError: the file cannot be opened or decompressed.
-    """
-    try:
-        if path.endswith(PARQUET_SUFFIXES):
-            yield from _parquet_batches(path, batch_size)
-            return
-        with _open_text_bytes(path) as f:
-            batch: list = []
-            first = 1
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                if not batch:
-                    first = number
-                batch.append((number, line))
-                if len(batch) >= batch_size:
-                    yield first, batch
-                    batch = []
-            if batch:
-                yield first, batch
-    except (OSError, EOFError, ValueError) as exc:
-        if isinstance(exc, InputError):
-            raise
-        raise InputError(f"cannot read input ({exc.__class__.__name__}: {exc})", path=path,
-                         hint="check the file is complete and its compression matches its suffix") from None
-
-
-def _parquet_batches(path: str, batch_size: int):
-    require_extra("preprocess", "pyarrow")
-    import pyarrow.parquet as pq
-
-    row = 1
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_size):
-        rows = batch.to_pylist()
-        yield row, [(row + i, r) for i, r in enumerate(rows)]
-        row += len(rows)
 
 
 def parse_record(raw, path: str, line: int, input_format: str, prompt_key: str, completion_key: str):
@@ -143,11 +111,18 @@ def parse_record(raw, path: str, line: int, input_format: str, prompt_key: str, 
     Raises:
         InputError: malformed JSON, missing or ill-typed keys, an empty conversation.
     """
+    if isinstance(raw, OversizedRecord):
+        raise input_error(f"record of {raw.size} bytes exceeds --max-record-bytes", path, line,
+                          reason="record_too_large",
+                          hint="raise --max-record-bytes (a worker's memory grows with it), or --skip-bad")
     if isinstance(raw, (bytes, str)):
         try:
             record = json.loads(raw)
         except ValueError as exc:
             raise input_error(f"malformed JSON ({exc})", path, line, reason="malformed_json") from None
+        except RecursionError:
+            raise input_error("JSON nested too deeply to parse", path, line, reason="json_too_deep",
+                              hint="no conversation needs this nesting; fix the record or pass --skip-bad") from None
     else:
         record = raw
     if not isinstance(record, dict):
@@ -188,13 +163,27 @@ def _turns(value, path, line, key):
     return value
 
 
+def _text(value: str, path: str, line: int, field: str) -> str:
+    """``value``, refused if it holds a lone surrogate (not encodable as UTF-8, so a tokenizer
+    would raise on it)."""
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise input_error(f"'{field}' holds a lone UTF-16 surrogate {value[exc.start]!r} at character "
+                              f"{exc.start}", path, line, field=field, reason="invalid_unicode",
+                              hint="the text is not valid Unicode; fix the producer or pass --skip-bad") from None
+    return value
+
+
 def _chat_messages(record, path, line):
     out = []
     for i, m in enumerate(_turns(_need(record, "messages", path, line), path, line, "messages")):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise input_error(f"messages[{i}] needs string 'role' and 'content'", path, line,
                               field=f"messages[{i}]", reason="missing_key")
-        out.append({"role": m["role"], "content": m["content"]})
+        out.append({"role": _text(m["role"], path, line, f"messages[{i}].role"),
+                    "content": _text(m["content"], path, line, f"messages[{i}].content")})
     return out
 
 
@@ -204,7 +193,9 @@ def _sharegpt_messages(record, path, line):
         if not isinstance(m, dict) or not isinstance(m.get("from"), str) or not isinstance(m.get("value"), str):
             raise input_error(f"conversations[{i}] needs string 'from' and 'value'", path, line,
                               field=f"conversations[{i}]", reason="missing_key")
-        out.append({"role": SHAREGPT_ROLES.get(m["from"].lower(), m["from"]), "content": m["value"]})
+        role = _text(m["from"], path, line, f"conversations[{i}].from")
+        out.append({"role": SHAREGPT_ROLES.get(role.lower(), role),
+                    "content": _text(m["value"], path, line, f"conversations[{i}].value")})
     return out
 
 
@@ -233,6 +224,8 @@ def _prompt_record(record, path, line, prompt_key, completion_key):
     if not isinstance(prompt, str) or not isinstance(completion, str):
         raise input_error(f"'{prompt_key}' and '{completion_key}' must be strings", path, line,
                           field=prompt_key, reason="missing_key")
+    _text(prompt, path, line, prompt_key)
+    _text(completion, path, line, completion_key)
     if not completion:
         raise input_error("empty completion", path, line, field=completion_key, reason="empty_conversation")
     return prompt, completion

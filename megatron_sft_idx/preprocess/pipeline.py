@@ -1,40 +1,48 @@
-"""The preprocessing pipeline: inputs -> spool -> global packing -> shards.
+"""The preprocessing pipeline: inputs -> sequence store -> pack plan -> shards -> publish.
 
-Memory stays flat in the dataset size except for ~22 bytes per conversation
-(length, spool location, source line) and the packing arrays (~20 bytes per
-sequence); tokens only ever live in one batch per worker and one chunk of
-packs. Same inputs + seed give byte-identical shards whatever ``--workers``.
+Stages, each a step whose units an engine runs (:mod:`.engine`), each unit committed by a
+receipt (:mod:`.receipts`), so ``--resume`` continues a killed run from its completed units:
+
+1. *index* (:mod:`.tokenize`, per input file): sha256, size, deterministic partitions;
+2. *tokenize* (per partition): records -> the sequence store (:mod:`.store`);
+3. *plan* (one unit, lengths only): store -> pack plan (:mod:`.plan`, :mod:`.planfile`);
+4. *materialize* (per output shard): plan + store -> staged shards (:mod:`.materialize`);
+5. ``--verify-masks`` / ``--check`` on the staged shards, then *publish* (:mod:`.publish`).
+
+Memory of the driver: receipts, plus (local engine, in-process plan) ~16-24 bytes per
+conversation for the planner. Same inputs and settings give byte-identical shards whatever
+``--workers``, ``--engine``, ``--partition-bytes`` or ``--batch-size``, and whether or not the
+run was interrupted and resumed.
 """
 
 from __future__ import annotations
 
-import mmap
+import json
 import os
-import resource
-import shutil
 import time
-from dataclasses import dataclass, field
-from typing import Dict, List, NamedTuple, Optional, Sequence
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from .._extras import require_extra
-from ..builder import IndexedDatasetBuilder
-from ..errors import ShardError
-from ..packing import pack_lengths, pad_multiple_for, packing_summary, padded_length, truncation_length
-from ..reader import MMapIndexedDataset
+from .._extras import MissingExtraError, require_extra
+from ..errors import OutputError, ShardError, ShardExistsError
+from ..packing import pad_multiple_for
 from . import outputs
-from ._materialize import exclusive_cumsum, fill_sequences
 from .chat import load_chat_tokenizer
-from .inputs import expand_inputs, file_digest, iter_batches
-from .spool import Batch, BatchResult, EncodeOptions, run_spool
-
-_CHUNK_TOKENS = 1 << 22  # tokens materialized at once
-# Packs gather sequences from anywhere in the spool, and the kernel maps ~64 KiB around every
-# page fault (fault-around), for tokens and loss mask alike: bounding the sequences per chunk,
-# and dropping the mapped pages after it, keeps the spool's share of RSS near 64 MiB however
-# large the spool is.
-_CHUNK_SEQUENCES = 512
+from .encode import EncodeOptions
+from .engine import make_engine
+from .errors import output_error
+from .inputs import expand_inputs
+from .pack_stage import PackJob, books, run_pack
+from .partitions import DEFAULT_MAX_RECORD_BYTES, DEFAULT_PARTITION_BYTES, Partition
+from .plan import PlanSettings, plan_shards, split_conversations  # noqa: F401  (public names)
+from .receipts import ReceiptBook, settings_key
+from .signals import Terminated, committed, signals_deferred, terminate_as_exception
+from .store import STORE_FILE, SequenceStore, tokenize_book, write_store_file
+from .summary import build_summary
+from .tokenize import IndexStep, TokenizeStep
+from .workdir import Lock, WorkDir
 
 
 @dataclass
@@ -69,23 +77,14 @@ class Config:
     check: bool = False
     verify_masks: int = 0
     progress: bool = True
-    tokenizer_backend: str = "auto"
+    store: Optional[str] = None
+    resume: bool = False
+    engine: str = "local"
+    ray_address: Optional[str] = None
+    partition_bytes: int = DEFAULT_PARTITION_BYTES
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+    tokenizer_backend: str = "auto"   # the same bytes either way (checked): not in the store's identity
     span_method: str = "auto"
-
-
-@dataclass
-class Spooled:
-    """Per-conversation arrays, in global (input) order, and the spool shards."""
-
-    prefixes: List[str]
-    lengths: np.ndarray      # int32 tokens
-    worker: np.ndarray       # int16 spool shard
-    local: np.ndarray        # int32 index inside it
-    file_index: np.ndarray   # int32
-    line: np.ndarray         # int64
-    records: int
-    skipped: Dict[str, int] = field(default_factory=dict)
-    first_skipped: Dict[str, str] = field(default_factory=dict)
 
 
 def _progress(enabled: bool, **kw):
@@ -95,13 +94,7 @@ def _progress(enabled: bool, **kw):
     return tqdm(disable=not enabled, dynamic_ncols=True, mininterval=0.5, **kw)
 
 
-def _peak_rss_mib() -> Dict[str, float]:
-    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-    return {"main": round(own, 1), "workers_max": round(kids, 1)}
-
-
-def resolve_pad_multiple(cfg: Config) -> int:
+def resolve_pad_multiple(cfg) -> int:
     """``lcm(--pad-seq-to-mult, multiple for --cp/--tp/--sp)``.
 
     Raises:
@@ -113,327 +106,233 @@ def resolve_pad_multiple(cfg: Config) -> int:
     return mult
 
 
-def _batches(files: Sequence[str], batch_size: int, counter: list):
-    batch_id = 0
-    for file_index, path in enumerate(files):
-        for _, records in iter_batches(path, batch_size):
-            counter[0] += len(records)
-            yield Batch(batch_id, file_index, path, records)
-            batch_id += 1
+def plan_settings(cfg, mult: int, vocab: Optional[int]) -> PlanSettings:
+    return PlanSettings(
+        pack_size=cfg.pack_size, pad_multiple=mult, algorithm=cfg.algorithm, seed=cfg.seed,
+        split=tuple(cfg.split) if cfg.split else None, overlong=cfg.overlong, skip_bad=cfg.skip_bad,
+        max_packs_per_shard=cfg.max_packs_per_shard, max_shard_bytes=cfg.max_shard_bytes,
+        itemsize=2 if (vocab or 0) and vocab <= 65536 else 4, pad_layout=cfg.pad_layout)
 
 
-def tokenize_to_spool(cfg: Config, files, options: EncodeOptions, spool_dir: str) -> Spooled:
-    results: Dict[int, BatchResult] = {}
-    counter = [0]
-    bar = _progress(cfg.progress, desc="tokenize", unit="conv")
-
-    def on_result(r: BatchResult) -> None:
-        results[r.batch_id] = r
-        bar.update(int(r.lengths.size) + sum(r.skipped.values()))
-
-    try:
-        prefixes = run_spool(_batches(files, cfg.batch_size, counter), options, spool_dir, cfg.workers, on_result)
-    finally:
-        bar.close()
-    ordered = [results[k] for k in sorted(results)]
-    skipped: Dict[str, int] = {}
-    first: Dict[str, str] = {}
-    for r in ordered:
-        for k, v in r.skipped.items():
-            skipped[k] = skipped.get(k, 0) + v
-        for k, v in r.first_skipped.items():
-            first.setdefault(k, v)
-
-    def cat(get, dtype):
-        parts = [np.asarray(get(r), dtype=dtype) for r in ordered]
-        return np.concatenate(parts) if parts else np.empty(0, dtype)
-
-    return Spooled(
-        prefixes=prefixes,
-        lengths=cat(lambda r: r.lengths, np.int32),
-        worker=cat(lambda r: np.full(r.lengths.size, r.worker), np.int16),
-        local=cat(lambda r: r.local_start + np.arange(r.lengths.size), np.int32),
-        file_index=cat(lambda r: np.full(r.lengths.size, r.file_index), np.int32),
-        line=cat(lambda r: r.lines, np.int64),
-        records=counter[0], skipped=skipped, first_skipped=first)
-
-
-def split_conversations(n: int, weights: Optional[Sequence[float]], seed: int) -> List[np.ndarray]:
-    """Global conversation indices of each split (ascending), from a seeded permutation."""
-    if not weights:
-        return [np.arange(n, dtype=np.int64)]
-    w = np.asarray(weights, dtype=np.float64)
-    bounds = np.round(np.concatenate([[0.0], np.cumsum(w / w.sum())]) * n).astype(np.int64)
-    perm = np.random.default_rng(seed).permutation(n)
-    return [np.sort(perm[bounds[i]:bounds[i + 1]]) for i in range(len(w))]
-
-
-def plan_shards(loads: np.ndarray, seq_counts: np.ndarray, itemsize: int,
-                max_packs: Optional[int], max_bytes: Optional[int]) -> np.ndarray:
-    """First pack of each shard plus the end (int64[S+1]); each shard holds >= 1 pack."""
-    n = loads.size
-    if not max_packs and not max_bytes:
-        return np.array([0, n], dtype=np.int64)
-    cum = exclusive_cumsum(loads * (itemsize + 1) + seq_counts * 4 + 20)
-    starts = [0]
-    while starts[-1] < n:
-        s = starts[-1]
-        end = n if not max_packs else min(n, s + max_packs)
-        if max_bytes:
-            end = min(end, int(np.searchsorted(cum, cum[s] + max_bytes, side="right")) - 1)
-        starts.append(max(end, s + 1))
-    return np.asarray(starts, dtype=np.int64)
+def check_pad_id(pad_id: Optional[int], vocab: Optional[int]) -> int:
+    if pad_id is None or pad_id < 0 or (vocab is not None and pad_id >= vocab):
+        raise ShardError("no usable pad id", field="pad_id", actual=pad_id,
+                         hint="pass --pad-id in [0, vocab size) (the tokenizer has no pad or EOS token)")
+    return pad_id
 
 
 @dataclass
-class SplitPlan:
-    name: str
-    members: np.ndarray       # global conversation indices, ascending
-    copy_len: np.ndarray      # tokens kept per member (after truncation)
-    padded: np.ndarray        # padded length per member
-    assignment: object
-    shard_starts: np.ndarray  # first pack per shard + end
-    finals: List[str]
-    staged: List[str]
+class Inputs:
+    """What the driver resolves once: the input files and the tokenizer's identity."""
+
+    names: List[str]                 # as given (expanded): recorded in metadata and messages
+    paths: List[str]                 # absolute: what the workers open
+    options: EncodeOptions
+    tokenizer: Optional[dict]        # identity without its path, or None
+    pad_id: int
+
+    def stat(self) -> list:
+        return [[n, os.path.getsize(p), os.stat(p).st_mtime_ns] for n, p in zip(self.names, self.paths)]
 
 
-def materialize_shard(plan: SplitPlan, shard: int, sp: Spooled, spool: SpoolViews, pad_id: int,
-                      builder_kw: dict, bar) -> dict:
-    """Write packs ``shard_starts[shard]..[shard+1]`` of a split to its staged prefix."""
-    a = plan.assignment
-    first, last = int(plan.shard_starts[shard]), int(plan.shard_starts[shard + 1])
-    with IndexedDatasetBuilder(plan.staged[shard], overwrite=True, **builder_kw) as builder:
-        b0 = first
-        while b0 < last:
-            b1 = b0 + 1
-            tokens = int(a.loads[b0])
-            while (b1 < last and tokens + int(a.loads[b1]) <= _CHUNK_TOKENS
-                   and int(a.offsets[b1 + 1]) - int(a.offsets[b0]) <= _CHUNK_SEQUENCES):
-                tokens += int(a.loads[b1])
-                b1 += 1
-            _write_chunk(plan, b0, b1, tokens, sp, spool.readers, pad_id, builder)
-            spool.release_pages()
-            bar.update(b1 - b0)
-            b0 = b1
-    return builder.metadata.to_dict()
+def resolve_inputs(cfg: Config) -> Inputs:
+    names = expand_inputs(cfg.inputs)
+    tok = load_chat_tokenizer(cfg.tokenizer) if cfg.tokenizer else None
+    vocab = cfg.vocab_size or (tok.vocab_size if tok else None)
+    pad_id = check_pad_id(cfg.pad_id if cfg.pad_id is not None else (tok.pad_id if tok else None), vocab)
+    options = EncodeOptions(tokenizer_path=tok.path if tok else None, vocab_size=vocab, loss_on=cfg.loss_on,
+                            input_format=cfg.input_format, prompt_key=cfg.prompt_key,
+                            completion_key=cfg.completion_key, skip_bad=cfg.skip_bad,
+                            tokenizer_backend=cfg.tokenizer_backend, span_method=cfg.span_method)
+    identity = {k: v for k, v in tok.identity().items() if k != "path"} if tok else None
+    return Inputs(names, [os.path.abspath(n) for n in names], options, identity, pad_id)
 
 
-def _write_chunk(plan, b0, b1, tokens, sp, readers, pad_id, builder) -> None:
-    a = plan.assignment
-    s0, s1 = int(a.offsets[b0]), int(a.offsets[b1])
-    pos = a.items[s0:s1]                 # positions inside the split
-    conv = plan.members[pos]             # global conversation index
-    dst = exclusive_cumsum(plan.padded[pos])
-    out_ids = np.full(tokens, pad_id, dtype=np.int64)
-    out_mask = np.zeros(tokens, dtype=np.uint8)
-    for w, (ids, mask, pointers, itemsize) in enumerate(readers):
-        sel = np.flatnonzero(sp.worker[conv] == w)
-        if sel.size:
-            src_start = pointers[sp.local[conv[sel]]] // itemsize
-            fill_sequences(out_ids, out_mask, dst[sel], ids, mask, src_start,
-                           plan.copy_len[pos[sel]].astype(np.int64), sp.lengths[conv[sel]].astype(np.int64))
-    pack_ends = exclusive_cumsum(a.loads[b0:b1])
-    for k in range(b1 - b0):
-        lo, hi = int(a.offsets[b0 + k]) - s0, int(a.offsets[b0 + k + 1]) - s0
-        start = pack_ends[k]
-        builder.add_packed(out_ids[start:pack_ends[k + 1]], out_mask[start:pack_ends[k + 1]], dst[lo:hi] - start)
+# --------------------------------------------------------------------------- the store
 
 
-class SpoolViews(NamedTuple):
-    """The spool as mmap views: per worker (tokens, loss mask, byte pointers, itemsize)."""
-
-    readers: list
-    datasets: list
-
-    def release_pages(self) -> None:
-        """Packs gather conversations from all over the spool; dropping the mapped pages after
-        each chunk keeps RSS at one chunk's working set instead of the spool's size."""
-        for ds in self.datasets:
-            ds.release_pages()
+def _normal(obj):
+    return json.loads(json.dumps(obj, sort_keys=True))
 
 
-def open_spool(prefixes: Sequence[str]) -> SpoolViews:
-    readers, datasets = [], []
-    for prefix in prefixes:
-        if not os.path.exists(prefix + ".idx"):
-            readers.append((np.empty(0, np.int64), np.empty(0, np.uint8), np.empty(0, np.int64), 1))
-            continue
-        ds = MMapIndexedDataset(prefix)
-        if hasattr(mmap, "MADV_RANDOM"):  # packs gather scattered sequences: map only what is read
-            ds.advise(mmap.MADV_RANDOM)
-        arr = ds.arrays()
-        readers.append((arr.tokens, arr.loss_mask, np.asarray(ds.sequence_pointers), ds.dtype.itemsize))
-        datasets.append(ds)
-    return SpoolViews(readers, datasets)
+def build_store(cfg: Config, inputs: Inputs, engine, directory: str, times: Dict[str, float],
+                resumed: Dict[str, int], progress: bool) -> SequenceStore:
+    """Index the inputs and tokenize every partition not yet in the store at ``directory``."""
+    t = time.perf_counter()
+    index_key = settings_key({"partition_bytes": cfg.partition_bytes, "inputs": inputs.stat()})
+    book = ReceiptBook(os.path.join(directory, "receipts"), "index", index_key, directory)
+    index = book.completed(range(len(inputs.paths)))
+    resumed["index"] = len(index)
+    step = IndexStep(tuple(inputs.paths), cfg.partition_bytes, book)
+    engine.map(step, [i for i in range(len(inputs.paths)) if i not in index],
+               lambda r: index.__setitem__(r["unit"], r))
+    times["index"] = time.perf_counter() - t
+    t = time.perf_counter()
+    infos = [{"name": n, "sha256": index[i]["sha256"], "bytes": index[i]["bytes"]}
+             for i, n in enumerate(inputs.names)]
+    parts = [Partition.from_list(p) for i in range(len(infos)) for p in index[i]["partitions"]]
+    identity = {"tokenizer": inputs.tokenizer, "encode": inputs.options.to_dict(),
+                "max_record_bytes": cfg.max_record_bytes}
+    store_id = _describe_store(directory, identity, infos, parts, inputs)
+    done = tokenize_book(directory, store_id).completed(range(len(parts)))
+    resumed["tokenize"] = len(done)
+    meta = [_part_metadata(inputs, info, cfg.input_format) for info in infos]
+    step = TokenizeStep(directory, store_id, tuple(inputs.paths), tuple(inputs.names), tuple(parts),
+                        inputs.options, cfg.batch_size, cfg.max_record_bytes, tuple(meta))
+    with _progress(progress, desc="tokenize", unit="conv") as bar:
+        bar.update(sum(r["records"] for r in done.values()))
+        engine.map(step, [k for k in range(len(parts)) if k not in done], lambda r: bar.update(r["records"]))
+    times["tokenize"] = time.perf_counter() - t
+    return SequenceStore(directory)
 
 
-def _encode_options(cfg: Config, vocab: Optional[int], mult: int) -> EncodeOptions:
-    return EncodeOptions(
-        tokenizer_path=cfg.tokenizer, vocab_size=vocab, loss_on=cfg.loss_on, input_format=cfg.input_format,
-        prompt_key=cfg.prompt_key, completion_key=cfg.completion_key, skip_bad=cfg.skip_bad,
-        pack_size=cfg.pack_size, pad_multiple=mult, overlong=cfg.overlong,
-        truncate_to=truncation_length(cfg.pack_size, mult, cfg.pad_layout), pad_layout=cfg.pad_layout,
-        tokenizer_backend=cfg.tokenizer_backend, span_method=cfg.span_method)
-
-
-def _plan_split(cfg, name, members, sp, mult, itemsize, final_base, work) -> SplitPlan:
-    trunc = truncation_length(cfg.pack_size, mult, cfg.pad_layout)
-    copy_len = np.minimum(sp.lengths[members].astype(np.int64), trunc)
-    padded = padded_length(copy_len, mult, cfg.pad_layout)
-    assignment = pack_lengths(padded, cfg.pack_size, cfg.algorithm, cfg.seed)
-    starts = plan_shards(assignment.loads, np.diff(assignment.offsets), itemsize,
-                         cfg.max_packs_per_shard, cfg.max_shard_bytes)
-    numbered = bool(cfg.max_packs_per_shard or cfg.max_shard_bytes)
-    finals = [outputs.shard_prefix(final_base, i, numbered) for i in range(starts.size - 1)]
-    return SplitPlan(name, members, copy_len, padded, assignment, starts, finals,
-                     [outputs.staged_prefix(work, f) for f in finals])
-
-
-def _metadata(cfg, tok_identity, mult, input_info, split, shard, shard_count) -> dict:
-    meta = {
-        "pad_seq_to_mult": mult,
-        "pad_layout": cfg.pad_layout,
-        "tokenizer": tok_identity,
-        "packing": {"algorithm": cfg.algorithm, "seed": cfg.seed, "pack_size": cfg.pack_size,
-                    "overlong": cfg.overlong},
-        "parallelism": {"cp": cfg.cp, "tp": cfg.tp, "sp": bool(cfg.sp)},
-        "source": {"inputs": input_info, "input_format": cfg.input_format},
-        "extra": {"loss_on": cfg.loss_on, "split": split, "shard_index": shard, "shard_count": shard_count},
-    }
-    if tok_identity is None:  # pre-tokenized input without a tokenizer
+def _part_metadata(inputs: Inputs, info: dict, input_format: str) -> dict:
+    meta = {"tokenizer": inputs.tokenizer, "source": {"inputs": [info], "input_format": input_format},
+            "extra": {"loss_on": inputs.options.loss_on}}
+    if inputs.tokenizer is None:
         del meta["tokenizer"]
     return meta
+
+
+def _describe_store(directory: str, identity: dict, infos: List[dict], parts: List[Partition],
+                    inputs: Inputs) -> str:
+    """Write ``store.json``, or check that an existing one (``--resume``) describes the same store."""
+    path = os.path.join(directory, STORE_FILE)
+    if os.path.exists(path):
+        existing = SequenceStore(directory, require_complete=False)
+        for what, mine, theirs in (("tokenizer and encoding settings", identity, existing.identity),
+                                   ("inputs", infos, existing.inputs),
+                                   ("partitions", [p.to_list() for p in parts],
+                                    [p.to_list() for p in existing.partitions])):
+            if _normal(mine) != _normal(theirs):
+                raise ShardError(f"the sequence store was made with other {what}", path=directory,
+                                 hint="rerun without --resume to start over, or give another --store")
+        return existing.store_id
+    return write_store_file(directory, identity, infos, parts, inputs.options.tokenizer_path, inputs.paths)
+
+
+def _user_store(directory: str, resume: bool) -> Lock:
+    """Take the lock of a ``--store`` directory; refuse a non-empty one without ``--resume``."""
+    if os.path.isdir(directory) and [n for n in os.listdir(directory) if n != "lock"] and not resume:
+        raise ShardExistsError("the --store directory is not empty", path=directory,
+                               hint="pass --resume to reuse it (only missing partitions are tokenized), "
+                                    "pack it again with repack-sft, or choose an empty directory")
+    os.makedirs(directory, exist_ok=True)
+    lock = Lock(os.path.join(directory, "lock"), f"sequence store {directory}")
+    lock.acquire()
+    return lock
+
+
+# --------------------------------------------------------------------------- running
+
+
+def execute(job: PackJob, run_key: str, resume: bool, engine_kind: str, workers: int,
+            ray_address: Optional[str], get_store: Callable, times: Dict[str, float], progress: bool,
+            kept_store: Optional[str]) -> dict:
+    """Everything after the settings are resolved, for preprocess_sft and repack_sft alike:
+    the work directory, the engine, ``get_store(engine, work, resumed)``, the pack stages, the
+    summary. The work directory stays after an interruption or a filesystem error (for
+    ``--resume``) and is removed otherwise. Once every output is published the run is
+    committed: a signal during the last cleanup no longer fails it."""
+    work = WorkDir(job.output_prefix)
+    if resume:
+        summary = finished_run(work, run_key)
+        if summary is not None:
+            return summary
+    ours = published_files_from(work, run_key) if resume else set()
+    replaced = outputs.refuse_existing(job.bases, job.overwrite, ours)
+    with terminate_as_exception():
+        try:
+            work.open(resume)
+        except OSError as exc:
+            raise output_error(exc, resumable=False) from None
+        remove, engine = False, None
+        try:
+            engine = make_engine(engine_kind, workers, ray_address)
+            resumed: Dict[str, int] = {}
+            store = get_store(engine, work, resumed)
+            with _progress(progress, desc="write", unit="pack") as bar:
+                result = run_pack(store, job, engine, work, run_key, replaced, times, bar, resumed)
+            summary = build_summary(store, job, result, times, workers, engine.describe(), resumed, kept_store)
+            books(work, run_key)["done"].write(0, {"summary": summary})
+            committed()  # (a signal from here on is ignored by the tool, or caught below)
+            with signals_deferred():  # committed: finish the cleanup whatever arrives now
+                engine.close()
+                engine = None
+                work.close(remove=True)
+            return summary
+        except OutputError:
+            raise
+        except (ShardError, MissingExtraError):
+            remove = True
+            raise
+        except (KeyboardInterrupt, Terminated) as exc:
+            if work.closed:  # arrived during the committed cleanup (delivered when it ended)
+                return summary
+            exc.publishing = work.publishing  # the CLI says whether anything reached final names
+            raise
+        except OSError as exc:
+            raise output_error(exc, where=os.path.dirname(os.path.abspath(job.output_prefix))) from None
+        finally:
+            if engine is not None:
+                engine.close()
+            if not work.closed:
+                work.close(remove)
+
+
+def published_files_from(work: WorkDir, run_key: str) -> set:
+    """Final files a previous attempt of this run may have published (not "existing outputs")."""
+    intent = books(work, run_key)["intent"].read(0)
+    return set(intent["files"]) if intent else set()
+
+
+def finished_run(work: WorkDir, run_key: str) -> Optional[dict]:
+    """The summary of this run if it already finished (killed while removing its work
+    directory): ``--resume`` then has nothing left to do."""
+    for directory in [work.path] + work.finished():
+        book = ReceiptBook(os.path.join(directory, "receipts"), "done", run_key, directory)
+        done = book.read(0)
+        if done is not None:
+            from .workdir import remove_receipts_last
+
+            remove_receipts_last(directory)
+            return dict(done["summary"], resumed_units={"done": 1})
+    return None
 
 
 def run(cfg: Config) -> dict:
     """Run the whole pipeline; returns the summary (also what ``--summary-json`` writes).
 
     Raises:
-        ShardError: bad arguments, bad input (InputError, naming file:line),
-            an existing output without ``overwrite``, a failed check.
+        ShardError: bad arguments, bad input (InputError, naming file:line), an existing output
+            without ``overwrite``, a failed check; OutputError: the filesystem refused a write.
+        KeyboardInterrupt, Terminated: interrupted (the work directory is kept for ``--resume``).
     """
     times: Dict[str, float] = {}
     t = time.perf_counter()
-    files = expand_inputs(cfg.inputs)
-    tok = load_chat_tokenizer(cfg.tokenizer) if cfg.tokenizer else None
-    vocab = cfg.vocab_size or (tok.vocab_size if tok else None)
-    pad_id = cfg.pad_id if cfg.pad_id is not None else (tok.pad_id if tok else None)
-    if pad_id is None or pad_id < 0 or (vocab is not None and pad_id >= vocab):
-        raise ShardError("no usable pad id", field="pad_id", actual=pad_id,
-                         hint="pass --pad-id in [0, vocab size) (the tokenizer has no pad or EOS token)")
+    inputs = resolve_inputs(cfg)
     mult = resolve_pad_multiple(cfg)
-    split_names = outputs.SPLIT_NAMES[:len(cfg.split)] if cfg.split else ("all",)
-    bases = [outputs.split_prefix(cfg.output_prefix, s, bool(cfg.split)) for s in split_names]
-    replaced = outputs.refuse_existing(bases, cfg.overwrite)
-    input_info = [{"name": p, "sha256": file_digest(p), "bytes": os.path.getsize(p)} for p in files]
-    tok_identity = None
-    if tok:
-        tok_identity = {k: v for k, v in tok.identity().items() if k != "path"}
+    vocab = inputs.options.vocab_size
+    job = PackJob(cfg.output_prefix, plan_settings(cfg, mult, vocab), inputs.pad_id, vocab,
+                  (cfg.cp, cfg.tp, cfg.sp), cfg.overwrite, cfg.check, cfg.verify_masks, inputs.options.tokenizer_path)
+    store_dir = os.path.abspath(cfg.store) if cfg.store else None
+    run_key = settings_key({"job": _job_key(job), "tokenizer": inputs.tokenizer, "encode": inputs.options.to_dict(),
+                            "inputs": inputs.stat(), "partition_bytes": cfg.partition_bytes,
+                            "max_record_bytes": cfg.max_record_bytes, "store": store_dir})
     times["inputs"] = time.perf_counter() - t
-    work = outputs.make_work_dir(cfg.output_prefix)
-    try:
-        return _run_in(cfg, work, files, tok, tok_identity, vocab, pad_id, mult, split_names, bases,
-                       replaced, input_info, times)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+
+    def get_store(engine, work: WorkDir, resumed: Dict[str, int]) -> SequenceStore:
+        lock = _user_store(store_dir, cfg.resume) if store_dir else None
+        try:
+            return build_store(cfg, inputs, engine, store_dir or work.store, times, resumed, cfg.progress)
+        finally:
+            if lock is not None:
+                lock.release()
+
+    return execute(job, run_key, cfg.resume, cfg.engine, cfg.workers, cfg.ray_address, get_store, times,
+                   cfg.progress, store_dir)
 
 
-def _run_in(cfg, work, files, tok, tok_identity, vocab, pad_id, mult, split_names, bases, replaced,
-            input_info, times) -> dict:
-    t = time.perf_counter()
-    sp = tokenize_to_spool(cfg, files, _encode_options(cfg, vocab, mult), os.path.join(work, "spool"))
-    times["tokenize"] = time.perf_counter() - t
-    if sp.lengths.size == 0:
-        raise ShardError("no conversation survived preprocessing; nothing to write", path=cfg.output_prefix,
-                         hint=f"skipped: {sp.skipped}")
-    t = time.perf_counter()
-    itemsize = 2 if (vocab or 0) and vocab <= 65536 else 4
-    plans, empty = [], []
-    for name, members, base in zip(split_names, split_conversations(sp.lengths.size, cfg.split, cfg.seed), bases):
-        if members.size:
-            plans.append(_plan_split(cfg, name, members, sp, mult, itemsize, base, work))
-        else:  # e.g. a 1% split of a tiny dataset: reported, not written
-            empty.append(name)
-    times["pack"] = time.perf_counter() - t
-    t = time.perf_counter()
-    spool = open_spool(sp.prefixes)
-    shard_meta = {}
-    total_packs = sum(p.assignment.n_bins for p in plans)
-    with _progress(cfg.progress, desc="write", unit="pack", total=total_packs) as bar:
-        for plan in plans:
-            count = len(plan.finals)
-            for i in range(count):
-                kw = dict(vocab_size=vocab, pack_size=cfg.pack_size,
-                          metadata=_metadata(cfg, tok_identity, mult, input_info, plan.name, i, count))
-                shard_meta[plan.finals[i]] = materialize_shard(plan, i, sp, spool, pad_id, kw, bar)
-    del spool
-    times["write"] = time.perf_counter() - t
-    verify = None
-    if cfg.verify_masks:
-        from .verify import verify_masks
-
-        t = time.perf_counter()
-        verify = verify_masks(cfg, tok, plans, sp, files, mult, cfg.verify_masks)
-        times["verify_masks"] = time.perf_counter() - t
-    gate = None
-    if cfg.check:
-        t = time.perf_counter()
-        gate = run_gate([s for p in plans for s in p.staged])
-        times["check"] = time.perf_counter() - t
-    outputs.publish_all([(s, f) for p in plans for s, f in zip(p.staged, p.finals)], replaced)
-    summary = build_summary(cfg, files, sp, plans, shard_meta, mult, times, verify, gate)
-    summary["empty_splits"] = empty
-    return summary
-
-
-def run_gate(prefixes: Sequence[str]) -> dict:
-    """Run the promotion gate on every staged shard.
-
-    Raises:
-        ShardError: the gate is not installed, or a shard fails it.
-    """
-    try:
-        from ..gate import check
-    except ImportError as exc:
-        raise ShardError(f"--check needs megatron_sft_idx.gate ({exc})", field="check") from None
-    report = check(list(prefixes), level="standard")
-    if not report.passed:
-        raise ShardError("the gate rejected the output; nothing was published:\n" + report.format_text(),
-                         field="check")
-    return {"passed": True, "shards": len(prefixes)}
-
-
-def build_summary(cfg, files, sp, plans, shard_meta, mult, times, verify, gate) -> dict:
-    trunc = truncation_length(cfg.pack_size, mult, cfg.pad_layout)
-    stats = [m["stats"] for m in shard_meta.values()]
-    tokens = sum(s["token_count"] for s in stats)
-    loss_tokens = sum(s["loss_token_count"] for s in stats)
-    packs = sum(s["pack_count"] for s in stats)
-    splits = {}
-    for p in plans:
-        summary = packing_summary(p.assignment, p.padded)
-        splits[p.name] = {"conversations": int(p.members.size), "packs": p.assignment.n_bins,
-                          "shards": p.finals, "packing_efficiency": summary["efficiency"],
-                          "bins_over_lower_bound": summary["bins_over_lower_bound"]}
-    return {
-        "inputs": [{"name": f} for f in files],
-        "records_read": sp.records,
-        "conversations": int(sp.lengths.size),
-        "skipped": dict(sorted(sp.skipped.items())),
-        "skipped_examples": dict(sorted(sp.first_skipped.items())),
-        "truncated": int((sp.lengths > trunc).sum()),
-        "sequences": sum(s["sequence_count"] for s in stats),
-        "packs": packs,
-        "tokens": tokens,
-        "trainable_tokens": loss_tokens,
-        "trainable_share": round(loss_tokens / tokens, 6) if tokens else 0.0,
-        "padding_tokens": int(sum(int(p.padded.sum() - p.copy_len.sum()) for p in plans)),
-        "packing_efficiency": round(tokens / (packs * cfg.pack_size), 6) if packs else 0.0,
-        "pack_size": cfg.pack_size, "pad_seq_to_mult": mult, "algorithm": cfg.algorithm, "seed": cfg.seed,
-        "loss_on": cfg.loss_on, "workers": cfg.workers,
-        "splits": splits,
-        "outputs": list(shard_meta),
-        "verify_masks": verify, "check": gate,
-        "seconds": {k: round(v, 3) for k, v in times.items()},
-        "peak_rss_mib": _peak_rss_mib(),
-    }
+def _job_key(job: PackJob) -> dict:
+    return {"output_prefix": os.path.abspath(job.output_prefix), "settings": job.settings.to_dict(),
+            "pad_id": job.pad_id, "vocab_size": job.vocab_size, "parallelism": list(job.parallelism)}

@@ -21,10 +21,11 @@ from typing import Dict, List
 import numpy as np
 
 from ..errors import ShardError
-from ..packing import truncation_length
 from ..reader import MMapIndexedDataset
-from .chat import assistant_turns, encode_tokens
-from .inputs import iter_batches, parse_record
+from .chat import assistant_turns, encode_tokens, load_chat_tokenizer
+from .inputs import parse_record
+from .partitions import read_batches
+from .planfile import PackPlan
 
 
 def _runs(positions: np.ndarray) -> List[np.ndarray]:
@@ -33,36 +34,11 @@ def _runs(positions: np.ndarray) -> List[np.ndarray]:
     return np.split(positions, np.flatnonzero(np.diff(positions) != 1) + 1)
 
 
-def _locate(plans, conv: int):
-    """(split plan, shard index, pack index in shard, sequence index in pack) of a conversation."""
-    for plan in plans:
-        pos = int(np.searchsorted(plan.members, conv))
-        if pos < plan.members.size and plan.members[pos] == conv:
-            a = plan.assignment
-            b = int(a.bin_of[pos])
-            members = a.items[a.offsets[b]:a.offsets[b + 1]]
-            seq = int(np.searchsorted(members, pos))
-            shard = int(np.searchsorted(plan.shard_starts, b, side="right")) - 1
-            return plan, shard, b - int(plan.shard_starts[shard]), seq
-    raise ShardError(f"internal error: conversation {conv} is in no split")
-
-
-def _source_records(files, wanted: Dict[int, set]):
-    """{(file_index, line): raw record} for the requested lines."""
-    found = {}
-    for fi, lines in wanted.items():
-        for _, records in iter_batches(files[fi], 1024):
-            for line, raw in records:
-                if line in lines:
-                    found[(fi, line)] = raw
-    return found
-
-
 def _visible_answer(content: str) -> str:
     return content.rsplit("</think>", 1)[-1].strip()
 
 
-def _expected_ok(cfg, tok, kind, payload, ids, mask, path, line, turn: int = 0) -> str:
+def _expected_ok(loss_on, tok, kind, payload, ids, mask, path, line, turn: int = 0) -> str:
     """'' when the sequence's trained tokens are what the loss mode requires, else why not."""
     targets = np.flatnonzero(mask) + 1
     if kind == "tokens":
@@ -70,19 +46,19 @@ def _expected_ok(cfg, tok, kind, payload, ids, mask, path, line, turn: int = 0) 
         return "" if np.array_equal(want, mask) else "mask differs from the input's mask"
     if kind == "prompt":
         want = [payload[1] + (tok.hf.eos_token or "")]
-    elif cfg.loss_on == "all":
+    elif loss_on == "all":
         if targets.size != ids.size - 1:
             return f"{targets.size} trained tokens, expected {ids.size - 1}"
         return "" if tok.decode(ids) == tok.render(payload) else "decoded text differs from the rendering"
     else:
-        if cfg.loss_on == "per-turn":
+        if loss_on == "per-turn":
             k = assistant_turns(payload, "assistant")[turn]
             payload = payload[:k + 1]
-        why = _same_as_reference(tok, payload, cfg.loss_on, ids, mask, path, line)
+        why = _same_as_reference(tok, payload, loss_on, ids, mask, path, line)
         if why:
             return why
         contents = [m["content"] for m in payload if m["role"] == "assistant"]
-        want = contents if cfg.loss_on == "assistant" else contents[-1:]
+        want = contents if loss_on == "assistant" else contents[-1:]
     got = [tok.decode(ids[r]) for r in _runs(targets)]
     if len(got) != len(want):
         return f"{len(got)} trained spans, expected {len(want)}"
@@ -114,42 +90,92 @@ def _same_as_reference(tok, messages, loss_on, ids, mask, path, line) -> str:
     return ""
 
 
-def _turn_of(sp, conv: int) -> int:
-    """How many earlier sequences came from the same record (``per-turn``: the turn's ordinal)."""
-    k = conv
-    while k > 0 and sp.line[k - 1] == sp.line[conv] and sp.file_index[k - 1] == sp.file_index[conv]:
-        k -= 1
-    return conv - k
+def _locate(plan: PackPlan, shards, chosen: np.ndarray) -> Dict[int, tuple]:
+    """{store sequence id: (staged prefix, pack in shard, sequence in pack)} for ``chosen``."""
+    where = {}
+    for i in range(len(plan.splits)):
+        arrays = plan.arrays(i)
+        ids = np.asarray(arrays["sequence_ids"])
+        positions = np.flatnonzero(np.isin(ids, chosen))
+        packs = np.searchsorted(arrays["pack_offsets"], positions, side="right") - 1
+        shard_of = np.searchsorted(arrays["shard_starts"], packs, side="right") - 1
+        for pos, b, k in zip(positions, packs, shard_of):
+            staged = next(s.staged for s in shards if s.split == i and s.shard == k)
+            where[int(ids[pos])] = (staged, int(b - arrays["shard_starts"][k]),
+                                    int(pos - arrays["pack_offsets"][b]))
+    return where
 
 
-def verify_masks(cfg, tok, plans, sp, files, mult: int, count: int) -> dict:
-    """Check ``count`` random conversations (seeded). Raises ShardError listing the failures."""
-    trunc = truncation_length(cfg.pack_size, mult, cfg.pad_layout)
-    rng = np.random.default_rng(cfg.seed + 1)
-    eligible = np.flatnonzero(sp.lengths <= trunc)
+def _source_records(store, wanted: Dict[int, set]) -> dict:
+    """{(partition, line): raw record} for the requested lines, reading only their partitions."""
+    found = {}
+    for k, lines in wanted.items():
+        part = store.partitions[k]
+        path = store.input_path(part.file)
+        for batch in read_batches(path, part, 1024, 1 << 62):
+            found.update(((k, line), raw) for line, raw in batch if line in lines)
+            if all((k, line) in found for line in lines):
+                break
+    return found
+
+
+def _choose(store, plan: PackPlan, trunc: int, count: int, seed: int) -> np.ndarray:
+    """Store ids of ``count`` planned conversations no longer than ``trunc`` (seeded), and how
+    many planned ones are longer."""
+    lengths = np.concatenate([store.rows(k)["length"] for k in range(len(store.partitions))])
+    planned = np.zeros(lengths.size, dtype=bool)
+    for i in range(len(plan.splits)):
+        planned[np.asarray(plan.arrays(i)["sequence_ids"])] = True
+    eligible = np.flatnonzero(planned & (lengths <= trunc))
+    rng = np.random.default_rng(seed + 1)
     chosen = np.sort(rng.choice(eligible, size=min(count, eligible.size), replace=False))
+    return chosen, int(planned.sum() - eligible.size)
+
+
+def verify_masks(store, plan_path: str, shards, job, count: int) -> dict:
+    """Check ``count`` random conversations (seeded). Raises ShardError listing the failures."""
+    if not job.tokenizer_path and store.tokenizer is not None:
+        raise ShardError("--verify-masks needs the tokenizer to decode", field="verify_masks",
+                         hint="pass --tokenizer (the one the store was tokenized with)")
+    tok = load_chat_tokenizer(job.tokenizer_path) if store.tokenizer is not None else None
+    if tok is not None and tok.identity()["files_sha256"] != store.tokenizer["files_sha256"]:
+        raise ShardError("--verify-masks: this is not the tokenizer the store was tokenized with",
+                         path=job.tokenizer_path, field="tokenizer",
+                         expected=store.tokenizer["files_sha256"], actual=tok.identity()["files_sha256"])
+    encode = store.identity["encode"]
+    plan = PackPlan(plan_path)
+    chosen, truncated = _choose(store, plan, job.settings.truncate_to, count, job.settings.seed)
+    starts = store.starts()
+    part_of = np.searchsorted(starts, chosen, side="right") - 1
     wanted: Dict[int, set] = {}
-    for c in chosen:
-        wanted.setdefault(int(sp.file_index[c]), set()).add(int(sp.line[c]))
-    sources = _source_records(files, wanted)
+    line_of = {}
+    turn_of = {}
+    for g, k in zip(chosen, part_of):
+        lines = store.rows(int(k))["line"]
+        local = int(g - starts[k])
+        line_of[int(g)] = int(lines[local])
+        turn_of[int(g)] = local - int(np.searchsorted(lines, lines[local]))  # per-turn: the turn's ordinal
+        wanted.setdefault(int(k), set()).add(line_of[int(g)])
+    sources = _source_records(store, wanted)
+    where = _locate(plan, shards, chosen)
     failures, opened = [], {}
-    for c in chosen:
-        fi, line = int(sp.file_index[c]), int(sp.line[c])
-        plan, shard, pack_i, seq = _locate(plans, int(c))
-        ds = opened.setdefault(plan.staged[shard], MMapIndexedDataset(plan.staged[shard]))
+    for g, k in zip(chosen, part_of):
+        g, k = int(g), int(k)
+        staged, pack_i, seq = where[g]
+        ds = opened.setdefault(staged, MMapIndexedDataset(staged))
         pack = ds[pack_i]
         start = int(pack.seq_start_id[seq])
-        n = int(sp.lengths[c])
+        n = int(store.part(k).sequence_lengths[g - starts[k]])
         ids = np.asarray(pack.input_ids[start:start + n], dtype=np.int64)
         mask = np.asarray(pack.loss_mask[start:start + n])
-        kind, payload = parse_record(sources[(fi, line)], files[fi], line, cfg.input_format,
-                                     cfg.prompt_key, cfg.completion_key)
-        turn = _turn_of(sp, int(c)) if cfg.loss_on == "per-turn" else 0
-        why = _expected_ok(cfg, tok, kind, payload, ids, mask, files[fi], line, turn)
+        name, line = store.inputs[store.partitions[k].file]["name"], line_of[g]
+        kind, payload = parse_record(sources[(k, line)], name, line, encode["input_format"],
+                                     encode["prompt_key"], encode["completion_key"])
+        why = _expected_ok(encode["loss_on"], tok, kind, payload, ids, mask, name, line, turn_of[g])
         if why:
-            failures.append(f"{files[fi]}:{line}: {why}")
+            failures.append(f"{name}:{line}: {why}")
     if failures:
         raise ShardError(f"--verify-masks: {len(failures)} of {chosen.size} conversations have wrong masks; "
                          f"first: {failures[0]}", field="loss_mask",
                          hint="the chat template and the mask logic disagree; nothing was published")
-    return {"checked": int(chosen.size), "failures": 0, "skipped_truncated": int(sp.lengths.size - eligible.size)}
+    return {"checked": int(chosen.size), "failures": 0, "skipped_truncated": truncated}

@@ -1,0 +1,238 @@
+"""Deterministic partitions of the inputs, and reading one partition's records with bounded memory.
+
+The *index* pass reads each input file once: its sha256 (recorded in every shard's metadata),
+and its partitions, which depend only on the file's bytes and ``partition_bytes``:
+
+=========  ===============================================  ================================
+kind       inputs                                           unit of work
+=========  ===============================================  ================================
+lines      uncompressed ``.jsonl`` (any name given directly)  byte range ``[start, end)`` cut at
+                                                              the first line start at or after
+                                                              each multiple of partition_bytes
+stream     ``.jsonl.gz``, ``.jsonl.zst``                     the whole file (not seekable)
+rows       ``.parquet``                                      row groups ``[start, end)``, grouped
+                                                              up to partition_bytes
+=========  ===============================================  ================================
+
+Each partition carries the 1-based line (row) number of its first record, so every error names
+``file:line`` whichever machine reads it, and concatenating the partitions in order gives the
+records in input order. A run on one machine and a run on a cluster cut the same partitions.
+
+Reading never buffers more than one block plus ``max_record_bytes``: a longer line is skipped
+to its end without being kept, and reported as an :class:`OversizedRecord`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from typing import Iterator, List, Tuple
+
+from .._extras import require_extra
+from .inputs import JSONL_SUFFIXES, PARQUET_SUFFIXES, OversizedRecord, open_text_bytes
+
+_BLOCK = 1 << 20
+DEFAULT_PARTITION_BYTES = 64 << 20
+DEFAULT_MAX_RECORD_BYTES = 2 << 20
+
+
+@dataclass(frozen=True)
+class Partition:
+    """One unit of tokenization: part of one input file."""
+
+    file: int          # index into the input list
+    kind: str          # lines | stream | rows
+    start: int         # byte offset (lines), 0 (stream), first row group (rows)
+    end: int           # byte end, exclusive (lines), -1 (stream), row group end, exclusive (rows)
+    first_line: int    # 1-based line (row) number of the partition's first line (row)
+
+    def to_list(self) -> list:
+        return [self.file, self.kind, self.start, self.end, self.first_line]
+
+    @classmethod
+    def from_list(cls, item) -> "Partition":
+        return cls(int(item[0]), str(item[1]), int(item[2]), int(item[3]), int(item[4]))
+
+
+def file_kind(path: str) -> str:
+    if path.endswith(PARQUET_SUFFIXES):
+        return "rows"
+    if path.endswith(JSONL_SUFFIXES[1:]):
+        return "stream"
+    return "lines"
+
+
+# --------------------------------------------------------------------------- index
+
+
+def index_file(path: str, file_index: int, partition_bytes: int) -> dict:
+    """sha256, size, mtime and the partitions of one input file (one sequential read).
+
+    Raises:
+        OSError: the file cannot be read (the caller names it).
+    """
+    st = os.stat(path)
+    kind = file_kind(path)
+    if kind == "lines":
+        digest, cuts = _hash_and_cut_lines(path, partition_bytes)
+        parts = [Partition(file_index, kind, a, b, line) for (a, line), (b, _) in zip(cuts, cuts[1:])]
+    else:
+        digest = _hash(path)
+        parts = _row_partitions(path, file_index, partition_bytes) if kind == "rows" else \
+            [Partition(file_index, kind, 0, -1, 1)]
+    return {"file": file_index, "name": path, "bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "sha256": digest, "partitions": [p.to_list() for p in parts]}
+
+
+def _hash(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(_BLOCK), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _hash_and_cut_lines(path: str, partition_bytes: int) -> Tuple[str, List[Tuple[int, int]]]:
+    """sha256 and the cut points ``[(byte offset, line number)]``, from 0 to the file size."""
+    h = hashlib.sha256()
+    cuts = [(0, 1)]
+    offset, newlines, target = 0, 0, partition_bytes
+    seeking = False  # looking for the first line start at or after ``target``
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(_BLOCK), b""):
+            h.update(block)
+            pos, counted = 0, 0  # newlines in block[:counted] are already in ``newlines``
+            while True:
+                if not seeking and offset + len(block) > target:
+                    seeking, pos = True, max(pos, target - offset)
+                if not seeking:
+                    break
+                nl = block.find(b"\n", pos)
+                if nl < 0:
+                    break
+                newlines += block.count(b"\n", counted, nl + 1)
+                counted = nl + 1
+                cut = offset + nl + 1
+                cuts.append((cut, newlines + 1))
+                seeking, pos = False, nl + 1
+                target = cut + partition_bytes
+            newlines += block.count(b"\n", counted)
+            offset += len(block)
+    if cuts[-1][0] != offset:
+        cuts.append((offset, newlines + 1))
+    return h.hexdigest(), cuts
+
+
+def _row_partitions(path: str, file_index: int, partition_bytes: int) -> List[Partition]:
+    require_extra("preprocess", "pyarrow")
+    import pyarrow.parquet as pq
+
+    meta = pq.ParquetFile(path).metadata
+    parts, start, row, first_row, size = [], 0, 1, 1, 0
+    for g in range(meta.num_row_groups):
+        group = meta.row_group(g)
+        if g > start and size + group.total_byte_size > partition_bytes:
+            parts.append(Partition(file_index, "rows", start, g, first_row))
+            start, first_row, size = g, row, 0
+        size += group.total_byte_size
+        row += group.num_rows
+    if meta.num_row_groups > start:
+        parts.append(Partition(file_index, "rows", start, meta.num_row_groups, first_row))
+    return parts
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def read_batches(path: str, part: Partition, batch_size: int, max_record_bytes: int) -> Iterator[list]:
+    """Records of one partition as lists of up to ``batch_size`` ``(line, raw)`` pairs.
+
+    ``raw`` is the line's bytes (JSONL; blank lines are skipped but counted), an
+    :class:`OversizedRecord` for a line longer than ``max_record_bytes``, or a dict (Parquet).
+
+    Raises:
+        OSError, EOFError, ValueError: the file cannot be read or decompressed (the caller names it).
+    """
+    if part.kind == "rows":
+        yield from _parquet_batches(path, part, batch_size)
+        return
+    batch: list = []
+    with open_text_bytes(path) as stream:
+        if part.kind == "lines":
+            stream.seek(part.start)
+        limit = part.end - part.start if part.kind == "lines" else -1
+        for line, raw in _bounded_lines(stream, limit, part.first_line, max_record_bytes):
+            batch.append((line, raw))
+            if len(batch) >= batch_size:
+                yield batch
+                batch = []
+    if batch:
+        yield batch
+
+
+def _blocks(stream, limit: int) -> Iterator[bytes]:
+    """Blocks of ``stream``, at most ``limit`` bytes in all (all of it when ``limit < 0``)."""
+    while limit != 0:
+        block = stream.read(_BLOCK if limit < 0 else min(_BLOCK, limit))
+        if not block:
+            return
+        if limit > 0:
+            limit -= len(block)
+        yield block
+
+
+def _bounded_lines(stream, limit: int, first_line: int, max_bytes: int) -> Iterator[tuple]:
+    """``(line number, bytes | OversizedRecord)`` for every non-blank line, holding at most one
+    block plus ``max_bytes`` of it."""
+    number = first_line
+    pending: List[bytes] = []
+    held = 0          # bytes in ``pending``
+    skipped = -1      # >= 0 while discarding an oversized line: its bytes so far
+    for block in _blocks(stream, limit):
+        pos = 0
+        while True:
+            nl = block.find(b"\n", pos)
+            end = len(block) if nl < 0 else nl + 1
+            size = end - pos
+            if skipped >= 0:
+                skipped += size
+            elif held + size > max_bytes:
+                skipped, pending, held = held + size, [], 0
+            elif nl >= 0 and not pending:
+                piece = block[pos:end]
+                if piece.strip():
+                    yield number, piece
+            else:
+                pending.append(block[pos:end])
+                held += size
+            if nl < 0:
+                break
+            if skipped >= 0:
+                yield number, OversizedRecord(skipped)
+                skipped = -1
+            elif pending:
+                line = b"".join(pending)
+                pending, held = [], 0
+                if line.strip():
+                    yield number, line
+            number += 1
+            pos = nl + 1
+    if skipped >= 0:
+        yield number, OversizedRecord(skipped)
+    elif pending:
+        line = b"".join(pending)
+        if line.strip():
+            yield number, line
+
+
+def _parquet_batches(path: str, part: Partition, batch_size: int) -> Iterator[list]:
+    require_extra("preprocess", "pyarrow")
+    import pyarrow.parquet as pq
+
+    row = part.first_line
+    groups = list(range(part.start, part.end))
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_size, row_groups=groups):
+        rows = batch.to_pylist()
+        yield [(row + i, r) for i, r in enumerate(rows)]
+        row += len(rows)

@@ -1,0 +1,157 @@
+"""The run's work directory and the locks that keep two runs from writing the same place.
+
+``<parent>/.<name>.preprocess/`` beside the output prefix ``<parent>/<name>`` holds::
+
+    lock                    pid of the running process
+    store/                  the sequence store, unless --store DIR
+    receipts/{plan,materialize,publish}/NNNNNN.json
+    plan/out.plan           the pack plan
+    staged/<shard files>    output shards before publishing
+
+Its name does not depend on the pid, so ``--resume`` finds it again; a run without
+``--resume`` removes the leftovers of a previous run (never of a live one).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+
+from .._atomic import _alive
+from ..errors import ShardError
+
+_LEGACY_TAG = ".work-"  # work directories of the pre-staged pipeline: .<name>.work-<pid>
+_DONE_TAG = ".done-"    # a finished run's work directory being removed: .<name>.preprocess.done-<pid>
+
+
+class Lock:
+    """``path`` holding the owner's pid, created exclusively; a dead owner's lock is taken over.
+
+    Raises:
+        ShardError: a live process holds it.
+    """
+
+    def __init__(self, path: str, what: str) -> None:
+        self.path = path
+        self.what = what
+        self.held = False
+
+    def acquire(self) -> None:
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                pid = self.owner()
+                if pid is not None and pid != os.getpid() and _alive(pid):
+                    raise ShardError(f"another process (pid {pid}) is writing {self.what}", path=self.path,
+                                     hint="wait for it to finish, or stop it; a lock of a dead process is "
+                                          "taken over automatically") from None
+                os.unlink(self.path)
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(str(os.getpid()))
+            self.held = True
+            return
+
+    def owner(self):
+        try:
+            with open(self.path) as f:
+                return int(f.read().strip() or 0)
+        except (OSError, ValueError):
+            return None
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+class WorkDir:
+    """The work directory of the run writing ``output_prefix``."""
+
+    def __init__(self, output_prefix: str) -> None:
+        self.parent = os.path.dirname(os.path.abspath(output_prefix))
+        self.name = os.path.basename(output_prefix)
+        self.path = os.path.join(self.parent, f".{self.name}.preprocess")
+        self.lock = Lock(os.path.join(self.path, "lock"), f"output {output_prefix}")
+        self.resumed = False
+        self.publishing = False  # set once files may appear under final names
+        self.closed = False
+
+    @property
+    def receipts(self) -> str:
+        return os.path.join(self.path, "receipts")
+
+    @property
+    def store(self) -> str:
+        return os.path.join(self.path, "store")
+
+    @property
+    def plan(self) -> str:
+        return os.path.join(self.path, "plan", "out.plan")
+
+    @property
+    def staged(self) -> str:
+        return os.path.join(self.path, "staged")
+
+    def open(self, resume: bool) -> None:
+        """Create (or, with ``resume``, reuse) the work directory and take its lock.
+
+        Raises:
+            OSError: the output's directory cannot be created (the caller names it).
+            ShardError: another live run holds the lock.
+        """
+        os.makedirs(self.parent, exist_ok=True)
+        self._clear_stale()
+        existed = os.path.isdir(self.path)
+        if existed:
+            owner = self.lock.owner()
+            if owner is not None and owner != os.getpid() and _alive(owner):
+                self.lock.acquire()  # raises, naming the owner
+            if not resume:
+                shutil.rmtree(self.path)
+        for sub in ("plan", "staged", "receipts"):
+            os.makedirs(os.path.join(self.path, sub), exist_ok=True)
+        self.lock.acquire()
+        self.resumed = existed and resume
+
+    def finished(self) -> list:
+        """Directories of this output's runs that finished and were being removed (dead owners)."""
+        return [d for d in glob.glob(glob.escape(self.path + _DONE_TAG) + "*")
+                if d.rsplit(_DONE_TAG, 1)[-1].isdigit() and not _alive(int(d.rsplit(_DONE_TAG, 1)[-1]))]
+
+    def _clear_stale(self) -> None:
+        for stale in glob.glob(os.path.join(self.parent, glob.escape(f".{self.name}{_LEGACY_TAG}") + "*")):
+            pid = stale.rsplit(_LEGACY_TAG, 1)[-1]
+            if pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(stale, ignore_errors=True)
+        for stale in self.finished():
+            remove_receipts_last(stale)
+
+    def close(self, remove: bool) -> None:
+        """Release the lock; ``remove`` deletes the directory (after success, or a failure no
+        resume can fix): renamed out of the way first, in one step, then deleted receipts last,
+        so a kill during the deletion leaves either the whole directory or a finished one's
+        receipts. The directory is kept after an interruption or a filesystem error."""
+        self.lock.release()
+        if remove and os.path.isdir(self.path):
+            done = self.path + _DONE_TAG + str(os.getpid())
+            os.replace(self.path, done)
+            remove_receipts_last(done)
+        self.closed = True
+
+
+def remove_receipts_last(path: str) -> None:
+    """Delete a work directory, its receipts (the commit points) after everything else."""
+    for name in os.listdir(path):
+        if name != "receipts":
+            full = os.path.join(path, name)
+            if os.path.isdir(full):
+                shutil.rmtree(full, ignore_errors=True)
+            else:
+                os.unlink(full)
+    shutil.rmtree(path, ignore_errors=True)
