@@ -13,6 +13,15 @@ def rng():
     return np.random.default_rng(1234)
 
 
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 256 KiB tmpfs at tmp_path/fs, or None where this sandbox cannot mount one (tests/faults.py)."""
+    from faults import tmpfs
+
+    with tmpfs(tmp_path / "fs") as path:
+        yield path
+
+
 @pytest.fixture(scope="session")
 def native_lib(tmp_path_factory):
     """Path of the native library (csrc/), built once per test session (per xdist worker).

@@ -23,8 +23,9 @@ Nothing is trusted blindly: the output is checked by the promotion gate
 (:func:`megatron_sft_idx.gate.check`: every CRC, every pack, every statistic,
 recomputed from the bytes) in a hidden staging directory next to the output, and
 published with the builder's commit (:func:`_atomic.publish`, ``.idx`` last) only if it
-passes. Any failure or interruption leaves nothing under the output's name; the
-staging directory of a killed run is removed by the next run.
+passes. Any failure or interruption leaves nothing under the output's name (a SIGINT or
+SIGTERM after the commit point leaves the complete output, and says so); the staging
+directory of a killed run is removed by the next run.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from typing import Callable, List, Optional, Sequence
 import numpy as np
 
 from .. import _atomic, _kernels
+from .._signals import INTERRUPTS, raise_if_signalled
 from .._crc import crc32, crc32_combine
 from ..errors import ChecksumError, InvariantError, ShardError, ShardExistsError, SizeMismatchError
 from ..format import (BIN_SUFFIX, IDX_SUFFIX, LENGTH_DTYPE, LOSS_SUFFIX, METADATA_OFFSET, POINTER_DTYPE,
@@ -101,25 +103,47 @@ def merge_shards(output, inputs: Sequence[str], *, widen: bool = False, pack_siz
     _atomic.clear_stale_temporaries([hidden])
     staging = _atomic.temporary_path(hidden)
     os.mkdir(staging)
+    committed = None  # inode of the staged .idx once publication starts: the commit point's witness
     try:
-        staged = os.path.join(staging, os.path.basename(output))
-        writer = _MergeWriter(staged, plan)
         try:
-            for k, prefix in enumerate(plan.prefixes):
-                writer.add(prefix, int(plan.packs[k]))
-                if progress is not None:
-                    progress(k + 1, len(plan.prefixes))
-            metadata = writer.finish()
+            staged = os.path.join(staging, os.path.basename(output))
+            writer = _MergeWriter(staged, plan)
+            try:
+                for k, prefix in enumerate(plan.prefixes):
+                    raise_if_signalled()
+                    writer.add(prefix, int(plan.packs[k]))
+                    if progress is not None:
+                        progress(k + 1, len(plan.prefixes))
+                metadata = writer.finish()
+            finally:
+                writer.close()
+            raise_if_signalled()
+            gate_started = time.perf_counter()
+            _gate(staged, output, check_level)
+            gate_seconds = time.perf_counter() - gate_started
+            raise_if_signalled()  # the last point where a signal dropped inside numba stops the merge
+            committed = os.stat(staged + IDX_SUFFIX).st_ino
+            _atomic.publish([(staged + s, output + s) for s in PUBLISH_ORDER], unpublish_first=paths.idx)
         finally:
-            writer.close()
-        gate_started = time.perf_counter()
-        _gate(staged, output, check_level)
-        gate_seconds = time.perf_counter() - gate_started
-        _atomic.publish([(staged + s, output + s) for s in PUBLISH_ORDER], unpublish_first=paths.idx)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+            shutil.rmtree(staging, ignore_errors=True)
+    except INTERRUPTS as exc:
+        if committed is not None and _holds_inode(paths.idx, committed):
+            exc.published = output  # interrupted after the commit point: the output is complete
+        raise
+    except OSError as exc:  # a full disk, a read-only destination: name the output, not a descriptor
+        if isinstance(exc, ShardError) or exc.filename is not None:
+            raise
+        raise OSError(exc.errno, f"{exc.strerror} (writing the merged shard; nothing was published)",
+                      output) from None
     return MergeResult(output, metadata, len(plan.prefixes), time.perf_counter() - started, gate_seconds,
                        writer.copy_methods, plan.notes)
+
+
+def _holds_inode(path: str, inode: int) -> bool:
+    try:
+        return os.stat(path).st_ino == inode
+    except OSError:
+        return False
 
 
 def _refuse_output_among_inputs(output: str, prefixes: Sequence[str]) -> None:

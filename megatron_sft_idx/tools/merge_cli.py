@@ -1,7 +1,9 @@
 """``merge-shards OUT IN...`` (also ``tools/merge_shards.py``): many shards -> one.
 
 Exit status: 0 merged and published; 1 refused (incompatible or corrupt inputs, an output
-that failed the gate: nothing published); 2 usage error, a missing input or an existing output.
+that failed the gate: nothing published); 2 usage error, a missing input or an existing output;
+130 / 143 interrupted by SIGINT / SIGTERM (nothing published, unless the signal came after
+the commit point: then the output is complete and the message says so).
 """
 
 from __future__ import annotations
@@ -62,10 +64,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     def body() -> int:
         result = merge_shards(args.output, args.inputs, widen=args.widen, pack_size=args.pack_size,
                               overwrite=args.overwrite, check_level=args.level, progress=_progress)
-        if args.json:
-            _cli.emit(json.dumps(_to_dict(result), indent=2, sort_keys=True))
-        elif not args.quiet:
-            _cli.emit(format_result(result))
+        with _cli.published(result.prefix):
+            if args.json:
+                _cli.emit(json.dumps(_to_dict(result), indent=2, sort_keys=True))
+            elif not args.quiet:
+                _cli.emit(format_result(result))
         return _cli.EXIT_OK
 
     return _cli.run("merge_shards", body)
