@@ -1,194 +1,203 @@
-"""Collate speed: our vectorised Bridge packed collate vs a list-based one.
+"""Collate speed: our vectorised packed collate against Megatron-Bridge 0.6.2's own ``collate_fn``.
 
-The peer, :func:`reference_collate`, follows Megatron-Bridge's
-``GPTSFTPackedDataset.collate_fn`` step by step with Python lists (per-sequence
-slicing and concatenation, per-sequence ``range`` for positions, per-row list
-padding), which is how Bridge builds its batch. It is also the oracle the tests
-compare :class:`PackedCollator` with.
+Both sides collate the same packs in one process. The packs are written once as a shard
+(random sequence lengths, tokens drawn from the bundled tokenizer's vocabulary, EOS
+padding at each sequence's tail when ``pad_seq_to_mult`` > 1, in Bridge's runtime layout)
+and converted to Bridge's packed Parquet plus its packing-metadata JSON with
+``convert-packed --to parquet --pack-metadata``. Then:
 
-    python -m bench.collate --packs 512 --pack-size 4096 --batch-size 8
+* **Bridge**: ``build_gpt_sft_split`` over the Parquet file (Bridge's
+  ``GPTSFTPackedParquetDataset``, its HF tokenizer wrapper over ``examples/tokenizer``),
+  items from its ``__getitem__`` (Python lists), batches by its ``collate_fn``;
+* **ours**: ``PackedSFTDataset`` over the shard with the same options and the same
+  metadata JSON, items from its ``__getitem__`` (read-only numpy views), batches by its
+  ``collate_fn``;
+* **Bridge on numpy items**: Bridge's ``collate_fn`` fed our items, to separate the cost of
+  its list-based items from the cost of its collate.
+
+Every batch is compared key for key (values, dtypes, shapes) between the three before
+anything is timed; a difference stops the benchmark. The items are fetched before the
+clock starts: only the collate is timed (16 batches per round, the three taking turns;
+medians over ``--repeat`` rounds of the times and of the per-round ratios).
+
+Bridge is not in the system environment: ``make install-compat`` installs it (with
+megatron-core 0.19.2) into ``.deps/megatron-bridge-0.6.2``; it is imported the way
+``bench.preprocess_vs_bridge`` imports it (``tests/compat/megatron_cpu.py``).
+
+    python -m bench.collate --packs 256 --pack-size 4096 --batch-size 1 8
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import List, Optional
 
 import numpy as np
-import torch
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "collate.json")
+from bench._common import RESULTS_DIR, ROOT, format_table, write_json
+from bench.preprocess_vs_bridge import DEPS, _import_bridge
+
+TOKENIZER = os.path.join(str(ROOT), "examples", "tokenizer")
+OPTION_SETS = {"dyn": dict(pad_to_max_length=False, pad_cu_seqlens=False),
+               "max": dict(pad_to_max_length=True, pad_cu_seqlens=False),
+               "max+cu": dict(pad_to_max_length=True, pad_cu_seqlens=True)}
 
 
-def reference_collate(batch, max_seq_length: int, *, pad_id: int = 0, pad_to_max_length: bool = False,
-                      pad_seq_length_to_mult: int = 16, pad_seq_to_mult: int = 1,
-                      pad_cu_seqlens: bool = False, summary=None) -> dict:
-    """Bridge's packed batch built the straightforward way, with Python lists."""
-    inputs, labels, losses, positions = [], [], [], []
-    for item in batch:
-        ids, bnd, loss = list(item["input_ids"]), list(item["seq_boundaries"]), list(item["loss_mask"])
-        row_in, row_lab, row_loss, row_pos = [], [], [], []
-        for k in range(len(bnd) - 1):
-            lo, hi = int(bnd[k]), int(bnd[k + 1])
-            row_in += ids[lo:hi - 1]
-            row_lab += ids[lo + 1:hi]
-            row_loss += loss[lo:hi - 1]
-            row_pos += list(range(hi - lo - 1))
-        inputs.append(row_in)
-        labels.append(row_lab)
-        losses.append(row_loss)
-        positions.append(row_pos)
-    token_count = [len(r) for r in inputs]
-    if pad_to_max_length:
-        max_length = max_seq_length
-    else:
-        longest = max(token_count)
-        if pad_seq_length_to_mult > 1:
-            longest = -(-longest // pad_seq_length_to_mult) * pad_seq_length_to_mult
-        max_length = min(max_seq_length, longest)
-    logical_rows, padded_rows, padding_masks = [], [], []
-    for b, item in enumerate(batch):
-        bnd = [int(x) for x in item["seq_boundaries"]]
-        seg = [bnd[k + 1] - bnd[k] - 1 for k in range(len(bnd) - 1)]
-        phys = [0]
-        for s in seg:
-            phys.append(phys[-1] + s)
-        if pad_seq_to_mult > 1:
-            logical = [0]
-            for k, s in enumerate(seg):
-                start = phys[k]
-                n = s
-                while n > 0 and inputs[b][start + n - 1] == pad_id and not losses[b][start + n - 1]:
-                    n -= 1
-                logical.append(logical[-1] + n)
-            if phys[-1] != max_length:
-                phys.append(max_length)
-            if len(phys) > len(logical):
-                logical.append(logical[-1])
-            mask = [True] * max_length
-            for k in range(len(logical) - 1):
-                for t in range(phys[k], phys[k] + logical[k + 1] - logical[k]):
-                    mask[t] = False
+def random_pack(rng, pack_size: int, max_seqs: int, mult: int, vocab: int, eos: int):
+    """One pack in Bridge's runtime layout: each sequence's length minus one is a multiple of
+    ``mult``; with ``mult`` > 1 a sequence's tail may be EOS padding (loss 0), as Bridge pads."""
+    k = int(rng.integers(1, max_seqs + 1))
+    units = max(1, (pack_size // k - 1) // mult)
+    lengths = rng.integers(1, units + 1, k) * mult + 1
+    ids = rng.integers(0, vocab - 1, int(lengths.sum()))
+    ids[ids >= eos] += 1  # EOS only where padding puts it
+    loss = rng.integers(0, 2, ids.size).astype(np.uint8)
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    if mult > 1:
+        for end, pad in zip(ends, rng.integers(0, mult, k)):
+            ids[end - pad:end], loss[end - pad:end] = eos, 0
+    loss[ends - 1] = 0
+    return ids, loss, starts
+
+
+def write_packs(prefix: str, packs, pack_size: int, mult: int, vocab: int) -> None:
+    from megatron_sft_idx import IndexedDatasetBuilder
+
+    with IndexedDatasetBuilder(prefix, pack_size=pack_size, vocab_size=vocab,
+                               metadata={"pad_seq_to_mult": mult, "pad_layout": "runtime"}) as builder:
+        for pack in packs:
+            builder.add_packed(*pack)
+
+
+def same_batch(ref: dict, got: dict, where: str) -> None:
+    """Raise AssertionError unless ``got`` equals ``ref`` key for key (values, dtypes, shapes)."""
+    import torch
+
+    if set(got) != set(ref):
+        raise AssertionError(f"{where}: keys {sorted(got)} != Bridge's {sorted(ref)}")
+    for key, want in ref.items():
+        have = got[key]
+        if isinstance(want, torch.Tensor):
+            ok = (isinstance(have, torch.Tensor) and have.dtype == want.dtype and have.shape == want.shape
+                  and torch.equal(have, want))
         else:
-            logical = phys[:]
-            if logical[-1] != max_length:
-                logical.append(max_length)
-            mask = [False] * token_count[b] + [True] * (max_length - token_count[b])
-            phys = None
-        if pad_cu_seqlens:
-            target = summary.max_samples_per_bin + 2
-            if phys is not None:
-                fill = target - len(phys)
-                phys += [max_length] * fill
-                logical += [logical[-1]] * fill
-            else:
-                logical += [max_length] * (target - len(logical))
-        logical_rows.append(logical)
-        if phys is not None:
-            padded_rows.append(phys)
-        padding_masks.append(mask)
-    width = max(len(r) for r in logical_rows + padded_rows)
-    for r in logical_rows + padded_rows:
-        r += [r[-1]] * (width - len(r))
-
-    def pad(rows, value):
-        return [r + [value] * (max_length - len(r)) for r in rows]
-
-    out = {
-        "tokens": torch.LongTensor(pad(inputs, pad_id)),
-        "labels": torch.LongTensor(pad(labels, pad_id)),
-        "loss_mask": torch.LongTensor(pad(losses, 0)),
-        "position_ids": torch.LongTensor(pad(positions, 0)),
-        "token_count": token_count,
-        "padding_mask": torch.BoolTensor(padding_masks),
-        "pad_between_seqs": bool(padded_rows) and any(a != b for a, b in zip(logical_rows, padded_rows)),
-        "attention_mask": None,
-        "cu_seqlens_q": torch.IntTensor(logical_rows),
-    }
-    out["cu_seqlens_kv"] = out["cu_seqlens_q"]
-    ref = torch.IntTensor(padded_rows) if padded_rows else out["cu_seqlens_q"]
-    if padded_rows:
-        out["cu_seqlens_q_padded"] = out["cu_seqlens_kv_padded"] = ref
-    if pad_cu_seqlens:
-        bridge_min_packed = max(summary.min_packed_seqlen - summary.max_samples_per_bin, 0)
-        value = max(summary.dataset_max_seqlen - 1, max_length - bridge_min_packed)
-        out["max_seqlen_q"] = torch.IntTensor([value] * len(batch))
-    else:
-        out["max_seqlen_q"] = (ref[:, 1:] - ref[:, :-1]).max(dim=1, keepdim=True).values
-    out["max_seqlen_kv"] = out["max_seqlen_q"]
-    return out
+            ok = have == want
+        if not ok:
+            raise AssertionError(f"{where}: {key} differs from Bridge's\nBridge {want}\nother  {have}")
 
 
-def _time(fn, repeat: int) -> float:
-    fn()  # warm up
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+def _rounds(work: dict, repeat: int) -> dict:
+    """Seconds per system in each of ``repeat`` rounds; in each round every system collates
+    all batches once, in a rotating order, so a load spike on this shared machine hits one
+    round rather than one system."""
+    names = list(work)
+    for fn in work.values():
+        fn()  # warm-up
+    times = {name: [] for name in names}
+    for r in range(repeat):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            t0 = time.perf_counter()
+            work[name]()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def measure(tmp: str, args, mult: int, tokenizer) -> List[dict]:
+    """Every option set and batch size for one pad multiple: equal batches first, then times."""
+    from megatron.bridge.data.builders.gpt_sft import build_gpt_sft_split
+
+    from megatron_sft_idx.tools.convert_to_parquet import shards_to_parquet
+    from megatron_sft_idx.training.bridge import PackedSFTDataset
+
+    rng = np.random.default_rng([args.seed, mult])
+    eos, vocab = tokenizer.eos_id, tokenizer.vocab_size
+    packs = [random_pack(rng, args.pack_size, args.max_seqs, mult, vocab, eos) for _ in range(args.packs)]
+    prefix, parquet, meta = (os.path.join(tmp, f"cp{mult}{s}") for s in ("", ".parquet", ".meta.json"))
+    write_packs(prefix, packs, args.pack_size, mult, vocab)
+    shards_to_parquet([prefix], parquet, pack_metadata=meta)
+    rows = []
+    for name, opts in OPTION_SETS.items():
+        bridge = build_gpt_sft_split(parquet, tokenizer=tokenizer, seq_length=args.pack_size, memmap_workers=1,
+                                     seed=1234, packed_sequence_size=args.pack_size, pack_metadata_path=meta,
+                                     pad_cu_seqlens=opts["pad_cu_seqlens"], pad_seq_to_mult=mult,
+                                     dataset_kwargs={"pad_to_max_length": opts["pad_to_max_length"]})
+        ours = PackedSFTDataset(prefix, max_seq_length=args.pack_size, eos_id=eos, pad_seq_to_mult=mult,
+                                pack_metadata_file_path=meta if opts["pad_cu_seqlens"] else None, **opts)
+        for bs in args.batch_size:
+            picks = [[int(i) for i in rng.integers(-len(ours), len(ours), bs)] for _ in range(16)]
+            theirs_items = [[bridge[i] for i in b] for b in picks]
+            ours_items = [[ours[i] for i in b] for b in picks]
+            for b, (t_items, o_items) in enumerate(zip(theirs_items, ours_items)):
+                ref = bridge.collate_fn(t_items)
+                where = f"pad_seq_to_mult {mult}, {name}, batch size {bs}, batch {picks[b]}"
+                same_batch(ref, ours.collate_fn(o_items), f"ours vs Bridge, {where}")
+                same_batch(ref, bridge.collate_fn(o_items), f"Bridge on numpy items vs Bridge, {where}")
+            times = _rounds({"ours": lambda: [ours.collate_fn(b) for b in ours_items],
+                             "bridge": lambda: [bridge.collate_fn(b) for b in theirs_items],
+                             "bridge_numpy_items": lambda: [bridge.collate_fn(b) for b in ours_items]}, args.repeat)
+            ms = {k: statistics.median(v) / len(picks) * 1e3 for k, v in times.items()}
+            ratio = {k: statistics.median(t / o for t, o in zip(times[k], times["ours"]))
+                     for k in ("bridge", "bridge_numpy_items")}
+            rows.append({"pad_seq_to_mult": mult, "options": name, "batch_size": bs, "ours_ms": ms["ours"],
+                         "bridge_ms": ms["bridge"], "bridge_numpy_items_ms": ms["bridge_numpy_items"],
+                         "speedup": ratio["bridge"], "speedup_vs_numpy_items": ratio["bridge_numpy_items"],
+                         "batches_equal": 16})
+    return rows
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.collate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--packs", type=int, default=256, help="packs in the test shard")
+    p.add_argument("--packs", type=int, default=256, help="packs written (default 256)")
     p.add_argument("--pack-size", type=int, default=4096)
-    p.add_argument("--max-seqs", type=int, default=32, help="max sequences per pack")
+    p.add_argument("--max-seqs", type=int, default=16, help="max sequences per pack (default 16)")
     p.add_argument("--batch-size", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--pad-seq-to-mult", type=int, default=1)
-    p.add_argument("--repeat", type=int, default=5)
-    p.add_argument("--out", default=RESULTS)
+    p.add_argument("--pad-seq-to-mult", type=int, nargs="+", default=[1, 4],
+                   help="pad multiples (context parallelism) to measure (default 1 4)")
+    p.add_argument("--repeat", type=int, default=9, help="timed rounds; medians are reported (default 9)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bridge-deps", default=DEPS, help=f"Bridge --target install (default: {DEPS})")
+    p.add_argument("--results-dir", default=str(RESULTS_DIR))
     return p
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    import sys
+    if not os.path.isdir(os.path.join(args.bridge_deps, "megatron", "bridge")):
+        print(f"Megatron-Bridge is not installed under {args.bridge_deps}: run `make install-compat`",
+              file=sys.stderr)
+        return 2
+    _import_bridge(args.bridge_deps)
+    import logging
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-    from shardgen import random_packs, write_shard
+    logging.disable(logging.WARNING)  # Bridge logs every dataset it builds
+    from megatron.bridge import package_info
+    from megatron.bridge.training.tokenizers.config import TokenizerConfig
+    from megatron.bridge.training.tokenizers.tokenizer import build_tokenizer
 
-    from megatron_sft_idx.training.bridge import PackedSFTDataset
-
-    rng = np.random.default_rng(0)
+    tokenizer = build_tokenizer(TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=TOKENIZER))
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        prefix = os.path.join(tmp, "bench")
-        write_shard(prefix, random_packs(rng, args.packs, pack_size=args.pack_size,
-                                         max_seqs=args.max_seqs, pad_mult=args.pad_seq_to_mult,
-                                         full=False), pack_size=args.pack_size,
-                    metadata={"pad_seq_to_mult": args.pad_seq_to_mult})
-        ds = PackedSFTDataset(prefix, pad_to_max_length=True, pad_cu_seqlens=True)
-        for bs in args.batch_size:
-            batches = [[ds[int(i)] for i in rng.integers(0, len(ds), bs)] for _ in range(16)]
-
-            def ours():
-                for b in batches:
-                    ds.collate_fn(b)
-
-            def peer():
-                for b in batches:
-                    reference_collate(b, ds.max_seq_length, pad_to_max_length=True,
-                                      pad_seq_to_mult=args.pad_seq_to_mult, pad_cu_seqlens=True,
-                                      summary=ds.summary)
-
-            t_ours = _time(ours, args.repeat) / len(batches)
-            t_peer = _time(peer, args.repeat) / len(batches)
-            rows.append({"batch_size": bs, "pack_size": args.pack_size, "max_seqs": args.max_seqs,
-                         "pad_seq_to_mult": args.pad_seq_to_mult, "ours_ms": t_ours * 1e3,
-                         "list_based_ms": t_peer * 1e3, "speedup": t_peer / t_ours})
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"benchmark": "collate", "results": rows}, f, indent=1)
-    print(f"{'batch':>5} {'ours ms':>9} {'list ms':>9} {'speedup':>8}")
-    for r in rows:
-        print(f"{r['batch_size']:>5} {r['ours_ms']:>9.3f} {r['list_based_ms']:>9.3f} {r['speedup']:>7.1f}x")
-    print(f"wrote {args.out}")
+    with tempfile.TemporaryDirectory(prefix="bench_collate_") as tmp:
+        for mult in args.pad_seq_to_mult:
+            rows += measure(tmp, args, mult, tokenizer)
+    print(format_table(
+        ["pad mult", "options", "batch", "ours ms", "Bridge ms", "Bridge on numpy items ms", "Bridge ÷ ours",
+         "Bridge(numpy) ÷ ours"],
+        [[r["pad_seq_to_mult"], r["options"], r["batch_size"], f"{r['ours_ms']:.3f}", f"{r['bridge_ms']:.3f}",
+          f"{r['bridge_numpy_items_ms']:.3f}", f"{r['speedup']:.1f}×", f"{r['speedup_vs_numpy_items']:.1f}×"]
+         for r in rows]))
+    print("every batch was identical, key for key, between ours and Bridge's collate before timing")
+    path = write_json("collate", {"benchmark": "collate", "peer": f"megatron-bridge {package_info.__version__} "
+                                  "GPTSFTPackedParquetDataset.collate_fn", "params": vars(args), "results": rows},
+                      Path(args.results_dir))
+    print(f"wrote {path}")
     return 0
 
 

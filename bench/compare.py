@@ -148,8 +148,9 @@ def _summaries(name: str, doc: Dict) -> List[str]:
             out.append(f"{key} {res['gb_per_s']:.2f} GB/s ({res.get('time_vs_plain_read', 0):.2f}× plain read time)")
     elif name == "collate":
         for r in doc.get("results", []):
-            out.append(f"batch {r['batch_size']}: {1e3 / r['ours_ms']:.0f} batches/s vs list-based "
-                       f"{1e3 / r['list_based_ms']:.0f} ({r['speedup']:.1f}×)")
+            out.append(f"CP {r['pad_seq_to_mult']} {r['options']} batch {r['batch_size']}: "
+                       f"{1e3 / r['ours_ms']:.0f} batches/s vs Megatron-Bridge's collate_fn "
+                       f"{1e3 / r['bridge_ms']:.0f} ({r['speedup']:.1f}×)")
     elif name == "packing":
         for r in doc.get("runs", []):
             peer = r.get("peer_python_seconds")

@@ -19,6 +19,7 @@ from importlib import import_module
 from typing import List, NamedTuple, Optional, Tuple
 
 from ._extras import MissingExtraError, require_extra
+from ._signals import INTERRUPTS, exit_code, signal_name, signals_raise
 
 
 class Tool(NamedTuple):
@@ -53,7 +54,16 @@ def run(name: str, argv: Optional[List[str]] = None) -> int:
         if tool.extra is not None:
             require_extra(tool.extra, *tool.modules, user=name)
         module, function = tool.target.split(":")
-        return getattr(import_module(module), function)(argv)
+        with signals_raise():  # a signal while the tool is still importing: it has done nothing yet
+            entry = getattr(import_module(module), function)
+    except MissingExtraError as exc:
+        print(f"{name}: error: {exc.detail}", file=sys.stderr)
+        return 2
+    except INTERRUPTS as exc:
+        print(f"{name}: interrupted by {signal_name(exc)} while starting; nothing was done", file=sys.stderr)
+        return exit_code(exc)
+    try:
+        return entry(argv)
     except MissingExtraError as exc:
         print(f"{name}: error: {exc.detail}", file=sys.stderr)
         return 2

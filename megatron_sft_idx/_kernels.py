@@ -256,76 +256,105 @@ def scan_packs(lengths, token_offsets, seq_offsets, tokens, loss, starts, pack_s
 
 
 @_jit
-def _first_pointer_mismatch(lengths, pointers, itemsize, limit):
-    """Structural check of an ``.idx``: pointers must be the exclusive cumsum of
-    lengths × itemsize, starting at 0, every pack inside ``limit`` bytes.
+def _pointer_chain(lengths, pointers, itemsize, limit, expected):
+    """Structural check of (a chunk of) an ``.idx``: pointers must be the exclusive cumsum of
+    lengths × itemsize, the first one equal to ``expected`` (0 for a whole index; where the
+    previous chunk ended for the next), every pack inside ``limit`` bytes.
 
-    Returns ``(index, kind)`` of the first problem (kind 1: length <= 0,
-    2: pointer disagrees, 3: pack runs past ``limit``) or ``(-1, 0)``.
+    Returns ``(index, kind, end)``: the chunk-local index and kind of the first problem
+    (kind 1: length <= 0, 2: pointer disagrees, 3: pack runs past ``limit``) or ``(-1, 0)``,
+    and the byte where the next pack must start.
     """
-    expected = np.int64(0)
     for i in range(lengths.shape[0]):
         n = np.int64(lengths[i])
         if n <= 0:
-            return i, 1
+            return i, 1, expected
         if np.int64(pointers[i]) != expected:
-            return i, 2
+            return i, 2, expected
         if n > (limit - expected) // itemsize:
-            return i, 3
+            return i, 3, expected
         expected += n * itemsize
-    return -1, 0
+    return -1, 0, expected
+
+
+def pointer_chain(lengths, pointers, itemsize, limit, expected):
+    """See ``_pointer_chain``; scalars always reach numba as int64."""
+    return _pointer_chain(lengths, pointers, _i64(itemsize), _i64(limit), _i64(expected))
 
 
 def first_pointer_mismatch(lengths, pointers, itemsize, limit):
-    """See ``_first_pointer_mismatch``; scalars always reach numba as int64."""
-    return _first_pointer_mismatch(lengths, pointers, _i64(itemsize), _i64(limit))
+    """``(index, kind)`` of the first problem of a whole index's pointers (``_pointer_chain`` from 0)."""
+    bad, kind, _ = pointer_chain(lengths, pointers, itemsize, limit, 0)
+    return bad, kind
 
 
 @_jit
-def _first_offset_mismatch(offsets, total):
-    """CSR offsets: [0] == 0, strictly increasing, last == total. Returns first bad index or -1."""
-    if offsets.shape[0] == 0 or offsets[0] != 0:
-        return 0
-    for i in range(1, offsets.shape[0]):
-        if offsets[i] <= offsets[i - 1] or offsets[i] > total:
+def _offset_chain(offsets, first, previous, total):
+    """CSR offsets ``[first, first + len)``: [0] == 0, strictly increasing (from ``previous``,
+    the entry before the chunk), at most ``total``. Returns the first bad global index, or -1."""
+    for j in range(offsets.shape[0]):
+        i = first + j
+        value = offsets[j]
+        if i == 0:
+            if value != 0:
+                return 0
+        elif value <= previous or value > total:
             return i
-    if offsets[offsets.shape[0] - 1] != total:
-        return offsets.shape[0] - 1
+        previous = value
     return -1
 
 
+def offset_chain(offsets, first, previous, total):
+    """See ``_offset_chain``; scalars always reach numba as int64."""
+    return _offset_chain(offsets, _i64(first), _i64(previous), _i64(total))
+
+
 def first_offset_mismatch(offsets, total):
-    """See ``_first_offset_mismatch``; scalars always reach numba as int64."""
-    return _first_offset_mismatch(offsets, _i64(total))
+    """CSR offsets: [0] == 0, strictly increasing, last == total. Returns first bad index or -1."""
+    n = offsets.shape[0]
+    if n == 0:
+        return 0
+    bad = offset_chain(offsets, 0, 0, total)
+    if bad >= 0:
+        return bad
+    return n - 1 if offsets[n - 1] != total else -1
 
 
 # ---- gate kernels (used by megatron_sft_idx.gate; appended, the kernels above are unchanged)
 
 
 @_jit
-def _first_document_mismatch(documents, n_sequences, one_per_sequence):
-    """``document_indices``: [0] == 0, non-decreasing, last == ``n_sequences``.
-
-    With ``one_per_sequence`` (SFT shards: one document per pack) every entry
-    must equal its index. Returns the first bad index, or -1.
+def _document_chain(documents, first, previous, n_sequences, one_per_sequence):
+    """``document_indices`` ``[first, first + len)``: [0] == 0, non-decreasing (from ``previous``,
+    the entry before the chunk), at most ``n_sequences``; with ``one_per_sequence`` (SFT shards:
+    one document per pack) every entry equals its index. Returns the first bad global index, or -1.
     """
-    n = documents.shape[0]
-    if n == 0 or documents[0] != 0:
-        return 0
-    for i in range(1, n):
-        d = np.int64(documents[i])
-        if one_per_sequence and d != i:
+    for j in range(documents.shape[0]):
+        i = first + j
+        d = np.int64(documents[j])
+        if i == 0:
+            if d != 0:
+                return 0
+        elif (one_per_sequence and d != i) or d < previous or d > n_sequences:
             return i
-        if d < documents[i - 1] or d > n_sequences:
-            return i
-    if documents[n - 1] != n_sequences:
-        return n - 1
+        previous = d
     return -1
 
 
+def document_chain(documents, first, previous, n_sequences, one_per_sequence):
+    """See ``_document_chain``; scalars always reach numba as int64."""
+    return _document_chain(documents, _i64(first), _i64(previous), _i64(n_sequences), bool(one_per_sequence))
+
+
 def first_document_mismatch(documents, n_sequences, one_per_sequence):
-    """See ``_first_document_mismatch``; scalars always reach numba as int64."""
-    return _first_document_mismatch(documents, _i64(n_sequences), bool(one_per_sequence))
+    """Every rule of ``_document_chain`` over a whole array, and the last entry == ``n_sequences``."""
+    n = documents.shape[0]
+    if n == 0:
+        return 0
+    bad = document_chain(documents, 0, 0, n_sequences, one_per_sequence)
+    if bad >= 0:
+        return bad
+    return n - 1 if documents[n - 1] != n_sequences else -1
 
 
 @_jit

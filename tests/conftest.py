@@ -13,6 +13,60 @@ def rng():
     return np.random.default_rng(1234)
 
 
+# --------------------------------------------------------------------------- S3 on loopback
+
+#: Block size of remote reads under the ``s3`` fixture (small, so packs straddle blocks).
+S3_BLOCK_SIZE = 4096
+
+
+@pytest.fixture(scope="module")
+def loop():
+    """moto's S3 server on 127.0.0.1 behind a counting, fault-injecting proxy (bench/s3loop.py)."""
+    from bench.s3loop import S3Loop
+
+    with S3Loop() as server:
+        yield server
+
+
+@pytest.fixture
+def s3(loop, monkeypatch, tmp_path):
+    """AWS env pointing at the proxy, an empty index cache, small blocks, quick retries."""
+    from bench.s3loop import reset_clients
+
+    for key, value in loop.env().items():
+        monkeypatch.setenv(key, value)
+    for key in ("AWS_PROFILE", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("MEGATRON_SFT_IDX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("MEGATRON_SFT_IDX_BLOCK_SIZE", str(S3_BLOCK_SIZE))
+    monkeypatch.setenv("MEGATRON_SFT_IDX_RETRIES", "4")
+    reset_clients()
+    loop.clear()
+    yield loop
+    loop.clear()
+    reset_clients()
+
+
+@pytest.fixture
+def bucket(s3):
+    """A fresh, empty bucket on the ``s3`` server."""
+    import uuid
+
+    return s3.make_bucket(f"b-{uuid.uuid4().hex[:12]}")
+
+
+# --------------------------------------------------------------------------- disks
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 256 KiB tmpfs at tmp_path/fs, or None where this sandbox cannot mount one (tests/faults.py)."""
+    from faults import tmpfs
+
+    with tmpfs(tmp_path / "fs") as path:
+        yield path
+
+
 @pytest.fixture(scope="session")
 def native_lib(tmp_path_factory):
     """Path of the native library (csrc/), built once per test session (per xdist worker).

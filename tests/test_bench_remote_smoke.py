@@ -30,4 +30,5 @@ def test_hotpath_entry_point(tmp_path):
     doc = json.loads((tmp_path / "hotpath.json").read_text())
     for mode in ("warm", "cold"):
         assert set(doc["results"][mode]["passes"]) == set(hotpath.PASSES)
-        assert all(p["rounds"] >= 1 for p in doc["results"][mode]["passes"].values())
+        assert all(p["rounds"] >= 1 and p["ratio_vs_upstream_sft"] > 0
+                   for p in doc["results"][mode]["passes"].values())

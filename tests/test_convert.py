@@ -283,7 +283,9 @@ def test_cli(tmp_path, rng, capsys):
     record = json.loads(meta.read_text())[0]
     stats = MMapIndexedDataset(tmp_path / "s").metadata.stats
     assert record["max_samples_per_bin"] == stats.max_samples_per_bin
-    assert record["dataset_max_seqlen"] == stats.dataset_max_seqlen and record["pack_size"] == 64
+    # Bridge's units: its packer bins on length - 1 (checked against Bridge's own file in tests/compat)
+    assert record["dataset_max_seqlen"] == stats.dataset_max_seqlen - 1 and record["pack_size"] == 64
+    assert record["min_packed_seqlen"] == stats.min_packed_runtime_len
     assert convert_main([str(tmp_path / "s.parquet"), str(tmp_path / "b"), "--json", "--check"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["packs"] == 20 and doc["gate_passed"] is True

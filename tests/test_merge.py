@@ -365,5 +365,5 @@ sys.exit(main([{str(tmp_path / "out")!r}, *{prefixes!r}]))
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 130 and "nothing was published" in err and "Traceback" not in err
+    assert proc.returncode == 143 and "SIGTERM; nothing was published" in err and "Traceback" not in err
     assert not os.path.exists(tmp_path / "out.idx") and not _leftovers(tmp_path)

@@ -27,96 +27,32 @@ from __future__ import annotations
 
 import errno
 import importlib
-import json
 import os
-import pathlib
 import signal
 import subprocess
 import sys
 import time
-import uuid
 
 import numpy as np
 import pytest
 
+from faults import EXIT_BY_SIGNAL, ROOT, SIGNALS, Zygote, contents, leftovers, remount_read_only, seeded_cases
 from generations import torn, write_generation
 from megatron_sft_idx import MMapIndexedDataset, ShardError
-from megatron_sft_idx.format import ALL_SUFFIXES
 from megatron_sft_idx.gate import check, promote_report
 from megatron_sft_idx.gate.cli import main as check_idx
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEED = 4242
 CASES_PER_MODE = 4
 OLD, NEW = 1, 2
-
-#: Forks one child per case from a warmed-up interpreter. The child counts the filesystem
-#: steps of the promotion and signals itself before step ``kill_at`` (0: never), then runs
-#: check_idx's main(argv). Its exit status, and the steps counted, go to stdout.
-ZYGOTE = r"""
-import json, os, shutil, signal, sys
-from megatron_sft_idx.gate.cli import main
-from megatron_sft_idx.gate import check
-check(sys.argv[1])  # load the kernels once, here, not in every child
-
-def instrument(kill_at, sig, log_path):
-    log = open(log_path, "w", buffering=1)
-    count = [0]
-    def wrap(owner, name):
-        real = getattr(owner, name)
-        def step(*args, **kwargs):
-            count[0] += 1
-            log.write(json.dumps([name, os.path.basename(str(args[-1])) if args else ""]) + "\n")
-            if count[0] == kill_at:
-                os.kill(os.getpid(), sig)
-            return real(*args, **kwargs)
-        setattr(owner, name, step)
-    for owner, name in ((os, "link"), (os, "replace"), (os, "unlink"), (os, "fsync"), (shutil, "copyfile")):
-        wrap(owner, name)
-
-for line in sys.stdin:
-    case = json.loads(line)
-    pid = os.fork()
-    if pid == 0:
-        err = os.open(case["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(err, 2)
-        out = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(out, 1)
-        instrument(case["kill_at"], case["sig"], case["counter"])
-        os._exit(main(case["argv"]))
-    _, status = os.waitpid(pid, 0)
-    code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-    steps = [json.loads(l) for l in open(case["counter"])] if os.path.exists(case["counter"]) else []
-    print(json.dumps({"code": code, "steps": steps}), flush=True)
-"""
-
-
-class Zygote:
-    def __init__(self, warm_prefix: str) -> None:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-        self.proc = subprocess.Popen([sys.executable, "-c", ZYGOTE, warm_prefix], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=env)
-
-    def run(self, argv, kill_at, sig, work) -> dict:
-        case = {"argv": argv, "kill_at": kill_at, "sig": int(sig), "stderr": str(work / "stderr"),
-                "counter": str(work / f"steps-{uuid.uuid4().hex}")}
-        self.proc.stdin.write(json.dumps(case) + "\n")
-        self.proc.stdin.flush()
-        result = json.loads(self.proc.stdout.readline())
-        result["stderr"] = pathlib.Path(case["stderr"]).read_text()
-        return result
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=60)
-        self.proc.stdout.close()
-
+#: The filesystem steps of a promotion, each a point where a signal may arrive.
+PROMOTION_STEPS = ("os.link", "os.replace", "os.unlink", "os.fsync", "shutil.copyfile")
 
 @pytest.fixture(scope="module")
 def zygote(tmp_path_factory):
     warm = str(tmp_path_factory.mktemp("warm") / "shard")
     write_generation(warm, 0)
-    z = Zygote(warm)
+    z = Zygote("megatron_sft_idx.gate.cli:main", PROMOTION_STEPS, warm=[["--quiet", warm]])
     yield z
     z.close()
 
@@ -157,12 +93,10 @@ def check_outcome(src: str, dest: str, mode: str, where: str = "") -> None:
         report = promote_report(check(src), dest, link="link" in mode, replace=True)
         assert report.passed, report.format_text(True)
     assert generation_at(os.path.join(dest, "shard")) == NEW
-    assert not [n for n in os.listdir(dest) if ".tmp-" in n], (where, at_src, at_dest, os.getpid(), os.listdir(dest))
+    assert not leftovers(dest), (where, at_src, at_dest, os.getpid(), os.listdir(dest))
 
 
 MODES = ("move", "link", "replace")
-SIGNALS = (signal.SIGKILL, signal.SIGTERM, signal.SIGINT)
-EXIT_BY_SIGNAL = {signal.SIGKILL: -signal.SIGKILL, signal.SIGTERM: 143, signal.SIGINT: 130}
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -170,8 +104,7 @@ def test_signal_before_promotion_steps(zygote, tmp_path, mode):
     """Seeded points over all steps, each signal, plus the step after the old .idx is removed."""
     steps = zygote.run(setup_case(tmp_path / "dry", mode)[2], 0, signal.SIGKILL, tmp_path)["steps"]
     assert len(steps) >= 10, steps
-    rng = np.random.default_rng([SEED, MODES.index(mode)])
-    cases = [(sig, int(k)) for sig in SIGNALS for k in rng.integers(1, len(steps) + 1, CASES_PER_MODE)]
+    cases = seeded_cases(len(steps), [SEED, MODES.index(mode)], CASES_PER_MODE)
     if mode == "replace":  # right after the old .idx is gone: the widest window of a replacement
         unlink = steps.index(["unlink", "shard.idx"]) + 1  # 1-based step number
         cases += [(sig, unlink + 1) for sig in SIGNALS]
@@ -205,26 +138,6 @@ def test_real_tool_killed_at_a_random_time(tmp_path, sig):
 # --------------------------------------------------------------------------- disk faults
 
 
-def _mount(path, options) -> bool:
-    try:
-        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True,
-                              timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return proc.returncode == 0
-
-
-@pytest.fixture
-def small_fs(tmp_path):
-    """A 256 KiB tmpfs at tmp_path/fs, or None where this sandbox cannot mount one."""
-    path = tmp_path / "fs"
-    path.mkdir()
-    mounted = _mount(path, "size=256k,mode=755")
-    yield path if mounted else None
-    if mounted:
-        subprocess.run(["umount", "-l", str(path)], capture_output=True)
-
-
 def big_source(root) -> str:
     """A shard of ~600 KiB (larger than the small tmpfs)."""
     prefix = str(root / "staging" / "shard")
@@ -238,16 +151,10 @@ def big_source(root) -> str:
     return prefix
 
 
-def contents(prefix):
-    return {s: pathlib.Path(prefix + s).read_bytes() for s in ALL_SUFFIXES if os.path.exists(prefix + s)}
-
-
 def assert_failed_cleanly(report, src, before, dest_prefix, old=None):
     assert not report.passed and "PROMOTION_FAILED" in report.shards[0].codes(), report.format_text(True)
     assert contents(src) == before, "the source changed"
-    dest_dir = os.path.dirname(dest_prefix)
-    leftovers = [n for n in os.listdir(dest_dir) if ".tmp-" in n] if os.path.isdir(dest_dir) else []
-    assert not leftovers, leftovers
+    assert not leftovers(os.path.dirname(dest_prefix)), leftovers(os.path.dirname(dest_prefix))
     if old is None:
         with pytest.raises(ShardError):
             MMapIndexedDataset(dest_prefix)
@@ -312,8 +219,7 @@ def test_full_disk_while_replacing_keeps_the_old_shard(tmp_path, monkeypatch, fa
 def test_read_only_destination(tmp_path, small_fs, monkeypatch):
     src = big_source(tmp_path)
     before = contents(src)
-    if small_fs is not None and subprocess.run(["mount", "-o", "remount,ro", str(small_fs)],
-                                               capture_output=True).returncode == 0:
+    if small_fs is not None and remount_read_only(small_fs):
         dest = small_fs  # the read-only filesystem itself
     else:  # no mount here: creating files at the destination fails as on a read-only filesystem
         promote_mod = importlib.import_module("megatron_sft_idx.gate.promote")

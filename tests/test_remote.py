@@ -1,16 +1,17 @@
 """Shards read from and written to a real S3 API (moto's server on 127.0.0.1, through a
-counting, fault-injecting proxy), via boto3 and via multi-storage-client."""
+counting, fault-injecting proxy), via boto3 and via multi-storage-client. The server and the
+environment pointing at it are the ``loop`` / ``s3`` / ``bucket`` fixtures of tests/conftest.py."""
 
 import multiprocessing
 import os
 import pickle
 import threading
-import uuid
 
 import numpy as np
 import pytest
 
-from bench.s3loop import S3Loop, reset_clients
+from bench.s3loop import reset_clients
+from conftest import S3_BLOCK_SIZE
 from shardgen import random_packs, write_shard
 
 from megatron_sft_idx import MMapIndexedDataset, open_packed
@@ -20,35 +21,7 @@ from megatron_sft_idx.storage import publish, upload_shard
 from megatron_sft_idx.storage.remote import RemoteIndexedDataset
 
 PACK = 256
-BLOCK = 4096
-
-
-@pytest.fixture(scope="module")
-def loop():
-    with S3Loop() as server:
-        yield server
-
-
-@pytest.fixture
-def s3(loop, monkeypatch, tmp_path):
-    """AWS env pointing at the proxy, an empty index cache, small blocks, quick retries."""
-    for key, value in loop.env().items():
-        monkeypatch.setenv(key, value)
-    for key in ("AWS_PROFILE", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.setenv("MEGATRON_SFT_IDX_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("MEGATRON_SFT_IDX_BLOCK_SIZE", str(BLOCK))
-    monkeypatch.setenv("MEGATRON_SFT_IDX_RETRIES", "4")
-    reset_clients()
-    loop.clear()
-    yield loop
-    loop.clear()
-    reset_clients()
-
-
-@pytest.fixture
-def bucket(s3):
-    return s3.make_bucket(f"b-{uuid.uuid4().hex[:12]}")
+BLOCK = S3_BLOCK_SIZE  # the `s3` fixture's block size (tests/conftest.py)
 
 
 def make_shard(path, n=200, seed=0):

@@ -94,10 +94,10 @@ def prime_dispatchers():
     """Compile kernel specialisations for other integer types, as earlier callers could have."""
     offsets = np.arange(4, dtype=np.int64)
     for total in (np.int32(3), np.uint64(3), np.int16(3)):
-        _kernels._first_offset_mismatch(offsets, total)
+        _kernels._offset_chain(offsets, total, total, total)
     lengths = np.ones(3, np.int32)
     for itemsize, limit in ((np.int32(2), np.int32(6)), (np.uint64(2), np.uint64(6))):
-        _kernels._first_pointer_mismatch(lengths, np.array([0, 2, 4]), itemsize, limit)
+        _kernels._pointer_chain(lengths, np.array([0, 2, 4]), itemsize, limit, itemsize)
     ids, loss, starts = np.array([1, 2], np.uint16), np.array([1, 0], np.uint8), np.array([0], np.int32)
     for scalar in (np.int32, np.uint64):
         _kernels._check_pack(ids, loss, starts, scalar(8), scalar(65535), scalar(10), scalar(1), scalar(0))

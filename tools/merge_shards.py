@@ -9,11 +9,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_sft_idx.tools.merge_cli import build_parser, main  # noqa: E402
-
-__all__ = ["build_parser", "main"]
-
 if __name__ == "__main__":
+    # Run through the console entry point, which imports the tool itself: a Ctrl-C while it is
+    # still importing then ends it with one line and exit 130, never a traceback.
     from megatron_sft_idx._console import run  # noqa: E402  (a missing extra: one line, exit 2)
 
     sys.exit(run("merge-shards"))
+
+from megatron_sft_idx.tools.merge_cli import build_parser, main  # noqa: E402
+
+__all__ = ["build_parser", "main"]

@@ -21,6 +21,9 @@ from importlib import import_module
 
 SYSTEMS = ("ours", "upstream", "option_a", "parquet", "legacy_npy")
 PEERS = tuple(s for s in SYSTEMS if s != "ours")
+#: Loadable, not in the default comparison: upstream's format carrying SFT data as three datasets
+#: (``bench.hotpath``'s like-for-like peer for reading all three arrays).
+EXTRA = ("upstream_sft",)
 
 
 def load(name: str):
@@ -29,6 +32,6 @@ def load(name: str):
     Raises:
         KeyError: an unknown system name.
     """
-    if name not in SYSTEMS:
-        raise KeyError(f"unknown system {name!r}; known: {', '.join(SYSTEMS)}")
+    if name not in SYSTEMS + EXTRA:
+        raise KeyError(f"unknown system {name!r}; known: {', '.join(SYSTEMS + EXTRA)}")
     return import_module(f"{__name__}.{name}")

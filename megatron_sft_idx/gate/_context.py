@@ -29,20 +29,18 @@ from ..metadata import ShardMetadata
 from .report import Finding, ShardReport, make_finding
 
 
-#: Files up to this size are mapped with MAP_POPULATE: the kernel fills the page tables in
-#: one call instead of one fault per 4 KiB page (2-3x faster for a pass that reads every
-#: byte). Larger files fault lazily so a shard bigger than RAM is not read twice.
-POPULATE_LIMIT = 4 << 30
+#: ``madvise`` advice that faults a range's pages in with one call (Linux >= 5.14; absent from
+#: the ``mmap`` module before Python 3.13). Elsewhere ``MADV_WILLNEED`` starts read-ahead instead.
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+_PAGE = mmap.PAGESIZE
 
 
-def _map_file(path: str, size: int) -> np.ndarray:
-    """Read-only uint8 view of a whole file through mmap."""
-    flags = mmap.MAP_SHARED
-    if size <= POPULATE_LIMIT:
-        flags |= getattr(mmap, "MAP_POPULATE", 0)
+def _map_file(path: str, size: int) -> mmap.mmap:
+    """Read-only shared map of a whole file. Nothing is faulted in here: the passes bring in
+    and release one chunk at a time (:meth:`ShardContext.populate` / :meth:`ShardContext.release`),
+    so the gate's resident memory is bounded by a chunk, not by the shard."""
     with open(path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), size, flags=flags, prot=mmap.PROT_READ)
-    return np.frombuffer(mm, dtype=np.uint8, count=size)
+        return mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
 
 
 class UnreadableFile(Exception):
@@ -67,6 +65,7 @@ class ShardContext:
         self.offsets_ok = False         # CSR offsets verified
         self.headers_clean = False      # no error from the header, metadata and cross-file passes
         self._maps: Dict[str, np.ndarray] = {}
+        self._mmaps: Dict[str, mmap.mmap] = {}
 
     # ------------------------------------------------------------------ findings
 
@@ -100,12 +99,47 @@ class ShardContext:
                 self._maps[suffix] = np.empty(0, dtype=np.uint8)
             else:
                 try:
-                    self._maps[suffix] = _map_file(self.path(suffix), size)
+                    mm = _map_file(self.path(suffix), size)
                 except (OSError, ValueError) as exc:
                     self.add("FILE_UNREADABLE", f"cannot map: {getattr(exc, 'strerror', None) or exc}",
                              suffix)
                     raise UnreadableFile(suffix) from None
+                self._mmaps[suffix] = mm
+                self._maps[suffix] = np.frombuffer(mm, dtype=np.uint8, count=size)
         return self._maps[suffix]
+
+    def populate(self, suffix: str, start: int, stop: int) -> None:
+        """Fault bytes ``[start, stop)`` of a mapped file in with one call (a pass that reads every
+        byte of a range runs 2-3x faster than with a fault per page). Best effort."""
+        mm = self._mmaps.get(suffix)
+        if mm is None or stop <= start:
+            return
+        lo = start - start % _PAGE
+        try:
+            mm.madvise(MADV_POPULATE_READ, lo, min(stop, len(mm)) - lo)
+        except (OSError, ValueError, AttributeError):
+            try:
+                mm.madvise(mmap.MADV_WILLNEED, lo, min(stop, len(mm)) - lo)
+            except (OSError, ValueError, AttributeError):
+                pass
+
+    def release(self, suffix: str, start: int = 0, stop: Optional[int] = None) -> None:
+        """Drop this process's pages of bytes ``[start, stop)`` of a mapped file (``MADV_DONTNEED``:
+        they stay in the page cache and fault back if read again). Best effort."""
+        mm = self._mmaps.get(suffix)
+        if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        stop = len(mm) if stop is None else min(stop, len(mm))
+        lo = start - start % _PAGE
+        if stop > lo:
+            try:
+                mm.madvise(mmap.MADV_DONTNEED, lo, stop - lo)
+            except (OSError, ValueError):
+                pass
+
+    def release_all(self) -> None:
+        for suffix in list(self._mmaps):
+            self.release(suffix)
 
     def view(self, suffix: str, dtype, count: int, offset: int = 0) -> np.ndarray:
         return np.frombuffer(self.map(suffix), dtype=dtype, count=count, offset=offset)
@@ -140,3 +174,4 @@ class ShardContext:
 
     def close(self) -> None:
         self._maps.clear()
+        self._mmaps.clear()

@@ -9,13 +9,14 @@ its temporaries are removed and nothing that opens is left at the destination).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import signal
 import sys
-from typing import Iterator, List, Optional
+from typing import List, Optional
 
+from .._signals import Terminated  # noqa: F401  (re-exported: SIGTERM's exception, as before)
+from .._signals import INTERRUPTS, exit_code, raise_if_signalled, signal_name, signals_raise
 from ..errors import ShardError
 from ..format import METADATA_FIELD_RANGES
 from .checks import check
@@ -23,42 +24,6 @@ from .promote import promote_report
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 EXIT_SIGINT, EXIT_SIGTERM = 128 + signal.SIGINT, 128 + signal.SIGTERM
-
-
-class Terminated(BaseException):
-    """SIGTERM, raised like KeyboardInterrupt so that cleanup handlers run."""
-
-
-@contextlib.contextmanager
-def _signals_raise(received: List[int]) -> Iterator[None]:
-    """SIGINT raises KeyboardInterrupt and SIGTERM Terminated; both are also recorded in
-    ``received``, because an exception raised inside a C callback (numba's compiler calls
-    back into Python) is printed and dropped: the caller checks ``received`` at safe points."""
-    def handler(signum, frame):
-        received.append(signum)
-        raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated()
-
-    def unraisable(info):  # a dropped KeyboardInterrupt/Terminated is in `received`: no traceback
-        if not isinstance(info.exc_value, (KeyboardInterrupt, Terminated)):
-            previous_hook(info)
-
-    try:
-        old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-    except ValueError:  # not the main thread: leave the signals alone
-        yield
-        return
-    previous_hook, sys.unraisablehook = sys.unraisablehook, unraisable
-    try:
-        yield
-    finally:
-        sys.unraisablehook = previous_hook
-        for sig, previous in old.items():
-            signal.signal(sig, previous)
-
-
-def _stop_if_signalled(received: List[int]) -> None:
-    if received:
-        raise KeyboardInterrupt() if received[0] == signal.SIGINT else Terminated()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,23 +73,21 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.print_usage(sys.stderr)
         print(f"check_idx: error: {problem}", file=sys.stderr)
         return EXIT_USAGE
-    received: List[int] = []
     try:
-        with _signals_raise(received):
+        with signals_raise():
             report = check(args.prefixes, level=args.level, vocab_size=args.vocab_size, strict=args.strict,
                            allow_pretrain=args.allow_pretrain, sample=args.sample, workers=args.workers)
-            _stop_if_signalled(received)
+            raise_if_signalled()
             if args.promote is not None and report.exit_code != EXIT_USAGE:
                 promote_report(report, args.promote, link=args.link, replace=args.replace)
-            _stop_if_signalled(received)
+            raise_if_signalled()
     except ShardError as exc:
         print(f"check_idx: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except (KeyboardInterrupt, Terminated) as exc:
-        name = "SIGINT" if isinstance(exc, KeyboardInterrupt) else "SIGTERM"
-        print(f"check_idx: interrupted by {name}; each shard was promoted completely or not at all",
+    except INTERRUPTS as exc:
+        print(f"check_idx: interrupted by {signal_name(exc)}; each shard was promoted completely or not at all",
               file=sys.stderr)
-        return EXIT_SIGINT if isinstance(exc, KeyboardInterrupt) else EXIT_SIGTERM
+        return exit_code(exc)
     if args.json:
         text = report.to_json()
     elif args.quiet:

@@ -4,11 +4,19 @@
 (CSR), ``scan`` (every pack invariant, all-zero loss masks, statistics vs the
 metadata) and ``checksums`` (CRC-32 of the four data files, run in a thread
 beside the numba passes: both release the GIL).
+
+Each pass walks the shard in chunks -- at most ``CHUNK_PACKS`` packs and, for the data,
+``CHUNK_TOKENS`` tokens -- faulting a chunk's pages in with one call and releasing them
+after it (:meth:`ShardContext.populate` / :meth:`ShardContext.release`), and keeps only
+per-chunk arrays: the gate's resident memory is bounded by one chunk whatever the shard's
+size. The findings are those of one pass over the whole shard (:class:`ScanAggregate`
+combines the chunks; the remote gate streams its chunks through the same aggregate).
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+import contextlib
+from typing import Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -36,7 +44,31 @@ from .codes import ERROR, RULE_CODES
 MAX_PACK_FINDINGS = 64
 #: Bytes per CRC-32 call: large enough to amortise the call, small enough to stream.
 CRC_CHUNK = 16 << 20
+#: Packs per chunk of a pass (index entries in flight: ~40 bytes each) ...
+CHUNK_PACKS = 1 << 18
+#: ... and tokens per chunk of the pack scan (x (itemsize + 1) bytes of data resident at once).
+CHUNK_TOKENS = 8 << 20
 _INT32_WRAP = 1 << 32
+_INT64_MAX = int(np.iinfo(np.int64).max)
+
+
+@contextlib.contextmanager
+def resident(ctx: ShardContext, *ranges: Tuple[str, int, int]) -> Iterator[None]:
+    """Byte ranges ``(suffix, start, stop)`` of mapped files faulted in for the block, released after."""
+    for suffix, start, stop in ranges:
+        ctx.populate(suffix, start, stop)
+    try:
+        yield
+    finally:
+        for suffix, start, stop in ranges:
+            ctx.release(suffix, start, stop)
+
+
+def pack_chunks(n: int, size: Optional[int] = None) -> Iterator[Tuple[int, int]]:
+    """``[a, b)`` ranges of ``size`` (default ``CHUNK_PACKS``) covering ``[0, n)``."""
+    size = size or CHUNK_PACKS
+    for a in range(0, n, size):
+        yield a, min(n, a + size)
 
 
 # --------------------------------------------------------------------------- .idx arrays
@@ -51,7 +83,14 @@ def check_idx_arrays(ctx: ShardContext) -> None:
     n = h.sequence_count
     # Check the chain with an unbounded limit first: a wrong pointer is reported as such even
     # when it also runs past the end of .bin.
-    bad, kind = _kernels.first_pointer_mismatch(lengths, pointers, itemsize, np.iinfo(np.int64).max)
+    bad, kind, end = -1, 0, 0
+    for a, b in pack_chunks(n):
+        with resident(ctx, (IDX_SUFFIX, h.lengths_offset + 4 * a, h.lengths_offset + 4 * b),
+                      (IDX_SUFFIX, h.pointers_offset + 8 * a, h.pointers_offset + 8 * b)):
+            bad, kind, end = _kernels.pointer_chain(lengths[a:b], pointers[a:b], itemsize, _INT64_MAX, end)
+        if bad >= 0:
+            bad += a
+            break
     if kind == 1:
         ctx.add("IDX_LENGTH_NONPOSITIVE", f"sequence_lengths[{bad}] is {int(lengths[bad])}", IDX_SUFFIX,
                 pack=bad, offset=h.lengths_offset + LENGTH_DTYPE.itemsize * bad)
@@ -60,16 +99,28 @@ def check_idx_arrays(ctx: ShardContext) -> None:
     elif kind == 3:  # only on int64 overflow of the running sum
         ctx.add("IDX_POINTER_MISMATCH", "the running sum of lengths overflows int64", IDX_SUFFIX, pack=bad,
                 offset=h.pointers_offset + POINTER_DTYPE.itemsize * bad)
+    elif end != bin_size:
+        where = "past" if end > bin_size else "before"
+        ctx.add("BIN_SIZE_MISMATCH", f"the last pack ends at byte {end}, {where} the end of .bin "
+                f"({bin_size} bytes)", BIN_SUFFIX, pack=max(n - 1, 0), offset=min(end, bin_size))
     else:
-        end = int(pointers[n - 1]) + int(lengths[n - 1]) * itemsize if n else 0
-        if end != bin_size:
-            where = "past" if end > bin_size else "before"
-            ctx.add("BIN_SIZE_MISMATCH", f"the last pack ends at byte {end}, {where} the end of .bin "
-                    f"({bin_size} bytes)", BIN_SUFFIX, pack=max(n - 1, 0), offset=min(end, bin_size))
-        else:
-            ctx.pointers_ok = True
+        ctx.pointers_ok = True
+    _check_documents(ctx, n)
+
+
+def _check_documents(ctx: ShardContext, n: int) -> None:
+    h = ctx.idx_header
     docs = ctx.documents()
-    bad_doc = _kernels.first_document_mismatch(docs, n, ctx.report.kind == "sft")
+    count = docs.shape[0]
+    bad_doc = 0 if count == 0 else -1
+    for a, b in pack_chunks(count):
+        with resident(ctx, (IDX_SUFFIX, h.document_indices_offset + 8 * a, h.document_indices_offset + 8 * b)):
+            bad_doc = _kernels.document_chain(docs[a:b], a, int(docs[a - 1]) if a else 0, n,
+                                              ctx.report.kind == "sft")
+        if bad_doc >= 0:
+            break
+    if bad_doc < 0 and int(docs[count - 1]) != n:
+        bad_doc = count - 1
     if bad_doc >= 0:
         value = int(docs[bad_doc]) if bad_doc < docs.shape[0] else None
         rule = "0, 1, ..., N (one document per pack)" if ctx.report.kind == "sft" else \
@@ -102,7 +153,15 @@ def _pointer_finding(ctx: ShardContext, i: int, lengths, pointers, itemsize: int
 def check_offsets(ctx: ShardContext) -> None:
     h = ctx.seq_header
     offsets = ctx.seq_offsets()
-    bad = _kernels.first_offset_mismatch(offsets, h.sequence_count)
+    count = offsets.shape[0]
+    bad = 0 if count == 0 else -1
+    for a, b in pack_chunks(count):
+        with resident(ctx, (SEQ_IDX_SUFFIX, h.csr_offset + 8 * a, h.csr_offset + 8 * b)):
+            bad = _kernels.offset_chain(offsets[a:b], a, int(offsets[a - 1]) if a else 0, h.sequence_count)
+        if bad >= 0:
+            break
+    if bad < 0 and int(offsets[count - 1]) != h.sequence_count:
+        bad = count - 1
     if bad >= 0:
         ctx.add("SEQ_IDX_OFFSETS", f"seq_offsets[{bad}] is {int(offsets[bad])}: offsets must start at 0, "
                 f"increase strictly and end at {h.sequence_count}", SEQ_IDX_SUFFIX,
@@ -115,39 +174,138 @@ def check_offsets(ctx: ShardContext) -> None:
 
 
 def scan(ctx: ShardContext, vocab_size: Optional[int]) -> None:
-    """Every pack's invariants, all-zero loss masks, and the statistics recorded in the metadata."""
-    meta, h = ctx.metadata, ctx.idx_header
+    """Every pack's invariants, all-zero loss masks, and the statistics recorded in the metadata,
+    a chunk of whole packs at a time (its index entries, tokens, loss mask and starts)."""
+    h, sh = ctx.idx_header, ctx.seq_header
     itemsize = h.dtype.itemsize
     lengths, pointers, offsets = ctx.lengths(), ctx.pointers(), ctx.seq_offsets()
     tokens, loss, starts = ctx.tokens(), ctx.loss(), ctx.seq_starts()
-    token_offsets = pointers // itemsize
     n = h.sequence_count
-    out_rule = np.zeros(MAX_PACK_FINDINGS, np.int64)
-    out_pack = np.zeros(MAX_PACK_FINDINGS, np.int64)
-    out_pos = np.zeros(MAX_PACK_FINDINGS, np.int64)
-    counts = np.zeros(_kernels.N_RULES, np.int64)
-    dtype_max = int(np.iinfo(h.dtype.numpy).max)
-    pad = meta.pad_seq_to_mult if meta is not None else 1
-    layout = meta.pad_layout if meta is not None else PAD_LAYOUT_STORED
-    result = _kernels.scan_packs(lengths, token_offsets, offsets, tokens, loss, starts,
-                                 (meta.pack_size or 0) if meta else 0, dtype_max, vocab_size or 0, pad,
-                                 0, n, MAX_PACK_FINDINGS, out_rule, out_pack, out_pos, counts,
-                                 pad_offset(layout))
-    recorded = int(result[0])
-    if int(counts.sum()) > recorded:  # the total first, so a shortened listing still shows it
-        per_rule = ", ".join(f"{RULE_CODES[Rule(r)]}: {int(c)}" for r, c in enumerate(counts) if c)
-        ctx.add(RULE_CODES[Rule(int(out_rule[0]))], f"{int(counts.sum())} packs break an invariant in total, "
-                f"only the first {recorded} are listed ({per_rule})", severity=ERROR)
-    for k in range(recorded):
-        _rule_finding(ctx, Rule(int(out_rule[k])), int(out_pack[k]), int(out_pos[k]), token_offsets,
-                      offsets, vocab_size, f"{pad}, pad_layout {layout}")
-    _zero_loss(ctx, lengths, token_offsets, loss)
-    if not counts.any() and meta is not None:
-        _compare_stats(ctx, result, n, int(starts.shape[0]), int(tokens.shape[0]),
-                       int((lengths.astype(np.int64) - np.diff(offsets)).min()))
+    agg = ScanAggregate(ctx, vocab_size)
+    for first, last in data_chunks(pointers, lengths, itemsize, n):
+        t0 = int(pointers[first]) // itemsize
+        t1 = int(pointers[last - 1]) // itemsize + int(lengths[last - 1])
+        s0, s1 = int(offsets[first]), int(offsets[last])
+        with resident(ctx, (IDX_SUFFIX, h.lengths_offset + 4 * first, h.lengths_offset + 4 * last),
+                      (IDX_SUFFIX, h.pointers_offset + 8 * first, h.pointers_offset + 8 * last),
+                      (SEQ_IDX_SUFFIX, sh.csr_offset + 8 * first, sh.csr_offset + 8 * (last + 1)),
+                      (BIN_SUFFIX, t0 * itemsize, t1 * itemsize), (LOSS_SUFFIX, t0, t1),
+                      (SEQ_BIN_SUFFIX, s0 * SEQ_DTYPE.itemsize, s1 * SEQ_DTYPE.itemsize)):
+            local = pointers[first:last] // itemsize - t0
+            agg.scan(first, lengths[first:last], local, t0, offsets[first:last + 1], tokens[t0:t1], loss[t0:t1],
+                     starts)
+    agg.report(_TokenOffsets(pointers, itemsize), n, int(starts.shape[0]), int(tokens.shape[0]))
+    ctx.release_all()  # the pages bisecting and the findings touched
 
 
-def _rule_finding(ctx, rule: Rule, i: int, pos: int, token_offsets, offsets, vocab_size, pad) -> None:
+def data_chunks(pointers, lengths, itemsize: int, n: int, chunk_tokens: Optional[int] = None,
+                chunk_packs: Optional[int] = None) -> Iterator[Tuple[int, int]]:
+    """``[first, last)`` pack ranges of at most ``chunk_packs`` packs and about ``chunk_tokens``
+    tokens (at least one pack; defaults ``CHUNK_PACKS``, ``CHUNK_TOKENS``), found by bisecting
+    the (verified, increasing) pointers."""
+    chunk_tokens, chunk_packs = chunk_tokens or CHUNK_TOKENS, chunk_packs or CHUNK_PACKS
+    first = 0
+    while first < n:
+        t0 = int(pointers[first]) // itemsize
+        last = int(np.searchsorted(pointers, (t0 + chunk_tokens) * itemsize, "right")) - 1
+        last = min(max(last, first + 1), first + chunk_packs, n)
+        yield first, last
+        first = last
+
+
+class _TokenOffsets:
+    """``token_offsets[i]`` of any pack, computed on demand from the mapped pointers."""
+
+    def __init__(self, pointers, itemsize: int) -> None:
+        self.pointers, self.itemsize = pointers, itemsize
+
+    def __getitem__(self, i: int) -> int:
+        return int(self.pointers[int(i)]) // self.itemsize
+
+
+class Shifted:
+    """``offsets[i]`` for a global pack ``i``, from a chunk's local array (for finding messages)."""
+
+    def __init__(self, local: np.ndarray, first: int, base: int) -> None:
+        self.local, self.first, self.base = local, first, base
+
+    def __getitem__(self, i: int):
+        return int(self.local[int(i) - self.first]) + self.base
+
+
+class ScanAggregate:
+    """Findings and statistics of a pack scan done in chunks, combined as one whole-shard scan
+    reports them: the total of invariant violations first (when some are not listed), the
+    first ``MAX_PACK_FINDINGS`` violations, the all-zero loss masks, then the statistics.
+    Findings quote the bytes of their chunk, so they are worded while the chunk is at hand."""
+
+    def __init__(self, ctx: ShardContext, vocab_size: Optional[int]) -> None:
+        meta = ctx.metadata
+        self.ctx, self.vocab = ctx, vocab_size
+        self.pack_size = (meta.pack_size or 0) if meta else 0
+        self.pad = meta.pad_seq_to_mult if meta is not None else 1
+        self.layout = meta.pad_layout if meta is not None else PAD_LAYOUT_STORED
+        self.dtype_max = int(np.iinfo(ctx.idx_header.dtype.numpy).max)
+        self.findings: List[tuple] = []
+        self.first_rule = None
+        self.counts = np.zeros(_kernels.N_RULES, np.int64)
+        self.stats = [0, 0, _INT64_MAX, 0, 0, _INT64_MAX, 0]
+        self.min_runtime = _INT64_MAX
+        self.zero: List[int] = []
+        self.zero_count = 0
+
+    def scan(self, first: int, lengths, local_offsets, t0: int, seq_offsets, tokens, loss, starts) -> None:
+        """Packs ``[first, first + len(lengths))``: ``local_offsets`` index ``tokens``/``loss``
+        (the chunk, starting at global token ``t0``); ``seq_offsets`` (global) index ``starts``."""
+        cap = MAX_PACK_FINDINGS
+        out = (np.zeros(cap, np.int64), np.zeros(cap, np.int64), np.zeros(cap, np.int64))
+        result = _kernels.scan_packs(lengths, local_offsets, seq_offsets, tokens, loss, starts, self.pack_size,
+                                     self.dtype_max, self.vocab or 0, self.pad, 0, lengths.shape[0], cap, *out,
+                                     self.counts, pad_offset(self.layout))
+        for k in range(int(result[0])):
+            if len(self.findings) < cap:
+                rule = Rule(int(out[0][k]))
+                self.first_rule = rule if self.first_rule is None else self.first_rule
+                self.findings.append(_rule_finding(
+                    self.ctx, rule, first + int(out[1][k]), int(out[2][k]), Shifted(local_offsets, first, t0),
+                    Shifted(seq_offsets, first, 0), self.vocab, f"{self.pad}, pad_layout {self.layout}",
+                    tokens=Shifted(tokens, t0, 0), loss=Shifted(loss, t0, 0)))
+        s = self.stats
+        s[1], s[2] = max(s[1], int(result[1])), min(s[2], int(result[2]))
+        s[3] += int(result[3])
+        s[4], s[5], s[6] = max(s[4], int(result[4])), min(s[5], int(result[5])), max(s[6], int(result[6]))
+        if lengths.shape[0]:
+            runtime = lengths.astype(np.int64) - np.diff(np.asarray(seq_offsets, dtype=np.int64))
+            self.min_runtime = min(self.min_runtime, int(runtime.min()))
+        zero = np.zeros(cap, np.int64)
+        count = int(_kernels.zero_loss_packs(lengths, local_offsets, loss, cap, zero))
+        self.zero += [first + int(i) for i in zero[:max(0, min(count, cap - len(self.zero)))]]
+        self.zero_count += count
+
+    def report(self, token_offsets, n: int, n_seq: int, n_tok: int) -> None:
+        ctx, cap = self.ctx, MAX_PACK_FINDINGS
+        total = int(self.counts.sum())
+        if total > len(self.findings):  # the total first, so a shortened listing still shows it
+            per_rule = ", ".join(f"{RULE_CODES[Rule(r)]}: {int(c)}" for r, c in enumerate(self.counts) if c)
+            ctx.add(RULE_CODES[self.first_rule], f"{total} packs break an invariant in total, only the first "
+                    f"{len(self.findings)} are listed ({per_rule})", severity=ERROR)
+        for code, text, suffix, pack, offset in self.findings:
+            ctx.add(code, text, suffix, pack=pack, offset=offset)
+        if self.zero_count > cap:
+            ctx.add("ZERO_LOSS_PACK", f"{self.zero_count} of {n} packs have an all-zero loss mask; the first "
+                    f"{cap} are listed", LOSS_SUFFIX)
+        lengths = ctx.lengths()
+        for i in self.zero:
+            ctx.add("ZERO_LOSS_PACK", f"the loss mask is 0 at all {int(lengths[i])} positions", LOSS_SUFFIX,
+                    pack=i, offset=int(token_offsets[i]))
+        if not self.counts.any() and ctx.metadata is not None:
+            self.stats[0] = len(self.findings)
+            _compare_stats(ctx, self.stats, n, n_seq, n_tok, self.min_runtime if n else 0)
+
+
+def _rule_finding(ctx, rule: Rule, i: int, pos: int, token_offsets, offsets, vocab_size, pad, *,
+                  tokens, loss) -> tuple:
+    """``(code, message, suffix, pack, offset)`` of pack ``i`` breaking ``rule`` at ``pos``."""
     itemsize = ctx.idx_header.dtype.itemsize
     t0, s0 = int(token_offsets[i]), int(offsets[i])
     text = rule.describe
@@ -156,29 +314,17 @@ def _rule_finding(ctx, rule: Rule, i: int, pos: int, token_offsets, offsets, voc
         text += f" (packed_len {int(ctx.lengths()[i])}, pack_size {getattr(ctx.metadata, 'pack_size', None)})"
     elif rule in (Rule.LOSS_VALUE, Rule.LOSS_ON_LAST, Rule.LENGTH_MISMATCH):
         suffix, offset = LOSS_SUFFIX, t0 + pos
-        text += f" (position {pos} of the pack holds {int(ctx.loss()[t0 + pos])})"
+        text += f" (position {pos} of the pack holds {int(loss[t0 + pos])})"
     elif rule in (Rule.TOKEN_NEGATIVE, Rule.TOKEN_TOO_LARGE, Rule.TOKEN_OUT_OF_VOCAB):
         suffix, offset = BIN_SUFFIX, (t0 + pos) * itemsize
-        text += f" (position {pos} holds id {int(ctx.tokens()[t0 + pos])}; vocab_size {vocab_size})"
+        text += f" (position {pos} holds id {int(tokens[t0 + pos])}; vocab_size {vocab_size})"
     else:
         suffix, offset = SEQ_BIN_SUFFIX, (s0 + pos) * SEQ_DTYPE.itemsize
         starts = ctx.seq_starts()[s0:int(offsets[i + 1])]
         shown = ", ".join(str(int(v)) for v in starts[:8]) + (", ..." if starts.shape[0] > 8 else "")
         text += f" (seq_start_id [{shown}], packed_len {int(ctx.lengths()[i])}"
         text += f", pad multiple {pad})" if rule == Rule.SEQ_NOT_PAD_MULTIPLE else ")"
-    ctx.add(RULE_CODES[rule], text, suffix, pack=i, offset=offset)
-
-
-def _zero_loss(ctx, lengths, token_offsets, loss) -> None:
-    out = np.zeros(MAX_PACK_FINDINGS, np.int64)
-    count = int(_kernels.zero_loss_packs(lengths, token_offsets, loss, MAX_PACK_FINDINGS, out))
-    if count > MAX_PACK_FINDINGS:
-        ctx.add("ZERO_LOSS_PACK", f"{count} of {lengths.shape[0]} packs have an all-zero loss mask; the "
-                f"first {MAX_PACK_FINDINGS} are listed", LOSS_SUFFIX)
-    for k in range(min(count, MAX_PACK_FINDINGS)):
-        i = int(out[k])
-        ctx.add("ZERO_LOSS_PACK", f"the loss mask is 0 at all {int(lengths[i])} positions", LOSS_SUFFIX,
-                pack=i, offset=int(token_offsets[i]))
+    return RULE_CODES[rule], text, suffix, i, offset
 
 
 def _compare_stats(ctx, result, n_packs: int, n_seq: int, n_tok: int, min_runtime: int) -> None:
@@ -209,8 +355,16 @@ def _compare_stats(ctx, result, n_packs: int, n_seq: int, n_tok: int, min_runtim
 
 def scan_pretrain_tokens(ctx: ShardContext, vocab_size: Optional[int]) -> None:
     h = ctx.idx_header
+    itemsize = h.dtype.itemsize
     dtype_max = int(np.iinfo(h.dtype.numpy).max)
-    rule, pos = _kernels.first_bad_token(ctx.tokens(), dtype_max, vocab_size or 0)
+    tokens = ctx.tokens()
+    rule, pos = int(Rule.OK), -1
+    for a, b in pack_chunks(tokens.shape[0], CHUNK_TOKENS):
+        with resident(ctx, (BIN_SUFFIX, a * itemsize, b * itemsize)):
+            rule, pos = _kernels.first_bad_token(tokens[a:b], dtype_max, vocab_size or 0)
+        if rule != int(Rule.OK):
+            pos += a
+            break
     if rule != int(Rule.OK):
         rule = Rule(int(rule))
         ctx.add(RULE_CODES[rule], f"{rule.describe} (token {int(pos)} holds id {int(ctx.tokens()[pos])}; "

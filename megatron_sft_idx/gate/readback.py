@@ -11,10 +11,15 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ShardError
+from . import content
 from ._context import ShardContext
 
 #: Mismatching packs listed per shard before the rest are only counted.
 MAX_READBACK_FINDINGS = 16
+#: Sampled packs read back between two releases of the resident pages: scattered packs each
+#: fault in whole page-cache folios (up to MiBs each). Level deep reads every pack in order and
+#: releases after each ``content.CHUNK_TOKENS`` tokens.
+_SAMPLED_BETWEEN_RELEASES = 8
 
 
 def sample_indices(n: int, sample: int, deep: bool) -> np.ndarray:
@@ -48,7 +53,14 @@ def read_back(ctx: ShardContext, sample: int, deep: bool) -> None:
     if sft:
         loss, starts, offsets = ctx.loss(), ctx.seq_starts(), ctx.seq_offsets()
     bad = 0
+    budget = content.CHUNK_TOKENS if deep else _SAMPLED_BETWEEN_RELEASES
+    read = 0
     for i in sample_indices(n, sample, deep).tolist():
+        if read >= budget:  # keep the resident pages to a chunk's worth
+            ds.release_pages()
+            ctx.release_all()
+            read = 0
+        read += int(lengths[i]) if deep else 1
         try:
             pack = ds[i]
         except ShardError as exc:
@@ -73,5 +85,8 @@ def read_back(ctx: ShardContext, sample: int, deep: bool) -> None:
                     ctx.add("READBACK_MISMATCH", f"{name} read through the reader differs from the raw "
                             f"arrays (shape {got.shape} vs {want.shape})", pack=i)
                 break
+    if ds.is_mapped:
+        ds.release_pages()
+    ctx.release_all()
     if bad > MAX_READBACK_FINDINGS:
         ctx.add("READBACK_MISMATCH", f"{bad} packs differ in total; the first {MAX_READBACK_FINDINGS} are listed")

@@ -25,17 +25,14 @@ from typing import Dict, Optional
 
 import numpy as np
 
-from .. import _kernels
 from .._crc import crc32
 from ..errors import RemoteStorageError, ShardError, ShardNotFoundError
-from ..format import BIN_SUFFIX, CHECKSUMMED_SUFFIXES, LOSS_SUFFIX, PUBLISH_ORDER, Rule
-from ..packing.padding import pad_offset
+from ..format import BIN_SUFFIX, CHECKSUMMED_SUFFIXES, LOSS_SUFFIX, PUBLISH_ORDER
 from ..storage._stores import store_for
 from ..storage._url import ObjectURL
 from ..storage.config import StorageConfig
 from . import content, structure
 from ._context import ShardContext, UnreadableFile
-from .codes import ERROR, RULE_CODES
 from .readback import sample_indices
 from .report import ShardReport
 
@@ -54,7 +51,6 @@ class RemoteShardContext(ShardContext):
         self.store = store_for(self.url, config)
         self.infos = {}
         self._bytes: Dict[str, bytes] = {}
-        self._window = None  # (first token, tokens, loss) of the chunk being scanned
 
     def locate(self, allow_pretrain: bool) -> bool:
         self.infos = self.store.stat_files(self.url, PUBLISH_ORDER)
@@ -81,26 +77,9 @@ class RemoteShardContext(ShardContext):
     def map(self, suffix: str) -> np.ndarray:
         return np.frombuffer(self._whole(suffix), dtype=np.uint8)
 
-    # Findings about a pack quote its values: served from the chunk being scanned.
-    def tokens(self):
-        return _Window(self._window[0], self._window[1])
-
-    def loss(self):
-        return _Window(self._window[0], self._window[2])
-
     def identity(self, suffix: str) -> tuple:
         info = self.infos[suffix]
         return (info.size, info.etag)
-
-
-class _Window:
-    """Global element indices into the chunk being scanned."""
-
-    def __init__(self, base: int, values: np.ndarray) -> None:
-        self.base, self.values = base, values
-
-    def __getitem__(self, i: int):
-        return self.values[int(i) - self.base]
 
 
 def check_remote_shard(prefix: str, options, config: Optional[StorageConfig] = None) -> ShardReport:
@@ -195,13 +174,10 @@ def _stream_scan(ctx: RemoteShardContext, vocab: Optional[int], options) -> None
     lengths, pointers, offsets, starts = ctx.lengths(), ctx.pointers(), ctx.seq_offsets(), ctx.seq_starts()
     token_offsets = pointers // itemsize
     n = h.sequence_count
-    agg = _Aggregate()
+    agg = content.ScanAggregate(ctx, vocab)
     crcs = {BIN_SUFFIX: 0, LOSS_SUFFIX: 0}
-    first = 0
-    while first < n:
+    for first, last in content.data_chunks(pointers, lengths, itemsize, n, CHUNK_TOKENS):
         t0 = int(token_offsets[first])
-        last = max(first + 1, int(np.searchsorted(token_offsets, t0 + CHUNK_TOKENS, "right")) - 1)
-        last = min(last, n)
         t1 = int(token_offsets[last - 1]) + int(lengths[last - 1])
         raw = {s: ctx.store.read_range(ctx.url.with_suffix(s), t0 * (itemsize if s == BIN_SUFFIX else 1),
                                        (t1 - t0) * (itemsize if s == BIN_SUFFIX else 1), ctx.infos[s].etag)
@@ -210,79 +186,12 @@ def _stream_scan(ctx: RemoteShardContext, vocab: Optional[int], options) -> None
             crcs[suffix] = crc32(data, crcs[suffix])
         tokens = np.frombuffer(raw[BIN_SUFFIX], dtype=h.dtype.numpy)
         loss = np.frombuffer(raw[LOSS_SUFFIX], dtype=np.uint8)
-        ctx._window = (t0, tokens, loss)
-        agg.scan(ctx, lengths[first:last], token_offsets[first:last] - t0, offsets[first:last + 1], tokens, loss,
-                 starts, first, vocab, meta)
-        first = last
-    agg.report(ctx, token_offsets, offsets, vocab, meta, n, int(starts.shape[0]), int(token_offsets[-1] + lengths[-1]) if n else 0)
+        agg.scan(first, lengths[first:last], token_offsets[first:last] - t0, t0, offsets[first:last + 1], tokens,
+                 loss, starts)
+    agg.report(token_offsets, n, int(starts.shape[0]), int(token_offsets[-1] + lengths[-1]) if n else 0)
     if options.level != "fast":
         for suffix in (BIN_SUFFIX, LOSS_SUFFIX):
             _compare_crc(ctx, suffix, crcs[suffix], meta.files[suffix].crc32)
-
-
-class _Aggregate:
-    """Findings and statistics of the chunked scan, combined as one whole-shard scan would give."""
-
-    def __init__(self) -> None:
-        cap = content.MAX_PACK_FINDINGS
-        self.rule, self.pack, self.pos = (np.zeros(cap, np.int64) for _ in range(3))
-        self.recorded = 0
-        self.counts = np.zeros(_kernels.N_RULES, np.int64)
-        self.stats = [0, 0, np.iinfo(np.int64).max, 0, 0, np.iinfo(np.int64).max, 0]
-        self.zero = []
-        self.zero_count = 0
-
-    def scan(self, ctx, lengths, local_offsets, seq_offsets, tokens, loss, starts, first, vocab, meta) -> None:
-        cap = content.MAX_PACK_FINDINGS
-        out = (np.zeros(cap, np.int64), np.zeros(cap, np.int64), np.zeros(cap, np.int64))
-        result = _kernels.scan_packs(lengths, local_offsets, seq_offsets, tokens, loss, starts,
-                                     meta.pack_size or 0, int(np.iinfo(tokens.dtype).max), vocab or 0,
-                                     meta.pad_seq_to_mult, 0, lengths.shape[0], cap, *out, self.counts,
-                                     pad_offset(meta.pad_layout))
-        pad = f"{meta.pad_seq_to_mult}, pad_layout {meta.pad_layout}"  # as content.scan words it
-        for k in range(int(result[0])):
-            if self.recorded < cap:
-                rule, pos = int(out[0][k]), int(out[2][k])
-                content._rule_finding(ctx, Rule(rule), first + int(out[1][k]), pos, _Shifted(local_offsets, first,
-                                      ctx._window[0]), _Shifted(seq_offsets, first, 0), vocab, pad)
-                self.rule[self.recorded] = rule
-                self.recorded += 1
-        s = self.stats
-        s[1], s[2] = max(s[1], int(result[1])), min(s[2], int(result[2]))
-        s[3] += int(result[3])
-        s[4], s[5], s[6] = max(s[4], int(result[4])), min(s[5], int(result[5])), max(s[6], int(result[6]))
-        zero = np.zeros(cap, np.int64)
-        count = int(_kernels.zero_loss_packs(lengths, local_offsets, loss, cap, zero))
-        self.zero += [first + int(i) for i in zero[:min(count, cap)]]
-        self.zero_count += count
-
-    def report(self, ctx, token_offsets, offsets, vocab, meta, n, n_seq, n_tok) -> None:
-        if int(self.counts.sum()) > self.recorded:
-            per_rule = ", ".join(f"{RULE_CODES[Rule(r)]}: {int(c)}" for r, c in enumerate(self.counts) if c)
-            ctx.add(RULE_CODES[Rule(int(self.rule[0]))], f"{int(self.counts.sum())} packs break an invariant in "
-                    f"total, only the first {self.recorded} are listed ({per_rule})", severity=ERROR)
-        cap = content.MAX_PACK_FINDINGS
-        if self.zero_count > cap:
-            ctx.add("ZERO_LOSS_PACK", f"{self.zero_count} of {n} packs have an all-zero loss mask; the first "
-                    f"{cap} are listed", LOSS_SUFFIX)
-        lengths = ctx.lengths()
-        for i in self.zero[:cap]:
-            ctx.add("ZERO_LOSS_PACK", f"the loss mask is 0 at all {int(lengths[i])} positions", LOSS_SUFFIX,
-                    pack=i, offset=int(token_offsets[i]))
-        if not self.counts.any() and meta is not None:
-            self.stats[0] = self.recorded
-            min_runtime = int((lengths.astype(np.int64) - np.diff(offsets)).min()) if n else 0
-            content._compare_stats(ctx, self.stats, n, n_seq, n_tok, min_runtime)
-
-
-class _Shifted:
-    """``offsets[i]`` for a global pack ``i``, from a chunk's local array (for finding messages)."""
-
-    def __init__(self, local: np.ndarray, first: int, base: int) -> None:
-        self.local, self.first, self.base = local, first, base
-
-    def __getitem__(self, i: int):
-        return int(self.local[int(i) - self.first]) + self.base
 
 
 def _read_back(ctx: RemoteShardContext, options) -> None:

@@ -236,6 +236,10 @@ def _read_metadata(ctx: ShardContext, header: SeqIdxHeader, size: int) -> None:
                 offset=METADATA_OFFSET)
 
 
+#: Bytes of the ``.seq.idx`` body checksummed (and resident) at a time.
+_BODY_CHUNK = 16 << 20
+
+
 def _check_body(ctx: ShardContext, header: SeqIdxHeader, size: int) -> None:
     end = min(size, header.csr_offset)
     pad = ctx.map(SEQ_IDX_SUFFIX)[METADATA_OFFSET + header.metadata_length:end]
@@ -243,8 +247,13 @@ def _check_body(ctx: ShardContext, header: SeqIdxHeader, size: int) -> None:
         first = METADATA_OFFSET + header.metadata_length + int(pad.nonzero()[0][0])
         ctx.add("SEQ_IDX_BAD_PADDING", "non-zero byte between the metadata and the CSR offsets",
                 SEQ_IDX_SUFFIX, offset=first)
-    body = ctx.map(SEQ_IDX_SUFFIX)[SEQ_IDX_HEADER_SIZE:]
-    crc = zlib.crc32(body)
+    data = ctx.map(SEQ_IDX_SUFFIX)
+    crc = 0
+    for start in range(SEQ_IDX_HEADER_SIZE, size, _BODY_CHUNK):  # a chunk resident at a time
+        stop = min(size, start + _BODY_CHUNK)
+        ctx.populate(SEQ_IDX_SUFFIX, start, stop)
+        crc = zlib.crc32(data[start:stop], crc)
+        ctx.release(SEQ_IDX_SUFFIX, start, stop)
     if crc != header.body_crc32:
         ctx.add("SEQ_IDX_BODY_CRC", f"body CRC-32 is {crc:#010x}, the header records {header.body_crc32:#010x}",
                 SEQ_IDX_SUFFIX, offset=SEQ_IDX_OFFSETS["body_crc32"])

@@ -11,11 +11,12 @@ what to do, never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
-import signal
 import sys
-from typing import Callable, List, Optional, Union
+from typing import Callable, Iterator, List, Optional, Union
 
+from .._signals import INTERRUPTS, exit_code, signal_name, signals_raise
 from ..errors import ShardError, ShardExistsError, ShardNotFoundError
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
@@ -37,18 +38,12 @@ def usage_error(parser: argparse.ArgumentParser, message: str) -> int:
 
 
 def run(prog: str, body: Callable[[], int]) -> int:
-    """Run ``body`` with the project's error policy; SIGTERM unwinds like Ctrl-C, so a tool's
-    cleanup (removing its staging files) runs and nothing is published."""
-
-    def terminate(signum, frame):
-        raise KeyboardInterrupt
-
+    """Run ``body`` with the project's error policy. SIGINT and SIGTERM raise inside it
+    (:mod:`megatron_sft_idx._signals`), so a tool's cleanup (removing its staging files) runs;
+    the tool then exits 130 / 143 saying whether its output was published."""
     try:
-        previous = signal.signal(signal.SIGTERM, terminate)
-    except ValueError:  # not the main thread: leave signals alone
-        previous = None
-    try:
-        return body()
+        with signals_raise():
+            return body()
     except _USAGE_ERRORS as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -61,12 +56,22 @@ def run(prog: str, body: Callable[[], int]) -> int:
         where = f"{exc.filename}: " if getattr(exc, "filename", None) else ""
         print(f"{prog}: error: {where}{exc.strerror or exc}", file=sys.stderr)
         return EXIT_FAIL
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted; nothing was published", file=sys.stderr)
-        return 130
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+    except INTERRUPTS as exc:
+        published = getattr(exc, "published", None)
+        outcome = f"{published} had been published completely" if published else "nothing was published"
+        print(f"{prog}: interrupted by {signal_name(exc)}; {outcome}", file=sys.stderr)
+        return exit_code(exc)
+
+
+@contextlib.contextmanager
+def published(output: str) -> Iterator[None]:
+    """Mark a SIGINT/SIGTERM raised inside the block as arriving after ``output`` was published
+    (so the tool does not claim that nothing was)."""
+    try:
+        yield
+    except INTERRUPTS as exc:
+        exc.published = output
+        raise
 
 
 def emit(text: str) -> None:

@@ -14,15 +14,20 @@ kind             what INPUT is                                        to
 ``shard``        our shards: prefix, glob, directory or manifest      parquet
 ===============  ===================================================  ===========
 
-OUTPUT is a shard prefix, or a ``.parquet``/``.pq`` file (``to="parquet"``). Example::
+OUTPUT is a shard prefix, or a ``.parquet``/``.pq`` file (``to="parquet"``), local or an
+``s3://`` / ``msc://`` URL: a remote output is written into a local temporary directory,
+gated (a shard), then uploaded ``.idx`` last (:mod:`._outputs`). INPUT is local. Example::
 
     convert("/data/train.npy", "/data/shards/train")               # legacy -> shard
     convert("/data/shards/train", "/data/train.parquet")           # shard -> Bridge Parquet
     convert("/data/pretrain_text_document", "/data/sft/pt", pack_size=4096)
+    convert("/data/train.npy", "s3://bucket/sft/train")            # staged, gated, uploaded
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import glob as _glob
 import os
 import time
@@ -35,6 +40,7 @@ from ..builder import IndexedDatasetBuilder
 from ..errors import FormatError, ShardExistsError, ShardNotFoundError
 from ..format import IDX_SUFFIX, SFT_SUFFIXES
 from ..metadata import RESERVED_KEYS, ShardMetadata
+from . import _outputs
 from . import convert_to_shard as to_shard
 from .convert_to_parquet import METADATA_KEY, ROW_GROUP_SIZE, shards_to_parquet
 
@@ -57,6 +63,7 @@ class ConvertOptions:
     row_group_size: int = ROW_GROUP_SIZE
     pack_metadata: Optional[str] = None
     overwrite: bool = False
+    staging_dir: Optional[str] = None    # where a remote output is staged (default: system temp)
 
 
 @dataclass
@@ -77,7 +84,9 @@ def detect_source(path: str) -> str:
     Raises:
         ShardNotFoundError: nothing at ``path``.
         FormatError: something is there, in no format this tool reads.
+        ShardError: ``path`` is an ``s3://`` / ``msc://`` URL (inputs are local).
     """
+    _outputs.refuse_remote_input(path, "convert-packed")
     if os.path.exists(path + IDX_SUFFIX):
         return "shard" if any(os.path.exists(path + s) for s in SFT_SUFFIXES) else "pretrain"
     if path.endswith(".npy") and os.path.isfile(path):
@@ -114,8 +123,11 @@ def convert(source: str, output: str, *, source_format: Optional[str] = None, to
     """
     options = options or ConvertOptions()
     source, output = os.fspath(source), os.fspath(output)
+    _outputs.refuse_remote_input(source, "convert-packed")
     kind = source_format or detect_source(source)
     target = to or detect_target(output)
+    if _outputs.is_remote(output) or (options.pack_metadata and _outputs.is_remote(options.pack_metadata)):
+        return _convert_remotely(source, output, kind, target, options)
     started = time.perf_counter()
     if target == "parquet":
         if kind != "shard":
@@ -134,6 +146,33 @@ def convert(source: str, output: str, *, source_format: Optional[str] = None, to
         raise ShardExistsError("a shard already exists at the output prefix", path=output)
     writer = {"npy": _from_flat, "parquet": _from_flat, "option-a": _from_option_a, "pretrain": _from_pretrain}
     result = writer[kind](kind, source, output, options)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _convert_remotely(source: str, output: str, kind: str, target: str, options: ConvertOptions) -> ConvertResult:
+    """Convert into local staging, gate a shard, then upload the output (and the pack metadata)
+    wherever they are URLs."""
+    started = time.perf_counter()
+    remote_out = _outputs.is_remote(output)
+    meta = options.pack_metadata
+    remote_meta = bool(meta) and _outputs.is_remote(meta)
+    if remote_out and not options.overwrite:
+        _outputs.refuse_existing(output, shard=target == "shard")
+    with contextlib.ExitStack() as stack:
+        local = stack.enter_context(_outputs.remote_staging(output, options.staging_dir)) if remote_out else output
+        local_meta = stack.enter_context(_outputs.remote_staging(meta, options.staging_dir)) if remote_meta else meta
+        result = convert(source, local, source_format=kind, to=target,
+                         options=dataclasses.replace(options, pack_metadata=local_meta,
+                                                     overwrite=options.overwrite and not remote_out))
+        if remote_out and target == "shard":
+            _outputs.gate_or_refuse(local, output, "standard")
+            _outputs.publish_shard_remotely(local, output)
+        elif remote_out:
+            _outputs.upload_file(local, output)
+        if remote_meta:
+            _outputs.upload_file(local_meta, meta)
+    result.output = output
     result.seconds = time.perf_counter() - started
     return result
 

@@ -28,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "Formats are inferred from the paths. Exit 0 = converted, 1 = refused, 2 = usage error.")
     p.add_argument("input", metavar="INPUT", help="a .npy, a .parquet (file, directory or glob), an Option A "
                    "directory, a pretrain .bin/.idx prefix, or shards (prefix, glob, directory, manifest)")
-    p.add_argument("output", metavar="OUTPUT", help="a shard prefix, or a .parquet file")
+    p.add_argument("output", metavar="OUTPUT", help="a shard prefix, or a .parquet file; local or s3://bucket/... / "
+                   "msc://profile/... (staged locally, gated, uploaded .idx last)")
     p.add_argument("--from", dest="source_format", choices=SOURCE_FORMATS, default=None,
                    help="the input format (default: inferred from the path)")
     p.add_argument("--to", choices=TARGETS, default=None, help="the output format (default: parquet for a "
@@ -54,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     pq.add_argument("--pack-metadata", metavar="PATH", default=None,
                     help="also write Bridge's packing-metadata JSON (for pad_cu_seqlens) to PATH")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    p.add_argument("--staging-dir", default=None, metavar="DIR",
+                   help="where an s3:// or msc:// OUTPUT is written before its upload (default: the system's "
+                        "temporary directory; needs room for the whole output)")
     p.add_argument("--check", action="store_true", help="run the promotion gate on the shard written")
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -88,16 +92,22 @@ def main(argv: Optional[List[str]] = None) -> int:
                                  pad_seq_to_mult=args.pad_seq_to_mult, pad_layout=args.pad_layout,
                                  eos_id=args.eos_id, algorithm=args.packing_algorithm,
                                  seed=args.seed, overlong=args.overlong, row_group_size=args.row_group_size,
-                                 pack_metadata=args.pack_metadata, overwrite=args.overwrite)
+                                 pack_metadata=args.pack_metadata, overwrite=args.overwrite,
+                                 staging_dir=args.staging_dir)
         result = convert(args.input, args.output, source_format=kind, to=args.to, options=options)
-        gate = _check(result) if args.check else None
-        if args.json:
-            _cli.emit(json.dumps(_to_dict(result, gate), indent=2, sort_keys=True))
-        elif not args.quiet:
-            _cli.emit(format_result(result, args.input, gate))
-        return _cli.EXIT_OK if gate is None or gate.passed else _cli.EXIT_FAIL
+        with _cli.published(result.output):
+            return _report(args, result)
 
     return _cli.run("convert_packed", body)
+
+
+def _report(args, result: ConvertResult) -> int:
+    gate = _check(result) if args.check else None
+    if args.json:
+        _cli.emit(json.dumps(_to_dict(result, gate), indent=2, sort_keys=True))
+    elif not args.quiet:
+        _cli.emit(format_result(result, args.input, gate))
+    return _cli.EXIT_OK if gate is None or gate.passed else _cli.EXIT_FAIL
 
 
 def _check(result: ConvertResult):

@@ -116,17 +116,24 @@ def shards_to_parquet(prefixes: Sequence[str], output: str, *, row_group_size: i
 def write_bridge_pack_metadata(path: str, shards: List[MMapIndexedDataset]) -> dict:
     """Bridge's packing-metadata record (``create_packing_strategy``'s dict, in a one-item list)
     from the shards' statistics; ``pad_cu_seqlens`` reads ``max_samples_per_bin``,
-    ``dataset_max_seqlen`` and ``min_packed_seqlen`` from it."""
+    ``dataset_max_seqlen`` and ``min_packed_seqlen`` from it.
+
+    Bridge's packer bins each sequence on its length minus one (the label shift), so its
+    record is in those runtime units: the longest sequence minus one, the shortest pack's
+    length minus its sequence count, and the efficiency of the runtime lengths.
+    """
+    from ..training._sources import runtime_min_packed
+
     stats = [s.metadata.stats for s in shards]
     packs = sum(s.pack_count for s in stats)
-    tokens = sum(s.token_count for s in stats)
+    runtime_tokens = sum(s.token_count - s.sequence_count for s in stats)
     sizes = [s.metadata.pack_size for s in shards]
     pack_size = max(sizes) if all(sizes) else max(s.max_packed_seqlen for s in stats)
-    record = {"dataset_max_seqlen": max(s.dataset_max_seqlen for s in stats),
+    record = {"dataset_max_seqlen": max(s.dataset_max_seqlen for s in stats) - 1,
               "max_samples_per_bin": max(s.max_samples_per_bin for s in stats),
               "packing_factor": round(sum(s.sequence_count for s in stats) / packs, 2),
-              "packing_efficiency": round(tokens / packs / pack_size * 100, 2),
-              "pack_size": pack_size, "min_packed_seqlen": min(s.min_packed_seqlen for s in stats)}
+              "packing_efficiency": round(runtime_tokens / packs / pack_size * 100, 2),
+              "pack_size": pack_size, "min_packed_seqlen": min(runtime_min_packed(s) for s in shards)}
     data = json.dumps([record], indent=1).encode("utf-8")
     write_file_atomically(os.fspath(path), lambda f: f.write(data))
     return record

@@ -23,30 +23,35 @@ Nothing is trusted blindly: the output is checked by the promotion gate
 (:func:`megatron_sft_idx.gate.check`: every CRC, every pack, every statistic,
 recomputed from the bytes) in a hidden staging directory next to the output, and
 published with the builder's commit (:func:`_atomic.publish`, ``.idx`` last) only if it
-passes. Any failure or interruption leaves nothing under the output's name; the
-staging directory of a killed run is removed by the next run.
+passes. Any failure or interruption leaves nothing under the output's name (a SIGINT or
+SIGTERM after the commit point leaves the complete output, and says so); the staging
+directory of a killed run is removed by the next run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Iterator, List, Optional, Sequence
 
 import numpy as np
 
 from .. import _atomic, _kernels
+from .._signals import INTERRUPTS, raise_if_signalled
 from .._crc import crc32, crc32_combine
-from ..errors import ChecksumError, InvariantError, ShardError, ShardExistsError, SizeMismatchError
+from ..errors import InvariantError, ShardError, ShardExistsError, SizeMismatchError
 from ..format import (BIN_SUFFIX, IDX_SUFFIX, LENGTH_DTYPE, LOSS_SUFFIX, METADATA_OFFSET, POINTER_DTYPE,
                       PUBLISH_ORDER, SEQ_BIN_SUFFIX, SEQ_IDX_SUFFIX, DType, IdxHeader, SeqIdxHeader, ShardPaths)
 from ..metadata import PackingStats, ShardMetadata
 from ..reader import MMapIndexedDataset
 from ..version import __version__
+from ..storage._url import ObjectURL, is_remote
+from . import _outputs
 from ._copy import copy_range
 from .merge_plan import MergePlan, plan_merge
 
@@ -71,8 +76,13 @@ class MergeResult:
 
 def merge_shards(output, inputs: Sequence[str], *, widen: bool = False, pack_size: Optional[int] = None,
                  overwrite: bool = False, check_level: str = "standard",
-                 progress: Optional[Callable[[int, int], None]] = None) -> MergeResult:
+                 progress: Optional[Callable[[int, int], None]] = None,
+                 staging_dir: Optional[str] = None) -> MergeResult:
     """Write the concatenation of ``inputs`` (prefixes, globs, directories, manifests) to ``output``.
+
+    ``output`` and ``inputs`` may be ``s3://`` / ``msc://`` URLs: a remote output is merged into
+    a local temporary directory, gated, then uploaded ``.idx`` last (:mod:`._outputs`); a
+    remote input is downloaded into the staging directory for its turn, then removed.
 
     Args:
         widen: allow uint16 and int32 inputs together (the output is int32).
@@ -80,6 +90,7 @@ def merge_shards(output, inputs: Sequence[str], *, widen: bool = False, pack_siz
         overwrite: replace an existing shard at ``output``.
         check_level: the gate level run on the output before it is published.
         progress: called as ``progress(inputs_done, inputs_total)``.
+        staging_dir: where a remote output is staged (default: the system's temporary directory).
 
     Raises:
         ShardExistsError: ``output`` exists and ``overwrite`` is false.
@@ -90,6 +101,14 @@ def merge_shards(output, inputs: Sequence[str], *, widen: bool = False, pack_siz
     """
     started = time.perf_counter()
     output = os.fspath(output)
+    if is_remote(output):
+        if not overwrite:
+            _outputs.refuse_existing(output)
+        with _outputs.remote_staging(output, staging_dir) as local:
+            result = merge_shards(local, inputs, widen=widen, pack_size=pack_size, check_level=check_level,
+                                  progress=progress)  # gated before it is published in the staging directory
+            _outputs.publish_shard_remotely(local, output)
+        return dataclasses.replace(result, prefix=output, seconds=time.perf_counter() - started)
     paths = ShardPaths.from_prefix(output)
     if not overwrite and os.path.exists(paths.idx):
         raise ShardExistsError("a shard already exists at the output prefix", path=output)
@@ -101,48 +120,84 @@ def merge_shards(output, inputs: Sequence[str], *, widen: bool = False, pack_siz
     _atomic.clear_stale_temporaries([hidden])
     staging = _atomic.temporary_path(hidden)
     os.mkdir(staging)
+    committed = None  # inode of the staged .idx once publication starts: the commit point's witness
     try:
-        staged = os.path.join(staging, os.path.basename(output))
-        writer = _MergeWriter(staged, plan)
         try:
-            for k, prefix in enumerate(plan.prefixes):
-                writer.add(prefix, int(plan.packs[k]))
-                if progress is not None:
-                    progress(k + 1, len(plan.prefixes))
-            metadata = writer.finish()
+            staged = os.path.join(staging, os.path.basename(output))
+            writer = _MergeWriter(staged, plan)
+            try:
+                for k, prefix in enumerate(plan.prefixes):
+                    raise_if_signalled()
+                    with _local_copy(prefix, os.path.join(staging, "input")) as local:
+                        writer.add(local, int(plan.packs[k]))
+                    if progress is not None:
+                        progress(k + 1, len(plan.prefixes))
+                metadata = writer.finish()
+            finally:
+                writer.close()
+            raise_if_signalled()
+            gate_started = time.perf_counter()
+            _gate(staged, output, check_level)
+            gate_seconds = time.perf_counter() - gate_started
+            raise_if_signalled()  # the last point where a signal dropped inside numba stops the merge
+            committed = os.stat(staged + IDX_SUFFIX).st_ino
+            _atomic.publish([(staged + s, output + s) for s in PUBLISH_ORDER], unpublish_first=paths.idx)
         finally:
-            writer.close()
-        gate_started = time.perf_counter()
-        _gate(staged, output, check_level)
-        gate_seconds = time.perf_counter() - gate_started
-        _atomic.publish([(staged + s, output + s) for s in PUBLISH_ORDER], unpublish_first=paths.idx)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+            shutil.rmtree(staging, ignore_errors=True)
+    except INTERRUPTS as exc:
+        if committed is not None and _holds_inode(paths.idx, committed):
+            exc.published = output  # interrupted after the commit point: the output is complete
+        raise
+    except OSError as exc:  # a full disk, a read-only destination: name the output, not a descriptor
+        if isinstance(exc, ShardError) or exc.filename is not None:
+            raise
+        raise OSError(exc.errno, f"{exc.strerror} (writing the merged shard; nothing was published)",
+                      output) from None
     return MergeResult(output, metadata, len(plan.prefixes), time.perf_counter() - started, gate_seconds,
                        writer.copy_methods, plan.notes)
+
+
+def _holds_inode(path: str, inode: int) -> bool:
+    try:
+        return os.stat(path).st_ino == inode
+    except OSError:
+        return False
 
 
 def _refuse_output_among_inputs(output: str, prefixes: Sequence[str]) -> None:
     target = os.path.realpath(output)
     for prefix in prefixes:
-        if os.path.realpath(prefix) == target:
+        if not is_remote(prefix) and os.path.realpath(prefix) == target:
             raise ShardError("the output prefix is also an input", path=output, field="output",
                              hint="write the merged shard to a new prefix")
 
 
 def _gate(staged: str, output: str, level: str) -> None:
     """Check the staged output; refuse it (nothing published) unless it passes."""
-    from ..gate import check
+    _outputs.gate_or_refuse(staged, output, level)
 
-    report = check(staged, level=level)
-    if report.passed:
+
+@contextlib.contextmanager
+def _local_copy(prefix: str, directory: str) -> Iterator[str]:
+    """``prefix`` itself when local; a remote shard's five files downloaded into ``directory``
+    (removed after the block). Its bytes are checked by the gate's CRCs of the merged output."""
+    if not is_remote(prefix):
+        yield prefix
         return
-    errors = [f for f in report.findings() if f.severity == "error"]
-    shown = "; ".join(f"{f.code} {os.path.basename(f.file)}: {f.message}" for f in errors[:3])
-    err = ChecksumError if errors and errors[0].code.startswith("CHECKSUM") else InvariantError
-    raise err(f"the merged shard failed the gate, so nothing was published: {shown}", path=output,
-              field=errors[0].code if errors else None,
-              hint="an input is probably corrupt: run check-idx on the inputs and rebuild the bad one")
+    from ..storage._stores import store_for
+    from ..storage.config import StorageConfig
+    from ..storage.remote import stat_shard
+
+    url = ObjectURL.parse(prefix)
+    store = store_for(url, StorageConfig.resolve(None))
+    os.makedirs(directory, exist_ok=True)
+    local = os.path.join(directory, url.name)
+    try:
+        for suffix, info in stat_shard(store, url).items():
+            store.download(url.with_suffix(suffix), local + suffix, info)
+        yield local
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 class _MergeWriter:

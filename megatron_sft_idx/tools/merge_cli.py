@@ -1,7 +1,9 @@
 """``merge-shards OUT IN...`` (also ``tools/merge_shards.py``): many shards -> one.
 
 Exit status: 0 merged and published; 1 refused (incompatible or corrupt inputs, an output
-that failed the gate: nothing published); 2 usage error, a missing input or an existing output.
+that failed the gate: nothing published); 2 usage error, a missing input or an existing output;
+130 / 143 interrupted by SIGINT / SIGTERM (nothing published, unless the signal came after
+the commit point: then the output is complete and the message says so).
 """
 
 from __future__ import annotations
@@ -26,14 +28,19 @@ def build_parser() -> argparse.ArgumentParser:
                     "Streaming (memory flat in packs and inputs), data copied in the kernel, checked by "
                     "the promotion gate before it is published atomically. Exit 0 = merged, "
                     "1 = refused or failed (nothing published), 2 = usage error or missing input.")
-    p.add_argument("output", metavar="OUT", help="output shard prefix (path without .idx)")
+    p.add_argument("output", metavar="OUT", help="output shard prefix (path without .idx), or s3://bucket/... / "
+                   "msc://profile/... (merged and gated locally, then uploaded .idx last)")
     p.add_argument("inputs", nargs="+", metavar="IN",
-                   help="input shard prefix, glob, directory of shards or manifest .json (in this order)")
+                   help="input shard prefix, glob, directory of shards or manifest .json (in this order); "
+                        "s3:// and msc:// inputs are downloaded one at a time into the staging directory")
     p.add_argument("--widen", action="store_true",
                    help="allow uint16 and int32 inputs together: the output stores int32 tokens")
     p.add_argument("--pack-size", type=int, default=None, metavar="N",
                    help="pack size recorded in the output (default: the inputs' largest)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing shard at OUT")
+    p.add_argument("--staging-dir", default=None, metavar="DIR",
+                   help="where an s3:// or msc:// OUT is merged before its upload (default: the system's "
+                        "temporary directory; needs room for the whole output)")
     level = p.add_mutually_exclusive_group()
     level.add_argument("--fast", dest="level", action="store_const", const="fast",
                        help="gate the output without its CRC pass")
@@ -61,11 +68,13 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     def body() -> int:
         result = merge_shards(args.output, args.inputs, widen=args.widen, pack_size=args.pack_size,
-                              overwrite=args.overwrite, check_level=args.level, progress=_progress)
-        if args.json:
-            _cli.emit(json.dumps(_to_dict(result), indent=2, sort_keys=True))
-        elif not args.quiet:
-            _cli.emit(format_result(result))
+                              overwrite=args.overwrite, check_level=args.level, progress=_progress,
+                              staging_dir=args.staging_dir)
+        with _cli.published(result.prefix):
+            if args.json:
+                _cli.emit(json.dumps(_to_dict(result), indent=2, sort_keys=True))
+            elif not args.quiet:
+                _cli.emit(format_result(result))
         return _cli.EXIT_OK
 
     return _cli.run("merge_shards", body)

@@ -40,6 +40,7 @@ import numpy as np
 from ..errors import IncompatibleShardsError, InvariantError, ShardError
 from ..format import DType
 from ..reader import MMapIndexedDataset
+from ..storage._url import is_remote
 from ..training.multi import expand_shards, is_manifest, read_manifest
 
 #: Keys the merge recomputes or combines by its own rule; every other key must be equal.
@@ -74,7 +75,8 @@ class MergePlan:
 
 
 def resolve_inputs(inputs: Sequence[str]) -> List[str]:
-    """Shard prefixes named by prefixes, globs, directories and manifests, in the order given.
+    """Shard prefixes named by prefixes, globs, directories and manifests, in the order given
+    (local paths, or ``s3://`` / ``msc://`` URLs: a prefix, a "directory", a glob or a manifest).
 
     Raises:
         ShardNotFoundError: an input names no shard.
@@ -83,10 +85,15 @@ def resolve_inputs(inputs: Sequence[str]) -> List[str]:
     out: List[str] = []
     for part in inputs:
         part = os.fspath(part)
-        out.extend(read_manifest(part)[0] if is_manifest(part) else expand_shards(part))
+        if is_remote(part):
+            from ..storage.discover import expand_remote, read_remote_manifest
+
+            out.extend(read_remote_manifest(part)[0] if part.endswith(".json") else expand_remote(part))
+        else:
+            out.extend(read_manifest(part)[0] if is_manifest(part) else expand_shards(part))
     seen: Dict[str, str] = {}
     for prefix in out:
-        key = os.path.realpath(prefix)
+        key = prefix if is_remote(prefix) else os.path.realpath(prefix)
         if key in seen:
             raise ShardError("the same shard is named twice", path=prefix, field="inputs",
                              expected="each shard once", actual=f"also named as {seen[key]}",

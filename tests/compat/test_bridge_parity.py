@@ -113,6 +113,24 @@ def test_packing_statistics_equal_bridges_metadata_file(artifacts, tokenizer):
             assert bridge_stats(src) == want, (art, src)
 
 
+def test_pack_metadata_written_with_parquet_is_in_bridges_units(artifacts, tmp_path):
+    """``convert-packed --to parquet --pack-metadata`` writes the record Bridge's packer wrote for
+    the same packs (runtime units: Bridge bins on length - 1), so Bridge's pad_cu_seqlens batches
+    over the converted file are the ones it gives over its own."""
+    import json
+
+    from megatron_sft_idx.training.bridge import bridge_metadata_stats
+
+    arts, shards = artifacts
+    for art in arts:
+        meta = tmp_path / f"{art.kind}_{art.pad_seq_to_mult}.meta.json"
+        convert(shards[(art.kind, art.pad_seq_to_mult)], str(tmp_path / f"{art.kind}_{art.pad_seq_to_mult}.parquet"),
+                options=ConvertOptions(pack_metadata=str(meta)))
+        assert bridge_metadata_stats(str(meta)) == bridge_metadata_stats(art.metadata), art
+        ours, theirs = json.loads(meta.read_text())[0], json.loads(open(art.metadata).read())[0]
+        assert ours["packing_factor"] == theirs["packing_factor"], (ours, theirs)
+
+
 def test_samples_mapping_and_padding_samples_match(artifacts, tokenizer):
     arts, shards = artifacts
     art = next(a for a in arts if (a.kind, a.pad_seq_to_mult) == ("chat", 4))
