@@ -19,7 +19,7 @@ from importlib import import_module
 from typing import List, NamedTuple, Optional, Tuple
 
 from ._extras import MissingExtraError, require_extra
-from ._signals import INTERRUPTS, exit_code, signal_name, signals_raise
+from ._signals import INTERRUPTS, exit_code, process_entry, signal_name, signals_raise
 
 
 class Tool(NamedTuple):
@@ -47,8 +47,6 @@ def run(name: str, argv: Optional[List[str]] = None) -> int:
     """Run tool ``name`` with ``argv`` (default ``sys.argv[1:]``); its exit status."""
     tool = TOOLS[name]
     if argv is None:  # the process's own command line: the tool owns its signals until exit
-        from .preprocess.signals import process_entry
-
         process_entry()
     try:
         if tool.extra is not None:

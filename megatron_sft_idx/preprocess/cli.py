@@ -210,14 +210,14 @@ def format_summary(s: dict) -> str:
 def run_and_report(prog: str, run, cfg, args, formatter=None) -> int:
     """Run, print the summary (``formatter``, default :func:`format_summary`) or the one-line
     error; the exit codes of both CLIs."""
-    from .signals import tool_scope
+    from .._signals import tool_scope
 
     with tool_scope():
         return _report(prog, run, cfg, args, formatter)
 
 
 def _report(prog: str, run, cfg, args, formatter) -> int:
-    from .signals import Terminated, exit_code
+    from .._signals import Terminated, exit_code
 
     try:
         summary = run(cfg)

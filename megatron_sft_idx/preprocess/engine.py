@@ -27,7 +27,7 @@ from typing import Callable, Protocol, Sequence
 from .._extras import MissingExtraError
 from ..errors import ShardError
 from .errors import output_error
-from .signals import Terminated, signals_deferred, worker_signals
+from .._signals import Terminated, signals_deferred, worker_signals
 
 
 class Step(Protocol):

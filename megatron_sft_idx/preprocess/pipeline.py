@@ -38,7 +38,7 @@ from .pack_stage import PackJob, books, run_pack
 from .partitions import DEFAULT_MAX_RECORD_BYTES, DEFAULT_PARTITION_BYTES, Partition
 from .plan import PlanSettings, plan_shards, split_conversations  # noqa: F401  (public names)
 from .receipts import ReceiptBook, settings_key
-from .signals import Terminated, committed, signals_deferred, terminate_as_exception
+from .._signals import Terminated, committed, signals_deferred, terminate_as_exception
 from .store import STORE_FILE, SequenceStore, tokenize_book, write_store_file
 from .summary import build_summary
 from .tokenize import IndexStep, TokenizeStep
