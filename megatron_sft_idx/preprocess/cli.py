@@ -106,6 +106,14 @@ def add_run_arguments(p: argparse.ArgumentParser, workers_help: str) -> None:
     qa.add_argument("-v", "--verbose", action="store_true", help="log details to stderr")
 
 
+def add_staging_argument(group) -> None:
+    """``--staging-dir``, shared by preprocess_sft and repack_sft (an s3:// / msc:// output)."""
+    group.add_argument("--staging-dir", metavar="DIR",
+                       help="s3:// and msc:// output prefixes: the local directory where the run works and "
+                            "stages the shards before uploading them (needs room for the output; give the same "
+                            "one to --resume) (default: the system's temporary directory)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="preprocess_sft", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -130,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     io.add_argument("--partition-bytes", type=_size, default=DEFAULT_PARTITION_BYTES, metavar="BYTES",
                     help="input bytes per unit of tokenization work (a resumed run redoes at most one "
                          "unit per worker) (default: 64M)")
+    add_staging_argument(io)
     tk = p.add_argument_group("tokenization")
     tk.add_argument("--tokenizer", metavar="PATH",
                     help="local Hugging Face tokenizer directory or tokenizer.json (required unless every "
@@ -170,7 +179,7 @@ def _config(args):
         tokenizer_backend=args.tokenizer_backend, span_method=args.span_method,
         progress=not args.quiet and sys.stderr.isatty(), store=args.store, resume=args.resume,
         engine=args.engine, ray_address=args.ray_address, partition_bytes=args.partition_bytes,
-        max_record_bytes=args.max_record_bytes)
+        max_record_bytes=args.max_record_bytes, staging_dir=args.staging_dir)
 
 
 def format_summary(s: dict) -> str:

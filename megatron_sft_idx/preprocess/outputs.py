@@ -16,6 +16,7 @@ from typing import List, Sequence
 
 from ..errors import ShardExistsError
 from ..format import ALL_SUFFIXES
+from ..storage._url import is_remote
 
 MANIFEST_SUFFIX = ".json"
 
@@ -33,7 +34,12 @@ def manifest_path(base: str) -> str:
 
 
 def existing_outputs(bases: Sequence[str]) -> List[str]:
-    """Files of shards already at ``base`` or ``base_NNNNNN``, and manifests ``base.json``, for any base."""
+    """Files of shards already at ``base`` or ``base_NNNNNN``, and manifests ``base.json``, for any base
+    (objects, for bases in object storage: :mod:`.remote_outputs`)."""
+    if any(is_remote(b) for b in bases):
+        from .remote_outputs import existing_remote_outputs
+
+        return existing_remote_outputs(bases)
     found = []
     for base in bases:
         if os.path.exists(manifest_path(base)):
