@@ -121,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     io.add_argument("--input", nargs="+", required=True, metavar="PATH",
                     help="input files, globs or directories: .jsonl, .jsonl.gz, .jsonl.zst, .parquet")
     io.add_argument("--output-prefix", required=True,
-                    help="output shard prefix; shards are PREFIX[_train|_valid|_test][_000000...]")
+                    help="output shard prefix; shards are PREFIX[_train|_valid|_test][_000000...]; "
+                         "s3://bucket/dir/NAME or msc://profile/dir/NAME uploads them (see --staging-dir)")
     io.add_argument("--input-format", choices=INPUT_FORMATS, default="auto",
                     help="record kind; auto detects messages / conversations / input_ids / prompt key "
                          "per record (default: auto)")

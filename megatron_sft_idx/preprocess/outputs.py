@@ -5,6 +5,8 @@ moved to their final names only after every shard (and ``--check``) succeeded
 (:mod:`.publish`). The work directory holds the run's lock (its pid), its receipts, the pack
 plan, the staged shards and, without ``--store``, the sequence store. A run that is killed
 leaves only its work directory: the next run clears it, or continues from it with ``--resume``.
+An ``s3://`` / ``msc://`` output prefix works in a local staging directory instead and uploads
+the set (:mod:`.remote_outputs`).
 """
 
 from __future__ import annotations

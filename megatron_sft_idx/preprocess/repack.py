@@ -98,6 +98,12 @@ def plan_only(store, job, path: str) -> dict:
     """Write only the pack plan (for virtual packs); returns its summary."""
     from .plan import write_plan
 
+    from ..errors import ShardError
+    from ..storage import is_remote
+
+    if is_remote(path):
+        raise ShardError("--plan-only writes a local file", path=path, field="plan_only",
+                         hint="give a local path (VirtualPackedDataset reads the plan and the store locally)")
     t = time.perf_counter()
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
