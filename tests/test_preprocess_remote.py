@@ -171,9 +171,7 @@ def test_a_failing_upload_keeps_the_work_for_resume(s3, bucket, local_run, tmp_p
 
 
 def test_repack_to_an_msc_profile(s3, bucket, local_run, tmp_path, monkeypatch):
-    # A profile name of its own: multi-storage-client caches clients by profile for the process,
-    # and other modules' "loop" profiles point at their own (stopped) servers.
-    profile = f"re-{bucket}"
+    profile = "loop"  # as other modules name theirs, on other servers: clients follow MSC_CONFIG
     monkeypatch.setenv("MSC_CONFIG", s3.msc_config(str(tmp_path / "msc.json"), profile, bucket))
     args = [a for a in SETTINGS[4:]]  # the packing settings, without --input / --tokenizer
     assert repack_main(["--store", str(local_run / "store"), "--output-prefix", f"msc://{profile}/re/ds",
