@@ -313,3 +313,13 @@ def test_engine_ray_without_ray_is_one_line(blocker, tmp_path):
     for name, args in (("preprocess-sft", PROBES["preprocess-sft"](tmp_path)), ("repack-sft", repack_args(tmp_path))):
         proc = run_script(name, args + ["--engine", "ray"], blocker, str(tmp_path), hide=("ray",))
         assert_one_line_naming(proc, "ray", "ray", tool=name)
+
+
+def test_remote_output_without_the_s3_extra_is_one_line(blocker, tmp_path):
+    """boto3 (s3://) and multistorageclient (msc://) are needed only for an object-storage output
+    prefix: one line naming the extra, before any work (the local runs above had them hidden)."""
+    for url, hidden in (("s3://bucket/sft/x", "boto3"), ("msc://profile/sft/x", "multistorageclient")):
+        args = PROBES["preprocess-sft"](tmp_path) + ["--output-prefix", url, "--staging-dir", str(tmp_path / "st")]
+        proc = run_script("preprocess-sft", args, blocker, str(tmp_path), hide=(hidden,))
+        assert_one_line_naming(proc, "s3", hidden, tool="preprocess-sft")
+        assert not (tmp_path / "st").exists()

@@ -106,6 +106,14 @@ def add_run_arguments(p: argparse.ArgumentParser, workers_help: str) -> None:
     qa.add_argument("-v", "--verbose", action="store_true", help="log details to stderr")
 
 
+def add_staging_argument(group) -> None:
+    """``--staging-dir``, shared by preprocess_sft and repack_sft (an s3:// / msc:// output)."""
+    group.add_argument("--staging-dir", metavar="DIR",
+                       help="s3:// and msc:// output prefixes: the local directory where the run works and "
+                            "stages the shards before uploading them (needs room for the output; give the same "
+                            "one to --resume) (default: the system's temporary directory)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="preprocess_sft", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -113,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     io.add_argument("--input", nargs="+", required=True, metavar="PATH",
                     help="input files, globs or directories: .jsonl, .jsonl.gz, .jsonl.zst, .parquet")
     io.add_argument("--output-prefix", required=True,
-                    help="output shard prefix; shards are PREFIX[_train|_valid|_test][_000000...]")
+                    help="output shard prefix; shards are PREFIX[_train|_valid|_test][_000000...]; "
+                         "s3://bucket/dir/NAME or msc://profile/dir/NAME uploads them (see --staging-dir)")
     io.add_argument("--input-format", choices=INPUT_FORMATS, default="auto",
                     help="record kind; auto detects messages / conversations / input_ids / prompt key "
                          "per record (default: auto)")
@@ -130,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     io.add_argument("--partition-bytes", type=_size, default=DEFAULT_PARTITION_BYTES, metavar="BYTES",
                     help="input bytes per unit of tokenization work (a resumed run redoes at most one "
                          "unit per worker) (default: 64M)")
+    add_staging_argument(io)
     tk = p.add_argument_group("tokenization")
     tk.add_argument("--tokenizer", metavar="PATH",
                     help="local Hugging Face tokenizer directory or tokenizer.json (required unless every "
@@ -170,7 +180,7 @@ def _config(args):
         tokenizer_backend=args.tokenizer_backend, span_method=args.span_method,
         progress=not args.quiet and sys.stderr.isatty(), store=args.store, resume=args.resume,
         engine=args.engine, ray_address=args.ray_address, partition_bytes=args.partition_bytes,
-        max_record_bytes=args.max_record_bytes)
+        max_record_bytes=args.max_record_bytes, staging_dir=args.staging_dir)
 
 
 def format_summary(s: dict) -> str:

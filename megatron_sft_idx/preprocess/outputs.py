@@ -5,6 +5,8 @@ moved to their final names only after every shard (and ``--check``) succeeded
 (:mod:`.publish`). The work directory holds the run's lock (its pid), its receipts, the pack
 plan, the staged shards and, without ``--store``, the sequence store. A run that is killed
 leaves only its work directory: the next run clears it, or continues from it with ``--resume``.
+An ``s3://`` / ``msc://`` output prefix works in a local staging directory instead and uploads
+the set (:mod:`.remote_outputs`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import List, Sequence
 
 from ..errors import ShardExistsError
 from ..format import ALL_SUFFIXES
+from ..storage._url import is_remote
 
 MANIFEST_SUFFIX = ".json"
 
@@ -33,7 +36,12 @@ def manifest_path(base: str) -> str:
 
 
 def existing_outputs(bases: Sequence[str]) -> List[str]:
-    """Files of shards already at ``base`` or ``base_NNNNNN``, and manifests ``base.json``, for any base."""
+    """Files of shards already at ``base`` or ``base_NNNNNN``, and manifests ``base.json``, for any base
+    (objects, for bases in object storage: :mod:`.remote_outputs`)."""
+    if any(is_remote(b) for b in bases):
+        from .remote_outputs import existing_remote_outputs
+
+        return existing_remote_outputs(bases)
     found = []
     for base in bases:
         if os.path.exists(manifest_path(base)):

@@ -18,6 +18,7 @@ from .materialize import MaterializeStep, OutputShard
 from .plan import PlanSettings, PlanStep
 from .publish import StagedSet, StagedShard, publish
 from .receipts import ReceiptBook, settings_key
+from .remote_outputs import is_remote, publish_remote
 from .store import SequenceStore
 from .workdir import WorkDir
 
@@ -35,6 +36,7 @@ class PackJob:
     check: bool = False
     verify_masks: int = 0
     tokenizer_path: Optional[str] = None  # for verify_masks
+    staging_dir: Optional[str] = None     # where a URL output is built before its upload (remote_outputs)
 
     @property
     def bases(self) -> List[str]:
@@ -152,7 +154,10 @@ def run_pack(store: SequenceStore, job: PackJob, engine, work: WorkDir, run_key:
     b["intent"].write(0, {"files": sorted({s.final + x for s in shards for x in PUBLISH_ORDER}
                                           | {path for path, _ in result.staged.manifests})})
     work.publishing = True
-    publish(result.staged, replaced, b["publish"])
+    if is_remote(job.output_prefix):
+        publish_remote(result.staged, replaced, b["publish"])
+    else:
+        publish(result.staged, replaced, b["publish"])
     times["publish"] = time.perf_counter() - t
     return result
 

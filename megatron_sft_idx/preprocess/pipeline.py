@@ -38,6 +38,7 @@ from .pack_stage import PackJob, books, run_pack
 from .partitions import DEFAULT_MAX_RECORD_BYTES, DEFAULT_PARTITION_BYTES, Partition
 from .plan import PlanSettings, plan_shards, split_conversations  # noqa: F401  (public names)
 from .receipts import ReceiptBook, settings_key
+from .remote_outputs import job_output_key, remove_staging_parent, work_prefix
 from .._signals import Terminated, committed, signals_deferred, terminate_as_exception
 from .store import STORE_FILE, SequenceStore, tokenize_book, write_store_file
 from .summary import build_summary
@@ -85,6 +86,7 @@ class Config:
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
     tokenizer_backend: str = "auto"   # the same bytes either way (checked): not in the store's identity
     span_method: str = "auto"
+    staging_dir: Optional[str] = None  # an s3:// / msc:// output is built here, then uploaded
 
 
 def _progress(enabled: bool, **kw):
@@ -234,7 +236,7 @@ def execute(job: PackJob, run_key: str, resume: bool, engine_kind: str, workers:
     summary. The work directory stays after an interruption or a filesystem error (for
     ``--resume``) and is removed otherwise. Once every output is published the run is
     committed: a signal during the last cleanup no longer fails it."""
-    work = WorkDir(job.output_prefix)
+    work = WorkDir(work_prefix(job.output_prefix, job.staging_dir))  # a URL's is in the staging directory
     if resume:
         summary = finished_run(work, run_key)
         if summary is not None:
@@ -260,6 +262,7 @@ def execute(job: PackJob, run_key: str, resume: bool, engine_kind: str, workers:
                 engine.close()
                 engine = None
                 work.close(remove=True)
+                remove_staging_parent(work.parent)
             return summary
         except OutputError:
             raise
@@ -272,7 +275,7 @@ def execute(job: PackJob, run_key: str, resume: bool, engine_kind: str, workers:
             exc.publishing = work.publishing  # the CLI says whether anything reached final names
             raise
         except OSError as exc:
-            raise output_error(exc, where=os.path.dirname(os.path.abspath(job.output_prefix))) from None
+            raise output_error(exc, where=work.parent) from None
         finally:
             if engine is not None:
                 engine.close()
@@ -314,7 +317,8 @@ def run(cfg: Config) -> dict:
     mult = resolve_pad_multiple(cfg)
     vocab = inputs.options.vocab_size
     job = PackJob(cfg.output_prefix, plan_settings(cfg, mult, vocab), inputs.pad_id, vocab,
-                  (cfg.cp, cfg.tp, cfg.sp), cfg.overwrite, cfg.check, cfg.verify_masks, inputs.options.tokenizer_path)
+                  (cfg.cp, cfg.tp, cfg.sp), cfg.overwrite, cfg.check, cfg.verify_masks, inputs.options.tokenizer_path,
+                  cfg.staging_dir)
     store_dir = os.path.abspath(cfg.store) if cfg.store else None
     run_key = settings_key({"job": _job_key(job), "tokenizer": inputs.tokenizer, "encode": inputs.options.to_dict(),
                             "inputs": inputs.stat(), "partition_bytes": cfg.partition_bytes,
@@ -334,5 +338,5 @@ def run(cfg: Config) -> dict:
 
 
 def _job_key(job: PackJob) -> dict:
-    return {"output_prefix": os.path.abspath(job.output_prefix), "settings": job.settings.to_dict(),
+    return {"output_prefix": job_output_key(job.output_prefix), "settings": job.settings.to_dict(),
             "pad_id": job.pad_id, "vocab_size": job.vocab_size, "parallelism": list(job.parallelism)}

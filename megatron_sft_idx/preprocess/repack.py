@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Dict, Optional, Sequence
 
-from .cli import add_packing_arguments, add_run_arguments, run_and_report
+from .cli import add_packing_arguments, add_run_arguments, add_staging_argument, run_and_report
 from .errors import output_error
 
 
@@ -54,6 +54,7 @@ class RepackConfig:
     tokenizer: Optional[str] = None
     plan_only: Optional[str] = None
     progress: bool = True
+    staging_dir: Optional[str] = None  # an s3:// / msc:// output is built here, then uploaded
 
 
 def _job(cfg: RepackConfig, store):
@@ -66,7 +67,7 @@ def _job(cfg: RepackConfig, store):
     mult = resolve_pad_multiple(cfg)
     tokenizer = cfg.tokenizer or store.tokenizer_path
     return PackJob(cfg.output_prefix or "", plan_settings(cfg, mult, vocab), pad_id, vocab, (cfg.cp, cfg.tp, cfg.sp),
-                   cfg.overwrite, cfg.check, cfg.verify_masks, tokenizer)
+                   cfg.overwrite, cfg.check, cfg.verify_masks, tokenizer, cfg.staging_dir)
 
 
 def repack(cfg: RepackConfig) -> dict:
@@ -97,6 +98,12 @@ def plan_only(store, job, path: str) -> dict:
     """Write only the pack plan (for virtual packs); returns its summary."""
     from .plan import write_plan
 
+    from ..errors import ShardError
+    from ..storage import is_remote
+
+    if is_remote(path):
+        raise ShardError("--plan-only writes a local file", path=path, field="plan_only",
+                         hint="give a local path (VirtualPackedDataset reads the plan and the store locally)")
     t = time.perf_counter()
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -121,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="write only the pack plan to PATH (for VirtualPackedDataset); no shards")
     io.add_argument("--tokenizer", metavar="PATH",
                     help="tokenizer for --verify-masks (default: where the store found it)")
+    add_staging_argument(io)
     add_packing_arguments(p)
     add_run_arguments(p, "worker processes for writing shards (local engine) (default: 1)")
     return p
@@ -134,7 +142,8 @@ def _config(args) -> RepackConfig:
         split=args.split, max_packs_per_shard=args.max_packs_per_shard, max_shard_bytes=args.max_shard_bytes,
         skip_bad=args.skip_bad, workers=args.workers, engine=args.engine, ray_address=args.ray_address,
         resume=args.resume, overwrite=args.overwrite, check=args.check, verify_masks=args.verify_masks,
-        tokenizer=args.tokenizer, plan_only=args.plan_only, progress=not args.quiet and sys.stderr.isatty())
+        tokenizer=args.tokenizer, plan_only=args.plan_only, progress=not args.quiet and sys.stderr.isatty(),
+        staging_dir=args.staging_dir)
 
 
 def format_plan_summary(s: dict) -> str:

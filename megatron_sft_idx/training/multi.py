@@ -69,7 +69,11 @@ def expand_shards(spec: Union[str, Sequence[str]]) -> List[str]:
     out: List[str] = []
     for part in parts:
         part = os.fspath(part)
-        if os.path.isdir(part) and not os.path.exists(part + IDX_SUFFIX):
+        if is_remote(part):  # s3:// / msc://: a prefix, a "directory" or a glob, by listing
+            from ..storage.discover import expand_remote
+
+            found = expand_remote(part)
+        elif os.path.isdir(part) and not os.path.exists(part + IDX_SUFFIX):
             found = _shards_in_dir(part)
         elif _glob.has_magic(part):
             pattern = part if part.endswith(IDX_SUFFIX) else part + IDX_SUFFIX
@@ -176,7 +180,12 @@ class MultiShardDataset:
 
     @classmethod
     def open(cls, spec, *, check_packs: bool = False) -> "MultiShardDataset":
-        """From a manifest path, or from prefixes/globs/directories (one header read per shard)."""
+        """From a manifest path or URL, or from prefixes/globs/directories (one header read per shard)."""
+        if isinstance(spec, (str, os.PathLike)) and is_remote(spec) and os.fspath(spec).endswith(".json"):
+            from ..storage.discover import read_remote_manifest  # relative prefixes resolve against the URL
+
+            prefixes, counts, summaries = read_remote_manifest(os.fspath(spec))
+            return cls(prefixes, counts, summaries, source=os.fspath(spec), check_packs=check_packs)
         if isinstance(spec, (str, os.PathLike)) and is_manifest(os.fspath(spec)):
             prefixes, counts, summaries = read_manifest(spec)
             return cls(prefixes, counts, summaries, source=os.fspath(spec), check_packs=check_packs)
