@@ -18,6 +18,7 @@ run was interrupted and resumed.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -25,7 +26,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from .._extras import MissingExtraError, require_extra
+from .._extras import MissingExtraError
+from .._progress import Progress
+from .._units import human_bytes, plural
 from ..errors import OutputError, ShardError, ShardExistsError
 from ..packing import pad_multiple_for
 from . import outputs
@@ -43,6 +46,8 @@ from .store import STORE_FILE, SequenceStore, tokenize_book, write_store_file
 from .summary import build_summary
 from .tokenize import IndexStep, TokenizeStep
 from .workdir import Lock, WorkDir
+
+log = logging.getLogger("megatron_sft_idx.preprocess")
 
 
 @dataclass
@@ -76,7 +81,7 @@ class Config:
     batch_size: int = 256
     check: bool = False
     verify_masks: int = 0
-    progress: bool = True
+    progress: object = True          # a _progress.Progress, or True (bar on a terminal, else log lines) / False
     store: Optional[str] = None
     resume: bool = False
     engine: str = "local"
@@ -85,13 +90,8 @@ class Config:
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
     tokenizer_backend: str = "auto"   # the same bytes either way (checked): not in the store's identity
     span_method: str = "auto"
-
-
-def _progress(enabled: bool, **kw):
-    require_extra("preprocess", "tqdm")
-    from tqdm import tqdm
-
-    return tqdm(disable=not enabled, dynamic_ncols=True, mininterval=0.5, **kw)
+    truncated_turn_loss: str = "keep"  # keep | drop: loss on an assistant turn cut by truncation
+    chat_template: Optional[str] = None  # a Jinja file, or a name of one of the tokenizer's templates
 
 
 def resolve_pad_multiple(cfg) -> int:
@@ -111,7 +111,8 @@ def plan_settings(cfg, mult: int, vocab: Optional[int]) -> PlanSettings:
         pack_size=cfg.pack_size, pad_multiple=mult, algorithm=cfg.algorithm, seed=cfg.seed,
         split=tuple(cfg.split) if cfg.split else None, overlong=cfg.overlong, skip_bad=cfg.skip_bad,
         max_packs_per_shard=cfg.max_packs_per_shard, max_shard_bytes=cfg.max_shard_bytes,
-        itemsize=2 if (vocab or 0) and vocab <= 65536 else 4, pad_layout=cfg.pad_layout)
+        itemsize=2 if (vocab or 0) and vocab <= 65536 else 4, pad_layout=cfg.pad_layout,
+        truncated_turn_loss=getattr(cfg, "truncated_turn_loss", "keep"))
 
 
 def check_pad_id(pad_id: Optional[int], vocab: Optional[int]) -> int:
@@ -156,7 +157,7 @@ def _normal(obj):
 
 
 def build_store(cfg: Config, inputs: Inputs, engine, directory: str, times: Dict[str, float],
-                resumed: Dict[str, int], progress: bool) -> SequenceStore:
+                resumed: Dict[str, int], progress) -> SequenceStore:
     """Index the inputs and tokenize every partition not yet in the store at ``directory``."""
     t = time.perf_counter()
     index_key = settings_key({"partition_bytes": cfg.partition_bytes, "inputs": inputs.stat()})
@@ -164,8 +165,10 @@ def build_store(cfg: Config, inputs: Inputs, engine, directory: str, times: Dict
     index = book.completed(range(len(inputs.paths)))
     resumed["index"] = len(index)
     step = IndexStep(tuple(inputs.paths), cfg.partition_bytes, book)
-    engine.map(step, [i for i in range(len(inputs.paths)) if i not in index],
-               lambda r: index.__setitem__(r["unit"], r))
+    todo = [i for i in range(len(inputs.paths)) if i not in index]
+    sizes = [size for _, size, _ in inputs.stat()]
+    with progress.phase("index", sum(sizes[i] for i in todo), byte_unit=True) as bar:
+        engine.map(step, todo, lambda r: (index.__setitem__(r["unit"], r), bar.update(sizes[r["unit"]])))
     times["index"] = time.perf_counter() - t
     t = time.perf_counter()
     infos = [{"name": n, "sha256": index[i]["sha256"], "bytes": index[i]["bytes"]}
@@ -179,11 +182,23 @@ def build_store(cfg: Config, inputs: Inputs, engine, directory: str, times: Dict
     meta = [_part_metadata(inputs, info, cfg.input_format) for info in infos]
     step = TokenizeStep(directory, store_id, tuple(inputs.paths), tuple(inputs.names), tuple(parts),
                         inputs.options, cfg.batch_size, cfg.max_record_bytes, tuple(meta))
-    with _progress(progress, desc="tokenize", unit="conv") as bar:
-        bar.update(sum(r["records"] for r in done.values()))
-        engine.map(step, [k for k in range(len(parts)) if k not in done], lambda r: bar.update(r["records"]))
+    todo = [k for k in range(len(parts)) if k not in done]
+    size, byte_unit = partition_sizes(parts)
+    log.info("tokenize: %s to do (%d done before), %s of input", plural(len(todo), "partition"), len(done),
+             human_bytes(sum(info["bytes"] for info in infos)))
+    with progress.phase("tokenize", sum(size[k] for k in todo), unit="" if byte_unit else "partitions",
+                        byte_unit=byte_unit) as bar:
+        engine.map(step, todo, lambda r: bar.update(size[r["unit"]]))
     times["tokenize"] = time.perf_counter() - t
     return SequenceStore(directory)
+
+
+def partition_sizes(parts: List[Partition]):
+    """Each partition's share of the tokenize phase: its bytes when every partition is a byte range
+    of a JSONL file (the common case), else 1 each (compressed streams, Parquet row groups)."""
+    if parts and all(p.kind == "lines" and p.end >= p.start for p in parts):
+        return [p.end - p.start for p in parts], True
+    return [1] * len(parts), False
 
 
 def _part_metadata(inputs: Inputs, info: dict, input_format: str) -> dict:
@@ -227,7 +242,7 @@ def _user_store(directory: str, resume: bool) -> Lock:
 
 
 def execute(job: PackJob, run_key: str, resume: bool, engine_kind: str, workers: int,
-            ray_address: Optional[str], get_store: Callable, times: Dict[str, float], progress: bool,
+            ray_address: Optional[str], get_store: Callable, times: Dict[str, float], progress,
             kept_store: Optional[str]) -> dict:
     """Everything after the settings are resolved, for preprocess_sft and repack_sft alike:
     the work directory, the engine, ``get_store(engine, work, resumed)``, the pack stages, the
@@ -251,8 +266,7 @@ def execute(job: PackJob, run_key: str, resume: bool, engine_kind: str, workers:
             engine = make_engine(engine_kind, workers, ray_address)
             resumed: Dict[str, int] = {}
             store = get_store(engine, work, resumed)
-            with _progress(progress, desc="write", unit="pack") as bar:
-                result = run_pack(store, job, engine, work, run_key, replaced, times, bar, resumed)
+            result = run_pack(store, job, engine, work, run_key, replaced, times, Progress.of(progress), resumed)
             summary = build_summary(store, job, result, times, workers, engine.describe(), resumed, kept_store)
             books(work, run_key)["done"].write(0, {"summary": summary})
             committed()  # (a signal from here on is ignored by the tool, or caught below)
@@ -324,7 +338,8 @@ def run(cfg: Config) -> dict:
     def get_store(engine, work: WorkDir, resumed: Dict[str, int]) -> SequenceStore:
         lock = _user_store(store_dir, cfg.resume) if store_dir else None
         try:
-            return build_store(cfg, inputs, engine, store_dir or work.store, times, resumed, cfg.progress)
+            return build_store(cfg, inputs, engine, store_dir or work.store, times, resumed,
+                               Progress.of(cfg.progress))
         finally:
             if lock is not None:
                 lock.release()

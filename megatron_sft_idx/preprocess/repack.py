@@ -53,7 +53,8 @@ class RepackConfig:
     verify_masks: int = 0
     tokenizer: Optional[str] = None
     plan_only: Optional[str] = None
-    progress: bool = True
+    progress: object = True
+    truncated_turn_loss: str = "keep"
 
 
 def _job(cfg: RepackConfig, store):

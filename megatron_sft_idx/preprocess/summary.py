@@ -53,6 +53,8 @@ def build_summary(store: SequenceStore, job: PackJob, result: PackResult, times:
         "skipped": skipped,
         "skipped_examples": first,
         "truncated": result.plan["truncated"],
+        "truncated_turns_cut": result.plan.get("truncated_turns_cut", 0),
+        "truncated_turn_loss": s.truncated_turn_loss,
         "sequences": sum(x["sequence_count"] for x in stats),
         "packs": packs,
         "tokens": tokens,
