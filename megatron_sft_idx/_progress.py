@@ -186,8 +186,8 @@ class Phase:
         if total:
             parts[0] += f" ({100.0 * done / total:.1f}%)"
         rate = done / elapsed
-        per = f"{human_bytes(rate)}/s" if self.byte_unit else f"{rate:,.1f} {self.unit or 'it'}/s"
-        parts.append(per)
+        if done:
+            parts.append(f"{human_bytes(rate)}/s" if self.byte_unit else f"{rate:,.1f} {self.unit or 'it'}/s")
         if total and done and done < total:
             parts.append(f"ETA {duration((total - done) / rate)}")
         parts.append(f"elapsed {duration(elapsed)}")

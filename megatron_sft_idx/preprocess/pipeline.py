@@ -32,7 +32,7 @@ from .._units import human_bytes, plural
 from ..errors import OutputError, ShardError, ShardExistsError
 from ..packing import pad_multiple_for
 from . import outputs
-from .chat import load_chat_tokenizer
+from .chat import load_chat_tokenizer, resolve_chat_template
 from .encode import EncodeOptions
 from .engine import make_engine
 from .errors import output_error
@@ -138,15 +138,34 @@ class Inputs:
 
 def resolve_inputs(cfg: Config) -> Inputs:
     names = expand_inputs(cfg.inputs)
-    tok = load_chat_tokenizer(cfg.tokenizer) if cfg.tokenizer else None
+    template = resolve_chat_template(cfg.chat_template, cfg.tokenizer) if cfg.chat_template and cfg.tokenizer else None
+    tok = load_chat_tokenizer(cfg.tokenizer, template) if cfg.tokenizer else None
     vocab = cfg.vocab_size or (tok.vocab_size if tok else None)
-    pad_id = check_pad_id(cfg.pad_id if cfg.pad_id is not None else (tok.pad_id if tok else None), vocab)
+    pad = cfg.pad_id if cfg.pad_id is not None else (tok.pad_id if tok else None)
+    # chat input needs a template: say so before anything else fails (auto: when the run fails anyway;
+    # else prompt/completion records, which need none, may still come)
+    if tok is not None and tok.chat_template is None and (
+            cfg.input_format in ("chat", "sharegpt") or (cfg.input_format == "auto" and pad is None)):
+        _no_template(tok, pad is None)
+    pad_id = check_pad_id(pad, vocab)
     options = EncodeOptions(tokenizer_path=tok.path if tok else None, vocab_size=vocab, loss_on=cfg.loss_on,
                             input_format=cfg.input_format, prompt_key=cfg.prompt_key,
                             completion_key=cfg.completion_key, skip_bad=cfg.skip_bad,
-                            tokenizer_backend=cfg.tokenizer_backend, span_method=cfg.span_method)
+                            tokenizer_backend=cfg.tokenizer_backend, span_method=cfg.span_method,
+                            chat_template=template)
     identity = {k: v for k, v in tok.identity().items() if k != "path"} if tok else None
     return Inputs(names, [os.path.abspath(n) for n in names], options, identity, pad_id)
+
+
+def _no_template(tok, no_pad: bool) -> None:
+    """A bare tokenizer.json: one error naming every flag the run needs (chat template, pad id)."""
+    from .chat import TEMPLATE_HINT
+
+    hint = TEMPLATE_HINT + tok.names_hint()
+    if no_pad:
+        hint += "; it has no pad or EOS token either: also pass --pad-id ID"
+    raise ShardError("the tokenizer has no chat template" + (" and no pad or EOS token" if no_pad else ""),
+                     path=tok.path, field="chat_template", hint=hint)
 
 
 # --------------------------------------------------------------------------- the store
