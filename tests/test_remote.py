@@ -15,6 +15,7 @@ from conftest import S3_BLOCK_SIZE
 from shardgen import random_packs, write_shard
 
 from megatron_sft_idx import MMapIndexedDataset, open_packed
+from megatron_sft_idx.errors import ShardError
 from megatron_sft_idx.errors import (ChecksumError, IncompleteShardError, ObjectChangedError, RemoteStorageError,
                                      ShardExistsError, ShardNotFoundError)
 from megatron_sft_idx.storage import publish, upload_shard
@@ -95,6 +96,20 @@ def test_msc_profile_reads_and_uploads(s3, bucket, local, tmp_path, monkeypatch)
         assert same(remote[i], ref[i])
     # The same objects through boto3: MSC wrote exactly what was asked.
     assert same(MMapIndexedDataset(f"s3://{bucket}/msc/train_000")[3], ref[3])
+
+
+def test_a_changed_msc_config_is_honoured_in_the_same_process(s3, bucket, local, tmp_path, monkeypatch):
+    """MSC caches one client per profile name for the whole process; ours must follow MSC_CONFIG
+    (an answer must not depend on which config a previous call in the process used)."""
+    other = s3.make_bucket(bucket + "-2")
+    monkeypatch.setenv("MSC_CONFIG", s3.msc_config(str(tmp_path / "one.json"), "same", bucket))
+    upload_shard(local, "msc://same/x/train_000")
+    monkeypatch.setenv("MSC_CONFIG", s3.msc_config(str(tmp_path / "two.json"), "same", other))
+    upload_shard(local, "msc://same/y/train_000")
+    assert same(MMapIndexedDataset(f"s3://{bucket}/x/train_000")[0], MMapIndexedDataset(local)[0])
+    assert same(MMapIndexedDataset(f"s3://{other}/y/train_000")[0], MMapIndexedDataset(local)[0])
+    with pytest.raises(ShardError):  # y was written through the second config only
+        MMapIndexedDataset(f"s3://{bucket}/y/train_000")
 
 
 # --------------------------------------------------------------------------- every door takes a URL

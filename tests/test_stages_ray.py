@@ -16,6 +16,7 @@ ray = pytest.importorskip("ray", reason="the [ray] extra is not installed")
 
 from megatron_sft_idx.preprocess.pipeline import Config, run  # noqa: E402
 from megatron_sft_idx.preprocess.repack import RepackConfig, repack  # noqa: E402
+from test_stages import files_of, preprocess  # noqa: E402  (the local engine's helpers, shared)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -36,16 +37,6 @@ def cluster():
     finally:
         ray.shutdown()  # disconnects from a joined cluster; stops only a cluster started here
 
-
-def files_of(directory):
-    return {n: open(os.path.join(directory, n), "rb").read() for n in sorted(os.listdir(directory))
-            if os.path.isfile(os.path.join(directory, n))}
-
-
-def preprocess(out_dir, **kw):
-    kw.setdefault("tokenizer", TOKENIZER)
-    kw.setdefault("pack_size", 1024)
-    return run(Config(inputs=CHAT, output_prefix=os.path.join(out_dir, "ds"), progress=False, **kw))
 
 
 def test_ray_engine_gives_the_bytes_of_the_local_engine(cluster, tmp_path):

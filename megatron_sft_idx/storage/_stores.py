@@ -332,10 +332,13 @@ class MscStore(ObjectStore):
         self._clients: Dict[str, object] = {}
 
     def _client(self, url: ObjectURL):
-        client = self._clients.get(url.bucket)
+        # MSC's own cache keeps the first client made for a profile name for the whole process;
+        # keyed here also by the config file (and its mtime), a changed MSC_CONFIG is honoured.
+        key = (url.bucket, *_msc_config_identity())
+        client = self._clients.get(key)
         if client is None:
-            client, _ = self._msc.resolve_storage_client(f"msc://{url.bucket}/")
-            self._clients[url.bucket] = client
+            client = self._msc.StorageClient(config=self._msc.StorageClientConfig.from_file(profile=url.bucket))
+            self._clients[key] = client
         return client
 
     def _head(self, url):
@@ -371,6 +374,15 @@ class MscStore(ObjectStore):
     def _delete(self, url):
         _count("delete")
         self._client(url).delete(url.key)
+
+
+def _msc_config_identity() -> tuple:
+    """Which MSC config a client made now would read: ``MSC_CONFIG`` and that file's mtime."""
+    path = os.environ.get("MSC_CONFIG", "")
+    try:
+        return path, os.stat(path).st_mtime_ns if path else 0
+    except OSError:
+        return path, 0
 
 
 # --------------------------------------------------------------------------- per process
