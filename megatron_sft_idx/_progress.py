@@ -139,7 +139,8 @@ class Phase:
             require_extra("preprocess", "tqdm")
             from tqdm import tqdm
 
-            self._bar = tqdm(total=self.total, desc=self.name, unit=self.unit or "it", unit_scale=self.byte_unit,
+            self._bar = tqdm(total=self.total, desc=self.name, unit=self.unit or ("B" if self.byte_unit else "it"),
+                             unit_scale=self.byte_unit,
                              unit_divisor=1024 if self.byte_unit else 1000, file=sys.stderr,
                              dynamic_ncols=True, mininterval=0.5)
         elif self.progress.mode == "log":
