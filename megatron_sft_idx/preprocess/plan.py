@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numba
 import numpy as np
 
-from ..errors import ShardError
+from ..errors import ShardError, ShardNotFoundError
 from ..packing import pack_lengths_csr, packing_summary, padded_length, truncation_length
 from ..packing.algorithms import index_dtype
 from ._materialize import cut_turns, exclusive_cumsum
@@ -226,7 +226,8 @@ def load_kept(store: SequenceStore, s: PlanSettings) -> Kept:
         if drop.any():
             if s.overlong == "truncate":
                 drop &= rows["first_trained"] >= trunc - 1
-                cut, untrainable = _cut_turns(store, k, rows, ~drop & (full > trunc), trunc)
+                cut, untrainable = _cut_turns(store, k, rows, ~drop & (full > trunc), trunc,
+                                              required=s.truncated_turn_loss == "drop")
                 cut_total += int(cut.sum())
                 if s.truncated_turn_loss == "drop":
                     drop |= untrainable
@@ -253,14 +254,21 @@ def load_kept(store: SequenceStore, s: PlanSettings) -> Kept:
     return Kept(padded[:n], gone, truncated, padding, skipped, first, cut_total)
 
 
-def _cut_turns(store: SequenceStore, k: int, rows: np.ndarray, truncated: np.ndarray, trunc: int):
+def _cut_turns(store: SequenceStore, k: int, rows: np.ndarray, truncated: np.ndarray, trunc: int,
+               required: bool = True):
     """Over partition ``k``'s rows: which truncated conversations are cut inside a trained turn,
     and which would train nothing once that turn is masked (``--truncated-turn-loss drop``).
-    Reads one mask byte per truncated conversation (a little more when a turn is cut)."""
+    Reads one mask byte per truncated conversation (a little more when a turn is cut). A store of
+    lengths only (``bench/plan.py``'s) counts nothing unless the answer changes the plan (``required``)."""
     cut = np.zeros(rows.size, dtype=np.bool_)
     untrainable = np.zeros(rows.size, dtype=np.bool_)
     which = np.flatnonzero(truncated)
-    ds = store.part(k) if which.size else None
+    try:
+        ds = store.part(k) if which.size else None
+    except ShardNotFoundError:
+        if required:
+            raise
+        ds = None
     if ds is None:
         return cut, untrainable
     starts = np.asarray(ds.sequence_pointers[which]) // ds.dtype.itemsize
