@@ -44,7 +44,7 @@ def test_pass_prints_verdicts(tmp_path, capsys):
     assert code == 0
     lines = out.strip().splitlines()
     assert lines[0].startswith(f"PASS  {prefix}  (sft, 10 packs")
-    assert lines[-1].startswith("overall: PASS: 1 of 1 shard(s) passed, 0 error(s)")
+    assert lines[-1].startswith("overall: PASS: 1 of 1 shard passed, 0 errors, 0 warnings")
 
 
 def test_fail_prints_one_line_per_finding(tmp_path, capsys):
@@ -90,7 +90,7 @@ def test_usage_errors_exit_2(tmp_path, capsys, argv):
 def test_help_exits_0(capsys):
     assert main(["--help"]) == 0
     assert "--promote" in capsys.readouterr().out
-    assert build_parser().prog == "check_idx"
+    assert build_parser().prog == "check-idx"
 
 
 def test_no_match_exits_2(tmp_path, capsys):

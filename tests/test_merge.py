@@ -325,7 +325,7 @@ def test_cli_exit_codes_and_json(tmp_path, rng, capsys):
     err = capsys.readouterr().err
     assert "pad_seq_to_mult" in err and "Traceback" not in err
     assert merge_main([str(tmp_path / "o4"), *prefixes]) == 0
-    assert "merged 2 shard(s)" in capsys.readouterr().out
+    assert "merged 2 shards" in capsys.readouterr().out
 
 
 def test_the_script_runs_without_installation(tmp_path, rng):

@@ -60,7 +60,7 @@ def test_check_flag_runs_gate_and_prints_summary(tmp_path, capsys):
     args = [a for a in base_args(tmp_path / "g", "--check") if a != "--quiet"]  # summary table
     rc = main(args)
     out = capsys.readouterr().out
-    assert rc == 0 and "gate passed on 1 shard(s)" in out and "packing efficiency" in out
+    assert rc == 0 and "gate passed on 1 shard\n" in out and "packing efficiency" in out and "(s)" not in out
 
 
 def test_same_bytes_with_one_and_two_workers(tmp_path):

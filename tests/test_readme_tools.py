@@ -34,7 +34,7 @@ def test_readme_tool_commands_run_as_written(tmp_path):
         outputs.append(proc.stdout)
     text = "\n".join(outputs)
     assert "packs        36" in text and "<|im_start|>assistant" in text and "num_sequences" in text
-    assert "merged 2 shard(s)" in text and "copy_file_range" in text
+    assert "merged 2 shards" in text and "copy_file_range" in text
     for produced in ("out/example_hist.png", "out/example.parquet", "out/example.pack_metadata.json",
                      "out/tools/from_parquet.idx", "out/tools/from_pretrain.idx", "out/tools/merged.idx"):
         assert (tmp_path / produced).exists(), produced

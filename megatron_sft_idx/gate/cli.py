@@ -9,12 +9,12 @@ its temporaries are removed and nothing that opens is left at the destination).
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import signal
 import sys
 from typing import List, Optional
 
+from .._progress import configure_logging
 from .._signals import Terminated  # noqa: F401  (re-exported: SIGTERM's exception, as before)
 from .._signals import INTERRUPTS, exit_code, raise_if_signalled, signal_name, signals_raise
 from ..errors import ShardError
@@ -28,7 +28,7 @@ EXIT_SIGINT, EXIT_SIGTERM = 128 + signal.SIGINT, 128 + signal.SIGTERM
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="check_idx",
+        prog="check-idx",
         description="Check megatron_sft_idx shards (and upstream .bin/.idx) before promotion to training "
                     "storage. Exit 0 = pass, 1 = fail, 2 = usage error or unreadable input.")
     p.add_argument("prefixes", nargs="+", metavar="PREFIX",
@@ -49,8 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="packs read back at the standard level, besides the first and last (default 64)")
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print the report as JSON (for pipelines)")
-    out.add_argument("--quiet", action="store_true", help="print only the overall verdict")
-    p.add_argument("--verbose", action="store_true", help="also show info findings and the passes run")
+    out.add_argument("-q", "--quiet", action="store_true", help="print only the overall verdict line")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="also show info findings and the passes run, and log each shard's time")
     p.add_argument("--promote", metavar="DEST", default=None,
                    help="after a pass, move the five files into directory DEST atomically (.idx last); "
                         "DEST may be s3://bucket/dir or msc://profile/dir (uploaded, .idx last)")
@@ -66,12 +67,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse already printed the usage message
         return EXIT_OK if exc.code == 0 else EXIT_USAGE
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    configure_logging(parser.prog, args.verbose, args.quiet)
     problem = _usage_problem(args)
     if problem:
         parser.print_usage(sys.stderr)
-        print(f"check_idx: error: {problem}", file=sys.stderr)
+        print(f"check-idx: error: {problem}", file=sys.stderr)
         return EXIT_USAGE
     try:
         with signals_raise():
@@ -82,10 +82,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                 promote_report(report, args.promote, link=args.link, replace=args.replace)
             raise_if_signalled()
     except ShardError as exc:
-        print(f"check_idx: error: {exc}", file=sys.stderr)
+        print(f"check-idx: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except INTERRUPTS as exc:
-        print(f"check_idx: interrupted by {signal_name(exc)}; each shard was promoted completely or not at all",
+        print(f"check-idx: interrupted by {signal_name(exc)}; each shard was promoted completely or not at all",
               file=sys.stderr)
         return exit_code(exc)
     if args.json:

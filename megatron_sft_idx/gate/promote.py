@@ -63,7 +63,8 @@ def promote(shard: ShardReport, dest, *, link: bool = False, replace: bool = Fal
     existing = [p for p in ShardPaths.from_prefix(dest_prefix) if os.path.lexists(p)]
     if existing and not replace:
         raise ShardExistsError("a shard already exists at the destination", path=dest_prefix,
-                               actual=[os.path.basename(p) for p in existing])
+                               actual=[os.path.basename(p) for p in existing],
+                               hint="pass --replace to replace it")
     dest_dev = os.stat(dest).st_dev
     same_fs = {s: shard.identity[s][0] == dest_dev for s in suffixes}
     if link and not all(same_fs[s] for s in suffixes if s != IDX_SUFFIX):

@@ -183,8 +183,11 @@ class Report:
         warnings = sum(s.count(WARNING) for s in self.shards)
         verdict = "PASS" if self.passed else "FAIL"
         note = " (checksums skipped: --fast)" if self.level == "fast" else ""
-        return (f"overall: {verdict}: {len(self.shards) - failed} of {len(self.shards)} shard(s) passed, "
-                f"{errors} error(s), {warnings} warning(s), level {self.level}{note}")
+        from .._units import plural
+
+        total = len(self.shards)
+        return (f"overall: {verdict}: {total - failed} of {plural(total, 'shard')} passed, "
+                f"{plural(errors, 'error')}, {plural(warnings, 'warning')}, level {self.level}{note}")
 
 
 def _human_bytes(n: int) -> str:

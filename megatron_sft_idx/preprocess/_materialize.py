@@ -7,11 +7,13 @@ import numpy as np
 
 
 @numba.njit(cache=True)
-def fill_sequences(out_ids, out_mask, dst, src_ids, src_mask, src_start, copy_len, full_len):
+def fill_sequences(out_ids, out_mask, dst, src_ids, src_mask, src_start, copy_len, full_len, drop_cut_turn=False):
     """Copy sequence k (``copy_len[k]`` tokens from ``src_start[k]``) to ``dst[k]`` in the chunk.
 
     A truncated sequence (``copy_len < full_len``) gets mask 0 on its new last
     token: under label alignment nothing is predicted after a sequence ends.
+    With ``drop_cut_turn`` (``--truncated-turn-loss drop``) the whole trained run the cut
+    falls in (the assistant turn cut short) gets mask 0 too.
     Padding positions are left as the caller filled them (pad id, mask 0).
     """
     for k in range(dst.shape[0]):
@@ -22,7 +24,28 @@ def fill_sequences(out_ids, out_mask, dst, src_ids, src_mask, src_start, copy_le
             out_ids[d + j] = src_ids[s + j]
             out_mask[d + j] = src_mask[s + j]
         if n < full_len[k]:
+            if drop_cut_turn and src_mask[s + n - 1] != 0:
+                j = n - 1
+                while j >= 0 and out_mask[d + j] != 0:
+                    out_mask[d + j] = 0
+                    j -= 1
             out_mask[d + n - 1] = 0
+
+
+@numba.njit(cache=True)
+def cut_turns(src_mask, src_start, first_trained, trunc, cut, untrainable_if_dropped):
+    """For each truncated sequence k: ``cut[k]`` when the cut at ``trunc`` falls inside a trained
+    run (an assistant turn loses its end), and ``untrainable_if_dropped[k]`` when that run is
+    the sequence's first trained one (masking it would leave nothing trained)."""
+    for k in range(src_start.shape[0]):
+        s = src_start[k]
+        cut[k] = src_mask[s + trunc - 1] != 0
+        untrainable_if_dropped[k] = False
+        if cut[k]:
+            j = trunc - 1
+            while j >= first_trained[k] and src_mask[s + j] != 0:
+                j -= 1
+            untrainable_if_dropped[k] = j < first_trained[k]
 
 
 def exclusive_cumsum(values: np.ndarray) -> np.ndarray:

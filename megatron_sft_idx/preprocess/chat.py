@@ -40,6 +40,9 @@ LOSS_MODES = ("assistant", "last-turn", "all", "per-turn")
 PREFIX_HINT = ("use --loss-on last-turn (loss on the final assistant turn, history as the template renders it), "
                "--loss-on per-turn (one training sequence per assistant turn, each rendered as the template "
                "renders it at that turn) or --loss-on all")
+TEMPLATE_HINT = ("pass --chat-template FILE (a Jinja chat template) or --chat-template NAME (one of the "
+                 "tokenizer's named templates), or use a tokenizer directory whose tokenizer_config.json "
+                 "has a chat_template")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "chat_template.jinja", "chat_template.json", "added_tokens.json")
 
@@ -70,12 +73,14 @@ class ChatTokenizer:
     Args:
         path: a directory with ``tokenizer.json`` (and usually ``tokenizer_config.json``),
             or a ``tokenizer.json`` file (its directory's config is used when present).
+        chat_template: the template text to use instead of the tokenizer's own
+            (``--chat-template``, resolved by :func:`resolve_chat_template`).
 
     Raises:
         ShardError: the path holds no loadable fast tokenizer.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, chat_template: Optional[str] = None) -> None:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -106,7 +111,9 @@ class ChatTokenizer:
         self.pad_id = self.hf.pad_token_id if self.hf.pad_token_id is not None else self.eos_id
         self.special_tokens = sorted(set(self.hf.all_special_tokens)
                                      | {t.content for t in self.hf.added_tokens_decoder.values() if t.special})
-        self.chat_template = self.hf.chat_template if isinstance(self.hf.chat_template, str) else None
+        self.named_templates = dict(self.hf.chat_template) if isinstance(self.hf.chat_template, dict) else {}
+        own = self.hf.chat_template if isinstance(self.hf.chat_template, str) else self.named_templates.get("default")
+        self.chat_template = chat_template if chat_template is not None else own
         self.compiled = self._compile(self.chat_template)
         self.template_kwargs = {k: v for k, v in self.hf.special_tokens_map.items() if isinstance(v, str)}
 
@@ -155,12 +162,17 @@ class ChatTokenizer:
         if self.compiled is not None:
             return self.compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                         **self.template_kwargs)
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           chat_template=self.chat_template)
 
     def require_template(self) -> None:
         if self.chat_template is None:
             raise ShardError("the tokenizer has no chat template", path=self.path, field="chat_template",
-                             hint="use a tokenizer with a chat_template in tokenizer_config.json")
+                             hint=TEMPLATE_HINT + self.names_hint())
+
+    def names_hint(self) -> str:
+        names = sorted(self.named_templates)
+        return f" (this tokenizer's named templates: {', '.join(names)})" if names else ""
 
     def chat_text_and_spans(self, messages: List[dict], loss_on: str, path: str, line: int
                             ) -> Tuple[str, List[Tuple[int, int]]]:
@@ -275,14 +287,38 @@ class ChatTokenizer:
 _LOADED: dict = {}
 
 
-def load_chat_tokenizer(path: str) -> ChatTokenizer:
+def load_chat_tokenizer(path: str, chat_template: Optional[str] = None) -> ChatTokenizer:
     """A ChatTokenizer shared within the process (and with workers forked after it loaded):
     a production tokenizer takes a second or more to load. Reloaded when its files change."""
-    key = (os.path.abspath(path), _files_state(path))
+    key = (os.path.abspath(path), _files_state(path), chat_template)
     if key not in _LOADED:
         _LOADED.clear()
-        _LOADED[key] = ChatTokenizer(path)
+        _LOADED[key] = ChatTokenizer(path, chat_template)
     return _LOADED[key]
+
+
+def resolve_chat_template(value: str, tokenizer_path: str) -> str:
+    """``--chat-template FILE|NAME``: the text of a Jinja file, or of one of the tokenizer's named
+    templates (``tokenizer_config.json``'s list of ``{"name", "template"}``).
+
+    Raises:
+        ShardError: neither a readable file nor a named template of this tokenizer.
+    """
+    if os.path.isfile(value):
+        try:
+            with open(value, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ShardError(f"cannot read the chat template ({exc.__class__.__name__}: {exc})", path=value,
+                             field="chat_template", hint="--chat-template takes a UTF-8 Jinja file") from None
+    tok = load_chat_tokenizer(tokenizer_path)
+    if value in tok.named_templates:
+        return tok.named_templates[value]
+    names = sorted(tok.named_templates)
+    raise ShardError(f"--chat-template {value!r} is neither a file nor a template of the tokenizer",
+                     path=tokenizer_path, field="chat_template", actual=value,
+                     hint=(f"its named templates are: {', '.join(names)}" if names else
+                           "the tokenizer has no named templates; give the path of a Jinja file"))
 
 
 def _files_state(path: str) -> tuple:

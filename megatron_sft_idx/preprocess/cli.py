@@ -1,4 +1,4 @@
-"""``preprocess_sft``: conversations (or pre-tokenized samples) in, packed shards out.
+"""``preprocess-sft``: conversations (or pre-tokenized samples) in, packed shards out.
 
 Example (the bundled example, offline)::
 
@@ -15,6 +15,8 @@ import logging
 import os
 import sys
 
+from .._progress import DEFAULT_LOG_INTERVAL, Progress, add_verbosity_arguments, configure_logging
+from .._units import positive_int, size_arg
 from ..errors import ShardError
 from ..packing import ALGORITHMS, DEFAULT_ALGORITHM
 from .chat import LOSS_MODES
@@ -22,13 +24,24 @@ from .encode import SPAN_METHODS
 from .fast_tokenizer import BACKENDS
 from .inputs import INPUT_FORMATS
 from .partitions import DEFAULT_MAX_RECORD_BYTES, DEFAULT_PARTITION_BYTES
+from .summary import decision_warnings, format_summary
 
+PROG = "preprocess-sft"
+DESCRIPTION = """\
+Conversations (or pre-tokenized samples) in, packed SFT shards out.
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+Example, the bundled example offline:
+
+  preprocess-sft --input examples/conversations.jsonl --tokenizer examples/tokenizer \\
+      --output-prefix /tmp/sft/example --pack-size 2048 --workers 2 --check --verify-masks 20
+
+Sizes take K, M, G, T suffixes (powers of 1024; KB, MB, GB are powers of 1000), e.g. 64M.
+Exit status: 0 done, 1 bad input or a failed check (nothing published), 2 usage error,
+130 / 143 interrupted (rerun with --resume to continue).
+"""
+
+_positive = positive_int  # (kept for callers of the old name)
+_size = size_arg
 
 
 def _split(text: str):
@@ -37,54 +50,72 @@ def _split(text: str):
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated weights like 98,1,1, got {text!r}") from None
     if not 1 <= len(parts) <= 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
-        raise argparse.ArgumentTypeError("--split takes 1-3 non-negative weights (train,valid,test) with a positive sum")
+        raise argparse.ArgumentTypeError("takes 1-3 non-negative weights (train,valid,test) with a positive sum")
     return parts
 
 
-def _size(text: str) -> int:
-    """Bytes, with an optional K/M/G suffix (binary)."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+def _percent(text: str) -> float:
     try:
-        value = int(text[:-1]) * units[text[-1].upper()] if text[-1:].upper() in units else int(text)
+        value = float(text.rstrip("%"))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a byte count like 8M or 65536, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+        raise argparse.ArgumentTypeError(f"expected a percentage like 1 or 0.5%, got {text!r}") from None
+    if not 0 <= value <= 100:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 100, got {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds like 30 or 0.5, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
     return value
 
 
 def add_packing_arguments(p: argparse.ArgumentParser) -> None:
     """The packing flags, shared by preprocess_sft and repack_sft."""
     pk = p.add_argument_group("packing")
-    pk.add_argument("--pack-size", type=_positive, default=4096, help="tokens per pack (default: 4096)")
+    pk.add_argument("--pack-size", type=positive_int, default=4096, metavar="TOKENS",
+                    help="tokens per pack (default: 4096)")
     pk.add_argument("--packing-algorithm", choices=ALGORITHMS, default=DEFAULT_ALGORITHM,
                     help=f"bin-packing algorithm (default: {DEFAULT_ALGORITHM})")
     pk.add_argument("--seed", type=int, default=1234,
                     help="seed of the split, first_fit_shuffle and --verify-masks sampling (default: 1234)")
     pk.add_argument("--overlong", choices=("truncate", "drop", "error"), default="truncate",
-                    help="sequences longer than --pack-size: cut, skip and count, or stop (default: truncate)")
-    pk.add_argument("--pad-seq-to-mult", type=_positive, default=1,
+                    help="conversations longer than --pack-size: truncate (cut to the pack size; one that then "
+                         "trains nothing is dropped and counted), drop (skip and count), or error (stop at the "
+                         "first; not combinable with --skip-bad) (default: truncate)")
+    pk.add_argument("--truncated-turn-loss", choices=("keep", "drop"), default="keep",
+                    help="an assistant reply cut by truncation: keep its loss on the tokens before the cut, or "
+                         "drop it (mask the whole cut reply; a conversation left with nothing trained is dropped "
+                         "and counted). keep is the default: those tokens are the reply as written, and no "
+                         "end-of-turn is ever trained at the cut, so the model is not taught to stop there; "
+                         "drop never trains a reply the model sees unfinished. The summary counts cut replies "
+                         "(default: keep)")
+    pk.add_argument("--pad-seq-to-mult", type=positive_int, default=1,
                     help="pad every sequence to a multiple of this (combined by lcm with --cp/--tp/--sp; default: 1)")
     pk.add_argument("--pad-layout", choices=("stored", "runtime"), default="stored",
                     help="which length the pad multiple applies to: 'stored' (each stored sequence: "
                          "Megatron-LM) or 'runtime' (stored length minus one: Megatron-Bridge) (default: stored)")
-    pk.add_argument("--cp", type=_positive, default=1, help="context-parallel size to pad for (default: 1)")
-    pk.add_argument("--tp", type=_positive, default=1, help="tensor-parallel size to pad for (default: 1)")
+    pk.add_argument("--cp", type=positive_int, default=1, help="context-parallel size to pad for (default: 1)")
+    pk.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size to pad for (default: 1)")
     pk.add_argument("--sp", action="store_true",
                     help="sequence parallelism: pad to lcm(2*CP, CP*TP) instead of 2*CP (default: off)")
     pk.add_argument("--pad-id", type=int, help="pad token id (default: the tokenizer's pad, else its EOS)")
     pk.add_argument("--split", type=_split, metavar="W[,W[,W]]",
                     help="seeded split of conversations into PREFIX_train/_valid/_test, e.g. 98,1,1 (default: none)")
-    pk.add_argument("--max-packs-per-shard", type=_positive,
+    pk.add_argument("--max-packs-per-shard", type=positive_int, metavar="N",
                     help="split each output into PREFIX_000000, ... of at most this many packs (default: one shard)")
-    pk.add_argument("--max-shard-bytes", type=_positive,
-                    help="split each output into shards of about at most this many bytes (default: one shard)")
+    pk.add_argument("--max-shard-bytes", type=size_arg, metavar="SIZE",
+                    help="split each output into shards of at most about this size, e.g. 1G (default: one shard)")
 
 
 def add_run_arguments(p: argparse.ArgumentParser, workers_help: str) -> None:
     """Engine, resume, checks and reporting flags, shared by preprocess_sft and repack_sft."""
     ex = p.add_argument_group("execution")
-    ex.add_argument("--workers", type=_positive, default=1, help=workers_help)
+    ex.add_argument("--workers", type=positive_int, default=1, help=workers_help)
     ex.add_argument("--engine", choices=("local", "ray"), default="local",
                     help="local: this machine's processes; ray: Ray tasks on a cluster (RAY_ADDRESS or "
                          "--ray-address joined; needs the [ray] extra and paths every node sees) (default: local)")
@@ -94,16 +125,27 @@ def add_run_arguments(p: argparse.ArgumentParser, workers_help: str) -> None:
                     help="continue an interrupted run with the same settings from its completed units "
                          "(default: start over, clearing a previous run's leftovers)")
     ex.add_argument("--overwrite", action="store_true", help="replace existing outputs (default: refuse)")
-    qa = p.add_argument_group("checks and reporting")
+    qa = p.add_argument_group("checks")
     qa.add_argument("--skip-bad", action="store_true",
-                    help="skip and count bad records instead of stopping at the first (default: stop)")
+                    help="skip and count bad records (unparsable, rejected by the template, nothing trained) "
+                         "instead of stopping at the first (default: stop)")
     qa.add_argument("--check", action="store_true", help="run the gate on every output before publishing it")
     qa.add_argument("--verify-masks", type=int, default=0, metavar="N",
-                    help="decode N random conversations from the output and check their trained spans (default: 0)")
-    qa.add_argument("--summary-json", metavar="PATH", help="also write the summary as JSON to PATH")
-    qa.add_argument("--quiet", action="store_true", help="no progress bars and no summary table")
-    qa.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
-    qa.add_argument("-v", "--verbose", action="store_true", help="log details to stderr")
+                    help="decode N random conversations from the output and check their trained spans; "
+                         "truncated ones are not sampled, so fewer may be checked (the summary says why) "
+                         "(default: 0)")
+    qa.add_argument("--warn-above", type=_percent, default=1.0, metavar="PERCENT",
+                    help="warn when more than this share of conversations is truncated, or dropped or "
+                         "skipped (default: 1)")
+    rp = p.add_argument_group("reporting")
+    rp.add_argument("--summary-json", metavar="PATH", help="also write the summary as JSON to PATH")
+    rp.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
+    rp.add_argument("--log-interval", type=_seconds, default=DEFAULT_LOG_INTERVAL, metavar="SECONDS",
+                    help="when stderr is not a terminal: seconds between progress lines, instead of bars "
+                         f"(default: {DEFAULT_LOG_INTERVAL:g})")
+    add_verbosity_arguments(p, group=rp,
+                            quiet_help="errors only: no progress, warnings or summary (--json still prints)",
+                            verbose_help="also log each phase's time and the decisions taken")
 
 
 def add_staging_argument(group) -> None:
@@ -111,12 +153,13 @@ def add_staging_argument(group) -> None:
     group.add_argument("--staging-dir", metavar="DIR",
                        help="s3:// and msc:// output prefixes: the local directory where the run works and "
                             "stages the shards before uploading them (needs room for the output; give the same "
-                            "one to --resume) (default: the system's temporary directory)")
+                            "one to --resume; with --engine ray, one every node mounts at the same path) "
+                            "(default: the system's temporary directory)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="preprocess_sft", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        prog=PROG, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     io = p.add_argument_group("input and output")
     io.add_argument("--input", nargs="+", required=True, metavar="PATH",
                     help="input files, globs or directories: .jsonl, .jsonl.gz, .jsonl.zst, .parquet")
@@ -132,11 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
     io.add_argument("--store", metavar="DIR",
                     help="keep the sequence store (every conversation tokenized once) in DIR, to repack it "
                          "later with repack-sft (default: a temporary store, removed after the run)")
-    io.add_argument("--max-record-bytes", type=_size, default=DEFAULT_MAX_RECORD_BYTES, metavar="BYTES",
+    io.add_argument("--max-record-bytes", type=size_arg, default=DEFAULT_MAX_RECORD_BYTES, metavar="SIZE",
                     help="longest input record (JSONL line) accepted; longer ones are an error, or skipped "
                          "and counted with --skip-bad, never read into memory whole. Tokenizing a chat record "
                          "takes ~330x its size in memory, so this bounds a worker's peak (default: 2M)")
-    io.add_argument("--partition-bytes", type=_size, default=DEFAULT_PARTITION_BYTES, metavar="BYTES",
+    io.add_argument("--partition-bytes", type=size_arg, default=DEFAULT_PARTITION_BYTES, metavar="SIZE",
                     help="input bytes per unit of tokenization work (a resumed run redoes at most one "
                          "unit per worker) (default: 64M)")
     add_staging_argument(io)
@@ -144,14 +187,18 @@ def build_parser() -> argparse.ArgumentParser:
     tk.add_argument("--tokenizer", metavar="PATH",
                     help="local Hugging Face tokenizer directory or tokenizer.json (required unless every "
                          "record is pre-tokenized)")
-    tk.add_argument("--vocab-size", type=_positive,
+    tk.add_argument("--chat-template", metavar="FILE|NAME",
+                    help="the chat template to render conversations with: a Jinja file, or the name of one of "
+                         "the tokenizer's named templates (default: the tokenizer's own)")
+    tk.add_argument("--vocab-size", type=positive_int,
                     help="vocabulary size (default: the tokenizer's; required for pre-tokenized input "
                          "without --tokenizer)")
     tk.add_argument("--loss-on", choices=LOSS_MODES, default="assistant",
-                    help="tokens trained: every assistant turn; the last one (history as the template renders "
-                         "it); per-turn: one training sequence per assistant turn, each rendered as the template "
-                         "renders a conversation ending at that turn, loss on that turn (for thinking templates "
-                         "that drop <think> from the history); or all (default: assistant)")
+                    help="tokens trained: assistant (every assistant turn); last-turn (the last one, history as "
+                         "the template renders it); per-turn (one training sequence per assistant turn, each "
+                         "rendered as the template renders a conversation ending at that turn, loss on that "
+                         "turn: for thinking templates that drop <think> from the history); or all (every "
+                         "token, prompts included) (default: assistant)")
     tk.add_argument("--tokenizer-backend", choices=BACKENDS, default="auto",
                     help="gigatoken (batched, checked against tokenizers at start and on a sample of every "
                          "batch), hf (tokenizers only), or auto: gigatoken when installed and it agrees "
@@ -159,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     tk.add_argument("--span-method", choices=SPAN_METHODS, default="auto",
                     help="assistant spans from one rendering where the template proves it gives the prefix-render "
                          "spans (auto), or from prefix renders always (prefix) (default: auto)")
-    tk.add_argument("--batch-size", type=_positive, default=256, help="records per worker batch (default: 256)")
+    tk.add_argument("--batch-size", type=positive_int, default=256, help="records per worker batch (default: 256)")
     add_packing_arguments(p)
     add_run_arguments(p, "worker processes for tokenizing and writing (local engine) (default: 1)")
     return p
@@ -178,48 +225,30 @@ def _config(args):
         split=args.split, max_packs_per_shard=args.max_packs_per_shard, max_shard_bytes=args.max_shard_bytes,
         batch_size=args.batch_size, check=args.check, verify_masks=args.verify_masks,
         tokenizer_backend=args.tokenizer_backend, span_method=args.span_method,
-        progress=not args.quiet and sys.stderr.isatty(), store=args.store, resume=args.resume,
+        progress=progress_of(PROG, args), store=args.store, resume=args.resume,
         engine=args.engine, ray_address=args.ray_address, partition_bytes=args.partition_bytes,
-        max_record_bytes=args.max_record_bytes, staging_dir=args.staging_dir)
+        max_record_bytes=args.max_record_bytes, truncated_turn_loss=args.truncated_turn_loss,
+        chat_template=args.chat_template, staging_dir=args.staging_dir)
 
 
-def format_summary(s: dict) -> str:
-    lines = [
-        f"inputs              {len(s['inputs'])} file(s), {s['records_read']} records",
-        f"conversations       {s['conversations']} kept, skipped {sum(s['skipped'].values())} "
-        f"{s['skipped'] or ''}".rstrip(),
-        f"truncated           {s['truncated']}",
-        f"sequences / packs   {s['sequences']} / {s['packs']} (pack size {s['pack_size']}, "
-        f"pad multiple {s['pad_seq_to_mult']}, {s['algorithm']})",
-        f"tokens              {s['tokens']} ({s['padding_tokens']} padding), trainable "
-        f"{s['trainable_tokens']} ({100 * s['trainable_share']:.1f}%)",
-        f"packing efficiency  {100 * s['packing_efficiency']:.2f}%",
-    ]
-    for name, sp in s["splits"].items():
-        lines.append(f"split {name:<13} {sp['conversations']} conv -> {sp['packs']} packs in "
-                     f"{len(sp['shards'])} shard(s): {sp['shards'][0]}{' ...' if len(sp['shards']) > 1 else ''}")
-    if s.get("empty_splits"):
-        lines.append(f"empty splits        {', '.join(s['empty_splits'])} (too few conversations; not written)")
-    if s.get("verify_masks"):
-        lines.append(f"verify-masks        {s['verify_masks']['checked']} conversations OK")
-    if s.get("check"):
-        lines.append(f"check               gate passed on {s['check']['shards']} shard(s)")
-    if s.get("manifests"):
-        lines.append(f"manifests           {', '.join(s['manifests'])}")
-    if s.get("store"):
-        lines.append(f"sequence store      {s['store']} (repack with repack-sft --store)")
-    resumed = {k: v for k, v in (s.get("resumed_units") or {}).items() if v}
-    if resumed:
-        lines.append("resumed             " + ", ".join(f"{k} {v}" for k, v in resumed.items()) + " unit(s) done before")
-    lines.append("seconds             " + ", ".join(f"{k} {v:.2f}" for k, v in s["seconds"].items()))
-    rss = s["peak_rss_mib"]
-    lines.append(f"peak RSS            main {rss['main']:.0f} MiB, workers {rss['workers_max']:.0f} MiB")
-    return "\n".join(lines)
+def progress_of(prog: str, args) -> Progress:
+    """Bars on a terminal, periodic lines otherwise, nothing with -q."""
+    return Progress(prog, "off" if args.quiet else "auto", args.log_interval)
+
+
+def usage_problem(args) -> str:
+    """A combination of flags that cannot mean what it says, as one line naming the options ('' if none)."""
+    if args.overlong == "error" and args.skip_bad:
+        return ("--overlong error stops at the first overlong conversation, but --skip-bad would skip it: "
+                "pass --overlong drop --skip-bad to skip and count overlong ones, or drop --skip-bad")
+    if args.verify_masks < 0:
+        return "--verify-masks takes a count >= 0"
+    return ""
 
 
 def run_and_report(prog: str, run, cfg, args, formatter=None) -> int:
-    """Run, print the summary (``formatter``, default :func:`format_summary`) or the one-line
-    error; the exit codes of both CLIs."""
+    """Run, print the summary (``formatter``, default ``summary.format_summary``) or the one-line
+    error; the exit codes of both CLIs. Warnings above ``--warn-above`` go to stderr first."""
     from .._signals import tool_scope
 
     with tool_scope():
@@ -242,6 +271,8 @@ def _report(prog: str, run, cfg, args, formatter) -> int:
                     "units, or without it to start over)")
         print(f"{prog}: {what}", file=sys.stderr)
         return exit_code(exc)
+    for line in decision_warnings(summary, getattr(args, "warn_above", 1.0)):
+        logging.getLogger("megatron_sft_idx.preprocess").warning(line)
     if args.summary_json:
         with open(args.summary_json, "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=2, sort_keys=True)
@@ -256,10 +287,15 @@ def _report(prog: str, run, cfg, args, formatter) -> int:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    configure_logging(PROG, args.verbose, args.quiet)
     if not args.tokenizer and args.input_format not in ("tokens",) and args.vocab_size is None:
         parser.error("--tokenizer is required (or --input-format tokens with --vocab-size)")
+    if args.chat_template and not args.tokenizer:
+        parser.error("--chat-template needs --tokenizer")
+    problem = usage_problem(args)
+    if problem:
+        parser.error(problem)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from .pipeline import run
 
-    return run_and_report("preprocess_sft", run, _config(args), args)
+    return run_and_report(PROG, run, _config(args), args)

@@ -63,13 +63,17 @@ class EncodeOptions:
     pad_layout: str = "stored"
     tokenizer_backend: str = "auto"   # auto | gigatoken | hf (fast_tokenizer): the same bytes either way
     span_method: str = "auto"         # auto (one render, proven) | prefix (reference): the same bytes
+    chat_template: Optional[str] = None   # --chat-template's text, instead of the tokenizer's own
 
     def to_dict(self) -> dict:
         """What decides the encoded bytes (the store's identity): not the backend or span method,
         which are checked to give the same bytes as the reference path."""
-        return {"vocab_size": self.vocab_size, "loss_on": self.loss_on, "input_format": self.input_format,
-                "prompt_key": self.prompt_key, "completion_key": self.completion_key,
-                "skip_bad": self.skip_bad}
+        out = {"vocab_size": self.vocab_size, "loss_on": self.loss_on, "input_format": self.input_format,
+               "prompt_key": self.prompt_key, "completion_key": self.completion_key,
+               "skip_bad": self.skip_bad}
+        if self.chat_template is not None:  # (absent: stores as before the flag)
+            out["chat_template"] = self.chat_template
+        return out
 
 
 @dataclass
@@ -111,7 +115,8 @@ def preload(options) -> None:
     """Load the tokenizers once in the parent, so forked workers start with them (a 128k-token
     tokenizer takes seconds to load); gigatoken then encodes on each worker's own thread."""
     if options.tokenizer_path:
-        fast = _load_fast(load_chat_tokenizer(options.tokenizer_path), getattr(options, "tokenizer_backend", "auto"))
+        fast = _load_fast(load_chat_tokenizer(options.tokenizer_path, getattr(options, "chat_template", None)),
+                          getattr(options, "tokenizer_backend", "auto"))
         if fast is not None:  # load the numba kernel from its cache here, not once per worker
             ids, off = fast.encode(["warm up"])
             fast.trained_flags(["warm up"], [[(0, 4)]], ids, off)
@@ -127,7 +132,8 @@ class RecordEncoder:
 
     def __init__(self, options) -> None:
         self.options = options
-        self.tok = load_chat_tokenizer(options.tokenizer_path) if options.tokenizer_path else None
+        self.tok = (load_chat_tokenizer(options.tokenizer_path, getattr(options, "chat_template", None))
+                    if options.tokenizer_path else None)
         backend = getattr(options, "tokenizer_backend", "auto")
         method = getattr(options, "span_method", "auto")
         self.fast = _load_fast(self.tok, backend) if self.tok else None

@@ -66,7 +66,7 @@ class MaterializeStep:
         plan = PackPlan(self.plan_path)
         settings = plan.metadata["settings"]
         gather = Gatherer(store, settings["pack_size"], settings["pad_multiple"], self.pad_id,
-                          settings.get("pad_layout", "stored"))
+                          settings.get("pad_layout", "stored"), settings.get("truncated_turn_loss", "keep"))
         arrays = plan.arrays(out.split)
         first, last = int(arrays["shard_starts"][out.shard]), int(arrays["shard_starts"][out.shard + 1])
         with IndexedDatasetBuilder(out.staged, overwrite=True, vocab_size=self.vocab_size,
@@ -100,13 +100,14 @@ class Gatherer:
     """Builds packs from store sequences: truncation, padding and the truncated-end mask rule."""
 
     def __init__(self, store: SequenceStore, pack_size: int, pad_multiple: int, pad_id: int,
-                 pad_layout: str = "stored") -> None:
+                 pad_layout: str = "stored", truncated_turn_loss: str = "keep") -> None:
         self.store = store
         self.part_starts = store.starts()
         self.truncate_to = truncation_length(pack_size, pad_multiple, pad_layout)
         self.pad_multiple = pad_multiple
         self.pad_layout = pad_layout
         self.pad_id = pad_id
+        self.drop_cut_turn = truncated_turn_loss == "drop"
         self._advised = set()
 
     def _part(self, k: int):
@@ -142,7 +143,8 @@ class Gatherer:
             ds = self._part(int(k))
             arr = ds.arrays()
             src = np.asarray(ds.sequence_pointers[local[sel]]) // ds.dtype.itemsize
-            fill_sequences(ids, mask, dst[sel], arr.tokens, arr.loss_mask, src, copy[sel], full[sel])
+            fill_sequences(ids, mask, dst[sel], arr.tokens, arr.loss_mask, src, copy[sel], full[sel],
+                           self.drop_cut_turn)
         if release:  # a long scan keeps RSS at one chunk; random single reads keep their pages
             for k in touched:
                 self._part(int(k)).release_pages()

@@ -6,11 +6,14 @@ the same :class:`PackJob` over the same store gives the same bytes either way.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from .._progress import Progress
+from .._units import plural
 from ..errors import ShardError
 from ..format import PUBLISH_ORDER
 from . import outputs
@@ -21,6 +24,8 @@ from .receipts import ReceiptBook, settings_key
 from .remote_outputs import is_remote, publish_remote
 from .store import SequenceStore
 from .workdir import WorkDir
+
+log = logging.getLogger("megatron_sft_idx.preprocess")
 
 
 @dataclass(frozen=True)
@@ -108,7 +113,7 @@ def staged_set(shards: Sequence[OutputShard], plan: dict, job: PackJob) -> Stage
 
 
 def run_pack(store: SequenceStore, job: PackJob, engine, work: WorkDir, run_key: str,
-             replaced: Sequence[str], times: Dict[str, float], bar=None,
+             replaced: Sequence[str], times: Dict[str, float], progress: Optional[Progress] = None,
              resumed: Optional[Dict[str, int]] = None) -> PackResult:
     """Plan (one unit), materialize (one unit per output shard), verify/gate, publish.
 
@@ -119,34 +124,39 @@ def run_pack(store: SequenceStore, job: PackJob, engine, work: WorkDir, run_key:
     """
     b = books(work, run_key, job)
     resumed = {} if resumed is None else resumed
+    progress = progress or Progress.of(False)
     t = time.perf_counter()
     plan = b["plan"].read(0)
     resumed["plan"] = int(plan is not None)
     if plan is None:
         step = PlanStep(store.directory, job.settings, work.plan, b["plan"])
-        engine.map(step, [0], lambda r: None)
+        with progress.phase("plan", store.sequence_count, unit="conversations") as bar:
+            engine.map(step, [0], lambda r: bar.update(store.sequence_count))
         plan = b["plan"].read(0)
     times["plan"] = time.perf_counter() - t
+    log.info("plan: %s kept of %s, %s truncated, %s in %s", f"{plan['conversations']:,}",
+             f"{store.sequence_count:,}", f"{plan['truncated']:,}",
+             plural(sum(sp["packs"] for sp in plan["splits"]), "pack"),
+             plural(sum(sp["shards"] for sp in plan["splits"]), "shard"))
     t = time.perf_counter()
     shards = output_shards(store, job, plan, work.staged)
     done = b["materialize"].completed(range(len(shards)))
     resumed["materialize"] = len(done)
     step = MaterializeStep(store.directory, work.plan, tuple(shards), job.pad_id, job.vocab_size, b["materialize"])
 
-    def on_done(receipt: dict) -> None:
-        done[receipt["unit"]] = receipt
-        if bar is not None:
+    todo = [u for u in range(len(shards)) if u not in done]
+    total = sum(sp["packs"] for sp in plan["splits"]) - sum(r["packs"] for r in done.values())
+    with progress.phase("write", total, unit="packs") as bar:
+        def on_done(receipt: dict) -> None:
+            done[receipt["unit"]] = receipt
             bar.update(receipt["packs"])
 
-    if bar is not None:
-        bar.reset(total=sum(sp["packs"] for sp in plan["splits"]))
-        bar.update(sum(r["packs"] for r in done.values()))
-    engine.map(step, [u for u in range(len(shards)) if u not in done], on_done)
+        engine.map(step, todo, on_done)
     times["materialize"] = time.perf_counter() - t
     result = PackResult(plan, [done[u] for u in range(len(shards))], None, None, staged_set(shards, plan, job))
     checked = b["checks"].read(0)
     if checked is None:  # (a resumed publish has passed them already, and moved the staged files)
-        checked = b["checks"].write(0, _checks(store, job, work, shards, times))
+        checked = b["checks"].write(0, _checks(store, job, work, shards, times, progress))
     result.verify, result.gate = checked["verify"], checked["gate"]
     t = time.perf_counter()
     resumed["publish"] = len(b["publish"].completed(range(len(shards))))
@@ -154,31 +164,33 @@ def run_pack(store: SequenceStore, job: PackJob, engine, work: WorkDir, run_key:
     b["intent"].write(0, {"files": sorted({s.final + x for s in shards for x in PUBLISH_ORDER}
                                           | {path for path, _ in result.staged.manifests})})
     work.publishing = True
-    if is_remote(job.output_prefix):
-        publish_remote(result.staged, replaced, b["publish"])
-    else:
-        publish(result.staged, replaced, b["publish"])
+    with progress.phase("publish", len(shards), unit="shards") as bar:
+        publish_to = publish_remote if is_remote(job.output_prefix) else publish
+        publish_to(result.staged, replaced, b["publish"], on_shard=lambda: bar.update(1))
     times["publish"] = time.perf_counter() - t
     return result
 
 
-def _checks(store, job: PackJob, work: WorkDir, shards, times) -> dict:
+def _checks(store, job: PackJob, work: WorkDir, shards, times, progress: Progress) -> dict:
     """``--verify-masks`` and ``--check`` on the staged shards; raises when either fails."""
     out = {"verify": None, "gate": None}
     if job.verify_masks:
         from .verify import verify_masks
 
         t = time.perf_counter()
-        out["verify"] = verify_masks(store, work.plan, shards, job, job.verify_masks)
+        with progress.phase("verify-masks", job.verify_masks, unit="conversations") as bar:
+            out["verify"] = verify_masks(store, work.plan, shards, job, job.verify_masks)
+            bar.update(out["verify"]["checked"])
         times["verify_masks"] = time.perf_counter() - t
     if job.check:
         t = time.perf_counter()
-        out["gate"] = run_gate([s.staged for s in shards])
+        with progress.phase("check", len(shards), unit="shards") as bar:
+            out["gate"] = run_gate([s.staged for s in shards], on_shard=lambda: bar.update(1))
         times["check"] = time.perf_counter() - t
     return out
 
 
-def run_gate(prefixes: Sequence[str]) -> dict:
+def run_gate(prefixes: Sequence[str], on_shard=None) -> dict:
     """Run the promotion gate on every staged shard.
 
     Raises:
@@ -188,8 +200,14 @@ def run_gate(prefixes: Sequence[str]) -> dict:
         from ..gate import check
     except ImportError as exc:
         raise ShardError(f"--check needs megatron_sft_idx.gate ({exc})", field="check") from None
-    report = check(list(prefixes), level="standard")
-    if not report.passed:
+    report = None
+    for prefix in prefixes:  # one shard at a time: progress per shard, and the first failure stops
+        report = check([prefix], level="standard")
+        if not report.passed:
+            break
+        if on_shard is not None:
+            on_shard()
+    if report is not None and not report.passed:
         raise ShardError("the gate rejected the output; nothing was published:\n" + report.format_text(),
                          field="check")
     return {"passed": True, "shards": len(prefixes)}

@@ -18,6 +18,7 @@ run was interrupted and resumed.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -25,11 +26,13 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from .._extras import MissingExtraError, require_extra
+from .._extras import MissingExtraError
+from .._progress import Progress
+from .._units import human_bytes, plural
 from ..errors import OutputError, ShardError, ShardExistsError
 from ..packing import pad_multiple_for
 from . import outputs
-from .chat import load_chat_tokenizer
+from .chat import load_chat_tokenizer, resolve_chat_template
 from .encode import EncodeOptions
 from .engine import make_engine
 from .errors import output_error
@@ -44,6 +47,8 @@ from .store import STORE_FILE, SequenceStore, tokenize_book, write_store_file
 from .summary import build_summary
 from .tokenize import IndexStep, TokenizeStep
 from .workdir import Lock, WorkDir
+
+log = logging.getLogger("megatron_sft_idx.preprocess")
 
 
 @dataclass
@@ -77,7 +82,7 @@ class Config:
     batch_size: int = 256
     check: bool = False
     verify_masks: int = 0
-    progress: bool = True
+    progress: object = True          # a _progress.Progress, or True (bar on a terminal, else log lines) / False
     store: Optional[str] = None
     resume: bool = False
     engine: str = "local"
@@ -87,13 +92,8 @@ class Config:
     tokenizer_backend: str = "auto"   # the same bytes either way (checked): not in the store's identity
     span_method: str = "auto"
     staging_dir: Optional[str] = None  # an s3:// / msc:// output is built here, then uploaded
-
-
-def _progress(enabled: bool, **kw):
-    require_extra("preprocess", "tqdm")
-    from tqdm import tqdm
-
-    return tqdm(disable=not enabled, dynamic_ncols=True, mininterval=0.5, **kw)
+    truncated_turn_loss: str = "keep"  # keep | drop: loss on an assistant turn cut by truncation
+    chat_template: Optional[str] = None  # a Jinja file, or a name of one of the tokenizer's templates
 
 
 def resolve_pad_multiple(cfg) -> int:
@@ -113,7 +113,8 @@ def plan_settings(cfg, mult: int, vocab: Optional[int]) -> PlanSettings:
         pack_size=cfg.pack_size, pad_multiple=mult, algorithm=cfg.algorithm, seed=cfg.seed,
         split=tuple(cfg.split) if cfg.split else None, overlong=cfg.overlong, skip_bad=cfg.skip_bad,
         max_packs_per_shard=cfg.max_packs_per_shard, max_shard_bytes=cfg.max_shard_bytes,
-        itemsize=2 if (vocab or 0) and vocab <= 65536 else 4, pad_layout=cfg.pad_layout)
+        itemsize=2 if (vocab or 0) and vocab <= 65536 else 4, pad_layout=cfg.pad_layout,
+        truncated_turn_loss=getattr(cfg, "truncated_turn_loss", "keep"))
 
 
 def check_pad_id(pad_id: Optional[int], vocab: Optional[int]) -> int:
@@ -139,15 +140,34 @@ class Inputs:
 
 def resolve_inputs(cfg: Config) -> Inputs:
     names = expand_inputs(cfg.inputs)
-    tok = load_chat_tokenizer(cfg.tokenizer) if cfg.tokenizer else None
+    template = resolve_chat_template(cfg.chat_template, cfg.tokenizer) if cfg.chat_template and cfg.tokenizer else None
+    tok = load_chat_tokenizer(cfg.tokenizer, template) if cfg.tokenizer else None
     vocab = cfg.vocab_size or (tok.vocab_size if tok else None)
-    pad_id = check_pad_id(cfg.pad_id if cfg.pad_id is not None else (tok.pad_id if tok else None), vocab)
+    pad = cfg.pad_id if cfg.pad_id is not None else (tok.pad_id if tok else None)
+    # chat input needs a template: say so before anything else fails (auto: when the run fails anyway;
+    # else prompt/completion records, which need none, may still come)
+    if tok is not None and tok.chat_template is None and (
+            cfg.input_format in ("chat", "sharegpt") or (cfg.input_format == "auto" and pad is None)):
+        _no_template(tok, pad is None)
+    pad_id = check_pad_id(pad, vocab)
     options = EncodeOptions(tokenizer_path=tok.path if tok else None, vocab_size=vocab, loss_on=cfg.loss_on,
                             input_format=cfg.input_format, prompt_key=cfg.prompt_key,
                             completion_key=cfg.completion_key, skip_bad=cfg.skip_bad,
-                            tokenizer_backend=cfg.tokenizer_backend, span_method=cfg.span_method)
+                            tokenizer_backend=cfg.tokenizer_backend, span_method=cfg.span_method,
+                            chat_template=template)
     identity = {k: v for k, v in tok.identity().items() if k != "path"} if tok else None
     return Inputs(names, [os.path.abspath(n) for n in names], options, identity, pad_id)
+
+
+def _no_template(tok, no_pad: bool) -> None:
+    """A bare tokenizer.json: one error naming every flag the run needs (chat template, pad id)."""
+    from .chat import TEMPLATE_HINT
+
+    hint = TEMPLATE_HINT + tok.names_hint()
+    if no_pad:
+        hint += "; it has no pad or EOS token either: also pass --pad-id ID"
+    raise ShardError("the tokenizer has no chat template" + (" and no pad or EOS token" if no_pad else ""),
+                     path=tok.path, field="chat_template", hint=hint)
 
 
 # --------------------------------------------------------------------------- the store
@@ -158,7 +178,7 @@ def _normal(obj):
 
 
 def build_store(cfg: Config, inputs: Inputs, engine, directory: str, times: Dict[str, float],
-                resumed: Dict[str, int], progress: bool) -> SequenceStore:
+                resumed: Dict[str, int], progress) -> SequenceStore:
     """Index the inputs and tokenize every partition not yet in the store at ``directory``."""
     t = time.perf_counter()
     index_key = settings_key({"partition_bytes": cfg.partition_bytes, "inputs": inputs.stat()})
@@ -166,8 +186,10 @@ def build_store(cfg: Config, inputs: Inputs, engine, directory: str, times: Dict
     index = book.completed(range(len(inputs.paths)))
     resumed["index"] = len(index)
     step = IndexStep(tuple(inputs.paths), cfg.partition_bytes, book)
-    engine.map(step, [i for i in range(len(inputs.paths)) if i not in index],
-               lambda r: index.__setitem__(r["unit"], r))
+    todo = [i for i in range(len(inputs.paths)) if i not in index]
+    sizes = [size for _, size, _ in inputs.stat()]
+    with progress.phase("index", sum(sizes[i] for i in todo), byte_unit=True) as bar:
+        engine.map(step, todo, lambda r: (index.__setitem__(r["unit"], r), bar.update(sizes[r["unit"]])))
     times["index"] = time.perf_counter() - t
     t = time.perf_counter()
     infos = [{"name": n, "sha256": index[i]["sha256"], "bytes": index[i]["bytes"]}
@@ -181,11 +203,23 @@ def build_store(cfg: Config, inputs: Inputs, engine, directory: str, times: Dict
     meta = [_part_metadata(inputs, info, cfg.input_format) for info in infos]
     step = TokenizeStep(directory, store_id, tuple(inputs.paths), tuple(inputs.names), tuple(parts),
                         inputs.options, cfg.batch_size, cfg.max_record_bytes, tuple(meta))
-    with _progress(progress, desc="tokenize", unit="conv") as bar:
-        bar.update(sum(r["records"] for r in done.values()))
-        engine.map(step, [k for k in range(len(parts)) if k not in done], lambda r: bar.update(r["records"]))
+    todo = [k for k in range(len(parts)) if k not in done]
+    size, byte_unit = partition_sizes(parts)
+    log.info("tokenize: %s to do (%d done before), %s of input", plural(len(todo), "partition"), len(done),
+             human_bytes(sum(info["bytes"] for info in infos)))
+    with progress.phase("tokenize", sum(size[k] for k in todo), unit="" if byte_unit else "partitions",
+                        byte_unit=byte_unit) as bar:
+        engine.map(step, todo, lambda r: bar.update(size[r["unit"]]))
     times["tokenize"] = time.perf_counter() - t
     return SequenceStore(directory)
+
+
+def partition_sizes(parts: List[Partition]):
+    """Each partition's share of the tokenize phase: its bytes when every partition is a byte range
+    of a JSONL file (the common case), else 1 each (compressed streams, Parquet row groups)."""
+    if parts and all(p.kind == "lines" and p.end >= p.start for p in parts):
+        return [p.end - p.start for p in parts], True
+    return [1] * len(parts), False
 
 
 def _part_metadata(inputs: Inputs, info: dict, input_format: str) -> dict:
@@ -229,7 +263,7 @@ def _user_store(directory: str, resume: bool) -> Lock:
 
 
 def execute(job: PackJob, run_key: str, resume: bool, engine_kind: str, workers: int,
-            ray_address: Optional[str], get_store: Callable, times: Dict[str, float], progress: bool,
+            ray_address: Optional[str], get_store: Callable, times: Dict[str, float], progress,
             kept_store: Optional[str]) -> dict:
     """Everything after the settings are resolved, for preprocess_sft and repack_sft alike:
     the work directory, the engine, ``get_store(engine, work, resumed)``, the pack stages, the
@@ -253,8 +287,7 @@ def execute(job: PackJob, run_key: str, resume: bool, engine_kind: str, workers:
             engine = make_engine(engine_kind, workers, ray_address)
             resumed: Dict[str, int] = {}
             store = get_store(engine, work, resumed)
-            with _progress(progress, desc="write", unit="pack") as bar:
-                result = run_pack(store, job, engine, work, run_key, replaced, times, bar, resumed)
+            result = run_pack(store, job, engine, work, run_key, replaced, times, Progress.of(progress), resumed)
             summary = build_summary(store, job, result, times, workers, engine.describe(), resumed, kept_store)
             books(work, run_key)["done"].write(0, {"summary": summary})
             committed()  # (a signal from here on is ignored by the tool, or caught below)
@@ -328,7 +361,8 @@ def run(cfg: Config) -> dict:
     def get_store(engine, work: WorkDir, resumed: Dict[str, int]) -> SequenceStore:
         lock = _user_store(store_dir, cfg.resume) if store_dir else None
         try:
-            return build_store(cfg, inputs, engine, store_dir or work.store, times, resumed, cfg.progress)
+            return build_store(cfg, inputs, engine, store_dir or work.store, times, resumed,
+                               Progress.of(cfg.progress))
         finally:
             if lock is not None:
                 lock.release()

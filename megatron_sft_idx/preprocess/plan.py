@@ -20,10 +20,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numba
 import numpy as np
 
-from ..errors import ShardError
+from ..errors import ShardError, ShardNotFoundError
 from ..packing import pack_lengths_csr, packing_summary, padded_length, truncation_length
 from ..packing.algorithms import index_dtype
-from ._materialize import exclusive_cumsum
+from ._materialize import cut_turns, exclusive_cumsum
 from .errors import input_error
 from .planfile import PLAN_FORMAT, PlanWriter
 from .receipts import ReceiptBook
@@ -48,6 +48,7 @@ class PlanSettings:
     max_shard_bytes: Optional[int]
     itemsize: int                   # bytes per output token (for --max-shard-bytes)
     pad_layout: str = "stored"      # which length the pad multiple applies to (packing/padding.py)
+    truncated_turn_loss: str = "keep"   # keep | drop: loss on an assistant turn cut by truncation
 
     @property
     def truncate_to(self) -> int:
@@ -64,6 +65,8 @@ class PlanSettings:
     def to_dict(self) -> dict:
         out = asdict(self)
         out["split"] = list(self.split) if self.split else None
+        if self.truncated_turn_loss == "keep":  # the default: plans (and run keys) as before the flag
+            del out["truncated_turn_loss"]
         return out
 
 
@@ -180,6 +183,7 @@ class Kept:
     padding_tokens: int
     skipped: Dict[str, int]
     first_skipped: Dict[str, str]
+    cut_turns: int = 0                  # truncated conversations whose cut fell inside a trained turn
 
 
 #: Skip reason of an overlong conversation that is not kept, by --overlong mode.
@@ -214,6 +218,7 @@ def load_kept(store: SequenceStore, s: PlanSettings) -> Kept:
     skipped: Dict[str, int] = {}
     first: Dict[str, str] = {}
     trunc = s.truncate_to
+    cut_total = 0
     for k, part in enumerate(store.partitions):
         rows = store.rows(k)
         full = rows["length"]
@@ -221,6 +226,11 @@ def load_kept(store: SequenceStore, s: PlanSettings) -> Kept:
         if drop.any():
             if s.overlong == "truncate":
                 drop &= rows["first_trained"] >= trunc - 1
+                cut, untrainable = _cut_turns(store, k, rows, ~drop & (full > trunc), trunc,
+                                              required=s.truncated_turn_loss == "drop")
+                cut_total += int(cut.sum())
+                if s.truncated_turn_loss == "drop":
+                    drop |= untrainable
             bad = np.flatnonzero(drop)
             if bad.size:
                 name, line, length = store.inputs[part.file]["name"], int(rows["line"][bad[0]]), int(full[bad[0]])
@@ -241,7 +251,34 @@ def load_kept(store: SequenceStore, s: PlanSettings) -> Kept:
         n += kept.size
         base += full.size
     gone = np.concatenate(dropped) if dropped else np.empty(0, np.int64)
-    return Kept(padded[:n], gone, truncated, padding, skipped, first)
+    return Kept(padded[:n], gone, truncated, padding, skipped, first, cut_total)
+
+
+def _cut_turns(store: SequenceStore, k: int, rows: np.ndarray, truncated: np.ndarray, trunc: int,
+               required: bool = True):
+    """Over partition ``k``'s rows: which truncated conversations are cut inside a trained turn,
+    and which would train nothing once that turn is masked (``--truncated-turn-loss drop``).
+    Reads one mask byte per truncated conversation (a little more when a turn is cut). A store of
+    lengths only (``bench/plan.py``'s) counts nothing unless the answer changes the plan (``required``)."""
+    cut = np.zeros(rows.size, dtype=np.bool_)
+    untrainable = np.zeros(rows.size, dtype=np.bool_)
+    which = np.flatnonzero(truncated)
+    try:
+        ds = store.part(k) if which.size else None
+    except ShardNotFoundError:
+        if required:
+            raise
+        ds = None
+    if ds is None:
+        return cut, untrainable
+    starts = np.asarray(ds.sequence_pointers[which]) // ds.dtype.itemsize
+    first = np.asarray(rows["first_trained"][which], dtype=np.int64)
+    c = np.empty(which.size, dtype=np.bool_)
+    u = np.empty(which.size, dtype=np.bool_)
+    cut_turns(ds.arrays().loss_mask, starts.astype(np.int64), first, int(trunc), c, u)
+    ds.release_pages()
+    cut[which], untrainable[which] = c, u
+    return cut, untrainable
 
 
 def store_ids(kept: np.ndarray, dropped: np.ndarray) -> np.ndarray:
@@ -305,7 +342,8 @@ def write_plan(store: SequenceStore, s: PlanSettings, path: str) -> dict:
         empty = [name for i, name in enumerate(s.split_names) if not counts[i]]
         meta = {"format": PLAN_FORMAT, "settings": s.to_dict(),
                 "store": {"store_id": store.store_id, "sequences": store.sequence_count},
-                "conversations": n, "truncated": kept.truncated, "padding_tokens": kept.padding_tokens,
+                "conversations": n, "truncated": kept.truncated, "truncated_turns_cut": kept.cut_turns,
+                "padding_tokens": kept.padding_tokens,
                 "skipped": kept.skipped, "first_skipped": kept.first_skipped,
                 "splits": splits, "empty_splits": empty}
         writer.close(meta)

@@ -45,11 +45,12 @@ def published_files(staged: StagedSet, book: ReceiptBook) -> set:
     return {staged.shards[i].final + s for i in done for s in PUBLISH_ORDER}
 
 
-def publish(staged: StagedSet, replaced: Sequence[str], book: ReceiptBook) -> None:
+def publish(staged: StagedSet, replaced: Sequence[str], book: ReceiptBook, on_shard=None) -> None:
     """Move every staged shard to its final prefix, then write the manifests.
 
     ``replaced`` are existing output files of an earlier generation (``--overwrite``); they are
     removed after the manifests and before any shard is moved, ``.idx`` files first.
+    ``on_shard()`` is called after each shard (progress).
 
     Raises:
         ShardError: a staged file is missing (the staging directory was tampered with).
@@ -65,6 +66,8 @@ def publish(staged: StagedSet, replaced: Sequence[str], book: ReceiptBook) -> No
         if i not in done:
             _move_shard(shard)
             book.write(i, {"final": shard.final}, [shard.final + s for s in PUBLISH_ORDER])
+        if on_shard is not None:
+            on_shard()
     for path, finals in staged.manifests:
         from ..training.multi import write_manifest
 

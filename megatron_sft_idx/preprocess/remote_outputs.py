@@ -128,9 +128,10 @@ def existing_remote_outputs(bases: Sequence[str]) -> List[str]:
     return sorted(set(found))
 
 
-def publish_remote(staged: StagedSet, replaced: Sequence[str], book: ReceiptBook) -> None:
+def publish_remote(staged: StagedSet, replaced: Sequence[str], book: ReceiptBook, on_shard=None) -> None:
     """Upload the gated staged set: old manifests and replaced objects removed (``.idx``
     first), each shard data first and ``.idx`` last with a receipt, then the manifests.
+    ``on_shard()`` is called after each shard (progress).
 
     Raises:
         OutputError: a request failed for good (the URL named; the work directory is kept,
@@ -149,6 +150,8 @@ def publish_remote(staged: StagedSet, replaced: Sequence[str], book: ReceiptBook
             _call(lambda: upload_shard(shard.staged, shard.final, replace=True), shard.final, "upload the shard")
             book.write(i, {"final": shard.final}, [shard.staged + s for s in PUBLISH_ORDER
                                                    if os.path.exists(shard.staged + s)])
+        if on_shard is not None:
+            on_shard()
     staged_of: Dict[str, str] = {s.final: s.staged for s in staged.shards}
     for path, finals in staged.manifests:
         local = _local_manifest(path, [staged_of[f] for f in finals])

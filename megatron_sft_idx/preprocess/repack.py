@@ -1,4 +1,4 @@
-"""``repack_sft``: new packed shards from an existing sequence store, without re-tokenizing.
+"""``repack-sft``: new packed shards from an existing sequence store, without re-tokenizing.
 
 The store is what ``preprocess_sft --store DIR`` kept. A new pack size, pad multiple
 (``--cp/--tp/--sp``), algorithm, seed, split or shard size only re-plans and re-materializes;
@@ -15,14 +15,14 @@ Example::
 from __future__ import annotations
 
 import argparse
-import logging
 import os
-import sys
 import time
 from dataclasses import dataclass
 from typing import Dict, Optional, Sequence
 
-from .cli import add_packing_arguments, add_run_arguments, add_staging_argument, run_and_report
+from .._progress import configure_logging
+from .cli import (add_packing_arguments, add_run_arguments, add_staging_argument, progress_of, run_and_report,
+                  usage_problem)
 from .errors import output_error
 
 
@@ -53,8 +53,9 @@ class RepackConfig:
     verify_masks: int = 0
     tokenizer: Optional[str] = None
     plan_only: Optional[str] = None
-    progress: bool = True
+    progress: object = True
     staging_dir: Optional[str] = None  # an s3:// / msc:// output is built here, then uploaded
+    truncated_turn_loss: str = "keep"
 
 
 def _job(cfg: RepackConfig, store):
@@ -116,13 +117,29 @@ def plan_only(store, job, path: str) -> dict:
             "empty_splits": meta["empty_splits"], "seconds": {"plan": round(time.perf_counter() - t, 3)}}
 
 
+PROG = "repack-sft"
+DESCRIPTION = """\
+New packed shards from a sequence store kept by preprocess-sft --store, without tokenizing again.
+
+A new pack size, pad multiple (--cp/--tp/--sp), algorithm, seed, split or shard size only
+plans and writes again; the shards are byte-identical to those of a fresh preprocess-sft with
+the same inputs and settings. --plan-only PATH writes just the pack plan, to serve packs
+virtually (VirtualPackedDataset) without writing any token.
+
+Example:
+
+  repack-sft --store /data/sft/store --output-prefix /data/sft/cp4/chat \\
+      --pack-size 8192 --cp 4 --split 98,1,1 --workers 8
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="repack_sft", description=__doc__,
+    p = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     io = p.add_argument_group("input and output")
     io.add_argument("--store", required=True, metavar="DIR",
-                    help="a sequence store kept by preprocess_sft --store DIR (complete)")
-    io.add_argument("--output-prefix", help="output shard prefix, as preprocess_sft's (required unless "
+                    help="a sequence store kept by preprocess-sft --store DIR (complete)")
+    io.add_argument("--output-prefix", help="output shard prefix, as preprocess-sft's (required unless "
                                             "--plan-only)")
     io.add_argument("--plan-only", metavar="PATH",
                     help="write only the pack plan to PATH (for VirtualPackedDataset); no shards")
@@ -142,24 +159,31 @@ def _config(args) -> RepackConfig:
         split=args.split, max_packs_per_shard=args.max_packs_per_shard, max_shard_bytes=args.max_shard_bytes,
         skip_bad=args.skip_bad, workers=args.workers, engine=args.engine, ray_address=args.ray_address,
         resume=args.resume, overwrite=args.overwrite, check=args.check, verify_masks=args.verify_masks,
-        tokenizer=args.tokenizer, plan_only=args.plan_only, progress=not args.quiet and sys.stderr.isatty(),
-        staging_dir=args.staging_dir)
+        tokenizer=args.tokenizer, plan_only=args.plan_only, progress=progress_of(PROG, args),
+        staging_dir=args.staging_dir, truncated_turn_loss=args.truncated_turn_loss)
 
 
 def format_plan_summary(s: dict) -> str:
-    lines = [f"plan                {s['plan']}: {s['conversations']} conversations, {s['truncated']} truncated"]
+    from .._units import plural
+
+    lines = [f"plan                {s['plan']}: {plural(s['conversations'], 'conversation')}, "
+             f"{s['truncated']:,} truncated"]
     for name, sp in s["splits"].items():
-        lines.append(f"split {name:<13} {sp['conversations']} conv -> {sp['packs']} packs in {sp['shards']} "
-                     f"shard(s), efficiency {100 * sp['packing_efficiency']:.2f}%")
+        lines.append(f"split {name:<13} {plural(sp['conversations'], 'conversation')} -> "
+                     f"{plural(sp['packs'], 'pack')} in {plural(sp['shards'], 'shard')}, "
+                     f"efficiency {100 * sp['packing_efficiency']:.2f}%")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    configure_logging(PROG, args.verbose, args.quiet)
     if not args.output_prefix and not args.plan_only:
         parser.error("--output-prefix is required (or --plan-only PATH)")
+    problem = usage_problem(args)
+    if problem:
+        parser.error(problem)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     formatter = format_plan_summary if args.plan_only else None
-    return run_and_report("repack_sft", repack, _config(args), args, formatter)
+    return run_and_report(PROG, repack, _config(args), args, formatter)

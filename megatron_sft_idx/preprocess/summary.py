@@ -53,6 +53,8 @@ def build_summary(store: SequenceStore, job: PackJob, result: PackResult, times:
         "skipped": skipped,
         "skipped_examples": first,
         "truncated": result.plan["truncated"],
+        "truncated_turns_cut": result.plan.get("truncated_turns_cut", 0),
+        "truncated_turn_loss": s.truncated_turn_loss,
         "sequences": sum(x["sequence_count"] for x in stats),
         "packs": packs,
         "tokens": tokens,
@@ -76,3 +78,122 @@ def build_summary(store: SequenceStore, job: PackJob, result: PackResult, times:
 
 def _split_of(receipt: dict) -> str:
     return receipt["metadata"]["extra"]["split"]
+
+
+# --------------------------------------------------------------------------- as text
+
+
+_REASONS = {"overlong_dropped": "overlong, dropped",
+            "overlong_untrainable_after_truncation": "nothing trained after truncation",
+            "overlong": "overlong", "no_trainable_tokens": "nothing trained",
+            "bad_record": "bad record"}
+
+
+def reason_text(reason: str) -> str:
+    return _REASONS.get(reason, reason.replace("_", " "))
+
+
+def skipped_text(skipped: Dict[str, int]) -> str:
+    """``"3 (2 overlong, dropped; 1 bad record)"`` or ``"none"``."""
+    total = sum(skipped.values())
+    if not total:
+        return "none"
+    return f"{total:,} (" + "; ".join(f"{n:,} {reason_text(r)}" for r, n in sorted(skipped.items())) + ")"
+
+
+def format_summary(s: dict) -> str:
+    """The run summary as the table ``preprocess-sft`` and ``repack-sft`` print (no Python reprs)."""
+    from .._units import human_bytes, plural
+
+    records = f", {plural(s['records_read'], 'record')}" if "records_read" in s else ""
+    lines = [
+        f"inputs              {plural(len(s['inputs']), 'file')}{records}",
+        f"conversations       {s['conversations']:,} kept, skipped {skipped_text(s['skipped'])}",
+        f"truncated           {_truncated_text(s)}",
+        f"sequences / packs   {s['sequences']:,} / {s['packs']:,} (pack size {s['pack_size']:,}, "
+        f"pad multiple {s['pad_seq_to_mult']}, {s['algorithm']})",
+        f"tokens              {s['tokens']:,} ({s['padding_tokens']:,} padding), trainable "
+        f"{s['trainable_tokens']:,} ({100 * s['trainable_share']:.1f}%)",
+        f"packing efficiency  {100 * s['packing_efficiency']:.2f}%",
+    ]
+    for name, sp in s["splits"].items():
+        shards = sp["shards"]
+        size = f", {human_bytes(sp['bytes'])}" if sp.get("bytes") else ""
+        lines.append(f"split {name:<13} {plural(sp['conversations'], 'conversation')} -> "
+                     f"{plural(sp['packs'], 'pack')} in {plural(len(shards), 'shard')}{size}: "
+                     f"{shards[0]}{' ...' if len(shards) > 1 else ''}")
+    if s.get("empty_splits"):
+        lines.append(f"empty splits        {', '.join(s['empty_splits'])} (too few conversations; not written)")
+    if s.get("verify_masks"):
+        lines.append(f"verify-masks        {verify_text(s['verify_masks'])}")
+    if s.get("check"):
+        lines.append(f"check               gate passed on {plural(s['check']['shards'], 'shard')}")
+    if s.get("manifests"):
+        lines.append(f"manifests           {', '.join(s['manifests'])}")
+    if s.get("store"):
+        lines.append(f"sequence store      {s['store']} (repack with repack-sft --store)")
+    resumed = {k: v for k, v in (s.get("resumed_units") or {}).items() if v}
+    if resumed:
+        lines.append("resumed             " + ", ".join(f"{k} {plural(v, 'unit')}" for k, v in resumed.items())
+                     + " done before")
+    seconds = s["seconds"]
+    lines.append(f"time                {sum(seconds.values()):.2f} s ("
+                 + ", ".join(f"{k} {v:.2f}" for k, v in seconds.items()) + ")")
+    rss = s["peak_rss_mib"]
+    lines.append(f"peak RSS            main {rss['main']:,.0f} MiB, workers {rss['workers_max']:,.0f} MiB")
+    return "\n".join(lines)
+
+
+def _truncated_text(s: dict) -> str:
+    text = f"{s['truncated']:,}"
+    cut = s.get("truncated_turns_cut") or 0
+    if s["truncated"]:
+        mode = s.get("truncated_turn_loss", "keep")
+        what = "loss kept on the tokens before the cut" if mode == "keep" else "the cut reply masked"
+        text += f", {cut:,} cut inside an assistant reply ({what}: --truncated-turn-loss {mode})"
+    return text
+
+
+def verify_text(v: dict) -> str:
+    """``"20 conversations OK"``, or how many of those asked for were checked and why not all."""
+    from .._units import plural
+
+    checked, requested = v["checked"], v.get("requested", v["checked"])
+    text = f"{plural(checked, 'conversation')} OK"
+    if checked < requested:
+        why = []
+        if v.get("skipped_truncated"):
+            why.append(f"{v['skipped_truncated']:,} truncated ones are not sampled (their masks are cut)")
+        if v.get("eligible", checked) < requested:
+            why.append(f"only {v.get('eligible', checked):,} untruncated conversations were written")
+        text = f"{checked:,} of {requested:,} requested conversations OK ({'; '.join(why) or 'fewer written'})"
+    return text
+
+
+def decision_warnings(s: dict, threshold_pct: float) -> List[str]:
+    """Warnings, with counts and rates, for decisions that touched more than ``threshold_pct``
+    percent of the conversations: truncation, and conversations skipped or dropped."""
+    out: List[str] = []
+    if "skipped" not in s or "conversations" not in s:  # e.g. repack-sft --plan-only
+        return out
+    kept = s["conversations"]
+    skipped = sum(s["skipped"].values())
+    seen = kept + skipped
+    if not seen:
+        return out
+    limit = threshold_pct / 100.0
+    truncated = s.get("truncated", 0)
+    if kept and truncated / kept > limit:
+        cut = s.get("truncated_turns_cut") or 0
+        mode = s.get("truncated_turn_loss", "keep")
+        detail = (f"; {cut:,} of them cut inside an assistant reply, which "
+                  + ("keeps its loss with no end-of-turn (--truncated-turn-loss drop masks it)" if mode == "keep"
+                     else "was masked (--truncated-turn-loss drop)")) if cut else ""
+        out.append(f"{truncated:,} of {kept:,} conversations ({100 * truncated / kept:.1f}%) were truncated to "
+                   f"--pack-size {s.get('pack_size', '?')}{detail}; above the {threshold_pct:g}% threshold: "
+                   f"raise --pack-size or pass --overlong drop (--warn-above sets the threshold)")
+    if skipped / seen > limit:
+        out.append(f"{skipped:,} of {seen:,} conversations ({100 * skipped / seen:.1f}%) were not written: "
+                   f"{skipped_text(s['skipped'])}; above the {threshold_pct:g}% threshold "
+                   f"(the summary's skipped_examples name the first of each; --warn-above sets the threshold)")
+    return out

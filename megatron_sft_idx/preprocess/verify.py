@@ -120,8 +120,8 @@ def _source_records(store, wanted: Dict[int, set]) -> dict:
 
 
 def _choose(store, plan: PackPlan, trunc: int, count: int, seed: int) -> np.ndarray:
-    """Store ids of ``count`` planned conversations no longer than ``trunc`` (seeded), and how
-    many planned ones are longer."""
+    """Store ids of ``count`` planned conversations no longer than ``trunc`` (seeded), how many
+    planned ones are longer (their masks are cut, so not checkable), and how many are not."""
     lengths = np.concatenate([store.rows(k)["length"] for k in range(len(store.partitions))])
     planned = np.zeros(lengths.size, dtype=bool)
     for i in range(len(plan.splits)):
@@ -129,7 +129,7 @@ def _choose(store, plan: PackPlan, trunc: int, count: int, seed: int) -> np.ndar
     eligible = np.flatnonzero(planned & (lengths <= trunc))
     rng = np.random.default_rng(seed + 1)
     chosen = np.sort(rng.choice(eligible, size=min(count, eligible.size), replace=False))
-    return chosen, int(planned.sum() - eligible.size)
+    return chosen, int(planned.sum() - eligible.size), int(eligible.size)
 
 
 def verify_masks(store, plan_path: str, shards, job, count: int) -> dict:
@@ -137,14 +137,15 @@ def verify_masks(store, plan_path: str, shards, job, count: int) -> dict:
     if not job.tokenizer_path and store.tokenizer is not None:
         raise ShardError("--verify-masks needs the tokenizer to decode", field="verify_masks",
                          hint="pass --tokenizer (the one the store was tokenized with)")
-    tok = load_chat_tokenizer(job.tokenizer_path) if store.tokenizer is not None else None
+    template = store.identity["encode"].get("chat_template")  # --chat-template, when the run had one
+    tok = load_chat_tokenizer(job.tokenizer_path, template) if store.tokenizer is not None else None
     if tok is not None and tok.identity()["files_sha256"] != store.tokenizer["files_sha256"]:
         raise ShardError("--verify-masks: this is not the tokenizer the store was tokenized with",
                          path=job.tokenizer_path, field="tokenizer",
                          expected=store.tokenizer["files_sha256"], actual=tok.identity()["files_sha256"])
     encode = store.identity["encode"]
     plan = PackPlan(plan_path)
-    chosen, truncated = _choose(store, plan, job.settings.truncate_to, count, job.settings.seed)
+    chosen, truncated, eligible = _choose(store, plan, job.settings.truncate_to, count, job.settings.seed)
     starts = store.starts()
     part_of = np.searchsorted(starts, chosen, side="right") - 1
     wanted: Dict[int, set] = {}
@@ -178,4 +179,11 @@ def verify_masks(store, plan_path: str, shards, job, count: int) -> dict:
         raise ShardError(f"--verify-masks: {len(failures)} of {chosen.size} conversations have wrong masks; "
                          f"first: {failures[0]}", field="loss_mask",
                          hint="the chat template and the mask logic disagree; nothing was published")
-    return {"checked": int(chosen.size), "failures": 0, "skipped_truncated": truncated}
+    if chosen.size < count:
+        import logging
+
+        logging.getLogger("megatron_sft_idx.preprocess").info(
+            "verify-masks: %d of %d requested: %d written conversations are untruncated, %d truncated ones "
+            "are not sampled", chosen.size, count, eligible, truncated)
+    return {"checked": int(chosen.size), "failures": 0, "skipped_truncated": truncated, "requested": int(count),
+            "eligible": eligible}

@@ -72,7 +72,8 @@ class VirtualPackedDataset:
             raise ShardError("no pad id: the store has no tokenizer", field="pad_id", hint="pass pad_id=")
         self.dtype = choose_token_dtype(None if self.vocab_size is None else self.vocab_size - 1).numpy
         self.pad_layout = settings.get("pad_layout", "stored")
-        self._gather = Gatherer(self.store, self.pack_size, self.pad_seq_to_mult, int(pad_id), self.pad_layout)
+        self._gather = Gatherer(self.store, self.pack_size, self.pad_seq_to_mult, int(pad_id), self.pad_layout,
+                                settings.get("truncated_turn_loss", "keep"))
 
     def __len__(self) -> int:
         return self._n

@@ -13,6 +13,7 @@ from typing import List, Optional
 
 from ..format import ALL_SUFFIXES, PAD_LAYOUTS
 from ..packing import ALGORITHMS, DEFAULT_ALGORITHM
+from .._progress import configure_logging
 from . import _cli
 from .convert import OVERLONG, SOURCE_FORMATS, TARGETS, ConvertOptions, ConvertResult, convert, detect_source
 
@@ -22,7 +23,7 @@ _LABELS = {"npy": "legacy .npy", "parquet": "packed Parquet", "option-a": "Optio
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="convert_packed",
+        prog="convert-packed",
         description="Convert packed SFT data between Megatron-Bridge's legacy .npy, packed Parquet, the RFC's "
                     "Option A memmap directory, upstream pretrain .bin/.idx and megatron_sft_idx shards. "
                     "Formats are inferred from the paths. Exit 0 = converted, 1 = refused, 2 = usage error.")
@@ -61,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true", help="run the promotion gate on the shard written")
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print the result as JSON")
-    out.add_argument("--quiet", action="store_true", help="print nothing on success")
+    out.add_argument("-q", "--quiet", action="store_true", help="errors only: print nothing on success")
+    p.add_argument("-v", "--verbose", action="store_true", help="log what the conversion decides")
     return p
 
 
@@ -80,6 +82,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = _cli.parse(parser, argv)
     if isinstance(args, int):
         return args
+    configure_logging(parser.prog, args.verbose, args.quiet)
     problem = _usage_problem(args)
     if problem:
         return _cli.usage_error(parser, problem)
@@ -98,7 +101,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         with _cli.published(result.output):
             return _report(args, result)
 
-    return _cli.run("convert_packed", body)
+    return _cli.run(parser.prog, body)
 
 
 def _report(args, result: ConvertResult) -> int:

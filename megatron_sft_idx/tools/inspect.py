@@ -18,6 +18,7 @@ import numpy as np
 from .. import _kernels
 from ..errors import FormatError
 from ..reader import MMapIndexedDataset
+from .._units import plural
 from ._cli import human_bytes
 
 CHUNK_PACKS = 1 << 20
@@ -185,7 +186,7 @@ def _provenance_lines(prov: Dict[str, Any], vocab: list) -> List[str]:
         lines.append(f"  packing      {text}")
     source = prov.get("source") or {}
     if source.get("merged"):
-        lines.append(f"  merged from  {source['merged'].get('shards')} shard(s): "
+        lines.append(f"  merged from  {plural(int(source['merged'].get('shards') or 0), 'shard')}: "
                      f"{', '.join(source['merged'].get('inputs', []))[:100]}")
     if source.get("converted_from"):
         c = source["converted_from"]

@@ -14,12 +14,13 @@ import json
 import sys
 from typing import List, Optional
 
+from .._progress import configure_logging
 from . import _cli
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="inspect_idx",
+        prog="inspect-idx",
         description="Summarise megatron_sft_idx shards, show one pack with its trained spans, or query them "
                     "with SQL (table 'packs'). Exit 0 = done, 1 = corrupt shard or failed query, 2 = usage error.")
     p.add_argument("shards", nargs="+", metavar="PREFIX",
@@ -40,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bins", type=int, default=12, metavar="N", help="histogram bins (default 12)")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="draw the summary's histograms to a PNG")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("-v", "--verbose", action="store_true", help="log which files are read")
     return p
 
 
@@ -62,7 +64,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     problem = _usage_problem(args)
     if problem:
         return _cli.usage_error(parser, problem)
-    return _cli.run("inspect_idx", lambda: _run(args))
+    configure_logging(parser.prog, args.verbose)
+    return _cli.run(parser.prog, lambda: _run(args))
 
 
 def _run(args) -> int:

@@ -14,16 +14,18 @@ import logging
 import sys
 from typing import List, Optional
 
+from .._progress import Progress, _isatty, configure_logging
+from .._units import plural
 from ..format import ALL_SUFFIXES
 from . import _cli
 from .merge import MergeResult, merge_shards
 
-log = logging.getLogger("merge_shards")
+log = logging.getLogger("megatron_sft_idx.tools.merge")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="merge_shards",
+        prog="merge-shards",
         description="Merge megatron_sft_idx shards into one shard holding all their packs in order. "
                     "Streaming (memory flat in packs and inputs), data copied in the kernel, checked by "
                     "the promotion gate before it is published atomically. Exit 0 = merged, "
@@ -49,8 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(level="standard")
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print the result as JSON (for pipelines)")
-    out.add_argument("--quiet", action="store_true", help="print nothing on success")
-    p.add_argument("--verbose", action="store_true", help="log progress per input")
+    out.add_argument("-q", "--quiet", action="store_true", help="errors only: print nothing on success")
+    p.add_argument("-v", "--verbose", action="store_true", help="log progress per input and the gate's time")
     return p
 
 
@@ -59,17 +61,25 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = _cli.parse(parser, argv)
     if isinstance(args, int):
         return args
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(name)s: %(message)s")
+    configure_logging(parser.prog, args.verbose, args.quiet)
     if args.pack_size is not None and args.pack_size <= 0:
         return _cli.usage_error(parser, "--pack-size must be positive")
     if args.output.endswith(ALL_SUFFIXES):
         return _cli.usage_error(parser, f"OUT is a prefix: drop the file suffix from {args.output!r}")
 
+    # periodic lines when stderr is not a terminal (a batch job's log), per input with -v
+    progress = Progress(parser.prog, "off" if args.quiet or _isatty(sys.stderr) else "log")
+
     def body() -> int:
-        result = merge_shards(args.output, args.inputs, widen=args.widen, pack_size=args.pack_size,
-                              overwrite=args.overwrite, check_level=args.level, progress=_progress,
-                              staging_dir=args.staging_dir)
+        with progress.phase("merge", len(args.inputs), unit="inputs") as phase:
+            def on_input(done: int, total: int) -> None:
+                phase.total = total
+                phase.update(done - phase.done)
+                _progress(done, total)
+
+            result = merge_shards(args.output, args.inputs, widen=args.widen, pack_size=args.pack_size,
+                                  overwrite=args.overwrite, check_level=args.level, progress=on_input,
+                                  staging_dir=args.staging_dir)
         with _cli.published(result.prefix):
             if args.json:
                 _cli.emit(json.dumps(_to_dict(result), indent=2, sort_keys=True))
@@ -77,7 +87,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 _cli.emit(format_result(result))
         return _cli.EXIT_OK
 
-    return _cli.run("merge_shards", body)
+    return _cli.run(parser.prog, body)
 
 
 def _progress(done: int, total: int) -> None:
@@ -97,7 +107,7 @@ def format_result(result: MergeResult) -> str:
     s = result.metadata.stats
     size = sum(d.size for d in result.metadata.files.values())
     methods = ", ".join(f"{name} x{count}" for name, count in sorted(result.copy_methods.items()))
-    lines = [f"merged {result.inputs:,} shard(s) -> {result.prefix}",
+    lines = [f"merged {plural(result.inputs, 'shard')} -> {result.prefix}",
              f"  packs       {s.pack_count:,} ({s.sequence_count:,} sequences, {s.token_count:,} tokens, "
              f"{result.metadata.token_dtype})",
              f"  size        {_cli.human_bytes(size)} (data copied by {methods or 'nothing'})",

@@ -17,43 +17,49 @@ import sys
 from typing import List, Optional
 
 from ..errors import ShardError, ShardNotFoundError
+from .._units import plural
 from .multi import write_manifest
 
-log = logging.getLogger("write_manifest")
+log = logging.getLogger("megatron_sft_idx.training.manifest")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="write_manifest", description=__doc__,
+    p = argparse.ArgumentParser(prog="write-sft-manifest", description=__doc__.replace("``", ""),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out", help="manifest path to write (*.json)")
     p.add_argument("shards", nargs="+", help="shard prefixes, directories or globs")
     p.add_argument("--absolute", action="store_true",
                    help="store absolute prefixes (default: relative to the manifest)")
     p.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
-    p.add_argument("--verbose", action="store_true")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("-q", "--quiet", action="store_true", help="errors only: print nothing on success")
+    g.add_argument("-v", "--verbose", action="store_true", help="log each shard found")
     return p
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from .._progress import configure_logging
+
+    configure_logging(parser.prog, args.verbose, args.quiet)
     if not args.out.endswith(".json"):
-        print("write_manifest: the manifest path must end in .json", file=sys.stderr)
+        print("write-sft-manifest: error: the manifest path must end in .json", file=sys.stderr)
         return 2
     try:
         manifest = write_manifest(args.out, args.shards, relative=not args.absolute)
     except ShardNotFoundError as exc:
-        print(f"write_manifest: {exc}", file=sys.stderr)
+        print(f"write-sft-manifest: error: {exc}", file=sys.stderr)
         return 2
     except ShardError as exc:
-        print(f"write_manifest: {exc}", file=sys.stderr)
+        print(f"write-sft-manifest: error: {exc}", file=sys.stderr)
         return 1
     shards = manifest["shards"]
     summary = {"manifest": args.out, "shards": len(shards), "packs": sum(s["packs"] for s in shards)}
     if args.json:
         print(json.dumps(summary))
-    else:
-        print(f"wrote {args.out}: {summary['shards']} shards, {summary['packs']} packs")
+    elif not args.quiet:
+        print(f"wrote {args.out}: {plural(summary['shards'], 'shard')}, {plural(summary['packs'], 'pack')}")
     return 0
 
 
