@@ -85,6 +85,11 @@ def test_truncated_turn_loss_drop_masks_cut_replies(tmp_path):
     untrainable = "overlong_untrainable_after_truncation"
     assert d["skipped"].get(untrainable, 0) > k["skipped"].get(untrainable, 0)
     assert d["conversations"] + d["skipped"][untrainable] == k["conversations"] + k["skipped"].get(untrainable, 0)
+    # the shard says how it was made (absent: keep, so default shards keep their bytes)
+    from megatron_sft_idx.reader import MMapIndexedDataset
+
+    kept, dropped = (MMapIndexedDataset(str(tmp_path / x / "ds")).metadata.extra for x in ("k", "d"))
+    assert "truncated_turn_loss" not in kept and dropped["truncated_turn_loss"] == "drop"
 
 
 def test_verify_masks_says_why_fewer_were_checked(tmp_path, capsys):

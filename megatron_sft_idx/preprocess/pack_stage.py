@@ -82,6 +82,8 @@ def shard_metadata(store: SequenceStore, job: PackJob, split: str, shard: int, c
         "source": {"inputs": store.inputs, "input_format": encode["input_format"]},
         "extra": {"loss_on": encode["loss_on"], "split": split, "shard_index": shard, "shard_count": count},
     }
+    if s.truncated_turn_loss != "keep":  # absent means keep (the default; the bytes of earlier shards)
+        meta["extra"]["truncated_turn_loss"] = s.truncated_turn_loss
     if meta["tokenizer"] is None:  # pre-tokenized input without a tokenizer
         del meta["tokenizer"]
     return meta
