@@ -125,20 +125,11 @@ def _run(ctx: ShardContext, options: Options) -> None:
     if not structure.locate_files(ctx, options.allow_pretrain):
         return
     report.checks.append("presence")
-    structure.parse_idx(ctx)
-    report.checks.append("idx-header")
-    if ctx.idx_header is not None:
-        report.packs = ctx.idx_header.sequence_count
+    structure.index_header_pass(ctx)
     if report.kind == "pretrain":
         _run_pretrain(ctx, options)
         return
-    structure.parse_seq_idx(ctx)
-    report.checks.append("seq-idx-header+metadata")
-    vocab = structure.cross_check(ctx, options.vocab_size)
-    report.checks.append("cross-file")
-    ctx.headers_clean = report.count("error") == 0
-    if ctx.seq_header is not None:
-        report.tokens = ctx.seq_header.token_count
+    vocab = structure.seq_header_pass(ctx, options.vocab_size)
     crc_job = _start_checksums(ctx, options)
     try:
         _run_arrays(ctx, vocab, options)

@@ -116,20 +116,11 @@ def _run(ctx: RemoteShardContext, options) -> None:
     if not ctx.locate(options.allow_pretrain):
         return
     report.checks.append("presence")
-    structure.parse_idx(ctx)
-    report.checks.append("idx-header")
-    if ctx.idx_header is not None:
-        report.packs = ctx.idx_header.sequence_count
+    structure.index_header_pass(ctx)
     if report.kind == "pretrain":
         ctx.add("CHECK_SKIPPED", "remote pretrain shards are checked for presence and headers only")
         return
-    structure.parse_seq_idx(ctx)
-    report.checks.append("seq-idx-header+metadata")
-    vocab = structure.cross_check(ctx, options.vocab_size)
-    report.checks.append("cross-file")
-    ctx.headers_clean = report.count("error") == 0
-    if ctx.seq_header is not None:
-        report.tokens = ctx.seq_header.token_count
+    vocab = structure.seq_header_pass(ctx, options.vocab_size)
     _index_checksums(ctx, options)
     if ctx.idx_arrays_ok:
         content.check_idx_arrays(ctx)

@@ -143,6 +143,28 @@ def parse_idx(ctx: ShardContext) -> None:
         ctx.idx_header = IdxHeader(dtype_code, nseq, ndoc)
 
 
+def index_header_pass(ctx: ShardContext) -> None:
+    """The ``.idx`` header pass of every scan, local or remote: parse it, count the packs."""
+    parse_idx(ctx)
+    ctx.report.checks.append("idx-header")
+    if ctx.idx_header is not None:
+        ctx.report.packs = ctx.idx_header.sequence_count
+
+
+def seq_header_pass(ctx: ShardContext, vocab_size: Optional[int]) -> Optional[int]:
+    """The ``.seq.idx`` header, metadata and cross-file passes of every SFT scan, local or
+    remote; returns the vocabulary size token ids are checked against (None: unchecked)."""
+    report = ctx.report
+    parse_seq_idx(ctx)
+    report.checks.append("seq-idx-header+metadata")
+    vocab = cross_check(ctx, vocab_size)
+    report.checks.append("cross-file")
+    ctx.headers_clean = report.count("error") == 0
+    if ctx.seq_header is not None:
+        report.tokens = ctx.seq_header.token_count
+    return vocab
+
+
 def _idx_code(exc: ShardError) -> str:
     for cls, code in _IDX_CODES:
         if isinstance(exc, cls):
