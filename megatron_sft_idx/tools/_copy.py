@@ -53,24 +53,21 @@ def _short(src_path: str, done: int, count: int) -> ShardError:
 def _copy_file_range(src_fd, dst_fd, done, count, src_path) -> None:
     if not hasattr(os, "copy_file_range"):
         raise _Unsupported(done)
-    while done < count:
-        try:
-            n = os.copy_file_range(src_fd, dst_fd, count - done, done)
-        except OSError as exc:
-            if exc.errno in _UNSUPPORTED:
-                raise _Unsupported(done) from None
-            raise
-        if n == 0:
-            raise _short(src_path, done, count)
-        done += n
+    _kernel_copy(lambda left, at: os.copy_file_range(src_fd, dst_fd, left, at), done, count, src_path)
 
 
 def _sendfile(src_fd, dst_fd, done, count, src_path) -> None:
     if not hasattr(os, "sendfile"):
         raise _Unsupported(done)
+    _kernel_copy(lambda left, at: os.sendfile(dst_fd, src_fd, at, min(left, _SENDFILE_MAX)), done, count, src_path)
+
+
+def _kernel_copy(call, done: int, count: int, src_path: str) -> None:
+    """Copy ``[done, count)`` with ``call(bytes left, source offset) -> bytes copied``; an errno
+    meaning "not between these files" hands over to the next method at the byte reached."""
     while done < count:
         try:
-            n = os.sendfile(dst_fd, src_fd, done, min(count - done, _SENDFILE_MAX))
+            n = call(count - done, done)
         except OSError as exc:
             if exc.errno in _UNSUPPORTED:
                 raise _Unsupported(done) from None
