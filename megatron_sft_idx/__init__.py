@@ -4,7 +4,7 @@ Public names are imported lazily (PEP 562), so ``from megatron_sft_idx import
 MMapIndexedDataset`` does not import numba; the builder and the validators do.
 """
 
-from importlib import import_module
+from ._lazy import lazy_getattr
 
 from .version import __version__
 
@@ -42,13 +42,7 @@ _PUBLIC = {
 __all__ = ["__version__", *_PUBLIC]
 
 
-def __getattr__(name):
-    module = _PUBLIC.get(name)
-    if module is None:
-        raise AttributeError(f"module 'megatron_sft_idx' has no attribute {name!r}")
-    value = getattr(import_module(module, __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _PUBLIC, globals())
 
 
 def __dir__():

@@ -12,7 +12,7 @@ This package's ``__init__`` imports nothing heavy: boto3 / multi-storage-client 
 ``[s3]``) are imported the first time a URL is used.
 """
 
-from importlib import import_module
+from .._lazy import lazy_getattr
 
 from ._url import ObjectURL, is_remote
 
@@ -29,10 +29,4 @@ _PUBLIC = {
 __all__ = ["ObjectURL", "is_remote", *_PUBLIC]
 
 
-def __getattr__(name):
-    module = _PUBLIC.get(name)
-    if module is None:
-        raise AttributeError(f"module 'megatron_sft_idx.storage' has no attribute {name!r}")
-    value = getattr(import_module(module, __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _PUBLIC, globals())

@@ -10,7 +10,7 @@ Modules (imported on first use, so importing this package costs nothing):
 * :mod:`.factory` — ``open_packed`` for shards, manifests, legacy ``.npy`` and Parquet.
 """
 
-from importlib import import_module
+from .._lazy import lazy_getattr
 
 _PUBLIC = {
     "open_packed": ".factory",
@@ -38,13 +38,7 @@ _PUBLIC = {
 __all__ = sorted(_PUBLIC)
 
 
-def __getattr__(name):
-    module = _PUBLIC.get(name)
-    if module is None:
-        raise AttributeError(f"module 'megatron_sft_idx.training' has no attribute {name!r}")
-    value = getattr(import_module(module, __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _PUBLIC, globals())
 
 
 def __dir__():
