@@ -79,13 +79,24 @@ def child_bridge(path: str, tokenizer: str, workers: int, pack_size: int, out: s
 
 
 def child_ours(path: str, tokenizer: str, workers: int, pack_size: int, out: str) -> dict:
-    from megatron_sft_idx.preprocess.pipeline import Config, run
+    """``preprocess-sft`` as its console script runs it (``_console.preprocess_sft`` with this
+    command line), in this process so that its RSS is the one measured."""
+    import json
 
+    from megatron_sft_idx import _console
+
+    summary = out + ".summary.json"
+    sys.argv = ["preprocess-sft", "--input", path, "--output-prefix", out, "--tokenizer", tokenizer,
+                "--pack-size", str(pack_size), "--workers", str(workers), "--packing-algorithm", "first_fit_decreasing",
+                "--overlong", "drop", "--overwrite", "--quiet", "--summary-json", summary]
     u0, t = _usage(), time.perf_counter()
-    s = run(Config(inputs=[path], output_prefix=out, tokenizer=tokenizer, pack_size=pack_size, workers=workers,
-                   algorithm="first_fit_decreasing", overlong="drop", progress=False, overwrite=True))
+    status = _console.preprocess_sft()
     wall = time.perf_counter() - t
     u1 = _usage()
+    if status != 0:
+        raise RuntimeError(f"preprocess-sft exited {status}")
+    with open(summary, encoding="utf-8") as f:
+        s = json.load(f)
     return {"wall_s": wall, "cpu_s": u1["cpu"] - u0["cpu"], "tokens": s["tokens"], "packs": s["packs"],
             "peak_mb": u1["peak_mb"]}
 

@@ -48,6 +48,8 @@ def run(name: str, argv: Optional[List[str]] = None) -> int:
     tool = TOOLS[name]
     if argv is None:  # the process's own command line: the tool owns its signals until exit
         process_entry()
+        if "megatron_sft_idx._numba" in sys.modules:  # tools/*.py import their CLI first
+            sys.modules["megatron_sft_idx._numba"].skip_extensions()
     try:
         if tool.extra is not None:
             require_extra(tool.extra, *tool.modules, user=name)

@@ -70,6 +70,13 @@ class ShardFiles:
         except OSError as exc:  # an I/O error: name the file, not errno
             raise _unreadable(self.path(suffix), exc) from None
 
+    def read_into(self, suffix: str, buffer, offset: int) -> int:
+        """Fill ``buffer`` (writable, bytes-like) from ``offset``; the bytes read (fewer at the end)."""
+        try:
+            return os.preadv(self._fds[suffix], [buffer], offset)
+        except OSError as exc:
+            raise _unreadable(self.path(suffix), exc) from None
+
     def map(self, suffix: str):
         """``(uint8 array, mmap or None)``: a read-only map of the whole file, from its descriptor.
 

@@ -19,9 +19,9 @@ their dtype, which the bytes determine.
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 
+from ._numba import numba
 from .format import Rule
 
 _OK = int(Rule.OK)

@@ -138,6 +138,11 @@ def process_entry() -> None:
     _scope["process"] = True
 
 
+def is_tool_process() -> bool:
+    """True when :func:`process_entry` was called: this process is a command-line tool's own."""
+    return _scope["process"]
+
+
 def committed() -> None:
     """The run's outputs are published and its completion recorded: inside :func:`tool_scope`
     (main thread), ignore SIGINT/SIGTERM/SIGHUP from now until the tool exits."""

@@ -327,7 +327,7 @@ class MMapIndexedDataset:
     def advise(self, advice: int) -> None:
         """``madvise`` every mapped file of the shard (maps them first); a no-op where the
         platform lacks ``madvise``. E.g. ``mmap.MADV_RANDOM`` for scattered reads: no
-        read-ahead and no fault-around, so each read maps only the pages it touches."""
+        read-ahead (a fault still maps the page-cache folio around it, 64 KiB or more)."""
         self._ensure_maps()
         for mm in self._mmaps:
             if hasattr(mm, "madvise"):

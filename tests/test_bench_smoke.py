@@ -176,3 +176,19 @@ def test_stages_benchmark_entry_point(tmp_path, monkeypatch):
     assert doc["reference"]["conversations"] == 600 and doc["kill_resume"]["identical_to_reference"] is True
     assert doc["reads"]["virtual_checksum"] == doc["reads"]["materialized_checksum"]
     assert set(doc["projection"]["projected_s"]) == {"1", "8", "64"}
+
+
+def test_preprocess_vs_bridge_runs_ours_as_the_console_script_does(tmp_path):
+    """Our side of ``bench.preprocess_vs_bridge``: the installed command's code path, in a fresh
+    child whose RSS is the one reported (Bridge's side needs ``make install-compat``: not here)."""
+    import os
+
+    from bench._common import ROOT, run_child
+
+    examples = os.path.join(str(ROOT), "examples")
+    out = run_child("bench.preprocess_vs_bridge:child_ours", path=os.path.join(examples, "conversations.jsonl"),
+                    tokenizer=os.path.join(examples, "tokenizer"), workers=1, pack_size=2048,
+                    out=str(tmp_path / "ours"))
+    summary = json.loads((tmp_path / "ours.summary.json").read_text())
+    assert out["tokens"] == summary["tokens"] > 0 and out["packs"] == summary["packs"] > 0
+    assert out["peak_mb"] > 0 and out["cpu_s"] > 0

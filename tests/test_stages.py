@@ -4,6 +4,7 @@ Every comparison is of real files on disk: outputs of differently-run pipelines 
 byte for byte (shards and manifests alike).
 """
 
+import glob
 import json
 import os
 import random
@@ -15,6 +16,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from megatron_sft_idx.errors import HeaderError, ShardError, ShardExistsError, VersionError
+from megatron_sft_idx.preprocess.engine import LocalEngine, report_progress
 from megatron_sft_idx.preprocess.inputs import OversizedRecord
 from megatron_sft_idx.preprocess.partitions import Partition, index_file, read_batches
 from megatron_sft_idx.preprocess.pipeline import Config, run
@@ -226,6 +228,67 @@ def test_virtual_dataset_pickles_and_refuses_a_plan_of_another_store(tmp_path, k
     assert other["conversations"] == 400
     with pytest.raises(ShardError, match="another sequence store"):
         VirtualPackedDataset(str(tmp_path / "s2"), plan)
+
+
+def test_a_store_partition_cut_short_after_it_was_opened_is_an_error_naming_it(tmp_path, kept_store):
+    """Store sequences are read with pread (no map): a partition truncated under a reader gives
+    ShardError naming the partition, never short or stale packs."""
+    import shutil
+
+    store = str(tmp_path / "store")
+    shutil.copytree(kept_store, store)
+    plan = str(tmp_path / "v.plan")
+    repack(RepackConfig(store=store, output_prefix=None, plan_only=plan, progress=False))
+    ds = VirtualPackedDataset(store, plan)
+    first = ds[0]
+    parts = sorted(glob.glob(os.path.join(store, "parts", "part_*.bin")))
+    parts = [p for p in parts if not p.endswith(".loss.bin") and not p.endswith(".seq.bin")]
+    for path in parts:
+        os.truncate(path, 0)
+    with pytest.raises(ShardError, match="shorter than its index") as info:
+        for i in range(len(ds)):
+            ds[i]
+    assert "part_" in str(info.value)
+    assert first.packed_len > 0
+
+
+class _Reporting:
+    """A step whose units report their work in three parts before they finish."""
+
+    name = "reporting"
+    writes_to = "."
+
+    def run(self, unit: int) -> dict:
+        for part in (1, 2, 3):
+            report_progress(10 * unit + part)
+        return {"unit": unit}
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_units_report_progress_before_they_finish_in_process_and_in_workers(workers):
+    events = []
+    LocalEngine(workers).map(_Reporting(), [1, 2, 3], lambda r: events.append(("done", r["unit"])),
+                             lambda unit, amount: events.append(("progress", unit, amount)))
+    for unit in (1, 2, 3):
+        mine = [e for e in events if e[1] == unit]
+        assert mine == [("progress", unit, 10 * unit + p) for p in (1, 2, 3)] + [("done", unit)]
+    report_progress(5)  # outside a unit: nobody listens, nothing happens
+
+
+def test_tokenize_progress_moves_within_one_partition(tmp_path, monkeypatch):
+    """A partition reports the bytes of every batch it encodes, so a run on one file smaller than
+    --partition-bytes no longer shows 0 bytes until the end."""
+    updates = []
+    real_map = LocalEngine.map
+
+    def spy(self, step, units, on_done, on_progress=None):
+        wrapped = None if on_progress is None else (lambda u, a: (updates.append(a), on_progress(u, a)))
+        return real_map(self, step, units, on_done, wrapped)
+
+    monkeypatch.setattr(LocalEngine, "map", spy)
+    preprocess(str(tmp_path / "o"), inputs=CHAT[:1], batch_size=16)
+    size = os.path.getsize(CHAT[0])
+    assert len(updates) > 10 and 0 < sum(updates) <= size
 
 
 # ---------------------------------------------------------------- --store and --resume

@@ -15,8 +15,9 @@ allocates every per-sequence output with the index dtype it wants.
 
 from __future__ import annotations
 
-import numba
 import numpy as np
+
+from .._numba import numba
 
 
 @numba.njit(cache=True)

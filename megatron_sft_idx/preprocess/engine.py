@@ -3,7 +3,8 @@
 A *step* is a small frozen object with a ``name`` and ``run(unit) -> receipt``: it does the
 work of one unit (an input file, a partition, an output shard), publishes the unit's artifacts
 and writes its receipt, and knows nothing of who runs it. An *engine* runs the units of a step
-(``map``) and hands every receipt to the driver, which keeps nothing else:
+(``map``) and hands every receipt to the driver, which keeps nothing else (and, where the
+engine can, the units' :func:`report_progress` calls, so progress moves within a long unit):
 
 * :class:`LocalEngine` — in this process (one worker, or one unit), or a pool of forked
   worker processes (``--workers N``);
@@ -22,7 +23,7 @@ import os
 import queue
 import signal
 import traceback
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 from .._extras import MissingExtraError
 from ..errors import ShardError
@@ -41,6 +42,25 @@ class Step(Protocol):
 
 
 OnDone = Callable[[dict], None]
+OnProgress = Callable[[int, int], None]   # (unit, amount done since its last report)
+
+_report: Optional[Callable[[int], None]] = None   # set by the engine around each unit it runs
+
+
+def report_progress(amount: int) -> None:
+    """The running unit has done ``amount`` more of its work (in the units the driver sized it
+    in); the driver's progress moves before the unit ends. A no-op where nobody listens."""
+    if _report is not None:
+        _report(amount)
+
+
+def _run_reporting(step: Step, unit: int, report: Optional[Callable[[int], None]]) -> dict:
+    global _report
+    _report = report
+    try:
+        return run_unit(step, unit)
+    finally:
+        _report = None
 
 
 def run_unit(step: Step, unit: int) -> dict:
@@ -68,16 +88,17 @@ class LocalEngine:
     def __init__(self, workers: int = 1) -> None:
         self.workers = max(1, int(workers))
 
-    def map(self, step: Step, units: Sequence[int], on_done: OnDone) -> None:
+    def map(self, step: Step, units: Sequence[int], on_done: OnDone, on_progress: Optional[OnProgress] = None) -> None:
         units = list(units)
         if self.workers == 1 or len(units) <= 1:
             for unit in units:
-                on_done(run_unit(step, unit))
+                report = None if on_progress is None else (lambda amount, unit=unit: on_progress(unit, amount))
+                on_done(_run_reporting(step, unit, report))
             return
         prepare = getattr(step, "prepare", None)
         if prepare is not None:
             prepare()
-        _Pool(step, units, min(self.workers, len(units))).run(on_done)
+        _Pool(step, units, min(self.workers, len(units))).run(on_done, on_progress)
 
     def describe(self) -> dict:
         return {"kind": self.name, "workers": self.workers}
@@ -93,7 +114,8 @@ def _worker_main(step, parent_pid, tasks, results) -> None:
         if unit is None:
             return
         try:
-            results.put(("done", unit, run_unit(step, unit)))
+            results.put(("done", unit, _run_reporting(step, unit,
+                                                      lambda amount, unit=unit: results.put(("progress", unit, amount)))))
         except BaseException as exc:  # report, never hang the driver
             if not isinstance(exc, (ShardError, MissingExtraError)):
                 exc = ShardError(f"{step.name} unit {unit} failed: {exc.__class__.__name__}: {exc}")
@@ -115,7 +137,7 @@ class _Pool:
                                   daemon=True, name=f"{step.name}-{w}") for w in range(workers)]
         self.step = step
 
-    def run(self, on_done: OnDone) -> None:
+    def run(self, on_done: OnDone, on_progress: Optional[OnProgress] = None) -> None:
         pending = set(self.units)
         try:
             with signals_deferred():  # a signal during fork would land in the fork hooks
@@ -128,6 +150,10 @@ class _Pool:
                 kind, unit, payload = item
                 if kind == "error":
                     raise payload
+                if kind == "progress":
+                    if on_progress is not None:
+                        on_progress(unit, payload)
+                    continue
                 pending.discard(unit)
                 on_done(payload)
         finally:

@@ -207,9 +207,16 @@ def build_store(cfg: Config, inputs: Inputs, engine, directory: str, times: Dict
     size, byte_unit = partition_sizes(parts)
     log.info("tokenize: %s to do (%d done before), %s of input", plural(len(todo), "partition"), len(done),
              human_bytes(sum(info["bytes"] for info in infos)))
+    reported: Dict[int, int] = {}   # bytes a partition reported before it finished
+
+    def on_progress(unit: int, amount: int) -> None:
+        reported[unit] = reported.get(unit, 0) + amount
+        bar.update(amount)
+
     with progress.phase("tokenize", sum(size[k] for k in todo), unit="" if byte_unit else "partitions",
                         byte_unit=byte_unit) as bar:
-        engine.map(step, todo, lambda r: bar.update(size[r["unit"]]))
+        engine.map(step, todo, lambda r: bar.update(size[r["unit"]] - reported.get(r["unit"], 0)),
+                   on_progress if byte_unit else None)
     times["tokenize"] = time.perf_counter() - t
     return SequenceStore(directory)
 

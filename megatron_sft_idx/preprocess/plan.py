@@ -17,9 +17,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-import numba
 import numpy as np
 
+from .._numba import numba
 from ..errors import ShardError, ShardNotFoundError
 from ..packing import pack_lengths_csr, packing_summary, padded_length, truncation_length
 from ..packing.algorithms import index_dtype

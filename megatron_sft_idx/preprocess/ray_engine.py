@@ -62,7 +62,8 @@ class RayEngine:
         """The cluster it ran on: its address, whether this run started it, its CPUs."""
         return dict(self._info)
 
-    def map(self, step: Step, units: Sequence[int], on_done: OnDone) -> None:
+    def map(self, step: Step, units: Sequence[int], on_done: OnDone, on_progress=None) -> None:
+        """Units as Ray tasks; progress moves per finished unit (``on_progress`` is not used)."""
         ray = self._ray
         step_ref = ray.put(step)
         refs = {self._remote.remote(step_ref, unit): unit for unit in units}

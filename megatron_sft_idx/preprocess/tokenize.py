@@ -19,6 +19,7 @@ from ..builder import IndexedDatasetBuilder
 from ..errors import InputError
 from ._materialize import exclusive_cumsum
 from .encode import EncodedBatch, EncodeOptions, RecordEncoder, preload
+from .engine import report_progress
 from .partitions import Partition, index_file, read_batches
 from .receipts import ReceiptBook
 from .store import ROW_DTYPE, ROWS_SUFFIX, part_prefix, tokenize_book
@@ -149,6 +150,8 @@ class TokenizeStep:
             for batch in _read(path, name, part, self.batch_size, self.max_record_bytes):
                 records += len(batch)
                 encoded = encoder.encode_batch(batch, name)
+                if part.kind == "lines":  # the driver sized this partition in bytes
+                    report_progress(sum(len(raw) for _, raw in batch if isinstance(raw, bytes)))
                 writer.add(encoded)
                 sequences += int(encoded.lengths.size)
                 for reason, count in encoded.skipped.items():

@@ -5,7 +5,7 @@
 ``pack_size`` — and returns, for every pack, exactly the arrays the materialized shard would
 hold (same token dtype, padding, truncation), so trying a new pack size or CP layout costs a
 ``repack_sft --plan-only`` (seconds) instead of writing every token again. Each read gathers
-its sequences from the store's partitions (mapped), so it costs more than a read from a
+its sequences from the store's partitions (``pread``), so it costs more than a read from a
 materialized shard (``bench/stages.py`` measures by how much). Pickles as its paths, for
 DataLoader workers.
 
@@ -88,7 +88,7 @@ class VirtualPackedDataset:
 
     def _pack(self, idx) -> Pack:
         b = self._first + pack_index(idx, self._n, self.plan.path)
-        ids, mask, starts, ends = self._gather.packs(self._arrays, b, b + 1, release=False)
+        ids, mask, starts, ends = self._gather.packs(self._arrays, b, b + 1)
         input_ids = ids.astype(self.dtype)
         seq_start_id = (starts[0] - ends[0]).astype(SEQ_DTYPE.numpy)
         for arr in (input_ids, mask, seq_start_id):

@@ -50,7 +50,9 @@ def query(spec, sql: str, *, columns: Optional[Sequence[str]] = None):
     """
     duckdb, con = _connect(spec, sql, columns)
     try:
-        return con.sql(sql).fetch_arrow_table()
+        result = con.sql(sql)
+        # duckdb 2 renamed fetch_arrow_table (deprecated there); 1.x has only the old name
+        return result.to_arrow_table() if hasattr(result, "to_arrow_table") else result.fetch_arrow_table()
     except duckdb.Error as exc:
         raise QueryError(f"the query failed: {exc}", field="sql", actual=sql) from None
     finally:
