@@ -4,8 +4,9 @@ Unit ``u`` writes output shard ``u`` (splits in order, shards in order inside a 
 packs ``shard_starts[s]..shard_starts[s+1]`` of its split, a chunk of packs at a time. Each
 chunk reads its sequences from the store's partitions with ``pread`` (see :class:`Gatherer`),
 cut to the truncation length (the last kept position gets loss 0), padded with ``pad_id``
-(loss 0) to the pad multiple, and is appended pack by pack to an :class:`IndexedDatasetBuilder`. The staged shard is published
-into the staging directory (``.idx`` last), then the unit's receipt is written.
+(loss 0) to the pad multiple, and is appended pack by pack to an
+:class:`IndexedDatasetBuilder`. The staged shard is published into the staging directory
+(``.idx`` last), then the unit's receipt is written.
 """
 
 from __future__ import annotations
