@@ -68,8 +68,11 @@ def signals_raise() -> Iterator[List[int]]:
         _received.append(signum)
         raise _exception(signum)
 
-    def unraisable(info):  # a dropped KeyboardInterrupt/Terminated is recorded: no traceback
-        if not isinstance(info.exc_value, INTERRUPTS):
+    def unraisable(info):
+        # A dropped KeyboardInterrupt/Terminated is recorded: no traceback. Once a signal has
+        # landed, a finalizer failing on an object it cut short (LLVM's, mid-compile) is its
+        # consequence, not news: no traceback either.
+        if not (isinstance(info.exc_value, INTERRUPTS) or _received):
             previous_hook(info)
 
     if not _on_main_thread():
@@ -81,7 +84,8 @@ def signals_raise() -> Iterator[List[int]]:
     try:
         yield _received
     finally:
-        sys.unraisablehook = previous_hook
+        if not (_scope["process"] and _received):  # a tool ending on a signal: until it exits
+            sys.unraisablehook = previous_hook
         for sig, previous in old.items():
             signal.signal(sig, previous)
 
