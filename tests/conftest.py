@@ -7,6 +7,46 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
+# --------------------------------------------------------------------------- a hermetic session
+#
+# The suite writes only below one directory that it removes at the end: the temporary directory
+# (tmp_path, tempfile, torchrun's and torch's scratch), the home directory (Ray's auth token,
+# matplotlib's font cache, anything else a library keeps under ~) and Ray's session directories.
+# Set in the controlling process before xdist starts its workers, so they and every subprocess
+# a test starts inherit it. MEGATRON_SFT_IDX_TEST_ROOT names the directory (tests/test_hermetic.py).
+_ROOT_ENV = "MEGATRON_SFT_IDX_TEST_ROOT"
+
+
+def _hermetic_environment(root: str) -> dict:
+    home = os.path.join(root, "home")
+    return {"TMPDIR": os.path.join(root, "tmp"), "HOME": home, "XDG_CACHE_HOME": os.path.join(home, ".cache"),
+            "XDG_CONFIG_HOME": os.path.join(home, ".config"), "MPLCONFIGDIR": os.path.join(home, ".config", "mpl"),
+            "RAY_TMPDIR": os.path.join(root, "ray"), _ROOT_ENV: root}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    import tempfile
+
+    if hasattr(config, "workerinput") or os.environ.get(_ROOT_ENV):
+        return  # an xdist worker, or a pytest run inside a test: the environment is inherited
+    root = tempfile.mkdtemp(prefix="msi-tests-")
+    env = _hermetic_environment(root)
+    for key, value in env.items():
+        if key != _ROOT_ENV:
+            os.makedirs(value, exist_ok=True)
+    os.environ.update(env)
+    tempfile.tempdir = env["TMPDIR"]  # gettempdir() may have been cached before this hook ran
+    config._msi_test_root = root
+
+
+def pytest_unconfigure(config):
+    import shutil
+
+    root = getattr(config, "_msi_test_root", None)
+    if root and os.environ.get("MEGATRON_SFT_IDX_KEEP_TEST_ROOT") != "1":
+        shutil.rmtree(root, ignore_errors=True)
+
 
 @pytest.fixture
 def rng():

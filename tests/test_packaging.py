@@ -67,10 +67,23 @@ def build_wheel(sdist, tmp_path, **env):
 
 
 def make_venv(wheel, tmp_path):
-    """A venv on this interpreter's packages (numpy, numba, ...) with only the wheel installed into it."""
+    """A venv on this environment's packages (numpy, numba, ...) with only the wheel installed into it.
+
+    ``--system-site-packages`` alone exposes the *base* interpreter's packages: run from inside a
+    virtualenv, the new venv would not see the virtualenv's numba. So this environment's own
+    site-packages directories are added by a ``.pth`` file, after the venv's own (where the wheel
+    goes, and wins). A ``.pth`` line adds a directory without running the ``.pth`` files inside
+    it, so this checkout's editable install stays out of the venv.
+    """
+    import site
+
     venv = tmp_path / "venv"
     run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], tmp_path)
     python = venv / "bin" / "python"
+    own = run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], tmp_path).stdout.strip()
+    ours = [p for p in site.getsitepackages() if os.path.isdir(p)]
+    with open(os.path.join(own, "_outer_environment.pth"), "w") as f:
+        f.write("".join(p + "\n" for p in ours))
     run([str(python), "-m", "pip", "install", "--no-deps", "--no-index", "--no-build-isolation", "--ignore-installed",
          "--no-cache-dir", "-q", str(wheel)], tmp_path)
     return venv
