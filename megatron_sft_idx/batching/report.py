@@ -10,7 +10,7 @@ share of steps over 10 % summarise an order; :func:`plot_report` draws it (matpl
 
 Below :data:`FEW_PACKS_PER_RANK` packs per rank per step, re-dealing a step's packs cannot
 even them out (a rank holding one pack with a 32k-token sequence is the step): the report
-says so, and points at ``exchange_window`` and packing with cost in view.
+says so, and points at ``exchange_window`` (bench/balance.py measures both).
 """
 
 from __future__ import annotations
@@ -79,10 +79,11 @@ class StragglerReport:
     def warnings(self) -> List[str]:
         """Sentences about what balancing cannot fix here (empty when nothing)."""
         out = []
-        if self.packs_per_rank < FEW_PACKS_PER_RANK:
+        if self.topology.data_parallel_size > 1 and self.packs_per_rank < FEW_PACKS_PER_RANK:
             out.append(f"{self.packs_per_rank} pack(s) per rank per step (< {FEW_PACKS_PER_RANK}): re-dealing a "
                        "step's packs among ranks cannot even out packs of very different cost; consider "
-                       "exchange_window > 1 (changes step membership) or packing with cost in view")
+                       "exchange_window > 1 (moves packs between neighbouring steps: changes step membership) "
+                       "or a larger global batch")
         return out
 
 
