@@ -153,3 +153,22 @@ def test_a_sequence_wider_than_its_micro_batch_is_refused(sequences):
         ds[(0, n - 1)]
     with pytest.raises(ShardError, match="unknown stack"):
         DynamicCollator("deepspeed")
+
+
+def test_megatron_lm_dataset_unshuffled_then_ordered_serves_the_plan(shard):
+    """The recipe of docs/BATCHING.md until the adapters take an order: SFTIndexedDataset built
+    with shuffle=False over one shard (sample j is pack j), wrapped in OrderedDataset."""
+    mc_builder = pytest.importorskip("megatron.core.datasets.blended_megatron_dataset_builder")
+    from megatron_sft_idx.training import megatron as M
+
+    config = M.SFTIndexedDatasetConfig(random_seed=1234, sequence_length=64, blend=([shard], None), split="100,0,0",
+                                       shuffle=False)
+    train = mc_builder.BlendedMegatronDatasetBuilder(M.SFTIndexedDataset, [96, 0, 0], lambda: True, config).build()[0]
+    model = CostModel(1.0, 0.01)
+    order = plan_order(shard_pack_costs(MMapIndexedDataset(shard), model), TOPO, model, seed=1234, epochs=2)
+    ds = OrderedDataset.from_order(train, order, len(train))
+    index = order.sample_index(96)
+    packs = MMapIndexedDataset(shard)
+    for i in (0, 13, 47, 48, 95):
+        n = packs[int(index[i])].input_ids.shape[0]
+        assert ds[i]["tokens"][:n].tolist() == packs[int(index[i])].input_ids.tolist()

@@ -101,16 +101,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 1 if exc.path else 2
     reports = order_reports(order)
+    notes = reports["balanced"].warnings() if args.exchange_window == 1 else []
     if args.plot:
         plot_report(reports, args.plot)
     if args.json:
         print(json.dumps({"topology": topology.to_dict(), "cost_model": model.to_dict(), "packs": order.num_packs,
-                          "epochs": order.epochs, "out": args.out, "warnings": reports["balanced"].warnings(),
+                          "epochs": order.epochs, "out": args.out, "warnings": notes,
                           **{k: r.summary for k, r in reports.items()}}))
     else:
         print(f"{order.num_packs:,} packs, {topology.describe()}, cost model {model.name}; predicted straggler "
               "overhead per step (max rank cost / mean - 1):")
-        print(format_report(reports))
+        print(format_report(reports, notes))
         if args.out:
             print(f"wrote {args.out}")
     return 0

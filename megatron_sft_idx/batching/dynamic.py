@@ -51,8 +51,9 @@ class DynamicBatchPlan:
     """One epoch's dynamic micro-batches (module doc).
 
     Attributes:
-        served: int64[steps * gbs]: sequence ids; step ``s``'s ranks in order, each rank's
-            ``gbs / dp`` sequences ascending by length (NeMo-RL's ``batch_sorted_indices``).
+        served: ``[steps * gbs]`` sequence ids (int32; int64 past 2**31 - 2 sequences): step
+            ``s``'s ranks in order, each rank's ``gbs / dp`` sequences ascending by length
+            (NeMo-RL's ``batch_sorted_indices``).
         mb_offsets: int64[steps + 1]: CSR pointers of each step's micro-batches.
         mb_bounds: int64[M, 2]: ``[start, end)`` of each micro-batch in a rank's share.
         mb_widths: int64[M]: padded width of each micro-batch (tokens per row).
@@ -166,7 +167,9 @@ def plan_dynamic(lengths, *, global_batch_size: int, data_parallel_size: int, ma
     if gbs % dp:
         raise ShardError("global_batch_size must be a multiple of data_parallel_size", field="global_batch_size",
                          expected=f"a multiple of {dp}", actual=gbs)
-    lengths = np.ascontiguousarray(lengths, dtype=np.int64)
+    lengths = np.asarray(lengths)
+    if lengths.dtype not in (np.int32, np.int64) or not lengths.flags.c_contiguous:  # else used in place
+        lengths = np.ascontiguousarray(lengths, dtype=np.int64)
     if lengths.ndim != 1 or (lengths.size and lengths.min() < 1):
         raise ShardError("sequence lengths must be a 1-D array of integers >= 1", field="lengths")
     n = lengths.shape[0]
@@ -175,7 +178,7 @@ def plan_dynamic(lengths, *, global_batch_size: int, data_parallel_size: int, ma
         raise ShardError("order must hold sequence ids in [0, n)", field="order")
     steps = order.shape[0] // gbs
     order = order[:steps * gbs]
-    served = np.empty(steps * gbs, dtype=np.int64)
+    served = np.empty(steps * gbs, dtype=np.int32 if n < 2**31 - 1 else np.int64)
     mb_offsets = np.zeros(steps + 1, dtype=np.int64)
     worst = steps * (gbs // dp)
     mb_bounds = np.empty((worst, 2), dtype=np.int64)

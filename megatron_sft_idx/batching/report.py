@@ -99,8 +99,9 @@ def straggler_report(stream, costs, topology: Topology, start: int = 0) -> Strag
                            costs=per_rank, overhead=overhead, summary=summary)
 
 
-def format_report(reports: Dict[str, StragglerReport]) -> str:
-    """A text table, one row per named report (e.g. ``{"shuffle": r0, "balanced": r1}``)."""
+def format_report(reports: Dict[str, StragglerReport], notes: Optional[List[str]] = None) -> str:
+    """A text table, one row per named report (e.g. ``{"shuffle": r0, "balanced": r1}``), then
+    ``notes`` (default: the first report's :meth:`~StragglerReport.warnings`)."""
     head = ["order", "steps", "mean %", "p50 %", "p90 %", "p99 %", "max %", "steps > 10 %"]
     rows = []
     for name, r in reports.items():
@@ -112,8 +113,9 @@ def format_report(reports: Dict[str, StragglerReport]) -> str:
                     + [f"{s['steps_over_10pct']:,} ({100 * s['share_over_10pct']:.1f} %)"])
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     lines = ["  ".join(str(x).rjust(w) for x, w in zip(row, widths)) for row in [head, *rows]]
-    first = next(iter(reports.values()), None)
-    notes = first.warnings() if first is not None else []
+    if notes is None:
+        first = next(iter(reports.values()), None)
+        notes = first.warnings() if first is not None else []
     return "\n".join(lines + [f"note: {n}" for n in notes])
 
 
