@@ -119,6 +119,7 @@ def test_dynamic_sampler_resumes_at_the_consumed_step(sequences):
     resumed = list(DynamicBatchSampler(plan, 0, consumed_samples=30))
     skipped = int(plan.mb_offsets[3])
     assert resumed == full[skipped:] and len(resumed) == len(DynamicBatchSampler(plan, 0, 30))
+    assert list(DynamicBatchSampler(plan, 0, consumed_samples=90 + 30, epoch_offset=90)) == resumed
     with pytest.raises(ShardError, match="not a step boundary"):
         DynamicBatchSampler(plan, 0, consumed_samples=15)
     with pytest.raises(ShardError, match="rank 2 is outside"):

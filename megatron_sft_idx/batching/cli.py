@@ -1,7 +1,8 @@
 """``plan-batches SHARD... --dp N --global-batch-size G [...]``: balance packed data for a topology.
 
-Reads the shards' index (sequence lengths only, never tokens), prices every pack with the cost
-model, and plans balanced per-epoch pack orders for Megatron's sampler: every step keeps the
+Reads the shards' sequence boundaries (``.idx``, ``.seq.idx``, ``.seq.bin``; never tokens),
+prices every pack with the cost model, and plans balanced per-epoch pack orders for Megatron's
+sampler: every step keeps the
 packs of the adapters' seeded shuffle; only which rank (and micro-batch) trains which of them
 changes. Prints the predicted straggler overhead (max rank cost / mean - 1 per step) of the
 plain shuffle and of the balanced order; ``--out`` writes the order file that training serves

@@ -110,20 +110,21 @@ class DynamicBatchSampler:
     """One rank's micro-batches of a :class:`~.dynamic.DynamicBatchPlan`, as index lists.
 
     Each yielded list is ``[(sequence id, width), ...]``. ``consumed_samples`` (sequences
-    consumed by the whole job, as Megatron counts them, from the start of this epoch)
-    resumes at the step it names. Duck-types a torch batch sampler.
+    consumed by the whole job, as Megatron counts them) resumes at the step it names;
+    ``epoch_offset`` is the part of it earlier epochs consumed (their steps times the global
+    batch). Duck-types a torch batch sampler.
 
     Raises:
         ShardError: a rank outside the plan's DP size; a consumed count between steps.
     """
 
-    def __init__(self, plan: DynamicBatchPlan, rank: int, consumed_samples: int = 0) -> None:
+    def __init__(self, plan: DynamicBatchPlan, rank: int, consumed_samples: int = 0, epoch_offset: int = 0) -> None:
         if not 0 <= int(rank) < plan.data_parallel_size:
             raise ShardError(f"rank {rank} is outside the plan's DP size {plan.data_parallel_size}", field="rank",
                              actual=rank)
         self.plan = plan
         self.rank = int(rank)
-        self.start_step = plan.step_of(consumed_samples)
+        self.start_step = plan.step_of(consumed_samples, epoch_offset)
 
     def __len__(self) -> int:
         offsets = self.plan.mb_offsets
