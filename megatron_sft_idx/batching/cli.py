@@ -3,9 +3,10 @@
 Reads the shards' sequence boundaries (``.idx``, ``.seq.idx``, ``.seq.bin``; never tokens),
 prices every pack with the cost model, and plans balanced per-epoch pack orders for Megatron's
 sampler: every step keeps the packs of the adapters' seeded shuffle; only which rank (and
-micro-batch) trains which of them changes. Prints the predicted straggler overhead (max rank cost / mean - 1 per step) of the
-plain shuffle and of the balanced order; ``--out`` writes the order file that training serves
-(``docs/BATCHING.md``), ``--plot`` draws the overhead (matplotlib, the ``tools`` extra).
+micro-batch) trains which of them changes. Prints the predicted straggler overhead (max rank
+cost / mean - 1 per step) of the plain shuffle and of the balanced order; ``--out`` writes the
+order file that training serves (``docs/BATCHING.md``), ``--plot`` draws the overhead
+(matplotlib, the ``tools`` extra).
 
 SHARD is a prefix, a directory or glob of shards, or a manifest; several are concatenated in
 the order given (the pack ids the order permutes).
