@@ -40,6 +40,8 @@ TOOLS = {
     "merge-shards": Tool("megatron_sft_idx.tools.merge_cli:main", None, ()),
     "convert-packed": Tool("megatron_sft_idx.tools.convert_cli:main", None, ()),
     "inspect-idx": Tool("megatron_sft_idx.tools.inspect_cli:main", None, ()),
+    # Reads shard indexes only; --plot checks the 'tools' extra where used.
+    "plan-batches": Tool("megatron_sft_idx.batching.cli:main", None, ()),
 }
 
 

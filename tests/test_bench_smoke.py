@@ -192,3 +192,22 @@ def test_preprocess_vs_bridge_runs_ours_as_the_console_script_does(tmp_path):
     summary = json.loads((tmp_path / "ours.summary.json").read_text())
     assert out["tokens"] == summary["tokens"] > 0 and out["packs"] == summary["packs"] > 0
     assert out["peak_mb"] > 0 and out["cpu_s"] > 0
+
+
+def test_balance_benchmark_entry_point(tmp_path, monkeypatch):
+    from bench import balance
+
+    monkeypatch.setattr("bench._common.RESULTS_DIR", tmp_path)
+    assert sorted(balance.runtime_lpt([8, 7, 6, 5, 4, 3, 2, 1], 2)) == [18, 18]
+    assert sorted(balance.runtime_kk([8, 7, 6, 5, 4, 3, 2, 1], 2)) == [18, 18]
+    plot = tmp_path / "b.png"
+    assert balance.main(["--quick", "--plot", str(plot)]) == 0
+    doc = json.loads((tmp_path / "balance.json").read_text())
+    assert {r["corpus"] for r in doc["overhead"]} == {"chat", "reasoning-32k"} and len(doc["overhead"]) == 8
+    for row in doc["overhead"]:
+        assert set(row["orders"]) == {"shuffle", "runtime LPT", "runtime KK", "ours LPT", "ours KK",
+                                      "ours KK, exchange 4"}
+        assert all(o["steps"] > 0 for o in row["orders"].values())
+    assert all(d["identical"] for d in doc["dynamic"])
+    assert doc["scale"]["packs"] > 0 and doc["scale"]["dynamic_microbatches"] > 0
+    assert plot.read_bytes()[:4] == b"\x89PNG"

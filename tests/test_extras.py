@@ -123,6 +123,8 @@ PROBES = {
     "merge-shards": lambda tmp: [str(tmp / "merged"), GOLDEN, "--json"],
     "convert-packed": lambda tmp: [_pretrain_copy(tmp), str(tmp / "from_pretrain"), "--pack-size", "16", "--json"],
     "inspect-idx": lambda tmp: [GOLDEN, "--pack", "1", "--json"],
+    "plan-batches": lambda tmp: [GOLDEN, "--dp", "1", "--global-batch-size", "2", "--out", str(tmp / "o.order"),
+                                 "--json"],
 }
 
 

@@ -20,7 +20,9 @@ STACK = stacks.current()
 stacks.verify(STACK)
 
 # Modules that need what only some stacks ship: Megatron-Bridge (needs megatron-core >= 0.17),
-# Megatron-LM's SFTDataset (megatron/training/, shipped in the megatron-core wheel from 0.17 on).
+# Megatron-LM's SFTDataset and data samplers (megatron/training/, shipped in the megatron-core wheel
+# from 0.17 on).
 collect_ignore = []
 if STACK.bridge is None:
-    collect_ignore += ["test_bridge_parity.py", "test_sft_dataset_parity.py", "test_bench_collate.py"]
+    collect_ignore += ["test_bridge_parity.py", "test_sft_dataset_parity.py", "test_bench_collate.py",
+                       "test_batching_torchrun.py", "test_batching_bridge.py"]

@@ -1,0 +1,54 @@
+"""Planned batches: what steps cost, balanced pack orders for Megatron's samplers, dynamic batches.
+
+Modules (imported on first use; only :mod:`.loaders` needs torch):
+
+* :mod:`.cost` — ``CostModel`` (linear + attention FLOPs per sequence, from model dimensions
+  or set directly; presets), ``pack_costs`` / ``shard_pack_costs``, ``microbatch_cost``;
+* :mod:`.layout` — ``Topology``; how Megatron's sampler deals positions to ranks; the
+  adapters' per-epoch shuffle;
+* :mod:`.balance` — ``plan_order`` / ``balanced_permutation``: each step's packs re-dealt among
+  its ranks and micro-batches, step membership unchanged;
+* :mod:`.order` — ``Order`` and its strict file (``save`` / ``load``);
+* :mod:`.dynamic` — ``plan_dynamic``: NeMo-RL's token-budget micro-batches, from lengths;
+* :mod:`.report` — per-step predicted cost per rank, straggler overhead, plot;
+* :mod:`.loaders` — ``OrderedDataset``, ``DynamicBatchSampler``, ``SequenceDataset``,
+  ``DynamicCollator`` (torch).
+
+``docs/BATCHING.md`` is the user's guide.
+"""
+
+from .._lazy import lazy_getattr
+
+_PUBLIC = {
+    "CostModel": ".cost",
+    "ModelShape": ".cost",
+    "PRESETS": ".cost",
+    "pack_costs": ".cost",
+    "shard_pack_costs": ".cost",
+    "microbatch_cost": ".cost",
+    "Topology": ".layout",
+    "base_permutation": ".layout",
+    "balanced_permutation": ".balance",
+    "plan_order": ".balance",
+    "Order": ".order",
+    "TopologyMismatchWarning": ".order",
+    "DynamicBatchPlan": ".dynamic",
+    "plan_dynamic": ".dynamic",
+    "StragglerReport": ".report",
+    "straggler_report": ".report",
+    "order_reports": ".report",
+    "format_report": ".report",
+    "plot_report": ".report",
+    "OrderedDataset": ".loaders",
+    "SequenceDataset": ".loaders",
+    "DynamicBatchSampler": ".loaders",
+    "DynamicCollator": ".loaders",
+}
+
+__all__ = sorted(_PUBLIC)
+
+__getattr__ = lazy_getattr(__name__, _PUBLIC, globals())
+
+
+def __dir__():
+    return sorted(__all__)

@@ -1,0 +1,122 @@
+"""``plan-batches SHARD... --dp N --global-batch-size G [...]``: balance packed data for a topology.
+
+Reads the shards' sequence boundaries (``.idx``, ``.seq.idx``, ``.seq.bin``; never tokens),
+prices every pack with the cost model, and plans balanced per-epoch pack orders for Megatron's
+sampler: every step keeps the packs of the adapters' seeded shuffle; only which rank (and
+micro-batch) trains which of them changes. Prints the predicted straggler overhead (max rank
+cost / mean - 1 per step) of the plain shuffle and of the balanced order; ``--out`` writes the
+order file that training serves (``docs/BATCHING.md``), ``--plot`` draws the overhead
+(matplotlib, the ``tools`` extra).
+
+SHARD is a prefix, a directory or glob of shards, or a manifest; several are concatenated in
+the order given (the pack ids the order permutes).
+
+Exit codes: 0 planned, 1 a shard is corrupt, 2 usage error or nothing found.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import List, Optional
+
+from ..errors import ShardError, ShardNotFoundError
+from ..format import PAD_LAYOUTS, PAD_LAYOUT_STORED
+
+PROG = "plan-batches"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .cost import PRESETS
+    from .order import ALGORITHMS
+
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.replace("``", ""),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("shards", nargs="+", help="shard prefixes, directories, globs or manifests")
+    topo = p.add_argument_group("topology")
+    topo.add_argument("--dp", type=int, required=True, help="data-parallel size")
+    topo.add_argument("--global-batch-size", type=int, required=True, help="packs per optimizer step")
+    topo.add_argument("--micro-batch-size", type=int, default=1, help="packs per micro-batch (default: 1)")
+    cost = p.add_argument_group("cost model")
+    cost.add_argument("--model", default="llama3-8b", choices=sorted(PRESETS),
+                      help="model whose FLOP count prices a pack (default: llama3-8b)")
+    cost.add_argument("--linear", type=float, help="FLOPs per token, instead of --model (with --attention)")
+    cost.add_argument("--attention", type=float, help="FLOPs per token squared, instead of --model")
+    cost.add_argument("--recompute", action="store_true", help="full activation recomputation")
+    cost.add_argument("--pad-multiple", type=int, default=1,
+                      help="the CP/SP multiple the kernel pads each sequence to (default: 1)")
+    cost.add_argument("--pad-layout", default=PAD_LAYOUT_STORED, choices=list(PAD_LAYOUTS),
+                      help="stored: the kernel sees L (Megatron-LM); runtime: L-1 (Bridge)")
+    plan = p.add_argument_group("order")
+    plan.add_argument("--seed", type=int, default=1234, help="the training run's data seed (default: 1234)")
+    plan.add_argument("--epochs", type=int, default=1, help="epochs to plan (default: 1)")
+    plan.add_argument("--algorithm", default="kk", choices=list(ALGORITHMS),
+                      help="kk (Karmarkar-Karp), lpt, or shuffle (no balancing) (default: kk)")
+    plan.add_argument("--exchange-window", type=int, default=1,
+                      help="steps whose packs may trade places (default 1; more CHANGES step membership)")
+    p.add_argument("--out", help="write the order file here (*.order)")
+    p.add_argument("--plot", help="draw the per-step overhead into this PNG")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    return p
+
+
+def _cost_model(args, parser):
+    from .cost import CostModel
+
+    if (args.linear is None) != (args.attention is None):
+        parser.error("--linear and --attention go together")
+    if args.linear is not None:
+        return CostModel(args.linear, args.attention, pad_multiple=args.pad_multiple, pad_layout=args.pad_layout)
+    return CostModel.from_preset(args.model, pad_multiple=args.pad_multiple, pad_layout=args.pad_layout,
+                                 recompute=args.recompute)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from ..training.multi import MultiShardDataset
+    from .balance import plan_order
+    from .cost import shard_pack_costs
+    from .layout import Topology
+    from .report import format_report, order_reports, plot_report
+
+    try:
+        topology = Topology(args.dp, args.micro_batch_size, args.global_batch_size)
+        model = _cost_model(args, parser)
+        source = MultiShardDataset.open(args.shards if len(args.shards) > 1 else args.shards[0])
+    except ShardNotFoundError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except ShardError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 1 if exc.path else 2
+    try:
+        costs = shard_pack_costs(source, model)
+        order = plan_order(costs, topology, model, seed=args.seed, epochs=args.epochs, algorithm=args.algorithm,
+                           exchange_window=args.exchange_window,
+                           source={"shards": list(source.prefixes), "packs": [int(c) for c in source.counts]})
+        if args.out:
+            order.save(args.out)
+    except ShardError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 1 if exc.path else 2
+    reports = order_reports(order)
+    notes = reports["balanced"].warnings() if args.exchange_window == 1 else []
+    if args.plot:
+        plot_report(reports, args.plot)
+    if args.json:
+        print(json.dumps({"topology": topology.to_dict(), "cost_model": model.to_dict(), "packs": order.num_packs,
+                          "epochs": order.epochs, "out": args.out, "warnings": notes,
+                          **{k: r.summary for k, r in reports.items()}}))
+    else:
+        print(f"{order.num_packs:,} packs, {topology.describe()}, cost model {model.name}; predicted straggler "
+              "overhead per step (max rank cost / mean - 1):")
+        print(format_report(reports, notes))
+        if args.out:
+            print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,294 @@
+"""A balanced pack order, and its file (``*.order``): the per-epoch permutations of pack ids, with
+the topology, cost model and seed they were planned for.
+
+Layout, version 1.0 (integers little-endian; the same container as the pack plan's):
+
+======  ====  ====  ==================  ==================================================
+offset  size  type  name                constraint
+======  ====  ====  ==================  ==================================================
+0       8     bytes magic               ``MSFTORD\\x00``
+8       2     u16   version_major       1; any other major is refused
+10      2     u16   version_minor       any; a newer minor only adds metadata keys
+12      4     u32   reserved            0
+16      8     u64   metadata_offset     where the JSON metadata starts (after the arrays)
+24      8     u64   metadata_length     L <= 16 MiB
+32      8     u64   file_size           the file's exact size: metadata_offset + L
+40      16    --    reserved            0
+56      4     u32   body_crc32          CRC-32 of bytes ``[64, file_size)``
+60      4     u32   header_crc32        CRC-32 of bytes ``[0, 60)``
+64      ...   --    arrays              64-byte aligned, located by the metadata
+======  ====  ====  ==================  ==================================================
+
+Metadata (JSON object; unknown keys are ignored): ``format`` (``"megatron_sft_idx.order"``),
+``num_packs``, ``first_epoch``, ``epochs``, ``seed``, ``topology`` (:class:`~.layout.Topology`),
+``cost_model`` (:class:`~.cost.CostModel`), ``algorithm``, ``exchange_window``, ``source``
+(an object naming the data, or null), ``stats``, and ``arrays``: ``permutations``
+(``[offset, count, dtype]``, int32 or int64, ``epochs * num_packs`` values, row ``e`` the
+order of epoch ``first_epoch + e``) and ``costs`` (float64, ``num_packs`` values). Reading
+verifies both CRCs, every field's type, that each row is a permutation and that every cost is
+finite and non-negative.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import warnings
+import zlib
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from .._atomic import write_file_atomically
+from ..errors import HeaderError, ShardError, VersionError
+from . import _kernels
+from .cost import CostModel
+from .layout import Topology
+
+__all__ = ["Order", "ORDER_FORMAT", "ALGORITHMS", "TopologyMismatchWarning"]
+
+ORDER_MAGIC = b"MSFTORD\x00"
+ORDER_VERSION = (1, 0)
+ORDER_FORMAT = "megatron_sft_idx.order"
+HEADER = struct.Struct("<8sHHIQQQ16sII")
+HEADER_SIZE = HEADER.size  # 64
+_CRC_SPAN = 60
+_ALIGN = 64
+_MAX_METADATA = 16 << 20
+_INDEX_DTYPES = {"int32": np.dtype("<i4"), "int64": np.dtype("<i8")}
+#: Balancing algorithms: ``shuffle`` (none: the adapters' order), ``lpt``, ``kk`` (Karmarkar-Karp).
+ALGORITHMS = ("shuffle", "lpt", "kk")
+
+
+class TopologyMismatchWarning(UserWarning):
+    """An order is used with a topology other than the one it was balanced for."""
+
+
+@dataclass
+class Order:
+    """Per-epoch pack orders balanced for one topology and cost model (see :mod:`.balance`).
+
+    ``permutations[e]`` is the order of epoch ``first_epoch + e``: position ``i`` of that epoch
+    (global position ``epoch * num_packs + i``) serves pack ``permutations[e][i]``.
+    """
+
+    permutations: np.ndarray
+    costs: np.ndarray
+    topology: Topology
+    cost_model: CostModel
+    seed: int
+    first_epoch: int = 0
+    algorithm: str = "kk"
+    exchange_window: int = 1
+    source: Optional[dict] = None
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def num_packs(self) -> int:
+        return int(self.permutations.shape[1])
+
+    @property
+    def epochs(self) -> int:
+        return int(self.permutations.shape[0])
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        """The order of absolute epoch ``epoch`` (read-only view).
+
+        Raises:
+            ShardError: the epoch is outside the planned ones.
+        """
+        e = int(epoch) - self.first_epoch
+        if not 0 <= e < self.epochs:
+            raise ShardError(f"the order holds epochs {self.first_epoch}..{self.first_epoch + self.epochs - 1}, "
+                             f"not {epoch}", field="epoch", actual=epoch,
+                             hint="plan more epochs (epochs=...) for a longer run")
+        return self.permutations[e]
+
+    def sample_index(self, num_samples: int) -> np.ndarray:
+        """The first ``num_samples`` global positions' packs (epochs from 0, concatenated), int64.
+
+        Raises:
+            ShardError: the order does not start at epoch 0 or holds too few epochs.
+        """
+        n = self.num_packs
+        need = -(-int(num_samples) // n) if n else 0
+        if self.first_epoch != 0 or need > self.epochs:
+            raise ShardError(f"{num_samples} samples need epochs 0..{need - 1}; the order holds "
+                             f"{self.first_epoch}..{self.first_epoch + self.epochs - 1}", field="epochs",
+                             hint="plan the order from epoch 0 with enough epochs")
+        return self.permutations[:need].reshape(-1)[:num_samples].astype(np.int64)
+
+    def topology_mismatch(self, topology: Topology) -> Optional[str]:
+        """A sentence saying how ``topology`` differs from the planned one, or None."""
+        if topology == self.topology:
+            return None
+        return (f"the pack order was balanced for {self.topology.describe()}, but training runs with "
+                f"{topology.describe()}: steps keep their packs but ranks get unbalanced slices; re-plan "
+                "the order for this topology")
+
+    def warn_if_mismatch(self, topology: Topology) -> bool:
+        """Warn (:class:`TopologyMismatchWarning`) when ``topology`` is not the planned one; True if so."""
+        message = self.topology_mismatch(topology)
+        if message:
+            warnings.warn(message, TopologyMismatchWarning, stacklevel=2)
+        return message is not None
+
+    def check_costs(self, costs, path: Optional[str] = None) -> None:
+        """Refuse pack costs (recomputed from the data with this order's cost model) that differ
+        from the recorded ones: the order was planned for other packs.
+
+        Raises:
+            ShardError: a different pack count, or any pack's cost differs.
+        """
+        costs = np.asarray(costs, dtype=np.float64)
+        if costs.shape != self.costs.shape:
+            raise ShardError("the data has a different number of packs than the order was planned for",
+                             path=path, field="num_packs", expected=self.num_packs, actual=costs.shape[0],
+                             hint="re-plan the order for this data")
+        bad = np.flatnonzero(~np.isclose(costs, self.costs, rtol=1e-9, atol=0.0))
+        if bad.size:
+            raise ShardError(f"pack {int(bad[0])}'s cost differs from the order's record ({bad.size} packs differ): "
+                             "the order was planned for other data", path=path, pack=int(bad[0]),
+                             field="costs", expected=float(self.costs[bad[0]]), actual=float(costs[bad[0]]),
+                             hint="re-plan the order for this data")
+
+    # ------------------------------------------------------------------ file
+
+    def save(self, path) -> None:
+        """Write the order file atomically (temporary name, fsync, rename)."""
+        path = os.fspath(path)
+        n = self.num_packs
+        dtype = "int32" if n < 2**31 - 1 else "int64"
+        perms = np.ascontiguousarray(self.permutations, dtype=_INDEX_DTYPES[dtype])
+        costs = np.ascontiguousarray(self.costs, dtype="<f8")
+        perm_off = HEADER_SIZE
+        cost_off = perm_off + perms.nbytes + (-(perm_off + perms.nbytes) % _ALIGN)
+        meta_off = cost_off + costs.nbytes
+        meta = json.dumps(self._metadata(dtype, perm_off, cost_off), sort_keys=True,
+                          separators=(",", ":")).encode()
+
+        def write(f) -> None:
+            crc = 0
+            body = [memoryview(perms).cast("B"), b"\0" * (cost_off - perm_off - perms.nbytes),
+                    memoryview(costs).cast("B"), meta]
+            for part in body:
+                crc = zlib.crc32(part, crc)
+            head = HEADER.pack(ORDER_MAGIC, ORDER_VERSION[0], ORDER_VERSION[1], 0, meta_off, len(meta),
+                               meta_off + len(meta), b"\0" * 16, crc, 0)[:_CRC_SPAN]
+            f.write(head + struct.pack("<I", zlib.crc32(head)))
+            for part in body:
+                f.write(part)
+
+        write_file_atomically(path, write)
+
+    def _metadata(self, dtype: str, perm_off: int, cost_off: int) -> dict:
+        return {"format": ORDER_FORMAT, "num_packs": self.num_packs, "first_epoch": int(self.first_epoch),
+                "epochs": self.epochs, "seed": int(self.seed), "topology": self.topology.to_dict(),
+                "cost_model": self.cost_model.to_dict(), "algorithm": self.algorithm,
+                "exchange_window": int(self.exchange_window), "source": self.source, "stats": self.stats,
+                "arrays": {"permutations": [perm_off, self.epochs * self.num_packs, dtype],
+                           "costs": [cost_off, self.num_packs, "float64"]}}
+
+    @classmethod
+    def load(cls, path) -> "Order":
+        """Read and verify an order file (module doc). The arrays are read whole (no mapping).
+
+        Raises:
+            ShardError (HeaderError, VersionError): not an order file, a corrupt or truncated one,
+                an unknown major version, a field of the wrong type, a row that is not a permutation.
+        """
+        path = os.fspath(path)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as exc:
+            raise ShardError(f"cannot read the order file ({exc.strerror or exc})", path=path) from None
+        meta_off, meta_len = _parse_header(data, path)
+        try:
+            meta = json.loads(data[meta_off:meta_off + meta_len].decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise HeaderError(f"order metadata is not JSON ({exc})", path=path, field="metadata") from None
+        if not isinstance(meta, dict) or meta.get("format") != ORDER_FORMAT:
+            raise HeaderError("order metadata names another format", path=path, field="format", expected=ORDER_FORMAT)
+        fields = _fields(meta, path)
+        n, epochs = fields["num_packs"], fields["epochs"]
+        perms = _array(data, meta, "permutations", epochs * n, _INDEX_DTYPES, meta_off, path).reshape(epochs, n)
+        costs = _array(data, meta, "costs", n, {"float64": np.dtype("<f8")}, meta_off, path)
+        for e in range(epochs):
+            if not _kernels.is_permutation(perms[e]):
+                raise HeaderError(f"row {e} of the order is not a permutation of the {n} packs", path=path,
+                                  field="permutations", rule="permutation")
+        if n and not (np.all(np.isfinite(costs)) and costs.min() >= 0):
+            raise HeaderError("the order's pack costs must be finite and >= 0", path=path, field="costs")
+        return cls(permutations=perms.astype(np.int64), costs=costs.astype(np.float64), seed=fields["seed"],
+                   topology=Topology.from_dict(meta.get("topology"), path=path),
+                   cost_model=CostModel.from_dict(meta.get("cost_model"), path=path),
+                   first_epoch=fields["first_epoch"], algorithm=fields["algorithm"],
+                   exchange_window=fields["exchange_window"], source=fields["source"], stats=fields["stats"])
+
+
+def _parse_header(data: bytes, path: str):
+    if len(data) < HEADER_SIZE:
+        raise HeaderError("file is shorter than an order header", path=path, field="header")
+    magic, major, minor, _, meta_off, meta_len, file_size, _, body_crc, header_crc = HEADER.unpack(
+        data[:HEADER_SIZE])
+    if magic != ORDER_MAGIC:
+        raise HeaderError("not a pack order file: bad magic", path=path, field="magic", expected=ORDER_MAGIC,
+                          actual=magic)
+    if major != ORDER_VERSION[0]:
+        raise VersionError(f"unsupported order major version {major}.{minor}; supported: {ORDER_VERSION[0]}",
+                           path=path, field="version_major", hint="re-plan the order with this version")
+    if zlib.crc32(data[:_CRC_SPAN]) != header_crc:
+        raise HeaderError("order header CRC-32 mismatch", path=path, field="header_crc32")
+    if (file_size != len(data) or meta_len > _MAX_METADATA or meta_off < HEADER_SIZE
+            or meta_off + meta_len != file_size):
+        raise HeaderError("order file size disagrees with its header (truncated or extended)", path=path,
+                          field="file_size", expected=file_size, actual=len(data))
+    if zlib.crc32(memoryview(data)[HEADER_SIZE:]) != body_crc:
+        raise HeaderError("order body CRC-32 mismatch: the file was modified or is corrupt", path=path,
+                          field="body_crc32")
+    return meta_off, meta_len
+
+
+def _int(meta: dict, key: str, path: str, minimum: Optional[int]) -> int:
+    value = meta.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
+        raise HeaderError(f"order field {key!r} is missing or not an integer"
+                          + (f" >= {minimum}" if minimum is not None else ""), path=path, field=key, actual=value)
+    return value
+
+
+def _fields(meta: dict, path: str) -> dict:
+    out = {"num_packs": _int(meta, "num_packs", path, 0), "epochs": _int(meta, "epochs", path, 1),
+           "first_epoch": _int(meta, "first_epoch", path, 0), "seed": _int(meta, "seed", path, None),
+           "exchange_window": _int(meta, "exchange_window", path, 1)}
+    algorithm = meta.get("algorithm")
+    if algorithm not in ALGORITHMS:
+        raise HeaderError("order field 'algorithm' is not a known algorithm", path=path, field="algorithm",
+                          expected=list(ALGORITHMS), actual=algorithm)
+    out["algorithm"] = algorithm
+    for key in ("source", "stats"):
+        value = meta.get(key)
+        if value is not None and not isinstance(value, dict):
+            raise HeaderError(f"order field {key!r} must be an object or null", path=path, field=key)
+        out[key] = value if key == "source" else (value or {})
+    return out
+
+
+def _array(data: bytes, meta: dict, name: str, count: int, dtypes: dict, bound: int, path: str) -> np.ndarray:
+    arrays = meta.get("arrays")
+    spec = arrays.get(name) if isinstance(arrays, dict) else None
+    if (not isinstance(spec, list) or len(spec) != 3 or not all(isinstance(v, int) and not isinstance(v, bool)
+                                                                for v in spec[:2]) or spec[2] not in dtypes):
+        raise HeaderError(f"order array {name!r} has no valid [offset, count, dtype] locator", path=path,
+                          field=f"arrays.{name}", actual=spec)
+    offset, found, dtype = spec
+    dt = dtypes[dtype]
+    if found != count:
+        raise HeaderError(f"order array {name!r} holds {found} values, expected {count}", path=path,
+                          field=f"arrays.{name}", expected=count, actual=found)
+    if offset < HEADER_SIZE or offset % _ALIGN or offset + count * dt.itemsize > bound:
+        raise HeaderError(f"order array {name!r} lies outside the arrays section", path=path, field=f"arrays.{name}")
+    return np.frombuffer(data, dtype=dt, count=count, offset=offset)
