@@ -1,8 +1,12 @@
-"""Retries with exponential backoff and jitter, ending in an error that names the object.
+"""Retries with exponential backoff and jitter, within a wall-clock deadline, ending in an
+error that names the object.
 
 Each store classifies its client's exceptions into one of four outcomes; this
 module only runs the loop, so the policy (which failures are worth another try,
-how long to wait) is stated once for every client.
+how long to wait, how long an operation may take) is stated once for every client.
+Each attempt runs under its own budget (:func:`~._deadline.run_bounded`), never more
+than what is left of the operation's :class:`~._deadline.Deadline`; pauses are cut short
+by the deadline too.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ import random
 import time
 from typing import Callable, Optional, TypeVar
 
-from ..errors import ObjectChangedError, RemoteStorageError, ShardError, ShardNotFoundError
+from ..errors import ObjectChangedError, RemoteStorageError, RemoteTimeoutError, ShardError, ShardNotFoundError
+from ._deadline import AttemptTimeout, Deadline, run_bounded
 
 T = TypeVar("T")
 logger = logging.getLogger("megatron_sft_idx.storage")
@@ -27,7 +32,8 @@ class Outcome(enum.Enum):
 
 
 class ShortReadError(IOError):
-    """The server sent fewer (or more) bytes than the range asked for: retried, never used."""
+    """The server sent fewer (or more) bytes than the range asked for, or a body that fails
+    its checksum: retried, never used."""
 
 
 def backoff_delay(attempt: int, base: float, ceiling: float) -> float:
@@ -36,19 +42,31 @@ def backoff_delay(attempt: int, base: float, ceiling: float) -> float:
 
 
 def with_retries(op: Callable[[], T], *, what: str, path: str, classify: Callable[[BaseException], Outcome],
-                 attempts: int, base: float, ceiling: float,
+                 attempts: int, base: float, ceiling: float, deadline: Optional[Deadline] = None,
+                 request_seconds: Optional[float] = None,
                  on_retry: Optional[Callable[[BaseException], None]] = None) -> T:
-    """Run ``op`` until it succeeds, retrying transient failures ``attempts`` times in total.
+    """Run ``op`` until it succeeds, retrying transient failures ``attempts`` times in total,
+    each attempt bounded by ``request_seconds`` and all of them by ``deadline`` (both None:
+    ``op`` runs in the calling thread, unbounded, as in unit tests of the policy).
 
     Raises:
         ShardNotFoundError: the object does not exist.
         ObjectChangedError: the object changed since it was opened (a precondition failed).
+        RemoteTimeoutError: an attempt outlived its budget and the deadline allowed no other.
         RemoteStorageError: a permanent failure, or transient ones outlasting every attempt.
     """
+    bounded = deadline is not None or request_seconds is not None
+    if deadline is None:
+        deadline = Deadline(float("inf"))
     last: Optional[BaseException] = None
+    tried = 0
     for attempt in range(attempts):
+        budget = min(deadline.remaining(), request_seconds if request_seconds is not None else float("inf"))
+        if budget <= 0:
+            break
+        tried += 1
         try:
-            return op()
+            return run_bounded(op, budget) if bounded else op()
         except ShardError:
             raise
         except Exception as exc:  # classified below; anything unknown is FATAL, never swallowed
@@ -65,14 +83,33 @@ def with_retries(op: Callable[[], T], *, what: str, path: str, classify: Callabl
             if on_retry is not None:
                 on_retry(exc)
             if attempt + 1 < attempts:
-                delay = backoff_delay(attempt, base, ceiling)
+                delay = min(backoff_delay(attempt, base, ceiling), max(0.0, deadline.remaining()))
                 logger.info("%s %s: %s; retry %d/%d in %.2f s", what, path, _describe(exc), attempt + 1,
                             attempts - 1, delay)
                 time.sleep(delay)
+    if isinstance(last, AttemptTimeout) or last is None or tried < attempts:
+        raise _timeout(what, path, tried, deadline, request_seconds, last)
     raise RemoteStorageError(f"{what} failed after {attempts} attempts; last error: {_describe(last)}",
                              path=path, field="retries", expected=f"success within {attempts} attempts",
                              hint="the store kept throttling, resetting or failing; check it and the "
                                   "network, or raise MEGATRON_SFT_IDX_RETRIES")
+
+
+def _timeout(what: str, path: str, tried: int, deadline: Deadline, request_seconds: Optional[float],
+             last: Optional[BaseException]) -> RemoteTimeoutError:
+    """The error for an operation that ran out of time: its own budget, or its last attempt's."""
+    if isinstance(last, AttemptTimeout) and (request_seconds is None or last.seconds < request_seconds):
+        cause = "the operation's budget ran out during the last attempt"
+    elif isinstance(last, AttemptTimeout):
+        cause = f"no complete response within the request budget of {request_seconds:.3g} s"
+    else:
+        cause = f"the operation's budget ran out; last error: {_describe(last)}"
+    field = "request_timeout" if "request budget" in cause else "operation_timeout"
+    budgets = f"the operation within {deadline.seconds:.3g} s"
+    if request_seconds is not None:
+        budgets = f"each request within {request_seconds:.3g} s, {budgets}"
+    return RemoteTimeoutError(f"{what}: {cause} ({tried} attempt{'s' if tried != 1 else ''} in "
+                              f"{deadline.elapsed():.1f} s)", path=path, field=field, expected=budgets)
 
 
 def _describe(exc: Optional[BaseException]) -> str:
