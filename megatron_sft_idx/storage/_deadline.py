@@ -65,8 +65,8 @@ class AttemptTimeout(TimeoutError):
     """One attempt outlived its budget. Retried while the operation's deadline lasts; the
     retry loop turns the last one into a :class:`~megatron_sft_idx.errors.RemoteTimeoutError`."""
 
-    def __init__(self, seconds: float) -> None:
-        super().__init__(f"no complete response within {seconds:.3g} s")
+    def __init__(self, seconds: float, message: str = "") -> None:
+        super().__init__(message or f"no complete response within {seconds:.3g} s")
         self.seconds = seconds
 
 
@@ -82,7 +82,7 @@ def check_attempt() -> None:
     """Raise :class:`AttemptTimeout` when the calling thread's attempt is over."""
     attempt = current_attempt()
     if attempt is not None and attempt.over():
-        raise AttemptTimeout(0.0)
+        raise AttemptTimeout(0.0, "the request's time is up: it was abandoned")
 
 
 def run_bounded(fn: Callable[[], T], seconds: float) -> T:

@@ -171,13 +171,18 @@ class PageGuard:
         self.tokens: Set[str] = set()
         self.keys: Set[str] = set()
 
-    def page(self, parsed: dict) -> Optional[str]:
+    def page(self, parsed: dict, first: bool = False) -> Optional[str]:
         """Check one parsed ListObjectsV2 page; returns its continuation token (None: last page).
+        ``first``: the request carried no continuation token, so the client started a listing
+        (MSC lists more than once in one call); tokens and keys are counted afresh, pages not.
 
         Raises:
             ResponseMismatchError: a repeated token or key, a truncated page without a token,
                 more than ``max_pages`` pages.
         """
+        if first:
+            self.tokens.clear()
+            self.keys.clear()
         self.pages += 1
         for item in parsed.get("Contents", []) or []:
             key = item.get("Key")
@@ -236,6 +241,7 @@ def instrument(client) -> None:
     events.register("before-parameter-build.s3.GetObject", _before_get)
     events.register("before-call.s3.GetObject", _record_request)
     events.register("after-call.s3.GetObject", _check_get)
+    events.register("before-parameter-build.s3.ListObjectsV2", _before_list)
     events.register("after-call.s3.ListObjectsV2", _check_page)
     client._msi_instrumented = True
 
@@ -280,7 +286,11 @@ def _full_crc32(headers, length: int) -> Optional[int]:
     return int.from_bytes(raw, "big") if len(raw) == 4 else None
 
 
-def _check_page(parsed, **kwargs) -> None:
+def _before_list(params, context, **kwargs) -> None:
+    context["msi_first_page"] = not params.get("ContinuationToken")
+
+
+def _check_page(parsed, context, **kwargs) -> None:
     guard = _state({})[2]
     if guard is not None and parsed.get("ResponseMetadata", {}).get("HTTPStatusCode", 200) < 300:
-        guard.page(parsed)
+        guard.page(parsed, first=context.get("msi_first_page", False))

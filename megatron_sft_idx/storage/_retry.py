@@ -87,29 +87,40 @@ def with_retries(op: Callable[[], T], *, what: str, path: str, classify: Callabl
                 logger.info("%s %s: %s; retry %d/%d in %.2f s", what, path, _describe(exc), attempt + 1,
                             attempts - 1, delay)
                 time.sleep(delay)
-    if isinstance(last, AttemptTimeout) or last is None or tried < attempts:
-        raise _timeout(what, path, tried, deadline, request_seconds, last)
+    if last is None or tried < attempts or _is_timeout(last):
+        raise _timeout(what, path, tried, attempts, deadline, request_seconds, last)
     raise RemoteStorageError(f"{what} failed after {attempts} attempts; last error: {_describe(last)}",
                              path=path, field="retries", expected=f"success within {attempts} attempts",
                              hint="the store kept throttling, resetting or failing; check it and the "
                                   "network, or raise MEGATRON_SFT_IDX_RETRIES")
 
 
-def _timeout(what: str, path: str, tried: int, deadline: Deadline, request_seconds: Optional[float],
-             last: Optional[BaseException]) -> RemoteTimeoutError:
-    """The error for an operation that ran out of time: its own budget, or its last attempt's."""
-    if isinstance(last, AttemptTimeout) and (request_seconds is None or last.seconds < request_seconds):
-        cause = "the operation's budget ran out during the last attempt"
-    elif isinstance(last, AttemptTimeout):
-        cause = f"no complete response within the request budget of {request_seconds:.3g} s"
+def _is_timeout(exc: BaseException) -> bool:
+    """A timeout of ours or of the client's sockets (botocore's Read/ConnectTimeoutError)."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, TimeoutError) or type(exc).__name__ in ("ReadTimeoutError", "ConnectTimeoutError"):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
+def _timeout(what: str, path: str, tried: int, attempts: int, deadline: Deadline,
+             request_seconds: Optional[float], last: Optional[BaseException]) -> RemoteTimeoutError:
+    """The error for an operation that ran out of time: its own budget, or every attempt's."""
+    spent = tried < attempts or deadline.remaining() <= 0.05 * deadline.seconds
+    field = "operation_timeout" if spent else "request_timeout"
+    if spent:
+        budget = f"the operation's budget of {deadline.seconds:.3g} s"
     else:
-        cause = f"the operation's budget ran out; last error: {_describe(last)}"
-    field = "request_timeout" if "request budget" in cause else "operation_timeout"
-    budgets = f"the operation within {deadline.seconds:.3g} s"
-    if request_seconds is not None:
-        budgets = f"each request within {request_seconds:.3g} s, {budgets}"
-    return RemoteTimeoutError(f"{what}: {cause} ({tried} attempt{'s' if tried != 1 else ''} in "
-                              f"{deadline.elapsed():.1f} s)", path=path, field=field, expected=budgets)
+        budget = f"the request budget of {request_seconds:.3g} s" if request_seconds is not None else "time"
+    per = f" of at most {request_seconds:.3g} s" if request_seconds is not None else ""
+    then = "" if last is None or isinstance(last, AttemptTimeout) else f"; last error: {_describe(last)}"
+    expected = (f"an answer within {request_seconds:.3g} s per request, {deadline.seconds:.3g} s per operation"
+                if request_seconds is not None else None)
+    return RemoteTimeoutError(f"{what}: no complete response within {budget} ({tried} attempt"
+                              f"{'s' if tried != 1 else ''}{per} in {deadline.elapsed():.1f} s){then}", path=path,
+                              field=field, expected=expected)
 
 
 def _describe(exc: Optional[BaseException]) -> str:
