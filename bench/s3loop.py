@@ -11,7 +11,9 @@ range, bytes sent) and injects faults on demand. Transient ones: a connection re
 part of the body has been sent, a truncated body, a ``500 InternalError``, a ``503 SlowDown``.
 Hostile ones, as a broken server or proxy behaves (:data:`HOSTILE`):
 
-* ``stall`` — take the request, never answer (until the fault is cleared);
+* ``stall`` — take the request, never answer (until the fault is cleared); ``slow-read`` —
+  take a request body 64 KiB every ``interval`` seconds (a client that gives up leaves a short
+  body, logged as ``PUT-short``, and nothing is stored);
 * ``trickle`` — answer, then send the body a byte every ``interval`` seconds;
   ``trickle-headers`` — the status line and headers themselves a byte at a time;
 * ``ignore-range`` — forward without ``Range`` (and ``If-Match``): the whole object, ``200``;
@@ -60,7 +62,7 @@ _ERRORS = {
 
 
 TRANSIENT = ("reset", "500", "503", "truncate")
-HOSTILE = ("stall", "trickle", "trickle-headers", "ignore-range", "ignore-if-match", "shift-range",
+HOSTILE = ("stall", "slow-read", "trickle", "trickle-headers", "ignore-range", "ignore-if-match", "shift-range",
            "lie-content-range", "lie-content-length", "list-forever", "list-cycle", "list-fresh",
            "list-no-token")
 #: Longest a stalled or trickled answer is held (a cleared fault or a stopped server ends it sooner).
@@ -137,15 +139,20 @@ class _Handler(BaseHTTPRequestHandler):
     def _forward(self) -> None:
         if self.path.startswith("/__loop/"):
             return self._control(self._body())
-        body = self._body()
         loop = self.server.loop
         split = urlsplit(self.path)
         key = unquote(split.path)
+        fault = loop._take_fault(self.command, key, dict(self.headers), split.query)
+        action = fault.action if fault is not None else None
+        if action == "slow-read":
+            body = self._slow_body(fault)
+            if body is None:
+                return
+        else:
+            body = self._body()
         headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
         if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
             headers["Content-Length"] = str(len(body))
-        fault = loop._take_fault(self.command, key, dict(self.headers), split.query)
-        action = fault.action if fault is not None else None
         if action in ("500", "503"):
             loop._record(self.command, key, self.headers.get("Range"), 0)
             return self._error(int(action), key)
@@ -192,6 +199,24 @@ class _Handler(BaseHTTPRequestHandler):
             self.connection.close()
             return
         self.wfile.write(data)
+
+    def _slow_body(self, fault: "Fault") -> Optional[bytes]:
+        """The request body 64 KiB every ``fault.interval`` s; None (logged ``<METHOD>-short``)
+        when the client hangs up first."""
+        loop, want = self.server.loop, int(self.headers.get("Content-Length", 0) or 0)
+        out = bytearray()
+        while len(out) < want:
+            if loop._hold(fault.interval):
+                break
+            piece = self.rfile.read1(min(64 << 10, want - len(out)))
+            if not piece:
+                break
+            out += piece
+        if len(out) < want:
+            loop._record(self.command + "-short", unquote(urlsplit(self.path).path), None, len(out))
+            self.close_connection = True
+            return None
+        return bytes(out)
 
     def _trickle(self, fault: "Fault", status: int, reason: str, headers, data: bytes) -> None:
         """The answer a byte every ``fault.interval`` s: its headers too for ``trickle-headers``."""

@@ -80,6 +80,34 @@ def test_an_upload_to_a_server_that_does_not_answer(hostile, shard, action, suff
     assert same_shard(url, shard)
 
 
+def test_an_abandoned_put_is_cut_short_and_never_lands(hostile, tmp_path, monkeypatch):
+    """A server reading a 23 MiB body slowly: at the deadline the PUT is abandoned and its body
+    stops being sent (the server sees it end short), so it cannot land after the error."""
+    from megatron_sft_idx.storage._stores import store_for
+    from megatron_sft_idx.storage._url import ObjectURL
+    from megatron_sft_idx.storage.config import StorageConfig
+
+    monkeypatch.setenv("MEGATRON_SFT_IDX_MIN_THROUGHPUT", "64M")  # the size allowance small: the budget is OP
+    reset_clients()
+    path = str(tmp_path / "blob")
+    with open(path, "wb") as f:
+        f.write(np.random.default_rng(0).bytes(23 << 20))
+    target = ObjectURL.parse(f"s3://{BUCKET}/slow/blob")
+    config = StorageConfig.resolve()
+    hostile.inject("slow-read", method="PUT", suffix="/slow/blob", times=1000, interval=0.2)
+    _, elapsed = timed(lambda: store_for(target, config).upload(path, target), RemoteTimeoutError)
+    assert elapsed <= config.operation_seconds(23 << 20) + GRACE
+    deadline = time.monotonic() + 20  # the body would take 75 s at the server's pace
+    while time.monotonic() < deadline:
+        short = [r for r in hostile.stats()["requests"] if r[0] == "PUT-short"]
+        if len(short) >= 2:  # every attempt's body ended short
+            break
+        time.sleep(0.2)
+    assert len(short) >= 2 and all(n < 23 << 20 for _, _, _, n in short), short
+    hostile.clear()
+    assert store_for(target, config).head(target) is None  # nothing landed
+
+
 @pytest.mark.parametrize("action", LIST_ACTIONS)
 def test_an_upload_whose_destination_lists_forever(hostile, shard, action):
     url = f"s3://{BUCKET}/l/s"

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as futures
+import io
 import os
 import re
 import threading
@@ -217,9 +218,17 @@ class ObjectStore:
                 f.write(data)
 
     def upload(self, path: str, url: ObjectURL) -> None:
-        """Upload local file ``path`` to ``url`` (multipart above ``config.part_size``)."""
+        """Upload local file ``path`` to ``url``: one PUT, or above ``config.part_size`` a
+        multipart upload where the client has one (:meth:`_multipart`): one operation whose
+        steps are retried on their own within its deadline."""
         size = os.path.getsize(path)
+        if size > self.config.part_size and self.multipart:
+            return self._multipart(url, path, size)
         self._retry(lambda: self._put(url, path, size), "PUT", url, size)
+
+    multipart = False
+
+    def _multipart(self, url: ObjectURL, path: str, size: int) -> None: raise NotImplementedError
 
     def delete(self, url: ObjectURL) -> None:
         from ..errors import ShardNotFoundError
@@ -310,19 +319,13 @@ class S3Store(ObjectStore):
         _count_bytes(len(data))
         return data
 
-    def upload(self, path, url):
-        """One PUT up to ``config.part_size``, else a multipart upload: one operation whose
-        steps (create, each part, complete) are retried on their own within its deadline."""
-        size = os.path.getsize(path)
-        if size <= self.config.part_size:
-            return self._retry(lambda: self._put(url, path, size), "PUT", url, size)
-        return self._multipart(url, path, size)
+    multipart = True
 
     def _put(self, url, path, size):
         _count("put")
         with open(path, "rb") as f:
             data = f.read()
-        self.client.put_object(Bucket=url.bucket, Key=url.key, Body=data)
+        self.client.put_object(Bucket=url.bucket, Key=url.key, Body=_Body(data))
 
     def _multipart(self, url, path, size):
         """Parts in parallel, each retried on its own; any failure aborts the upload (no
@@ -346,7 +349,7 @@ class S3Store(ObjectStore):
             def op():
                 _count("put_part", len(data))
                 r = self.client.upload_part(Bucket=url.bucket, Key=url.key, UploadId=upload_id,
-                                            PartNumber=k + 1, Body=data)
+                                            PartNumber=k + 1, Body=_Body(data))
                 return {"PartNumber": k + 1, "ETag": r["ETag"]}
 
             return self._retry(op, f"PUT part {k + 1}/{len(starts)}", url, len(data), deadline)
@@ -373,6 +376,16 @@ class S3Store(ObjectStore):
     def _delete(self, url):
         _count("delete")
         self.client.delete_object(Bucket=url.bucket, Key=url.key)
+
+
+class _Body(io.BytesIO):
+    """A request body that stops being sent once its attempt is over (abandoned at its deadline,
+    or by a signal in the caller): the server gets a short body and stores nothing, so an
+    abandoned PUT cannot land after its caller reported it failed (unless it was all sent)."""
+
+    def read(self, size=-1):
+        check_attempt()
+        return super().read(size)
 
 
 # --------------------------------------------------------------------------- multi-storage-client
