@@ -177,6 +177,11 @@ class _Handler(BaseHTTPRequestHandler):
         loop._record(self.command, key, self.headers.get("Range"), len(data))
         if action in ("trickle", "trickle-headers"):
             return self._trickle(fault, status, reason, resp_headers, data)
+        self._send(fault, status, reason, resp_headers, data)
+
+    def _send(self, fault: Optional[Fault], status: int, reason: str, resp_headers, data: bytes) -> None:
+        """The answer, as the fault (if any) has it: a lying length, a reset or a cut body."""
+        action = fault.action if fault is not None else None
         self.send_response(status, reason)
         head = self.command == "HEAD"
         for k, v in resp_headers:
@@ -193,7 +198,7 @@ class _Handler(BaseHTTPRequestHandler):
         if action in ("reset", "truncate") and len(data) > 1:
             self.wfile.write(data[: len(data) // 2])
             self.wfile.flush()
-            if fault == "reset":  # RST instead of FIN: the client sees ECONNRESET mid-body
+            if action == "reset":  # RST instead of FIN: the client sees ECONNRESET mid-body
                 self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             self.close_connection = True
             self.connection.close()

@@ -125,15 +125,6 @@ def open_cached(store: ObjectStore, url: ObjectURL, infos: Dict[str, ObjectInfo]
     return prefix, fds
 
 
-def cached_prefix(store: ObjectStore, url: ObjectURL, infos: Dict[str, ObjectInfo], suffixes: Iterable[str],
-                  root: str) -> str:
-    """The local prefix of verified copies of ``url``'s ``suffixes`` objects (see :func:`open_cached`)."""
-    prefix, fds = open_cached(store, url, infos, suffixes, root)
-    for fd in fds.values():
-        os.close(fd)
-    return prefix
-
-
 # --------------------------------------------------------------------------- reuse
 
 
@@ -412,4 +403,4 @@ def _remove_older_generations(directory: str) -> None:
             shutil.rmtree(os.path.join(parent, other), ignore_errors=True)
 
 
-__all__ = ["open_cached", "cached_prefix", "parse_receipt", "generation", "entry_dir", "IDX_SUFFIX"]
+__all__ = ["open_cached", "parse_receipt", "generation", "entry_dir", "IDX_SUFFIX"]

@@ -55,9 +55,11 @@ class RemoteIndexedDataset(MMapIndexedDataset):
 
     Raises:
         everything :class:`MMapIndexedDataset` raises, naming the objects; plus
-        RemoteStorageError (retries exhausted, access denied), ObjectChangedError (an
-        object was replaced while being read), ChecksumError (a cached index file does
-        not match the metadata), MissingExtraError (boto3 / MSC not installed).
+        RemoteStorageError (retries exhausted, access denied), RemoteTimeoutError (a read
+        outlived its budget, docs/STORAGE.md), ResponseMismatchError (a response did not
+        answer its request), ObjectChangedError (an object was replaced while being read),
+        ChecksumError (a downloaded index file does not match the metadata),
+        MissingExtraError (boto3 / MSC not installed).
     """
 
     def __init__(self, prefix, *, check_packs: bool = False, config: Optional[StorageConfig] = None,
