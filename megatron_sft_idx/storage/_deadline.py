@@ -35,17 +35,18 @@ IDLE_SECONDS = 30.0
 class Deadline:
     """A wall-clock budget of ``seconds``, counted from construction (monotonic clock)."""
 
-    __slots__ = ("seconds", "expires")
+    __slots__ = ("seconds", "started", "expires")
 
     def __init__(self, seconds: float) -> None:
         self.seconds = float(seconds)
-        self.expires = time.monotonic() + self.seconds
+        self.started = time.monotonic()
+        self.expires = self.started + self.seconds
 
     def remaining(self) -> float:
         return self.expires - time.monotonic()
 
     def elapsed(self) -> float:
-        return self.seconds - self.remaining()
+        return time.monotonic() - self.started
 
 
 class Attempt:
@@ -141,10 +142,10 @@ class _Pool:
                 self.idle -= 1  # that thread is promised this job
             self.jobs.put(job)
         if spawn:
-            threading.Thread(target=self._work, args=(job,), daemon=True, name="msi-request").start()
+            threading.Thread(target=self._work, daemon=True, name="msi-request").start()
 
-    def _work(self, first: Callable[[], None]) -> None:
-        # The job this thread was started for is in the queue too; any thread may take it.
+    def _work(self) -> None:
+        # The job this thread was started for is in the queue; any waiting thread may take it.
         while True:
             try:
                 job = self.jobs.get(timeout=IDLE_SECONDS)
