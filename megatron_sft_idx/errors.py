@@ -39,6 +39,8 @@ __all__ = [
     "QueryError",
     "RemoteStorageError",
     "ObjectChangedError",
+    "RemoteTimeoutError",
+    "ResponseMismatchError",
     "OutputError",
 ]
 
@@ -229,6 +231,26 @@ class ObjectChangedError(RemoteStorageError):
     reading on would mix two generations of the shard."""
 
     default_hint = "the shard was re-uploaded while it was being read; reopen it"
+
+
+class RemoteTimeoutError(RemoteStorageError):
+    """A remote request or operation outlived its wall-clock budget: the server stalled, or
+    sent its response too slowly (a byte every few seconds defeats a socket read timeout, not
+    this). ``field`` is ``request_timeout`` or ``operation_timeout``; ``expected`` the budget."""
+
+    default_hint = ("the store stalls or trickles; check it and the network, or raise "
+                    "MEGATRON_SFT_IDX_REQUEST_TIMEOUT / MEGATRON_SFT_IDX_OPERATION_TIMEOUT "
+                    "(docs/STORAGE.md)")
+
+
+class ResponseMismatchError(RemoteStorageError):
+    """A response does not answer its request: a ranged GET answered with the whole object
+    (``Range`` ignored), another range (``Content-Range``), another length (``Content-Length``),
+    or a listing that never ends (a repeated continuation token or key). Refused before its
+    body is read; never retried (the same server answers the same way)."""
+
+    default_hint = ("the server or a proxy in front of it does not speak S3 faithfully (ranges, "
+                    "listings); read through one that does")
 
 
 class OutputError(ShardError):

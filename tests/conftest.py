@@ -95,6 +95,45 @@ def bucket(s3):
     return s3.make_bucket(f"b-{uuid.uuid4().hex[:12]}")
 
 
+# --------------------------------------------------------------------------- a hostile S3 server
+
+#: Budgets of remote calls under the ``hostile`` fixture: small, so a stalled request fails fast.
+HOSTILE_REQUEST_TIMEOUT, HOSTILE_OPERATION_TIMEOUT, HOSTILE_MAX_LIST_PAGES = 2.0, 4.0, 20
+
+
+@pytest.fixture(scope="module")
+def hostile_server():
+    """moto behind the fault-injecting proxy in a process of its own (bench/s3loop.py LoopProcess):
+    it can stall, trickle, ignore Range / If-Match, lie in its headers and list forever, and the
+    test process's memory is only the client's."""
+    from bench.s3loop import LoopProcess
+
+    with LoopProcess(env={"MOTO_S3_DEFAULT_KEY_BUFFER_SIZE": str(256 << 20)}) as server:
+        yield server
+
+
+@pytest.fixture
+def hostile(hostile_server, monkeypatch, tmp_path):
+    """AWS env pointing at the hostile server, an empty index cache, 64 KiB blocks and short
+    budgets (HOSTILE_* above); faults cleared before and after."""
+    from bench.s3loop import reset_clients
+
+    for key, value in hostile_server.env().items():
+        monkeypatch.setenv(key, value)
+    for key in ("AWS_PROFILE", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
+        monkeypatch.delenv(key, raising=False)
+    settings = {"CACHE": str(tmp_path / "cache"), "BLOCK_SIZE": "65536", "RETRIES": "4",
+                "REQUEST_TIMEOUT": str(HOSTILE_REQUEST_TIMEOUT), "OPERATION_TIMEOUT": str(HOSTILE_OPERATION_TIMEOUT),
+                "MAX_LIST_PAGES": str(HOSTILE_MAX_LIST_PAGES)}
+    for key, value in settings.items():
+        monkeypatch.setenv("MEGATRON_SFT_IDX_" + key, value)
+    reset_clients()
+    hostile_server.clear()
+    yield hostile_server
+    hostile_server.clear()
+    reset_clients()
+
+
 # --------------------------------------------------------------------------- disks
 
 

@@ -7,11 +7,16 @@ exceptions. The clients are the optional extra ``[s3]``, imported the first time
 used, never on the local read path; without them the error is one line naming the extra.
 
 boto3's own retries are switched off (one attempt per call) so that the policy,
-the attempt count and the final error are ours. Ranged reads carry ``If-Match``
-with the ETag seen at open, so a shard replaced mid-read fails with
-:class:`~megatron_sft_idx.errors.ObjectChangedError` instead of mixing generations
-(``s3://``; MSC's read API takes no precondition). A response shorter or longer
-than the range asked for is retried, never returned.
+the attempt count and the final error are ours. Every operation has a wall-clock
+deadline and every attempt a budget (:mod:`._deadline`, settings in
+:class:`~.config.StorageConfig`). Ranged reads carry ``If-Match`` with the ETag seen
+at open, so a shard replaced mid-read fails with
+:class:`~megatron_sft_idx.errors.ObjectChangedError` instead of mixing generations.
+Every GET response is checked against its request before its body is read, and the
+body is read in bounded pieces, never past the length asked for; listing pages are
+guarded against repeating forever (:mod:`._responses`). For ``msc://`` the same
+checks run as handlers on MSC's own boto3 client (profiles on S3-compatible storage);
+a profile on another backend gets the deadlines and a length check after the read.
 
 Clients are created once per process (a DataLoader worker or a forked rank gets its own:
 connection pools do not survive ``fork``).
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as futures
+import io
 import os
 import re
 import threading
@@ -28,6 +34,9 @@ from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from .._extras import require_extra
+from ..errors import ResponseMismatchError, ShardError
+from . import _responses
+from ._deadline import Deadline, check_attempt
 from ._retry import Outcome, ShortReadError, with_retries
 from ._url import ObjectURL
 from .config import StorageConfig
@@ -124,22 +133,33 @@ def _classify_one(exc: BaseException) -> Optional[Outcome]:
 
 
 class ObjectStore:
-    """One scheme's client with the project's retry policy. Use :func:`store_for`."""
+    """One scheme's client with the project's retry policy and deadlines. Use :func:`store_for`.
+
+    Every public method is one *operation* with a :class:`~._deadline.Deadline` of
+    ``config.operation_seconds(bytes)``; reads take an optional shared ``deadline`` so that
+    several requests of one read (a batch's runs, a download's chunks) share one budget.
+    """
 
     scheme = ""
 
     def __init__(self, config: StorageConfig) -> None:
         self.config = config
 
-    def _retry(self, op, what: str, url: ObjectURL):
+    def _retry(self, op, what: str, url: ObjectURL, nbytes: int = 0, deadline: Optional[Deadline] = None,
+               request_seconds: Optional[float] = None):
+        """``op`` as one operation (or a step of ``deadline``'s), each attempt within its budget."""
         c = self.config
+        if deadline is None:
+            deadline = Deadline(c.operation_seconds(nbytes))
+        if request_seconds is None:
+            request_seconds = c.request_seconds(nbytes)
         return with_retries(op, what=what, path=str(url), classify=classify, attempts=c.retries,
-                            base=c.backoff, ceiling=c.backoff_max)
+                            base=c.backoff, ceiling=c.backoff_max, deadline=deadline,
+                            request_seconds=request_seconds)
 
     # The primitives each client implements (one attempt each, client exceptions allowed).
     def _head(self, url: ObjectURL) -> ObjectInfo: raise NotImplementedError
-    def _list(self, url: ObjectURL, recursive: bool) -> List[Tuple[ObjectURL, ObjectInfo]]: raise NotImplementedError
-    def _get(self, url: ObjectURL, start: int, length: int, etag: str) -> bytes: raise NotImplementedError
+    def _get(self, url: ObjectURL, start: int, length: int, etag: str): raise NotImplementedError
     def _put(self, url: ObjectURL, path: str, size: int) -> None: raise NotImplementedError
     def _delete(self, url: ObjectURL) -> None: raise NotImplementedError
 
@@ -164,11 +184,15 @@ class ObjectStore:
         return infos
 
     def list(self, url: ObjectURL, recursive: bool = False) -> List[Tuple[ObjectURL, ObjectInfo]]:
-        """Objects whose key starts with ``url.key`` (not below a further ``/`` unless recursive)."""
-        return self._retry(lambda: self._list(url, recursive), "LIST", url)
+        """Objects whose key starts with ``url.key`` (not below a further ``/`` unless recursive).
+        One operation: every page within ``config.operation_timeout``, at most
+        ``config.max_list_pages`` pages, none repeating a token or a key."""
+        raise NotImplementedError
 
-    def read_range(self, url: ObjectURL, start: int, length: int, etag: str = "") -> bytes:
-        """Exactly ``length`` bytes of ``url`` from ``start`` (``If-Match: etag`` when given)."""
+    def read_range(self, url: ObjectURL, start: int, length: int, etag: str = "",
+                   deadline: Optional[Deadline] = None):
+        """Exactly ``length`` bytes of ``url`` from ``start`` (``If-Match: etag`` when given), as
+        a read-only bytes-like object. ``deadline``: the operation this read is part of."""
         if length <= 0:
             return b""
 
@@ -178,12 +202,14 @@ class ObjectStore:
                 raise ShortReadError(f"asked for {length} bytes at {start}, got {len(data)}")
             return data
 
-        return self._retry(op, f"GET bytes {start}-{start + length - 1}", url)
+        return self._retry(op, f"GET bytes {start}-{start + length - 1}", url, length, deadline)
 
     def read_chunks(self, url: ObjectURL, size: int, etag: str = "", chunk: int = 16 << 20) -> Iterator[bytes]:
-        """The whole object in order, ``chunk`` bytes per ranged GET (each retried on its own)."""
+        """The whole object in order, ``chunk`` bytes per ranged GET (each retried on its own),
+        all within one operation's deadline."""
+        deadline = Deadline(self.config.operation_seconds(size))
         for start in range(0, size, chunk):
-            yield self.read_range(url, start, min(chunk, size - start), etag)
+            yield self.read_range(url, start, min(chunk, size - start), etag, deadline)
 
     def download(self, url: ObjectURL, dest: str, info: ObjectInfo, chunk: int = 64 << 20) -> None:
         """Write ``url`` to the local file ``dest`` (created or truncated), chunk by chunk."""
@@ -192,9 +218,17 @@ class ObjectStore:
                 f.write(data)
 
     def upload(self, path: str, url: ObjectURL) -> None:
-        """Upload local file ``path`` to ``url`` (multipart above ``config.part_size``)."""
+        """Upload local file ``path`` to ``url``: one PUT, or above ``config.part_size`` a
+        multipart upload where the client has one (:meth:`_multipart`): one operation whose
+        steps are retried on their own within its deadline."""
         size = os.path.getsize(path)
-        self._retry(lambda: self._put(url, path, size), "PUT", url)
+        if size > self.config.part_size and self.multipart:
+            return self._multipart(url, path, size)
+        self._retry(lambda: self._put(url, path, size), "PUT", url, size)
+
+    multipart = False
+
+    def _multipart(self, url: ObjectURL, path: str, size: int) -> None: raise NotImplementedError
 
     def delete(self, url: ObjectURL) -> None:
         from ..errors import ShardNotFoundError
@@ -219,17 +253,24 @@ class S3Store(ObjectStore):
         import boto3
         import botocore.config as botocore_config
 
+        # Socket timeouts bound one connect / one recv (an abandoned attempt ends by them);
+        # the wall-clock budgets are enforced around every attempt (._deadline).
         cfg = botocore_config.Config(retries={"total_max_attempts": 1},
                                      max_pool_connections=max(10, 2 * config.concurrency),
-                                     connect_timeout=20, read_timeout=120)
+                                     connect_timeout=min(10.0, config.request_timeout),
+                                     read_timeout=config.request_timeout)
         self.client = boto3.session.Session().client("s3", config=cfg)
+        _responses.instrument(self.client)
 
     def stat_files(self, url: ObjectURL, suffixes: Sequence[str]) -> Dict[str, ObjectInfo]:
-        """One LIST of the keys starting with ``url.key + "."``; HEADs where listing is denied."""
-        from ..errors import RemoteStorageError
+        """One LIST of the keys starting with ``url.key + "."``; HEADs where listing is denied
+        (a listing that timed out or answered wrongly is an error, not a reason to try more)."""
+        from ..errors import RemoteStorageError, RemoteTimeoutError
 
         try:
             listed = self.list(url.with_suffix("."))
+        except (RemoteTimeoutError, ResponseMismatchError):
+            raise
         except RemoteStorageError:  # e.g. AccessDenied on ListBucket with GetObject allowed
             return super().stat_files(url, suffixes)
         by_key = {u.key: info for u, info in listed}
@@ -240,26 +281,37 @@ class S3Store(ObjectStore):
         r = self.client.head_object(Bucket=url.bucket, Key=url.key)
         return ObjectInfo(int(r["ContentLength"]), r.get("ETag", ""))
 
-    def _list(self, url, recursive):
-        out = []
+    def list(self, url, recursive=False):
+        """Page by page, each page a request of its own within the listing's deadline."""
+        deadline = Deadline(self.config.operation_seconds())
+        guard = _responses.PageGuard(str(url), self.config.max_list_pages)
         kwargs = {"Bucket": url.bucket, "Prefix": url.key}
         if not recursive:
             kwargs["Delimiter"] = "/"
+        out = []
         while True:
-            _count("list")
-            r = self.client.list_objects_v2(**kwargs)
+            def page(kwargs=dict(kwargs)):
+                _count("list")
+                with _responses.expect(str(url)):
+                    return self.client.list_objects_v2(**kwargs)
+
+            r = self._retry(page, f"LIST page {guard.pages + 1}", url, deadline=deadline)
+            token = guard.page(r)
             for item in r.get("Contents", []):
                 out.append((ObjectURL("s3", url.bucket, item["Key"]), ObjectInfo(int(item["Size"]), item.get("ETag", ""))))
-            if not r.get("IsTruncated"):
+            if token is None:
                 return out
-            kwargs["ContinuationToken"] = r["NextContinuationToken"]
+            kwargs["ContinuationToken"] = token
 
     def _get(self, url, start, length, etag):
+        """Status, Content-Range, Content-Length and ETag are checked before the body is read
+        (by the handlers :func:`._responses.instrument` registered), then exactly the range."""
         _count("get")
         kwargs = {"Bucket": url.bucket, "Key": url.key, "Range": f"bytes={start}-{start + length - 1}"}
         if etag:
             kwargs["IfMatch"] = etag
-        body = self.client.get_object(**kwargs)["Body"]
+        with _responses.expect(str(url)):
+            body = self.client.get_object(**kwargs)["Body"]
         try:
             data = body.read()
         finally:
@@ -267,19 +319,24 @@ class S3Store(ObjectStore):
         _count_bytes(len(data))
         return data
 
+    multipart = True
+
     def _put(self, url, path, size):
-        if size <= self.config.part_size:
-            _count("put")
-            with open(path, "rb") as f:
-                self.client.put_object(Bucket=url.bucket, Key=url.key, Body=f.read())
-            return
-        self._multipart(url, path, size)
+        _count("put")
+        with open(path, "rb") as f:
+            data = f.read()
+        self.client.put_object(Bucket=url.bucket, Key=url.key, Body=_Body(data))
 
     def _multipart(self, url, path, size):
         """Parts in parallel, each retried on its own; any failure aborts the upload (no
         orphaned parts are left billed)."""
-        _count("put")
-        upload_id = self.client.create_multipart_upload(Bucket=url.bucket, Key=url.key)["UploadId"]
+        deadline = Deadline(self.config.operation_seconds(size))
+
+        def create():
+            _count("put")
+            return self.client.create_multipart_upload(Bucket=url.bucket, Key=url.key)["UploadId"]
+
+        upload_id = self._retry(create, "POST (start a multipart upload)", url, deadline=deadline)
         part = self.config.part_size
         starts = list(range(0, size, part))
 
@@ -292,21 +349,27 @@ class S3Store(ObjectStore):
             def op():
                 _count("put_part", len(data))
                 r = self.client.upload_part(Bucket=url.bucket, Key=url.key, UploadId=upload_id,
-                                            PartNumber=k + 1, Body=data)
+                                            PartNumber=k + 1, Body=_Body(data))
                 return {"PartNumber": k + 1, "ETag": r["ETag"]}
 
-            return self._retry(op, f"PUT part {k + 1}/{len(starts)}", url)
+            return self._retry(op, f"PUT part {k + 1}/{len(starts)}", url, len(data), deadline)
+
+        def complete(parts):
+            _count("put")
+            self.client.complete_multipart_upload(Bucket=url.bucket, Key=url.key, UploadId=upload_id,
+                                                  MultipartUpload={"Parts": parts})
 
         try:
             with futures.ThreadPoolExecutor(max_workers=self.config.concurrency) as pool:
                 parts = list(pool.map(send, range(len(starts))))
-            _count("put")
-            self.client.complete_multipart_upload(Bucket=url.bucket, Key=url.key, UploadId=upload_id,
-                                                  MultipartUpload={"Parts": parts})
+            self._retry(lambda: complete(parts), "POST (complete the multipart upload)", url, deadline=deadline)
         except BaseException:
-            try:
-                self.client.abort_multipart_upload(Bucket=url.bucket, Key=url.key, UploadId=upload_id)
-            except Exception:  # the abort is best effort; the original error matters
+            try:  # best effort, one short operation of its own: the original error matters
+                self._retry(lambda: self.client.abort_multipart_upload(Bucket=url.bucket, Key=url.key,
+                                                                       UploadId=upload_id),
+                            "DELETE (abort the multipart upload)", url,
+                            deadline=Deadline(self.config.request_timeout))
+            except Exception:
                 pass
             raise
 
@@ -315,11 +378,28 @@ class S3Store(ObjectStore):
         self.client.delete_object(Bucket=url.bucket, Key=url.key)
 
 
+class _Body(io.BytesIO):
+    """A request body that stops being sent once its attempt is over (abandoned at its deadline,
+    or by a signal in the caller): the server gets a short body and stores nothing, so an
+    abandoned PUT cannot land after its caller reported it failed (unless it was all sent)."""
+
+    def read(self, size=-1):
+        check_attempt()
+        return super().read(size)
+
+
 # --------------------------------------------------------------------------- multi-storage-client
 
 
 class MscStore(ObjectStore):
-    """``msc://profile/path`` through multi-storage-client (its config names the backend)."""
+    """``msc://profile/path`` through multi-storage-client (its config names the backend).
+
+    MSC runs each call in its own code, so a call is one attempt here (MSC's own retries, as
+    its profile sets them, run inside that attempt's budget). A profile on S3-compatible
+    storage has a boto3 client inside; :func:`._responses.instrument` puts the response
+    checks, the ``If-Match`` pin and the page guard on it (``instrumented`` says whether it
+    could). Errors MSC wraps in its own are unwrapped to the project's.
+    """
 
     scheme = "msc"
 
@@ -329,51 +409,98 @@ class MscStore(ObjectStore):
         import multistorageclient
 
         self._msc = multistorageclient
-        self._clients: Dict[str, object] = {}
+        self._clients: Dict[tuple, object] = {}
+        self._lock = threading.Lock()
+        self.instrumented: Dict[str, bool] = {}
 
     def _client(self, url: ObjectURL):
         # MSC's own cache keeps the first client made for a profile name for the whole process;
         # keyed here also by the config file (and its mtime), a changed MSC_CONFIG is honoured.
         key = (url.bucket, *_msc_config_identity())
-        client = self._clients.get(key)
-        if client is None:
-            client = self._msc.StorageClient(config=self._msc.StorageClientConfig.from_file(profile=url.bucket))
-            self._clients[key] = client
+        with self._lock:
+            client = self._clients.get(key)
+            if client is None:
+                client = self._msc.StorageClient(config=self._msc.StorageClientConfig.from_file(profile=url.bucket))
+                boto = getattr(getattr(client, "_storage_provider", None), "_s3_client", None)
+                if boto is not None and hasattr(getattr(boto, "meta", None), "events"):
+                    _responses.instrument(boto)
+                self.instrumented[url.bucket] = boto is not None
+                self._clients[key] = client
         return client
 
     def _head(self, url):
         _count("head")
-        meta = self._client(url).info(url.key)
+        meta = _unwrapped(lambda: self._client(url).info(url.key))
         return ObjectInfo(int(meta.content_length), meta.etag or "")
 
+    def list(self, url, recursive=False):
+        """MSC lists directories, not key prefixes: list the key's directory, keep the prefix.
+        MSC pages inside one call: the call is one attempt with the listing's whole budget,
+        its pages guarded, its entries counted against ``max_list_pages`` pages' worth."""
+        deadline = Deadline(self.config.operation_seconds())
+        return self._retry(lambda: self._list(url, recursive), "LIST", url, deadline=deadline,
+                           request_seconds=deadline.seconds)
+
     def _list(self, url, recursive):
-        """MSC lists directories, not key prefixes: list the key's directory, keep the prefix."""
         _count("list")
         client = self._client(url)
         directory = url.key[: url.key.rfind("/") + 1]
-        out = []
-        for meta in client.list(path=directory, include_directories=not recursive):
-            key = meta.key
-            if getattr(meta, "type", "file") != "file" or not key.startswith(url.key):
-                continue
-            if not recursive and "/" in key[len(directory):]:
-                continue
-            out.append((ObjectURL("msc", url.bucket, key), ObjectInfo(int(meta.content_length), meta.etag or "")))
+        guard = _responses.PageGuard(str(url), self.config.max_list_pages)
+        most = 1000 * self.config.max_list_pages
+        out, seen = [], 0
+
+        def walk():
+            nonlocal seen
+            with _responses.expect(str(url), guard=guard):
+                for meta in client.list(path=directory, include_directories=not recursive):
+                    seen += 1
+                    check_attempt()
+                    if seen > most:
+                        raise ResponseMismatchError(
+                            f"the listing did not end within {most} entries", path=str(url), field="max_list_pages",
+                            expected=self.config.max_list_pages)
+                    key = meta.key
+                    if getattr(meta, "type", "file") != "file" or not key.startswith(url.key):
+                        continue
+                    if not recursive and "/" in key[len(directory):]:
+                        continue
+                    out.append((ObjectURL("msc", url.bucket, key),
+                                ObjectInfo(int(meta.content_length), meta.etag or "")))
+
+        _unwrapped(walk)
         return out
 
     def _get(self, url, start, length, etag):
         _count("get")
-        data = self._client(url).read(url.key, byte_range=self._msc.types.Range(offset=start, size=length))
+        pin = f'"{_responses.normalize_etag(etag)}"' if etag else ""
+        with _responses.expect(str(url), etag=pin):
+            data = _unwrapped(lambda: self._client(url).read(
+                url.key, byte_range=self._msc.types.Range(offset=start, size=length)))
         _count_bytes(len(data))
-        return bytes(data)
+        return data if isinstance(data, (bytes, memoryview)) else bytes(data)
 
     def _put(self, url, path, size):
         _count("put")
-        self._client(url).upload_file(url.key, path)
+        _unwrapped(lambda: self._client(url).upload_file(url.key, path))
 
     def _delete(self, url):
         _count("delete")
-        self._client(url).delete(url.key)
+        _unwrapped(lambda: self._client(url).delete(url.key))
+
+
+def _unwrapped(call):
+    """``call()``, with a project error that MSC wrapped in its own exception raised as itself."""
+    try:
+        return call()
+    except ShardError:
+        raise
+    except Exception as exc:
+        inner, seen = exc.__cause__ or exc.__context__, 0
+        while inner is not None and seen < 8:
+            if isinstance(inner, ShardError):
+                raise inner from None
+            inner, seen = inner.__cause__ or inner.__context__, seen + 1
+        raise
 
 
 def _msc_config_identity() -> tuple:

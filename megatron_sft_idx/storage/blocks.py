@@ -9,7 +9,9 @@ that fits in a block costs at most one request per file, cached or not, and noth
 is fetched twice for a pack that crosses a boundary. Missing blocks of one read (a
 pack longer than a block) or of one :meth:`RemoteArray.gather` are coalesced into one
 GET per contiguous run, runs fetched in parallel. The last ``cache_blocks`` blocks
-stay in memory (LRU); a slice inside one fetch is a zero-copy view of it.
+stay in memory (LRU); a slice inside one fetch is a zero-copy view of it. The GETs of
+one read share one deadline (``StorageConfig.operation_seconds`` of their bytes), so a
+batch ends within one operation's budget however many runs it has.
 
 ``.loss.bin`` uses ``block_size / itemsize`` bytes per block, so its blocks cover the
 same tokens as ``.bin``'s: the block-local order (:mod:`megatron_sft_idx.locality`)
@@ -26,6 +28,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ._deadline import Deadline
 from ._url import ObjectURL
 
 #: Largest single GET when contiguous missing blocks are coalesced.
@@ -190,18 +193,25 @@ class RemoteArray:
         return have
 
     def _fetch(self, missing: List[int]) -> Dict[int, memoryview]:
-        runs = _runs(missing, max(1, MAX_RUN_BYTES // self.block_size))
-        if len(runs) == 1 or self.concurrency == 1:
-            results = [self._fetch_run(r) for r in runs]
+        spans = [self._span(run) for run in _runs(missing, max(1, MAX_RUN_BYTES // self.block_size))]
+        store = self.store()
+        deadline = Deadline(store.config.operation_seconds(sum(stop - start for _, _, start, stop in spans)))
+
+        def fetch(span):
+            return self._fetch_run(store, span, deadline)
+
+        if len(spans) == 1 or self.concurrency == 1:
+            results = [fetch(span) for span in spans]
         else:
-            results = list(fetch_pool(self.concurrency).map(self._fetch_run, runs))
+            results = list(fetch_pool(self.concurrency).map(fetch, spans))
         out: Dict[int, memoryview] = {}
         for part in results:
             out.update(part)
         return out
 
-    def _fetch_run(self, run: Tuple[int, int]) -> Dict[int, memoryview]:
-        """One GET for blocks ``[k0, k1]`` (plus the tail of a record straddling the end)."""
+    def _span(self, run: Tuple[int, int]) -> Tuple[int, int, int, int]:
+        """``(k0, k1, start, stop)``: the bytes one GET fetches for blocks ``[k0, k1]``, plus
+        the tail of a record straddling the end."""
         k0, k1 = run
         start = k0 * self.block_size
         stop = min((k1 + 1) * self.block_size, self.nbytes)
@@ -209,7 +219,12 @@ class RemoteArray:
             # Untrusted index: never extend by more than one block.
             end = int(self.extend(stop // self.itemsize)) * self.itemsize
             stop = min(max(stop, end), stop + self.block_size, self.nbytes)
-        view = memoryview(self.store().read_range(self.url, start, stop - start, self.etag))
+        return k0, k1, start, stop
+
+    def _fetch_run(self, store, span: Tuple[int, int, int, int], deadline: Deadline) -> Dict[int, memoryview]:
+        """One GET for one span, within the read's ``deadline``."""
+        k0, k1, start, stop = span
+        view = memoryview(store.read_range(self.url, start, stop - start, self.etag, deadline))
         # Each block's entry runs to the end of the fetch (views of one buffer: no copy).
         return {k: view[(k - k0) * self.block_size:] for k in range(k0, k1 + 1)}
 

@@ -1,4 +1,4 @@
-"""How remote shards are read: cache directory, block size, memory, retries.
+"""How remote shards are read: cache directory, block size, memory, retries, deadlines.
 
 Every field has an environment variable, so a training launcher can set it for every
 rank and DataLoader worker without touching code; an explicit argument wins over the
@@ -16,6 +16,17 @@ environment, which wins over the default::
                                    larger ones are read by ranged GETs (default 256 MiB)
     MEGATRON_SFT_IDX_RETRIES       attempts per request before giving up (default 8)
     MEGATRON_SFT_IDX_CONCURRENCY   parallel requests of get_many() and uploads (default 8)
+    MEGATRON_SFT_IDX_PART_SIZE     multipart upload part size (default 64M; at least 5M)
+    MEGATRON_SFT_IDX_REQUEST_TIMEOUT    seconds one request (one attempt: connect, headers and
+                                   body) may take, plus its bytes at MIN_THROUGHPUT (default 20)
+    MEGATRON_SFT_IDX_OPERATION_TIMEOUT  seconds one operation (a read, a download, a listing, an
+                                   upload: every attempt and pause) may take, plus its bytes at
+                                   MIN_THROUGHPUT (default 300)
+    MEGATRON_SFT_IDX_MIN_THROUGHPUT bytes per second a transfer is allowed at least (default 1M)
+    MEGATRON_SFT_IDX_MAX_LIST_PAGES pages (1000 keys each) one listing may take (default 10000)
+
+The deadlines are wall-clock (docs/STORAGE.md): a server that stalls, or trickles a
+response a byte at a time, ends in a RemoteTimeoutError within them.
 
 Credentials and the endpoint are the client's own: the standard AWS variables
 (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``
@@ -25,6 +36,7 @@ Credentials and the endpoint are the client's own: the standard AWS variables
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field, replace
 from typing import Optional
@@ -69,6 +81,12 @@ class StorageConfig:
         backoff_max: ceiling of one delay.
         concurrency: parallel requests of ``get_many`` prefetches and of uploads.
         part_size: multipart upload part size (S3 minimum 5 MiB).
+        request_timeout: seconds one request may take, plus its bytes at ``min_throughput``
+            (:meth:`request_seconds`); also the socket connect and read timeouts.
+        operation_timeout: seconds one operation may take with all its attempts and pauses,
+            plus its bytes at ``min_throughput`` (:meth:`operation_seconds`).
+        min_throughput: bytes per second a transfer is allowed at least.
+        max_list_pages: pages one listing may take before it is refused.
     """
 
     cache_dir: Optional[str] = None
@@ -80,6 +98,10 @@ class StorageConfig:
     backoff_max: float = 5.0
     concurrency: int = 8
     part_size: int = 64 * MIB
+    request_timeout: float = 20.0
+    operation_timeout: float = 300.0
+    min_throughput: int = 1 * MIB
+    max_list_pages: int = 10_000
     _env_applied: bool = field(default=False, repr=False, compare=False)
 
     @classmethod
@@ -98,13 +120,26 @@ class StorageConfig:
     def cache_root(self) -> str:
         return self.cache_dir or default_cache_dir()
 
+    def request_seconds(self, nbytes: int = 0) -> float:
+        """Wall-clock budget of one request moving ``nbytes`` (sent or received)."""
+        return self.request_timeout + max(0, nbytes) / self.min_throughput
+
+    def operation_seconds(self, nbytes: int = 0) -> float:
+        """Wall-clock budget of one operation moving ``nbytes`` in all: every attempt and pause."""
+        return self.operation_timeout + max(0, nbytes) / self.min_throughput
+
     def _validate(self) -> None:
         if self.block_size < 4096 or self.block_size % 4096:
             raise ShardError("block size must be a positive multiple of 4096 bytes", field="block_size",
                              actual=self.block_size, hint="e.g. MEGATRON_SFT_IDX_BLOCK_SIZE=4M")
-        for name in ("cache_blocks", "retries", "concurrency"):
+        for name in ("cache_blocks", "retries", "concurrency", "max_list_pages", "min_throughput"):
             if getattr(self, name) < 1:
                 raise ShardError(f"{name} must be at least 1", field=name, actual=getattr(self, name))
+        for name in ("request_timeout", "operation_timeout"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ShardError(f"{name} must be a positive number of seconds", field=name, actual=value,
+                                 hint=f"e.g. {ENV_PREFIX}{name.upper()}=30")
         if self.part_size < 5 * MIB:
             raise ShardError("multipart part size must be at least 5 MiB (the S3 minimum)",
                              field="part_size", actual=self.part_size)
@@ -115,17 +150,26 @@ def _from_env(base: StorageConfig) -> dict:
     env = os.environ
     if env.get(ENV_PREFIX + "CACHE") and base.cache_dir is None:
         out["cache_dir"] = env[ENV_PREFIX + "CACHE"]
-    sizes = {"BLOCK_SIZE": "block_size", "SEQ_BIN_LIMIT": "seq_bin_limit", "PART_SIZE": "part_size"}
+    sizes = {"BLOCK_SIZE": "block_size", "SEQ_BIN_LIMIT": "seq_bin_limit", "PART_SIZE": "part_size",
+             "MIN_THROUGHPUT": "min_throughput"}
     for var, name in sizes.items():
         if env.get(ENV_PREFIX + var):
             out[name] = parse_size(env[ENV_PREFIX + var], ENV_PREFIX + var)
-    counts = {"CACHE_BLOCKS": "cache_blocks", "RETRIES": "retries", "CONCURRENCY": "concurrency"}
+    counts = {"CACHE_BLOCKS": "cache_blocks", "RETRIES": "retries", "CONCURRENCY": "concurrency",
+              "MAX_LIST_PAGES": "max_list_pages"}
     for var, name in counts.items():
         if env.get(ENV_PREFIX + var):
             try:
                 out[name] = int(env[ENV_PREFIX + var])
             except ValueError:
                 raise ShardError("not an integer", field=ENV_PREFIX + var, actual=env[ENV_PREFIX + var]) from None
+    for var, name in {"REQUEST_TIMEOUT": "request_timeout", "OPERATION_TIMEOUT": "operation_timeout"}.items():
+        if env.get(ENV_PREFIX + var):
+            try:
+                out[name] = float(env[ENV_PREFIX + var])
+            except ValueError:
+                raise ShardError("not a number of seconds", field=ENV_PREFIX + var,
+                                 actual=env[ENV_PREFIX + var], expected="e.g. 20 or 2.5") from None
     return out
 
 

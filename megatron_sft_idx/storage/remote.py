@@ -14,7 +14,6 @@ DataLoader worker and rank reopens it (from the cache) itself.
 
 from __future__ import annotations
 
-import os
 from typing import Dict, Optional
 
 from .._files import ShardFiles
@@ -25,7 +24,7 @@ from ._stores import ObjectInfo, ObjectStore, store_for
 from ._url import ObjectURL
 from .blocks import RemoteArray, fetch_pool
 from .config import StorageConfig
-from .index_cache import cached_prefix
+from .index_cache import open_cached
 
 __all__ = ["RemoteIndexedDataset", "stat_shard", "remote_shard_exists"]
 
@@ -56,9 +55,11 @@ class RemoteIndexedDataset(MMapIndexedDataset):
 
     Raises:
         everything :class:`MMapIndexedDataset` raises, naming the objects; plus
-        RemoteStorageError (retries exhausted, access denied), ObjectChangedError (an
-        object was replaced while being read), ChecksumError (a cached index file does
-        not match the metadata), MissingExtraError (boto3 / MSC not installed).
+        RemoteStorageError (retries exhausted, access denied), RemoteTimeoutError (a read
+        outlived its budget, docs/STORAGE.md), ResponseMismatchError (a response did not
+        answer its request), ObjectChangedError (an object was replaced while being read),
+        ChecksumError (a downloaded index file does not match the metadata),
+        MissingExtraError (boto3 / MSC not installed).
     """
 
     def __init__(self, prefix, *, check_packs: bool = False, config: Optional[StorageConfig] = None,
@@ -77,7 +78,7 @@ class RemoteIndexedDataset(MMapIndexedDataset):
 
     def _open_files(self) -> ShardFiles:
         """The objects' sizes from one listing; descriptors of the node's verified copies of
-        the index files (cache entries are never rewritten in place, see index_cache)."""
+        the index files (verified from these descriptors when reused, see index_cache)."""
         self._infos = infos = stat_shard(self._current_store(), self.url)
         sizes = {s: i.size for s, i in infos.items()}
         if IDX_SUFFIX not in infos:  # as a local open says it
@@ -93,17 +94,13 @@ class RemoteIndexedDataset(MMapIndexedDataset):
             cached.append(SEQ_IDX_SUFFIX)
             if infos[SEQ_BIN_SUFFIX].size <= self.config.seq_bin_limit:
                 cached.append(SEQ_BIN_SUFFIX)
-        self._cache_prefix = cached_prefix(self._current_store(), self.url, infos, cached, self.config.cache_root)
-        self._cached = frozenset(cached)
-        fds = {}
         try:
-            for suffix in cached:
-                fds[suffix] = os.open(self._cache_prefix + suffix, os.O_RDONLY)
+            self._cache_prefix, fds = open_cached(self._current_store(), self.url, infos, cached,
+                                                  self.config.cache_root)
         except OSError as exc:
-            for fd in fds.values():
-                os.close(fd)
-            raise ShardError(f"cannot open the cached index file: {exc.strerror or exc}",
-                             path=self._cache_prefix + suffix, hint="clear the index cache directory") from None
+            raise ShardError(f"cannot use the index cache: {exc.strerror or exc}", path=exc.filename,
+                             hint="clear the index cache directory, or set MEGATRON_SFT_IDX_CACHE") from None
+        self._cached = frozenset(cached)
         return ShardFiles(self.prefix, self.paths, fds, sizes)
 
     def _data_array(self, suffix: str, dtype, count: int):
