@@ -99,7 +99,10 @@ def set_id(store: SequenceStore, job: PackJob, split: str) -> str:
     and the split's name. Deterministic: the same inputs and settings give the same id whatever
     the engine, the workers, the partitioning or a resume, and whether ``preprocess-sft`` or
     ``repack-sft`` wrote the shards; any change to what the shards hold gives another id."""
-    return settings_key({"set": 1, "store": store.identity, "inputs": store.inputs, "settings": job.settings.to_dict(),
+    settings = job.settings.to_dict()
+    if settings.get("split"):  # weights as given by the CLI (floats) or the API (maybe ints): one spelling
+        settings["split"] = [float(w) for w in settings["split"]]
+    return settings_key({"set": 1, "store": store.identity, "inputs": store.inputs, "settings": settings,
                          "pad_id": job.pad_id, "vocab_size": job.vocab_size,
                          "parallelism": [int(job.parallelism[0]), int(job.parallelism[1]), bool(job.parallelism[2])],
                          "split": split})
