@@ -124,18 +124,19 @@ class ShardIdentity:
                                                           and low <= v <= high)
 
         is_object = lambda v: v is None or isinstance(v, dict)  # noqa: E731
+        one_of = lambda *names: lambda v: isinstance(v, str) and v in names  # noqa: E731
         raw_set = get("set", is_object, "an object or null")
         return cls(
-            token_dtype=get("token_dtype", lambda v: v in {d.name for d in TOKEN_DTYPES}, "'uint16' or 'int32'"),
+            token_dtype=get("token_dtype", one_of(*(d.name for d in TOKEN_DTYPES)), "'uint16' or 'int32'"),
             vocab_size=get("vocab_size", int_in("vocab_size", True), "an int in 1..2^31-1 or null"),
-            loss_mask_convention=get("loss_mask_convention", lambda v: v == LOSS_MASK_CONVENTION,
+            loss_mask_convention=get("loss_mask_convention", one_of(LOSS_MASK_CONVENTION),
                                      repr(LOSS_MASK_CONVENTION)),
             pad_seq_to_mult=get("pad_seq_to_mult", int_in("pad_seq_to_mult", False), "an int in 1..2^31-1"),
-            pad_layout=get("pad_layout", lambda v: v in PAD_LAYOUTS, " or ".join(map(repr, PAD_LAYOUTS))),
+            pad_layout=get("pad_layout", one_of(*PAD_LAYOUTS), " or ".join(map(repr, PAD_LAYOUTS))),
             parallelism=get("parallelism", is_object, "an object or null"),
             tokenizer=get("tokenizer", is_object, "an object or null"),
             shard_set=None if raw_set is None else ShardSet.from_dict(raw_set, path, f"{field}.set"),
-            kind=get("kind", lambda v: v in ("sft", "pretrain"), "'sft' or 'pretrain'"))
+            kind=get("kind", one_of("sft", "pretrain"), "'sft' or 'pretrain'"))
 
 
 # --------------------------------------------------------------------------- agreement
@@ -168,7 +169,7 @@ def _tokenizer_difference(a: Mapping, b: Mapping) -> Optional[Difference]:
     """Tokenizer files first (named with their hashes), then the chat template, in words."""
     if a.get("files_sha256") and b.get("files_sha256"):
         if a["files_sha256"] != b["files_sha256"]:
-            return Difference("tokenizer", a["files_sha256"], b["files_sha256"],
+            return Difference("tokenizer", _short(a["files_sha256"]), _short(b["files_sha256"]),
                               f"tokenized with different tokenizers: {_tokenizer_name(a)} (files sha256 "
                               f"{_short(a['files_sha256'])}) and {_tokenizer_name(b)} (files sha256 "
                               f"{_short(b['files_sha256'])})")
@@ -180,12 +181,12 @@ def _tokenizer_difference(a: Mapping, b: Mapping) -> Optional[Difference]:
             else:
                 words = (f"the same tokenizer ({_tokenizer_name(a)}), "
                          f"{'only the first' if ta else 'only the second'} rendered with a chat template")
-            return Difference("chat_template", ta, tb, words)
+            return Difference("chat_template", _short(ta), _short(tb), words)
         return None
     bare_a = {k: v for k, v in a.items() if k != "path"}  # where the files were is not what they are
     bare_b = {k: v for k, v in b.items() if k != "path"}
     if bare_a != bare_b:
-        return Difference("tokenizer", bare_a, bare_b,
+        return Difference("tokenizer", a.get("name"), b.get("name"),
                           f"tokenized with different tokenizers: {_tokenizer_name(a)} and {_tokenizer_name(b)} "
                           "(their recorded identities differ)")
     return None

@@ -437,3 +437,33 @@ def test_merge_of_a_whole_set_is_one_shard_of_no_set(generations, tmp_path):
     assert result.metadata.shard_set is None
     assert len(MMapIndexedDataset(str(tmp_path / "all"))) == len(open_packed(str(generations / "one" /
                                                                                   "ds_train.json")))
+
+
+# --------------------------------------------------------------------------- in object storage
+
+
+def test_remote_directories_globs_and_manifests_follow_the_same_rules(s3, bucket, tmp_path):
+    from megatron_sft_idx.storage import publish, upload_shard
+    from megatron_sft_idx.tools.merge import merge_shards
+
+    whole = _situation(tmp_path, "two_sets")
+    published = publish([str(whole / f"ds_train_{i:06d}") for i in range(2)], f"s3://{bucket}/whole",
+                        manifest="ds_train.json")
+    assert len(open_packed(f"s3://{bucket}/whole/ds_train.json")) == 8
+    assert len(open_packed(f"s3://{bucket}/whole/")) == 8 and len(open_packed(published)) == 8
+    mixed = _situation(tmp_path, "generations")
+    for i in range(5):
+        upload_shard(str(mixed / f"ds_{i:06d}"), f"s3://{bucket}/mixed/ds_{i:06d}")
+    for spec in (f"s3://{bucket}/mixed/", f"s3://{bucket}/mixed", f"s3://{bucket}/mixed/ds_*"):
+        for read in (open_packed, lambda s: merge_shards(str(tmp_path / "merged"), [s])):
+            with pytest.raises(ShardSetError) as info:
+                read(spec)
+            assert EXPECT["generations"] in str(info.value) and info.value.path == spec
+    assert len(open_packed(f"s3://{bucket}/mixed/ds_000003")) == 4  # a member named by its prefix
+    # a remote manifest that lists part of the set (edited): refused when read, naming the URL
+    manifest = json.loads(s3.client().get_object(Bucket=bucket, Key="whole/ds_train.json")["Body"].read())
+    manifest["shards"].pop()
+    s3.client().put_object(Bucket=bucket, Key="whole/part.json", Body=json.dumps(manifest).encode())
+    with pytest.raises(ShardSetError, match="incomplete") as info:
+        open_packed(f"s3://{bucket}/whole/part.json")
+    assert info.value.path == f"s3://{bucket}/whole/part.json"

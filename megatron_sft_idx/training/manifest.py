@@ -118,7 +118,7 @@ def load_manifest(path, *, url: Optional[str] = None) -> Manifest:
         resolved = _resolve(url or os.path.abspath(local), prefix)
         key = resolved if is_remote(resolved) else os.path.normpath(resolved)
         if key in seen:
-            raise _fail(path, f"shards[{k}].prefix", f"lists the shard {prefix!r} twice (entries {seen[resolved]} "
+            raise _fail(path, f"shards[{k}].prefix", f"lists the shard {prefix!r} twice (entries {seen[key]} "
                         f"and {k})", actual=prefix)
         seen[key] = k
         out.prefixes.append(resolved)
