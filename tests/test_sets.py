@@ -19,7 +19,7 @@ from megatron_sft_idx.errors import IncompatibleShardsError, MetadataError, Shar
 from megatron_sft_idx.format import ALL_SUFFIXES
 from megatron_sft_idx.metadata import ShardSet
 from megatron_sft_idx.reader import MMapIndexedDataset
-from megatron_sft_idx.sets import Agreement, ShardIdentity, require_compatible, require_whole_sets
+from megatron_sft_idx.sets import ShardIdentity, require_compatible, require_whole_sets
 from megatron_sft_idx.training.factory import open_packed
 from megatron_sft_idx.training.multi import MultiShardDataset, write_manifest
 
