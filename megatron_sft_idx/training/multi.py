@@ -164,7 +164,7 @@ class MultiShardDataset:
         self.starts = np.concatenate(([0], np.cumsum(self.counts)))
         self.summaries = list(summaries)
         self.summary = PackSummary.combine(self.summaries)
-        self.identities: List[Optional[ShardIdentity]] = (list(identities) if identities is not None
+        self.identities: List[Optional[ShardIdentity]] = (_shared(identities) if identities is not None
                                                           else [None] * len(self.prefixes))
         self.source = source
         self.check_packs = check_packs
@@ -276,6 +276,23 @@ class MultiShardDataset:
 
     def __repr__(self) -> str:
         return f"MultiShardDataset({self.source!r}, shards={self.num_shards}, packs={len(self)})"
+
+
+def _shared(identities: Sequence[Optional[ShardIdentity]]) -> List[Optional[ShardIdentity]]:
+    """The identities with equal tokenizer and parallelism records made one object each, so the
+    dataset pickles (to every DataLoader worker) one copy of a set's tokenizer, not one per shard."""
+    import dataclasses
+    import json
+
+    seen: Dict[str, object] = {}
+
+    def one(record):
+        if record is None:
+            return None
+        return seen.setdefault(json.dumps(record, sort_keys=True, default=str), record)
+
+    return [None if i is None else dataclasses.replace(i, tokenizer=one(i.tokenizer), parallelism=one(i.parallelism))
+            for i in identities]
 
 
 def _stale(prefix: str, source: str, field: str, expected, actual) -> SizeMismatchError:
