@@ -16,8 +16,9 @@ tokenizer              equal where both shards record one: the hash of its files
                        compared
 vocabulary size        equal where both are known, unless both shards record the same
                        tokenizer (then ``vocab_size`` is only a bound and may differ)
-token dtype            equal, unless ``widen``: readers widen every pack as they serve it,
-                       so they pass ``widen=True``; ``merge-shards`` needs ``--widen``
+token dtype            equal, unless ``widen``: readers serve each pack in its shard's dtype
+                       (the training adapters widen them to int64), so they pass
+                       ``widen=True``; ``merge-shards`` writes one dtype and needs ``--widen``
 pad multiple           equal (``pad_seq_to_mult``)
 pad layout,            equal when sequences are padded (multiple > 1): the layout and the
 parallelism            CP/TP/SP decide what the padding means
@@ -47,7 +48,7 @@ __all__ = ["ShardIdentity", "Agreement", "Difference", "require_compatible", "re
            "identity_difference", "SELECTED_BY"]
 
 #: How shards were named: each kind but ``prefix`` selects shards the caller did not name one by one.
-SELECTED_BY = ("prefix", "directory", "glob", "manifest", "list")
+SELECTED_BY = ("prefix", "directory", "glob", "manifest")
 _LAYOUT_WORDS = {"stored": "Megatron-LM's 'stored' layout", "runtime": "Megatron-Bridge's 'runtime' layout"}
 _HINTS = {
     "token_dtype": "pass --widen to write int32 tokens for all inputs",
@@ -370,8 +371,8 @@ def require_whole_sets(members: Sequence[Tuple[str, Optional[ShardSet]]], *, sou
     Args:
         members: ``(prefix, set or None)`` of every shard the selection names.
         source: the directory, glob or manifest as the caller gave it (for messages).
-        selected_by: one of :data:`SELECTED_BY`; ``"prefix"`` and ``"list"`` check nothing,
-            ``"manifest"`` completeness, ``"directory"``/``"glob"`` also that one set is selected.
+        selected_by: one of :data:`SELECTED_BY`; ``"prefix"`` checks nothing, ``"manifest"``
+            completeness, ``"directory"``/``"glob"`` also that one set is selected.
 
     Raises:
         ShardSetError: a set has members missing or named twice, or a directory or glob holds
@@ -380,7 +381,7 @@ def require_whole_sets(members: Sequence[Tuple[str, Optional[ShardSet]]], *, sou
     """
     if selected_by not in SELECTED_BY:
         raise ValueError(f"selected_by must be one of {SELECTED_BY}")
-    if selected_by in ("prefix", "list"):
+    if selected_by == "prefix":
         return
     found, strangers = _group(members, source)
     if selected_by in ("directory", "glob") and (len(found) > 1 or (found and strangers)):
