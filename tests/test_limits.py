@@ -107,6 +107,8 @@ def expected_code(field: str, h: Hostile):
         ok = h.kind == "str" and h.value in STRING_FIELDS[field]
     elif field in ("stats", "files"):  # no hostile value is a complete stats/files object
         ok = False
+    elif field == "set":  # nor a complete set object (it has no id): only null is accepted
+        ok = h.kind == "null"
     elif field in OBJECT_FIELDS:
         ok = h.kind == "object" or (h.kind == "null" and OBJECT_FIELDS[field])
     else:
