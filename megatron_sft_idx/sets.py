@@ -102,42 +102,53 @@ class ShardIdentity:
 
     @classmethod
     def from_dict(cls, raw: Any, path: Optional[str] = None, field: str = "identity") -> "ShardIdentity":
-        """Parse an identity strictly (every key present, of its type and range).
+        """Parse an identity strictly (every key of :data:`_IDENTITY_RULES` present, of its
+        type and range).
 
         Raises:
             MetadataError: naming ``path`` and the dotted ``field`` at fault.
         """
         if not isinstance(raw, Mapping):
             raise MetadataError("must be an object", path=path, field=field, actual=raw)
-
-        def get(key: str, check, expected: str):
+        values = {}
+        for key, (check, expected) in _IDENTITY_RULES.items():
             if key not in raw:
                 raise MetadataError(f"'{key}' is missing", path=path, field=f"{field}.{key}", expected=expected)
             value = raw[key]
             if not check(value):
                 raise MetadataError(f"'{key}' is not {expected}", path=path, field=f"{field}.{key}",
                                     expected=expected, actual=value)
-            return value
+            values[key] = value
+        raw_set = values.pop("set")
+        values["shard_set"] = None if raw_set is None else ShardSet.from_dict(raw_set, path, f"{field}.set")
+        return cls(**values)
 
-        def int_in(name: str, nullable: bool):
-            low, high = METADATA_FIELD_RANGES[name]
-            return lambda v: (v is None and nullable) or (isinstance(v, int) and not isinstance(v, bool)
-                                                          and low <= v <= high)
 
-        is_object = lambda v: v is None or isinstance(v, dict)  # noqa: E731
-        one_of = lambda *names: lambda v: isinstance(v, str) and v in names  # noqa: E731
-        raw_set = get("set", is_object, "an object or null")
-        return cls(
-            token_dtype=get("token_dtype", one_of(*(d.name for d in TOKEN_DTYPES)), "'uint16' or 'int32'"),
-            vocab_size=get("vocab_size", int_in("vocab_size", True), "an int in 1..2^31-1 or null"),
-            loss_mask_convention=get("loss_mask_convention", one_of(LOSS_MASK_CONVENTION),
-                                     repr(LOSS_MASK_CONVENTION)),
-            pad_seq_to_mult=get("pad_seq_to_mult", int_in("pad_seq_to_mult", False), "an int in 1..2^31-1"),
-            pad_layout=get("pad_layout", one_of(*PAD_LAYOUTS), " or ".join(map(repr, PAD_LAYOUTS))),
-            parallelism=get("parallelism", is_object, "an object or null"),
-            tokenizer=get("tokenizer", is_object, "an object or null"),
-            shard_set=None if raw_set is None else ShardSet.from_dict(raw_set, path, f"{field}.set"),
-            kind=get("kind", one_of("sft", "pretrain"), "'sft' or 'pretrain'"))
+def _int_in(name: str, nullable: bool):
+    low, high = METADATA_FIELD_RANGES[name]
+    return lambda v: (v is None and nullable) or (type(v) is int and low <= v <= high)
+
+
+def _one_of(*names: str):
+    return lambda v: isinstance(v, str) and v in names
+
+
+def _object_or_null(v: Any) -> bool:
+    return v is None or isinstance(v, dict)
+
+
+#: What each key of a recorded identity must be: ``key -> (check, expected in words)``.
+_IDENTITY_RULES = {
+    "token_dtype": (_one_of(*(d.name for d in TOKEN_DTYPES)), "'uint16' or 'int32'"),
+    "vocab_size": (_int_in("vocab_size", True), "an int in 1..2^31-1 or null"),
+    "loss_mask_convention": (_one_of(LOSS_MASK_CONVENTION), repr(LOSS_MASK_CONVENTION)),
+    "pad_seq_to_mult": (_int_in("pad_seq_to_mult", False), "an int in 1..2^31-1"),
+    "pad_layout": (_one_of(*PAD_LAYOUTS), " or ".join(map(repr, PAD_LAYOUTS))),
+    "parallelism": (_object_or_null, "an object or null"),
+    "tokenizer": (_object_or_null, "an object or null"),
+    "set": (_object_or_null, "an object or null"),
+    "kind": (_one_of("sft", "pretrain"), "'sft' or 'pretrain'"),
+}
 
 
 # --------------------------------------------------------------------------- agreement
