@@ -55,6 +55,9 @@ inline constexpr IntRange kPadRange = {1, INT32_MAX};
 inline constexpr IntRange kStatRange = {0, INT64_MAX};
 inline constexpr IntRange kFileSizeRange = {0, INT64_MAX};
 inline constexpr IntRange kCrcRange = {0, INT64_C(0xFFFFFFFF)};
+inline constexpr IntRange kSetCountRange = {1, INT32_MAX};
+inline constexpr IntRange kSetIndexRange = {0, INT32_MAX - 1};
+inline constexpr uint64_t kMaxSetText = 256;  // bytes of set.id / set.name
 
 // ---------------------------------------------------------------- little-endian loads
 

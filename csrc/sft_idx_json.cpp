@@ -22,16 +22,17 @@ namespace {
 // Which members of an object the parser keeps (everything is parsed and checked against
 // the limits; only what the required-key checks read is stored, so memory stays small
 // whatever the document holds).
-enum class Want { None, Root, Stats, Files, FileEntry };
+enum class Want { None, Root, Stats, Files, FileEntry, Set, Text };  // Text: a string member to keep
 
 constexpr const char* kRootKeys[] = {"format", "pack_size", "token_dtype", "vocab_size", "loss_mask_convention",
                                      "pad_seq_to_mult", "pad_layout", "stats", "files", "producer", "tokenizer",
-                                     "packing", "parallelism", "source", "extra"};
+                                     "packing", "parallelism", "source", "extra", "set"};
 constexpr const char* kStatKeys[] = {"pack_count", "sequence_count", "token_count", "loss_token_count",
                                      "max_samples_per_bin", "dataset_max_seqlen", "min_seqlen",
                                      "min_packed_seqlen", "max_packed_seqlen", "packing_factor",
                                      "packing_efficiency", "min_packed_runtime_len"};
 constexpr const char* kFileEntryKeys[] = {"size", "crc32"};
+constexpr const char* kSetKeys[] = {"id", "name", "index", "count"};
 
 template <size_t N>
 bool one_of(std::string_view key, const char* const (&names)[N]) {
@@ -45,11 +46,13 @@ bool keep_member(Want want, std::string_view key, Want* child) {
   *child = Want::None;
   switch (want) {
     case Want::Root:
-      *child = key == "stats" ? Want::Stats : key == "files" ? Want::Files : Want::None;
+      *child = key == "stats" ? Want::Stats : key == "files" ? Want::Files : key == "set" ? Want::Set : Want::None;
       return one_of(key, kRootKeys);
     case Want::Stats: return one_of(key, kStatKeys);
     case Want::Files: *child = Want::FileEntry; return one_of(key, kChecksummed);
     case Want::FileEntry: return one_of(key, kFileEntryKeys);
+    case Want::Set: *child = Want::Text; return one_of(key, kSetKeys);
+    case Want::Text: return false;
     case Want::None: return false;
   }
   return false;
@@ -174,7 +177,9 @@ class Parser {
     switch (c) {
       case '{': return object(out, depth + 1, want);
       case '[': return array(out, depth + 1);
-      case '"': out->kind = Json::String; return string(depth <= 1 ? &out->text : nullptr);  // kept values only
+      case '"':  // kept values only: top-level members and the strings of kept objects (set.id)
+        out->kind = Json::String;
+        return string(depth <= 1 || want == Want::Text ? &out->text : nullptr);
       case 't': out->kind = Json::Bool; out->boolean = true; return literal("true");
       case 'f': out->kind = Json::Bool; out->boolean = false; return literal("false");
       case 'n': out->kind = Json::Null; return literal("null");
@@ -403,6 +408,22 @@ class KeyChecker {
     out->packing_efficiency = ratio(s->get("packing_efficiency"), "stats.packing_efficiency", true);
   }
 
+  // FORMAT.md "Sets": id (and name, if present) a string of 1..kMaxSetText UTF-8 bytes,
+  // count and index ints in their ranges, index < count.
+  void shard_set(const Json* s) {
+    for (const char* key : {"id", "name"}) {
+      const Json* v = s->get(key);
+      if (v == nullptr && std::string_view(key) == "name") continue;
+      if (v != nullptr && v->kind == Json::Null && std::string_view(key) == "name") continue;
+      if (v == nullptr || v->kind != Json::String || v->text.empty() || v->text.size() > kMaxSetText)
+        invalid(std::string("set.") + key, "string of 1.." + to_str(kMaxSetText) + " bytes", "is not a short string");
+    }
+    auto count = integer(s->get("count"), "set.count", false, kSetCountRange);
+    auto index = integer(s->get("index"), "set.index", false, kSetIndexRange);
+    if (count && index && *index >= *count)
+      invalid("set.index", "0.." + to_str_i(*count - 1), "is not below set.count");
+  }
+
   std::optional<double> ratio(const Json* v, const std::string& key, bool nullable) {
     if (v == nullptr) { invalid(key, "number", "is missing"); return std::nullopt; }
     if (v->kind == Json::Null && nullable) return std::nullopt;
@@ -465,10 +486,11 @@ std::optional<Metadata> parse_metadata(std::string_view json, const std::string&
     }
   }
   c.object(root.get("producer"), "producer");
-  for (const char* key : {"tokenizer", "packing", "parallelism", "source", "extra"}) {
+  for (const char* key : {"tokenizer", "packing", "parallelism", "source", "extra", "set"}) {
     const Json* v = root.get(key);
     if (v != nullptr && v->kind != Json::Null && v->kind != Json::Object) c.invalid(key, "object", "is not an object");
   }
+  if (const Json* s = root.get("set"); s != nullptr && s->kind == Json::Object) c.shard_set(s);
   if (!c.ok) return std::nullopt;
   return m;
 }

@@ -44,7 +44,7 @@ from .format import (
     ShardPaths,
     choose_token_dtype,
 )
-from .metadata import FileDigest, PackingStats, ShardMetadata, split_user_metadata
+from .metadata import FileDigest, PackingStats, ShardMetadata, ShardSet, split_user_metadata
 from .packing.padding import pad_offset
 from .version import __version__
 
@@ -162,7 +162,7 @@ class IndexedDatasetBuilder:
         vocab_size: when given, every token id must be ``< vocab_size``.
         pack_size: when given, every pack must hold at most this many tokens.
         metadata: extra shard metadata: ``pad_seq_to_mult`` (enforced on every
-            sequence), ``tokenizer``, ``packing``, ``parallelism``, ``source``;
+            sequence), ``tokenizer``, ``packing``, ``parallelism``, ``source``, ``set``;
             other keys are kept under ``extra``.
         overwrite: replace an existing shard at ``prefix`` (otherwise refused).
 
@@ -586,7 +586,8 @@ class IndexedDatasetBuilder:
                 pad_seq_to_mult=known["pad_seq_to_mult"], pad_layout=known["pad_layout"],
                 tokenizer=known.get("tokenizer"),
                 packing=known.get("packing"), parallelism=known.get("parallelism"),
-                source=known.get("source"), extra=known["extra"])
+                source=known.get("source"), extra=known["extra"],
+                shard_set=ShardSet.from_dict(known["set"]) if known.get("set") else None)
             self._write_seq_idx(self.metadata)
             _atomic.publish([(self._tmp[s], self.prefix + s) for s in PUBLISH_ORDER],
                             unpublish_first=self.paths.idx)

@@ -35,6 +35,7 @@ __all__ = [
     "BuilderStateError",
     "InputError",
     "IncompatibleShardsError",
+    "ShardSetError",
     "FormatError",
     "QueryError",
     "RemoteStorageError",
@@ -201,10 +202,21 @@ class InputError(ShardError):
 
 
 class IncompatibleShardsError(ShardError):
-    """Shards that cannot become one: their token dtypes, loss-mask conventions, pad
-    multiples, context-parallel layouts or tokenizers differ (``field`` names which)."""
+    """Shards that cannot be read or merged as one: their tokenizers, chat templates,
+    vocabularies, token dtypes (merge only), loss-mask conventions, pad multiples or
+    context-parallel layouts differ (``field`` names which; the message says it in words)."""
 
     default_hint = "merge only shards produced with the same settings, or re-run preprocessing"
+
+
+class ShardSetError(ShardError):
+    """Shards selected together (by a directory, a glob or a manifest) do not form whole
+    sets: a set has shards missing or named twice (an interrupted publish or copy), a
+    directory or glob holds shards of several sets (two generations of one output, or
+    two outputs), or a shard is not the one its manifest lists. ``field`` is ``set``."""
+
+    default_hint = ("rerun the interrupted run with --resume to finish the set, or name one set by "
+                    "its manifest")
 
 
 class FormatError(ShardError):

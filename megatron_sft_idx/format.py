@@ -189,7 +189,11 @@ METADATA_FIELD_RANGES = {
     "stats.*": (0, INT64_MAX),
     "files.*.size": (0, INT64_MAX),
     "files.*.crc32": (0, UINT32_MAX),
+    "set.count": (1, INT32_MAX),
+    "set.index": (0, INT32_MAX - 1),
 }
+#: Longest ``set.id`` / ``set.name`` string (characters) a shard may record.
+MAX_SET_TEXT = 256
 
 
 def choose_token_dtype(max_token_id: Optional[int]) -> DType:

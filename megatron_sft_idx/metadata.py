@@ -21,6 +21,7 @@ tokenizer              no        identity of the tokenizer (name, hash, ...)
 packing                no        algorithm, seed, ...
 parallelism            no        the CP/TP/SP the shard was padded for
 source                 no        inputs (names, hashes)
+set                    no        the set the shard was written in (see :class:`ShardSet`)
 extra                  no        anything the producer wants to keep
 =====================  ========  ====================================================
 
@@ -44,6 +45,7 @@ from .format import (
     LOSS_MASK_CONVENTION,
     MAX_METADATA_DEPTH,
     MAX_METADATA_LENGTH,
+    MAX_SET_TEXT,
     METADATA_FIELD_RANGES,
     METADATA_INT_RANGE,
     PAD_LAYOUT_STORED,
@@ -57,7 +59,8 @@ RESERVED_KEYS = frozenset(
     {"format", "pack_size", "token_dtype", "vocab_size", "loss_mask_convention", "stats", "files", "producer"}
 )
 #: Optional keys with a known meaning; anything else a caller passes goes under ``extra``.
-OPTIONAL_KEYS = ("pad_seq_to_mult", "pad_layout", "tokenizer", "packing", "parallelism", "source", "extra")
+OPTIONAL_KEYS = ("pad_seq_to_mult", "pad_layout", "tokenizer", "packing", "parallelism", "source", "set",
+                 "extra")
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,66 @@ _NEW_IN_1_1 = ("min_packed_runtime_len",)
 
 
 @dataclass(frozen=True)
+class ShardSet:
+    """The set a shard was written in: shards a producer writes together as one output
+    (the shards of one split of a run), so a reader can tell a whole set from part of
+    one, or from shards of two generations (docs/FORMAT.md "Sets").
+
+    ``id`` names the set: equal ids mean one set of one generation (a producer derives
+    it from what decides the bytes, never from time or chance). The set has ``count``
+    shards; this one is number ``index`` (``0 <= index < count``). ``name`` says which
+    part of the output the set is (``"train"``, ``"valid"``, ...), for messages only.
+    """
+
+    id: str
+    index: int
+    count: int
+    name: Optional[str] = None
+
+    def to_dict(self) -> Dict[str, Any]:
+        out: Dict[str, Any] = {"id": self.id, "index": self.index, "count": self.count}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+    def describe(self) -> str:
+        """``set 3f9a0c1e2b7d (train)``: the id's first 12 characters and the name."""
+        return f"set {self.id[:12]}" + (f" ({self.name})" if self.name else "")
+
+    @classmethod
+    def from_dict(cls, raw: Any, path: Optional[str] = None, field: str = "set") -> "ShardSet":
+        """Parse a ``set`` object strictly (types, ranges, ``index < count``).
+
+        Raises:
+            MetadataError: naming ``field`` and the key at fault.
+        """
+        if not isinstance(raw, Mapping):
+            raise MetadataError(f"metadata key '{field}' must be an object", path=path, field=field,
+                                expected="object", actual=raw)
+        values = {}
+        for key in ("id", "name"):
+            value = raw.get(key)
+            if value is None and key == "name":
+                values[key] = None
+                continue
+            if not isinstance(value, str) or not 1 <= len(value.encode("utf-8", "surrogatepass")) <= MAX_SET_TEXT:
+                raise MetadataError(f"metadata key '{field}.{key}' must be a string of 1 to {MAX_SET_TEXT} "
+                                    "bytes", path=path, field=f"{field}.{key}", actual=value)
+            values[key] = value
+        for key in ("count", "index"):
+            value = raw.get(key)
+            if not _is_int(value):
+                raise MetadataError(f"metadata key '{field}.{key}' has the wrong type", path=path,
+                                    field=f"{field}.{key}", expected="int", actual=value)
+            _check_range(value, f"set.{key}", f"{field}.{key}", path)
+            values[key] = value
+        if values["index"] >= values["count"]:
+            raise MetadataError(f"metadata key '{field}.index' is not below '{field}.count'", path=path,
+                                field=f"{field}.index", expected=f"0..{values['count'] - 1}", actual=values["index"])
+        return cls(**values)
+
+
+@dataclass(frozen=True)
 class FileDigest:
     size: int
     crc32: int
@@ -148,6 +211,7 @@ class ShardMetadata:
     parallelism: Optional[Dict[str, Any]] = None
     source: Optional[Dict[str, Any]] = None
     extra: Dict[str, Any] = field(default_factory=dict)
+    shard_set: Optional[ShardSet] = None  # metadata key "set"
     #: "sft" for shards of this format; "pretrain" when the reader synthesised it for bin/idx only.
     kind: str = "sft"
 
@@ -168,6 +232,8 @@ class ShardMetadata:
             value = getattr(self, key)
             if value is not None:
                 out[key] = value
+        if self.shard_set is not None:
+            out["set"] = self.shard_set.to_dict()
         if self.extra:
             out["extra"] = self.extra
         return out
@@ -248,12 +314,13 @@ class ShardMetadata:
                 raise MetadataError(f"metadata key '{key}' must be an object", path=path, field=key,
                                     actual=value)
             optional[key] = value
+        shard_set = None if obj.get("set") is None else ShardSet.from_dict(obj["set"], path)
         return cls(pack_size=pack_size, token_dtype=token_dtype, vocab_size=vocab_size, stats=stats,
                    files=files, producer=producer, loss_mask_convention=convention, pad_seq_to_mult=pad,
                    pad_layout=layout,
                    tokenizer=optional["tokenizer"], packing=optional["packing"],
                    parallelism=optional["parallelism"], source=optional["source"],
-                   extra=optional["extra"] or {})
+                   extra=optional["extra"] or {}, shard_set=shard_set)
 
 
 def _check_range(value: int, rule: str, key: str, path: Optional[str]) -> None:
@@ -307,23 +374,25 @@ def _too_deep(obj: Any, limit: int) -> bool:
     return False
 
 
-def parse_json(raw: bytes, path: Optional[str] = None) -> Any:
+def parse_json(raw: bytes, path: Optional[str] = None, *, max_length: int = MAX_METADATA_LENGTH,
+               what: str = "metadata") -> Any:
     """The metadata bytes as a JSON value, within the format's limits (docs/FORMAT.md "Limits").
 
-    Strict UTF-8 and RFC 8259 JSON (no ``NaN``/``Infinity``); at most ``MAX_METADATA_LENGTH``
-    bytes; containers nested at most ``MAX_METADATA_DEPTH`` deep; every integer within
-    int64 and every other number finite as a double -- anywhere in the document.
+    Strict UTF-8 and RFC 8259 JSON (no ``NaN``/``Infinity``); at most ``max_length`` bytes
+    (``MAX_METADATA_LENGTH`` for metadata); containers nested at most ``MAX_METADATA_DEPTH``
+    deep; every integer within int64 and every other number finite as a double -- anywhere
+    in the document. ``what`` names the document in messages (manifests use this parser too).
 
     Raises:
         MetadataError: not UTF-8, or not JSON.
         MetadataLimitError: a limit is exceeded.
     """
-    def limit(what: str) -> MetadataLimitError:
-        return MetadataLimitError(f"metadata exceeds the format's limits: {what}", path=path, field="metadata")
+    def limit(why: str) -> MetadataLimitError:
+        return MetadataLimitError(f"{what} exceeds the format's limits: {why}", path=path, field=what)
 
     raw = bytes(raw)
-    if len(raw) > MAX_METADATA_LENGTH:
-        raise limit(f"{len(raw)} bytes, more than {MAX_METADATA_LENGTH}")
+    if len(raw) > max_length:
+        raise limit(f"{len(raw)} bytes, more than {max_length}")
     try:
         obj = json.loads(raw.decode("utf-8"), parse_int=_parse_int, parse_float=_parse_float,
                          parse_constant=_refuse_constant)
@@ -332,9 +401,10 @@ def parse_json(raw: bytes, path: Optional[str] = None) -> Any:
     except RecursionError:
         raise limit(f"containers nested deeper than {MAX_METADATA_DEPTH}") from None
     except (UnicodeDecodeError, ValueError) as exc:
-        raise MetadataError(f"metadata is not valid UTF-8 JSON ({exc.__class__.__name__}: {exc})",
-                            path=path, field="metadata",
-                            hint="the .seq.idx metadata block is corrupt or cut short; rebuild the shard") from None
+        hint = "the .seq.idx metadata block is corrupt or cut short; rebuild the shard" if what == "metadata" \
+            else f"the {what} is corrupt or cut short; rewrite it"
+        raise MetadataError(f"{what} is not valid UTF-8 JSON ({exc.__class__.__name__}: {exc})",
+                            path=path, field=what, hint=hint) from None
     # Fast path: fewer brackets in the bytes than the limit cannot nest deeper than it.
     if raw.count(b"[") + raw.count(b"{") > MAX_METADATA_DEPTH and _too_deep(obj, MAX_METADATA_DEPTH):
         raise limit(f"containers nested deeper than {MAX_METADATA_DEPTH}")
@@ -379,6 +449,8 @@ def split_user_metadata(metadata: Optional[Mapping[str, Any]]) -> Dict[str, Any]
             if not isinstance(value, Mapping):
                 raise MetadataError(f"metadata['{key}'] must be a mapping", field=key, actual=value)
             known[key] = dict(value)
+        elif key == "set":
+            known[key] = None if value is None else ShardSet.from_dict(value).to_dict()
         elif key != "extra":
             extra[key] = value
     known["extra"] = extra

@@ -48,14 +48,18 @@ INT_FIELDS = {  # dotted path -> (low, high, nullable)
     "stats.min_packed_runtime_len": (0, I64, True),  # format 1.1
     **{f"files.{s}.size": (0, I64, False) for s in (".bin", ".idx", ".loss.bin", ".seq.bin")},
     **{f"files.{s}.crc32": (0, 2 ** 32 - 1, False) for s in (".bin", ".idx", ".loss.bin", ".seq.bin")},
+    "set.count": (1, I32, False), "set.index": (0, I32 - 1, False),  # and index < count (below)
 }
+#: The base shard's set membership: its index bounds a valid count from below, its count an index from above.
+BASE_SET = {"id": "3f9a0c1e2b7d4c55", "name": "train", "index": 1, "count": 3}
+SET_TEXT_FIELDS = {"set.id": False, "set.name": True}  # a string of 1..256 UTF-8 bytes; -> nullable
 RATIO_FIELDS = {"stats.packing_factor": False, "stats.packing_efficiency": True}  # -> nullable
 OBJECT_FIELDS = {"producer": False, "tokenizer": True, "packing": True, "parallelism": True, "source": True,
-                 "extra": True, "stats": False, "files": False}
+                 "extra": True, "stats": False, "files": False, "set": True}
 STRING_FIELDS = {"pad_layout": ("stored", "runtime"), "token_dtype": ("uint16",)}  # -> accepted values here
 FREE_FIELDS = ("zz_unknown", "extra.note", "tokenizer.name", "producer.version", "source.inputs")
 ALL_FIELDS = (sorted(INT_FIELDS) + sorted(RATIO_FIELDS) + sorted(OBJECT_FIELDS) + sorted(STRING_FIELDS)
-              + list(FREE_FIELDS))
+              + sorted(SET_TEXT_FIELDS) + list(FREE_FIELDS))
 
 
 class Hostile:
@@ -89,13 +93,22 @@ def expected_code(field: str, h: Hostile):
         return "METADATA_LIMIT"
     if field in INT_FIELDS:
         low, high, nullable = INT_FIELDS[field]
+        if field == "set.count":
+            low = max(low, BASE_SET["index"] + 1)
+        elif field == "set.index":
+            high = min(high, BASE_SET["count"] - 1)
         ok = (h.kind == "int" and low <= h.value <= high) or (h.kind == "null" and nullable)
+    elif field in SET_TEXT_FIELDS:
+        ok = (h.kind == "str" and 1 <= len(json.loads(h.text).encode("utf-8", "surrogatepass")) <= 256) or \
+            (h.kind == "null" and SET_TEXT_FIELDS[field])
     elif field in RATIO_FIELDS:
         ok = h.kind in ("int", "float") or (h.kind == "null" and RATIO_FIELDS[field])
     elif field in STRING_FIELDS:
         ok = h.kind == "str" and h.value in STRING_FIELDS[field]
     elif field in ("stats", "files"):  # no hostile value is a complete stats/files object
         ok = False
+    elif field == "set":  # nor a complete set object (it has no id): only null is accepted
+        ok = h.kind == "null"
     elif field in OBJECT_FIELDS:
         ok = h.kind == "object" or (h.kind == "null" and OBJECT_FIELDS[field])
     else:
@@ -113,7 +126,7 @@ def rule_of(field: str) -> str:
 
 
 def high_text(value: int) -> str:
-    return {I32: "2^31 − 1", I64: "2^63 − 1", 2 ** 32 - 1: "2^32 − 1"}[value]
+    return {I32: "2^31 − 1", I32 - 1: "2^31 − 2", I64: "2^63 − 1", 2 ** 32 - 1: "2^32 − 1"}[value]
 
 
 def nested(depth: int, kind: str) -> str:
@@ -165,7 +178,7 @@ def base(tmp_path_factory):
     prefix = str(directory / "base")
     rng = np.random.default_rng(7)
     write_shard(prefix, random_packs(rng, 12, vocab=1000), vocab_size=1000,
-                metadata={"tokenizer": {"name": "t"}, "source": {"inputs": []}})
+                metadata={"tokenizer": {"name": "t"}, "source": {"inputs": []}, "set": BASE_SET})
     raw = pathlib.Path(prefix + ".seq.idx").read_bytes()
     meta = json.loads(raw[METADATA_OFFSET:METADATA_OFFSET + seq_fields(prefix)["metadata_length"]])
     return prefix, meta
@@ -260,6 +273,8 @@ def test_limits_are_the_documented_numbers():
     internal = pathlib.Path(ROOT, "csrc", "sft_idx_internal.hpp").read_text(encoding="utf-8")
     assert "kMaxMetadataDepth = 64" in internal and "kMaxCount = uint64_t{1} << 56" in internal
     assert "kMaxMetadataLength = uint64_t{16} << 20" in internal
+    assert "kSetCountRange = {1, INT32_MAX}" in internal and "kSetIndexRange = {0, INT32_MAX - 1}" in internal
+    assert fmt.MAX_SET_TEXT == 256 and "kMaxSetText = 256" in internal and "1 to 256 bytes" in doc
 
 
 # --------------------------------------------------------------------------- sizes and counts

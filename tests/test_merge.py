@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from megatron_sft_idx import IndexedDatasetBuilder, MMapIndexedDataset
 from megatron_sft_idx.errors import (ChecksumError, IncompatibleShardsError, InvariantError, ShardError,
-                                     ShardExistsError, ShardNotFoundError)
+                                     ShardExistsError, ShardNotFoundError, ShardSetError)
 from megatron_sft_idx.gate import check
 from megatron_sft_idx.tools import _copy, merge
 from megatron_sft_idx.tools.merge import merge_shards
@@ -128,6 +128,34 @@ def test_incompatible_settings_are_refused_naming_both_inputs(tmp_path, rng, key
     err = info.value
     assert err.field == key and err.path == str(tmp_path / "b") and str(tmp_path / "a") in str(err)
     assert not os.path.exists(tmp_path / "out.idx") and not _leftovers(tmp_path)
+
+
+@pytest.mark.parametrize("right, field, words", [
+    ({"name": "llama", "files_sha256": "1" * 64, "chat_template_sha256": "b" * 64}, "chat_template",
+     "the same tokenizer ('llama') with different chat templates (sha256 aaaaaaaaaaaa and bbbbbbbbbbbb)"),
+    ({"name": "llama", "files_sha256": "1" * 64}, "chat_template",
+     "the same tokenizer ('llama'), only the first rendered with a chat template"),
+    ({"name": "deepseek", "files_sha256": "2" * 64, "chat_template_sha256": "a" * 64}, "tokenizer",
+     "different tokenizers: 'llama' (files sha256 111111111111) and 'deepseek' (files sha256 222222222222)"),
+])
+def test_refusals_say_what_differs_in_words(tmp_path, rng, right, field, words):
+    left = {"name": "llama", "files_sha256": "1" * 64, "chat_template_sha256": "a" * 64}
+    write_shard(tmp_path / "a", random_packs(rng, 4), metadata={"tokenizer": left})
+    write_shard(tmp_path / "b", random_packs(rng, 4), metadata={"tokenizer": right})
+    with pytest.raises(IncompatibleShardsError) as info:
+        merge_shards(tmp_path / "out", [str(tmp_path / "a"), str(tmp_path / "b")])
+    text = str(info.value)
+    assert info.value.field == field and words in text and "1" * 64 not in text and "a" * 64 not in text, text
+
+
+def test_part_of_a_set_is_refused_by_directory_and_merged_by_prefixes(tmp_path, rng):
+    for i in range(2):
+        write_shard(tmp_path / "d" / f"ds_{i}", random_packs(rng, 3),
+                    metadata={"set": {"id": "x" * 32, "index": i, "count": 3, "name": "train"}})
+    with pytest.raises(ShardSetError, match="2 of its 3 shards"):
+        merge_shards(tmp_path / "out", [str(tmp_path / "d")])
+    result = merge_shards(tmp_path / "out", [str(tmp_path / "d" / "ds_0"), str(tmp_path / "d" / "ds_1")])
+    assert result.metadata.shard_set is None and len(MMapIndexedDataset(tmp_path / "out")) == 6
 
 
 def test_padding_layouts_are_not_mixed(tmp_path):

@@ -29,7 +29,9 @@ import time
 
 import pytest
 
+from megatron_sft_idx.errors import ShardSetError
 from megatron_sft_idx.reader import MMapIndexedDataset
+from megatron_sft_idx.training.factory import open_packed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER = os.path.join(ROOT, "examples", "tokenizer")
@@ -224,12 +226,17 @@ def test_a_publish_killed_half_way_is_all_or_nothing_for_a_reader_of_the_set(cor
     for name in mid:
         if name.endswith(".idx") and not name.endswith(".seq.idx"):
             MMapIndexedDataset(str(tmp_path / "out" / name[:-4]))  # every visible prefix is a whole shard
+    for spec in (tmp_path / "out", tmp_path / "out" / "ds_train_*"):  # nor by directory or glob (issue 21)
+        with pytest.raises(ShardSetError, match=r"\(train\): 2 of its \d+ shards .* is incomplete"):
+            open_packed(str(spec))
     done = subprocess.run(cmd(prefix, corpus / "in.jsonl", "--overwrite", "--resume", "--json"), env=ENV,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     # the second shard was moved, then the signal came before its receipt: redone (moves are idempotent)
     assert json.loads(done.stdout)["resumed_units"]["publish"] == 1
     assert outputs(tmp_path / "out") == outputs(corpus / "ref")
+    whole = open_packed(str(tmp_path / "out" / "ds_train_*"))
+    assert len(whole) == len(open_packed(str(tmp_path / "out" / "ds_train.json")))
 
 
 KILL_AT_COMMIT = r"""

@@ -112,6 +112,32 @@ def test_a_corrupt_index_is_refused_not_read_out_of_bounds(shards):
     assert info.value.path == prefixes[1] and info.value.pack == 10
 
 
+@pytest.mark.parametrize("extra", [[], ["--json"]])
+@pytest.mark.parametrize("sql", ["SELECT sum(packed_len) FROM packs", "SELECT sum(len(input_ids)) FROM packs",
+                                 "SELECT * FROM packs WHERE pack > 50"])
+def test_cli_sql_on_a_corrupt_shard_prints_one_line(shards, capsys, sql, extra):
+    """The shard's own error, once, on one line: not DuckDB's wrapper with an embedded traceback."""
+    prefixes, _ = shards
+    ds = MMapIndexedDataset(prefixes[1])
+    with open(prefixes[1] + ".idx", "r+b") as f:
+        f.seek(ds.idx_header.pointers_offset + 8 * 10)
+        f.write(np.int64(1 << 40).tobytes())
+    assert inspect_main([*prefixes, "--sql", sql, *extra]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"inspect-idx: error: {prefixes[1]}: the shard's index is corrupt")
+    assert "Traceback" not in err and "Python exception" not in err and "[pack=10" in err
+    with pytest.raises(InvariantError) as info:  # the API raises the shard's error itself
+        query(prefixes, sql)
+    assert info.value.pack == 10
+
+
+def test_engine_errors_keep_one_line(shards, capsys):
+    prefixes, _ = shards
+    assert inspect_main([prefixes[0], "--sql", "SELECT no_such_column FROM packs"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Binder Error" in err and "no_such_column" in err
+
+
 def test_columns_a_query_needs():
     assert columns_for_query("SELECT count(*) FROM packs") == ("pack",)
     assert columns_for_query("select avg(PACKED_LEN) from packs where num_sequences > 2") == ("packed_len",

@@ -6,6 +6,11 @@ tests/test_preprocess_identity.py --write`` run on that tree). Every case runs h
 the data files in full, and ``.seq.idx`` as its CSR bytes plus its metadata without the
 ``producer`` key (which changes with every release, and so would pin the version, not the data).
 
+Since shards written as a set record it (metadata ``set``, issue 21), the ``.seq.idx`` digests
+of the four multi-shard cases (``mffd_bytes_split_last``, ``runtime_layout_cp4``,
+``split_shards_cp2``, ``tokens_truncate``) were updated: their metadata without ``set`` still
+gives the old digests, and every other file is unchanged.
+
 Inputs are copied under fixed relative names and the run happens with that directory as the
 working directory, because each input's name, as given, is part of the shard metadata.
 """

@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 from shardgen import random_pack, random_packs, write_shard
 
-from megatron_sft_idx.errors import ShardError
+from megatron_sft_idx.errors import IncompatibleShardsError, ShardError, ShardSetError
 from megatron_sft_idx.reader import MMapIndexedDataset
 
 # megatron-core costs seconds to import: once per module.
@@ -290,3 +290,73 @@ def test_accepts_megatron_lm_gpt_dataset_config(shards):
     if pack.packed_len < SEQ:
         assert int(sample["tokens"][-1]) == 1  # padding uses the tokenizer's pad id
     check_sample(sample, pack, SEQ)
+
+
+# --------------------------------------------------------------------------- blends that must agree (issue 21)
+
+LLAMA = {"name": "meta-llama/Llama-3.1-8B-Instruct", "files_sha256": "a" * 64, "chat_template_sha256": "c" * 64}
+DEEPSEEK = {"name": "deepseek-ai/DeepSeek-V3", "files_sha256": "d" * 64, "chat_template_sha256": "e" * 64}
+BLEND_MIXES = {  # field -> (metadata of the first shard, of the second, vocab sizes, words of the refusal)
+    "tokenizer": ({"tokenizer": LLAMA}, {"tokenizer": DEEPSEEK}, (128256, 129280),
+                  "different tokenizers: 'meta-llama/Llama-3.1-8B-Instruct'"),
+    "chat_template": ({"tokenizer": LLAMA}, {"tokenizer": dict(LLAMA, chat_template_sha256="f" * 64)},
+                      (128256, 128256), "with different chat templates"),
+    "vocab_size": ({}, {}, (32000, 128256), "different vocabularies: 32,000 and 128,256"),
+    "pad_seq_to_mult": ({"pad_seq_to_mult": 2}, {"pad_seq_to_mult": 4}, (1000, 1000),
+                        "padded to different multiples: 2 and 4"),
+    "pad_layout": ({"pad_seq_to_mult": 4, "pad_layout": "stored"}, {"pad_seq_to_mult": 4, "pad_layout": "runtime"},
+                   (1000, 1000), "'stored' layout and in Megatron-Bridge's 'runtime' layout"),
+}
+
+
+def _mixed_pair(tmp_path, field):
+    left, right, vocabs, _ = BLEND_MIXES[field]
+    rng = np.random.default_rng(5)
+    out = []
+    for name, meta, vocab in (("a", left, vocabs[0]), ("b", right, vocabs[1])):
+        mult = meta.get("pad_seq_to_mult", 1)
+        if meta.get("pad_layout") == "runtime":  # stored lengths of 4k + 1
+            packs = [(np.arange(5), np.array([1, 1, 1, 1, 0]), np.array([0]))] * 20
+        else:
+            packs = random_packs(rng, 20, pack_size=SEQ, pad_mult=mult)
+        write_shard(str(tmp_path / name), packs, pack_size=SEQ, vocab_size=vocab, metadata=meta)
+        out.append(str(tmp_path / name))
+    return out
+
+
+@pytest.mark.parametrize("field", sorted(BLEND_MIXES))
+def test_blends_of_disagreeing_shards_are_refused_by_the_real_builder(tmp_path, field):
+    a, b = _mixed_pair(tmp_path, field)
+    words = BLEND_MIXES[field][3]
+    for config in (make_config(blend=M.parse_data_path(f"0.7 {a} 0.3 {b}"), split="90,10,0"),
+                   make_config(blend=M.parse_data_path(f"{a} {b}"), split="90,10,0"),
+                   make_config(blend_per_split=M.parse_per_split_data_path(a, b, None))):
+        with pytest.raises(IncompatibleShardsError) as info:
+            build(config, [40, 4, 0])
+        err = info.value
+        assert err.field == field and words in str(err) and a in str(err) and b in str(err), str(err)
+    for path in (a, b):  # each alone builds
+        train, _, _ = build(make_config(blend=([path], None), split="90,10,0"), [10, 2, None])
+        assert len(train) == 10
+
+
+def test_a_blend_entry_holding_two_generations_is_refused(tmp_path, shards):
+    d = tmp_path / "set"
+    rng = np.random.default_rng(6)
+    for i, set_id in enumerate(["n" * 32, "n" * 32, "o" * 32]):
+        write_shard(str(d / f"ds_{i:06d}"), random_packs(rng, 10, pack_size=SEQ), pack_size=SEQ,
+                    metadata={"set": {"id": set_id, "index": i, "count": 3, "name": "train"}})
+    config = make_config(blend=M.parse_data_path(f"0.5 {shards['a']} 0.5 {d}"), split="90,10,0")
+    with pytest.raises(ShardSetError, match=r"set nnnnnnnnnnnn \(train\): 2 of its 3 shards .*set oooooooooooo "
+                                            r"\(train\): 1 of its 3 shards"):
+        build(config, [40, 4, 0])
+
+
+def test_a_blend_that_agrees_is_checked_once_per_build(tmp_path, shards, monkeypatch):
+    opened = []
+    real = M.open_packed
+    monkeypatch.setattr(M, "open_packed", lambda path, **kw: opened.append(path) or real(path, **kw))
+    config = make_config(blend=M.parse_data_path(f"0.7 {shards['a']} 0.3 {shards['b']}"), split="98,1,1")
+    build(config, [100, 5, 5])
+    # the blend check reads each entry once (not once per entry), then the build opens each once
+    assert opened.count(shards["a"]) == opened.count(shards["b"]) == 2

@@ -145,6 +145,19 @@ def test_pickles_small_without_open_files(shard_dir):
     assert clone.open_shards == [] and same_pack(clone[30], ds[30])
 
 
+def test_a_set_pickles_its_tokenizer_record_once(tmp_path):
+    rng = np.random.default_rng(8)
+    tokenizer = {"name": "t", "files_sha256": "1" * 64, "files": [f"f{k:04d}.json" for k in range(200)]}
+    for i in range(40):
+        write_shard(str(tmp_path / f"ds_{i:06d}"), random_packs(rng, 2, pack_size=32), pack_size=32,
+                    metadata={"tokenizer": tokenizer, "set": {"id": "s" * 32, "index": i, "count": 40}})
+    write_manifest(str(tmp_path / "ds.json"), str(tmp_path))
+    for ds in (MultiShardDataset.open(str(tmp_path)), open_packed(str(tmp_path / "ds.json"))):
+        blob = pickle.dumps(ds)
+        assert len(pickle.dumps(tokenizer)) > 2500 and len(blob) < 40 * 1000, len(blob)
+        assert pickle.loads(blob).identities == ds.identities
+
+
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")
 def test_dataloader_workers_read_every_pack_exactly_once(tmp_path):
     rng = np.random.default_rng(4)

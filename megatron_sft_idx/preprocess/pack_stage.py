@@ -68,8 +68,10 @@ def books(work: WorkDir, run_key: str, job: Optional[PackJob] = None) -> Dict[st
     return out
 
 
-def shard_metadata(store: SequenceStore, job: PackJob, split: str, shard: int, count: int) -> dict:
-    """The metadata every output shard records (the same whichever command wrote it)."""
+def shard_metadata(store: SequenceStore, job: PackJob, split: str, shard: int, count: int,
+                   set_id: Optional[str] = None) -> dict:
+    """The metadata every output shard records (the same whichever command wrote it); with
+    ``set_id`` (a run writing several shards) the shard's set membership too."""
     s = job.settings
     cp, tp, sp = job.parallelism
     encode = store.identity["encode"]
@@ -82,6 +84,8 @@ def shard_metadata(store: SequenceStore, job: PackJob, split: str, shard: int, c
         "source": {"inputs": store.inputs, "input_format": encode["input_format"]},
         "extra": {"loss_on": encode["loss_on"], "split": split, "shard_index": shard, "shard_count": count},
     }
+    if set_id is not None:
+        meta["set"] = {"id": set_id, "name": split, "index": shard, "count": count}
     if s.truncated_turn_loss != "keep":  # absent means keep (the default; the bytes of earlier shards)
         meta["extra"]["truncated_turn_loss"] = s.truncated_turn_loss
     if meta["tokenizer"] is None:  # pre-tokenized input without a tokenizer
@@ -89,17 +93,35 @@ def shard_metadata(store: SequenceStore, job: PackJob, split: str, shard: int, c
     return meta
 
 
+def set_id(store: SequenceStore, job: PackJob, split: str) -> str:
+    """The id of the set of one split's shards: a digest of everything that decides their bytes
+    (what the store holds -- tokenizer, encoding, inputs by content -- and the pack settings)
+    and the split's name. Deterministic: the same inputs and settings give the same id whatever
+    the engine, the workers, the partitioning or a resume, and whether ``preprocess-sft`` or
+    ``repack-sft`` wrote the shards; any change to what the shards hold gives another id."""
+    settings = job.settings.to_dict()
+    if settings.get("split"):  # weights as given by the CLI (floats) or the API (maybe ints): one spelling
+        settings["split"] = [float(w) for w in settings["split"]]
+    return settings_key({"set": 1, "store": store.identity, "inputs": store.inputs, "settings": settings,
+                         "pad_id": job.pad_id, "vocab_size": job.vocab_size,
+                         "parallelism": [int(job.parallelism[0]), int(job.parallelism[1]), bool(job.parallelism[2])],
+                         "split": split})
+
+
 def output_shards(store: SequenceStore, job: PackJob, plan: dict, staged_dir: str) -> List[OutputShard]:
-    """Every output shard of the plan, in publishing order (splits, then shard index)."""
+    """Every output shard of the plan, in publishing order (splits, then shard index). When the
+    run writes more than one shard, each split's shards form a set (:func:`set_id`)."""
     numbered = bool(job.settings.max_packs_per_shard or job.settings.max_shard_bytes)
     by_name = dict(zip(job.settings.split_names, job.bases))
+    several = sum(split["shards"] for split in plan["splits"]) > 1
     out = []
     for i, split in enumerate(plan["splits"]):
         count = split["shards"]
+        ident = set_id(store, job, split["name"]) if several else None
         for k in range(count):
             final = outputs.shard_prefix(by_name[split["name"]], k, numbered)
             out.append(OutputShard(i, k, os.path.join(staged_dir, os.path.basename(final)), final,
-                                   shard_metadata(store, job, split["name"], k, count)))
+                                   shard_metadata(store, job, split["name"], k, count, ident)))
     return out
 
 

@@ -6,21 +6,22 @@ against the manifest's location, as locally); ``s3://b/sft/`` or ``s3://b/sft`` 
 no shard of that name lists the shards under it; ``s3://b/sft/train_*`` globs them.
 Lists may mix local prefixes and URLs. Sets open as
 :class:`~megatron_sft_idx.training.multi.MultiShardDataset`, whose shards open lazily in
-the process that reads them.
+the process that reads them, after the same checks as local sets: the shards agree, and a
+"directory", glob or manifest holds whole sets (:mod:`megatron_sft_idx.sets`).
 """
 
 from __future__ import annotations
 
 import os
-from typing import List, Optional, Sequence, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 from ..errors import ShardError, ShardNotFoundError
 from ..format import ALL_SUFFIXES, IDX_SUFFIX, SEQ_IDX_SUFFIX
 from ._stores import ObjectStore, store_for
-from ._url import ObjectURL, is_remote, join_url
+from ._url import ObjectURL
 from .config import StorageConfig
 
-__all__ = ["open_remote", "expand_remote", "read_remote_manifest"]
+__all__ = ["open_remote", "expand_remote", "select_remote", "read_remote_manifest", "load_remote_manifest"]
 
 
 def open_remote(spec: Union[str, Sequence[str]], *, check_packs: bool = False,
@@ -31,29 +32,23 @@ def open_remote(spec: Union[str, Sequence[str]], *, check_packs: bool = False,
         ShardNotFoundError: nothing at the URL; ShardError: a remote file of a kind this
         reader does not stream (``.npy``, Parquet).
     """
-    from ..training.multi import MultiShardDataset
+    from ..training.multi import MultiShardDataset, Selection
 
-    config = StorageConfig.resolve(config)
     if isinstance(spec, (list, tuple)):
-        prefixes: List[str] = []
-        for part in spec:
-            part = os.fspath(part)
-            prefixes.extend(expand_remote(part, config) if is_remote(part) else [part])
-        return MultiShardDataset.open(prefixes, check_packs=check_packs)
+        return MultiShardDataset.open(list(spec), check_packs=check_packs)
     url = ObjectURL.parse(spec)
-    if url.key.endswith(".json"):
-        prefixes, counts, summaries = read_remote_manifest(str(url), config)
-        return MultiShardDataset(prefixes, counts, summaries, source=str(url), check_packs=check_packs)
     if url.key.endswith((".npy", ".parquet", ".pq")):
         raise ShardError("remote legacy .npy / Parquet files are not streamed", path=str(url), field="format",
                          hint="convert them to shards (they can then be read from the bucket), or copy "
                               "the file to local disk")
-    prefixes = expand_remote(str(url), config)
-    if prefixes == [str(url)]:
-        from .remote import RemoteIndexedDataset
+    if not url.key.endswith(".json"):
+        kind, prefixes = select_remote(str(url), config)
+        if kind == "prefix":
+            from .remote import RemoteIndexedDataset
 
-        return RemoteIndexedDataset(str(url), check_packs=check_packs, config=config)
-    return MultiShardDataset.open(prefixes, check_packs=check_packs)
+            return RemoteIndexedDataset(str(url), check_packs=check_packs, config=StorageConfig.resolve(config))
+        return MultiShardDataset.open(Selection(kind, str(url), tuple(prefixes)), check_packs=check_packs)
+    return MultiShardDataset.open(str(url), check_packs=check_packs)
 
 
 def expand_remote(spec: str, config: Optional[StorageConfig] = None) -> List[str]:
@@ -63,21 +58,31 @@ def expand_remote(spec: str, config: Optional[StorageConfig] = None) -> List[str
     Raises:
         ShardNotFoundError: no shard matches.
     """
+    return select_remote(spec, config)[1]
+
+
+def select_remote(spec: str, config: Optional[StorageConfig] = None) -> Tuple[str, List[str]]:
+    """``(kind, shard URLs)`` named by ``spec``: ``("prefix", [spec])``, ``("directory", ...)``
+    or ``("glob", ...)`` (see :func:`expand_remote`).
+
+    Raises:
+        ShardNotFoundError: no shard matches.
+    """
     url = ObjectURL.parse(spec)
     store = store_for(url, StorageConfig.resolve(config))
     if url.has_magic():
-        found = _glob(store, url)
+        kind, found = "glob", _glob(store, url)
     elif url.key.endswith("/") or not url.key:
-        found = _shards_under(store, url)
+        kind, found = "directory", _shards_under(store, url)
     elif store.stat_files(url, ALL_SUFFIXES):  # any file of a shard here: the reader says what is missing
-        return [str(url)]
+        return "prefix", [str(url)]
     else:
-        found = _shards_under(store, ObjectURL(url.scheme, url.bucket, url.key + "/"))
+        kind, found = "directory", _shards_under(store, ObjectURL(url.scheme, url.bucket, url.key + "/"))
     if not found:
         raise ShardNotFoundError("no shard at this URL (no .idx object, nor shards under it)", path=spec,
                                  hint="give a shard prefix (without .idx), a manifest .json, a 'directory' "
                                       "prefix or a glob such as s3://bucket/dir/train_*")
-    return found
+    return kind, found
 
 
 def _shards_under(store: ObjectStore, directory: ObjectURL) -> List[str]:
@@ -105,29 +110,34 @@ def _glob(store: ObjectStore, pattern: ObjectURL) -> List[str]:
 
 
 def read_remote_manifest(spec: str, config: Optional[StorageConfig] = None) -> tuple:
-    """``(prefixes, counts, summaries)`` of a manifest in object storage (one GET).
+    """``(prefixes, counts, summaries)`` of a manifest in object storage (one GET); see
+    :func:`load_remote_manifest`."""
+    m = load_remote_manifest(spec, config)
+    return m.prefixes, m.counts, m.summaries
 
-    Parsed by the local manifest reader, so both accept exactly the same documents;
+
+def load_remote_manifest(spec: str, config: Optional[StorageConfig] = None):
+    """The :class:`~megatron_sft_idx.training.manifest.Manifest` at a URL (one GET).
+
+    Parsed by the local manifest parser, so both accept exactly the same documents;
     relative prefixes resolve against the manifest's URL, absolute paths and URLs are kept.
+
+    Raises:
+        ShardNotFoundError: no object at the URL; ShardError: a malformed manifest (naming the URL).
     """
     import tempfile
 
-    from ..training.multi import read_manifest
+    from ..training.manifest import MAX_MANIFEST_BYTES, load_manifest
 
     url = ObjectURL.parse(spec)
     store = store_for(url, StorageConfig.resolve(config))
     info = store.head(url)
     if info is None:
         raise ShardNotFoundError("no manifest at this URL", path=spec)
+    if info.size > MAX_MANIFEST_BYTES:
+        raise ShardError(f"manifest is larger than {MAX_MANIFEST_BYTES >> 20} MiB", path=spec, field="manifest",
+                         actual=info.size, hint="rewrite it with write-sft-manifest")
     with tempfile.TemporaryDirectory(prefix="msi-manifest-") as tmp:
         local = os.path.join(tmp, "manifest.json")
         store.download(url, local, info)
-        prefixes, counts, summaries = read_manifest(local)
-        base = tmp + os.sep
-        resolved = []
-        for p in prefixes:
-            if p.startswith(base):  # it was relative: resolve against the manifest's URL instead
-                resolved.append(join_url(spec, p[len(base):]))
-            else:
-                resolved.append(p)
-    return resolved, counts, summaries
+        return load_manifest(local, url=str(url))

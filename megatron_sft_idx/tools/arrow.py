@@ -97,16 +97,26 @@ class PackTable:
                  "trainable_tokens": pa.int64(), "input_ids": pa.large_list(pa.from_numpy_dtype(self.token_dtype)),
                  "loss_mask": pa.large_list(pa.uint8()), "seq_start_id": pa.large_list(pa.int32())}
         self.schema = pa.schema([(c, types[c]) for c in self.columns])
+        self.failure: Optional[BaseException] = None
 
     def __len__(self) -> int:
         return int(self.counts.sum())
 
     def batches(self) -> Iterator:
+        """Record batches of every shard, in order. An exception raised here while a query
+        engine pulls the batches is also kept as ``failure``: an engine reports it inside
+        its own error (DuckDB with the Python traceback), so the caller can raise it as is."""
+        self.failure: Optional[BaseException] = None
         base = 0
-        for k, prefix in enumerate(self.prefixes):
-            shard = MMapIndexedDataset(prefix)
-            yield from self._shard_batches(shard, k, base)
-            base += len(shard)
+        try:
+            for k, prefix in enumerate(self.prefixes):
+                shard = MMapIndexedDataset(prefix)
+                yield from self._shard_batches(shard, k, base)
+                base += len(shard)
+        except BaseException as exc:  # GeneratorExit too: an engine that stops early closes us
+            if not isinstance(exc, GeneratorExit):
+                self.failure = exc
+            raise
 
     def reader(self):
         """A one-pass ``pyarrow.RecordBatchReader``."""

@@ -8,25 +8,30 @@ inputs hold. The rules, by metadata key:
 =========================  ============================================================
 key                        rule
 =========================  ============================================================
-token_dtype                equal, or ``widen=True``: int32 when any input is int32
-loss_mask_convention,      equal, else :class:`IncompatibleShardsError` naming the key,
-pad_seq_to_mult, and any   the first input and the one that differs. Any key this
-key not listed here        module does not know is also compared, so a key a newer
-                           format adds (e.g. a CP padding layout) is never mixed silently
-parallelism, pad_layout    equal when sequences are padded (``pad_seq_to_mult > 1``: the
-                           CP/TP/SP and the stored/runtime layout decide what the padding
-                           means); without padding ``parallelism`` is kept when equal, else
+tokenizer, vocab_size,     the one comparison every reader of several shards makes
+token_dtype,               (:class:`megatron_sft_idx.sets.Agreement`, ``widen`` from
+loss_mask_convention,      ``--widen``): a difference is an :class:`IncompatibleShardsError`
+pad_seq_to_mult,           naming the key, the first input and the one that differs, and
+pad_layout, parallelism    saying in words what differs
+any key not listed here    equal, else :class:`IncompatibleShardsError`: a key a newer
+                           format adds is never mixed silently
+token_dtype                int32 when any input is int32 (with ``widen``)
+parallelism, pad_layout    without padding ``parallelism`` is kept when equal, else
                            dropped (noted), and the first input's ``pad_layout`` is kept
-tokenizer                  equal where recorded; different ones are refused; an input
-                           without one makes the output's unknown (noted)
+tokenizer                  an input without one makes the output's unknown (noted)
 pack_size                  the largest (or the caller's, if no pack is longer)
 vocab_size                 the largest when all are known, else unknown (noted)
 packing                    kept when equal, else dropped (noted)
+set                        dropped: the output is one shard, no member of a set
 source                     ``{"merged": {"inputs": [...], "shards": K}}`` plus the inputs'
                            common source when they share one
 extra                      the entries every input agrees on
 stats, files, producer     recomputed by the merge
 =========================  ============================================================
+
+Inputs named by a directory, a glob or a manifest must form whole sets, as for every
+reader (:func:`~megatron_sft_idx.sets.require_whole_sets`); a shard named by its prefix is
+merged whatever set it belongs to.
 """
 
 from __future__ import annotations
@@ -41,21 +46,14 @@ from ..errors import IncompatibleShardsError, InvariantError, ShardError
 from ..format import DType
 from ..reader import MMapIndexedDataset
 from ..storage._url import is_remote
-from ..training.multi import expand_shards, is_manifest, read_manifest
+from ..sets import Agreement, ShardIdentity
+from ..training.multi import Selection, check_selections, select_shards, selection_identities
 
-#: Keys the merge recomputes or combines by its own rule; every other key must be equal.
+#: Keys the merge recomputes, combines by its own rule or compares through ``sets.Agreement``;
+#: every other key must be equal.
 _COMBINED_KEYS = frozenset({"format", "stats", "files", "producer", "source", "extra", "packing",
                             "pack_size", "vocab_size", "token_dtype", "tokenizer", "parallelism",
-                            "pad_layout"})
-_HINTS = {
-    "token_dtype": "pass --widen to write int32 tokens for all inputs",
-    "pad_seq_to_mult": "shards padded for different context parallelism cannot share one pad multiple; "
-                       "merge each group separately (blend them with data_path weights instead)",
-    "parallelism": "shards padded for different CP/TP/SP layouts must stay separate; merge each group alone",
-    "pad_layout": "Megatron-LM (stored) and Megatron-Bridge (runtime) padding cannot share one shard; "
-                  "merge each group alone",
-    "tokenizer": "shards tokenized with different tokenizers cannot be trained together; re-tokenize",
-}
+                            "pad_layout", "pad_seq_to_mult", "loss_mask_convention", "set"})
 
 
 @dataclass
@@ -74,32 +72,39 @@ class MergePlan:
         return self.metadata["pack_size"]
 
 
-def resolve_inputs(inputs: Sequence[str]) -> List[str]:
-    """Shard prefixes named by prefixes, globs, directories and manifests, in the order given
-    (local paths, or ``s3://`` / ``msc://`` URLs: a prefix, a "directory", a glob or a manifest).
+def resolve_selections(inputs: Sequence[str]) -> List[Selection]:
+    """What each input names (prefixes, globs, directories and manifests, local paths or
+    ``s3://`` / ``msc://`` URLs), in the order given; a shard named twice is refused.
 
     Raises:
         ShardNotFoundError: an input names no shard.
         ShardError: a manifest is malformed, or a shard is named twice.
     """
-    out: List[str] = []
-    for part in inputs:
-        part = os.fspath(part)
-        if is_remote(part):
-            from ..storage.discover import expand_remote, read_remote_manifest
-
-            out.extend(read_remote_manifest(part)[0] if part.endswith(".json") else expand_remote(part))
-        else:
-            out.extend(read_manifest(part)[0] if is_manifest(part) else expand_shards(part))
+    selections = select_shards([os.fspath(part) for part in inputs])
     seen: Dict[str, str] = {}
-    for prefix in out:
+    for prefix in (p for s in selections for p in s.prefixes):
         key = prefix if is_remote(prefix) else os.path.realpath(prefix)
         if key in seen:
             raise ShardError("the same shard is named twice", path=prefix, field="inputs",
                              expected="each shard once", actual=f"also named as {seen[key]}",
                              hint="list each shard once; weight data with blends, not duplicates")
         seen[key] = prefix
-    return out
+    return selections
+
+
+def resolve_inputs(inputs: Sequence[str]) -> List[str]:
+    """Shard prefixes named by prefixes, globs, directories and manifests, in the order given
+    (see :func:`resolve_selections`); the shards of each directory, glob and manifest must
+    form whole sets (their headers are read once to check, unless a manifest records them).
+
+    Raises:
+        ShardNotFoundError: an input names no shard.
+        ShardError: a manifest is malformed, or a shard is named twice; ShardSetError: a
+            directory, glob or manifest holds part of a set, or several sets.
+    """
+    selections = resolve_selections(inputs)
+    check_selections(selections, selection_identities(selections))
+    return [p for s in selections for p in s.prefixes]
 
 
 class _Fold:
@@ -108,7 +113,7 @@ class _Fold:
     def __init__(self, first: MMapIndexedDataset, widen: bool) -> None:
         self.first = first.prefix
         self.ref = first.metadata.to_dict()
-        self.widen = widen
+        self.agreement = Agreement(widen=widen, doing="merged")
         self.dtypes = set()
         self.tokenizer = self.ref.get("tokenizer")
         self.tokenizer_missing = False
@@ -122,26 +127,24 @@ class _Fold:
         self.pack_size: Optional[int] = self.ref.get("pack_size")
         self.notes: List[str] = []
 
-    def _refuse(self, key: str, prefix: str, mine: Any, theirs: Any) -> IncompatibleShardsError:
-        return IncompatibleShardsError(
-            f"'{key}' differs between inputs: {self.first} has {mine!r}, this shard has {theirs!r}",
-            path=prefix, field=key, expected=mine, actual=theirs, hint=_HINTS.get(key))
-
     def add(self, shard: MMapIndexedDataset) -> None:
+        """Raises: IncompatibleShardsError: ``shard`` cannot be merged with the inputs before it."""
+        self.agreement.add(shard.prefix, ShardIdentity.of(shard.metadata))
         meta = shard.metadata.to_dict()
         for key in sorted((set(meta) | set(self.ref)) - _COMBINED_KEYS):
             if meta.get(key) != self.ref.get(key):
-                raise self._refuse(key, shard.prefix, self.ref.get(key), meta.get(key))
+                raise IncompatibleShardsError(
+                    f"'{key}' differs between inputs: {self.first} has {self.ref.get(key)!r}, this shard has "
+                    f"{meta.get(key)!r}", path=shard.prefix, field=key, expected=self.ref.get(key),
+                    actual=meta.get(key))
         self.dtypes.add(meta["token_dtype"])
-        if len(self.dtypes) > 1 and not self.widen:
-            raise self._refuse("token_dtype", shard.prefix, self.ref["token_dtype"], meta["token_dtype"])
-        self._fold_tokenizer(shard.prefix, meta.get("tokenizer"))
+        tokenizer = meta.get("tokenizer")
+        if tokenizer is None:
+            self.tokenizer_missing = True
+        elif self.tokenizer is None:
+            self.tokenizer = tokenizer
         if meta.get("parallelism") != self.parallelism:
-            if self.ref["pad_seq_to_mult"] > 1:
-                raise self._refuse("parallelism", shard.prefix, self.ref.get("parallelism"), meta.get("parallelism"))
-            self.parallelism = None
-        if meta.get("pad_layout") != self.ref.get("pad_layout") and self.ref["pad_seq_to_mult"] > 1:
-            raise self._refuse("pad_layout", shard.prefix, self.ref.get("pad_layout"), meta.get("pad_layout"))
+            self.parallelism = None  # (padded inputs with different ones were refused above)
         if meta.get("packing") != self.packing:
             self.packing = None
         if meta.get("source") != self.source:
@@ -157,19 +160,11 @@ class _Fold:
         size = meta.get("pack_size")
         self.pack_size = None if size is None or self.pack_size is None else max(self.pack_size, size)
 
-    def _fold_tokenizer(self, prefix: str, tokenizer) -> None:
-        if tokenizer is None:
-            self.tokenizer_missing = True
-        elif self.tokenizer is None:
-            self.tokenizer = tokenizer
-        elif _tokenizer_key(tokenizer) != _tokenizer_key(self.tokenizer):
-            raise self._refuse("tokenizer", prefix, _tokenizer_key(self.tokenizer), _tokenizer_key(tokenizer))
-
     def result(self, inputs: Sequence[str], shard_count: int, dtype: DType,
                pack_size: Optional[int]) -> Dict[str, Any]:
         """The output's metadata as a dict, without ``stats``/``files``/``producer`` (the merge
         fills those). Built on the first input's, so keys a newer format adds carry over."""
-        out = {k: v for k, v in self.ref.items() if k not in ("stats", "files", "producer")}
+        out = {k: v for k, v in self.ref.items() if k not in ("stats", "files", "producer", "set")}
         if self.tokenizer_missing and self.tokenizer is not None:
             self.notes.append("some inputs record no tokenizer: the output's tokenizer is unknown")
             self.tokenizer = None
@@ -188,14 +183,6 @@ class _Fold:
         return {k: v for k, v in out.items() if v is not None or k in ("pack_size", "vocab_size")}
 
 
-def _tokenizer_key(tokenizer: dict) -> Any:
-    """What identifies a tokenizer: its files' hash when recorded, else the whole record
-    (a path alone may differ between machines holding the same files)."""
-    if isinstance(tokenizer, dict) and tokenizer.get("files_sha256"):
-        return tokenizer.get("files_sha256"), tokenizer.get("chat_template_sha256")
-    return tokenizer
-
-
 def plan_merge(inputs: Sequence[str], *, widen: bool = False, pack_size: Optional[int] = None) -> MergePlan:
     """Open every input's headers once and decide the output (see the module table).
 
@@ -204,10 +191,12 @@ def plan_merge(inputs: Sequence[str], *, widen: bool = False, pack_size: Optiona
         IncompatibleShardsError: inputs that cannot become one shard.
         InvariantError: ``pack_size`` is shorter than an input's longest pack.
     """
-    prefixes = resolve_inputs(inputs)
+    selections = resolve_selections(inputs)
+    prefixes = [p for s in selections for p in s.prefixes]
     packs = np.zeros(len(prefixes), dtype=np.int64)
     totals = {"packs": 0, "sequences": 0, "tokens": 0, "loss_tokens": 0, "max_packed": 0, "uint16_inputs": 0}
     fold: Optional[_Fold] = None
+    identities = {}
     for k, prefix in enumerate(prefixes):
         shard = MMapIndexedDataset(prefix)
         if shard.is_pretrain:
@@ -215,6 +204,7 @@ def plan_merge(inputs: Sequence[str], *, widen: bool = False, pack_size: Optiona
                 "this input is upstream pretrain data (.bin/.idx only): it has no loss mask or sequence starts",
                 path=prefix, field="kind", expected="sft", actual="pretrain",
                 hint="convert it first: convert-packed PREFIX OUT --pack-size N")
+        identities[prefix] = ShardIdentity.of(shard.metadata)
         fold = fold or _Fold(shard, widen)
         fold.add(shard)
         stats = shard.metadata.stats
@@ -225,6 +215,7 @@ def plan_merge(inputs: Sequence[str], *, widen: bool = False, pack_size: Optiona
         totals["loss_tokens"] += stats.loss_token_count
         totals["max_packed"] = max(totals["max_packed"], stats.max_packed_seqlen)
         totals["uint16_inputs"] += shard.dtype == DType.uint16
+    check_selections(selections, identities)
     dtype = DType.int32 if "int32" in fold.dtypes else DType.uint16
     out_size = fold.pack_size
     if pack_size is not None:

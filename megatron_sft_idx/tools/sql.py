@@ -37,38 +37,49 @@ def _connect(spec, sql: str, columns: Optional[Sequence[str]]):
     table = PackTable(spec, columns=columns or columns_for_query(sql))
     con = duckdb.connect()
     con.register(TABLE, table)
-    return duckdb, con
+    return duckdb, con, table
+
+
+def _failed(exc: Exception, table: PackTable, sql: str) -> BaseException:
+    """The error to raise for a failed query: the shard's own error when reading a shard failed
+    under the engine (DuckDB would print it with an embedded traceback), else a QueryError
+    carrying only the engine's first line."""
+    if table.failure is not None:
+        return table.failure
+    message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return QueryError(f"the query failed: {message}", field="sql", actual=sql)
 
 
 def query(spec, sql: str, *, columns: Optional[Sequence[str]] = None):
     """Run ``sql`` over the table ``packs`` of ``spec``'s shards; return a ``pyarrow.Table``.
 
     Raises:
-        QueryError: DuckDB refused or failed the query.
+        QueryError: DuckDB refused or failed the query (its message's first line).
         MissingExtraError: duckdb is not installed (extra ``tools``).
-        ShardError (any subclass): a shard is missing, unreadable or corrupt.
+        ShardError (any subclass): a shard is missing, unreadable or corrupt (also when the
+            engine found it so while reading: the shard's own error, not the engine's).
     """
-    duckdb, con = _connect(spec, sql, columns)
+    duckdb, con, table = _connect(spec, sql, columns)
     try:
         result = con.sql(sql)
         # duckdb 2 renamed fetch_arrow_table (deprecated there); 1.x has only the old name
         return result.to_arrow_table() if hasattr(result, "to_arrow_table") else result.fetch_arrow_table()
     except duckdb.Error as exc:
-        raise QueryError(f"the query failed: {exc}", field="sql", actual=sql) from None
+        raise _failed(exc, table, sql) from None
     finally:
         con.close()
 
 
 def query_text(spec, sql: str, *, max_rows: int = 40, max_width: int = 160) -> str:
     """The query's result rendered as DuckDB's text table (for people)."""
-    duckdb, con = _connect(spec, sql, None)
+    duckdb, con, table = _connect(spec, sql, None)
     try:
         relation = con.sql(sql)
         if relation is None:  # a statement without a result
             return ""
         return _render(relation, max_rows, max_width)
     except duckdb.Error as exc:
-        raise QueryError(f"the query failed: {exc}", field="sql", actual=sql) from None
+        raise _failed(exc, table, sql) from None
     finally:
         con.close()
 

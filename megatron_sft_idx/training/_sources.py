@@ -55,23 +55,31 @@ class PackSummary:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, raw: dict, path: Optional[str] = None) -> "PackSummary":
+    def from_dict(cls, raw: dict, path: Optional[str] = None, field: str = "summary") -> "PackSummary":
+        """Parse a summary (a manifest entry's) strictly: every field present, of its type.
+
+        Raises:
+            ShardError: naming ``path`` and ``field.<name>``.
+        """
+        if not isinstance(raw, dict):
+            raise ShardError("shard summary missing or not an object", path=path, field=field, actual=raw,
+                             hint="rewrite the manifest with write-sft-manifest")
         values = {}
         for name in cls.__dataclass_fields__:
-            value = raw.get(name) if isinstance(raw, dict) else None
+            value = raw.get(name)
             if name in ("pack_size", "min_packed_runtime_len") and value is None:
                 values[name] = None
                 continue
             if name == "pad_layout":
                 values[name] = PAD_LAYOUT_STORED if value is None else value
                 if values[name] not in PAD_LAYOUTS + (MIXED_LAYOUT,):
-                    raise ShardError("shard summary pad_layout is unknown", path=path, field=name,
-                                     actual=value, hint="rewrite the manifest with tools/write_manifest.py")
+                    raise ShardError("shard summary pad_layout is unknown", path=path, field=f"{field}.{name}",
+                                     actual=value, hint="rewrite the manifest with write-sft-manifest")
                 continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2 ** 63:
                 raise ShardError("shard summary field missing or not a non-negative integer",
-                                 path=path, field=name, actual=value,
-                                 hint="rewrite the manifest with tools/write_manifest.py")
+                                 path=path, field=f"{field}.{name}", actual=value,
+                                 hint="rewrite the manifest with write-sft-manifest")
             values[name] = value
         return cls(**values)
 

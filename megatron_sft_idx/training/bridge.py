@@ -35,9 +35,11 @@ import torch  # noqa: E402
 
 from ..errors import ShardError
 from ..format import PAD_LAYOUT_RUNTIME
+from ..sets import require_compatible
 from ._sources import PackSummary, runtime_min_packed, summarize
 from .collate import BridgePackingStats, PackedCollator
 from .factory import open_packed
+from .multi import identities_of
 
 __all__ = ["PackedSFTDataset", "build_samples_mapping", "bridge_datasets", "bridge_stats",
            "bridge_metadata_stats"]
@@ -177,6 +179,11 @@ def bridge_datasets(context, train=None, valid=None, test=None, **options):
     gets ``max_num_samples`` from it and ``eos_id`` from the tokenizer. With
     ``pad_cu_seqlens`` the statistics are combined over every split given, as Bridge's
     one metadata file for its train and validation packs combines them.
+
+    Raises:
+        IncompatibleShardsError: the splits' shards disagree (tokenizer, chat template,
+            vocabulary, loss convention, padding: :mod:`megatron_sft_idx.sets`), as within one
+            split; ShardSetError, ShardError: a split does not open.
     """
     tokenizer = getattr(context, "tokenizer", None)
     if "eos_id" not in options and "pad_id" not in options and tokenizer is not None:
@@ -190,6 +197,8 @@ def bridge_datasets(context, train=None, valid=None, test=None, **options):
                                                     (test, getattr(context, "test_samples", None)))]
     out = [None if path is None or not samples else PackedSFTDataset(path, max_num_samples=samples, **options)
            for path, samples in splits]
+    require_compatible([m for ds in out if ds is not None for m in identities_of(ds.source)],
+                       doing="used with the other splits")
     if options.get("pad_cu_seqlens") and "stats" not in options and not options.get("pack_metadata_file_path"):
         built = [ds for ds in out if ds is not None]
         shared = BridgePackingStats.combine(ds.stats for ds in built) if built else None

@@ -43,7 +43,7 @@ from ..storage import is_remote
 from ..storage.discover import open_remote
 from ._sources import FlatPackedSource
 
-__all__ = ["open_packed", "load_legacy_npy", "load_parquet", "RestrictedUnpickler"]
+__all__ = ["open_packed", "load_legacy_npy", "load_parquet", "RestrictedUnpickler", "records_no_identity"]
 
 _PACK_KEYS = ("input_ids", "loss_mask", "seq_start_id")
 _PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -130,6 +130,17 @@ def open_packed(path, *, pad_seq_to_mult: Optional[int] = None, pad_layout: str 
                          hint="pass a shard prefix (without .idx), a manifest .json, a directory "
                               "of shards, a legacy packed .npy or a packed .parquet")
     raise ShardNotFoundError("nothing at this path", path=path)
+
+
+def records_no_identity(path) -> bool:
+    """Whether ``open_packed(path)`` gives an in-memory source (legacy ``.npy``, Parquet), which
+    records no tokenizer or set to compare with other sources (nothing is read to tell)."""
+    if isinstance(path, (list, tuple)) or is_remote(path):
+        return False
+    path = os.fspath(path)
+    if os.path.exists(path + IDX_SUFFIX) or path.endswith(".json"):
+        return False
+    return (path.endswith(".npy") and os.path.isfile(path)) or bool(_parquet_files(path))
 
 
 # --------------------------------------------------------------------------- legacy .npy

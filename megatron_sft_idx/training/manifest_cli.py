@@ -1,11 +1,15 @@
 """``write_manifest OUT.json SHARD... [--absolute] [--json]``: list shards once, open them in one read.
 
 Each SHARD is a prefix, a directory of shards or a glob. The manifest records
-every shard's pack count and packing statistics, so a dataset over a thousand
-shards opens with one file read; give its path wherever a shard prefix goes
-(``data_path`` blends, ``open_packed``, ``PackedSFTDataset``).
+every shard's pack count, packing statistics and identity (tokenizer, padding,
+the set it belongs to), so a dataset over a thousand shards opens with one file
+read; give its path wherever a shard prefix goes (``data_path`` blends,
+``open_packed``, ``PackedSFTDataset``). Shards that disagree (tokenizer, chat
+template, vocabulary, padding) or do not form whole sets are refused: a manifest
+a reader would refuse is never written.
 
-Exit codes: 0 written, 1 a shard is corrupt, 2 usage error or nothing found.
+Exit codes: 0 written, 1 a shard is corrupt or the shards cannot be read as one,
+2 usage error or nothing found.
 """
 
 from __future__ import annotations

@@ -22,8 +22,12 @@ lays out a pack, at ``config.sequence_length = S``:
   upstream does; being after the sequence, it is never attended to by it;
 * ``max_seqlen``: 0-d int32, the longest segment.
 
-Build-time refusals (:class:`ShardError`, naming the shard): a shard whose pack
-size exceeds ``sequence_length``; a shard whose recorded ``pad_seq_to_mult`` is
+Build-time refusals (:class:`ShardError`, naming the shard): datasets of one blend
+(every entry of ``blend`` and of ``blend_per_split``, whatever its weight) that disagree
+-- tokenizer, chat template, vocabulary, loss convention, pad multiple or layout
+(:mod:`megatron_sft_idx.sets`; ``IncompatibleShardsError`` naming both entries and what
+differs in words); a directory, glob or manifest entry that holds part of a set or
+several sets (``ShardSetError``); a shard whose pack size exceeds ``sequence_length``; a shard whose recorded ``pad_seq_to_mult`` is
 not a multiple of the run's context-parallel padding divisor (``2*CP`` when CP > 1,
 times the sequence-parallel size), so sequence lengths would not split evenly
 across CP ranks; a ``sequence_length`` that is not a multiple of that divisor.
@@ -58,9 +62,10 @@ from megatron.core.datasets.utils import Split
 from .._atomic import write_file_atomically
 from ..errors import ShardError
 from ..format import PAD_LAYOUT_STORED
+from ..sets import require_compatible
 from ._sources import PackSummary, summarize
 from .factory import open_packed
-from .multi import MultiShardDataset
+from .multi import MultiShardDataset, identities_of
 
 __all__ = [
     "SFTIndexedDataset",
@@ -211,6 +216,44 @@ def check_compatible(source, config, path: str) -> None:
         _check_summary(where, summary, seq_len, divisor)
 
 
+def blend_paths(config) -> List[str]:
+    """Every dataset path of ``config``'s blends (``blend`` and ``blend_per_split``), once each."""
+    blends = [getattr(config, "blend", None)] + list(getattr(config, "blend_per_split", None) or [])
+    out: List[str] = []
+    for blend in blends:
+        for path in (blend[0] if blend else []):
+            if path not in out:
+                out.append(path)
+    return out
+
+
+def check_blend(config) -> None:
+    """Refuse a blend whose datasets could not be trained as one: every shard of every entry
+    of every split must agree with the others (:func:`megatron_sft_idx.sets.require_compatible`).
+
+    Called by each ``build_low_level_dataset`` of the build; the verdict for this config's
+    blend is kept on the config, so the entries' headers are read once per build.
+
+    Raises:
+        IncompatibleShardsError: naming the two shards (their blend entries) and what differs.
+        ShardSetError, ShardError: an entry does not open (see :func:`open_packed`).
+    """
+    paths = blend_paths(config)
+    if len(paths) < 2 or config.__dict__.get("_sft_idx_blend_checked") == paths:
+        return
+    from .factory import records_no_identity
+
+    members = []
+    for path in paths:
+        if records_no_identity(path):  # legacy .npy / Parquet: nothing recorded to compare (nor loaded twice)
+            continue
+        source = open_packed(path, check_packs=False)
+        members.extend((f"{prefix} (data_path entry {path})" if prefix != path else prefix, identity)
+                       for prefix, identity in identities_of(source))
+    require_compatible(members, doing="blended")
+    config.__dict__["_sft_idx_blend_checked"] = paths
+
+
 def _check_summary(path: str, summary: PackSummary, seq_len: int, divisor: int) -> None:
     if divisor > 1 and summary.pad_seq_to_mult > 1 and summary.pad_layout != PAD_LAYOUT_STORED:
         raise ShardError("shard is padded for Megatron-Bridge's runtime segments (pad_layout "
@@ -257,6 +300,7 @@ class SFTIndexedDataset(MegatronDataset):
 
     @staticmethod
     def build_low_level_dataset(dataset_path: str, config) -> object:
+        check_blend(config)
         source = open_packed(dataset_path, check_packs=getattr(config, "check_packs", False))
         check_compatible(source, config, dataset_path)
         return source

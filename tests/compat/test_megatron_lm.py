@@ -3,6 +3,8 @@
 * a blend with ``path_to_cache`` where a small shard's split is empty: a clear refusal,
   the same in the same run and in every rerun, and no poisoned cache (issue 9, item 10);
 * CP padding layouts: a "runtime"-layout shard is refused at CP > 1, served at CP 1;
+* blends whose shards disagree (another tokenizer, chat template or vocabulary) and a blend
+  entry holding two generations of a set are refused by name, in every split (issue 21);
 * a real 4-process torchrun (gloo): rank 0 builds the index cache, the others reuse it,
   each rank reads its slice through Megatron's sampler, every sample seen exactly once.
 """
@@ -20,7 +22,7 @@ from shardgen import random_packs, write_shard
 
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 
-from megatron_sft_idx.errors import ShardError
+from megatron_sft_idx.errors import IncompatibleShardsError, ShardError, ShardSetError
 from megatron_sft_idx.training import megatron as M
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -76,6 +78,33 @@ def test_runtime_layout_shard_is_refused_at_cp2_and_served_at_cp1(tmp_path):
     assert info.value.field == "pad_layout"
     train, _, _ = build(prefix, "100,0,0", [4, 0, 0], None, context_parallel_size=1)
     assert len(train) == 4
+
+
+LLAMA = {"name": "meta-llama/Llama-3.1-8B-Instruct", "files_sha256": "a" * 64, "chat_template_sha256": "c" * 64}
+
+
+@pytest.mark.parametrize("other, words", [
+    ({"tokenizer": {"name": "deepseek-ai/DeepSeek-V3", "files_sha256": "d" * 64}}, "different tokenizers"),
+    ({"tokenizer": dict(LLAMA, chat_template_sha256="f" * 64)}, "different chat templates"),
+])
+def test_blends_of_disagreeing_shards_are_refused(shards, tmp_path, other, words):
+    write_shard(str(tmp_path / "llama"), random_packs(np.random.default_rng(2), 40), metadata={"tokenizer": LLAMA})
+    write_shard(str(tmp_path / "other"), random_packs(np.random.default_rng(3), 40), metadata=other)
+    for blend, split, sizes in ((f"0.6 {tmp_path}/llama 0.4 {tmp_path}/other", "90,10,0", [50, 5, 0]),
+                                (f"{tmp_path}/llama {tmp_path}/other", "90,10,0", [50, 5, 0])):
+        with pytest.raises(IncompatibleShardsError, match=words) as info:
+            build(blend, split, sizes, None)
+        assert str(tmp_path / "other") in str(info.value) and str(tmp_path / "llama") in str(info.value)
+    train, _, _ = build(f"0.6 {tmp_path}/llama 0.4 {shards['big']}", "90,10,0", [50, 5, 0], None)
+    assert len(train) == 50  # a shard that records no tokenizer is not compared on it
+
+
+def test_a_blend_entry_of_two_generations_is_refused(shards, tmp_path):
+    for i, set_id in enumerate(["n" * 32, "o" * 32]):
+        write_shard(str(tmp_path / "set" / f"ds_{i:06d}"), random_packs(np.random.default_rng(i), 30),
+                    metadata={"set": {"id": set_id, "index": i, "count": 2, "name": "train"}})
+    with pytest.raises(ShardSetError, match=r"set nnnnnnnnnnnn \(train\): 1 of its 2 shards"):
+        build(f"0.5 {shards['big']} 0.5 {tmp_path}/set", "90,10,0", [50, 5, 0], None)
 
 
 def _free_port():
