@@ -381,3 +381,15 @@ def test_virtual_packs_of_a_tampered_plan_are_a_named_error(reference, tmp_path,
     with pytest.raises(ShardError) as e:
         VirtualPackedDataset(str(reference / "store"), str(work / "plan" / "out.plan"), split="train")
     _named(e.value, "out.plan")
+
+
+def test_a_failed_resume_of_a_finished_run_keeps_its_record(here, reference):
+    """A --resume that fails (here: the kept store was made with the input named otherwise)
+    must not orphan the finished run's outputs: the same command as before is still a no-op."""
+    store = str(here / "store")
+    preprocess(here / "out", store=store)
+    with pytest.raises(ShardError, match="named 'in.jsonl' in the store"):
+        run(Config(inputs=[str(here / INPUT)], output_prefix=str(here / "out" / "ds"), store=store, resume=True,
+                   **SETTINGS))
+    assert preprocess(here / "out", store=store, resume=True)["resumed_units"] == {"done": 1}
+    assert files_of(here / "out") == files_of(reference / "out") and run_leftovers(here / "out") == []

@@ -239,7 +239,8 @@ def run_pack(store: SequenceStore, job: PackJob, engine, work: WorkDir, run_key:
     # before any final name is touched: the files this run owns (a resumed publish may replace them)
     finals = {s.final + x for s in shards for x in PUBLISH_ORDER} | {path for path, _ in result.staged.manifests}
     b["intent"].write(0, {"files": sorted(finals | set(owned))})
-    stale = [path for path in owned if path not in finals and (is_remote(path) or os.path.exists(path))]
+    written = {outputs.normal_path(p) for p in finals}
+    stale = [p for p in owned if outputs.normal_path(p) not in written and (is_remote(p) or os.path.exists(p))]
     work.publishing = True
     with progress.phase("publish", len(shards), unit="shards") as bar:
         publish_to = publish_remote if is_remote(job.output_prefix) else publish

@@ -312,6 +312,9 @@ def _store_difference(existing: SequenceStore, identity: dict, infos: List[dict]
     if len(infos) != len(existing.inputs):
         return "inputs"
     for mine, theirs in zip(infos, existing.inputs):
+        if mine["name"] != theirs["name"]:
+            return (f"inputs: {mine['name']!r} is named {theirs['name']!r} in the store "
+                    f"(shards record inputs by the name given)")
         if _normal(mine) != _normal(theirs):
             return (f"inputs: {mine['name']} is not the file it was made from "
                     f"(sha256 {mine['sha256'][:16]}..., was {str(theirs['sha256'])[:16]}...)")

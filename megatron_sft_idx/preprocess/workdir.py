@@ -141,15 +141,20 @@ class WorkDir:
         self.closed = True
 
     def close(self, remove: bool) -> None:
-        """Release the lock; ``remove`` deletes the directory (after success, or a failure no
-        resume can fix): renamed out of the way first, in one step, then deleted receipts last,
-        so a kill during the deletion leaves either the whole directory or a finished one's
-        receipts. The directory is kept after an interruption or a filesystem error."""
+        """Release the lock; ``remove`` deletes the directory (after a failure no resume can
+        fix): renamed out of the way first, in one step, then deleted receipts last, so a kill
+        during the deletion leaves either the whole directory or nothing. A finished run's
+        record stays (only the record: the outputs it lists remain that run's own, so a failed
+        ``--resume`` of a finished run never orphans them). The directory is kept after an
+        interruption or a filesystem error."""
         self.lock.release()
         if remove and os.path.isdir(self.path):
-            done = self.path + _DONE_TAG + str(os.getpid())
-            os.replace(self.path, done)
-            remove_receipts_last(done)
+            if os.path.exists(os.path.join(self.path, RECORD)):
+                keep_only_record(self.path)
+            else:
+                done = self.path + _DONE_TAG + str(os.getpid())
+                os.replace(self.path, done)
+                remove_receipts_last(done)
         self.closed = True
 
 
