@@ -94,6 +94,23 @@ def test_preprocess_to_s3_uploads_the_local_run(s3, bucket, local_run, tmp_path,
     assert same_packs(open_packed(f"{url}_train_000001"), open_packed(str(local_run / "out" / "ds_train_000001")))
 
 
+def test_resume_of_a_finished_upload_is_a_no_op_until_an_object_changes(s3, bucket, local_run, tmp_path, capsys):
+    """The run's record (in the staging directory) lists every object's size: --resume of the
+    finished run lists the prefix once and writes nothing; an object gone or resized since makes
+    the run upload again."""
+    url = f"s3://{bucket}/sft/ds"
+    args = SETTINGS + ["--output-prefix", url, "--staging-dir", str(tmp_path / "stage"), "--json"]
+    assert preprocess_main(args) == 0
+    capsys.readouterr()
+    s3.clear()
+    assert preprocess_main(args + ["--resume"]) == 0
+    assert json.loads(capsys.readouterr().out)["resumed_units"] == {"done": 1} and writes(s3) == []
+    s3.client().delete_object(Bucket=bucket, Key="sft/ds_valid_000000.bin")
+    assert preprocess_main(args + ["--resume"]) == 0
+    assert json.loads(capsys.readouterr().out)["resumed_units"] != {"done": 1}
+    assert bucket_files(s3, bucket, "sft/") == local_files(local_run / "out") and only_records(tmp_path / "stage")
+
+
 def test_an_existing_output_is_refused_and_overwrite_replaces_it(s3, bucket, local_run, tmp_path, capsys):
     url = f"s3://{bucket}/sft/ds"
     stage = ["--staging-dir", str(tmp_path / "stage")]

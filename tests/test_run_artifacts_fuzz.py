@@ -201,3 +201,25 @@ def test_resume_over_a_mutated_receipt_redoes_or_names_it(world, monkeypatch, ar
         assert files_of(world / "out") == {}
         return
     assert files_of(world / "out") == files_of(world / "ref")
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(mutation=MUTATION)
+def test_resume_of_a_finished_run_with_a_mutated_record_is_a_no_op_a_redo_or_a_named_error(world, monkeypatch,
+                                                                                             capsys, mutation):
+    """The record of a finished run is read back too, and its summary printed as a table."""
+    from megatron_sft_idx.preprocess.cli import main
+
+    monkeypatch.chdir(world)
+    argv = ["--input", "in.jsonl", "--tokenizer", TOKENIZER, "--output-prefix", str(world / "done" / "ds"),
+            "--pack-size", "1024", "--split", "90,10", "--max-packs-per-shard", "20", "--partition-bytes", "60000"]
+    record = world / "done" / ".ds.preprocess" / "receipts" / "done" / "000000.json"
+    if not record.exists():
+        assert main(argv + ["--quiet"]) == 0
+        shutil.copyfile(record, world / "record.json")
+    _write(record, mutate(json.load(open(world / "record.json")), mutation))
+    code = main(argv + ["--resume"])
+    err = capsys.readouterr().err
+    assert code in (0, 1) and "Traceback" not in err and "this is a bug" not in err, err
+    assert files_of(world / "done") == files_of(world / "ref")
+    shutil.copyfile(world / "record.json", record)   # (the next example starts from the real record)

@@ -28,6 +28,7 @@ from .publish import StagedSet, StagedShard, publish
 from .receipts import ReceiptBook, settings_key
 from .remote_outputs import is_remote, publish_remote, remote_sizes
 from .store import SequenceStore
+from .summary import check_gate, check_summary, check_verify
 from .workdir import WorkDir
 
 log = logging.getLogger("megatron_sft_idx.preprocess")
@@ -79,8 +80,10 @@ def _materialize_schema(doc) -> None:
 
 
 def _checks_schema(doc) -> None:
-    for key in ("verify", "gate"):
-        doc.doc(key, none=True)
+    for key, check in (("verify", check_verify), ("gate", check_gate)):
+        entry = doc.doc(key, none=True)
+        if entry is not None:
+            check(entry)
 
 
 def _intent_schema(doc) -> None:
@@ -94,7 +97,7 @@ def _publish_schema(doc) -> None:
 
 
 def _done_schema(doc) -> None:
-    doc.doc("summary")
+    check_summary(doc.doc("summary"))
     record = doc.doc("outputs")
     for path in record.obj:
         entry = record.list(path, length=2)
@@ -190,7 +193,7 @@ def run_pack(store: SequenceStore, job: PackJob, engine, work: WorkDir, run_key:
     resumed = {} if resumed is None else resumed
     progress = progress or Progress.of(False)
     t = time.perf_counter()
-    plan = _resumed_plan(b["plan"], work.plan, store)
+    plan = _resumed_plan(b["plan"], work.plan, store, job.settings)
     resumed["plan"] = int(plan is not None)
     if plan is None:
         step = PlanStep(store.directory, job.settings, work.plan, b["plan"])
@@ -239,8 +242,8 @@ def run_pack(store: SequenceStore, job: PackJob, engine, work: WorkDir, run_key:
     # before any final name is touched: the files this run owns (a resumed publish may replace them)
     finals = {s.final + x for s in shards for x in PUBLISH_ORDER} | {path for path, _ in result.staged.manifests}
     b["intent"].write(0, {"files": sorted(finals | set(owned))})
-    written = {outputs.normal_path(p) for p in finals}
-    stale = [p for p in owned if outputs.normal_path(p) not in written and (is_remote(p) or os.path.exists(p))]
+    written, mine = {outputs.normal_path(p) for p in finals}, {outputs.normal_path(p) for p in owned}
+    stale = [p for p in outputs.existing_outputs(job.bases) if outputs.normal_path(p) in mine - written]
     work.publishing = True
     with progress.phase("publish", len(shards), unit="shards") as bar:
         publish_to = publish_remote if is_remote(job.output_prefix) else publish
@@ -253,9 +256,10 @@ _RECEIPT_KEYS = ("step", "unit", "key", "artifacts", "crc32")
 _REDO_HINT = "the unit is done again"
 
 
-def _resumed_plan(book: ReceiptBook, path: str, store: SequenceStore) -> Optional[dict]:
+def _resumed_plan(book: ReceiptBook, path: str, store: SequenceStore, settings: PlanSettings) -> Optional[dict]:
     """The plan receipt of an earlier attempt when the plan file verifies (pinned CRC-32, the
-    receipt equal to the file's metadata, every array valid against ``store``), else None."""
+    receipt equal to the file's metadata, the run's settings, every array valid against
+    ``store``), else None."""
     receipt = book.read(0)
     if receipt is None:
         return None
@@ -265,6 +269,8 @@ def _resumed_plan(book: ReceiptBook, path: str, store: SequenceStore) -> Optiona
         recorded = {k: v for k, v in receipt.items() if k not in _RECEIPT_KEYS}
         if _normal(plan_summary(plan.metadata)) != _normal(recorded):
             raise HeaderError("the plan receipt disagrees with the plan file", path=book.path(0), field="splits")
+        if _normal(plan.metadata["settings"]) != _normal(settings.to_dict()):
+            raise HeaderError("the plan was made with other settings", path=path, field="settings")
         plan.validate(store)
     except ShardError as exc:
         log.warning("the pack plan does not verify; planning again: %s", exc)

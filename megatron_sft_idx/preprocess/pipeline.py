@@ -409,10 +409,16 @@ def execute(job: PackJob, run_key: str, resume: bool, engine_kind: str, workers:
 
 def owned_files(work: WorkDir, run_key: str) -> set:
     """Final files an earlier attempt of this run published or meant to (not "existing
-    outputs"): its intent, and the outputs of its record if it finished."""
+    outputs"): its intent, and the outputs of its record if it finished (read for them alone:
+    a record whose summary no longer parses still names the run's own outputs)."""
     b = books(work, run_key)
-    intent, done = b["intent"].read(0), b["done"].read(0)
+    intent = b["intent"].read(0)
+    done = ReceiptBook(work.receipts, "done", run_key, work.path, _outputs_schema).read(0)
     return set(intent["files"] if intent else ()) | set(done["outputs"] if done else ())
+
+
+def _outputs_schema(doc) -> None:
+    doc.mapping("outputs", lambda v, f: v)
 
 
 def finished_run(work: WorkDir, run_key: str, prove: Optional[Callable[[dict], None]] = None) -> Optional[dict]:
