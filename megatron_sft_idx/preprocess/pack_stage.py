@@ -313,7 +313,9 @@ def _verify_unit(receipt: dict, pub: Optional[dict], shard: OutputShard, packs: 
     Raises:
         ShardError: a receipt of another shard, or a checksum or the metadata differ.
     """
-    if receipt["final"] != shard.final or receipt["packs"] != packs or (pub is not None and pub["final"] != shard.final):
+    final = outputs.normal_path(shard.final)
+    if (outputs.normal_path(receipt["final"]) != final or receipt["packs"] != packs
+            or (pub is not None and outputs.normal_path(pub["final"]) != final)):
         raise MetadataError("the receipts of this unit name another shard", path=shard.staged, field="final",
                             expected=[shard.final, packs], actual=[receipt["final"], receipt["packs"]])
     rel = os.path.relpath(shard.staged + SEQ_IDX_SUFFIX, work.path)

@@ -75,8 +75,8 @@ def read_store_file(path: str) -> dict:
     range, the partitions against the inputs, and the store id against the content it digests.
 
     Raises:
-        ShardError: missing (ShardNotFoundError's hint says what to give), unreadable, another
-            format or major version, or malformed (MetadataError naming the file and the field).
+        ShardError: missing (the hint says what to give), unreadable, another format or major
+            version, or malformed (MetadataError naming the file and the field).
     """
     try:
         body = load_json(path)
