@@ -312,6 +312,30 @@ def test_resume_of_a_finished_run_whose_outputs_changed_publishes_them_again(cor
     assert outputs(tmp_path / "out") == outputs(corpus / "small_ref")
 
 
+SLOW_PROOF = r"""
+import os, signal, sys, threading, time
+from megatron_sft_idx.preprocess import pipeline
+from megatron_sft_idx.preprocess.cli import main
+def endless(path, stop=None):       # an input too large to hash before the signal: only ``stop`` ends it
+    while stop is None or not stop.is_set():
+        time.sleep(0.01)
+pipeline.sha256_file = endless
+threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_while_a_finished_run_proves_its_inputs_ends_the_tool(corpus, tmp_path):
+    """--resume of a finished run hashes its inputs in threads: an interrupt stops them within a
+    block, and the tool exits 130 (the subprocess timeout is a hang guard)."""
+    prefix = tmp_path / "out" / "ds"
+    assert subprocess.run(cmd(prefix, corpus / "small.jsonl"), env=ENV, capture_output=True, timeout=600).returncode == 0
+    proc = subprocess.run([sys.executable, "-c", SLOW_PROOF, *cmd(prefix, corpus / "small.jsonl", "--resume")[2:]],
+                          env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in proc.stderr, proc.stderr
+    assert outputs(tmp_path / "out") == outputs(corpus / "small_ref")
+
+
 #: The filesystem steps of a run's last phase (publish, record, cleanup), each a point where a kill may land.
 TAIL_STEPS = ("os.replace", "os.unlink", "shutil.rmtree", "os.rename")
 TAIL_FLAGS = ["--pack-size", "1024", "--split", "80,20", "--max-packs-per-shard", "6", "--workers", "1", "--quiet"]

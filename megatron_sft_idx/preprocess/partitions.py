@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass
-from typing import Iterator, List, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 from .._extras import require_extra
 from .inputs import JSONL_SUFFIXES, PARQUET_SUFFIXES, OversizedRecord, open_text_bytes
@@ -137,8 +137,10 @@ def index_file(path: str, file_index: int, partition_bytes: int) -> dict:
             "sha256": digest, "partitions": [p.to_list() for p in parts]}
 
 
-def sha256_file(path: str) -> str:
-    """sha256 (hex) of a whole file, read in blocks.
+def sha256_file(path: str, stop=None) -> Optional[str]:
+    """sha256 (hex) of a whole file, read in blocks; None as soon as ``stop`` (a
+    ``threading.Event``) is set, so a hash in a thread ends within a block when the run is
+    interrupted.
 
     Raises:
         OSError: the file cannot be read (the caller names it).
@@ -146,6 +148,8 @@ def sha256_file(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(_BLOCK), b""):
+            if stop is not None and stop.is_set():
+                return None
             h.update(block)
     return h.hexdigest()
 

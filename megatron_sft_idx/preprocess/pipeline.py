@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -449,9 +450,14 @@ def prove_inputs(inputs: Inputs, workers: int) -> Callable[[dict], None]:
         if [r["name"] for r in recorded] != inputs.names:
             raise ShardError("the finished run read other inputs", field="inputs",
                              expected=[r["name"] for r in recorded], actual=inputs.names)
+        stop = threading.Event()   # set when the run is interrupted: the threads end within a block
         try:
             with ThreadPoolExecutor(max(1, workers)) as pool:  # hashlib releases the GIL
-                digests = list(pool.map(sha256_file, inputs.paths))
+                futures = [pool.submit(sha256_file, path, stop) for path in inputs.paths]
+                try:
+                    digests = [f.result() for f in futures]
+                finally:
+                    stop.set()
         except OSError as exc:
             raise ShardError(f"cannot read an input ({exc.strerror or exc})", path=exc.filename) from None
         for name, info, digest in zip(inputs.names, recorded, digests):
