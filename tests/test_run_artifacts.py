@@ -393,3 +393,19 @@ def test_a_failed_resume_of_a_finished_run_keeps_its_record(here, reference):
                    **SETTINGS))
     assert preprocess(here / "out", store=store, resume=True)["resumed_units"] == {"done": 1}
     assert files_of(here / "out") == files_of(reference / "out") and run_leftovers(here / "out") == []
+
+
+@pytest.mark.parametrize("case", ["plan sequences swapped between packs, checksums recomputed", "plan bit",
+                                  "plan receipt packs changed"])
+def test_repack_resume_over_a_tampered_plan_redoes_it(store_copy, reference, tmp_path, monkeypatch, case):
+    """repack-sft runs the same pack stages as preprocess-sft, with the same verification on --resume."""
+    cfg = dict(store=str(store_copy), output_prefix=str(tmp_path / "r" / "ds"), pack_size=1024, split=[90, 10],
+               max_packs_per_shard=20, progress=False)
+    with monkeypatch.context() as m:
+        m.setattr(MaterializeStep, "run", lambda *a, **k: (_ for _ in ()).throw(Stop()))
+        with pytest.raises(Stop):
+            repack(RepackConfig(**cfg))
+    WORK_CASES[case](tmp_path / "r" / WORK)
+    s = repack(RepackConfig(resume=True, **cfg))
+    assert s["resumed_units"]["plan"] == 0
+    assert files_of(tmp_path / "r") == files_of(reference / "out")

@@ -124,7 +124,7 @@ class ReceiptBook:
             self.rejected[unit] = str(exc)
             if str(exc) not in _reported:
                 _reported.add(str(exc))
-                log.warning("receipt ignored, its unit is done again: %s", exc)
+                log.warning("receipt ignored (its unit counts as not done): %s", exc)
             return None
         if receipt is None:
             return None
