@@ -37,8 +37,9 @@ def make_store(directory: str, n: int, pack_size: int, seed: int = 0) -> None:
     identity = {"tokenizer": None, "encode": {"vocab_size": 32000, "loss_on": "assistant", "input_format": "chat",
                                               "prompt_key": "prompt", "completion_key": "completion",
                                               "skip_bad": False}, "max_record_bytes": 2 << 20}
-    store_id = write_store_file(directory, identity, [{"name": "synthetic.jsonl", "sha256": "0" * 64, "bytes": 0}],
-                                parts, None, [])
+    # (one byte per partition: the partitions cover the named input, as store.json is checked to)
+    store_id = write_store_file(directory, identity, [{"name": "synthetic.jsonl", "sha256": "0" * 64,
+                                                       "bytes": len(parts)}], parts, None, [])
     book = tokenize_book(directory, store_id)
     os.makedirs(os.path.join(directory, "parts"), exist_ok=True)
     for k, part in enumerate(parts):

@@ -107,11 +107,13 @@ def kill_and_resume(cmd: list, prefix: str, ref_wall: float, seed: int) -> dict:
     commits = _commits(work_dir, start)
     last_commit = commits[-1] if commits else 0.0
     summary, resume_wall = run_json(cmd + ["--resume"])
-    restart = summary["seconds"].get("inputs", 0.0) + summary["seconds"].get("index", 0.0)
+    sec = summary["seconds"]
+    restart = sum(sec.get(k, 0.0) for k in ("inputs", "index", "verify_store", "verify_shards"))
     return {"kill_at_s": killed_after, "finished_before_kill": finished, "resume_s": resume_wall,
             "units_committed_before_kill": len(commits), "last_commit_s": last_commit,
             "lost_s": killed_after - last_commit + restart, "restart_s": restart,
-            "resumed_units": summary["resumed_units"]}
+            "resumed_units": summary["resumed_units"],
+            "verify_s": {k: sec.get(k, 0.0) for k in ("index", "verify_store", "verify_plan", "verify_shards")}}
 
 
 def child_reads(store: str, plan: str, prefix: str, reads: int, seed: int) -> dict:
@@ -122,7 +124,13 @@ def child_reads(store: str, plan: str, prefix: str, reads: int, seed: int) -> di
     from megatron_sft_idx.reader import MMapIndexedDataset
 
     out = {}
-    for name, ds in (("materialized", MMapIndexedDataset(prefix)), ("virtual", VirtualPackedDataset(store, plan))):
+    t = time.perf_counter()
+    VirtualPackedDataset(store, plan, verify=False)
+    out["virtual_open_unverified_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    virtual = VirtualPackedDataset(store, plan)   # every partition's checksums, every plan array
+    out["virtual_open_verified_s"] = time.perf_counter() - t
+    for name, ds in (("materialized", MMapIndexedDataset(prefix)), ("virtual", virtual)):
         idx = np.random.default_rng(seed).integers(0, len(ds), reads)
         total = 0
         ds[0]
@@ -232,8 +240,11 @@ def main(argv=None) -> int:
         common = _common(args, data)
         store = os.path.join(work, "store")
         shutil.rmtree(store, ignore_errors=True)
-        ref, ref_wall = run_json(_cli("preprocess_sft.py", *common, "--output-prefix", os.path.join(work, "ref", "ds"),
-                                      "--store", store, "--overwrite"))
+        ref_cmd = _cli("preprocess_sft.py", *common, "--output-prefix", os.path.join(work, "ref", "ds"), "--store",
+                       store, "--overwrite")
+        ref, ref_wall = run_json(ref_cmd)
+        noop, noop_wall = run_json(ref_cmd + ["--resume"])   # a finished run: its outputs and inputs verified
+        assert noop["resumed_units"] == {"done": 1}, noop["resumed_units"]
         kill_prefix = os.path.join(work, "kill", "ds")
         killed = kill_and_resume(_cli("preprocess_sft.py", *common, "--output-prefix", kill_prefix, "--overwrite"),
                                  kill_prefix, ref_wall, args.seed)
@@ -249,15 +260,23 @@ def main(argv=None) -> int:
         if not args.work_dir:
             shutil.rmtree(work, ignore_errors=True)
     proj = project(ref, ref["conversations"], args.workers, args.target, args.cores_per_node)
-    report(args, ref, ref_wall, killed, repack_wall, plan_wall, reads, proj)
+    verification = {"finished_run_resume_wall_s": noop_wall, "repack_verify_store_s": repacked["seconds"]["verify_store"],
+                    "resume_after_kill": killed["verify_s"], "store_bytes": _tree_bytes(store),
+                    "input_bytes": os.path.getsize(data), "output_bytes": _tree_bytes(os.path.join(work, "ref"))}
+    report(args, ref, ref_wall, killed, repack_wall, plan_wall, reads, proj, verification)
     payload = {"params": vars(args), "reference": ref, "reference_wall_s": ref_wall, "kill_resume": killed,
                "repack_wall_s": repack_wall, "repack": {k: repacked[k] for k in ("packs", "pack_size", "seconds")},
-               "plan_only_wall_s": plan_wall, "reads": reads, "projection": proj}
+               "plan_only_wall_s": plan_wall, "reads": reads, "projection": proj, "verification": verification}
     print("wrote", write_json("stages", payload))
     return 0
 
 
-def report(args, ref, ref_wall, killed, repack_wall, plan_wall, reads, proj) -> None:
+def _tree_bytes(directory: str) -> int:
+    """Bytes of the regular files under ``directory`` (hidden ones included)."""
+    return sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(directory) for n in names)
+
+
+def report(args, ref, ref_wall, killed, repack_wall, plan_wall, reads, proj, verification=None) -> None:
     rss = ref["peak_rss_mib"]
     print(format_table(["stage", "seconds"], [[k, v] for k, v in ref["seconds"].items()] + [["wall", ref_wall]]))
     print(f"conversations {ref['conversations']:,}, packs {ref['packs']:,}; peak RSS driver {rss['main']:.0f} MiB, "
@@ -272,6 +291,14 @@ def report(args, ref, ref_wall, killed, repack_wall, plan_wall, reads, proj) -> 
     print(f"random pack reads: virtual {reads['virtual_packs_per_s']:.0f}/s, materialized "
           f"{reads['materialized_packs_per_s']:.0f}/s (virtual/materialized "
           f"{reads['virtual_packs_per_s'] / reads['materialized_packs_per_s']:.3f}x)")
+    if verification:
+        v = verification
+        print(f"verification: --resume of the finished run {v['finished_run_resume_wall_s']:.1f}s (outputs "
+              f"{v['output_bytes'] / 1e6:.0f} MB by CRC-32, inputs {v['input_bytes'] / 1e6:.0f} MB by sha256); "
+              f"repack verifies the store ({v['store_bytes'] / 1e6:.0f} MB) in {v['repack_verify_store_s']:.2f}s; "
+              f"resume after the kill: {json.dumps({k: round(x, 2) for k, x in v['resume_after_kill'].items()})}; "
+              f"VirtualPackedDataset opens in {reads['virtual_open_verified_s']:.2f}s verified, "
+              f"{reads['virtual_open_unverified_s']:.2f}s not")
     rows = [[n, p["index"], p["tokenize"], p["plan"], p["materialize"], p["total"]]
             for n, p in proj["projected_s"].items()]
     print(f"PROJECTION for {args.target:,} conversations ({args.cores_per_node} cores/node), from "

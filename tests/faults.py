@@ -161,3 +161,21 @@ def contents(prefix: str) -> Dict[str, bytes]:
 def leftovers(directory) -> List[str]:
     """Temporaries (files or staging directories) a writer left in ``directory``."""
     return [n for n in os.listdir(directory) if ".tmp-" in n] if os.path.isdir(directory) else []
+
+
+def run_leftovers(directory) -> List[str]:
+    """Hidden entries and temporaries a preprocessing run left in ``directory``, beside the
+    record a finished run keeps (``.NAME.preprocess/receipts/done/000000.json`` and nothing else)."""
+    out = []
+    for name in os.listdir(directory) if os.path.isdir(directory) else []:
+        full = os.path.join(directory, name)
+        if name.startswith(".") and name.endswith(".preprocess") and _only_record(full):
+            continue
+        if name.startswith(".") or ".tmp-" in name or ".work-" in name:
+            out.append(name)
+    return out
+
+
+def _only_record(path) -> bool:
+    found = [os.path.relpath(os.path.join(d, n), path) for d, _, names in os.walk(path) for n in names]
+    return found == [os.path.join("receipts", "done", "000000.json")]

@@ -15,6 +15,8 @@ from megatron_sft_idx.preprocess.errors import InputError
 from megatron_sft_idx.preprocess.pipeline import Config, plan_shards, run, split_conversations
 from megatron_sft_idx.reader import MMapIndexedDataset
 
+from faults import run_leftovers
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER = os.path.join(ROOT, "examples", "tokenizer")
 EOT = "<|im_end|>"
@@ -260,7 +262,7 @@ def test_existing_output_is_not_overwritten(tmp_path):
     assert open(tmp_path / "out" / "ds.bin", "rb").read() == before
     s = run(cfg(tmp_path, [path], loss_on="all", overwrite=True))
     assert MMapIndexedDataset(s["outputs"][0]).metadata.extra["loss_on"] == "all"
-    assert not [n for n in os.listdir(tmp_path / "out") if ".work-" in n or ".preprocess" in n or ".tmp-" in n]
+    assert run_leftovers(tmp_path / "out") == []
 
 
 @pytest.mark.parametrize("algorithm", ["first_fit_shuffle", "best_fit_decreasing", "modified_first_fit_decreasing"])

@@ -33,6 +33,8 @@ from megatron_sft_idx.errors import ShardSetError
 from megatron_sft_idx.reader import MMapIndexedDataset
 from megatron_sft_idx.training.factory import open_packed
 
+from faults import run_leftovers
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER = os.path.join(ROOT, "examples", "tokenizer")
 TOOL = os.path.join(ROOT, "tools", "preprocess_sft.py")
@@ -149,7 +151,7 @@ def test_signal_during_workers_exits_fast_with_no_orphans_and_nothing_published(
                           timeout=600)
     assert done.returncode == 0, done.stderr
     assert outputs(tmp_path / "out") == outputs(corpus / "ref")
-    assert [n for n in os.listdir(tmp_path / "out") if n.startswith(".")] == []
+    assert run_leftovers(tmp_path / "out") == []
 
 
 def test_sigkill_of_the_driver_takes_its_workers_down_and_the_next_run_clears_up(corpus, tmp_path):
@@ -166,7 +168,7 @@ def test_sigkill_of_the_driver_takes_its_workers_down_and_the_next_run_clears_up
     again = subprocess.run(cmd(prefix, corpus / "in.jsonl"), env=ENV, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr  # no --resume: starts over, clearing the leftovers
     assert outputs(tmp_path / "out") == outputs(corpus / "ref")
-    assert [n for n in os.listdir(tmp_path / "out") if n.startswith(".") or ".tmp-" in n] == []
+    assert run_leftovers(tmp_path / "out") == []
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -244,45 +246,153 @@ import os, signal, sys
 from megatron_sft_idx.preprocess import receipts, workdir
 from megatron_sft_idx.preprocess.cli import main
 where = os.environ["WHERE"]
-write, remove = receipts.ReceiptBook.write, workdir.remove_receipts_last
-def write_then_die(self, unit, body, artifacts=()):
+write, keep, retire = receipts.ReceiptBook.write, workdir.keep_only_record, workdir.WorkDir.retire
+def write_then_die(self, unit, body, *args, **kwargs):
     if self.step == "done" and where == "before_done":
         os.kill(os.getpid(), signal.SIGKILL)   # every output is published, completion not recorded
-    return write(self, unit, body, artifacts)
-def remove_half_then_die(path):
-    if where == "in_cleanup":                  # completion recorded, the work directory half removed
+    return write(self, unit, body, *args, **kwargs)
+def keep_half_then_die(path):
+    if where == "in_cleanup":                  # completion recorded, the work directory half reduced to it
         for name in os.listdir(path):
             if name != "receipts" and os.path.isdir(os.path.join(path, name)):
                 workdir.shutil.rmtree(os.path.join(path, name))
                 break
         os.kill(os.getpid(), signal.SIGKILL)
-    remove(path)
+    keep(path)
+def retire_then_die(self):
+    retire(self)
+    if where == "after_cleanup":               # all done, the process not yet exited
+        os.kill(os.getpid(), signal.SIGKILL)
 receipts.ReceiptBook.write = write_then_die
-workdir.remove_receipts_last = remove_half_then_die
+workdir.keep_only_record = keep_half_then_die
+workdir.WorkDir.retire = retire_then_die
 sys.exit(main(sys.argv[1:]))
 """
 
 
-@pytest.mark.parametrize("where", ["before_done", "in_cleanup"])
+def mtimes(directory):
+    return {n: os.stat(os.path.join(directory, n)).st_mtime_ns for n in outputs(directory)}
+
+
+@pytest.mark.parametrize("where", ["before_done", "in_cleanup", "after_cleanup", "finished"])
 def test_a_kill_after_the_last_publish_then_resume_finishes_without_redoing_or_refusing(corpus, tmp_path, where):
-    """The outputs are all under final names when the kill lands: ``--resume`` must recognise
-    them as this run's own (not refuse them as existing outputs) and leave no work directory."""
+    """The outputs are all under final names when the kill lands (or the run finished): ``--resume``
+    recognises them as this run's own (never "output already exists"); once the run recorded its
+    completion, it is a no-op that touches no output, however often it is repeated."""
     prefix = tmp_path / "out" / "ds"
     args = cmd(prefix, corpus / "in.jsonl")[2:]
     proc = subprocess.run([sys.executable, "-c", KILL_AT_COMMIT, *args], env=dict(ENV, WHERE=where),
                           capture_output=True, text=True, timeout=600)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert proc.returncode == (0 if where == "finished" else -signal.SIGKILL), proc.stderr
     assert outputs(tmp_path / "out") == outputs(corpus / "ref")  # published before the kill
-    done = subprocess.run(cmd(prefix, corpus / "in.jsonl", "--resume", "--json"), env=ENV, capture_output=True,
+    before = mtimes(tmp_path / "out")
+    for attempt in range(2):   # a preemption wrapper reruns with --resume, whatever happened
+        done = subprocess.run(cmd(prefix, corpus / "in.jsonl", "--resume", "--json"), env=ENV, capture_output=True,
+                              text=True, timeout=600)
+        assert done.returncode == 0, done.stderr
+        resumed = json.loads(done.stdout)["resumed_units"]
+        if where == "before_done" and attempt == 0:
+            assert resumed["publish"] == len([n for n in outputs(corpus / "ref") if n.endswith(".seq.idx")])
+            assert resumed["materialize"] == resumed["publish"]   # published shards are verified, not rewritten
+            before = mtimes(tmp_path / "out")                     # (the manifests were written again)
+        else:
+            assert resumed == {"done": 1}             # nothing redone: the recorded summary is reported
+            assert mtimes(tmp_path / "out") == before
+        assert outputs(tmp_path / "out") == outputs(corpus / "ref")
+        assert run_leftovers(tmp_path / "out") == []
+
+
+def test_resume_of_a_finished_run_whose_outputs_changed_publishes_them_again(corpus, tmp_path):
+    """A finished run's record pins every output's size and CRC-32: an output edited in place
+    (same size) or deleted since is no longer "done", and ``--resume`` publishes the run again."""
+    prefix = tmp_path / "out" / "ds"
+    assert subprocess.run(cmd(prefix, corpus / "small.jsonl"), env=ENV, capture_output=True, timeout=600).returncode == 0
+    shard = sorted(n for n in outputs(tmp_path / "out") if n.endswith(".loss.bin"))[0]
+    data = bytearray((tmp_path / "out" / shard).read_bytes())
+    data[len(data) // 2] ^= 1
+    (tmp_path / "out" / shard).write_bytes(bytes(data))
+    os.unlink(tmp_path / "out" / sorted(outputs(tmp_path / "out"))[-1])
+    done = subprocess.run(cmd(prefix, corpus / "small.jsonl", "--resume", "--json"), env=ENV, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr
-    resumed = json.loads(done.stdout)["resumed_units"]
-    if where == "in_cleanup":
-        assert resumed == {"done": 1}             # nothing redone: the recorded summary is reported
-    else:
-        assert resumed["publish"] == len([n for n in outputs(corpus / "ref") if n.endswith(".seq.idx")])
-    assert outputs(tmp_path / "out") == outputs(corpus / "ref")
-    assert [n for n in os.listdir(tmp_path / "out") if n.startswith(".")] == []
+    assert json.loads(done.stdout)["resumed_units"] != {"done": 1}
+    assert outputs(tmp_path / "out") == outputs(corpus / "small_ref")
+
+
+SLOW_PROOF = r"""
+import os, signal, sys, threading, time
+from megatron_sft_idx.preprocess import pipeline
+from megatron_sft_idx.preprocess.cli import main
+def endless(path, stop=None):       # an input too large to hash before the signal: only ``stop`` ends it
+    while stop is None or not stop.is_set():
+        time.sleep(0.01)
+pipeline.sha256_file = endless
+threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_while_a_finished_run_proves_its_inputs_ends_the_tool(corpus, tmp_path):
+    """--resume of a finished run hashes its inputs in threads: an interrupt stops them within a
+    block, and the tool exits 130 (the subprocess timeout is a hang guard)."""
+    prefix = tmp_path / "out" / "ds"
+    assert subprocess.run(cmd(prefix, corpus / "small.jsonl"), env=ENV, capture_output=True, timeout=600).returncode == 0
+    proc = subprocess.run([sys.executable, "-c", SLOW_PROOF, *cmd(prefix, corpus / "small.jsonl", "--resume")[2:]],
+                          env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in proc.stderr, proc.stderr
+    assert outputs(tmp_path / "out") == outputs(corpus / "small_ref")
+
+
+#: The filesystem steps of a run's last phase (publish, record, cleanup), each a point where a kill may land.
+TAIL_STEPS = ("os.replace", "os.unlink", "shutil.rmtree", "os.rename")
+TAIL_FLAGS = ["--pack-size", "1024", "--split", "80,20", "--max-packs-per-shard", "6", "--workers", "1", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def tail(tmp_path_factory):
+    """A warmed zygote running preprocess-sft, a 120-conversation input and its clean outputs."""
+    from faults import Zygote
+
+    d = tmp_path_factory.mktemp("tail")
+    data = open(os.path.join(ROOT, "examples", "conversations.jsonl"), encoding="utf-8").readlines()[:120]
+    (d / "in.jsonl").write_text("".join(data))
+    argv = lambda out: ["--input", str(d / "in.jsonl"), "--tokenizer", TOKENIZER, "--output-prefix", str(out),
+                        *TAIL_FLAGS]
+    z = Zygote("megatron_sft_idx.preprocess.cli:main", TAIL_STEPS, warm=[argv(d / "warm" / "ds")])
+    yield d, argv, z
+    z.close()
+
+
+def test_a_preemption_wrapper_that_always_resumes_always_succeeds(tail, tmp_path):
+    """SIGKILL at every filesystem step of the run's last phase (publishing the shards and the
+    manifests, recording completion, reducing the work directory to the record), then
+    ``--resume``, as a wrapper around a preemptible job does: exit 0 every time, never "pass
+    --overwrite", and the bytes of an uninterrupted run."""
+    import signal as sig
+
+    d, argv, z = tail
+    first = z.run(argv(tmp_path / "clean" / "ds"), 0, sig.SIGKILL, tmp_path)
+    assert first["code"] == 0, first["stderr"]
+    ref = outputs(tmp_path / "clean")
+    steps = first["steps"]
+    start = _first_publish(steps)
+    assert len(steps) - start >= 10
+    for k in range(start + 1, len(steps) + 2):
+        out = tmp_path / f"k{k}"
+        killed = z.run(argv(out / "ds"), k, sig.SIGKILL, tmp_path)
+        assert killed["code"] == (-sig.SIGKILL if k <= len(steps) else 0), (k, killed["stderr"])
+        resumed = z.run(argv(out / "ds") + ["--resume"], 0, sig.SIGKILL, tmp_path)
+        assert resumed["code"] == 0, (k, steps[k - 1] if k <= len(steps) else None, resumed["stderr"])
+        assert outputs(out) == ref, k
+        assert run_leftovers(out) == [], k
+
+
+def _first_publish(steps) -> int:
+    """Index of the publish's first step: removing the set's manifests (nothing else touches them)."""
+    for i, (name, where) in enumerate(steps):
+        if name == "unlink" and where == "ds_train.json":
+            return i
+    raise AssertionError(f"no publish step among {steps[-30:]}")
 
 
 # ---------------------------------------------------------------- disk faults

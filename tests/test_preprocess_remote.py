@@ -17,6 +17,8 @@ from megatron_sft_idx.preprocess.repack import main as repack_main
 from megatron_sft_idx.training.factory import open_packed
 from megatron_sft_idx.training.multi import MultiShardDataset
 
+from faults import run_leftovers
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
 # Several shards per split (20 packs each), three splits: 5 shards, 3 manifests.
@@ -34,7 +36,14 @@ def local_run(tmp_path_factory):
 
 
 def local_files(directory):
-    return {name: open(os.path.join(directory, name), "rb").read() for name in sorted(os.listdir(directory))}
+    return {name: open(os.path.join(directory, name), "rb").read() for name in sorted(os.listdir(directory))
+            if not name.startswith(".")}  # (not the run's record)
+
+
+def only_records(stage) -> bool:
+    """Whether the staging directory holds nothing but finished runs' records (one per URL)."""
+    return all(os.listdir(stage / d) and run_leftovers(stage / d) == []
+               and not [n for n in os.listdir(stage / d) if not n.startswith(".")] for d in os.listdir(stage))
 
 
 def bucket_files(s3, bucket, prefix):
@@ -76,13 +85,30 @@ def test_preprocess_to_s3_uploads_the_local_run(s3, bucket, local_run, tmp_path,
     assert summary["outputs"][0] == url + "_train_000000" and summary["manifests"][0] == url + "_train.json"
     assert bucket_files(s3, bucket, "sft/") == local_files(local_run / "out")  # byte for byte, manifests too
     assert_publish_order(s3, "/sft/ds")
-    assert os.listdir(tmp_path / "stage") == []  # the work directory and staged copies are gone
+    assert only_records(tmp_path / "stage")  # the staged copies are gone: only the run's record stays
     # Read back from the bucket, pack for pack, through each reader of a set.
     for split in ("train", "valid", "test"):
         here = open_packed(str(local_run / "out" / f"ds_{split}.json"))
         assert same_packs(open_packed(f"{url}_{split}.json"), here), split
         assert same_packs(MultiShardDataset.open(f"{url}_{split}.json"), here), split
     assert same_packs(open_packed(f"{url}_train_000001"), open_packed(str(local_run / "out" / "ds_train_000001")))
+
+
+def test_resume_of_a_finished_upload_is_a_no_op_until_an_object_changes(s3, bucket, local_run, tmp_path, capsys):
+    """The run's record (in the staging directory) lists every object's size: --resume of the
+    finished run lists the prefix once and writes nothing; an object gone or resized since makes
+    the run upload again."""
+    url = f"s3://{bucket}/sft/ds"
+    args = SETTINGS + ["--output-prefix", url, "--staging-dir", str(tmp_path / "stage"), "--json"]
+    assert preprocess_main(args) == 0
+    capsys.readouterr()
+    s3.clear()
+    assert preprocess_main(args + ["--resume"]) == 0
+    assert json.loads(capsys.readouterr().out)["resumed_units"] == {"done": 1} and writes(s3) == []
+    s3.client().delete_object(Bucket=bucket, Key="sft/ds_valid_000000.bin")
+    assert preprocess_main(args + ["--resume"]) == 0
+    assert json.loads(capsys.readouterr().out)["resumed_units"] != {"done": 1}
+    assert bucket_files(s3, bucket, "sft/") == local_files(local_run / "out") and only_records(tmp_path / "stage")
 
 
 def test_an_existing_output_is_refused_and_overwrite_replaces_it(s3, bucket, local_run, tmp_path, capsys):
@@ -151,7 +177,7 @@ def test_a_kill_during_the_upload_is_finished_by_resume(s3, bucket, local_run, t
     assert summary["resumed_units"]["publish"] == (SHARDS if manifests else 1)
     assert summary["resumed_units"]["materialize"] == SHARDS and summary["resumed_units"]["tokenize"] >= 1
     assert bucket_files(s3, bucket, "sft/") == local_files(local_run / "out")
-    assert os.listdir(tmp_path / "stage") == []
+    assert only_records(tmp_path / "stage")
 
 
 def test_a_failing_upload_keeps_the_work_for_resume(s3, bucket, local_run, tmp_path, capsys):

@@ -363,7 +363,12 @@ def encode_tokens(ids, loss_mask, answer_start: Optional[int], vocab_size: Optio
         InputError: a token id outside ``[0, vocab_size)``, loss values not 0/1, or
             nothing trained.
     """
-    arr = np.asarray(ids, dtype=np.int64)
+    try:
+        arr = np.asarray(ids, dtype=np.int64)
+    except OverflowError:  # (a Parquet uint64 or a JSON integer past int64: never a token id)
+        bad = next(i for i, t in enumerate(ids) if not -(1 << 63) <= t < 1 << 63)
+        raise input_error(f"token id {ids[bad]} at position {bad} does not fit int64", path, line,
+                          field="input_ids", reason="token_out_of_vocab") from None
     if arr.min() < 0 or (vocab_size is not None and arr.max() >= vocab_size):
         bad = int(np.flatnonzero((arr < 0) | (arr >= (vocab_size or np.iinfo(np.int64).max)))[0])
         raise input_error(f"token id {int(arr[bad])} at position {bad} is outside the vocabulary "

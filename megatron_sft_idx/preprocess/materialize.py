@@ -21,7 +21,7 @@ import numpy as np
 from ..builder import IndexedDatasetBuilder
 from .._files import open_generation
 from ..errors import ShardError
-from ..format import BIN_SUFFIX, LOSS_SUFFIX, PUBLISH_ORDER, ShardPaths
+from ..format import BIN_SUFFIX, LOSS_SUFFIX, PUBLISH_ORDER, SEQ_IDX_SUFFIX, ShardPaths
 from ..packing import padded_length, truncation_length
 from ._materialize import exclusive_cumsum, fill_sequences
 from .planfile import PackPlan
@@ -78,7 +78,7 @@ class MaterializeStep:
             gather.close()
         body = {"final": out.final, "packs": last - first, "metadata": builder.metadata.to_dict(),
                 "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
-        return self.book.write(unit, body, [out.staged + s for s in PUBLISH_ORDER])
+        return self.book.write(unit, body, [out.staged + s for s in PUBLISH_ORDER], pinned=[out.staged + SEQ_IDX_SUFFIX])
 
 
 def chunks(offsets: np.ndarray, loads: np.ndarray, first: int, last: int):

@@ -56,6 +56,11 @@ def existing_outputs(bases: Sequence[str]) -> List[str]:
     return sorted(set(found))
 
 
+def normal_path(path: str) -> str:
+    """A final path as runs compare them: absolute for a local one, a URL as given."""
+    return path if is_remote(path) else os.path.abspath(path)
+
+
 def refuse_existing(bases: Sequence[str], overwrite: bool, ours=frozenset()) -> List[str]:
     """Raise unless no output exists or ``overwrite``; returns what would be replaced.
 
@@ -64,7 +69,8 @@ def refuse_existing(bases: Sequence[str], overwrite: bool, ours=frozenset()) -> 
     Raises:
         ShardExistsError: an output exists and ``overwrite`` is false.
     """
-    found = [p for p in existing_outputs(bases) if p not in ours]
+    mine = {normal_path(p) for p in ours}
+    found = [p for p in existing_outputs(bases) if normal_path(p) not in mine]
     if found and not overwrite:
         raise ShardExistsError(f"output already exists ({len(found)} file(s), e.g. {found[0]})",
                                path=found[0], hint="pass --overwrite to replace it, or choose another --output-prefix")

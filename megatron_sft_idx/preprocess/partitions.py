@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass
-from typing import Iterator, List, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 from .._extras import require_extra
 from .inputs import JSONL_SUFFIXES, PARQUET_SUFFIXES, OversizedRecord, open_text_bytes
@@ -35,6 +35,7 @@ from .inputs import JSONL_SUFFIXES, PARQUET_SUFFIXES, OversizedRecord, open_text
 _BLOCK = 1 << 20
 DEFAULT_PARTITION_BYTES = 64 << 20
 DEFAULT_MAX_RECORD_BYTES = 2 << 20
+KINDS = ("lines", "stream", "rows")
 
 
 @dataclass(frozen=True)
@@ -51,8 +52,24 @@ class Partition:
         return [self.file, self.kind, self.start, self.end, self.first_line]
 
     @classmethod
-    def from_list(cls, item) -> "Partition":
-        return cls(int(item[0]), str(item[1]), int(item[2]), int(item[3]), int(item[4]))
+    def from_list(cls, item, path: str = "", field: str = "partition") -> "Partition":
+        """A partition from its ``[file, kind, start, end, first_line]`` record, checked field by field.
+
+        Raises:
+            MetadataError: not a list of five, a kind that does not exist, a non-integer
+                (naming ``path`` and ``field``).
+        """
+        from ..errors import MetadataError
+        from ._schema import check_int
+
+        if not isinstance(item, list) or len(item) != 5:
+            raise MetadataError("a partition is [file, kind, start, end, first_line]", path=path, field=field,
+                                actual=item if not isinstance(item, list) else f"{len(item)} items")
+        if item[1] not in KINDS:
+            raise MetadataError("unknown partition kind", path=path, field=f"{field}[1]", expected=list(KINDS),
+                                actual=item[1])
+        file, start, end, line = (check_int(item[i], path, f"{field}[{i}]", lo=-1) for i in (0, 2, 3, 4))
+        return cls(file, item[1], start, end, line)
 
 
 def file_kind(path: str) -> str:
@@ -61,6 +78,41 @@ def file_kind(path: str) -> str:
     if path.endswith(JSONL_SUFFIXES[1:]):
         return "stream"
     return "lines"
+
+
+def check_cover(parts: List[Partition], names: List[str], sizes: List[int], path: str,
+                field: str = "partitions") -> None:
+    """Raise unless ``parts`` are what :func:`index_file` cuts from inputs of these names and
+    byte sizes: by file in input order, each file's kind its suffix's, ``lines`` and ``rows``
+    contiguous from 0 (``lines`` ending at the file's size), one ``stream`` ``[0, -1)`` per
+    compressed file, first lines rising from 1.
+
+    Raises:
+        MetadataError: the first partition that breaks a rule (naming ``path`` and ``field[k]``).
+    """
+    from ..errors import MetadataError
+
+    prev = None
+    for k, p in enumerate(parts):
+        def bad(rule: str, expected=None, actual=None):
+            return MetadataError(f"partition {k} breaks the partition layout: {rule}", path=path,
+                                 field=f"{field}[{k}]", expected=expected, actual=actual)
+
+        if not 0 <= p.file < len(names) or (prev is not None and p.file < prev.file):
+            raise bad("files in input order", f"{prev.file if prev else 0}..{len(names) - 1}", p.file)
+        if p.kind != file_kind(names[p.file]):
+            raise bad("the kind of its input's suffix", file_kind(names[p.file]), p.kind)
+        first = prev is None or prev.file != p.file
+        if p.kind == "stream":
+            if not first or (p.start, p.end, p.first_line) != (0, -1, 1):
+                raise bad("one [0, -1) partition per compressed file", [p.file, "stream", 0, -1, 1], p.to_list())
+        elif (p.start != (0 if first else prev.end) or p.end <= p.start
+              or (p.first_line != 1 if first else p.first_line <= prev.first_line)):
+            raise bad("contiguous from 0, non-empty, first lines rising from 1", actual=p.to_list())
+        last = k + 1 == len(parts) or parts[k + 1].file != p.file
+        if p.kind == "lines" and last and p.end != sizes[p.file]:
+            raise bad("the last partition of a file ends at its size", sizes[p.file], p.end)
+        prev = p
 
 
 # --------------------------------------------------------------------------- index
@@ -78,17 +130,26 @@ def index_file(path: str, file_index: int, partition_bytes: int) -> dict:
         digest, cuts = _hash_and_cut_lines(path, partition_bytes)
         parts = [Partition(file_index, kind, a, b, line) for (a, line), (b, _) in zip(cuts, cuts[1:])]
     else:
-        digest = _hash(path)
+        digest = sha256_file(path)
         parts = _row_partitions(path, file_index, partition_bytes) if kind == "rows" else \
             [Partition(file_index, kind, 0, -1, 1)]
     return {"file": file_index, "name": path, "bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
             "sha256": digest, "partitions": [p.to_list() for p in parts]}
 
 
-def _hash(path: str) -> str:
+def sha256_file(path: str, stop=None) -> Optional[str]:
+    """sha256 (hex) of a whole file, read in blocks; None as soon as ``stop`` (a
+    ``threading.Event``) is set, so a hash in a thread ends within a block when the run is
+    interrupted.
+
+    Raises:
+        OSError: the file cannot be read (the caller names it).
+    """
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(_BLOCK), b""):
+            if stop is not None and stop.is_set():
+                return None
             h.update(block)
     return h.hexdigest()
 

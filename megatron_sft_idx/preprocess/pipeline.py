@@ -20,12 +20,16 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from .._atomic import _alive
 from .._extras import MissingExtraError
 from .._progress import Progress
 from .._units import human_bytes, plural
@@ -37,16 +41,17 @@ from .encode import EncodeOptions
 from .engine import make_engine
 from .errors import output_error
 from .inputs import expand_inputs
-from .pack_stage import PackJob, books, run_pack
-from .partitions import DEFAULT_MAX_RECORD_BYTES, DEFAULT_PARTITION_BYTES, Partition
+from .pack_stage import PackJob, books, check_outputs, record_outputs, run_pack
+from .partitions import DEFAULT_MAX_RECORD_BYTES, DEFAULT_PARTITION_BYTES, Partition, sha256_file
 from .plan import PlanSettings, plan_shards, split_conversations  # noqa: F401  (public names)
+from ._schema import HEX
 from .receipts import ReceiptBook, settings_key
-from .remote_outputs import job_output_key, remove_staging_parent, work_prefix
+from .remote_outputs import job_output_key, work_prefix
 from .._signals import Terminated, committed, signals_deferred, terminate_as_exception
 from .store import STORE_FILE, SequenceStore, tokenize_book, write_store_file
 from .summary import build_summary
 from .tokenize import IndexStep, TokenizeStep
-from .workdir import Lock, WorkDir
+from .workdir import Lock, WorkDir, keep_only_record
 
 log = logging.getLogger("megatron_sft_idx.preprocess")
 
@@ -177,19 +182,36 @@ def _normal(obj):
     return json.loads(json.dumps(obj, sort_keys=True))
 
 
+def _index_schema(doc) -> None:
+    doc.str("sha256", pattern=HEX[64])
+    doc.list("partitions")
+
+
 def build_store(cfg: Config, inputs: Inputs, engine, directory: str, times: Dict[str, float],
-                resumed: Dict[str, int], progress) -> SequenceStore:
-    """Index the inputs and tokenize every partition not yet in the store at ``directory``."""
+                resumed: Dict[str, int], progress, owned: bool = True) -> SequenceStore:
+    """Index the inputs and tokenize every partition not yet in the store at ``directory``.
+
+    Every input is indexed (read and hashed) again, even on ``--resume``: its sha256 proves it
+    is the bytes the store was made from. A store made from other bytes is rebuilt when the run
+    ``owned`` it (its work directory's), and refused otherwise (``--store``). A partition an
+    earlier attempt tokenized is verified (:meth:`SequenceStore.verify`) and tokenized again
+    when it does not verify.
+    """
     t = time.perf_counter()
-    index_key = settings_key({"partition_bytes": cfg.partition_bytes, "inputs": inputs.stat()})
-    book = ReceiptBook(os.path.join(directory, "receipts"), "index", index_key, directory)
-    index = book.completed(range(len(inputs.paths)))
-    resumed["index"] = len(index)
+    index_key = settings_key({"partition_bytes": cfg.partition_bytes, "inputs": inputs.paths})
+    book = ReceiptBook(os.path.join(directory, "receipts"), "index", index_key, directory, _index_schema)
+    before = book.completed(range(len(inputs.paths)))
+    index: Dict[int, dict] = {}
     step = IndexStep(tuple(inputs.paths), cfg.partition_bytes, book)
-    todo = [i for i in range(len(inputs.paths)) if i not in index]
     sizes = [size for _, size, _ in inputs.stat()]
-    with progress.phase("index", sum(sizes[i] for i in todo), byte_unit=True) as bar:
-        engine.map(step, todo, lambda r: (index.__setitem__(r["unit"], r), bar.update(sizes[r["unit"]])))
+    with progress.phase("index", sum(sizes), byte_unit=True) as bar:
+        engine.map(step, range(len(inputs.paths)),
+                   lambda r: (index.__setitem__(r["unit"], r), bar.update(sizes[r["unit"]])))
+    same = [i for i, r in before.items() if (r["sha256"], r["partitions"]) == (index[i]["sha256"], index[i]["partitions"])]
+    resumed["index"] = len(same)
+    for i in sorted(set(before) - set(same)):
+        log.warning("input %s changed since the last attempt (sha256 %s, was %s)", inputs.names[i],
+                    index[i]["sha256"][:16], before[i]["sha256"][:16])
     times["index"] = time.perf_counter() - t
     t = time.perf_counter()
     infos = [{"name": n, "sha256": index[i]["sha256"], "bytes": index[i]["bytes"]}
@@ -197,8 +219,10 @@ def build_store(cfg: Config, inputs: Inputs, engine, directory: str, times: Dict
     parts = [Partition.from_list(p) for i in range(len(infos)) for p in index[i]["partitions"]]
     identity = {"tokenizer": inputs.tokenizer, "encode": inputs.options.to_dict(),
                 "max_record_bytes": cfg.max_record_bytes}
-    store_id = _describe_store(directory, identity, infos, parts, inputs)
-    done = tokenize_book(directory, store_id).completed(range(len(parts)))
+    store_id = _describe_store(directory, identity, infos, parts, inputs, owned)
+    t_verify = time.perf_counter()
+    done = _verified_partitions(directory, store_id)
+    times["verify_store"] = time.perf_counter() - t_verify
     resumed["tokenize"] = len(done)
     meta = [_part_metadata(inputs, info, cfg.input_format) for info in infos]
     step = TokenizeStep(directory, store_id, tuple(inputs.paths), tuple(inputs.names), tuple(parts),
@@ -221,6 +245,22 @@ def build_store(cfg: Config, inputs: Inputs, engine, directory: str, times: Dict
     return SequenceStore(directory)
 
 
+def _verified_partitions(directory: str, store_id: str) -> set:
+    """Partitions an earlier attempt tokenized whose bytes still verify; the receipt of every
+    other one is removed, so it is tokenized again."""
+    store = SequenceStore(directory, require_complete=False)
+    done = set()
+    for k in sorted(store.receipts_present):
+        try:
+            store.verify([k])
+        except ShardError as exc:
+            log.warning("store partition %d does not verify; tokenizing it again: %s", k, exc)
+            store.book.discard(k)
+            continue
+        done.add(k)
+    return done
+
+
 def partition_sizes(parts: List[Partition]):
     """Each partition's share of the tokenize phase: its bytes when every partition is a byte range
     of a JSONL file (the common case), else 1 each (compressed streams, Parquet row groups)."""
@@ -238,20 +278,61 @@ def _part_metadata(inputs: Inputs, info: dict, input_format: str) -> dict:
 
 
 def _describe_store(directory: str, identity: dict, infos: List[dict], parts: List[Partition],
-                    inputs: Inputs) -> str:
-    """Write ``store.json``, or check that an existing one (``--resume``) describes the same store."""
+                    inputs: Inputs, owned: bool) -> str:
+    """Write ``store.json``, or check that an existing one (``--resume``) describes the same store.
+    An ``owned`` store (the run's own) that does not, or does not parse, is emptied and started
+    again; another is refused.
+
+    Raises:
+        ShardError: a ``--store`` made from other inputs or settings (naming what differs).
+    """
     path = os.path.join(directory, STORE_FILE)
     if os.path.exists(path):
-        existing = SequenceStore(directory, require_complete=False)
-        for what, mine, theirs in (("tokenizer and encoding settings", identity, existing.identity),
-                                   ("inputs", infos, existing.inputs),
-                                   ("partitions", [p.to_list() for p in parts],
-                                    [p.to_list() for p in existing.partitions])):
-            if _normal(mine) != _normal(theirs):
-                raise ShardError(f"the sequence store was made with other {what}", path=directory,
-                                 hint="rerun without --resume to start over, or give another --store")
-        return existing.store_id
+        try:
+            existing = SequenceStore(directory, require_complete=False)
+            differs = _store_difference(existing, identity, infos, parts)
+        except ShardError as exc:
+            if not owned:
+                raise
+            differs = str(exc)
+        if differs is None:
+            return existing.store_id
+        if not owned:
+            raise ShardError(f"the sequence store was made with other {differs}", path=directory,
+                             hint="restore them, or give an empty --store (this run cannot reuse that one)")
+        log.warning("the run's sequence store was made with other %s; tokenizing again", differs)
+        _empty_store(directory)
     return write_store_file(directory, identity, infos, parts, inputs.options.tokenizer_path, inputs.paths)
+
+
+def _store_difference(existing: SequenceStore, identity: dict, infos: List[dict],
+                      parts: List[Partition]) -> Optional[str]:
+    """What differs between a store and the one this run would make (None: nothing)."""
+    if _normal(identity) != _normal(existing.identity):
+        return "tokenizer and encoding settings"
+    if len(infos) != len(existing.inputs):
+        return "inputs"
+    for mine, theirs in zip(infos, existing.inputs):
+        if mine["name"] != theirs["name"]:
+            return (f"inputs: {mine['name']!r} is named {theirs['name']!r} in the store "
+                    f"(shards record inputs by the name given)")
+        if _normal(mine) != _normal(theirs):
+            return (f"inputs: {mine['name']} is not the file it was made from "
+                    f"(sha256 {mine['sha256'][:16]}..., was {str(theirs['sha256'])[:16]}...)")
+    if [p.to_list() for p in parts] != [p.to_list() for p in existing.partitions]:
+        return "partitions"
+    return None
+
+
+def _empty_store(directory: str) -> None:
+    """Remove a run's own store (its description first: what remains is no store)."""
+    for name in (STORE_FILE,):
+        try:
+            os.unlink(os.path.join(directory, name))
+        except FileNotFoundError:
+            pass
+    shutil.rmtree(os.path.join(directory, "parts"), ignore_errors=True)
+    shutil.rmtree(os.path.join(directory, "receipts", "tokenize"), ignore_errors=True)
 
 
 def _user_store(directory: str, resume: bool) -> Lock:
@@ -271,18 +352,20 @@ def _user_store(directory: str, resume: bool) -> Lock:
 
 def execute(job: PackJob, run_key: str, resume: bool, engine_kind: str, workers: int,
             ray_address: Optional[str], get_store: Callable, times: Dict[str, float], progress,
-            kept_store: Optional[str]) -> dict:
+            kept_store: Optional[str], prove: Optional[Callable[[dict], None]] = None) -> dict:
     """Everything after the settings are resolved, for preprocess_sft and repack_sft alike:
     the work directory, the engine, ``get_store(engine, work, resumed)``, the pack stages, the
     summary. The work directory stays after an interruption or a filesystem error (for
-    ``--resume``) and is removed otherwise. Once every output is published the run is
-    committed: a signal during the last cleanup no longer fails it."""
+    ``--resume``) and is removed after a failure no resume can fix. Once every output is
+    published the run is committed: its record is written, a signal during the last cleanup no
+    longer fails it, and the work directory is reduced to the record, so ``--resume`` of a
+    finished run is a no-op (``prove(record)`` raises when what the run read has changed since)."""
     work = WorkDir(work_prefix(job.output_prefix, job.staging_dir))  # a URL's is in the staging directory
     if resume:
-        summary = finished_run(work, run_key)
+        summary = finished_run(work, run_key, prove)
         if summary is not None:
             return summary
-    ours = published_files_from(work, run_key) if resume else set()
+    ours = owned_files(work, run_key) if resume else set()
     replaced = outputs.refuse_existing(job.bases, job.overwrite, ours)
     with terminate_as_exception():
         try:
@@ -294,15 +377,17 @@ def execute(job: PackJob, run_key: str, resume: bool, engine_kind: str, workers:
             engine = make_engine(engine_kind, workers, ray_address)
             resumed: Dict[str, int] = {}
             store = get_store(engine, work, resumed)
-            result = run_pack(store, job, engine, work, run_key, replaced, times, Progress.of(progress), resumed)
+            result = run_pack(store, job, engine, work, run_key, replaced, times, Progress.of(progress), resumed,
+                              sorted(ours))
             summary = build_summary(store, job, result, times, workers, engine.describe(), resumed, kept_store)
-            books(work, run_key)["done"].write(0, {"summary": summary})
+            books(work, run_key)["done"].write(0, {
+                "summary": summary, "outputs": record_outputs(result, result.staged.shards, work),
+                "inputs": [{"name": i["name"], "sha256": i["sha256"]} for i in store.inputs]})
             committed()  # (a signal from here on is ignored by the tool, or caught below)
             with signals_deferred():  # committed: finish the cleanup whatever arrives now
                 engine.close()
                 engine = None
-                work.close(remove=True)
-                remove_staging_parent(work.parent)
+                work.retire()
             return summary
         except OutputError:
             raise
@@ -323,24 +408,63 @@ def execute(job: PackJob, run_key: str, resume: bool, engine_kind: str, workers:
                 work.close(remove)
 
 
-def published_files_from(work: WorkDir, run_key: str) -> set:
-    """Final files a previous attempt of this run may have published (not "existing outputs")."""
-    intent = books(work, run_key)["intent"].read(0)
-    return set(intent["files"]) if intent else set()
+def owned_files(work: WorkDir, run_key: str) -> set:
+    """Final files an earlier attempt of this run published or meant to (not "existing
+    outputs"): its intent, and the outputs of its record if it finished (read for them alone:
+    a record whose summary no longer parses still names the run's own outputs)."""
+    b = books(work, run_key)
+    intent = b["intent"].read(0)
+    done = ReceiptBook(work.receipts, "done", run_key, work.path, _outputs_schema).read(0)
+    return set(intent["files"] if intent else ()) | set(done["outputs"] if done else ())
 
 
-def finished_run(work: WorkDir, run_key: str) -> Optional[dict]:
-    """The summary of this run if it already finished (killed while removing its work
-    directory): ``--resume`` then has nothing left to do."""
-    for directory in [work.path] + work.finished():
-        book = ReceiptBook(os.path.join(directory, "receipts"), "done", run_key, directory)
-        done = book.read(0)
-        if done is not None:
-            from .workdir import remove_receipts_last
+def _outputs_schema(doc) -> None:
+    doc.mapping("outputs", lambda v, f: v)
 
-            remove_receipts_last(directory)
-            return dict(done["summary"], resumed_units={"done": 1})
-    return None
+
+def finished_run(work: WorkDir, run_key: str, prove: Optional[Callable[[dict], None]] = None) -> Optional[dict]:
+    """The summary of this run if it already finished and nothing changed since: every output
+    it published is still there, complete and identical (sizes and CRC-32s), and ``prove``
+    accepts the record (the inputs are the bytes it read). ``--resume`` then has nothing to
+    do. None otherwise (logged: the run is done again, its outputs replaced as its own)."""
+    done = books(work, run_key)["done"].read(0)
+    owner = work.lock.owner()
+    if done is None or (owner is not None and owner != os.getpid() and _alive(owner)):
+        return None
+    try:
+        check_outputs(done["outputs"])
+        if prove is not None:
+            prove(done)
+    except ShardError as exc:
+        log.warning("the finished run cannot be taken as done; running it again: %s", exc)
+        return None
+    keep_only_record(work.path)   # (leftovers of a cleanup that was cut short)
+    return dict(done["summary"], resumed_units={"done": 1})
+
+
+def prove_inputs(inputs: Inputs, workers: int) -> Callable[[dict], None]:
+    """A ``prove`` for :func:`execute`: the inputs are the bytes a finished run read (each
+    hashed again, ``workers`` at a time)."""
+    def prove(record: dict) -> None:
+        recorded = record["inputs"]
+        if [r["name"] for r in recorded] != inputs.names:
+            raise ShardError("the finished run read other inputs", field="inputs",
+                             expected=[r["name"] for r in recorded], actual=inputs.names)
+        stop = threading.Event()   # set when the run is interrupted: the threads end within a block
+        try:
+            with ThreadPoolExecutor(max(1, workers)) as pool:  # hashlib releases the GIL
+                futures = [pool.submit(sha256_file, path, stop) for path in inputs.paths]
+                try:
+                    digests = [f.result() for f in futures]
+                finally:
+                    stop.set()
+        except OSError as exc:
+            raise ShardError(f"cannot read an input ({exc.strerror or exc})", path=exc.filename) from None
+        for name, info, digest in zip(inputs.names, recorded, digests):
+            if digest != info["sha256"]:
+                raise ShardError("input changed since the run finished", path=name, field="sha256",
+                                 expected=info["sha256"], actual=digest)
+    return prove
 
 
 def run(cfg: Config) -> dict:
@@ -361,7 +485,7 @@ def run(cfg: Config) -> dict:
                   cfg.staging_dir)
     store_dir = os.path.abspath(cfg.store) if cfg.store else None
     run_key = settings_key({"job": _job_key(job), "tokenizer": inputs.tokenizer, "encode": inputs.options.to_dict(),
-                            "inputs": inputs.stat(), "partition_bytes": cfg.partition_bytes,
+                            "inputs": inputs.paths, "partition_bytes": cfg.partition_bytes,
                             "max_record_bytes": cfg.max_record_bytes, "store": store_dir})
     times["inputs"] = time.perf_counter() - t
 
@@ -369,13 +493,13 @@ def run(cfg: Config) -> dict:
         lock = _user_store(store_dir, cfg.resume) if store_dir else None
         try:
             return build_store(cfg, inputs, engine, store_dir or work.store, times, resumed,
-                               Progress.of(cfg.progress))
+                               Progress.of(cfg.progress), owned=store_dir is None)
         finally:
             if lock is not None:
                 lock.release()
 
     return execute(job, run_key, cfg.resume, cfg.engine, cfg.workers, cfg.ray_address, get_store, times,
-                   cfg.progress, store_dir)
+                   cfg.progress, store_dir, prove_inputs(inputs, cfg.workers))
 
 
 def _job_key(job: PackJob) -> dict:

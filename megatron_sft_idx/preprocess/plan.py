@@ -310,9 +310,14 @@ class PlanStep:
     def run(self, unit: int) -> dict:
         store = SequenceStore(self.store_dir)
         metadata = write_plan(store, self.settings, self.path)
-        summary = {k: v for k, v in metadata.items() if k != "splits"}
-        summary["splits"] = [{k: v for k, v in sp.items() if k != "arrays"} for sp in metadata["splits"]]
-        return self.book.write(unit, summary, [self.path])
+        return self.book.write(unit, plan_summary(metadata), [self.path], pinned=[self.path])
+
+
+def plan_summary(metadata: dict) -> dict:
+    """What the plan receipt records: the plan's metadata without the arrays' locations."""
+    summary = {k: v for k, v in metadata.items() if k != "splits"}
+    summary["splits"] = [{k: v for k, v in sp.items() if k != "arrays"} for sp in metadata["splits"]]
+    return summary
 
 
 def write_plan(store: SequenceStore, s: PlanSettings, path: str) -> dict:

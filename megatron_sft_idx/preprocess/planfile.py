@@ -38,6 +38,9 @@ import numpy as np
 
 from .. import _atomic
 from ..errors import HeaderError, ShardError, VersionError
+from ..metadata import PAD_LAYOUTS, parse_json
+from ..packing import ALGORITHMS
+from ._schema import HEX, Doc, check_int
 
 PLAN_MAGIC = b"MSFTPLN\x00"
 PLAN_VERSION = (1, 0)
@@ -48,6 +51,9 @@ _CRC_SPAN = 60
 _ALIGN = 64
 _MAX_METADATA = 16 << 20
 _DTYPES = {"int32": np.dtype("<i4"), "int64": np.dtype("<i8")}
+_INT32_MAX = (1 << 31) - 1
+_VALIDATE_PACKS = 1 << 18   # packs whose sequence ids are checked at once
+SPLIT_NAMES = ("train", "valid", "test", "all")
 
 
 class PlanWriter:
@@ -108,8 +114,14 @@ class PlanWriter:
 class PackPlan:
     """A plan file opened for reading: ``metadata`` and the arrays of each split (mapped).
 
+    Opening checks the header, the body CRC-32 (``verify``) and the metadata as strictly as a
+    shard header: every key the tools read, its type and range, and every array inside the
+    arrays section with its expected dtype and a count that agrees with the split's counts.
+    :meth:`validate` checks the arrays' values (once per run, by whoever makes packs from them).
+
     Raises:
-        ShardError (HeaderError, VersionError): not a plan, a corrupt one, or an unknown major.
+        ShardError (HeaderError, VersionError): not a plan, a corrupt or malformed one (naming
+            the field), or an unknown major.
     """
 
     def __init__(self, path: str, *, verify: bool = True) -> None:
@@ -124,15 +136,17 @@ class PackPlan:
         except OSError as exc:
             raise ShardError(f"cannot read the pack plan ({exc.strerror or exc})", path=self.path) from None
         self._map: Optional[np.ndarray] = None
+        self._arrays_end = header["metadata_offset"]
         if verify:
             self._verify_body(header["body_crc32"], size)
         try:
-            self.metadata = json.loads(meta)
-        except ValueError as exc:
-            raise HeaderError(f"plan metadata is not JSON ({exc})", path=self.path, field="metadata") from None
+            self.metadata = parse_json(meta, self.path)
+        except ShardError as exc:
+            raise HeaderError(f"plan metadata: {exc.message}", path=self.path, field="metadata") from None
         if not isinstance(self.metadata, dict) or self.metadata.get("format") != PLAN_FORMAT:
             raise HeaderError("plan metadata names another format", path=self.path, field="format",
                               expected=PLAN_FORMAT)
+        self._check_metadata()
 
     def _parse_header(self, raw: bytes, size: int) -> dict:
         if len(raw) < HEADER_SIZE:
@@ -146,7 +160,7 @@ class PackPlan:
                                path=self.path, field="version_major", hint="re-plan with this version")
         if zlib.crc32(raw[:_CRC_SPAN]) != header_crc:
             raise HeaderError("plan header CRC-32 mismatch", path=self.path, field="header_crc32")
-        if file_size != size or meta_len > _MAX_METADATA or meta_off + meta_len != file_size:
+        if file_size != size or meta_len > _MAX_METADATA or meta_off + meta_len != file_size or meta_off < HEADER_SIZE:
             raise HeaderError("plan file size disagrees with its header (truncated or extended)",
                               path=self.path, field="file_size", expected=file_size, actual=size)
         return {"metadata_offset": meta_off, "metadata_length": meta_len, "body_crc32": body_crc}
@@ -161,6 +175,172 @@ class PackPlan:
             raise HeaderError("plan body CRC-32 mismatch: the file was modified or is corrupt", path=self.path,
                               field="body_crc32", expected=expected, actual=crc)
 
+    # ------------------------------------------------------------------ structure (at open)
+
+    def _check_metadata(self) -> None:
+        """Types, ranges and cross-references of the metadata; the arrays located and sized."""
+        doc = Doc(self.metadata, self.path, error=HeaderError)
+        settings = doc.doc("settings")
+        pack_size = settings.int("pack_size", lo=1, hi=_INT32_MAX)
+        settings.int("pad_multiple", lo=1, hi=pack_size)
+        settings.str("algorithm", choices=ALGORITHMS)
+        settings.int("seed")
+        settings.str("overlong", choices=("truncate", "drop", "error"))
+        settings.str("pad_layout", choices=PAD_LAYOUTS, default="stored")
+        settings.str("truncated_turn_loss", choices=("keep", "drop"), default="keep")
+        settings.int("itemsize", lo=1, hi=8)
+        store = doc.doc("store")
+        store.str("store_id", pattern=HEX[32])
+        sequences = store.int("sequences", lo=0)
+        conversations = doc.int("conversations", lo=0, hi=sequences)
+        for key in ("truncated", "padding_tokens"):
+            doc.int(key, lo=0)
+        doc.ints("skipped", lo=0)
+        doc.strs("first_skipped")
+        empty = doc.list("empty_splits")
+        for k, name in enumerate(empty):
+            if name not in SPLIT_NAMES:
+                raise HeaderError("unknown split name", path=self.path, field=f"empty_splits[{k}]", actual=name)
+        splits = doc.docs("splits")
+        names = [s.str("name", choices=SPLIT_NAMES) for s in splits]
+        if not splits or len(set(names)) != len(names) or set(names) & set(map(str, empty)):
+            raise HeaderError("a plan names each split once (and not as empty)", path=self.path, field="splits",
+                              actual=names)
+        total = 0
+        for i, split in enumerate(splits):
+            total += self._check_split(split, pack_size, sequences)
+        if total != conversations:
+            raise HeaderError("the splits' conversations do not add up", path=self.path, field="conversations",
+                              expected=total, actual=conversations)
+
+    def _check_split(self, split: Doc, pack_size: int, sequences: int) -> int:
+        conversations = split.int("conversations", lo=1, hi=sequences)
+        packs = split.int("packs", lo=1, hi=conversations)
+        shards = split.int("shards", lo=1, hi=packs)
+        split.number("packing_efficiency", 0.0, 1.0)
+        split.number("bins_over_lower_bound", 0.0, float("inf"))
+        arrays = split.doc("arrays")
+        expected = {"shard_starts": (shards + 1, ("int64",)), "pack_offsets": (packs + 1, ("int64",)),
+                    "pack_loads": (packs, ("int32",)), "sequence_ids": (conversations, ("int32", "int64"))}
+        spans = []
+        for name, (count, dtypes) in expected.items():
+            entry = arrays.list(name, length=3)
+            where = arrays.field(name)
+            offset = check_int(entry[0], self.path, where + "[0]", HEADER_SIZE, self._arrays_end, HeaderError)
+            check_int(entry[1], self.path, where + "[1]", count, count, HeaderError)
+            if entry[2] not in dtypes:
+                raise HeaderError(f"plan array {name} has an unexpected dtype", path=self.path, field=where + "[2]",
+                                  expected=list(dtypes), actual=entry[2])
+            end = offset + count * _DTYPES[entry[2]].itemsize
+            if offset % _DTYPES[entry[2]].itemsize or end > self._arrays_end:
+                raise HeaderError(f"plan array {name} lies outside the arrays section", path=self.path, field=where,
+                                  expected=f"{HEADER_SIZE}..{self._arrays_end}", actual=[offset, end])
+            spans.append((offset, end, name))
+        spans.sort()
+        for (_, a_end, a), (b_start, _, b) in zip(spans, spans[1:]):
+            if b_start < a_end:
+                raise HeaderError(f"plan arrays {a} and {b} overlap", path=self.path, field=arrays.field(b))
+        return conversations
+
+    # ------------------------------------------------------------------ values (once per run)
+
+    def validate(self, store=None) -> None:
+        """Check every array's values: shard starts and pack offsets rising from 0 to their
+        counts, pack loads in ``[1, pack_size]``, sequence ids in the store's range, ascending
+        inside each pack and used once in the whole plan; with the ``store`` (a
+        :class:`~megatron_sft_idx.preprocess.store.SequenceStore`) also its id and size, and
+        every pack's load equal to its sequences' lengths cut and padded by the plan's
+        settings, none of them one the settings drop. Memory: ~5 bytes per store sequence
+        (a bitmap, and the padded lengths with ``store``) plus a chunk of packs.
+
+        Raises:
+            HeaderError: the first value that breaks a rule, naming the split and the array.
+        """
+        sequences = self.metadata["store"]["sequences"]
+        padded = None
+        if store is not None:
+            padded = self._store_lengths(store)
+        meta = self.metadata
+        if meta["conversations"] + sum(meta["skipped"].values()) != sequences:
+            raise HeaderError("planned and skipped conversations do not add up to the store's", path=self.path,
+                              field="conversations", expected=sequences - sum(meta["skipped"].values()),
+                              actual=meta["conversations"])
+        seen = np.zeros(sequences, dtype=np.bool_)
+        for i, split in enumerate(self.splits):
+            self._validate_split(i, split, seen, padded)
+        if int(np.count_nonzero(seen)) != meta["conversations"]:
+            raise HeaderError("a store sequence is planned twice", path=self.path, field="sequence_ids",
+                              expected=meta["conversations"], actual=int(np.count_nonzero(seen)))
+
+    def _fail(self, i: int, name: str, rule: str, **kw) -> HeaderError:
+        return HeaderError(f"plan split {self.splits[i]['name']}: {rule}", path=self.path,
+                           field=f"splits[{i}].arrays.{name}", hint="write the plan again (repack-sft --plan-only, "
+                           "or rerun with --resume, which re-plans)", **kw)
+
+    def _store_lengths(self, store) -> np.ndarray:
+        """Padded, cut length of every store sequence, or -1 for one the settings drop."""
+        from ..packing import padded_length, truncation_length
+
+        meta, s = self.metadata, self.metadata["settings"]
+        if meta["store"]["store_id"] != store.store_id or meta["store"]["sequences"] != store.sequence_count:
+            raise HeaderError("the plan was made from another sequence store", path=self.path, field="store",
+                              expected=[store.store_id, store.sequence_count],
+                              actual=[meta["store"]["store_id"], meta["store"]["sequences"]])
+        layout = s.get("pad_layout", "stored")
+        trunc = truncation_length(s["pack_size"], s["pad_multiple"], layout)
+        out = np.empty(store.sequence_count, dtype=np.int32)
+        at = 0
+        for k in range(len(store.partitions)):
+            rows = store.rows(k)
+            full = rows["length"].astype(np.int64)
+            cut = padded_length(np.minimum(full, trunc), s["pad_multiple"], layout)
+            over = padded_length(full, s["pad_multiple"], layout) > s["pack_size"]
+            drop = over if s["overlong"] != "truncate" else over & (rows["first_trained"] >= trunc - 1)
+            out[at:at + rows.size] = np.where(drop, -1, cut)
+            at += rows.size
+        return out
+
+    def _validate_split(self, i: int, split: dict, seen: np.ndarray, padded) -> None:
+        a = self.arrays(i)
+        starts, offsets, loads, ids = a["shard_starts"], a["pack_offsets"], a["pack_loads"], a["sequence_ids"]
+        for name, arr, end in (("shard_starts", starts, split["packs"]), ("pack_offsets", offsets, ids.size)):
+            if arr[0] != 0 or arr[-1] != end or (np.diff(arr) <= 0).any():
+                raise self._fail(i, name, f"must rise strictly from 0 to {end}")
+        pack_size = self.metadata["settings"]["pack_size"]
+        if loads.min() < 1 or loads.max() > pack_size:
+            raise self._fail(i, "pack_loads", f"every load must be in [1, {pack_size}]",
+                             actual=[int(loads.min()), int(loads.max())])
+        for p0 in range(0, loads.size, _VALIDATE_PACKS):
+            p1 = min(p0 + _VALIDATE_PACKS, loads.size)
+            s0, s1 = int(offsets[p0]), int(offsets[p1])
+            chunk = np.asarray(ids[s0:s1], dtype=np.int64)
+            if chunk.min() < 0 or chunk.max() >= seen.size:
+                raise self._fail(i, "sequence_ids", f"ids must be in [0, {seen.size})",
+                                 actual=[int(chunk.min()), int(chunk.max())])
+            first = np.asarray(offsets[p0:p1], dtype=np.int64) - s0   # each pack's first id in ``chunk``
+            rising = np.diff(chunk) > 0
+            rising[first[1:] - 1] = True                               # a new pack may start lower
+            if not rising.all():
+                raise self._fail(i, "sequence_ids", "ids must ascend inside each pack",
+                                 pack=int(np.searchsorted(first, np.flatnonzero(~rising)[0], side="right") - 1 + p0))
+            if seen[chunk].any():
+                raise self._fail(i, "sequence_ids", "a store sequence is planned twice",
+                                 actual=int(chunk[seen[chunk]][0]))
+            seen[chunk] = True
+            if padded is not None:
+                lengths = padded[chunk]
+                if lengths.min() < 0:
+                    raise self._fail(i, "sequence_ids", "plans a sequence its settings drop (overlong)",
+                                     actual=int(chunk[lengths < 0][0]))
+                want = np.add.reduceat(lengths.astype(np.int64), first)
+                bad = np.flatnonzero(want != loads[p0:p1])
+                if bad.size:
+                    raise self._fail(i, "pack_loads", "a pack's load is not its sequences' padded lengths",
+                                     pack=int(bad[0] + p0), expected=int(want[bad[0]]),
+                                     actual=int(loads[p0 + bad[0]]))
+
+    # ------------------------------------------------------------------ access
+
     @property
     def splits(self) -> List[dict]:
         return self.metadata["splits"]
@@ -173,25 +353,14 @@ class PackPlan:
                          expected=[s["name"] for s in self.splits], actual=name)
 
     def arrays(self, split: int) -> Dict[str, np.ndarray]:
-        """Read-only views of split ``split``'s arrays, mapped (nothing is read until used)."""
+        """Read-only views of split ``split``'s arrays, mapped (nothing is read until used);
+        located and sized at open (:meth:`_check_metadata`)."""
         if self._map is None:
             self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
-        out = {}
-        for name, (offset, count, dtype) in self.splits[split]["arrays"].items():
-            dt = _DTYPES.get(dtype)
-            if dt is None:
-                raise HeaderError(f"plan array {name} has unknown dtype {dtype!r}", path=self.path,
-                                  field=f"splits[{split}].arrays.{name}", expected=sorted(_DTYPES))
-            end = offset + count * dt.itemsize
-            if offset < HEADER_SIZE or end > self.metadata_offset_bound:
-                raise HeaderError(f"plan array {name} lies outside the arrays section", path=self.path,
-                                  field=f"splits[{split}].arrays.{name}")
-            out[name] = np.frombuffer(self._map, dtype=dt, count=count, offset=offset)
-        return out
-
-    @property
-    def metadata_offset_bound(self) -> int:
-        return self._map.shape[0] if self._map is not None else os.path.getsize(self.path)
+            if self._map.shape[0] < self._arrays_end:
+                raise HeaderError("the plan file shrank after it was opened", path=self.path, field="file_size")
+        return {name: np.frombuffer(self._map, dtype=_DTYPES[dtype], count=count, offset=offset)
+                for name, (offset, count, dtype) in self.splits[split]["arrays"].items()}
 
     def __getstate__(self):
         return {"path": self.path}

@@ -58,6 +58,7 @@ def publish(staged: StagedSet, replaced: Sequence[str], book: ReceiptBook, on_sh
     """
     for path, _ in staged.manifests:
         _atomic.remove_quietly([path])
+        _atomic.clear_stale_temporaries([path])   # (a manifest write an earlier attempt was killed in)
     done = set(book.completed(range(len(staged.shards))))
     keep = {staged.shards[i].final + s for i in done for s in PUBLISH_ORDER}
     for path in sorted((p for p in replaced if p not in keep), key=lambda p: not p.endswith(IDX_SUFFIX)):

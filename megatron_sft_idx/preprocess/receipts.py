@@ -3,25 +3,46 @@
 A step writes a unit's artifacts first (each published atomically), then its receipt
 ``<dir>/<step>/<unit:06d>.json`` with :func:`~megatron_sft_idx._atomic.write_file_atomically`:
 the receipt is the unit's commit point. It records the *key* of the settings the unit ran
-with and the size of every artifact; a rerun with ``--resume`` trusts a receipt only when the
-key matches and every artifact is still there with its recorded size, and redoes the unit
-otherwise. Receipts are small JSON objects; the driver keeps nothing else per unit.
+with, the size of every artifact (``artifacts``: path relative to the book's base -> bytes)
+and the CRC-32 of the small ones the step pins (``crc32``: path -> CRC-32). A rerun with
+``--resume`` trusts a receipt only when it parses strictly (types and ranges of every field,
+the step's own fields through its ``schema``), its key matches and every artifact is still
+there with its recorded size; it redoes the unit otherwise. :meth:`ReceiptBook.verify` checks
+the pinned CRC-32s, once per run, before the artifacts are used again. Receipts are small JSON
+objects; the driver keeps nothing else per unit.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
-from typing import Dict, Iterable, Mapping, Optional
+from typing import Callable, Dict, Iterable, Mapping, Optional
 
 from .._atomic import write_file_atomically
+from ..errors import MetadataError, ShardError
+from ._schema import Doc, check_int, load_json
+from .integrity import check_crc, crc32_file
+
+log = logging.getLogger("megatron_sft_idx.preprocess")
+
+#: ``schema(doc)`` checks a step's own fields of a receipt (raising a ShardError naming the field).
+Schema = Callable[[Doc], None]
+_reported: set = set()   # malformed receipts already logged by this process
 
 
 def settings_key(settings: Mapping) -> str:
     """A short digest of JSON-able settings: equal settings, equal key."""
     raw = json.dumps(settings, sort_keys=True, separators=(",", ":"), default=str).encode()
     return hashlib.sha256(raw).hexdigest()[:32]
+
+
+def _relative(rel, path: str, field: str) -> str:
+    if not isinstance(rel, str) or not rel or os.path.isabs(rel):
+        raise MetadataError("an artifact must be a path relative to the run's directory", path=path, field=field,
+                            actual=rel)
+    return rel
 
 
 class ReceiptBook:
@@ -32,45 +53,105 @@ class ReceiptBook:
         step: the step's name (a subdirectory).
         key: the settings key every receipt of this book must carry.
         base: artifacts are recorded relative to this directory (so a store can move).
+        schema: checks the step's own fields (default: none beyond the common ones).
     """
 
-    def __init__(self, directory: str, step: str, key: str, base: str) -> None:
+    def __init__(self, directory: str, step: str, key: str, base: str, schema: Optional[Schema] = None) -> None:
         self.directory = os.path.join(directory, step)
         self.step = step
         self.key = key
         self.base = base
+        self.schema = schema
+        self.rejected: Dict[int, str] = {}   # unit -> why its receipt was malformed
 
     def path(self, unit: int) -> str:
         return os.path.join(self.directory, f"{unit:06d}.json")
 
-    def write(self, unit: int, body: Mapping, artifacts: Iterable[str] = ()) -> dict:
-        """Record ``unit`` as done; ``artifacts`` are paths whose sizes the receipt pins."""
+    def write(self, unit: int, body: Mapping, artifacts: Iterable[str] = (), pinned: Iterable[str] = ()) -> dict:
+        """Record ``unit`` as done; ``artifacts`` are paths whose sizes the receipt pins, ``pinned``
+        those of them whose CRC-32 it pins too (small files: each is read once here)."""
         sizes = {}
         for path in artifacts:
             sizes[os.path.relpath(path, self.base)] = os.path.getsize(path)
         receipt = dict(body)
         receipt.update(step=self.step, unit=unit, key=self.key, artifacts=sizes)
+        crcs = {os.path.relpath(path, self.base): crc32_file(path) for path in pinned}
+        if crcs:
+            receipt["crc32"] = crcs
         data = json.dumps(receipt, sort_keys=True).encode()
         os.makedirs(self.directory, exist_ok=True)
         write_file_atomically(self.path(unit), lambda f: f.write(data))
         return receipt
 
-    def read(self, unit: int) -> Optional[dict]:
-        """The receipt of ``unit`` when it is valid (key and artifacts check out), else None."""
+    def parse(self, unit: int) -> Optional[dict]:
+        """The receipt of ``unit`` parsed strictly; None when there is none, or it is another run's
+        (another key).
+
+        Raises:
+            ShardError: the receipt is malformed (naming the file and the field).
+        """
+        path = self.path(unit)
         try:
-            with open(self.path(unit), "rb") as f:
-                receipt = json.loads(f.read())
-        except (OSError, ValueError):
+            receipt = load_json(path)
+        except FileNotFoundError:
             return None
-        if not isinstance(receipt, dict) or receipt.get("key") != self.key or receipt.get("unit") != unit:
+        except OSError as exc:
+            raise ShardError(f"cannot read the receipt ({exc.strerror or exc})", path=path) from None
+        doc = Doc(receipt, path)
+        if doc.str("key") != self.key:
             return None
-        for rel, size in (receipt.get("artifacts") or {}).items():
-            try:
-                if os.path.getsize(os.path.join(self.base, rel)) != size:
-                    return None
-            except OSError:
-                return None
+        doc.str("step", choices=[self.step])
+        check_int(doc.raw("unit"), path, "unit", unit, unit)
+        sizes = doc.ints("artifacts", lo=0)
+        for rel in sizes:
+            _relative(rel, path, "artifacts")
+        crcs = doc.ints("crc32", lo=0, hi=0xFFFFFFFF, default={})
+        for rel in crcs:
+            if rel not in sizes:
+                raise MetadataError("a pinned CRC-32 names no artifact of the receipt", path=path, field="crc32",
+                                    actual=rel)
+        if self.schema is not None:
+            self.schema(doc)
         return receipt
+
+    def read(self, unit: int, artifacts: bool = True) -> Optional[dict]:
+        """The receipt of ``unit`` when it is valid (it parses, its key matches and, with
+        ``artifacts``, every artifact has its recorded size), else None: the unit is redone.
+        A malformed receipt is logged once (naming the file and field), never raised."""
+        try:
+            receipt = self.parse(unit)
+        except ShardError as exc:
+            self.rejected[unit] = str(exc)
+            if str(exc) not in _reported:
+                _reported.add(str(exc))
+                log.warning("receipt ignored (its unit counts as not done): %s", exc)
+            return None
+        if receipt is None:
+            return None
+        if artifacts:
+            for rel, size in receipt["artifacts"].items():
+                try:
+                    if os.path.getsize(os.path.join(self.base, rel)) != size:
+                        return None
+                except OSError:
+                    return None
+        return receipt
+
+    def verify(self, receipt: dict, hint: str) -> None:
+        """Check the CRC-32 of every artifact ``receipt`` pins.
+
+        Raises:
+            ChecksumError: an artifact's bytes changed since the receipt was written.
+        """
+        for rel, crc in receipt.get("crc32", {}).items():
+            check_crc(os.path.join(self.base, rel), crc, f"{self.step} artifact {rel}", hint)
+
+    def discard(self, unit: int) -> None:
+        """Remove ``unit``'s receipt: the unit is no longer done (its artifacts did not verify)."""
+        try:
+            os.unlink(self.path(unit))
+        except FileNotFoundError:
+            pass
 
     def present(self) -> Dict[int, dict]:
         """``{unit: receipt}`` of every valid receipt on disk (when the unit count is not known)."""

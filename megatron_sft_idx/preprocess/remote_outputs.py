@@ -34,7 +34,7 @@ from ..storage._url import ObjectURL, is_remote
 from .publish import StagedSet
 from .receipts import ReceiptBook
 
-__all__ = ["is_remote", "work_prefix", "existing_remote_outputs", "publish_remote", "job_output_key"]
+__all__ = ["is_remote", "work_prefix", "existing_remote_outputs", "publish_remote", "job_output_key", "remote_sizes"]
 
 MANIFEST_SUFFIX = ".json"
 _STAGING_TAG = "megatron_sft_idx-"
@@ -66,15 +66,6 @@ def work_prefix(output_prefix: str, staging_dir: Optional[str]) -> str:
     return os.path.join(root, _STAGING_TAG + digest, url.name)
 
 
-def remove_staging_parent(parent: str) -> None:
-    """Remove ``parent``, the per-URL staging directory, once it is empty (after a finished run)."""
-    if os.path.basename(parent).startswith(_STAGING_TAG):
-        try:
-            os.rmdir(parent)
-        except OSError:
-            pass  # not empty (another generation's leftovers) or already gone
-
-
 def job_output_key(output_prefix: str) -> str:
     """How an output prefix enters the run's settings key (a URL as given, a path absolute)."""
     return str(ObjectURL.parse(output_prefix)) if is_remote(output_prefix) else os.path.abspath(output_prefix)
@@ -101,6 +92,24 @@ def _destination_error(exc: ShardError, url: ObjectURL, doing: str, resumable: b
         err = OutputError(f"cannot {doing}: {exc.message}", path=str(url),
                           hint=(exc.hint or RemoteStorageError.default_hint) + then)
     return err
+
+
+def remote_sizes(urls: Sequence[str]) -> Dict[str, int]:
+    """``{url: size}`` of those of ``urls`` that exist: one LIST per directory they are in.
+
+    Raises:
+        OutputError: the bucket is missing or unreachable, or credentials are refused.
+    """
+    out: Dict[str, int] = {}
+    for parent in sorted({u.rsplit("/", 1)[0] + "/" for u in urls}):
+        url = ObjectURL.parse(parent)
+        try:
+            listed = _store(url).list(url)
+        except (RemoteStorageError, ShardNotFoundError) as exc:
+            raise _destination_error(exc, url, "list the outputs", resumable=False) from None
+        out.update((str(obj), info.size) for obj, info in listed)
+    normal = {u: str(ObjectURL.parse(u)) for u in urls}
+    return {u: out[normal[u]] for u in urls if normal[u] in out}
 
 
 def existing_remote_outputs(bases: Sequence[str]) -> List[str]:

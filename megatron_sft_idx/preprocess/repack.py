@@ -91,8 +91,14 @@ def repack(cfg: RepackConfig) -> dict:
         return plan_only(store, job, cfg.plan_only)
     run_key = settings_key({"store_id": store.store_id, "job": _job_key(job)})
     times["inputs"] = time.perf_counter() - t
-    return execute(job, run_key, cfg.resume, cfg.engine, cfg.workers, cfg.ray_address,
-                   lambda engine, work, resumed: store, times, cfg.progress, store.directory)
+    def get_store(engine, work, resumed):
+        t = time.perf_counter()
+        store.verify()   # every partition's checksums, once, before any pack is made from it
+        times["verify_store"] = time.perf_counter() - t
+        return store
+
+    return execute(job, run_key, cfg.resume, cfg.engine, cfg.workers, cfg.ray_address, get_store, times,
+                   cfg.progress, store.directory)
 
 
 def plan_only(store, job, path: str) -> dict:
@@ -107,6 +113,7 @@ def plan_only(store, job, path: str) -> dict:
                          hint="give a local path (VirtualPackedDataset reads the plan and the store locally)")
     t = time.perf_counter()
     try:
+        store.verify()   # a plan is made from the rows, and it is served from the tokens
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         meta = write_plan(store, job.settings, path)
     except OSError as exc:

@@ -28,9 +28,11 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from .._atomic import write_file_atomically
-from ..errors import ShardError
+from ..errors import InvariantError, MetadataError, ShardError
 from ..reader import MMapIndexedDataset
-from .partitions import Partition
+from ._schema import HEX, Doc, load_json
+from .integrity import verify_shard
+from .partitions import Partition, check_cover
 from .receipts import ReceiptBook, settings_key
 
 STORE_FORMAT = "megatron_sft_idx.store"
@@ -39,10 +41,18 @@ STORE_FILE = "store.json"
 ROWS_SUFFIX = ".rows"
 #: One record per conversation in ``part_NNNNNN.rows`` (little-endian, 16 bytes).
 ROW_DTYPE = np.dtype([("line", "<i8"), ("length", "<i4"), ("first_trained", "<i4")])
+#: What to do about a store whose bytes no longer verify.
+REBUILD_HINT = ("the sequence store changed after it was written; rerun the preprocess-sft command that made it "
+                "with --store DIR --resume (it tokenizes again every partition that does not verify)")
 
 
 def part_prefix(directory: str, unit: int) -> str:
     return os.path.join(directory, "parts", f"part_{unit:06d}")
+
+
+def _content(body: dict) -> dict:
+    """The keys of ``store.json`` the store id is the digest of."""
+    return {k: body[k] for k in ("format", "version", "identity", "inputs", "partitions")}
 
 
 def write_store_file(directory: str, identity: dict, inputs: List[dict], partitions: List[Partition],
@@ -60,37 +70,103 @@ def write_store_file(directory: str, identity: dict, inputs: List[dict], partiti
     return body["store_id"]
 
 
+def read_store_file(path: str) -> dict:
+    """``store.json`` parsed as strictly as a shard header: every key the tools read, its type and
+    range, the partitions against the inputs, and the store id against the content it digests.
+
+    Raises:
+        ShardError: missing (the hint says what to give), unreadable, another format or major
+            version, or malformed (MetadataError naming the file and the field).
+    """
+    try:
+        body = load_json(path)
+    except FileNotFoundError:
+        raise ShardError("no sequence store here (store.json is missing)", path=path,
+                         hint="give the --store directory of a preprocess_sft run") from None
+    except OSError as exc:
+        raise ShardError(f"cannot read the store description ({exc.strerror or exc})", path=path) from None
+    doc = Doc(body, path)
+    if body.get("format") != STORE_FORMAT:
+        raise MetadataError("not a megatron_sft_idx sequence store", path=path, field="format",
+                            expected=STORE_FORMAT, actual=body.get("format"))
+    version = body.get("version")
+    if not isinstance(version, list) or not version or version[0] != STORE_VERSION[0]:
+        raise ShardError(f"unsupported store version {version}; supported major: {STORE_VERSION[0]}",
+                         path=path, field="version", hint="rebuild the store with this version")
+    doc.list("version", length=2)
+    _check_identity(doc.doc("identity"))
+    inputs = doc.docs("inputs")
+    for info in inputs:
+        info.str("name")
+        info.str("sha256", pattern=HEX[64])
+        info.int("bytes", lo=0)
+    parts = [Partition.from_list(p, path, f"partitions[{k}]") for k, p in enumerate(doc.list("partitions"))]
+    check_cover(parts, [i.obj["name"] for i in inputs], [i.obj["bytes"] for i in inputs], path)
+    store_id = doc.str("store_id", pattern=HEX[32])
+    if settings_key(_content(body)) != store_id:
+        raise MetadataError("store.json was edited: its store_id is not the digest of its content", path=path,
+                            field="store_id", expected=settings_key(_content(body)), actual=store_id,
+                            hint="restore it, or rebuild the store")
+    doc.str("tokenizer_path", none=True)
+    paths = doc.list("input_paths", none=True) or []
+    for k, item in enumerate(paths):
+        if not isinstance(item, str):
+            raise MetadataError("must be a string", path=path, field=f"input_paths[{k}]", actual=item)
+    if paths and len(paths) != len(inputs):
+        raise MetadataError("one path per input", path=path, field="input_paths", expected=len(inputs),
+                            actual=len(paths))
+    return body
+
+
+def _check_identity(identity: Doc) -> None:
+    """The identity keys the tools read (others, e.g. new encode options, only enter the store id)."""
+    tokenizer = identity.doc("tokenizer", none=True)
+    if tokenizer is not None:
+        tokenizer.int("pad_id", lo=0, default=None)
+        tokenizer.int("vocab_size", lo=1, default=None)
+        tokenizer.str("files_sha256", default=None)
+    encode = identity.doc("encode")
+    encode.int("vocab_size", lo=1, hi=1 << 31, none=True)
+    encode.str("loss_on")
+    encode.str("input_format")
+    identity.int("max_record_bytes", lo=1)
+
+
+def _tokenize_schema(doc: Doc) -> None:
+    """A tokenize receipt: the counts the planner and the summary read, and the rows it commits."""
+    records = doc.int("records", lo=0)
+    sequences = doc.int("sequences", lo=0)
+    if sequences and not records:
+        raise doc.fail("sequences without records", "sequences", actual=sequences)
+    doc.int("tokens", lo=sequences)
+    doc.ints("skipped", lo=0)
+    doc.strs("first_skipped")
+    rows = os.path.relpath(part_prefix("", doc.obj["unit"]) + ROWS_SUFFIX)
+    if rows not in doc.obj["artifacts"]:
+        raise doc.fail("the receipt does not commit the partition's rows", "artifacts", expected=rows)
+    if doc.obj["artifacts"][rows] != ROW_DTYPE.itemsize * sequences:
+        raise doc.fail("the rows' size disagrees with the sequence count", "artifacts",
+                       expected=ROW_DTYPE.itemsize * sequences, actual=doc.obj["artifacts"][rows])
+
+
 def tokenize_book(directory: str, store_id: str) -> ReceiptBook:
-    return ReceiptBook(os.path.join(directory, "receipts"), "tokenize", store_id, directory)
+    return ReceiptBook(os.path.join(directory, "receipts"), "tokenize", store_id, directory, _tokenize_schema)
 
 
 class SequenceStore:
     """A store opened for reading (planning, materializing, virtual packs).
 
+    ``store.json`` and every receipt are parsed strictly at open; the partitions' bytes are
+    verified by :meth:`verify` (once per run, by whoever makes new data from them).
+
     Raises:
-        ShardError: no store here, an unknown format version, or (``require_complete``)
-            partitions without a receipt.
+        ShardError: no store here, an unknown format version, a malformed ``store.json``
+            (naming the field), or (``require_complete``) partitions without a valid receipt.
     """
 
     def __init__(self, directory: str, *, require_complete: bool = True) -> None:
         self.directory = os.path.abspath(directory)
-        path = os.path.join(self.directory, STORE_FILE)
-        try:
-            with open(path, "rb") as f:
-                body = json.loads(f.read())
-        except FileNotFoundError:
-            raise ShardError("no sequence store here (store.json is missing)", path=path,
-                             hint="give the --store directory of a preprocess_sft run") from None
-        except (OSError, ValueError) as exc:
-            raise ShardError(f"cannot read the store description ({exc})", path=path) from None
-        if not isinstance(body, dict) or body.get("format") != STORE_FORMAT:
-            raise ShardError("not a megatron_sft_idx sequence store", path=path, field="format",
-                             expected=STORE_FORMAT)
-        version = body.get("version")
-        if not isinstance(version, list) or not version or version[0] != STORE_VERSION[0]:
-            raise ShardError(f"unsupported store version {version}; supported major: {STORE_VERSION[0]}",
-                             path=path, field="version", hint="rebuild the store with this version")
-        self.body = body
+        self.body = body = read_store_file(os.path.join(self.directory, STORE_FILE))
         self.store_id: str = body["store_id"]
         self.identity: dict = body["identity"]
         self.inputs: List[dict] = body["inputs"]
@@ -100,6 +176,7 @@ class SequenceStore:
         if require_complete:
             self.require_complete()
         self._parts: Dict[int, Optional[MMapIndexedDataset]] = {}
+        self.verified: set = set()   # partitions whose bytes this object has verified
 
     # ------------------------------------------------------------------ completeness
 
@@ -110,9 +187,16 @@ class SequenceStore:
     def require_complete(self) -> None:
         missing = self.missing
         if missing:
+            why = self.book.rejected.get(missing[0])
             raise ShardError(f"the sequence store is incomplete: {len(missing)} of {len(self.partitions)} "
-                             f"partitions have no receipt (e.g. {missing[0]})", path=self.directory,
+                             f"partitions have no valid receipt (e.g. {missing[0]}"
+                             f"{': ' + why if why else ''})", path=self.directory,
                              hint="finish it with the same preprocess_sft command plus --resume")
+
+    @property
+    def receipts_present(self) -> List[int]:
+        """Partitions with a valid receipt (all of them once the store is complete)."""
+        return sorted(self._receipts)
 
     @property
     def receipts(self) -> List[dict]:
@@ -155,6 +239,55 @@ class SequenceStore:
             self._parts[unit] = (MMapIndexedDataset(part_prefix(self.directory, unit))
                                  if self._receipts[unit]["sequences"] else None)
         return self._parts[unit]
+
+    # ------------------------------------------------------------------ verification
+
+    def verify(self, units=None) -> None:
+        """Verify the bytes of partitions ``units`` (default: all with a receipt), each once per
+        object: the CRC-32s their receipt pins (``.seq.idx``, ``.rows``), every checksum of the
+        partition's shard, and the partition against its receipt and ``store.json`` (sequence
+        and token counts, one sequence per pack, lengths equal to the rows', the store id and
+        partition in its metadata). Reads each file once, in blocks.
+
+        Raises:
+            ShardError: the first partition that does not verify (ChecksumError, InvariantError,
+                ...), naming its file; the hint says how to rebuild it.
+        """
+        for k in sorted(self._receipts if units is None else units):
+            if k not in self.verified:
+                self._verify_part(k)
+                self.verified.add(k)
+
+    def _verify_part(self, k: int) -> None:
+        receipt, part = self._receipts[k], self.partitions[k]
+        prefix = part_prefix(self.directory, k)
+        self.book.verify(receipt, REBUILD_HINT)
+        rows = self.rows(k)
+        lines = rows["line"]
+
+        def wrong(what: str, field: str, path: str = prefix + ROWS_SUFFIX, **kw) -> InvariantError:
+            return InvariantError(f"store partition {k}: {what}", path=path, field=field, hint=REBUILD_HINT, **kw)
+
+        if rows.size and (lines[0] < part.first_line or (np.diff(lines) < 0).any()):
+            raise wrong("row lines must rise from the partition's first line", "line", expected=part.first_line)
+        if rows.size and ((rows["length"] < 1).any() or (rows["first_trained"] < 0).any()
+                          or (rows["first_trained"] > rows["length"]).any()):
+            raise wrong("row lengths must be >= 1 and first_trained within them", "length/first_trained")
+        if not rows.size:
+            return
+        ds = verify_shard(prefix, REBUILD_HINT)
+        header = ds.seq_header
+        if (len(ds), header.sequence_count, header.token_count) != (rows.size, rows.size, receipt["tokens"]):
+            raise wrong("its shard disagrees with its receipt (one conversation per pack)", "pack_count",
+                        path=prefix + ".seq.idx", expected=(rows.size, rows.size, receipt["tokens"]),
+                        actual=(len(ds), header.sequence_count, header.token_count))
+        if not np.array_equal(ds.sequence_lengths, rows["length"]):
+            raise wrong("row lengths differ from its shard's sequence lengths", "length")
+        extra = ds.metadata.extra
+        if extra.get("store_id") != self.store_id or extra.get("partition") != part.to_list():
+            raise wrong("its shard belongs to another store or partition", "extra.store_id/partition",
+                        path=prefix + ".seq.idx", expected=[self.store_id, part.to_list()],
+                        actual=[extra.get("store_id"), extra.get("partition")])
 
     @property
     def vocab_size(self) -> Optional[int]:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import resource
-from typing import Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional
 
-from .pack_stage import PackJob, PackResult
-from .store import SequenceStore
+if TYPE_CHECKING:   # (annotations only: pack_stage reads summaries back with check_summary)
+    from .pack_stage import PackJob, PackResult
+    from .store import SequenceStore
 
 
 def peak_rss_mib(receipts: List[dict]) -> Dict[str, float]:
@@ -78,6 +79,69 @@ def build_summary(store: SequenceStore, job: PackJob, result: PackResult, times:
 
 def _split_of(receipt: dict) -> str:
     return receipt["metadata"]["extra"]["split"]
+
+
+# --------------------------------------------------------------------------- read back
+
+
+def check_verify(doc) -> None:
+    """The ``verify_masks`` entry of a summary (or of a checks receipt), as :func:`verify_text` reads it."""
+    checked = doc.int("checked", lo=0)
+    for key in ("requested", "skipped_truncated", "eligible"):
+        doc.int(key, lo=0, default=None if key != "requested" else checked)
+
+
+def check_gate(doc) -> None:
+    doc.int("shards", lo=0)
+
+
+def check_summary(doc) -> None:
+    """A summary read back (a finished run's record): every key :func:`format_summary` and
+    :func:`decision_warnings` read, with its type and range.
+
+    Raises:
+        ShardError: the first key that is missing or malformed (naming the file and the field).
+    """
+    inf = float("inf")
+    doc.list("inputs")
+    doc.int("records_read", lo=0, default=None)
+    for key in ("conversations", "truncated", "sequences", "packs", "pack_size", "pad_seq_to_mult", "tokens",
+                "padding_tokens", "trainable_tokens"):
+        doc.int(key, lo=0)
+    doc.int("truncated_turns_cut", lo=0, default=None)
+    doc.str("truncated_turn_loss", default="keep")
+    doc.str("algorithm")
+    doc.ints("skipped", lo=0)
+    for key in ("trainable_share", "packing_efficiency"):
+        doc.number(key, 0.0, 1.0)
+    splits = doc.doc("splits")
+    for name in splits.obj:
+        split = splits.doc(name)
+        split.int("conversations", lo=0)
+        split.int("packs", lo=0)
+        split.int("bytes", lo=0, default=None)
+        shards = split.list("shards")
+        if not shards or not all(isinstance(x, str) for x in shards):
+            raise split.fail("must be a non-empty list of strings", "shards")
+    for key in ("empty_splits", "manifests"):
+        if not all(isinstance(x, str) for x in doc.list(key, default=None) or []):
+            raise doc.fail("must be a list of strings", key)
+    for key, check in (("verify_masks", check_verify), ("check", check_gate)):
+        entry = doc.raw(key, None)
+        if entry:
+            check(doc.doc(key))
+    doc.str("store", default=None)
+    doc.ints("resumed_units", lo=0, default={})
+    doc.mapping("seconds", lambda v, f: _number(doc, v, f, inf))
+    rss = doc.doc("peak_rss_mib")
+    rss.number("main", 0.0, inf)
+    rss.number("workers_max", 0.0, inf)
+
+
+def _number(doc, value, field, hi):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= hi:
+        raise doc.error("must be a number >= 0", path=doc.path, field=field, actual=value)
+    return value
 
 
 # --------------------------------------------------------------------------- as text

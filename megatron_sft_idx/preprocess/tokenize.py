@@ -164,7 +164,8 @@ class TokenizeStep:
             raise
         body = {"records": records, "sequences": sequences, "tokens": writer.tokens, "skipped": skipped,
                 "first_skipped": first}
-        return self.book.write(unit, body, artifacts)
+        pinned = [a for a in artifacts if a.endswith((".seq.idx", ROWS_SUFFIX))]  # small: verified on reuse
+        return self.book.write(unit, body, artifacts, pinned)
 
 
 def _read(path: str, name: str, part: Partition, batch_size: int, max_record_bytes: int):

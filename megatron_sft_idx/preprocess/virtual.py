@@ -39,19 +39,26 @@ class VirtualPackedDataset:
         split: the split's name (``all`` without ``--split``); needed when the plan has several.
         shard: serve only the packs of this output shard of the split.
         pad_id: the pad token (default: the tokenizer's pad, else EOS, as preprocessing does).
+        verify: verify every store partition's checksums and every plan array against the
+            store before serving (one read of the store; ``docs/STORE.md`` gives the cost).
+            Copies made by pickling (DataLoader workers) rely on the original's verification.
 
     Raises:
-        ShardError: the plan was made from another store, an unknown split or shard, no pad id.
+        ShardError: the plan was made from another store, a partition or the plan does not
+            verify (naming the file and field), an unknown split or shard, no pad id.
     """
 
     def __init__(self, store: str, plan: str, split: Optional[str] = None, shard: Optional[int] = None,
-                 pad_id: Optional[int] = None) -> None:
+                 pad_id: Optional[int] = None, verify: bool = True) -> None:
         self._args = (store, plan, split, shard, pad_id)
         self.store = SequenceStore(store)
-        self.plan = PackPlan(plan)
+        self.plan = PackPlan(plan, verify=verify)
         if self.plan.metadata["store"]["store_id"] != self.store.store_id:
             raise ShardError("the plan was made from another sequence store", path=plan, field="store_id",
                              expected=self.store.store_id, actual=self.plan.metadata["store"]["store_id"])
+        if verify:
+            self.store.verify()
+            self.plan.validate(self.store)
         names = [s["name"] for s in self.plan.splits]
         if split is None and len(names) != 1:
             raise ShardError(f"the plan has splits {names}; choose one", path=plan, field="split")
@@ -104,7 +111,7 @@ class VirtualPackedDataset:
         return {"args": self._args}
 
     def __setstate__(self, state) -> None:
-        self.__init__(*state["args"])
+        self.__init__(*state["args"], verify=False)   # (verified where it was made)
 
     def __repr__(self) -> str:
         return (f"VirtualPackedDataset({self.store.directory!r}, {self.plan.path!r}, split={self.split!r}, "

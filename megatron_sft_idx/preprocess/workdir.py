@@ -132,17 +132,53 @@ class WorkDir:
         for stale in self.finished():
             remove_receipts_last(stale)
 
+    def retire(self) -> None:
+        """After success: release the lock and remove everything but the run's record (the
+        ``done`` receipt), which lets ``--resume`` of a finished run be a no-op. The record is
+        removed last of all, by the next run that does not resume this one."""
+        self.lock.release()
+        keep_only_record(self.path)
+        self.closed = True
+
     def close(self, remove: bool) -> None:
-        """Release the lock; ``remove`` deletes the directory (after success, or a failure no
-        resume can fix): renamed out of the way first, in one step, then deleted receipts last,
-        so a kill during the deletion leaves either the whole directory or a finished one's
-        receipts. The directory is kept after an interruption or a filesystem error."""
+        """Release the lock; ``remove`` deletes the directory (after a failure no resume can
+        fix): renamed out of the way first, in one step, then deleted receipts last, so a kill
+        during the deletion leaves either the whole directory or nothing. A finished run's
+        record stays (only the record: the outputs it lists remain that run's own, so a failed
+        ``--resume`` of a finished run never orphans them). The directory is kept after an
+        interruption or a filesystem error."""
         self.lock.release()
         if remove and os.path.isdir(self.path):
-            done = self.path + _DONE_TAG + str(os.getpid())
-            os.replace(self.path, done)
-            remove_receipts_last(done)
+            if os.path.exists(os.path.join(self.path, RECORD)):
+                keep_only_record(self.path)
+            else:
+                done = self.path + _DONE_TAG + str(os.getpid())
+                os.replace(self.path, done)
+                remove_receipts_last(done)
         self.closed = True
+
+
+#: The finished run's record, relative to its work directory: all that stays after success.
+RECORD = os.path.join("receipts", "done", "000000.json")
+
+
+def keep_only_record(path: str) -> None:
+    """Delete everything in the work directory ``path`` but :data:`RECORD` (a kill part way
+    leaves the record and some leftovers; the next ``--resume`` finishes the job)."""
+    kept = os.path.join(path, RECORD)
+    for directory in (path, os.path.dirname(os.path.dirname(kept)), os.path.dirname(kept)):
+        try:
+            names = os.listdir(directory)
+        except FileNotFoundError:
+            continue
+        for name in names:
+            full = os.path.join(directory, name)
+            if full == kept or kept.startswith(full + os.sep):
+                continue
+            if os.path.isdir(full) and not os.path.islink(full):
+                shutil.rmtree(full, ignore_errors=True)
+            else:
+                os.unlink(full)
 
 
 def remove_receipts_last(path: str) -> None:

@@ -186,6 +186,12 @@ class FlatPackedSource:
         self.path = str(path)
         self.tokens = _read_only(np.ascontiguousarray(tokens))
         self.token_offsets = _read_only(np.ascontiguousarray(token_offsets, dtype=np.int64))
+        seq_starts = np.asarray(seq_starts)
+        if seq_starts.size and seq_starts.dtype.kind in "iu" and (
+                int(seq_starts.max()) > _INT32_MAX or int(seq_starts.min()) < -_INT32_MAX - 1):
+            raise ShardError("a seq_start_id value does not fit int32 (it would wrap)", path=self.path,
+                             field="seq_start_id", actual=int(seq_starts.max()) if int(seq_starts.max()) > _INT32_MAX
+                             else int(seq_starts.min()), hint="fix the producer of this file or rebuild it")
         self.seq_starts = _read_only(np.ascontiguousarray(seq_starts, dtype=np.int32))
         self.seq_offsets = _read_only(np.ascontiguousarray(seq_offsets, dtype=np.int64))
         loss_mask = np.ascontiguousarray(loss_mask)

@@ -330,6 +330,44 @@ def _narrow_tokens(tokens: np.ndarray) -> np.ndarray:
 # --------------------------------------------------------------------------- Parquet
 
 
+#: The range each packed-Parquet column's values must fit: the dtype they are stored in.
+_PARQUET_RANGES = {"input_ids": (0, np.iinfo(np.int32).max), "loss_mask": (0, np.iinfo(np.uint8).max),
+                   "seq_start_id": (np.iinfo(np.int32).min, np.iinfo(np.int32).max)}
+
+
+def _refuse_unfit_values(column, path: str, key: str) -> None:
+    """Refuse a null inside a list (numpy would make it 0, or wrap its NaN) and a value outside
+    the range of the dtype the column is stored in (it would wrap), naming the file, the row and
+    the column.
+
+    Raises:
+        ShardError: the first such value (``pack`` is its row: one pack per row).
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)):
+        return  # (refused with the column's type below)
+    low, high = _PARQUET_RANGES[key]
+    first_row = 0
+    for chunk in column.chunks:
+        flat = pc.list_flatten(chunk)
+        bad, why = None, ""
+        if flat.null_count:
+            bad, why = pc.index(pc.is_null(flat), True).as_py(), "a null (a missing value, not a number)"
+        elif pa.types.is_integer(flat.type) and len(flat):
+            values = flat.to_numpy()
+            outside = values > high if values.dtype.kind == "u" else (values < low) | (values > high)
+            if outside.any():
+                bad = int(np.argmax(outside))
+                why = f"the value {int(values[bad])}, outside [{low}, {high}]"
+        if bad is not None:
+            row = first_row + pc.list_parent_indices(chunk)[bad].as_py()
+            raise ShardError(f"row {row} of column '{key}' holds {why}", path=path, field=key, pack=row,
+                             hint="fix the producer of this file or rebuild it")
+        first_row += len(chunk)
+
+
 def _parquet_files(path: str) -> List[str]:
     """The Parquet files ``path`` names (a file, a directory of them, or a glob), sorted."""
     if os.path.isfile(path):
@@ -368,6 +406,7 @@ def load_parquet(files: Union[str, Sequence[str]], *, path: Optional[str] = None
             raise ShardError(f"cannot read packed Parquet ({exc})", path=name, field="columns",
                              expected=list(_PACK_KEYS)) from None
         for key in _PACK_KEYS:
+            _refuse_unfit_values(table.column(key), name, key)
             columns[key].append(table.column(key))
     flat = {}
     for key in _PACK_KEYS:
