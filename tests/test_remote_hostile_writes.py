@@ -178,7 +178,9 @@ def bucket_files(server, prefix):
 
 
 def local_files(directory):
-    return {name: open(os.path.join(directory, name), "rb").read() for name in sorted(os.listdir(directory))}
+    """The published files (a finished run keeps its record in ``.<name>.preprocess/``: not an output)."""
+    return {name: open(os.path.join(directory, name), "rb").read() for name in sorted(os.listdir(directory))
+            if not name.startswith(".")}
 
 
 def test_preprocess_to_a_stalling_server_then_resume(hostile, shard, local_run, tmp_path, capsys):
