@@ -22,8 +22,9 @@ import numpy as np
 
 from ..errors import ShardError
 from ..reader import MMapIndexedDataset
-from .chat import assistant_turns, encode_tokens, load_chat_tokenizer
+from .chat import encode_tokens, load_chat_tokenizer
 from .inputs import parse_record
+from .policy import trained_turns
 from .partitions import read_batches
 from .planfile import PackPlan
 
@@ -38,7 +39,7 @@ def _visible_answer(content: str) -> str:
     return content.rsplit("</think>", 1)[-1].strip()
 
 
-def _expected_ok(loss_on, tok, kind, payload, ids, mask, path, line, turn: int = 0) -> str:
+def _expected_ok(loss_on, tok, kind, payload, ids, mask, path, line, turn: int = 0, tok_policy=None) -> str:
     """'' when the sequence's trained tokens are what the loss mode requires, else why not."""
     targets = np.flatnonzero(mask) + 1
     if kind == "tokens":
@@ -49,15 +50,16 @@ def _expected_ok(loss_on, tok, kind, payload, ids, mask, path, line, turn: int =
     elif loss_on == "all":
         if targets.size != ids.size - 1:
             return f"{targets.size} trained tokens, expected {ids.size - 1}"
-        return "" if tok.decode(ids) == tok.render(payload) else "decoded text differs from the rendering"
+        conv = tok.prepare(payload, tok_policy, path, line)
+        return "" if tok.decode(ids) == tok.render_conversation(conv) else "decoded text differs from the rendering"
     else:
         if loss_on == "per-turn":
-            k = assistant_turns(payload, "assistant")[turn]
-            payload = payload[:k + 1]
+            k = trained_turns(payload, "assistant")[turn]
+            payload = payload.cut(k)
         why = _same_as_reference(tok, payload, loss_on, ids, mask, path, line)
         if why:
             return why
-        contents = [m["content"] for m in payload if m["role"] == "assistant"]
+        contents = [payload.messages[k]["content"] for k in trained_turns(payload, "assistant")]
         want = contents if loss_on == "assistant" else contents[-1:]
     got = [tok.decode(ids[r]) for r in _runs(targets)]
     if len(got) != len(want):
