@@ -45,7 +45,7 @@ PREFIX_HINT = ("use --loss-on last-turn (loss on the final assistant turn, histo
                "renders it at that turn) or --loss-on all")
 TEMPLATE_HINT = ("pass --chat-template FILE (a Jinja chat template) or --chat-template NAME (one of the "
                  "tokenizer's named templates), or use a tokenizer directory whose tokenizer_config.json "
-                 "has a chat_template")
+                 "has a chat_template (prompt/completion strings need none with --prompt-format raw)")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "chat_template.jinja", "chat_template.json", "added_tokens.json")
 

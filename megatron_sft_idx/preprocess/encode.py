@@ -104,6 +104,16 @@ class EncodeOptions:
         return out
 
 
+def encoding_of(encode: dict) -> Tuple[SchemaOptions, LossPolicy]:
+    """The schema options and loss policy a store's ``identity["encode"]`` records (defaults absent)."""
+    policy = encode.get("loss_policy") or {}
+    tags = tuple(policy.get("reasoning_tags", REASONING_TAGS))
+    schema = SchemaOptions(encode["prompt_key"], encode["completion_key"], encode.get("prompt_format", "chat"),
+                           tuple(encode.get("ignore_fields", ())), tags)
+    return schema, LossPolicy(policy.get("tool_calls", "train"), policy.get("reasoning", "train"),
+                              policy.get("empty_reasoning", "mask"), tags)
+
+
 @dataclass
 class EncodedBatch:
     """Kept sequences of one batch, in record order (``per-turn`` gives several per record)."""

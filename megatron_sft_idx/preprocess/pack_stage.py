@@ -84,6 +84,9 @@ def shard_metadata(store: SequenceStore, job: PackJob, split: str, shard: int, c
     }
     if s.truncated_turn_loss != "keep":  # absent means keep (the default; the bytes of earlier shards)
         meta["extra"]["truncated_turn_loss"] = s.truncated_turn_loss
+    from .pipeline import encoding_extra
+
+    meta["extra"].update(encoding_extra(encode))  # loss policy, prompt format: absent means the defaults
     if meta["tokenizer"] is None:  # pre-tokenized input without a tokenizer
         del meta["tokenizer"]
     return meta

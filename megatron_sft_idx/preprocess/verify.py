@@ -23,6 +23,7 @@ import numpy as np
 from ..errors import ShardError
 from ..reader import MMapIndexedDataset
 from .chat import encode_tokens, load_chat_tokenizer
+from .encode import encoding_of
 from .inputs import parse_record
 from .policy import trained_turns
 from .partitions import read_batches
@@ -146,6 +147,7 @@ def verify_masks(store, plan_path: str, shards, job, count: int) -> dict:
                          path=job.tokenizer_path, field="tokenizer",
                          expected=store.tokenizer["files_sha256"], actual=tok.identity()["files_sha256"])
     encode = store.identity["encode"]
+    schema, policy = encoding_of(encode)
     plan = PackPlan(plan_path)
     chosen, truncated, eligible = _choose(store, plan, job.settings.truncate_to, count, job.settings.seed)
     starts = store.starts()
@@ -173,8 +175,8 @@ def verify_masks(store, plan_path: str, shards, job, count: int) -> dict:
         mask = np.asarray(pack.loss_mask[start:start + n])
         name, line = store.inputs[store.partitions[k].file]["name"], line_of[g]
         kind, payload = parse_record(sources[(k, line)], name, line, encode["input_format"],
-                                     encode["prompt_key"], encode["completion_key"])
-        why = _expected_ok(encode["loss_on"], tok, kind, payload, ids, mask, name, line, turn_of[g])
+                                     encode["prompt_key"], encode["completion_key"], schema)
+        why = _expected_ok(encode["loss_on"], tok, kind, payload, ids, mask, name, line, turn_of[g], policy)
         if why:
             failures.append(f"{name}:{line}: {why}")
     if failures:
