@@ -179,13 +179,17 @@ def run_pack(store: SequenceStore, job: PackJob, engine, work: WorkDir, run_key:
 def _checks(store, job: PackJob, work: WorkDir, shards, times, progress: Progress) -> dict:
     """``--verify-masks`` and ``--check`` on the staged shards; raises when either fails."""
     out = {"verify": None, "gate": None}
-    if job.verify_masks:
-        from .verify import verify_masks
+    from .verify import CHECK_SAMPLE, verify_masks
 
+    # --check also checks a sample against the source when --verify-masks asks for none
+    count = job.verify_masks or (CHECK_SAMPLE if job.check and (job.tokenizer_path or store.tokenizer is None) else 0)
+    if count:
         t = time.perf_counter()
-        with progress.phase("verify-masks", job.verify_masks, unit="conversations") as bar:
-            out["verify"] = verify_masks(store, work.plan, shards, job, job.verify_masks)
+        with progress.phase("verify-masks", count, unit="conversations") as bar:
+            out["verify"] = verify_masks(store, work.plan, shards, job, count)
             bar.update(out["verify"]["checked"])
+        if not job.verify_masks:
+            out["verify"]["sample_of_check"] = True
         times["verify_masks"] = time.perf_counter() - t
     if job.check:
         t = time.perf_counter()

@@ -170,7 +170,8 @@ def _truncated_text(s: dict) -> str:
 
 
 def verify_text(v: dict) -> str:
-    """``"20 conversations OK"``, or how many of those asked for were checked and why not all."""
+    """``"20 conversations OK against their source (trained tokens: assistant 812, tool_call 95)"``, or how
+    many of those asked for were checked and why not all."""
     from .._units import plural
 
     checked, requested = v["checked"], v.get("requested", v["checked"])
@@ -182,6 +183,11 @@ def verify_text(v: dict) -> str:
         if v.get("eligible", checked) < requested:
             why.append(f"only {v.get('eligible', checked):,} untruncated conversations were written")
         text = f"{checked:,} of {requested:,} requested conversations OK ({'; '.join(why) or 'fewer written'})"
+    roles = v.get("trained_tokens_by_role")
+    if roles:
+        text += " against their source (trained tokens: " + ", ".join(f"{k} {n:,}" for k, n in roles.items()) + ")"
+    if v.get("sample_of_check"):
+        text += ", the sample --check takes"
     return text
 
 
