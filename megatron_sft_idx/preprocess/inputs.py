@@ -27,7 +27,10 @@ from .errors import InputError, input_error
 from .schemas import KINDS, SchemaOptions, detect, map_record
 
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
+JSON_SUFFIXES = (".json", ".json.gz", ".json.zst")   # a JSON array, or JSON Lines (by the first character)
+COMPRESSED_SUFFIXES = (".gz", ".zst")
 PARQUET_SUFFIXES = (".parquet",)
+ARROW_SUFFIXES = (".arrow",)
 INPUT_FORMATS = ("auto",) + KINDS
 
 
@@ -44,15 +47,23 @@ def _is_input_file(path: str) -> bool:
 def expand_inputs(specs: Sequence[str]) -> List[str]:
     """Files named by ``specs`` (files, globs, directories searched recursively), sorted within
     each glob or directory, first occurrence kept. Directories contribute only
-    ``.jsonl[.gz|.zst]`` and ``.parquet`` files; a file named directly may have any name.
+    ``.jsonl[.gz|.zst]`` and ``.parquet`` files -- except a dataset saved by Hugging Face
+    ``datasets.save_to_disk`` (``state.json`` beside its Arrow files), which contributes its data
+    files in its own order; a file named directly (``.json`` arrays too) may have any name.
 
     Raises:
-        InputError: a spec matches no input file.
+        InputError: a spec matches no input file; a saved ``DatasetDict`` (which split?); a
+            saved dataset whose ``state.json`` does not list its files.
     """
     out: List[str] = []
     seen = set()
     for spec in specs:
-        if os.path.isdir(spec):
+        if os.path.isdir(spec) and os.path.isfile(os.path.join(spec, "dataset_dict.json")):
+            raise InputError("a saved Hugging Face DatasetDict holds several splits", path=spec,
+                             hint=f"give the directory of the split to train on, e.g. {os.path.join(spec, 'train')}")
+        if os.path.isdir(spec) and os.path.isfile(os.path.join(spec, "state.json")):
+            found = hf_dataset_files(spec)
+        elif os.path.isdir(spec):
             found = sorted(p for p in glob.glob(os.path.join(spec, "**", "*"), recursive=True)
                            if os.path.isfile(p) and _is_input_file(p))
         elif os.path.isfile(spec):
@@ -61,13 +72,40 @@ def expand_inputs(specs: Sequence[str]) -> List[str]:
             found = sorted(p for p in glob.glob(spec, recursive=True) if os.path.isfile(p))
         if not found:
             raise InputError("no input files match", path=spec,
-                             hint="give files, globs or directories holding .jsonl[.gz|.zst] or .parquet")
+                             hint="give files (.jsonl, .json, .parquet, .arrow, [.gz|.zst]), globs, or directories "
+                                  "holding .jsonl[.gz|.zst] or .parquet or a saved Hugging Face dataset")
         for path in found:
             key = os.path.abspath(path)
             if key not in seen:
                 seen.add(key)
                 out.append(path)
     return out
+
+
+def hf_dataset_files(directory: str) -> List[str]:
+    """The Arrow data files of a dataset saved by ``datasets.save_to_disk``, in ``state.json``'s order.
+
+    Raises:
+        InputError: ``state.json`` is unreadable, or does not list existing ``.arrow`` files.
+    """
+    path = os.path.join(directory, "state.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            files = json.load(f).get("_data_files")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise InputError(f"cannot read a saved dataset's state ({exc.__class__.__name__}: {exc})", path=path,
+                         hint="give a directory written by datasets' save_to_disk") from None
+    names = [f.get("filename") for f in files] if isinstance(files, list) and all(isinstance(f, dict) for f in files) \
+        else None
+    if not names or not all(isinstance(n, str) and n.endswith(ARROW_SUFFIXES) and os.sep not in n for n in names):
+        raise InputError("state.json does not list the dataset's Arrow files ('_data_files')", path=path,
+                         field="_data_files", hint="give a directory written by datasets' save_to_disk")
+    found = [os.path.join(directory, n) for n in names]
+    missing = [p for p in found if not os.path.isfile(p)]
+    if missing:
+        raise InputError("a data file state.json lists is missing", path=missing[0], field="_data_files",
+                         hint="the saved dataset is incomplete; save it again")
+    return found
 
 
 def file_digest(path: str) -> str:

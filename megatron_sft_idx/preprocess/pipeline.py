@@ -234,8 +234,9 @@ def build_store(cfg: Config, inputs: Inputs, engine, directory: str, times: Dict
 
 def partition_sizes(parts: List[Partition]):
     """Each partition's share of the tokenize phase: its bytes when every partition is a byte range
-    of a JSONL file (the common case), else 1 each (compressed streams, Parquet row groups)."""
-    if parts and all(p.kind == "lines" and p.end >= p.start for p in parts):
+    of a JSONL file or a JSON array (the common case), else 1 each (compressed streams, Parquet
+    row groups, Arrow batches)."""
+    if parts and all(p.kind in ("lines", "array") and p.end >= p.start for p in parts):
         return [p.end - p.start for p in parts], True
     return [1] * len(parts), False
 

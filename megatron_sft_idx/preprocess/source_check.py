@@ -248,19 +248,43 @@ class Verdict:
     trained: Dict[str, int]            # trained tokens per role
 
 
-def _locate(text: str, forms: Tuple[str, ...], pos: int) -> Tuple[int, int]:
-    """First occurrence at or after ``pos`` of a form as written, else JSON-escaped (templates
-    ``tojson`` some texts); ``(-1, -1)`` when none."""
+def _occurrences(text: str, forms: Tuple[str, ...], pos: int):
+    """Occurrences ``(start, end)`` at or after ``pos`` of the forms as written, in order of start;
+    if none, of their JSON-escaped versions (templates ``tojson`` some texts)."""
     for variants in (forms, tuple({json.dumps(f, ensure_ascii=False)[1:-1] for f in forms}
-                                  | {json.dumps(f)[1:-1] for f in forms})):
-        best = None
+                                  | {json.dumps(f)[1:-1] for f in forms} - set(forms))):
+        found = []
         for f in variants:
             at = text.find(f, pos)
-            if at >= 0 and (best is None or at < best[0]):
-                best = (at, at + len(f))
-        if best is not None:
-            return best
-    return -1, -1
+            while at >= 0 and len(found) < 64:
+                found.append((at, at + len(f)))
+                at = text.find(f, at + 1)
+        if found:
+            return sorted(found)
+    return []
+
+
+class _Rendering:
+    """The rendering, its tokens' starts and which tokens are trained."""
+
+    def __init__(self, text: str, starts: np.ndarray, trained: np.ndarray) -> None:
+        self.text, self.starts, self.trained = text, starts, trained
+
+    def tokens(self, a: int, b: int) -> Tuple[int, int]:
+        """The tokens that start in ``[a, b)``."""
+        return int(np.searchsorted(self.starts, a, "left")), int(np.searchsorted(self.starts, b, "left"))
+
+    def locate(self, forms: Tuple[str, ...], pos: int, want_trained: bool) -> Tuple[int, int]:
+        """The first occurrence at or after ``pos`` where tokens start and are trained as wanted (a
+        short text also occurs in the scaffolding: ``a`` in ``assistant``); else the first; else
+        ``(-1, -1)``."""
+        found = _occurrences(self.text, forms, pos)
+        for a, b in found:
+            lo, hi = self.tokens(a, b)
+            got = self.trained[lo:hi]
+            if lo < hi and (got.all() if want_trained else not got.any()):
+                return a, b
+        return found[0] if found else (-1, -1)
 
 
 def check_sequence(conv: SourceConversation, trained: List[int], text: str, starts: np.ndarray,
@@ -273,58 +297,50 @@ def check_sequence(conv: SourceConversation, trained: List[int], text: str, star
     reasoning = settings.get("reasoning", "train")
     required = set(trained)
     counts: Dict[str, int] = {}
+    targets = np.flatnonzero(mask) + 1
+    is_trained = np.zeros(ids.size, dtype=bool)
+    is_trained[targets] = True
+    r = _Rendering(text, starts[:ids.size] if starts.size else np.zeros(ids.size, np.int64), is_trained)
+
+    def must(x: Text) -> bool:
+        return x.turn in required and (x.kind != "reasoning" or reasoning == "train")
+
     pos = 0
     for i, t in enumerate(conv.turns):  # 1. every text, in order
         for x in t.texts:
             anywhere = t.role == "system"
-            if x.kind == "reasoning" and (i not in required or reasoning == "drop"):
-                x.start, x.end = _locate(text, x.forms, pos)
-                continue
-            x.start, x.end = _locate(text, x.forms, 0 if anywhere else pos)
+            x.start, x.end = r.locate(x.forms, 0 if anywhere else pos, must(x))
             if x.start < 0:
-                what = "out of order" if _locate(text, x.forms, 0)[0] >= 0 else "nowhere"
+                if x.kind == "reasoning" and (i not in required or reasoning == "drop"):
+                    continue  # a template may drop the history's reasoning
+                what = "out of order" if _occurrences(text, x.forms, 0) else "nowhere"
                 return Verdict(f"{x.where} ({_label(conv, x)} {x.forms[0][:40]!r}) is {what} in the rendering",
                                counts)
             if not anywhere:
                 pos = x.end
     for x in conv.tools:
-        x.start, x.end = _locate(text, x.forms, 0)
+        x.start, x.end = r.locate(x.forms, 0, False)
         if x.start < 0:
             return Verdict(f"{x.where} (tool definition {x.forms[0]!r}) is nowhere in the rendering", counts)
-    targets = np.flatnonzero(mask) + 1             # 2. which texts are trained
-    is_trained = np.zeros(ids.size, dtype=bool)
-    is_trained[targets] = True
-    owner = np.full(ids.size, -2, dtype=np.int64)   # -2: no text; -1: a tool definition; else a turn
+    owner = np.full(ids.size, -2, dtype=np.int64)   # 2. which texts are trained (-2: no text, -1: a tool)
     role_of = [""] * ids.size
-    texts = [x for t in conv.turns for x in t.texts if x.start >= 0] + conv.tools
-    for x in texts:
-        lo, hi = np.searchsorted(starts, x.start, "left"), np.searchsorted(starts, x.end, "left")
-        must = x.turn in required and (x.kind != "reasoning" or reasoning == "train")
-        got = is_trained[lo:hi]
-        while not must and got.any() and (x.turn < 0 or conv.turns[x.turn].role == "system"):
-            # placed anywhere: the text may also occur inside a trained reply (a tool call names its
-            # tool); its own rendering is an occurrence that is not trained
-            at = _locate(text, x.forms, x.start + 1)
-            if at[0] < 0:
-                break
-            x.start, x.end = at
-            lo, hi = np.searchsorted(starts, x.start, "left"), np.searchsorted(starts, x.end, "left")
-            got = is_trained[lo:hi]
+    for x in [x for t in conv.turns for x in t.texts if x.start >= 0] + conv.tools:
+        lo, hi = r.tokens(x.start, x.end)
         owner[lo:hi] = x.turn
         for j in range(lo, hi):
             role_of[j] = _role(conv, x)
-        if must and not got.all():
+        got = is_trained[lo:hi]
+        if must(x) and not got.all():
             return Verdict(f"{x.where} ({_label(conv, x)}) is not trained, but the settings train it", counts)
-        if not must and got.any():
+        if not must(x) and got.any():
             return Verdict(f"{x.where} ({_label(conv, x)}) is trained, but the settings never train it", counts)
     runs = np.split(targets, np.flatnonzero(np.diff(targets) != 1) + 1) if targets.size else []
     bare = sum(1 for i in required if not conv.turns[i].texts)
     gp = generation_prompt.strip()
     empty = _empty_block(settings) if settings.get("empty_reasoning", "mask") == "mask" else None
-    for r in runs:                                   # 3. the runs
-        turns = {int(o) for o in owner[r] if o >= 0}
-        a, b = int(starts[r[0]]), int(starts[r[-1] + 1])
-        piece = text[a:b]
+    for run in runs:                                 # 3. the runs
+        turns = {int(o) for o in owner[run] if o >= 0}
+        piece = text[int(starts[run[0]]):int(starts[run[-1] + 1])]
         if not turns:
             bare -= 1
             if bare < 0:
@@ -332,13 +348,13 @@ def check_sequence(conv: SourceConversation, trained: List[int], text: str, star
         elif len(turns) > 1:
             return Verdict(f"one trained run spans several turns: {piece[:60]!r}", counts)
         kind = "tool_call" if turns and conv.turns[turns.pop()].calls else "assistant"
-        if int(ids[r[-1]]) not in special_ids:
+        if int(ids[run[-1]]) not in special_ids:
             return Verdict(f"trained run {piece[-60:]!r} does not end with an end-of-turn token", counts)
         if gp and gp in piece:
             return Verdict(f"the generation prompt {gp!r} is trained", counts)
         if empty is not None and empty.search(piece):
             return Verdict(f"an empty reasoning block is trained in {piece[:60]!r}", counts)
-        for j in r:
+        for j in run:
             key = role_of[j] or kind
             counts[key] = counts.get(key, 0) + 1
     if bare > 0:
