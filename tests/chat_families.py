@@ -266,8 +266,8 @@ def make_tokenizer(directory: str, family: str, vocab_size: int = 1200) -> str:
     return directory
 
 
-def with_template(directory: str, source: str, template: str) -> str:
-    """A copy of the tokenizer at ``source`` with another chat template."""
+def with_template(directory: str, source: str, template: str, **config_items) -> str:
+    """A copy of the tokenizer at ``source`` with another chat template (and config items)."""
     import shutil
 
     if not os.path.isdir(directory):
@@ -275,6 +275,7 @@ def with_template(directory: str, source: str, template: str) -> str:
     path = os.path.join(directory, "tokenizer_config.json")
     with open(path, encoding="utf-8") as f:
         config = json.load(f)
+    config.update(config_items)
     config["chat_template"] = template
     with open(path, "w", encoding="utf-8") as f:
         json.dump(config, f)

@@ -154,7 +154,7 @@ def test_alpaca_input_lost_fails(tmp_path, monkeypatch):
 def test_tool_results_trained_fail(tmp_path, monkeypatch, families):
     real = chat.ChatTokenizer.prefix_spans
 
-    def and_tool_results(self, conv, turns, full, path, line):  # a pipeline that trains tool results too
+    def and_tool_results(self, conv, turns, full, path, line, *rest):  # a pipeline that trains tool results too
         spans = real(self, conv, turns, full, path, line)
         m, tools = conv.template_messages, conv.tools
         spans += [(len(self.render(m[:k], False, tools)), len(self.render(m[:k + 1], False, tools)))
@@ -184,7 +184,7 @@ def test_reasoning_trained_under_mask_fails(tmp_path, monkeypatch, families):
 def test_generation_prompt_trained_fails(tmp_path, monkeypatch):
     real = chat.ChatTokenizer.prefix_spans
 
-    def early(self, conv, turns, full, path, line):
+    def early(self, conv, turns, full, path, line, *rest):
         return [(max(0, a - len("<|im_start|>assistant\n")), b) for a, b in real(self, conv, turns, full, path, line)]
 
     monkeypatch.setattr(chat.ChatTokenizer, "prefix_spans", early)
@@ -195,7 +195,7 @@ def test_generation_prompt_trained_fails(tmp_path, monkeypatch):
 def test_end_of_turn_untrained_fails(tmp_path, monkeypatch):
     real = chat.ChatTokenizer.prefix_spans
 
-    def short(self, conv, turns, full, path, line):
+    def short(self, conv, turns, full, path, line, *rest):
         return [(a, b - len("<|im_end|>")) for a, b in real(self, conv, turns, full, path, line)]
 
     monkeypatch.setattr(chat.ChatTokenizer, "prefix_spans", short)

@@ -43,6 +43,9 @@ LOSS_MODES = ("assistant", "last-turn", "all", "per-turn")
 PREFIX_HINT = ("use --loss-on last-turn (loss on the final assistant turn, history as the template renders it), "
                "--loss-on per-turn (one training sequence per assistant turn, each rendered as the template "
                "renders it at that turn) or --loss-on all")
+LAST_TURN_HINT = ("the prompt before this turn renders differently from the same messages as history (a system "
+                  "prompt placed only with a final user turn, as Mistral's v0.3 template does): use --loss-on all, "
+                  "or a template whose history renders as its prompt (--chat-template)")
 TEMPLATE_HINT = ("pass --chat-template FILE (a Jinja chat template) or --chat-template NAME (one of the "
                  "tokenizer's named templates), or use a tokenizer directory whose tokenizer_config.json "
                  "has a chat_template (prompt/completion strings need none with --prompt-format raw)")
@@ -214,7 +217,8 @@ class ChatTokenizer:
         turns = trained_turns(conv, loss_on, policy)
         try:
             full = self.render_conversation(conv)
-            spans = [] if loss_on == "all" else self.prefix_spans(conv, turns, full, path, line)
+            spans = [] if loss_on == "all" else self.prefix_spans(conv, turns, full, path, line,
+                                                                  loss_on == "assistant")
         except ShardError:
             raise
         except Exception as exc:  # jinja2 TemplateError, raise_exception(), bad content types
@@ -263,11 +267,14 @@ class ChatTokenizer:
             trained = trained_from_offsets(np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)[:, 0], spans)
         return ids, self._label_aligned(trained, path, line)
 
-    def prefix_spans(self, conv: Conversation, turns: List[int], full: str, path: str, line: int):
+    def prefix_spans(self, conv: Conversation, turns: List[int], full: str, path: str, line: int,
+                     every_turn: bool = True):
         """Reference spans of the assistant messages at ``turns`` (prefix renders).
 
         Raises:
-            InputError: a prefix does not render as a prefix of ``full``.
+            InputError: a prefix does not render as a prefix of ``full`` (the hint names the loss
+                modes that work: with ``every_turn`` false, the last turn alone fails, so only
+                ``all`` or another template can).
         """
         spans = []
         messages = conv.template_messages
@@ -279,7 +286,8 @@ class ChatTokenizer:
                                   "of the full conversation (its output for earlier turns depends on later "
                                   "ones, as thinking templates that drop <think> from the history do), so "
                                   "every assistant turn cannot be trained from one rendering",
-                                  path, line, field="chat_template", reason="template_error", hint=PREFIX_HINT)
+                                  path, line, field="chat_template", reason="template_error",
+                                  hint=PREFIX_HINT if every_turn else LAST_TURN_HINT)
             end = len(after)
             while end > len(before) and after[end - 1].isspace():
                 end -= 1
