@@ -40,7 +40,8 @@ def test_openai_tool_calls_map_to_the_hf_vocabulary():
     assert list(call["function"]["arguments"]) == ["city", "unit"]  # key order as the producer wrote it
     assert conv.messages[3] == {"role": "tool", "content": '{"rain": false}', "tool_call_id": "call00003"}
     assert conv.tools == [{"type": "function", "function": json.loads(json.dumps(openai(3)["tools"][0]["function"]))}]
-    assert conv.fields == ["messages[0]", "messages[1]", "messages[2]", "messages[3]", "messages[4]"]
+    assert [conv.where(k) for k in range(5)] == ["messages[0]", "messages[1]", "messages[2]", "messages[3]",
+                                                 "messages[4]"]
 
 
 def test_legacy_function_call_functions_and_function_role():

@@ -189,7 +189,7 @@ class ChatTokenizer:
         conv = as_conversation(messages, path, line, SchemaOptions(reasoning_tags=tuple(policy.tags)))
         if conv.rendered is not None:
             return conv
-        if not conv.tools and not conv.inline and not any(len(m) > 2 for m in conv.messages):  # plain chat
+        if conv.plain:  # role and content only: nothing to adapt
             conv.rendered = conv.messages
             return conv
         return adapt(conv, self.traits, policy, path, line)

@@ -79,9 +79,12 @@ def reasoning_block(text: str, a: int, b: int, opening: str, closing: str):
     i = a
     while i < b and text[i].isspace():
         i += 1
+    j = a
+    while j > 0 and text[j - 1].isspace():
+        j -= 1
     if text.startswith(opening, i):
         inner = i + len(opening)
-    elif text[:a].rstrip().endswith(opening):
+    elif text.endswith(opening, 0, j):  # (no slice: a copy of the text before every turn)
         i = inner = a
     else:
         return None
@@ -102,15 +105,18 @@ def refine_spans(text: str, spans: Sequence[Tuple[int, int]], turns: Sequence[in
     Raises:
         InputError: a turn's reasoning must be masked but its rendering shows no reasoning block.
     """
-    out: List[Tuple[int, int]] = []
     opening, closing = policy.tags
+    if opening not in text and not (policy.reasoning == "mask"
+                                    and any("reasoning_content" in conv.messages[k] for k in turns)):
+        return list(spans)  # nothing to cut (the usual case): one scan of the rendering
+    out: List[Tuple[int, int]] = []
     for (a, b), k in zip(spans, turns):
         block = reasoning_block(text, a, b, opening, closing) if a < b else None
         reasons = "reasoning_content" in conv.messages[k] and policy.reasoning != "drop"
         if block is None:
             if reasons and policy.reasoning == "mask":
-                raise input_error(f"cannot mask the reasoning of {conv.fields[k]}: its rendering holds no "
-                                  f"{opening}...{closing} block", path, line, field=conv.fields[k],
+                raise input_error(f"cannot mask the reasoning of {conv.where(k)}: its rendering holds no "
+                                  f"{opening}...{closing} block", path, line, field=conv.where(k),
                                   reason="reasoning_not_located",
                                   hint="set --reasoning-tags to the template's reasoning delimiters, or use "
                                        "--reasoning-loss train or drop")

@@ -98,8 +98,8 @@ def adapt(conv: Conversation, traits: TemplateTraits, policy: LossPolicy, path: 
         m = dict(out[k])
         if "tool_calls" in m:
             if traits.tool_arguments is None:
-                raise input_error(f"the chat template does not render tool calls, and {conv.fields[k]} holds "
-                                  f"{len(m['tool_calls'])}", path, line, field=conv.fields[k],
+                raise input_error(f"the chat template does not render tool calls, and {conv.where(k)} holds "
+                                  f"{len(m['tool_calls'])}", path, line, field=conv.where(k),
                                   reason="template_no_tool_support",
                                   hint="use a chat template with tool support (--chat-template), or --skip-bad")
             if traits.tool_arguments == "string":
@@ -155,7 +155,7 @@ def items_of(conv: Conversation, reasoning_required: Sequence[int], policy: Loss
     """``(ordered, anywhere)``: ``(field, what, forms)`` of every text the rendering must hold."""
     ordered, anywhere = [], []
     for k, m in enumerate(conv.messages):
-        where = conv.fields[k] if k < len(conv.fields) else f"messages[{k}]"
+        where = conv.where(k)
         role = m["role"]
         if role == "assistant" and "reasoning_content" in m and k in reasoning_required \
                 and policy.reasoning != "drop":
@@ -179,6 +179,8 @@ def check_rendered(text: str, conv: Conversation, reasoning_required: Sequence[i
     Raises:
         InputError: the first text the rendering lacks (reason ``template_dropped_content``).
     """
+    if conv.plain and _plain_rendered(text, conv.messages):
+        return
     ordered, anywhere = items_of(conv, reasoning_required, policy)
     pos = 0
     for where, what, forms in ordered:
@@ -189,6 +191,27 @@ def check_rendered(text: str, conv: Conversation, reasoning_required: Sequence[i
     for where, what, forms in anywhere:
         if _find(text, forms, 0) < 0:
             raise _dropped(where, what, False, path, line)
+
+
+def _plain_rendered(text: str, messages: List[dict]) -> bool:
+    """The check's fast path for role/content messages: True when every content is found as
+    written, in order (system anywhere); False sends the caller the full way (and its error)."""
+    pos = 0
+    for m in messages:
+        c = m["content"]
+        if c[:1].isspace() or c[-1:].isspace():
+            c = c.strip()
+        if not c:
+            continue
+        if m["role"] == "system":
+            if c not in text:
+                return False
+            continue
+        at = text.find(c, pos)
+        if at < 0:
+            return False
+        pos = at + len(c)
+    return True
 
 
 def _find(text: str, forms: Sequence[str], pos: int) -> int:

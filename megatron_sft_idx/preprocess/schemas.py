@@ -49,6 +49,10 @@ CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assist
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
                   "assistant": "assistant", "chatgpt": "assistant", "model": "assistant",
                   "function_call": "assistant", "observation": "tool", "tool": "tool", "function": "tool"}
+_PLAIN_CHAT = {"system": "system", "user": "user", "assistant": "assistant"}
+_PLAIN_SHAREGPT = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+_WHITESPACE_STARTS = frozenset(" \t\n\r\x0b\x0c\x1c\x1d\x1e\x1f\x85\xa0\u1680\u2028\u2029\u202f\u205f\u3000"
+                               + "".join(chr(c) for c in range(0x2000, 0x200B)))
 _REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")
 _MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "function_call",
                              "weight"} | set(_REASONING_FIELDS))
@@ -75,21 +79,27 @@ class Conversation:
 
     messages: List[dict]
     tools: Optional[List[dict]] = None
-    fields: List[str] = field(default_factory=list)
+    fields: List = field(default_factory=list)   # a name, or an int i for "messages[i]" (formatted when needed)
     untrained: FrozenSet[int] = frozenset()
     inline: Dict[int, str] = field(default_factory=dict)
     rendered: Optional[List[dict]] = None   # the messages as the template is given them (rendering.adapt)
+    plain: bool = False                     # every message is {"role", "content"} as given: nothing to adapt
 
     @property
     def template_messages(self) -> List[dict]:
         return self.messages if self.rendered is None else self.rendered
+
+    def where(self, k: int) -> str:
+        """The source field of message ``k`` (``conversations[3]``, ``input``, ``messages[2]``)."""
+        f = self.fields[k] if k < len(self.fields) else k
+        return f if isinstance(f, str) else f"messages[{f}]"
 
     def cut(self, k: int) -> "Conversation":
         """The conversation up to and including message ``k``."""
         return Conversation(self.messages[:k + 1], self.tools, self.fields[:k + 1],
                             frozenset(i for i in self.untrained if i <= k),
                             {i: c for i, c in self.inline.items() if i <= k},
-                            None if self.rendered is None else self.rendered[:k + 1])
+                            None if self.rendered is None else self.rendered[:k + 1], self.plain)
 
 
 @dataclass(frozen=True)
@@ -159,10 +169,13 @@ class _Mapper:
 
     def __init__(self, path: str, line: int, opts: SchemaOptions) -> None:
         self.path, self.line, self.opts = path, line, opts
+        # first characters of a content that may open with a reasoning block (whitespace, the tag's)
+        self.maybe_reasoning = _WHITESPACE_STARTS | {opts.reasoning_tags[0][:1]}
         self.messages: List[dict] = []
-        self.fields: List[str] = []
+        self.fields: list = []
         self.untrained: set = set()
         self.inline: Dict[int, str] = {}
+        self.plain = True   # every message so far was taken by a fast path as {"role", "content"}
 
     def error(self, message: str, where: Optional[str], reason: str, hint: Optional[str] = None):
         return input_error(message, self.path, self.line, field=where, reason=reason,
@@ -171,9 +184,23 @@ class _Mapper:
     def done(self, tools) -> Conversation:
         if not self.messages:
             raise self.error("empty conversation", None, "empty_conversation")
-        return Conversation(self.messages, tools, self.fields, frozenset(self.untrained), self.inline)
+        plain = self.plain and not tools and not self.inline and not self.untrained
+        return Conversation(self.messages, tools, self.fields, frozenset(self.untrained), self.inline, None, plain)
+
+    def plain_text(self, role: str, content, where, text_field: str) -> bool:
+        """The fast path of a ``{"role", "content"}`` message with a string content: True when taken
+        (an assistant content that may open with reasoning goes the full way)."""
+        if type(content) is not str or (role == "assistant" and content[:1] in self.maybe_reasoning):
+            return False
+        if not content.isascii():
+            check_text(content, self.path, self.line, (where if isinstance(where, str) else f"messages[{where}]")
+                       + text_field)
+        self.messages.append({"role": role, "content": content})
+        self.fields.append(where)
+        return True
 
     def add(self, message: dict, where: str, weight=None) -> None:
+        self.plain = False
         if weight is not None:
             if weight not in (0, 1) or isinstance(weight, bool):
                 raise self.error(f"'weight' must be 0 or 1, got {weight!r}", where + ".weight", "unknown_field")
@@ -322,6 +349,10 @@ class _Mapper:
                                  "ambiguous_record")
             self.add({"role": "system", "content": self.text(record["system"], "system")}, "system")
         for i, m in enumerate(messages):
+            if type(m) is dict and len(m) == 2 and type(m.get("role")) is str:  # the common case, taken fast
+                role = _PLAIN_CHAT.get(m["role"])
+                if role is not None and self.plain_text(role, m.get("content"), i, ".content"):
+                    continue
             self.chat_message(m, f"messages[{i}]")
         tools = self.tools(record.get("tools"), "tools")
         legacy = self.tools(record.get("functions"), "functions")
@@ -385,6 +416,11 @@ class _Mapper:
                                  "ambiguous_record")
             self.add({"role": "system", "content": self.text(record["system"], "system")}, "system")
         for i, t in enumerate(conversations):
+            if type(t) is dict and len(t) == 2 and type(t.get("from")) is str:  # the common case, taken fast
+                role = _PLAIN_SHAREGPT.get(t["from"])
+                if role is not None and self.plain_text(role, t.get("value"), f"conversations[{i}]", ".value"):
+                    continue
+            self.plain = False
             where = f"conversations[{i}]"
             if not isinstance(t, dict) or not isinstance(t.get("from"), str) or not isinstance(t.get("value"), str):
                 raise self.error(f"{where} needs string 'from' and 'value'", where, "missing_key")
