@@ -32,6 +32,7 @@ model should see). ``None`` values count as absent (Parquet and Arrow rows hold 
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, List, Optional, Tuple
@@ -113,6 +114,12 @@ class SchemaOptions:
     reasoning_tags: Tuple[str, str] = REASONING_TAGS
 
 
+@functools.lru_cache(maxsize=8)
+def _maybe_reasoning(opening: str) -> FrozenSet[str]:
+    """First characters of a content that may open with a reasoning block (whitespace, the tag's)."""
+    return _WHITESPACE_STARTS | {opening[:1]}
+
+
 def as_conversation(value, path: str = "<messages>", line: int = 0,
                     opts: Optional[SchemaOptions] = None) -> Conversation:
     """A Conversation from itself, or from a list of OpenAI-style messages (mapped as a chat
@@ -169,8 +176,7 @@ class _Mapper:
 
     def __init__(self, path: str, line: int, opts: SchemaOptions) -> None:
         self.path, self.line, self.opts = path, line, opts
-        # first characters of a content that may open with a reasoning block (whitespace, the tag's)
-        self.maybe_reasoning = _WHITESPACE_STARTS | {opts.reasoning_tags[0][:1]}
+        self.maybe_reasoning = _maybe_reasoning(opts.reasoning_tags[0])
         self.messages: List[dict] = []
         self.fields: list = []
         self.untrained: set = set()
@@ -348,10 +354,17 @@ class _Mapper:
                 raise self.error("record has a 'system' field and a system message: keep one", "system",
                                  "ambiguous_record")
             self.add({"role": "system", "content": self.text(record["system"], "system")}, "system")
+        out, fields, maybe = self.messages, self.fields, self.maybe_reasoning
         for i, m in enumerate(messages):
-            if type(m) is dict and len(m) == 2 and type(m.get("role")) is str:  # the common case, taken fast
-                role = _PLAIN_CHAT.get(m["role"])
-                if role is not None and self.plain_text(role, m.get("content"), i, ".content"):
+            if type(m) is dict and len(m) == 2:  # the common case, taken fast
+                role, content = m.get("role"), m.get("content")
+                if (type(role) is str and type(content) is str and content.isascii() and role in _PLAIN_CHAT
+                        and (role != "assistant" or content[:1] not in maybe)):
+                    out.append({"role": role, "content": content})
+                    fields.append(i)
+                    continue
+                role = _PLAIN_CHAT.get(role) if type(role) is str else None
+                if role is not None and self.plain_text(role, content, i, ".content"):
                     continue
             self.chat_message(m, f"messages[{i}]")
         tools = self.tools(record.get("tools"), "tools")
