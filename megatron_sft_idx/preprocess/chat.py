@@ -186,7 +186,8 @@ class ChatTokenizer:
 
     def prepare(self, messages, policy: LossPolicy, path: str, line: int) -> Conversation:
         """The conversation adapted to this template (:func:`.rendering.adapt`)."""
-        conv = as_conversation(messages, path, line, SchemaOptions(reasoning_tags=tuple(policy.tags)))
+        conv = messages if isinstance(messages, Conversation) else \
+            as_conversation(messages, path, line, SchemaOptions(reasoning_tags=tuple(policy.tags)))
         if conv.rendered is not None:
             return conv
         if conv.plain:  # role and content only: nothing to adapt
@@ -226,7 +227,15 @@ class ChatTokenizer:
         check_rendered(full, conv, reasoning_turns(conv, loss_on, policy, turns), policy, path, line)
         if loss_on == "all":
             return full, []
-        return full, refine_spans(full, spans, turns, conv, policy, path, line)
+        return full, self.refined(full, spans, turns, conv, policy, path, line)
+
+    def refined(self, text: str, spans, turns, conv: Conversation, policy: LossPolicy, path: str, line: int):
+        """:func:`.policy.refine_spans`, skipped when it cannot cut anything: a conversation of plain
+        messages (no content opens with reasoning) and a template whose source never writes the
+        opening tag, so no block can open a turn or end its generation prompt."""
+        if conv.plain and policy.tags[0] not in (self.chat_template or ""):
+            return list(spans)
+        return refine_spans(text, spans, turns, conv, policy, path, line)
 
     def turn_texts_and_spans(self, messages, path: str, line: int, policy: LossPolicy = DEFAULT_POLICY
                              ) -> List[Tuple[str, List[Tuple[int, int]]]]:

@@ -36,7 +36,7 @@ from .chat import (ChatTokenizer, encode_tokens, load_chat_tokenizer, reasoning_
 from .errors import InputError, input_error
 from .fast_tokenizer import FastTokenizer
 from .inputs import parse_record
-from .policy import LossPolicy, refine_spans, trained_turns
+from .policy import LossPolicy, trained_turns
 from .rendering import check_rendered
 from .schemas import REASONING_TAGS, SchemaOptions
 from .spans import SpanLocator
@@ -261,7 +261,7 @@ class RecordEncoder:
             return None, text
         try:
             check_rendered(text, conv, reasoning_turns(conv, loss_on, self.policy, turns), self.policy, path, line)
-            return refine_spans(text, spans, turns, conv, self.policy, path, line), text
+            return self.tok.refined(text, spans, turns, conv, self.policy, path, line), text
         except InputError:
             return None, text
 

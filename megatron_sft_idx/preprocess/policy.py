@@ -106,9 +106,6 @@ def refine_spans(text: str, spans: Sequence[Tuple[int, int]], turns: Sequence[in
         InputError: a turn's reasoning must be masked but its rendering shows no reasoning block.
     """
     opening, closing = policy.tags
-    if opening not in text and not (policy.reasoning == "mask"
-                                    and any("reasoning_content" in conv.messages[k] for k in turns)):
-        return list(spans)  # nothing to cut (the usual case): one scan of the rendering
     out: List[Tuple[int, int]] = []
     for (a, b), k in zip(spans, turns):
         block = reasoning_block(text, a, b, opening, closing) if a < b else None

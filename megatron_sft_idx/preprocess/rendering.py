@@ -203,14 +203,27 @@ def _plain_rendered(text: str, messages: List[dict]) -> bool:
             if c not in text and c.strip() not in text:
                 return False
             continue
-        at = text.find(c, pos)
+        at = _find_at(text, c, pos)
         if at < 0:  # (a template may strip it)
             c = c.strip()
-            at = text.find(c, pos)
+            at = _find_at(text, c, pos)
             if at < 0:
                 return False
         pos = at + len(c)
     return True
+
+
+def _find_at(text: str, needle: str, pos: int) -> int:
+    """``text.find(needle, pos)``, by its first 32 characters then a comparison: a long needle's
+    full search costs a preprocessing pass over it, and the content is almost always at the first
+    place its start is."""
+    if len(needle) <= 32:
+        return text.find(needle, pos)
+    head = needle[:32]
+    at = text.find(head, pos)
+    while at >= 0 and not text.startswith(needle, at):
+        at = text.find(head, at + 1)
+    return at
 
 
 def _find(text: str, forms: Sequence[str], pos: int) -> int:

@@ -151,7 +151,8 @@ def map_record(kind: str, record: dict, path: str, line: int, opts: SchemaOption
         InputError: see the module docstring; ``reason`` is the skip-count key.
     """
     m = _Mapper(path, line, opts)
-    if detected and kind in _SHAPE_KEYS:  # (a kind named by --input-format is the user's choice)
+    # (a kind named by --input-format is the user's choice; only a detected one can be ambiguous)
+    if detected and kind in _SHAPE_KEYS and any(k in record for k in _SHAPE_KEYS[kind]):
         other = [k for k in _SHAPE_KEYS[kind] if _present(record.get(k))]
         if other:
             raise m.error(f"record holds '{other[0]}' beside the {kind} shape's keys: which one is meant?",

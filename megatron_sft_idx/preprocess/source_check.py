@@ -294,72 +294,93 @@ def check_sequence(conv: SourceConversation, trained: List[int], text: str, star
     token ``j`` starting at character ``starts[j]`` (``starts[-1] == len(text)``), against the
     source turns ``conv`` of which ``trained`` must be trained (see the module docstring);
     ``special_ids`` are the tokenizer's special tokens (an end-of-turn is one)."""
-    reasoning = settings.get("reasoning", "train")
-    required = set(trained)
-    counts: Dict[str, int] = {}
     targets = np.flatnonzero(mask) + 1
     is_trained = np.zeros(ids.size, dtype=bool)
     is_trained[targets] = True
     r = _Rendering(text, starts[:ids.size] if starts.size else np.zeros(ids.size, np.int64), is_trained)
+    c = _Check(conv, set(trained), settings.get("reasoning", "train"))
+    problem = c.locate(r) or c.texts(r)
+    if not problem:
+        problem = c.runs(r, targets, ids, special_ids, generation_prompt.strip(),
+                         _empty_block(settings) if settings.get("empty_reasoning", "mask") == "mask" else None)
+    return Verdict(problem, c.counts)
 
-    def must(x: Text) -> bool:
-        return x.turn in required and (x.kind != "reasoning" or reasoning == "train")
 
-    pos = 0
-    for i, t in enumerate(conv.turns):  # 1. every text, in order
-        for x in t.texts:
-            anywhere = t.role == "system"
-            x.start, x.end = r.locate(x.forms, 0 if anywhere else pos, must(x))
+class _Check:
+    """The three steps of :func:`check_sequence`; each returns '' or the first problem."""
+
+    def __init__(self, conv: SourceConversation, required: set, reasoning: str) -> None:
+        self.conv, self.required, self.reasoning = conv, required, reasoning
+        self.counts: Dict[str, int] = {}
+
+    def must(self, x: Text) -> bool:
+        return x.turn in self.required and (x.kind != "reasoning" or self.reasoning == "train")
+
+    def locate(self, r: _Rendering) -> str:
+        """1. Every text, in order (system texts and tool names anywhere)."""
+        conv, pos = self.conv, 0
+        for i, t in enumerate(conv.turns):
+            for x in t.texts:
+                anywhere = t.role == "system"
+                x.start, x.end = r.locate(x.forms, 0 if anywhere else pos, self.must(x))
+                if x.start < 0:
+                    if x.kind == "reasoning" and (i not in self.required or self.reasoning == "drop"):
+                        continue  # a template may drop the history's reasoning
+                    what = "out of order" if _occurrences(r.text, x.forms, 0) else "nowhere"
+                    return f"{x.where} ({_label(conv, x)} {x.forms[0][:40]!r}) is {what} in the rendering"
+                if not anywhere:
+                    pos = x.end
+        for x in conv.tools:
+            x.start, x.end = r.locate(x.forms, 0, False)
             if x.start < 0:
-                if x.kind == "reasoning" and (i not in required or reasoning == "drop"):
-                    continue  # a template may drop the history's reasoning
-                what = "out of order" if _occurrences(text, x.forms, 0) else "nowhere"
-                return Verdict(f"{x.where} ({_label(conv, x)} {x.forms[0][:40]!r}) is {what} in the rendering",
-                               counts)
-            if not anywhere:
-                pos = x.end
-    for x in conv.tools:
-        x.start, x.end = r.locate(x.forms, 0, False)
-        if x.start < 0:
-            return Verdict(f"{x.where} (tool definition {x.forms[0]!r}) is nowhere in the rendering", counts)
-    owner = np.full(ids.size, -2, dtype=np.int64)   # 2. which texts are trained (-2: no text, -1: a tool)
-    role_of = [""] * ids.size
-    for x in [x for t in conv.turns for x in t.texts if x.start >= 0] + conv.tools:
-        lo, hi = r.tokens(x.start, x.end)
-        owner[lo:hi] = x.turn
-        for j in range(lo, hi):
-            role_of[j] = _role(conv, x)
-        got = is_trained[lo:hi]
-        if must(x) and not got.all():
-            return Verdict(f"{x.where} ({_label(conv, x)}) is not trained, but the settings train it", counts)
-        if not must(x) and got.any():
-            return Verdict(f"{x.where} ({_label(conv, x)}) is trained, but the settings never train it", counts)
-    runs = np.split(targets, np.flatnonzero(np.diff(targets) != 1) + 1) if targets.size else []
-    bare = sum(1 for i in required if not conv.turns[i].texts)
-    gp = generation_prompt.strip()
-    empty = _empty_block(settings) if settings.get("empty_reasoning", "mask") == "mask" else None
-    for run in runs:                                 # 3. the runs
-        turns = {int(o) for o in owner[run] if o >= 0}
-        piece = text[int(starts[run[0]]):int(starts[run[-1] + 1])]
-        if not turns:
-            bare -= 1
-            if bare < 0:
-                return Verdict(f"trained text {piece[:60]!r} belongs to no trained turn", counts)
-        elif len(turns) > 1:
-            return Verdict(f"one trained run spans several turns: {piece[:60]!r}", counts)
-        kind = "tool_call" if turns and conv.turns[turns.pop()].calls else "assistant"
-        if int(ids[run[-1]]) not in special_ids:
-            return Verdict(f"trained run {piece[-60:]!r} does not end with an end-of-turn token", counts)
-        if gp and gp in piece:
-            return Verdict(f"the generation prompt {gp!r} is trained", counts)
-        if empty is not None and empty.search(piece):
-            return Verdict(f"an empty reasoning block is trained in {piece[:60]!r}", counts)
-        for j in run:
-            key = role_of[j] or kind
-            counts[key] = counts.get(key, 0) + 1
-    if bare > 0:
-        return Verdict(f"{bare} trained turn(s) with no text have no trained end-of-turn", counts)
-    return Verdict("", counts)
+                return f"{x.where} (tool definition {x.forms[0]!r}) is nowhere in the rendering"
+        return ""
+
+    def texts(self, r: _Rendering) -> str:
+        """2. The tokens of each text are trained exactly when the settings train it."""
+        conv = self.conv
+        self.owner = np.full(r.trained.size, -2, dtype=np.int64)   # -2: no text, -1: a tool definition
+        self.role_of = [""] * r.trained.size
+        for x in [x for t in conv.turns for x in t.texts if x.start >= 0] + conv.tools:
+            lo, hi = r.tokens(x.start, x.end)
+            self.owner[lo:hi] = x.turn
+            for j in range(lo, hi):
+                self.role_of[j] = _role(conv, x)
+            got = r.trained[lo:hi]
+            if self.must(x) and not got.all():
+                return f"{x.where} ({_label(conv, x)}) is not trained, but the settings train it"
+            if not self.must(x) and got.any():
+                return f"{x.where} ({_label(conv, x)}) is trained, but the settings never train it"
+        return ""
+
+    def runs(self, r: _Rendering, targets, ids, special_ids, gp: str, empty) -> str:
+        """3. Each trained run: one turn's, ending with an end-of-turn token, no generation prompt,
+        no empty reasoning block; trained tokens counted per role."""
+        runs = np.split(targets, np.flatnonzero(np.diff(targets) != 1) + 1) if targets.size else []
+        bare = sum(1 for i in self.required if not self.conv.turns[i].texts)
+        for run in runs:
+            turns = {int(o) for o in self.owner[run] if o >= 0}
+            piece = r.text[int(r.starts[run[0]]):int(r.starts[run[-1] + 1]) if run[-1] + 1 < r.starts.size
+                           else len(r.text)]
+            if not turns:
+                bare -= 1
+                if bare < 0:
+                    return f"trained text {piece[:60]!r} belongs to no trained turn"
+            elif len(turns) > 1:
+                return f"one trained run spans several turns: {piece[:60]!r}"
+            kind = "tool_call" if turns and self.conv.turns[turns.pop()].calls else "assistant"
+            if int(ids[run[-1]]) not in special_ids:
+                return f"trained run {piece[-60:]!r} does not end with an end-of-turn token"
+            if gp and gp in piece:
+                return f"the generation prompt {gp!r} is trained"
+            if empty is not None and empty.search(piece):
+                return f"an empty reasoning block is trained in {piece[:60]!r}"
+            for j in run:
+                key = self.role_of[j] or kind
+                self.counts[key] = self.counts.get(key, 0) + 1
+        if bare > 0:
+            return f"{bare} trained turn(s) with no text have no trained end-of-turn"
+        return ""
 
 
 def _label(conv: SourceConversation, x: Text) -> str:
