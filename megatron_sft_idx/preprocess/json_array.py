@@ -68,13 +68,13 @@ def _scan(block, base, state, starts, ends):
                 ends[ne] = base + i
                 ne += 1
                 inside = 0
-            elif c == 44 or not expect:
-                state[6] = base + i  # an empty element: ',,' or '[,' or ', ]'
+            elif c == 44 or expect != 1:
+                state[6] = base + i  # an empty element: ',,' or '[,' or ',]'
                 break
             if c == 93:
                 depth, closed, expect = 0, 1, 0
             else:
-                expect = 1
+                expect = 2  # after a comma an element must follow (1: after '[', where ']' may)
             continue
         if depth == 1 and expect:
             starts[ns] = base + i
@@ -99,8 +99,8 @@ class ArrayError(ValueError):
 
 def _events(stream, limit: int, state: np.ndarray, offset: int) -> Iterator[Tuple[bytes, int, np.ndarray, np.ndarray]]:
     """``(block, block offset, element starts, element ends)`` over ``stream`` (``limit`` bytes, all when < 0)."""
-    starts = np.empty(_BLOCK, dtype=np.int64)
-    ends = np.empty(_BLOCK, dtype=np.int64)
+    starts = np.empty(_BLOCK // 2 + 1, dtype=np.int64)  # an element and its comma take two bytes at least
+    ends = np.empty(_BLOCK // 2 + 1, dtype=np.int64)
     while limit != 0:
         block = stream.read(_BLOCK if limit < 0 else min(_BLOCK, limit))
         if not block:
