@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
+from json.encoder import encode_basestring, encode_basestring_ascii
 from typing import List, Optional, Sequence, Tuple
 
 from .errors import input_error
@@ -146,9 +147,11 @@ def json_leaves(value) -> List[Tuple[str, ...]]:
 
 
 def _forms(v) -> Tuple[str, ...]:
-    a = json.dumps(v, ensure_ascii=False)
-    b = json.dumps(v)
-    return (a,) if a == b else (a, b)
+    """``json.dumps(v, ensure_ascii=False)`` and ``json.dumps(v)``, by the C encoders for strings."""
+    if isinstance(v, str):
+        a, b = encode_basestring(v), encode_basestring_ascii(v)
+        return (a,) if a == b else (a, b)
+    return (json.dumps(v),)
 
 
 def items_of(conv: Conversation, reasoning_required: Sequence[int], policy: LossPolicy):

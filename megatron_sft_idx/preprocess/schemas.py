@@ -582,7 +582,13 @@ def check_text(value: str, path: str, line: int, where: str) -> str:
 
 
 def check_json_texts(value, path: str, line: int, where: str) -> None:
-    """Every string (key or value) inside a JSON value passes :func:`check_text`."""
+    """Every string (key or value) inside a JSON value passes :func:`check_text` (one C-level
+    serialisation proves it for the whole value; only a failure walks it to name the text)."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+        return
+    except (UnicodeEncodeError, TypeError, ValueError):
+        pass
     stack = [value]
     while stack:
         v = stack.pop()

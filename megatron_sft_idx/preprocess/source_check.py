@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring, encode_basestring_ascii
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -73,8 +74,11 @@ class SourceConversation:
 
 
 def _forms(value) -> Tuple[str, ...]:
-    a, b = json.dumps(value, ensure_ascii=False), json.dumps(value)
-    return (a,) if a == b else (a, b)
+    """How a JSON scalar or key may be written: with non-ASCII kept (``tojson``) or escaped."""
+    if isinstance(value, str):
+        a, b = encode_basestring(value), encode_basestring_ascii(value)
+        return (a,) if a == b else (a, b)
+    return (json.dumps(value),)
 
 
 def _leaves(value, out: list) -> None:
