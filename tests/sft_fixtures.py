@@ -39,6 +39,15 @@ def glaive(i: int) -> dict:
     ], "system": "You can look up the weather.", "tools": json.dumps([WEATHER])}
 
 
+def glaive_reasoning(i: int) -> dict:
+    """LLaMA-Factory's reasoning-with-tools layout: thought blocks open the function_call and gpt values."""
+    record = glaive(i)
+    turns = record["conversations"]
+    turns[1]["value"] = f"<think>\nThe user wants the weather in {CITIES[i % len(CITIES)]}.\n</think>\n\n" + turns[1]["value"]
+    turns[3]["value"] = "<think>\nI report the observation.\n</think>\n\n" + turns[3]["value"]
+    return record
+
+
 def xlam(i: int) -> dict:
     a, b = CITIES[i % len(CITIES)], CITIES[(i + 3) % len(CITIES)]
     calls = [{"name": "get_weather", "arguments": {"city": a}}, {"name": "get_weather", "arguments": {"city": b}}]

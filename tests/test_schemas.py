@@ -167,6 +167,16 @@ def test_sharegpt_glaive_function_call_and_observation():
     assert conv.fields[2] == "conversations[1]"
 
 
+def test_sharegpt_function_call_may_open_with_a_thought_block():
+    from sft_fixtures import glaive_reasoning
+
+    _, conv = parse(glaive_reasoning(2))
+    call = conv.messages[2]
+    assert call["reasoning_content"] == "\nThe user wants the weather in Lima.\n" and call["content"] == ""
+    assert call["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert conv.messages[4]["reasoning_content"] == "\nI report the observation.\n"
+
+
 def test_sharegpt_parallel_calls_and_rounds():
     _, conv = parse(xlam(1))
     assert [c["function"]["arguments"]["city"] for c in conv.messages[1]["tool_calls"]] == ["Lagos", "Pune"]

@@ -65,6 +65,15 @@ def test_alpaca_reasoning_and_plain_chat_pass(tmp_path, families):
     assert "reasoning" not in s["verify_masks"]["trained_tokens_by_role"]
 
 
+def test_reasoning_with_tools_passes_and_counts_reasoning(tmp_path, families):
+    from sft_fixtures import glaive_reasoning
+
+    for family, kw in (("qwen25", {}), ("qwen3", {"loss_on": "per-turn", "verify_masks": 20})):
+        s = go(tmp_path, [glaive_reasoning(i) for i in range(5)], families[family], name=family, **kw)
+        roles = s["verify_masks"]["trained_tokens_by_role"]
+        assert roles["reasoning"] > 0 and roles["tool_call"] > 0 and roles["assistant"] > 0
+
+
 def test_check_alone_verifies_a_sample_against_the_source(tmp_path, families):
     s = go(tmp_path, [glaive(i) for i in range(40)], families["qwen25"], verify_masks=0, check=True)
     assert s["verify_masks"]["checked"] == 16 and s["verify_masks"]["sample_of_check"]

@@ -10,8 +10,9 @@ chat-template conventions, which public templates consume:
 * a top-level ``tools`` list of ``{"type": "function", "function": {...}}`` (bare function schemas,
   as LLaMA-Factory's ShareGPT ``tools`` and OpenAI's legacy ``functions`` hold them, are wrapped);
 * reasoning as ``reasoning_content`` (from ``reasoning_content`` / ``reasoning`` / ``thinking``, or
-  written inline as ``<think>...</think>`` at the start of the content); where it goes in the
-  rendering is decided per template by :mod:`.rendering`.
+  written inline as ``<think>...</think>`` at the start of the content, or of a ShareGPT
+  ``function_call`` value as LLaMA-Factory allows); where it goes in the rendering is decided
+  per template by :mod:`.rendering`.
 
 ============  ================================================================================
 kind          record
@@ -446,7 +447,12 @@ class _Mapper:
                                  "unknown_role", f"ShareGPT roles are {', '.join(sorted(SHAREGPT_ROLES))}")
             value = self.text(t["value"], where + ".value")
             out = {"role": role}
-            if source.lower() == "function_call":
+            if source.lower() == "function_call":  # (LLaMA-Factory lets a thought block open the calls)
+                split = split_inline_reasoning(value, *self.opts.reasoning_tags)
+                if split is not None:
+                    thought, value = split
+                    if thought.strip():
+                        out["reasoning_content"] = thought
                 out["content"] = ""
                 out["tool_calls"] = self.function_call_value(value, where + ".value")
             elif role == "assistant":

@@ -126,6 +126,18 @@ class _Reader:
             self.text(t, "reasoning", thought, where + ".reasoning")
         self.text(t, "content", content, where + ".content")
 
+    def thought(self, t: Turn, value: str, where: str) -> str:
+        """``value`` without a reasoning block opening it; the block's text becomes ``t``'s reasoning."""
+        opening, closing = self.tags
+        body = value.lstrip() if isinstance(value, str) else ""
+        end = body.find(closing, len(opening)) if body.startswith(opening) else -1
+        if end < 0:
+            return value
+        if body[len(opening):end].strip():
+            t.reasoning = True
+            self.text(t, "reasoning", body[len(opening):end], where + ".reasoning")
+        return body[end + len(closing):]
+
     def call(self, t: Turn, call, where: str) -> None:
         fn = call.get("function", call) if isinstance(call, dict) else {}
         name, arguments = fn.get("name"), fn.get("arguments")
@@ -160,6 +172,7 @@ class _Reader:
             t = self.turn(_SHAREGPT.get(source, "unknown"), where, m.get("weight") == 0)
             value = m.get("value")
             if source == "function_call":
+                value = self.thought(t, value, where)  # (a thought block may open the calls)
                 try:
                     calls = json.loads(value)
                 except (TypeError, ValueError):
