@@ -16,7 +16,7 @@ import tempfile
 
 from chat_families import FAMILIES, with_template
 from preprocess_identity import EXAMPLE_TOKENIZER, shard_digest
-from sft_fixtures import alpaca, glaive, openai, parts, reasoning, toolace, write_jsonl, xlam
+from sft_fixtures import alpaca, glaive, openai, parts, reasoning, toolace, xlam
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DIGESTS = os.path.join(ROOT, "tests", "golden", "shapes_digests.json")

@@ -11,7 +11,11 @@ LABEL-ALIGNED mask the shard stores: ``mask[j] = trained[j+1]``, last position 0
 Loss modes: ``assistant`` (every assistant turn), ``last-turn`` (the last
 assistant turn only), ``all`` (every token), ``per-turn`` (one training sequence
 per assistant turn: the conversation up to and including that turn, rendered as
-the template renders a conversation ending there, loss on that turn only).
+the template renders a conversation ending there, loss on that turn only). Which
+assistant turns count, and which parts of a turn are cut out (reasoning, empty
+reasoning blocks), is the loss policy's (:mod:`.policy`); the conversation is
+first adapted to what the template renders and every rendering is checked to hold
+every message's text (:mod:`.rendering`).
 
 Templates whose rendering of earlier turns depends on later ones (thinking
 templates that drop ``<think>`` from the history, Qwen3- and DeepSeek-R1-style)

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import ShardError
 from ..reader import MMapIndexedDataset
-from .chat import ChatTokenizer, load_chat_tokenizer, trained_from_offsets
+from .chat import load_chat_tokenizer, trained_from_offsets
 from .encode import encoding_of
 from .inputs import parse_record
 from .partitions import read_batches
