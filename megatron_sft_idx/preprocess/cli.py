@@ -23,6 +23,7 @@ from .chat import LOSS_MODES
 from .encode import SPAN_METHODS
 from .fast_tokenizer import BACKENDS
 from .inputs import INPUT_FORMATS
+from .policy import EMPTY_REASONING_LOSS, REASONING_LOSS, TOOL_CALL_LOSS
 from .partitions import DEFAULT_MAX_RECORD_BYTES, DEFAULT_PARTITION_BYTES
 from .summary import decision_warnings, format_summary
 
@@ -52,6 +53,13 @@ def _split(text: str):
     if not 1 <= len(parts) <= 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
         raise argparse.ArgumentTypeError("takes 1-3 non-negative weights (train,valid,test) with a positive sum")
     return parts
+
+
+def _tags(text: str):
+    parts = text.split(",")
+    if len(parts) != 2 or not all(p.strip() for p in parts) or parts[0] == parts[1]:
+        raise argparse.ArgumentTypeError(f"expected two different tags like <think>,</think>, got {text!r}")
+    return parts[0].strip(), parts[1].strip()
 
 
 def _percent(text: str) -> float:
@@ -167,11 +175,20 @@ def build_parser() -> argparse.ArgumentParser:
                     help="output shard prefix; shards are PREFIX[_train|_valid|_test][_000000...]; "
                          "s3://bucket/dir/NAME or msc://profile/dir/NAME uploads them (see --staging-dir)")
     io.add_argument("--input-format", choices=INPUT_FORMATS, default="auto",
-                    help="record kind; auto detects messages / conversations / input_ids / prompt key "
-                         "per record (default: auto)")
+                    help="record shape (docs/INPUTS.md); auto detects per record: messages (chat), conversations "
+                         "(sharegpt), input_ids (tokens), the prompt key (prompt), instruction (alpaca) "
+                         "(default: auto)")
     io.add_argument("--prompt-key", default="prompt", help="prompt key of prompt/completion records (default: prompt)")
     io.add_argument("--completion-key", default="completion",
                     help="completion key of prompt/completion records (default: completion)")
+    io.add_argument("--prompt-format", choices=("chat", "raw"), default="chat",
+                    help="prompt/completion strings: chat renders them as a user and an assistant turn through "
+                         "the chat template; raw encodes [BOS] prompt completion [EOS] exactly as written, with no "
+                         "separator inserted (the data carries its own, as in TRL's standard format) "
+                         "(default: chat)")
+    io.add_argument("--ignore-field", action="append", default=[], metavar="NAME",
+                    help="a message field that carries nothing the model should see (e.g. id); other fields a "
+                         "shape does not use are refused, never dropped silently (repeatable; default: none)")
     io.add_argument("--store", metavar="DIR",
                     help="keep the sequence store (every conversation tokenized once) in DIR, to repack it "
                          "later with repack-sft (default: a temporary store, removed after the run)")
@@ -199,6 +216,17 @@ def build_parser() -> argparse.ArgumentParser:
                          "rendered as the template renders a conversation ending at that turn, loss on that "
                          "turn: for thinking templates that drop <think> from the history); or all (every "
                          "token, prompts included) (default: assistant)")
+    tk.add_argument("--tool-call-loss", choices=TOOL_CALL_LOSS, default="train",
+                    help="an assistant turn with tool calls: train it as assistant output, or mask it whole "
+                         "(tool results, system and user turns are never trained) (default: train)")
+    tk.add_argument("--reasoning-loss", choices=REASONING_LOSS, default="train",
+                    help="the reasoning of a trained turn: train it, mask it (rendered, not trained), or drop it "
+                         "before rendering (the answer is trained alone) (default: train)")
+    tk.add_argument("--empty-reasoning-loss", choices=EMPTY_REASONING_LOSS, default="mask",
+                    help="a reasoning block holding only whitespace (Qwen3-style templates insert one in the final "
+                         "turn): mask it or train it (default: mask)")
+    tk.add_argument("--reasoning-tags", type=_tags, default=("<think>", "</think>"), metavar="OPEN,CLOSE",
+                    help="what delimits reasoning in the data and in the rendering (default: <think>,</think>)")
     tk.add_argument("--tokenizer-backend", choices=BACKENDS, default="auto",
                     help="gigatoken (batched, checked against tokenizers at start and on a sample of every "
                          "batch), hf (tokenizers only), or auto: gigatoken when installed and it agrees "
@@ -228,7 +256,10 @@ def _config(args):
         progress=progress_of(PROG, args), store=args.store, resume=args.resume,
         engine=args.engine, ray_address=args.ray_address, partition_bytes=args.partition_bytes,
         max_record_bytes=args.max_record_bytes, truncated_turn_loss=args.truncated_turn_loss,
-        chat_template=args.chat_template, staging_dir=args.staging_dir)
+        chat_template=args.chat_template, staging_dir=args.staging_dir, prompt_format=args.prompt_format,
+        ignore_fields=tuple(args.ignore_field), tool_call_loss=args.tool_call_loss,
+        reasoning_loss=args.reasoning_loss, empty_reasoning_loss=args.empty_reasoning_loss,
+        reasoning_tags=tuple(args.reasoning_tags))
 
 
 def progress_of(prog: str, args) -> Progress:

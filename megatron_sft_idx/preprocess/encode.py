@@ -31,10 +31,14 @@ import numpy as np
 
 from ..errors import ShardError
 from ..packing.padding import padded_length
-from .chat import ChatTokenizer, assistant_turns, load_chat_tokenizer, encode_tokens, template_rejected, trained_from_offsets
+from .chat import (ChatTokenizer, encode_tokens, load_chat_tokenizer, reasoning_turns, template_rejected,
+                   trained_from_offsets)
 from .errors import InputError, input_error
 from .fast_tokenizer import FastTokenizer
 from .inputs import parse_record
+from .policy import LossPolicy, trained_turns
+from .rendering import check_rendered
+from .schemas import REASONING_TAGS, SchemaOptions
 from .spans import SpanLocator
 
 SAMPLE_EVERY = 256
@@ -64,16 +68,50 @@ class EncodeOptions:
     tokenizer_backend: str = "auto"   # auto | gigatoken | hf (fast_tokenizer): the same bytes either way
     span_method: str = "auto"         # auto (one render, proven) | prefix (reference): the same bytes
     chat_template: Optional[str] = None   # --chat-template's text, instead of the tokenizer's own
+    tool_call_loss: str = "train"         # the loss policies (policy.py)
+    reasoning_loss: str = "train"
+    empty_reasoning_loss: str = "mask"
+    reasoning_tags: Tuple[str, str] = REASONING_TAGS
+    prompt_format: str = "chat"           # chat | raw: prompt/completion strings (schemas.py)
+    ignore_fields: Tuple[str, ...] = ()   # message fields that carry nothing the model should see
+
+    @property
+    def policy(self) -> LossPolicy:
+        return LossPolicy(self.tool_call_loss, self.reasoning_loss, self.empty_reasoning_loss,
+                          tuple(self.reasoning_tags))
+
+    @property
+    def schema(self) -> SchemaOptions:
+        return SchemaOptions(self.prompt_key, self.completion_key, self.prompt_format, tuple(self.ignore_fields),
+                             tuple(self.reasoning_tags))
 
     def to_dict(self) -> dict:
         """What decides the encoded bytes (the store's identity): not the backend or span method,
-        which are checked to give the same bytes as the reference path."""
+        which are checked to give the same bytes as the reference path. Settings at their
+        defaults are left out, so stores made before they existed keep their identity."""
         out = {"vocab_size": self.vocab_size, "loss_on": self.loss_on, "input_format": self.input_format,
                "prompt_key": self.prompt_key, "completion_key": self.completion_key,
                "skip_bad": self.skip_bad}
         if self.chat_template is not None:  # (absent: stores as before the flag)
             out["chat_template"] = self.chat_template
+        policy = self.policy.to_dict()
+        if policy:
+            out["loss_policy"] = policy
+        if self.prompt_format != "chat":
+            out["prompt_format"] = self.prompt_format
+        if self.ignore_fields:
+            out["ignore_fields"] = sorted(self.ignore_fields)
         return out
+
+
+def encoding_of(encode: dict) -> Tuple[SchemaOptions, LossPolicy]:
+    """The schema options and loss policy a store's ``identity["encode"]`` records (defaults absent)."""
+    policy = encode.get("loss_policy") or {}
+    tags = tuple(policy.get("reasoning_tags", REASONING_TAGS))
+    schema = SchemaOptions(encode["prompt_key"], encode["completion_key"], encode.get("prompt_format", "chat"),
+                           tuple(encode.get("ignore_fields", ())), tags)
+    return schema, LossPolicy(policy.get("tool_calls", "train"), policy.get("reasoning", "train"),
+                              policy.get("empty_reasoning", "mask"), tags)
 
 
 @dataclass
@@ -139,6 +177,9 @@ class RecordEncoder:
         self.fast = _load_fast(self.tok, backend) if self.tok else None
         # how each text was handled (tests and --verbose read these)
         self.stats = {"one_render": 0, "prefix_render": 0, "fast_tokens": 0, "reference_tokens": 0}
+        self.policy = options.policy if isinstance(options, EncodeOptions) else LossPolicy()
+        self.schema = (options.schema if isinstance(options, EncodeOptions)
+                       else SchemaOptions(options.prompt_key, options.completion_key))
         self.locator = None
         if (self.tok is not None and self.tok.chat_template is not None and method == "auto"
                 and options.loss_on in ("assistant", "last-turn")):
@@ -170,7 +211,7 @@ class RecordEncoder:
 
     def _prepare(self, i, line, raw, path, results, units) -> None:
         o = self.options
-        kind, payload = parse_record(raw, path, line, o.input_format, o.prompt_key, o.completion_key)
+        kind, payload = parse_record(raw, path, line, o.input_format, o.prompt_key, o.completion_key, self.schema)
         if kind == "tokens":
             results[i].append(encode_tokens(*payload, o.vocab_size, path, line))
         elif self.tok is None:
@@ -178,36 +219,51 @@ class RecordEncoder:
                               hint="pass --tokenizer PATH (a local Hugging Face tokenizer)")
         elif kind == "prompt":
             results[i].append(self.tok.encode_prompt(*payload, path, line))
-        elif o.loss_on == "per-turn":
-            units.extend(_Unit(i, text, spans, False, i % SAMPLE_EVERY == 0) for text, spans in
-                         self.tok.turn_texts_and_spans(payload, path, line))
         else:
-            units.append(self._chat_unit(i, payload, path, line))
+            self.tok.require_template()
+            conv = self.tok.prepare(payload, self.policy, path, line)
+            if o.loss_on == "per-turn":
+                units.extend(_Unit(i, text, spans, False, i % SAMPLE_EVERY == 0) for text, spans in
+                             self.tok.turn_texts_and_spans(conv, path, line, self.policy))
+            else:
+                units.append(self._chat_unit(i, conv, path, line))
 
-    def _chat_unit(self, i, messages, path, line) -> _Unit:
+    def _chat_unit(self, i, conv, path, line) -> _Unit:
         loss_on = self.options.loss_on
         check = i % SAMPLE_EVERY == 0
         if loss_on == "all":
-            self.tok.require_template()
-            try:
-                return _Unit(i, self.tok.render(messages), [], True, check)
-            except Exception as exc:
-                raise template_rejected(exc, path, line) from None
+            text, _ = self.tok.chat_text_and_spans(conv, "all", path, line, self.policy)
+            return _Unit(i, text, [], True, check)
         if self.locator is not None:
-            try:
-                text, spans = self.locator.locate(messages, assistant_turns(messages, loss_on))
-            except Exception as exc:
-                raise template_rejected(exc, path, line) from None
+            spans, text = self._one_render(conv, path, line)
             if spans is not None:
-                if check and (text, spans) != self.tok.chat_text_and_spans(messages, loss_on, path, line):
+                if check and (text, spans) != self.tok.chat_text_and_spans(conv, loss_on, path, line, self.policy):
                     raise ShardError(f"{path}:{line}: the one-render assistant spans differ from the "
                                      "prefix-render spans", field="span_method",
                                      hint="rerun with --span-method prefix, and report the template")
                 self.stats["one_render"] += 1
                 return _Unit(i, text, spans, False, check)
         self.stats["prefix_render"] += 1
-        text, spans = self.tok.chat_text_and_spans(messages, loss_on, path, line)
+        text, spans = self.tok.chat_text_and_spans(conv, loss_on, path, line, self.policy)
         return _Unit(i, text, spans, False, check)
+
+    def _one_render(self, conv, path, line):
+        """``(spans, text)`` by one render, checked and refined as the reference does; spans None
+        when the method cannot vouch for them, or a check fails (the reference then decides,
+        and raises what it raises first)."""
+        loss_on = self.options.loss_on
+        turns = trained_turns(conv, loss_on, self.policy)
+        try:
+            text, spans = self.locator.locate(conv.template_messages, turns, conv.tools)
+        except Exception as exc:
+            raise template_rejected(exc, path, line) from None
+        if spans is None:
+            return None, text
+        try:
+            check_rendered(text, conv, reasoning_turns(conv, loss_on, self.policy, turns), self.policy, path, line)
+            return self.tok.refined(text, spans, turns, conv, self.policy, path, line), text
+        except InputError:
+            return None, text
 
     def _tokenize(self, units: List[_Unit], records, path, results) -> None:
         if not units:

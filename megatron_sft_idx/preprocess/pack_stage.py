@@ -149,6 +149,9 @@ def shard_metadata(store: SequenceStore, job: PackJob, split: str, shard: int, c
         meta["set"] = {"id": set_id, "name": split, "index": shard, "count": count}
     if s.truncated_turn_loss != "keep":  # absent means keep (the default; the bytes of earlier shards)
         meta["extra"]["truncated_turn_loss"] = s.truncated_turn_loss
+    from .pipeline import encoding_extra
+
+    meta["extra"].update(encoding_extra(encode))  # loss policy, prompt format: absent means the defaults
     if meta["tokenizer"] is None:  # pre-tokenized input without a tokenizer
         del meta["tokenizer"]
     return meta
@@ -394,13 +397,17 @@ def check_outputs(record: Dict[str, list]) -> None:
 def _checks(store, job: PackJob, work: WorkDir, shards, times, progress: Progress) -> dict:
     """``--verify-masks`` and ``--check`` on the staged shards; raises when either fails."""
     out = {"verify": None, "gate": None}
-    if job.verify_masks:
-        from .verify import verify_masks
+    from .verify import CHECK_SAMPLE, verify_masks
 
+    # --check also checks a sample against the source when --verify-masks asks for none
+    count = job.verify_masks or (CHECK_SAMPLE if job.check and (job.tokenizer_path or store.tokenizer is None) else 0)
+    if count:
         t = time.perf_counter()
-        with progress.phase("verify-masks", job.verify_masks, unit="conversations") as bar:
-            out["verify"] = verify_masks(store, work.plan, shards, job, job.verify_masks)
+        with progress.phase("verify-masks", count, unit="conversations") as bar:
+            out["verify"] = verify_masks(store, work.plan, shards, job, count)
             bar.update(out["verify"]["checked"])
+        if not job.verify_masks:
+            out["verify"]["sample_of_check"] = True
         times["verify_masks"] = time.perf_counter() - t
     if job.check:
         t = time.perf_counter()

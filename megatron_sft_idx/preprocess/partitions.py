@@ -3,20 +3,30 @@
 The *index* pass reads each input file once: its sha256 (recorded in every shard's metadata),
 and its partitions, which depend only on the file's bytes and ``partition_bytes``:
 
-=========  ===============================================  ================================
-kind       inputs                                           unit of work
-=========  ===============================================  ================================
-lines      uncompressed ``.jsonl`` (any name given directly)  byte range ``[start, end)`` cut at
-                                                              the first line start at or after
-                                                              each multiple of partition_bytes
-stream     ``.jsonl.gz``, ``.jsonl.zst``                     the whole file (not seekable)
-rows       ``.parquet``                                      row groups ``[start, end)``, grouped
-                                                              up to partition_bytes
-=========  ===============================================  ================================
+============  ==================================================  ===============================
+kind          inputs                                              unit of work
+============  ==================================================  ===============================
+lines         uncompressed JSON Lines (``.jsonl``, a ``.json``    byte range ``[start, end)`` cut
+              holding lines, any name given directly)             at the first line start at or
+                                                                  after each multiple of
+                                                                  partition_bytes
+array         an uncompressed ``.json`` holding one JSON array    byte range cut at element starts
+                                                                  the same way (:mod:`.json_array`)
+stream        ``.jsonl.gz``, ``.jsonl.zst`` (and such ``.json``)  the whole file (not seekable)
+array_stream  ``.json.gz``, ``.json.zst`` holding an array        the whole file
+rows          ``.parquet``                                        row groups ``[start, end)``,
+                                                                  grouped up to partition_bytes
+arrow         ``.arrow`` (Arrow IPC; a saved Hugging Face         record batches ``[start, end)``,
+              dataset's data files)                               grouped the same way
+============  ==================================================  ===============================
 
-Each partition carries the 1-based line (row) number of its first record, so every error names
-``file:line`` whichever machine reads it, and concatenating the partitions in order gives the
-records in input order. A run on one machine and a run on a cluster cut the same partitions.
+A file that is not Parquet or Arrow is a JSON array when its first character is ``[`` (whatever
+its name: ``.json``, or an array saved as ``.jsonl``), else JSON Lines.
+
+Each partition carries the 1-based number of its first record -- its line in JSON Lines, its
+position in an array, its row in Parquet and Arrow -- so every error names ``file:N`` whichever
+machine reads it, and concatenating the partitions in order gives the records in input order.
+A run on one machine and a run on a cluster cut the same partitions.
 
 Reading never buffers more than one block plus ``max_record_bytes``: a longer line is skipped
 to its end without being kept, and reported as an :class:`OversizedRecord`.
@@ -30,7 +40,8 @@ from dataclasses import dataclass
 from typing import Iterator, List, Optional, Tuple
 
 from .._extras import require_extra
-from .inputs import JSONL_SUFFIXES, PARQUET_SUFFIXES, OversizedRecord, open_text_bytes
+from . import json_array
+from .inputs import ARROW_SUFFIXES, COMPRESSED_SUFFIXES, PARQUET_SUFFIXES, OversizedRecord, open_text_bytes
 
 _BLOCK = 1 << 20
 DEFAULT_PARTITION_BYTES = 64 << 20
@@ -43,7 +54,7 @@ class Partition:
     """One unit of tokenization: part of one input file."""
 
     file: int          # index into the input list
-    kind: str          # lines | stream | rows
+    kind: str          # lines | array | stream | array_stream | rows | arrow
     start: int         # byte offset (lines), 0 (stream), first row group (rows)
     end: int           # byte end, exclusive (lines), -1 (stream), row group end, exclusive (rows)
     first_line: int    # 1-based line (row) number of the partition's first line (row)
@@ -73,11 +84,31 @@ class Partition:
 
 
 def file_kind(path: str) -> str:
+    """The partition kind of ``path``; a JSON file's is decided by its first character (``[``: an
+    array), read from the (decompressed) stream.
+
+    Raises:
+        OSError, EOFError, ValueError: the file cannot be read.
+    """
     if path.endswith(PARQUET_SUFFIXES):
         return "rows"
-    if path.endswith(JSONL_SUFFIXES[1:]):
-        return "stream"
-    return "lines"
+    if path.endswith(ARROW_SUFFIXES):
+        return "arrow"
+    compressed = path.endswith(COMPRESSED_SUFFIXES)
+    with open_text_bytes(path) as stream:
+        first = b""
+        while not first:
+            block = stream.read(4096)
+            if not block:
+                break
+            first = block.lstrip()[:1]
+    if first == b"[":
+        return "array_stream" if compressed else "array"
+    return "stream" if compressed else "lines"
+
+
+#: Kinds read as one stream from the start: a compressed file is one partition ``[0, -1)``.
+_WHOLE_FILE_KINDS = ("stream", "array_stream")
 
 
 def check_cover(parts: List[Partition], names: List[str], sizes: List[int], path: str,
@@ -103,14 +134,14 @@ def check_cover(parts: List[Partition], names: List[str], sizes: List[int], path
         if p.kind != file_kind(names[p.file]):
             raise bad("the kind of its input's suffix", file_kind(names[p.file]), p.kind)
         first = prev is None or prev.file != p.file
-        if p.kind == "stream":
+        if p.kind in _WHOLE_FILE_KINDS:
             if not first or (p.start, p.end, p.first_line) != (0, -1, 1):
-                raise bad("one [0, -1) partition per compressed file", [p.file, "stream", 0, -1, 1], p.to_list())
+                raise bad("one [0, -1) partition per compressed file", [p.file, p.kind, 0, -1, 1], p.to_list())
         elif (p.start != (0 if first else prev.end) or p.end <= p.start
               or (p.first_line != 1 if first else p.first_line <= prev.first_line)):
             raise bad("contiguous from 0, non-empty, first lines rising from 1", actual=p.to_list())
         last = k + 1 == len(parts) or parts[k + 1].file != p.file
-        if p.kind == "lines" and last and p.end != sizes[p.file]:
+        if p.kind in ("lines", "array") and last and p.end != sizes[p.file]:
             raise bad("the last partition of a file ends at its size", sizes[p.file], p.end)
         prev = p
 
@@ -126,13 +157,18 @@ def index_file(path: str, file_index: int, partition_bytes: int) -> dict:
     """
     st = os.stat(path)
     kind = file_kind(path)
-    if kind == "lines":
-        digest, cuts = _hash_and_cut_lines(path, partition_bytes)
+    if kind in ("lines", "array"):
+        digest, cuts = (_hash_and_cut_lines if kind == "lines" else _hash_and_cut_array)(path, partition_bytes)
         parts = [Partition(file_index, kind, a, b, line) for (a, line), (b, _) in zip(cuts, cuts[1:])]
+    elif kind == "array_stream":
+        digest = sha256_file(path)
+        with open_text_bytes(path) as stream:  # checks the array is whole before any work is planned
+            json_array.cut_points(iter(lambda: stream.read(_BLOCK), b""), 1 << 62)
+        parts = [Partition(file_index, kind, 0, -1, 1)]
     else:
         digest = sha256_file(path)
-        parts = _row_partitions(path, file_index, partition_bytes) if kind == "rows" else \
-            [Partition(file_index, kind, 0, -1, 1)]
+        parts = {"rows": _row_partitions, "arrow": _arrow_partitions}[kind](path, file_index, partition_bytes) \
+            if kind in ("rows", "arrow") else [Partition(file_index, kind, 0, -1, 1)]
     return {"file": file_index, "name": path, "bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
             "sha256": digest, "partitions": [p.to_list() for p in parts]}
 
@@ -185,22 +221,63 @@ def _hash_and_cut_lines(path: str, partition_bytes: int) -> Tuple[str, List[Tupl
     return h.hexdigest(), cuts
 
 
+def _hash_and_cut_array(path: str, partition_bytes: int) -> Tuple[str, List[Tuple[int, int]]]:
+    """sha256 and the cut points ``[(byte offset, element number)]`` of a JSON array file."""
+    h = hashlib.sha256()
+
+    def blocks():
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(_BLOCK), b""):
+                h.update(block)
+                yield block
+
+    cuts = json_array.cut_points(blocks(), partition_bytes)
+    return h.hexdigest(), cuts
+
+
+def _grouped(sizes: List[Tuple[int, int]], kind: str, file_index: int, partition_bytes: int) -> List[Partition]:
+    """Partitions of consecutive groups (row groups, record batches) ``[(rows, bytes)]``, each up to
+    ``partition_bytes`` (and at least one group)."""
+    parts, start, row, first_row, size = [], 0, 1, 1, 0
+    for g, (rows, nbytes) in enumerate(sizes):
+        if g > start and size + nbytes > partition_bytes:
+            parts.append(Partition(file_index, kind, start, g, first_row))
+            start, first_row, size = g, row, 0
+        size += nbytes
+        row += rows
+    if len(sizes) > start:
+        parts.append(Partition(file_index, kind, start, len(sizes), first_row))
+    return parts
+
+
+def _arrow_partitions(path: str, file_index: int, partition_bytes: int) -> List[Partition]:
+    require_extra("preprocess", "pyarrow")
+    import pyarrow as pa
+
+    with pa.memory_map(path) as source:
+        sizes = [(b.num_rows, b.nbytes) for b in _arrow_reader(source)]
+    return _grouped(sizes, "arrow", file_index, partition_bytes)
+
+
+def _arrow_reader(source):
+    """Record batches of an Arrow IPC stream (what ``datasets.save_to_disk`` writes) or file."""
+    import pyarrow as pa
+
+    try:
+        return iter(pa.ipc.open_stream(source))
+    except pa.ArrowInvalid:
+        source.seek(0)
+        reader = pa.ipc.open_file(source)
+        return (reader.get_batch(i) for i in range(reader.num_record_batches))
+
+
 def _row_partitions(path: str, file_index: int, partition_bytes: int) -> List[Partition]:
     require_extra("preprocess", "pyarrow")
     import pyarrow.parquet as pq
 
     meta = pq.ParquetFile(path).metadata
-    parts, start, row, first_row, size = [], 0, 1, 1, 0
-    for g in range(meta.num_row_groups):
-        group = meta.row_group(g)
-        if g > start and size + group.total_byte_size > partition_bytes:
-            parts.append(Partition(file_index, "rows", start, g, first_row))
-            start, first_row, size = g, row, 0
-        size += group.total_byte_size
-        row += group.num_rows
-    if meta.num_row_groups > start:
-        parts.append(Partition(file_index, "rows", start, meta.num_row_groups, first_row))
-    return parts
+    sizes = [(meta.row_group(g).num_rows, meta.row_group(g).total_byte_size) for g in range(meta.num_row_groups)]
+    return _grouped(sizes, "rows", file_index, partition_bytes)
 
 
 # --------------------------------------------------------------------------- reading
@@ -218,12 +295,19 @@ def read_batches(path: str, part: Partition, batch_size: int, max_record_bytes: 
     if part.kind == "rows":
         yield from _parquet_batches(path, part, batch_size)
         return
+    if part.kind == "arrow":
+        yield from _arrow_batches(path, part, batch_size)
+        return
     batch: list = []
     with open_text_bytes(path) as stream:
-        if part.kind == "lines":
+        if part.kind in ("lines", "array"):
             stream.seek(part.start)
-        limit = part.end - part.start if part.kind == "lines" else -1
-        for line, raw in _bounded_lines(stream, limit, part.first_line, max_record_bytes):
+        if part.kind in ("array", "array_stream"):
+            records = json_array.read_elements(stream, part.start, part.end, part.first_line, max_record_bytes)
+        else:
+            limit = part.end - part.start if part.kind == "lines" else -1
+            records = _bounded_lines(stream, limit, part.first_line, max_record_bytes)
+        for line, raw in records:
             batch.append((line, raw))
             if len(batch) >= batch_size:
                 yield batch
@@ -297,3 +381,20 @@ def _parquet_batches(path: str, part: Partition, batch_size: int) -> Iterator[li
         rows = batch.to_pylist()
         yield [(row + i, r) for i, r in enumerate(rows)]
         row += len(rows)
+
+
+def _arrow_batches(path: str, part: Partition, batch_size: int) -> Iterator[list]:
+    require_extra("preprocess", "pyarrow")
+    import pyarrow as pa
+
+    row = part.first_line
+    with pa.memory_map(path) as source:
+        for g, batch in enumerate(_arrow_reader(source)):
+            if g >= part.end:
+                break
+            if g < part.start:
+                continue
+            for lo in range(0, batch.num_rows, batch_size):
+                rows = batch.slice(lo, batch_size).to_pylist()
+                yield [(row + i, r) for i, r in enumerate(rows)]
+                row += len(rows)

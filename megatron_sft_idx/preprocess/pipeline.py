@@ -99,6 +99,12 @@ class Config:
     staging_dir: Optional[str] = None  # an s3:// / msc:// output is built here, then uploaded
     truncated_turn_loss: str = "keep"  # keep | drop: loss on an assistant turn cut by truncation
     chat_template: Optional[str] = None  # a Jinja file, or a name of one of the tokenizer's templates
+    prompt_format: str = "chat"          # chat | raw: prompt/completion strings (schemas.py)
+    ignore_fields: Sequence[str] = ()    # message fields that carry nothing the model should see
+    tool_call_loss: str = "train"        # the loss policies (policy.py)
+    reasoning_loss: str = "train"
+    empty_reasoning_loss: str = "mask"
+    reasoning_tags: Sequence[str] = ("<think>", "</think>")
 
 
 def resolve_pad_multiple(cfg) -> int:
@@ -152,14 +158,19 @@ def resolve_inputs(cfg: Config) -> Inputs:
     # chat input needs a template: say so before anything else fails (auto: when the run fails anyway;
     # else prompt/completion records, which need none, may still come)
     if tok is not None and tok.chat_template is None and (
-            cfg.input_format in ("chat", "sharegpt") or (cfg.input_format == "auto" and pad is None)):
+            cfg.input_format in ("chat", "sharegpt", "alpaca")
+            or (cfg.input_format == "prompt" and cfg.prompt_format == "chat")
+            or (cfg.input_format == "auto" and pad is None)):
         _no_template(tok, pad is None)
     pad_id = check_pad_id(pad, vocab)
     options = EncodeOptions(tokenizer_path=tok.path if tok else None, vocab_size=vocab, loss_on=cfg.loss_on,
                             input_format=cfg.input_format, prompt_key=cfg.prompt_key,
                             completion_key=cfg.completion_key, skip_bad=cfg.skip_bad,
                             tokenizer_backend=cfg.tokenizer_backend, span_method=cfg.span_method,
-                            chat_template=template)
+                            chat_template=template, tool_call_loss=cfg.tool_call_loss,
+                            reasoning_loss=cfg.reasoning_loss, empty_reasoning_loss=cfg.empty_reasoning_loss,
+                            reasoning_tags=tuple(cfg.reasoning_tags), prompt_format=cfg.prompt_format,
+                            ignore_fields=tuple(cfg.ignore_fields))
     identity = {k: v for k, v in tok.identity().items() if k != "path"} if tok else None
     return Inputs(names, [os.path.abspath(n) for n in names], options, identity, pad_id)
 
@@ -263,18 +274,26 @@ def _verified_partitions(directory: str, store_id: str) -> set:
 
 def partition_sizes(parts: List[Partition]):
     """Each partition's share of the tokenize phase: its bytes when every partition is a byte range
-    of a JSONL file (the common case), else 1 each (compressed streams, Parquet row groups)."""
-    if parts and all(p.kind == "lines" and p.end >= p.start for p in parts):
+    of a JSONL file or a JSON array (the common case), else 1 each (compressed streams, Parquet
+    row groups, Arrow batches)."""
+    if parts and all(p.kind in ("lines", "array") and p.end >= p.start for p in parts):
         return [p.end - p.start for p in parts], True
     return [1] * len(parts), False
 
 
 def _part_metadata(inputs: Inputs, info: dict, input_format: str) -> dict:
     meta = {"tokenizer": inputs.tokenizer, "source": {"inputs": [info], "input_format": input_format},
-            "extra": {"loss_on": inputs.options.loss_on}}
+            "extra": dict({"loss_on": inputs.options.loss_on}, **encoding_extra(inputs.options.to_dict()))}
     if inputs.tokenizer is None:
         del meta["tokenizer"]
     return meta
+
+
+def encoding_extra(encode: dict) -> dict:
+    """What a shard's ``extra`` records of the encoding beyond ``loss_on``: the loss policy and the
+    prompt format, when they differ from the defaults (absent means the defaults, so shards made
+    with them keep the bytes of earlier versions)."""
+    return {k: encode[k] for k in ("loss_policy", "prompt_format") if k in encode}
 
 
 def _describe_store(directory: str, identity: dict, infos: List[dict], parts: List[Partition],

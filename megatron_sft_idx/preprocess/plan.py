@@ -329,8 +329,7 @@ def write_plan(store: SequenceStore, s: PlanSettings, path: str) -> dict:
     kept = load_kept(store, s)
     n = kept.padded.size
     if n == 0:
-        raise ShardError("no conversation survived preprocessing; nothing to write", path=store.directory,
-                         hint=f"skipped: {kept.skipped}")
+        raise _nothing_survived(store, kept)
     split_of = split_assignment(n, s.split, s.seed)
     counts = [n] if split_of is None else split_sizes(n, s.split)
     id_dtype = "int32" if index_dtype(store.sequence_count) == np.int32 else "int64"
@@ -356,6 +355,18 @@ def write_plan(store: SequenceStore, s: PlanSettings, path: str) -> dict:
         writer.abort()
         raise
     return meta
+
+
+def _nothing_survived(store: SequenceStore, kept: Kept) -> ShardError:
+    """Every record skipped: the error counts them by reason (tokenize and plan stages alike) and
+    quotes the first of the most frequent."""
+    from .summary import merged_skips, skipped_text
+
+    skipped, first = merged_skips(store, {"skipped": kept.skipped, "first_skipped": kept.first_skipped})
+    top = max(skipped, key=skipped.get) if skipped else None
+    example = f"; the first: {first[top]}" if top in first else ""
+    return ShardError(f"no conversation survived preprocessing; nothing to write (skipped: {skipped_text(skipped)})",
+                      path=store.directory, hint=f"fix the inputs or the settings{example}")
 
 
 def _plan_split(writer: PlanWriter, name: str, kept: Kept, split_of, which: int, count: int, s: PlanSettings,

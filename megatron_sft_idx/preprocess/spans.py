@@ -37,6 +37,8 @@ from __future__ import annotations
 
 from typing import List, Optional, Tuple
 
+from .schemas import Conversation
+
 _PROBE_TEXTS = ("Hello there.", "", "  padded  ", "line one\nline two\n", "<|im_end|>", "x", " ",
                 "\n\nlead", "trail\n\n", "ünïcødé 日本 😀", "user", "assistant", "{{ not jinja }}")
 
@@ -166,12 +168,13 @@ class SpanLocator:
         self.empty_prefix = tok.empty_prefix()
         self.enabled = tok.compiled is not None and self.qualify()
 
-    def render_recorded(self, messages) -> Tuple[str, Optional[List[int]]]:
+    def render_recorded(self, messages, tools=None) -> Tuple[str, Optional[List[int]]]:
         """The full rendering and, when safe, the position where each message's output begins."""
         rec = _Recorder(len(messages))
         parts = []
+        extra = {} if tools is None else {"tools": tools}
         for chunk in self.tok.compiled.generate(messages=_wrap(messages, rec), add_generation_prompt=False,
-                                                **self.tok.template_kwargs):
+                                                **extra, **self.tok.template_kwargs):
             rec.consumed += len(chunk)
             parts.append(chunk)
         text = "".join(parts)
@@ -180,20 +183,22 @@ class SpanLocator:
             return text, None
         return text, first
 
-    def locate(self, messages, turns: List[int]) -> Tuple[str, Optional[List[Tuple[int, int]]]]:
+    def locate(self, messages, turns: List[int], tools=None) -> Tuple[str, Optional[List[Tuple[int, int]]]]:
         """``(full rendering, spans)`` of the assistant messages at ``turns``; spans None when the
         one-render method cannot vouch for this conversation (use the reference).
 
         Raises:
             Exception: whatever the template raises (the caller reports it as the reference does).
         """
-        text, starts = self.render_recorded(messages)
+        text, starts = self.render_recorded(messages, tools)
         if starts is None:
             return text, None
         g = self.generation_prompt
         spans = []
         for k in turns:
             if k == 0:
+                if tools is not None:  # the empty prefix would hold the tool definitions
+                    return text, None
                 begin = len(self.empty_prefix)
                 if not text.startswith(self.empty_prefix):
                     return text, None
@@ -207,6 +212,8 @@ class SpanLocator:
             while end > begin and text[end - 1].isspace():
                 end -= 1
             if messages[k]["content"].strip() not in text[begin:end]:
+                return text, None
+            if any(c["function"]["name"] not in text[begin:end] for c in messages[k].get("tool_calls") or ()):
                 return text, None
             spans.append((begin, end))
         return text, spans
@@ -240,7 +247,7 @@ class SpanLocator:
         except Exception:
             return True  # rejected by the template: both methods report the template's error
         try:
-            want = self.tok.prefix_spans(messages, turns, text, "probe", 0)
+            want = self.tok.prefix_spans(Conversation(messages, rendered=messages), turns, text, "probe", 0)
         except Exception:
             want = None
         try:

@@ -64,7 +64,7 @@ def build_summary(store: SequenceStore, job: PackJob, result: PackResult, times:
         "padding_tokens": result.plan["padding_tokens"],
         "packing_efficiency": round(tokens / (packs * s.pack_size), 6) if packs else 0.0,
         "pack_size": s.pack_size, "pad_seq_to_mult": s.pad_multiple, "algorithm": s.algorithm, "seed": s.seed,
-        "loss_on": encode["loss_on"], "workers": workers, "engine": engine,
+        "loss_on": encode["loss_on"], "loss_policy": loss_policy(encode), "workers": workers, "engine": engine,
         "splits": splits,
         "empty_splits": result.plan["empty_splits"],
         "outputs": finals,
@@ -75,6 +75,17 @@ def build_summary(store: SequenceStore, job: PackJob, result: PackResult, times:
         "seconds": {k: round(v, 3) for k, v in times.items()},
         "peak_rss_mib": peak_rss_mib(store.receipts + result.shards),
     }
+
+
+def loss_policy(encode: dict) -> dict:
+    """The run's loss policies, defaults included (the store records only what differs)."""
+    from .policy import LossPolicy
+
+    given = encode.get("loss_policy") or {}
+    p = LossPolicy()
+    return {"tool_calls": given.get("tool_calls", p.tool_calls), "reasoning": given.get("reasoning", p.reasoning),
+            "empty_reasoning": given.get("empty_reasoning", p.empty_reasoning),
+            "reasoning_tags": list(given.get("reasoning_tags", p.tags))}
 
 
 def _split_of(receipt: dict) -> str:
@@ -180,6 +191,10 @@ def format_summary(s: dict) -> str:
         f"{s['trainable_tokens']:,} ({100 * s['trainable_share']:.1f}%)",
         f"packing efficiency  {100 * s['packing_efficiency']:.2f}%",
     ]
+    policy = s.get("loss_policy")
+    if policy:
+        lines.append(f"loss                {s.get('loss_on', 'assistant')}; tool calls {policy['tool_calls']}, "
+                     f"reasoning {policy['reasoning']}, empty reasoning {policy['empty_reasoning']}")
     for name, sp in s["splits"].items():
         shards = sp["shards"]
         size = f", {human_bytes(sp['bytes'])}" if sp.get("bytes") else ""
@@ -219,7 +234,8 @@ def _truncated_text(s: dict) -> str:
 
 
 def verify_text(v: dict) -> str:
-    """``"20 conversations OK"``, or how many of those asked for were checked and why not all."""
+    """``"20 conversations OK against their source (trained tokens: assistant 812, tool_call 95)"``, or how
+    many of those asked for were checked and why not all."""
     from .._units import plural
 
     checked, requested = v["checked"], v.get("requested", v["checked"])
@@ -231,6 +247,11 @@ def verify_text(v: dict) -> str:
         if v.get("eligible", checked) < requested:
             why.append(f"only {v.get('eligible', checked):,} untruncated conversations were written")
         text = f"{checked:,} of {requested:,} requested conversations OK ({'; '.join(why) or 'fewer written'})"
+    roles = v.get("trained_tokens_by_role")
+    if roles:
+        text += " against their source (trained tokens: " + ", ".join(f"{k} {n:,}" for k, n in roles.items()) + ")"
+    if v.get("sample_of_check"):
+        text += ", the sample --check takes"
     return text
 
 

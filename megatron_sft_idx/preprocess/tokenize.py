@@ -150,7 +150,7 @@ class TokenizeStep:
             for batch in _read(path, name, part, self.batch_size, self.max_record_bytes):
                 records += len(batch)
                 encoded = encoder.encode_batch(batch, name)
-                if part.kind == "lines":  # the driver sized this partition in bytes
+                if part.kind in ("lines", "array"):  # the driver sized this partition in bytes
                     report_progress(sum(len(raw) for _, raw in batch if isinstance(raw, bytes)))
                 writer.add(encoded)
                 sequences += int(encoded.lengths.size)

@@ -1,31 +1,36 @@
-"""``--verify-masks N``: decode N random conversations back from the written shards.
+"""``--verify-masks N`` (and the sample ``--check`` takes): N written conversations checked twice.
 
-Two checks per sampled sequence, both from the source record:
-
-* exact: the record is encoded again by the reference path (one record at a
-  time, prefix renders, ``tokenizers`` offsets; for ``per-turn`` the prefix that
-  ends at that sequence's turn) and its ids and mask must equal the shard's;
-* meaning, computed without the mask code: the trained spans (label-aligned mask
-  → target tokens) decoded must be what the loss mode trains: for each trained
-  assistant turn, a run that holds its visible answer (the content after any
-  ``</think>``, stripped; the whole content when the template renders it verbatim)
-  and ends in exactly one special (end-of-turn) token; under ``all`` the whole
-  rendering; for prompt/completion the completion plus EOS; for pre-tokenized
-  records the input mask itself.
+* exact: the record is encoded again by the reference path (one record at a time, prefix
+  renders, ``tokenizers`` offsets; for ``per-turn`` the sequence of that turn) and its ids and
+  mask must equal the shard's -- the batched fast path is what this catches;
+* against the source (:mod:`.source_check`): the record as read from the file, walked by its own
+  extraction and never through the pipeline's mapping, must have every text in the rendering in
+  order, exactly the policy's turns trained (each reply and tool call with its end-of-turn,
+  nothing else), and its trained tokens are counted per role -- the mapping, the template and
+  the mask rules are what this catches. Pre-tokenized records: the mask the record holds;
+  raw prompt/completion: the completion and EOS, decoded.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 from typing import Dict, List
 
 import numpy as np
 
 from ..errors import ShardError
 from ..reader import MMapIndexedDataset
-from .chat import assistant_turns, encode_tokens, load_chat_tokenizer
+from .chat import load_chat_tokenizer, trained_from_offsets
+from .encode import encoding_of
 from .inputs import parse_record
 from .partitions import read_batches
 from .planfile import PackPlan
+from . import source_check as sc
+
+log = logging.getLogger("megatron_sft_idx.preprocess")
+#: conversations ``--check`` verifies against their source when ``--verify-masks`` is not given
+CHECK_SAMPLE = 16
 
 
 def _runs(positions: np.ndarray) -> List[np.ndarray]:
@@ -34,60 +39,120 @@ def _runs(positions: np.ndarray) -> List[np.ndarray]:
     return np.split(positions, np.flatnonzero(np.diff(positions) != 1) + 1)
 
 
-def _visible_answer(content: str) -> str:
-    return content.rsplit("</think>", 1)[-1].strip()
+class _Checker:
+    """One tokenizer and the run's encoding settings; checks sequences one at a time."""
+
+    def __init__(self, tok, encode: dict) -> None:
+        self.tok = tok
+        self.encode = encode
+        self.schema, self.policy = encoding_of(encode)
+        policy = encode.get("loss_policy") or {}
+        self.settings = {"loss_on": encode["loss_on"], "prompt_key": encode["prompt_key"],
+                         "completion_key": encode["completion_key"],
+                         "prompt_format": encode.get("prompt_format", "chat"),
+                         "tool_calls": policy.get("tool_calls", "train"),
+                         "reasoning": policy.get("reasoning", "train"),
+                         "empty_reasoning": policy.get("empty_reasoning", "mask"),
+                         "reasoning_tags": tuple(policy.get("reasoning_tags", ("<think>", "</think>")))}
+        self.counts: Dict[str, int] = {}
+        if tok is not None:
+            self.special_ids = {tok.backend.token_to_id(t) for t in tok.special_tokens} - {None}
+            self.generation_prompt = _generation_prompt(tok)
+
+    def check(self, raw, ids, mask, name: str, line: int, ordinal: int) -> str:
+        """'' when the sequence is right, else why not."""
+        try:
+            record = json.loads(raw) if isinstance(raw, (bytes, str)) else raw
+            shape = sc.shape_of(record, self.encode["input_format"], self.encode["prompt_key"])
+            if shape == "tokens":
+                want_ids, want_mask = sc.token_record_mask(record)
+                if not (np.array_equal(want_ids, ids) and np.array_equal(want_mask, mask)):
+                    return "the ids or mask differ from the record's"
+                self._count({"tokens": int(mask.sum())})
+                return ""
+            raw_pc = sc.raw_prompt(record, self.settings) if shape == "prompt" else None
+            if raw_pc is not None:
+                return self._raw_prompt(raw_pc, ids, mask)
+            why, text, starts = self._reference(raw, ids, mask, name, line, ordinal)
+            if why:
+                return why
+            source = sc.read_source(record, shape, self.settings)
+            loss_on = self.settings["loss_on"]
+            trained = sc.trained_turns(source, "assistant" if loss_on in ("per-turn", "all") else loss_on,
+                                       self.settings)
+            if loss_on == "per-turn":
+                source, trained = sc.cut_at(source, trained, ordinal)
+            elif loss_on == "all":
+                return self._all(source, trained, text, ids, mask)
+            verdict = sc.check_sequence(source, trained, text, starts, ids, mask, self.settings,
+                                        self.special_ids, self.generation_prompt)
+        except (sc.Unverifiable, KeyError, TypeError, ValueError, AttributeError) as exc:
+            return f"the source record cannot be checked ({exc.__class__.__name__}: {exc})"
+        self._count(verdict.trained)
+        return verdict.problem
+
+    def _count(self, counts: Dict[str, int]) -> None:
+        for role, n in counts.items():
+            self.counts[role] = self.counts.get(role, 0) + n
+
+    def _reference(self, raw, ids, mask, name, line, ordinal):
+        """``(why, rendering, token starts)``: the record through the reference path, compared."""
+        tok, loss_on = self.tok, self.settings["loss_on"]
+        try:
+            kind, payload = parse_record(raw, name, line, self.encode["input_format"], self.encode["prompt_key"],
+                                         self.encode["completion_key"], self.schema)
+            conv = tok.prepare(payload, self.policy, name, line)
+            if loss_on == "per-turn":
+                text, spans = tok.turn_texts_and_spans(conv, name, line, self.policy)[ordinal]
+            else:
+                text, spans = tok.chat_text_and_spans(conv, loss_on, name, line, self.policy)
+        except (ShardError, IndexError) as exc:
+            return f"the reference path refuses this record ({exc})", "", None
+        enc = tok.backend.encode(text, add_special_tokens=False)
+        starts = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)[:, 0]
+        if loss_on == "all":
+            trained = np.ones(starts.size, dtype=np.uint8)
+            trained[:1] = 0
+        else:
+            trained = trained_from_offsets(starts, spans)
+        want = np.zeros(trained.size, dtype=np.uint8)
+        want[:-1] = trained[1:]
+        if not np.array_equal(np.asarray(enc.ids, dtype=np.int64), ids):
+            return "token ids differ from the reference encoding", "", None
+        if not np.array_equal(want, mask):
+            return "loss mask differs from the reference encoding", "", None
+        return "", text, np.append(starts, len(text))
+
+    def _all(self, source, trained, text, ids, mask) -> str:
+        if not mask[:-1].all():
+            return f"{int((mask[:-1] == 0).sum())} positions are not trained under --loss-on all"
+        verdict = sc.check_sequence(source, [], text, np.zeros(0), ids, np.zeros_like(mask), self.settings,
+                                    self.special_ids, "")
+        if verdict.problem:
+            return verdict.problem
+        self._count({"all": int(mask.sum())})
+        return ""
+
+    def _raw_prompt(self, pc, ids, mask) -> str:
+        prompt, completion = pc
+        got = [self.tok.decode(ids[r]) for r in _runs(np.flatnonzero(mask) + 1)]
+        want = completion + (self.tok.hf.eos_token or "")
+        if got != [want]:
+            return f"trained {got!r}, expected {[want]!r}"
+        if prompt not in self.tok.decode(ids):
+            return "the prompt is not in the sequence"
+        self._count({"assistant": int(mask.sum())})
+        return ""
 
 
-def _expected_ok(loss_on, tok, kind, payload, ids, mask, path, line, turn: int = 0) -> str:
-    """'' when the sequence's trained tokens are what the loss mode requires, else why not."""
-    targets = np.flatnonzero(mask) + 1
-    if kind == "tokens":
-        _, want = encode_tokens(*payload, None, path, line)
-        return "" if np.array_equal(want, mask) else "mask differs from the input's mask"
-    if kind == "prompt":
-        want = [payload[1] + (tok.hf.eos_token or "")]
-    elif loss_on == "all":
-        if targets.size != ids.size - 1:
-            return f"{targets.size} trained tokens, expected {ids.size - 1}"
-        return "" if tok.decode(ids) == tok.render(payload) else "decoded text differs from the rendering"
-    else:
-        if loss_on == "per-turn":
-            k = assistant_turns(payload, "assistant")[turn]
-            payload = payload[:k + 1]
-        why = _same_as_reference(tok, payload, loss_on, ids, mask, path, line)
-        if why:
-            return why
-        contents = [m["content"] for m in payload if m["role"] == "assistant"]
-        want = contents if loss_on == "assistant" else contents[-1:]
-    got = [tok.decode(ids[r]) for r in _runs(targets)]
-    if len(got) != len(want):
-        return f"{len(got)} trained spans, expected {len(want)}"
-    for g, w in zip(got, want):
-        if kind == "prompt" and g != w:
-            return f"trained {g!r}, expected {w!r}"
-        if kind == "chat" and not _turn_ok(tok, g, w):
-            return f"trained {g!r}, expected {w!r} (its visible answer) + one end-of-turn token"
-    return ""
-
-
-def _turn_ok(tok, got: str, content: str) -> bool:
-    if got.startswith(content) and got[len(content):] in tok.special_tokens:
-        return True
-    ends = [t for t in tok.special_tokens if got.endswith(t)]
-    return bool(ends) and _visible_answer(content) in got[:-len(ends[0])]
-
-
-def _same_as_reference(tok, messages, loss_on, ids, mask, path, line) -> str:
-    mode = "last-turn" if loss_on == "per-turn" else loss_on
+def _generation_prompt(tok) -> str:
+    """What the template adds for ``add_generation_prompt`` after a user turn ('' when not a suffix)."""
+    user = [{"role": "user", "content": "x"}]
     try:
-        want_ids, want_mask = tok.encode_chat(messages, mode, path, line)
-    except ShardError as exc:
-        return f"the reference path refuses this record ({exc})"
-    if not np.array_equal(want_ids, ids):
-        return "token ids differ from the reference encoding"
-    if not np.array_equal(want_mask, mask):
-        return "loss mask differs from the reference encoding"
-    return ""
+        plain, prompted = tok.render(user), tok.render(user, add_generation_prompt=True)
+    except Exception:
+        return ""
+    return prompted[len(plain):] if prompted.startswith(plain) else ""
 
 
 def _locate(plan: PackPlan, shards, chosen: np.ndarray) -> Dict[int, tuple]:
@@ -143,7 +208,7 @@ def verify_masks(store, plan_path: str, shards, job, count: int) -> dict:
         raise ShardError("--verify-masks: this is not the tokenizer the store was tokenized with",
                          path=job.tokenizer_path, field="tokenizer",
                          expected=store.tokenizer["files_sha256"], actual=tok.identity()["files_sha256"])
-    encode = store.identity["encode"]
+    checker = _Checker(tok, store.identity["encode"])
     plan = PackPlan(plan_path)
     chosen, truncated, eligible = _choose(store, plan, job.settings.truncate_to, count, job.settings.seed)
     starts = store.starts()
@@ -170,20 +235,16 @@ def verify_masks(store, plan_path: str, shards, job, count: int) -> dict:
         ids = np.asarray(pack.input_ids[start:start + n], dtype=np.int64)
         mask = np.asarray(pack.loss_mask[start:start + n])
         name, line = store.inputs[store.partitions[k].file]["name"], line_of[g]
-        kind, payload = parse_record(sources[(k, line)], name, line, encode["input_format"],
-                                     encode["prompt_key"], encode["completion_key"])
-        why = _expected_ok(encode["loss_on"], tok, kind, payload, ids, mask, name, line, turn_of[g])
+        why = checker.check(sources[(k, line)], ids, mask, name, line, turn_of[g])
         if why:
             failures.append(f"{name}:{line}: {why}")
     if failures:
-        raise ShardError(f"--verify-masks: {len(failures)} of {chosen.size} conversations have wrong masks; "
-                         f"first: {failures[0]}", field="loss_mask",
-                         hint="the chat template and the mask logic disagree; nothing was published")
+        raise ShardError(f"--verify-masks: {len(failures)} of {chosen.size} conversations fail the check against "
+                         f"their source; first: {failures[0]}", field="loss_mask",
+                         hint="the input mapping, the chat template or the mask rules lose or mistrain what the "
+                              "source holds; nothing was published")
     if chosen.size < count:
-        import logging
-
-        logging.getLogger("megatron_sft_idx.preprocess").info(
-            "verify-masks: %d of %d requested: %d written conversations are untruncated, %d truncated ones "
-            "are not sampled", chosen.size, count, eligible, truncated)
+        log.info("verify-masks: %d of %d requested: %d written conversations are untruncated, %d truncated ones "
+                 "are not sampled", chosen.size, count, eligible, truncated)
     return {"checked": int(chosen.size), "failures": 0, "skipped_truncated": truncated, "requested": int(count),
-            "eligible": eligible}
+            "eligible": eligible, "trained_tokens_by_role": dict(sorted(checker.counts.items()))}

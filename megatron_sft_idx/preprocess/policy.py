@@ -1,0 +1,130 @@
+"""Loss policies: which assistant turns are trained, and which parts of a trained turn are not.
+
+=======================  =========  ======================================================================
+flag                     default    meaning
+=======================  =========  ======================================================================
+``--tool-call-loss``     ``train``  an assistant turn holding tool calls is trained as assistant output
+                                    (``mask``: the whole turn, its content included, is not trained)
+``--reasoning-loss``     ``train``  a trained turn's reasoning block is trained; ``mask``: rendered, not
+                                    trained; ``drop``: removed before rendering (the answer is trained alone)
+``--empty-reasoning-loss`` ``mask`` a reasoning block holding only whitespace (Qwen3-style templates insert
+                                    ``<think>\\n\\n</think>\\n\\n`` in the final turn) is not trained
+``--reasoning-tags``     ``<think>,</think>``  what delimits a reasoning block in the rendering
+=======================  =========  ======================================================================
+
+Never trained, whatever the flags: system and user turns, tool results, the generation prompt
+(the header before an assistant turn), and any turn the producer marked ``weight: 0`` or that
+is the prompt of a conversational prompt/completion record. ``--loss-on all`` trains every token
+(an explicit choice: these policies apply to the assistant modes).
+
+A reasoning block is located in the rendering of a trained turn, never guessed: it opens at the
+turn's start (after whitespace) with the opening tag, or the generation prompt ends with it (as
+DeepSeek-R1's does); it ends with the first closing tag in the turn, plus the whitespace after
+it. A turn whose source has reasoning that must be masked, but whose rendering shows no block, is
+refused by name. Truncation inside reasoning follows ``--truncated-turn-loss`` like any cut reply:
+the tokens before the cut keep their loss (``keep``) or the whole cut reply is masked (``drop``);
+no closing tag is ever trained at a cut.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Sequence, Tuple
+
+from .errors import input_error
+from .schemas import REASONING_TAGS, Conversation
+
+TOOL_CALL_LOSS = ("train", "mask")
+REASONING_LOSS = ("train", "mask", "drop")
+EMPTY_REASONING_LOSS = ("mask", "train")
+
+
+@dataclass(frozen=True)
+class LossPolicy:
+    """The run's loss policies (module docstring); ``to_dict`` holds only what differs from the
+    defaults, so stores and shards made with the defaults keep their bytes."""
+
+    tool_calls: str = "train"
+    reasoning: str = "train"
+    empty_reasoning: str = "mask"
+    tags: Tuple[str, str] = REASONING_TAGS
+
+    def to_dict(self) -> dict:
+        out = {}
+        for key, default in (("tool_calls", "train"), ("reasoning", "train"), ("empty_reasoning", "mask")):
+            if getattr(self, key) != default:
+                out[key] = getattr(self, key)
+        if tuple(self.tags) != REASONING_TAGS:
+            out["reasoning_tags"] = list(self.tags)
+        return out
+
+
+DEFAULT_POLICY = LossPolicy()
+
+
+def trained_turns(conv: Conversation, loss_on: str, policy: LossPolicy = DEFAULT_POLICY) -> List[int]:
+    """Indices of the assistant messages trained under ``loss_on`` and ``policy`` (``last-turn``:
+    the last of them)."""
+    mask_calls = policy.tool_calls == "mask"
+    turns = [k for k, m in enumerate(conv.messages)
+             if m["role"] == "assistant" and k not in conv.untrained and not (mask_calls and "tool_calls" in m)]
+    return turns[-1:] if loss_on == "last-turn" else turns
+
+
+def reasoning_block(text: str, a: int, b: int, opening: str, closing: str):
+    """``(start, end, empty)`` of the reasoning block of the turn spanning ``text[a:b]``, or None.
+
+    The block opens at the span's first non-space character, or in the generation prompt just
+    before the span; it ends after the first closing tag and the whitespace that follows."""
+    i = a
+    while i < b and text[i].isspace():
+        i += 1
+    j = a
+    while j > 0 and text[j - 1].isspace():
+        j -= 1
+    if text.startswith(opening, i):
+        inner = i + len(opening)
+    elif text.endswith(opening, 0, j):  # (no slice: a copy of the text before every turn)
+        i = inner = a
+    else:
+        return None
+    close = text.find(closing, inner, b)
+    if close < 0:
+        return None
+    end = close + len(closing)
+    while end < b and text[end].isspace():
+        end += 1
+    return a, end, not text[inner:close].strip()
+
+
+def refine_spans(text: str, spans: Sequence[Tuple[int, int]], turns: Sequence[int], conv: Conversation,
+                 policy: LossPolicy, path: str, line: int) -> List[Tuple[int, int]]:
+    """``spans`` (one per trained turn, in order) with the reasoning blocks the policy does not
+    train cut out; pieces that hold only whitespace are dropped.
+
+    Raises:
+        InputError: a turn's reasoning must be masked but its rendering shows no reasoning block.
+    """
+    opening, closing = policy.tags
+    out: List[Tuple[int, int]] = []
+    for (a, b), k in zip(spans, turns):
+        block = reasoning_block(text, a, b, opening, closing) if a < b else None
+        reasons = "reasoning_content" in conv.messages[k] and policy.reasoning != "drop"
+        if block is None:
+            if reasons and policy.reasoning == "mask":
+                raise input_error(f"cannot mask the reasoning of {conv.where(k)}: its rendering holds no "
+                                  f"{opening}...{closing} block", path, line, field=conv.where(k),
+                                  reason="reasoning_not_located",
+                                  hint="set --reasoning-tags to the template's reasoning delimiters, or use "
+                                       "--reasoning-loss train or drop")
+            out.append((a, b))
+            continue
+        start, end, empty = block
+        masked = policy.empty_reasoning == "mask" if empty else policy.reasoning == "mask"
+        if not masked:
+            out.append((a, b))
+            continue
+        for lo, hi in ((a, start), (end, b)):
+            if hi > lo and text[lo:hi].strip():
+                out.append((lo, hi))
+    return out

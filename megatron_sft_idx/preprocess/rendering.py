@@ -1,0 +1,258 @@
+"""What a chat template renders: its traits, the conversation adapted to them, and the check
+that every message's text is in the rendering.
+
+Templates read the same conversation differently. :func:`probe` asks the template itself, once,
+on fixed probe conversations:
+
+* which assistant field it renders reasoning from (``reasoning_content`` as Qwen3 and DeepSeek
+  read it, ``thinking``, ``reasoning``), or none (then reasoning goes inline, as the producer
+  wrote it or as ``<think>\\nR\\n</think>\\n\\nA``);
+* whether it renders tool calls, and whether it wants ``arguments`` as a dict (Hugging Face's
+  convention, which Llama 3.1, Qwen and Mistral serialise with ``tojson``) or as a JSON string
+  (DeepSeek-V3's template concatenates it);
+* whether it renders a ``tools`` list.
+
+:func:`adapt` hands the template what it reads, and refuses tool data a template cannot render
+(never a rendering without the calls). :func:`check_rendered` then proves, on every rendering,
+that each message's text appears in order (system messages and tool definitions anywhere, since
+templates move them): content, reasoning of trained turns, each tool call's name and argument
+keys and values (as JSON), each tool result. A template that renders something nowhere -- an
+unknown role skipped, content dropped next to tool calls, a system prompt kept only for a final
+user turn, reasoning stripped -- is an error naming the source field.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from json.encoder import encode_basestring, encode_basestring_ascii
+from typing import List, Optional, Sequence, Tuple
+
+from .errors import input_error
+from .policy import LossPolicy
+from .schemas import Conversation
+
+_FIELDS = ("reasoning_content", "thinking", "reasoning")
+_ID = "pr0be0001"  # nine alphanumerics: Mistral's templates require exactly that
+
+
+@dataclass(frozen=True)
+class TemplateTraits:
+    reasoning_field: Optional[str]   # the assistant field the template renders reasoning from
+    tool_arguments: Optional[str]    # "dict" | "string" | None: the template renders no tool calls
+    renders_tools: bool              # a ``tools`` list reaches the rendering
+
+
+def _renders(render, messages, needles: Sequence[str], tools=None) -> bool:
+    try:
+        text = render(messages, tools=tools)
+    except Exception:  # the template rejects the probe: it does not render this
+        return False
+    return all(n in text for n in needles)
+
+
+def probe(render) -> TemplateTraits:
+    """The traits of the template behind ``render(messages, tools=None) -> str``."""
+    user = {"role": "user", "content": "xqprobe ask"}
+    field = None
+    for name in _FIELDS:
+        reply = {"role": "assistant", "content": "xqprobe answer", name: "xqprobe thought"}
+        if _renders(render, [user, reply], ["xqprobe thought", "xqprobe answer"]):
+            field = name
+            break
+    schema = {"type": "function", "function": {"name": "xqprobe_tool", "description": "xqprobe tool",
+                                               "parameters": {"type": "object", "properties": {}}}}
+    renders_tools = _renders(render, [user, {"role": "assistant", "content": "xqprobe answer"}], ["xqprobe_tool"],
+                             tools=[schema])
+    form = None
+    for name, arguments in (("dict", {"xqkey": "xqvalue"}), ("string", '{"xqkey": "xqvalue"}')):
+        call = {"type": "function", "id": _ID, "function": {"name": "xqprobe_call", "arguments": arguments}}
+        messages = [user, {"role": "assistant", "content": "", "tool_calls": [call]},
+                    {"role": "tool", "content": "xqprobe result", "tool_call_id": _ID},
+                    {"role": "assistant", "content": "xqprobe answer"}]
+        needles = ["xqprobe_call", '"xqkey"', '"xqvalue"', "xqprobe result"]
+        if _renders(render, messages, needles) or (renders_tools and _renders(render, messages, needles, [schema])):
+            form = name
+            break
+    return TemplateTraits(field, form, renders_tools)
+
+
+def adapt(conv: Conversation, traits: TemplateTraits, policy: LossPolicy, path: str, line: int) -> Conversation:
+    """``conv`` with ``rendered`` set to the messages the template is given.
+
+    Raises:
+        InputError: tool calls or a tools list the template does not render.
+    """
+    if conv.rendered is not None:
+        return conv
+    special = sorted({k for k, m in enumerate(conv.messages) if "reasoning_content" in m or "tool_calls" in m}
+                     | set(conv.inline))
+    if conv.tools and not traits.renders_tools:
+        raise input_error(f"the chat template renders no tool definitions, and 'tools' holds {len(conv.tools)}",
+                          path, line, field="tools", reason="template_no_tool_support",
+                          hint="use a chat template with tool support (--chat-template), or --skip-bad")
+    if not special:
+        return replace(conv, rendered=conv.messages)
+    out = list(conv.messages)
+    opening, closing = policy.tags
+    for k in special:
+        m = dict(out[k])
+        if "tool_calls" in m:
+            if traits.tool_arguments is None:
+                raise input_error(f"the chat template does not render tool calls, and {conv.where(k)} holds "
+                                  f"{len(m['tool_calls'])}", path, line, field=conv.where(k),
+                                  reason="template_no_tool_support",
+                                  hint="use a chat template with tool support (--chat-template), or --skip-bad")
+            if traits.tool_arguments == "string":
+                m["tool_calls"] = [dict(c, function=dict(c["function"], arguments=json.dumps(
+                    c["function"]["arguments"], ensure_ascii=False))) for c in m["tool_calls"]]
+        thought = m.pop("reasoning_content", None)
+        if policy.reasoning == "drop":
+            pass  # the answer alone
+        elif traits.reasoning_field is not None:
+            if thought is not None:
+                m[traits.reasoning_field] = thought
+        elif k in conv.inline:  # as the producer wrote it
+            m["content"] = conv.inline[k]
+        elif thought is not None:
+            m["content"] = f"{opening}\n{thought}\n{closing}\n\n{m['content']}"
+        out[k] = m
+    return replace(conv, rendered=out)
+
+
+# --------------------------------------------------------------------------- the rendering check
+
+
+class _Key(str):
+    """A dict key on the traversal stack (so keys and values come out in document order)."""
+
+
+def json_leaves(value) -> List[Tuple[str, ...]]:
+    """Each key and scalar of a JSON value in document order, as the texts it may render as
+    (``tojson`` keeps non-ASCII; ``json.dumps`` defaults escape it)."""
+    out, stack = [], [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, _Key):
+            out.append(_forms(str(v)))
+        elif isinstance(v, dict):
+            for key, item in reversed(list(v.items())):
+                stack.append(item)
+                stack.append(_Key(key))
+        elif isinstance(v, list):
+            stack.extend(reversed(v))
+        else:
+            out.append(_forms(v))
+    return out
+
+
+def _forms(v) -> Tuple[str, ...]:
+    """``json.dumps(v, ensure_ascii=False)`` and ``json.dumps(v)``, by the C encoders for strings."""
+    if isinstance(v, str):
+        a, b = encode_basestring(v), encode_basestring_ascii(v)
+        return (a,) if a == b else (a, b)
+    return (json.dumps(v),)
+
+
+def items_of(conv: Conversation, reasoning_required: Sequence[int], policy: LossPolicy):
+    """``(ordered, anywhere)``: ``(field, what, forms)`` of every text the rendering must hold."""
+    ordered, anywhere = [], []
+    for k, m in enumerate(conv.messages):
+        where = conv.where(k)
+        role = m["role"]
+        if role == "assistant" and "reasoning_content" in m and k in reasoning_required \
+                and policy.reasoning != "drop":
+            ordered.append((where, "reasoning", (m["reasoning_content"].strip(),)))
+        text = m["content"].strip()
+        if text:
+            (anywhere if role == "system" else ordered).append((where, f"{role} content", (text,)))
+        for j, call in enumerate(m.get("tool_calls") or ()):
+            w = f"{where}.tool_calls[{j}]"
+            ordered.append((w, "tool-call name", (call["function"]["name"],)))
+            ordered.extend((w, "tool-call argument", forms) for forms in json_leaves(call["function"]["arguments"]))
+    for i, tool in enumerate(conv.tools or ()):
+        anywhere.append((f"tools[{i}]", "tool name", (tool["function"]["name"],)))
+    return ordered, anywhere
+
+
+def check_rendered(text: str, conv: Conversation, reasoning_required: Sequence[int], policy: LossPolicy,
+                   path: str, line: int) -> None:
+    """Every text of ``conv`` is in ``text``, in order (see the module docstring).
+
+    Raises:
+        InputError: the first text the rendering lacks (reason ``template_dropped_content``).
+    """
+    if conv.plain and _plain_rendered(text, conv.messages):
+        return
+    ordered, anywhere = items_of(conv, reasoning_required, policy)
+    pos = 0
+    for where, what, forms in ordered:
+        found = _find(text, forms, pos)
+        if found < 0:
+            raise _dropped(where, what, _find(text, forms, 0) >= 0, path, line)
+        pos = found
+    for where, what, forms in anywhere:
+        if _find(text, forms, 0) < 0:
+            raise _dropped(where, what, False, path, line)
+
+
+def _plain_rendered(text: str, messages: List[dict]) -> bool:
+    """The check's fast path for role/content messages: True when every content is found as
+    written, in order (system anywhere); False sends the caller the full way (and its error)."""
+    pos = 0
+    for m in messages:
+        c = m["content"]
+        if m["role"] == "system":
+            if c not in text and c.strip() not in text:
+                return False
+            continue
+        at = _find_at(text, c, pos)
+        if at < 0:  # (a template may strip it)
+            c = c.strip()
+            at = _find_at(text, c, pos)
+            if at < 0:
+                return False
+        pos = at + len(c)
+    return True
+
+
+def _find_at(text: str, needle: str, pos: int) -> int:
+    """``text.find(needle, pos)``, by its first 32 characters then a comparison: a long needle's
+    full search costs a preprocessing pass over it, and the content is almost always at the first
+    place its start is."""
+    if len(needle) <= 32:
+        return text.find(needle, pos)
+    head = needle[:32]
+    at = text.find(head, pos)
+    while at >= 0 and not text.startswith(needle, at):
+        at = text.find(head, at + 1)
+    return at
+
+
+def _find(text: str, forms: Sequence[str], pos: int) -> int:
+    """End of the first occurrence at or after ``pos`` of any of ``forms``, or -1. A form not found
+    as written is looked for JSON-escaped too: templates ``tojson`` some texts (Llama 3.1 renders a
+    tool result as a JSON string)."""
+    best = _first(text, forms, pos)
+    if best < 0:
+        best = _first(text, [e for f in forms for e in {json.dumps(f, ensure_ascii=False)[1:-1],
+                                                        json.dumps(f)[1:-1]} if e != f], pos)
+    return best
+
+
+def _first(text: str, forms: Sequence[str], pos: int) -> int:
+    best = -1
+    for form in forms:
+        at = text.find(form, pos)
+        if at >= 0 and (best < 0 or at + len(form) < best):
+            best = at + len(form)
+    return best
+
+
+def _dropped(where: str, what: str, elsewhere: bool, path: str, line: int):
+    how = "out of order" if elsewhere else "nowhere"
+    return input_error(f"the chat template renders the {what} of {where} {how}: the conversation would be "
+                       "trained without it", path, line, field=where, reason="template_dropped_content",
+                       hint="use a chat template that renders it (--chat-template), change the loss policy "
+                            "(--reasoning-loss drop drops reasoning on purpose), or pass --skip-bad")
+

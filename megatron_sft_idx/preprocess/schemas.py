@@ -1,0 +1,629 @@
+"""Input shapes -> the chat template's message vocabulary, and what is refused (``docs/INPUTS.md``).
+
+Every record kind is mapped here, once, into a :class:`Conversation` in Hugging Face
+chat-template conventions, which public templates consume:
+
+* roles ``system | user | assistant | tool``;
+* assistant tool calls as ``tool_calls=[{"type": "function", "function": {"name", "arguments"}, "id"?}]``
+  with ``arguments`` a dict (a JSON-object string is parsed; anything else is refused);
+* tool results as ``{"role": "tool", "content", "tool_call_id"?, "name"?}``;
+* a top-level ``tools`` list of ``{"type": "function", "function": {...}}`` (bare function schemas,
+  as LLaMA-Factory's ShareGPT ``tools`` and OpenAI's legacy ``functions`` hold them, are wrapped);
+* reasoning as ``reasoning_content`` (from ``reasoning_content`` / ``reasoning`` / ``thinking``, or
+  written inline as ``<think>...</think>`` at the start of the content, or of a ShareGPT
+  ``function_call`` value as LLaMA-Factory allows); where it goes in the rendering is decided
+  per template by :mod:`.rendering`.
+
+============  ================================================================================
+kind          record
+============  ================================================================================
+chat          ``{"messages": [...], "tools"?, "functions"?, "system"?}`` (OpenAI / Hugging Face)
+sharegpt      ``{"conversations": [{"from", "value"}...], "system"?, "tools"?}`` (LLaMA-Factory)
+alpaca        ``{"instruction", "input"?, "output", "system"?, "history"?, "tools"?}``
+prompt        ``{PROMPT_KEY, COMPLETION_KEY}``: strings, or lists of messages (TRL conversational)
+tokens        ``{"input_ids", "loss_mask" | "answer_start_idx"}``
+============  ================================================================================
+
+Nothing is dropped silently: a role, a message field, a content part or a tool call the run
+cannot represent is an :class:`InputError` naming ``file:line`` and the field (a counted skip
+under ``--skip-bad``). Record-level keys no shape uses (``id``, ``source``, ...) are metadata
+and ignored; message-level keys are not (``--ignore-field NAME`` says one carries nothing the
+model should see). ``None`` values count as absent (Parquet and Arrow rows hold every struct field).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass, field
+from typing import Dict, FrozenSet, List, Optional, Tuple
+
+from .errors import input_error
+
+KINDS = ("chat", "sharegpt", "alpaca", "prompt", "tokens")
+REASONING_TAGS = ("<think>", "</think>")
+
+#: OpenAI / Hugging Face roles -> template roles (``developer`` is OpenAI's newer ``system``;
+#: ``function`` its legacy tool result; ``ipython`` Llama 3's name for a tool result).
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+              "tool": "tool", "function": "tool", "ipython": "tool"}
+#: ShareGPT ``from`` values (lower-cased) -> template roles; ``function_call`` turns carry tool calls.
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
+                  "assistant": "assistant", "chatgpt": "assistant", "model": "assistant",
+                  "function_call": "assistant", "observation": "tool", "tool": "tool", "function": "tool"}
+_PLAIN_CHAT = {"system": "system", "user": "user", "assistant": "assistant"}
+_PLAIN_SHAREGPT = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+_WHITESPACE_STARTS = frozenset(" \t\n\r\x0b\x0c\x1c\x1d\x1e\x1f\x85\xa0\u1680\u2028\u2029\u202f\u205f\u3000"
+                               + "".join(chr(c) for c in range(0x2000, 0x200B)))
+_REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")
+_MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "function_call",
+                             "weight"} | set(_REASONING_FIELDS))
+_TURN_FIELDS = frozenset({"from", "value", "weight"})
+_TEXT_PARTS = ("text", "input_text", "output_text")
+_TOOL_CALL_FIELDS = frozenset({"id", "type", "function", "name", "arguments", "index"})
+#: keys of the other shapes: a record holding them beside its own is ambiguous, not metadata
+_SHAPE_KEYS = {"chat": ("conversations", "instruction", "history"),
+               "sharegpt": ("messages", "instruction", "history"),
+               "alpaca": ("messages", "conversations")}
+
+
+@dataclass
+class Conversation:
+    """One conversation in the template's vocabulary, plus what the loss policy needs.
+
+    ``messages`` hold only the keys that are set (templates test ``'tool_calls' in message``).
+    ``fields`` name each message's source (``conversations[3]``, ``input``) for errors;
+    ``untrained`` are messages the producer excluded from the loss (``weight: 0``, the prompt of a
+    conversational prompt/completion record); ``inline`` maps an assistant message whose content
+    opened with a reasoning block (even an empty one) to its content as written; ``rendered`` is
+    set by :func:`.rendering.adapt`.
+    """
+
+    messages: List[dict]
+    tools: Optional[List[dict]] = None
+    fields: List = field(default_factory=list)   # a name, or an int i for "messages[i]" (formatted when needed)
+    untrained: FrozenSet[int] = frozenset()
+    inline: Dict[int, str] = field(default_factory=dict)
+    rendered: Optional[List[dict]] = None   # the messages as the template is given them (rendering.adapt)
+    plain: bool = False                     # every message is {"role", "content"} as given: nothing to adapt
+
+    @property
+    def template_messages(self) -> List[dict]:
+        return self.messages if self.rendered is None else self.rendered
+
+    def where(self, k: int) -> str:
+        """The source field of message ``k`` (``conversations[3]``, ``input``, ``messages[2]``)."""
+        f = self.fields[k] if k < len(self.fields) else k
+        return f if isinstance(f, str) else f"messages[{f}]"
+
+    def cut(self, k: int) -> "Conversation":
+        """The conversation up to and including message ``k``."""
+        return Conversation(self.messages[:k + 1], self.tools, self.fields[:k + 1],
+                            frozenset(i for i in self.untrained if i <= k),
+                            {i: c for i, c in self.inline.items() if i <= k},
+                            None if self.rendered is None else self.rendered[:k + 1], self.plain)
+
+
+@dataclass(frozen=True)
+class SchemaOptions:
+    """What the mapping needs from the run's settings."""
+
+    prompt_key: str = "prompt"
+    completion_key: str = "completion"
+    prompt_format: str = "chat"          # chat | raw: how prompt/completion strings are encoded
+    ignore_fields: Tuple[str, ...] = ()  # message fields that carry nothing the model should see
+    reasoning_tags: Tuple[str, str] = REASONING_TAGS
+
+
+@functools.lru_cache(maxsize=8)
+def _maybe_reasoning(opening: str) -> FrozenSet[str]:
+    """First characters of a content that may open with a reasoning block (whitespace, the tag's)."""
+    return _WHITESPACE_STARTS | {opening[:1]}
+
+
+def as_conversation(value, path: str = "<messages>", line: int = 0,
+                    opts: Optional[SchemaOptions] = None) -> Conversation:
+    """A Conversation from itself, or from a list of OpenAI-style messages (mapped as a chat
+    record's ``messages`` are).
+
+    Raises:
+        InputError: what :func:`map_record` refuses.
+    """
+    if isinstance(value, Conversation):
+        return value
+    return _Mapper(path, line, opts or SchemaOptions()).chat({"messages": list(value)})
+
+
+def detect(record: dict, prompt_key: str) -> Optional[str]:
+    """The kind of ``record`` by its keys (``--input-format auto``), or None."""
+    for key, kind in (("messages", "chat"), ("conversations", "sharegpt"), ("input_ids", "tokens"),
+                      (prompt_key, "prompt"), ("instruction", "alpaca")):
+        if key in record:
+            return kind
+    return None
+
+
+def map_record(kind: str, record: dict, path: str, line: int, opts: SchemaOptions, detected: bool = False):
+    """``(kind, payload)``: ``("chat", Conversation)``, ``("prompt", (prompt, completion))`` for a
+    raw prompt/completion, or ``("tokens", (input_ids, loss_mask, answer_start_idx))``. A ``detected``
+    kind (``--input-format auto``) is refused when the record also holds another shape's keys.
+
+    Raises:
+        InputError: see the module docstring; ``reason`` is the skip-count key.
+    """
+    m = _Mapper(path, line, opts)
+    # (a kind named by --input-format is the user's choice; only a detected one can be ambiguous)
+    if detected and kind in _SHAPE_KEYS and any(k in record for k in _SHAPE_KEYS[kind]):
+        other = [k for k in _SHAPE_KEYS[kind] if _present(record.get(k))]
+        if other:
+            raise m.error(f"record holds '{other[0]}' beside the {kind} shape's keys: which one is meant?",
+                          other[0], "ambiguous_record", "give each record one shape (--input-format names it)")
+    if kind == "chat":
+        return "chat", m.chat(record)
+    if kind == "sharegpt":
+        return "chat", m.sharegpt(record)
+    if kind == "alpaca":
+        return "chat", m.alpaca(record)
+    if kind == "tokens":
+        return "tokens", token_record(record, path, line)
+    return m.prompt(record)
+
+
+def _present(value) -> bool:
+    return value is not None and value != "" and value != [] and value != {}
+
+
+class _Mapper:
+    """The mapping of one record (keeps ``path:line`` for its errors)."""
+
+    def __init__(self, path: str, line: int, opts: SchemaOptions) -> None:
+        self.path, self.line, self.opts = path, line, opts
+        self.maybe_reasoning = _maybe_reasoning(opts.reasoning_tags[0])
+        self.messages: List[dict] = []
+        self.fields: list = []
+        self.untrained: set = set()
+        self.inline: Dict[int, str] = {}
+        self.plain = True   # every message so far was taken by a fast path as {"role", "content"}
+
+    def error(self, message: str, where: Optional[str], reason: str, hint: Optional[str] = None):
+        return input_error(message, self.path, self.line, field=where, reason=reason,
+                           hint=hint or "fix the record, or pass --skip-bad to skip and count such records")
+
+    def done(self, tools) -> Conversation:
+        if not self.messages:
+            raise self.error("empty conversation", None, "empty_conversation")
+        plain = self.plain and not tools and not self.inline and not self.untrained
+        return Conversation(self.messages, tools, self.fields, frozenset(self.untrained), self.inline, None, plain)
+
+    def plain_text(self, role: str, content, where, text_field: str) -> bool:
+        """The fast path of a ``{"role", "content"}`` message with a string content: True when taken
+        (an assistant content that may open with reasoning goes the full way)."""
+        if type(content) is not str or (role == "assistant" and content[:1] in self.maybe_reasoning):
+            return False
+        if not content.isascii():
+            check_text(content, self.path, self.line, (where if isinstance(where, str) else f"messages[{where}]")
+                       + text_field)
+        self.messages.append({"role": role, "content": content})
+        self.fields.append(where)
+        return True
+
+    def add(self, message: dict, where: str, weight=None) -> None:
+        self.plain = False
+        if weight is not None:
+            if weight not in (0, 1) or isinstance(weight, bool):
+                raise self.error(f"'weight' must be 0 or 1, got {weight!r}", where + ".weight", "unknown_field")
+            if weight == 0:
+                self.untrained.add(len(self.messages))
+        self.messages.append(message)
+        self.fields.append(where)
+
+    # ------------------------------------------------------------------ texts
+
+    def text(self, value, where: str, required: bool = True) -> str:
+        """A string field (or OpenAI text parts, joined by newlines), refused when it holds a lone
+        surrogate; ``None`` is '' unless ``required``."""
+        if value is None and not required:
+            return ""
+        if isinstance(value, list):
+            return "\n".join(self.part(p, f"{where}[{i}]") for i, p in enumerate(value))
+        if not isinstance(value, str):
+            raise self.error(f"'{where}' must be a string or a list of text parts, got {type(value).__name__}",
+                             where, "missing_key")
+        return check_text(value, self.path, self.line, where)
+
+    def part(self, part, where: str) -> str:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+            what = f"a '{kind}' part" if isinstance(kind, str) else "not a text part"
+            raise self.error(f"'{where}' is {what}: this run trains on text only", where, "unsupported_content",
+                             "remove non-text parts (images, audio, files), or pass --skip-bad")
+        extra = [k for k, v in part.items() if k not in ("type", "text") and v is not None]
+        if extra:
+            raise self.error(f"'{where}' has field '{extra[0]}' the run does not use", f"{where}.{extra[0]}",
+                             "unknown_field")
+        return check_text(part["text"], self.path, self.line, where + ".text")
+
+    def unknown(self, message: dict, known: FrozenSet[str], where: str) -> None:
+        for key, value in message.items():
+            if key not in known and value is not None and key not in self.opts.ignore_fields:
+                raise self.error(f"'{where}' has field '{key}' the run does not use", f"{where}.{key}",
+                                 "unknown_field", f"if '{key}' carries nothing the model should see, pass "
+                                 f"--ignore-field {key}; else fix the record or pass --skip-bad")
+
+    # ------------------------------------------------------------------ reasoning
+
+    def reasoning(self, message: dict, content: str, where: str, out: dict) -> str:
+        """Move the message's reasoning (a field, or inline tags) to ``out['reasoning_content']``;
+        returns the content without it. Whitespace-only reasoning is no reasoning."""
+        given = [(k, message[k]) for k in _REASONING_FIELDS if message.get(k) is not None]
+        if len(given) > 1:
+            raise self.error(f"'{where}' gives its reasoning twice ('{given[0][0]}' and '{given[1][0]}')",
+                             f"{where}.{given[1][0]}", "unknown_field")
+        opening, closing = self.opts.reasoning_tags
+        split = split_inline_reasoning(content, opening, closing)
+        if given:
+            key, value = given[0]
+            text = self.text(value, f"{where}.{key}")
+            if split is not None and text.strip():
+                raise self.error(f"'{where}' gives its reasoning twice ('{key}' and {opening} in the content)",
+                                 f"{where}.{key}", "unknown_field")
+            if text.strip():
+                out["reasoning_content"] = text
+            return content
+        if split is not None:
+            thought, answer = split
+            if thought.strip():
+                out["reasoning_content"] = thought
+            self.inline[len(self.messages)] = content
+            return answer
+        return content
+
+    # ------------------------------------------------------------------ tool calls and tools
+
+    def tool_call(self, call, where: str) -> dict:
+        if not isinstance(call, dict):
+            raise self.error(f"'{where}' must be an object", where, "bad_tool_call")
+        self.unknown(call, _TOOL_CALL_FIELDS, where)
+        kind = call.get("type")
+        if kind not in (None, "function"):
+            raise self.error(f"'{where}' is a '{kind}' tool call; only function calls are supported", where + ".type",
+                             "bad_tool_call")
+        function = call.get("function", call)
+        fwhere = where + ".function" if "function" in call else where
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise self.error(f"'{fwhere}' needs a function name", fwhere + ".name", "bad_tool_call")
+        if function is not call:
+            self.unknown(function, frozenset({"name", "arguments"}), fwhere)
+        out = {"type": "function", "function": {"name": check_text(function["name"], self.path, self.line,
+                                                                   fwhere + ".name"),
+                                                "arguments": self.arguments(function.get("arguments"),
+                                                                            fwhere + ".arguments")}}
+        if call.get("id") is not None:
+            out["id"] = self.text(call["id"], where + ".id")
+        return out
+
+    def arguments(self, value, where: str) -> dict:
+        """A dict; a string must hold a JSON object (parsed, key order kept). Absent: ``{}``."""
+        if value is None:
+            return {}
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise self.error(f"'{where}' is a string that is not JSON; tool-call arguments must be a JSON "
+                                 "object", where, "bad_tool_call") from None
+        if not isinstance(value, dict):
+            raise self.error(f"'{where}' must be a JSON object, got {type(value).__name__}", where, "bad_tool_call")
+        check_json_texts(value, self.path, self.line, where)
+        return value
+
+    def tools(self, value, where: str) -> Optional[List[dict]]:
+        """A tools list (or its JSON string), each entry as ``{"type": "function", "function": {...}}``."""
+        if not _present(value):
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise self.error(f"'{where}' is a string that is not JSON", where, "bad_tool_call") from None
+        if isinstance(value, dict):
+            value = [value]
+        if not isinstance(value, list):
+            raise self.error(f"'{where}' must be a list of tool definitions", where, "bad_tool_call")
+        out = []
+        for i, tool in enumerate(value):
+            w = f"{where}[{i}]"
+            if isinstance(tool, dict) and tool.get("type") == "function" and isinstance(tool.get("function"), dict):
+                fn = tool["function"]
+            elif isinstance(tool, dict) and "type" not in tool and isinstance(tool.get("name"), str):
+                fn = tool
+                tool = {"type": "function", "function": fn}
+            else:
+                raise self.error(f"'{w}' is not a function definition (a 'name', or 'type': 'function' with a "
+                                 "'function')", w, "bad_tool_call")
+            if not isinstance(fn.get("name"), str) or not fn["name"]:
+                raise self.error(f"'{w}' needs a function name", w + ".name", "bad_tool_call")
+            check_json_texts(tool, self.path, self.line, w)
+            out.append(tool)
+        return out or None
+
+    # ------------------------------------------------------------------ shapes
+
+    def chat(self, record: dict) -> Conversation:
+        messages = turns(record.get("messages"), self.path, self.line, "messages")
+        if _present(record.get("system")):
+            if any(isinstance(m, dict) and m.get("role") in ("system", "developer") for m in messages):
+                raise self.error("record has a 'system' field and a system message: keep one", "system",
+                                 "ambiguous_record")
+            self.add({"role": "system", "content": self.text(record["system"], "system")}, "system")
+        out, fields, maybe = self.messages, self.fields, self.maybe_reasoning
+        for i, m in enumerate(messages):
+            if type(m) is dict and len(m) == 2:  # the common case, taken fast
+                role, content = m.get("role"), m.get("content")
+                if (type(role) is str and type(content) is str and content.isascii() and role in _PLAIN_CHAT
+                        and (role != "assistant" or content[:1] not in maybe)):
+                    out.append({"role": role, "content": content})
+                    fields.append(i)
+                    continue
+                role = _PLAIN_CHAT.get(role) if type(role) is str else None
+                if role is not None and self.plain_text(role, content, i, ".content"):
+                    continue
+            self.chat_message(m, f"messages[{i}]")
+        tools = self.tools(record.get("tools"), "tools")
+        legacy = self.tools(record.get("functions"), "functions")
+        if tools and legacy:
+            raise self.error("record has both 'tools' and 'functions': keep one", "functions", "ambiguous_record")
+        return self.done(tools or legacy)
+
+    def chat_message(self, m, where: str) -> None:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise self.error(f"{where} needs a string 'role'", where, "missing_key")
+        self.unknown(m, _MESSAGE_FIELDS, where)
+        source = check_text(m["role"], self.path, self.line, where + ".role")
+        role = CHAT_ROLES.get(source)
+        if role is None:
+            raise self.error(f"{where} has role '{source}', which no template vocabulary holds", where + ".role",
+                             "unknown_role", f"roles are {', '.join(sorted(CHAT_ROLES))}; fix the record or "
+                             "pass --skip-bad")
+        calls = m.get("tool_calls")
+        if m.get("function_call") is not None:
+            if calls is not None:
+                raise self.error(f"{where} has both 'tool_calls' and 'function_call'", where + ".function_call",
+                                 "ambiguous_record")
+            calls = [{"type": "function", "function": m["function_call"]}]
+        if calls is not None and role != "assistant":
+            raise self.error(f"{where} is a '{source}' message with tool calls; only assistant messages make "
+                             "them", where + ".tool_calls", "bad_tool_call")
+        if m.get("content") is None and calls is None:
+            raise self.error(f"{where} needs string 'role' and 'content' (content may be null only on an "
+                             "assistant message with tool calls)", where + ".content", "missing_key")
+        content = self.text(m.get("content"), where + ".content", required=False)
+        out = {"role": role}
+        if role == "assistant":
+            content = self.reasoning(m, content, where, out)
+        else:
+            hit = next((k for k in _REASONING_FIELDS if m.get(k) is not None), None)
+            if hit:
+                raise self.error(f"{where} is a '{source}' message with '{hit}'; only assistant messages reason",
+                                 f"{where}.{hit}", "unknown_field")
+        out["content"] = content
+        if calls is not None:
+            if not isinstance(calls, list) or not calls:
+                raise self.error(f"'{where}.tool_calls' must be a non-empty list", where + ".tool_calls",
+                                 "bad_tool_call")
+            out["tool_calls"] = [self.tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)]
+        if m.get("tool_call_id") is not None:
+            if role != "tool":
+                raise self.error(f"{where} is a '{source}' message with 'tool_call_id'", where + ".tool_call_id",
+                                 "unknown_field")
+            out["tool_call_id"] = self.text(m["tool_call_id"], where + ".tool_call_id")
+        if m.get("name") is not None:
+            out["name"] = self.text(m["name"], where + ".name")
+        elif source == "function":
+            raise self.error(f"{where} is a legacy 'function' result without 'name'", where + ".name", "missing_key")
+        self.add(out, where, m.get("weight"))
+
+    def sharegpt(self, record: dict) -> Conversation:
+        conversations = turns(record.get("conversations"), self.path, self.line, "conversations")
+        if _present(record.get("system")):
+            if any(isinstance(t, dict) and str(t.get("from", "")).lower() == "system" for t in conversations):
+                raise self.error("record has a 'system' field and a system turn: keep one", "system",
+                                 "ambiguous_record")
+            self.add({"role": "system", "content": self.text(record["system"], "system")}, "system")
+        for i, t in enumerate(conversations):
+            if type(t) is dict and len(t) == 2 and type(t.get("from")) is str:  # the common case, taken fast
+                role = _PLAIN_SHAREGPT.get(t["from"])
+                if role is not None and self.plain_text(role, t.get("value"), f"conversations[{i}]", ".value"):
+                    continue
+            self.plain = False
+            where = f"conversations[{i}]"
+            if not isinstance(t, dict) or not isinstance(t.get("from"), str) or not isinstance(t.get("value"), str):
+                raise self.error(f"{where} needs string 'from' and 'value'", where, "missing_key")
+            self.unknown(t, _TURN_FIELDS, where)
+            source = check_text(t["from"], self.path, self.line, where + ".from")
+            role = SHAREGPT_ROLES.get(source.lower())
+            if role is None:
+                raise self.error(f"{where} is from '{source}', which no template vocabulary holds", where + ".from",
+                                 "unknown_role", f"ShareGPT roles are {', '.join(sorted(SHAREGPT_ROLES))}")
+            value = self.text(t["value"], where + ".value")
+            out = {"role": role}
+            if source.lower() == "function_call":  # (LLaMA-Factory lets a thought block open the calls)
+                split = split_inline_reasoning(value, *self.opts.reasoning_tags)
+                if split is not None:
+                    thought, value = split
+                    if thought.strip():
+                        out["reasoning_content"] = thought
+                out["content"] = ""
+                out["tool_calls"] = self.function_call_value(value, where + ".value")
+            elif role == "assistant":
+                out["content"] = self.reasoning({}, value, where, out)
+            else:
+                out["content"] = value
+            self.add(out, where, t.get("weight"))
+        return self.done(self.tools(record.get("tools"), "tools"))
+
+    def function_call_value(self, value: str, where: str) -> List[dict]:
+        """LLaMA-Factory's ``function_call`` value: JSON ``{"name", "arguments"}`` or a list of them."""
+        try:
+            calls = json.loads(value)
+        except ValueError:
+            raise self.error(f"'{where}' is not JSON; a function_call turn holds {{\"name\", \"arguments\"}} "
+                             "or a list of them", where, "bad_tool_call") from None
+        calls = calls if isinstance(calls, list) else [calls]
+        if not calls:
+            raise self.error(f"'{where}' holds no function call", where, "bad_tool_call")
+        return [self.tool_call(c, f"{where}[{j}]") for j, c in enumerate(calls)]
+
+    def alpaca(self, record: dict) -> Conversation:
+        """Stanford / LLaMA-Factory Alpaca: system, history pairs, then instruction and input joined by
+        a newline as the user turn (LLaMA-Factory's joiner), output as the assistant turn."""
+        if _present(record.get("system")):
+            self.add({"role": "system", "content": self.text(record["system"], "system")}, "system")
+        history = record.get("history")
+        if _present(history):
+            if not isinstance(history, list):
+                raise self.error("'history' must be a list of [instruction, response] pairs", "history",
+                                 "missing_key")
+            for i, pair in enumerate(history):
+                if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                    raise self.error(f"'history[{i}]' must be an [instruction, response] pair", f"history[{i}]",
+                                     "missing_key")
+                self.add({"role": "user", "content": self.text(pair[0], f"history[{i}][0]")}, f"history[{i}][0]")
+                reply = {"role": "assistant"}
+                reply["content"] = self.reasoning({}, self.text(pair[1], f"history[{i}][1]"), f"history[{i}][1]",
+                                                  reply)
+                self.add(reply, f"history[{i}][1]")
+        instruction = self.text(record.get("instruction"), "instruction", required=False)
+        extra = self.text(record.get("input"), "input", required=False)
+        query = "\n".join(t for t in (instruction, extra) if t)
+        if not query:
+            raise self.error("'instruction' and 'input' are both empty", "instruction", "empty_conversation")
+        self.add({"role": "user", "content": query}, "input" if extra and not instruction else "instruction")
+        if not isinstance(record.get("output"), str):
+            raise self.error("'output' must be a string", "output", "missing_key")
+        output = self.text(record["output"], "output")
+        if not output.strip():
+            raise self.error("empty output", "output", "empty_conversation")
+        reply = {"role": "assistant"}
+        reply["content"] = self.reasoning({}, output, "output", reply)
+        self.add(reply, "output")
+        return self.done(self.tools(record.get("tools"), "tools"))
+
+    def prompt(self, record: dict):
+        o = self.opts
+        for key in ("input", "history", "system", "output"):
+            if key not in (o.prompt_key, o.completion_key) and _present(record.get(key)):
+                raise self.error(f"'{key}' has no place in a prompt/completion record and would be lost",
+                                 key, "unknown_field", "for Alpaca records (instruction/input/output) pass "
+                                 "--input-format alpaca, or auto without --prompt-key/--completion-key")
+        for key in (o.prompt_key, o.completion_key):
+            if key not in record or record[key] is None:
+                raise self.error(f"missing key '{key}'", key, "missing_key")
+        prompt, completion = record[o.prompt_key], record[o.completion_key]
+        if isinstance(prompt, list) or isinstance(completion, list):  # TRL's conversational form
+            return "chat", self.conversational_prompt(prompt, completion)
+        if not isinstance(prompt, str) or not isinstance(completion, str):
+            raise self.error(f"'{o.prompt_key}' and '{o.completion_key}' must be strings (or lists of messages)",
+                             o.prompt_key, "missing_key")
+        prompt = check_text(prompt, self.path, self.line, o.prompt_key)
+        completion = check_text(completion, self.path, self.line, o.completion_key)
+        if not completion:
+            raise self.error("empty completion", o.completion_key, "empty_conversation")
+        if o.prompt_format == "raw":
+            return "prompt", (prompt, completion)
+        self.add({"role": "user", "content": prompt}, o.prompt_key)
+        self.add({"role": "assistant", "content": completion}, o.completion_key)
+        return "chat", self.done(None)
+
+    def conversational_prompt(self, prompt, completion) -> Conversation:
+        o = self.opts
+        if self.opts.prompt_format == "raw":
+            raise self.error("a prompt/completion of messages needs a chat template (--prompt-format chat)",
+                             o.prompt_key, "missing_key")
+        for key, value in ((o.prompt_key, prompt), (o.completion_key, completion)):
+            if not isinstance(value, list):
+                raise self.error(f"'{key}' must be a list of messages like the other one", key, "missing_key")
+        for i, m in enumerate(prompt):
+            self.chat_message(m, f"{o.prompt_key}[{i}]")
+        self.untrained.update(range(len(self.messages)))  # TRL trains the completion only
+        for i, m in enumerate(completion):
+            self.chat_message(m, f"{o.completion_key}[{i}]")
+        if not any(m["role"] == "assistant" for m in self.messages[len(prompt):]):
+            raise self.error(f"'{o.completion_key}' holds no assistant message", o.completion_key,
+                             "empty_conversation")
+        return self.done(None)
+
+
+def turns(value, path: str, line: int, key: str) -> list:
+    if not isinstance(value, list):
+        raise input_error(f"'{key}' must be a list of turns", path, line, field=key, reason="missing_key")
+    if not value:
+        raise input_error("empty conversation", path, line, field=key, reason="empty_conversation")
+    return value
+
+
+def split_inline_reasoning(content: str, opening: str, closing: str) -> Optional[Tuple[str, str]]:
+    """``(reasoning, answer)`` when ``content`` opens (after whitespace) with ``opening`` and closes
+    it; else None. The answer loses the whitespace that follows ``closing``."""
+    stripped = content.lstrip()
+    if not stripped.startswith(opening):
+        return None
+    end = stripped.find(closing, len(opening))
+    if end < 0:
+        return None
+    return stripped[len(opening):end], stripped[end + len(closing):].lstrip()
+
+
+def check_text(value: str, path: str, line: int, where: str) -> str:
+    """``value``, refused if it holds a lone surrogate (not encodable as UTF-8, so a tokenizer
+    would raise on it)."""
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise input_error(f"'{where}' holds a lone UTF-16 surrogate {value[exc.start]!r} at character "
+                              f"{exc.start}", path, line, field=where, reason="invalid_unicode",
+                              hint="the text is not valid Unicode; fix the producer or pass --skip-bad") from None
+    return value
+
+
+def check_json_texts(value, path: str, line: int, where: str) -> None:
+    """Every string (key or value) inside a JSON value passes :func:`check_text` (one C-level
+    serialisation proves it for the whole value; only a failure walks it to name the text)."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+        return
+    except (UnicodeEncodeError, TypeError, ValueError):
+        pass
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            check_text(v, path, line, where)
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+
+
+def token_record(record: dict, path: str, line: int):
+    """Pre-tokenized record -> ``(input_ids, loss_mask or None, answer_start_idx or None)``."""
+    if "input_ids" not in record:
+        raise input_error("missing key 'input_ids'", path, line, field="input_ids", reason="missing_key")
+    ids = record["input_ids"]
+    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise input_error("'input_ids' must be a non-empty list of integers", path, line,
+                          field="input_ids", reason="missing_key")
+    mask = record.get("loss_mask")
+    start = record.get("answer_start_idx")
+    if mask is None and start is None:
+        raise input_error("pre-tokenized record needs 'loss_mask' or 'answer_start_idx'", path, line,
+                          field="loss_mask", reason="missing_key")
+    if mask is not None and (not isinstance(mask, list) or len(mask) != len(ids)):
+        raise input_error(f"'loss_mask' must be a list as long as 'input_ids' ({len(ids)})", path, line,
+                          field="loss_mask", reason="missing_key")
+    if mask is None and (not isinstance(start, int) or isinstance(start, bool) or not 0 <= start < len(ids)):
+        raise input_error(f"'answer_start_idx' must be an integer in [0, {len(ids)})", path, line,
+                          field="answer_start_idx", reason="missing_key")
+    return ids, mask, start
