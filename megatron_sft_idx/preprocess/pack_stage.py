@@ -72,6 +72,7 @@ def _plan_schema(doc) -> None:
 def _materialize_schema(doc) -> None:
     doc.str("final")
     doc.int("packs", lo=1)
+    doc.number("peak_rss_mib", 0.0, float(1 << 40))
     try:
         ShardMetadata.from_dict(doc.raw("metadata"), path=doc.path)
     except ShardError as exc:

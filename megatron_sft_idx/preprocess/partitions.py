@@ -46,7 +46,7 @@ from .inputs import ARROW_SUFFIXES, COMPRESSED_SUFFIXES, PARQUET_SUFFIXES, Overs
 _BLOCK = 1 << 20
 DEFAULT_PARTITION_BYTES = 64 << 20
 DEFAULT_MAX_RECORD_BYTES = 2 << 20
-KINDS = ("lines", "stream", "rows")
+KINDS = ("lines", "array", "stream", "array_stream", "rows", "arrow")
 
 
 @dataclass(frozen=True)
@@ -111,12 +111,23 @@ def file_kind(path: str) -> str:
 _WHOLE_FILE_KINDS = ("stream", "array_stream")
 
 
+def _suffix_kinds(name: str) -> Tuple[str, ...]:
+    """The kinds :func:`file_kind` can give a file of this name (JSON Lines or a JSON array is
+    told by the content, which a store's reader may not have: its inputs may be elsewhere)."""
+    if name.endswith(PARQUET_SUFFIXES):
+        return ("rows",)
+    if name.endswith(ARROW_SUFFIXES):
+        return ("arrow",)
+    return ("stream", "array_stream") if name.endswith(COMPRESSED_SUFFIXES) else ("lines", "array")
+
+
 def check_cover(parts: List[Partition], names: List[str], sizes: List[int], path: str,
                 field: str = "partitions") -> None:
     """Raise unless ``parts`` are what :func:`index_file` cuts from inputs of these names and
-    byte sizes: by file in input order, each file's kind its suffix's, ``lines`` and ``rows``
-    contiguous from 0 (``lines`` ending at the file's size), one ``stream`` ``[0, -1)`` per
-    compressed file, first lines rising from 1.
+    byte sizes: by file in input order, each file's kind one its suffix allows, ``lines``,
+    ``array``, ``rows`` and ``arrow`` contiguous from 0 (``lines`` and ``array`` ending at the
+    file's size), one ``stream`` or ``array_stream`` ``[0, -1)`` per compressed file, first lines
+    (elements, rows) rising from 1.
 
     Raises:
         MetadataError: the first partition that breaks a rule (naming ``path`` and ``field[k]``).
@@ -131,8 +142,9 @@ def check_cover(parts: List[Partition], names: List[str], sizes: List[int], path
 
         if not 0 <= p.file < len(names) or (prev is not None and p.file < prev.file):
             raise bad("files in input order", f"{prev.file if prev else 0}..{len(names) - 1}", p.file)
-        if p.kind != file_kind(names[p.file]):
-            raise bad("the kind of its input's suffix", file_kind(names[p.file]), p.kind)
+        allowed = _suffix_kinds(names[p.file])
+        if p.kind not in allowed:
+            raise bad("a kind its input's suffix allows", list(allowed), p.kind)
         first = prev is None or prev.file != p.file
         if p.kind in _WHOLE_FILE_KINDS:
             if not first or (p.start, p.end, p.first_line) != (0, -1, 1):
