@@ -1,6 +1,7 @@
-"""Bin packing of sequence lengths (numba, O(N log N)) and parallelism padding helpers."""
+"""Bin packing of sequence lengths (numba, O(N log N)), parallelism padding, and filling packs."""
 
 from .algorithms import ALGORITHMS, DEFAULT_ALGORITHM, PackAssignment, pack_lengths, pack_lengths_csr
+from .fill import exclusive_cumsum, fill_sequences
 from .padding import is_padded, pad_multiple_for, pad_offset, padded_length, padded_lengths, truncation_length
 from .stats import packing_summary
 
@@ -17,4 +18,6 @@ __all__ = [
     "is_padded",
     "truncation_length",
     "packing_summary",
+    "fill_sequences",
+    "exclusive_cumsum",
 ]

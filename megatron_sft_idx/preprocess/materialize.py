@@ -22,8 +22,7 @@ from ..builder import IndexedDatasetBuilder
 from .._files import open_generation
 from ..errors import ShardError
 from ..format import BIN_SUFFIX, LOSS_SUFFIX, PUBLISH_ORDER, SEQ_IDX_SUFFIX, ShardPaths
-from ..packing import padded_length, truncation_length
-from ._materialize import exclusive_cumsum, fill_sequences
+from ..packing import exclusive_cumsum, fill_sequences, padded_length, truncation_length
 from .planfile import PackPlan
 from .receipts import ReceiptBook
 from .store import SequenceStore, part_prefix

@@ -21,9 +21,8 @@ import numpy as np
 
 from .._numba import numba
 from ..errors import ShardError, ShardNotFoundError
-from ..packing import pack_lengths_csr, packing_summary, padded_length, truncation_length
+from ..packing import exclusive_cumsum, pack_lengths_csr, packing_summary, padded_length, truncation_length
 from ..packing.algorithms import index_dtype
-from ._materialize import cut_turns, exclusive_cumsum
 from .errors import input_error
 from .planfile import PLAN_FORMAT, PlanWriter
 from .receipts import ReceiptBook
@@ -252,6 +251,23 @@ def load_kept(store: SequenceStore, s: PlanSettings) -> Kept:
         base += full.size
     gone = np.concatenate(dropped) if dropped else np.empty(0, np.int64)
     return Kept(padded[:n], gone, truncated, padding, skipped, first, cut_total)
+
+
+@numba.njit(cache=True)
+def cut_turns(src_mask, src_start, first_trained, trunc, cut, untrainable_if_dropped):
+    """For each truncated sequence k: ``cut[k]`` when the cut at ``trunc`` falls inside a trained
+    run (an assistant turn loses its end), and ``untrainable_if_dropped[k]`` when that run is
+    the sequence's first trained one (masking it would leave nothing trained)."""
+    for k in range(src_start.shape[0]):
+        s = src_start[k]
+        cut[k] = src_mask[s + trunc - 1] != 0
+        untrainable_if_dropped[k] = False
+        if cut[k]:
+            j = trunc - 1
+            while j >= first_trained[k] and src_mask[s + j] != 0:
+                j -= 1
+            untrainable_if_dropped[k] = j < first_trained[k]
+
 
 
 def _cut_turns(store: SequenceStore, k: int, rows: np.ndarray, truncated: np.ndarray, trunc: int,

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..builder import IndexedDatasetBuilder
 from ..errors import InputError
-from ._materialize import exclusive_cumsum
+from ..packing import exclusive_cumsum
 from .encode import EncodedBatch, EncodeOptions, RecordEncoder, preload
 from .engine import report_progress
 from .partitions import Partition, index_file, read_batches

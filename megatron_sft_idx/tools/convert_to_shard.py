@@ -178,7 +178,7 @@ def plan_documents(src: MMapIndexedDataset, pack_size: int, overlong: str) -> Di
 def add_pretrain(builder: IndexedDatasetBuilder, src: MMapIndexedDataset, plan: Dict[str, Any],
                  assignment) -> int:
     """Materialize the packing of ``plan``'s documents, a run of packs at a time."""
-    from ..preprocess._materialize import fill_sequences
+    from ..packing.fill import fill_sequences
 
     if hasattr(mmap, "MADV_RANDOM"):  # packs gather documents from all over the file
         src.advise(mmap.MADV_RANDOM)

@@ -1,4 +1,9 @@
-"""numba kernel that copies store sequences into a chunk of packs (``cache=True``)."""
+"""Filling packs: sequences copied into a chunk of packs with the truncated-end mask rule.
+
+Shared by the materialize step and virtual packs (``preprocess/materialize.py``) and by
+``convert-packed`` from pretrain data (``tools/convert_to_shard.py``): the one place the rule
+"a truncated sequence trains nothing after its new last token" is written. numba, ``cache=True``.
+"""
 
 from __future__ import annotations
 
@@ -33,23 +38,8 @@ def fill_sequences(out_ids, out_mask, dst, src_ids, src_mask, src_start, copy_le
             out_mask[d + n - 1] = 0
 
 
-@numba.njit(cache=True)
-def cut_turns(src_mask, src_start, first_trained, trunc, cut, untrainable_if_dropped):
-    """For each truncated sequence k: ``cut[k]`` when the cut at ``trunc`` falls inside a trained
-    run (an assistant turn loses its end), and ``untrainable_if_dropped[k]`` when that run is
-    the sequence's first trained one (masking it would leave nothing trained)."""
-    for k in range(src_start.shape[0]):
-        s = src_start[k]
-        cut[k] = src_mask[s + trunc - 1] != 0
-        untrainable_if_dropped[k] = False
-        if cut[k]:
-            j = trunc - 1
-            while j >= first_trained[k] and src_mask[s + j] != 0:
-                j -= 1
-            untrainable_if_dropped[k] = j < first_trained[k]
-
-
 def exclusive_cumsum(values: np.ndarray) -> np.ndarray:
+    """``[0, v0, v0+v1, ...]`` (int64, one longer than ``values``): where each item starts, and the end."""
     out = np.zeros(values.size + 1, dtype=np.int64)
     np.cumsum(values, out=out[1:])
     return out
