@@ -21,6 +21,7 @@ from ..errors import ShardError
 from ..packing import ALGORITHMS, DEFAULT_ALGORITHM
 from .chat import LOSS_MODES
 from .encode import SPAN_METHODS
+from .engines import ENGINES
 from .fast_tokenizer import BACKENDS
 from .inputs import INPUT_FORMATS
 from .policy import EMPTY_REASONING_LOSS, REASONING_LOSS, TOOL_CALL_LOSS
@@ -124,7 +125,7 @@ def add_run_arguments(p: argparse.ArgumentParser, workers_help: str) -> None:
     """Engine, resume, checks and reporting flags, shared by preprocess_sft and repack_sft."""
     ex = p.add_argument_group("execution")
     ex.add_argument("--workers", type=positive_int, default=1, help=workers_help)
-    ex.add_argument("--engine", choices=("local", "ray"), default="local",
+    ex.add_argument("--engine", choices=ENGINES, default="local",
                     help="local: this machine's processes; ray: Ray tasks on a cluster (RAY_ADDRESS or "
                          "--ray-address joined; needs the [ray] extra and paths every node sees) (default: local)")
     ex.add_argument("--ray-address", metavar="ADDR", help="Ray cluster to join (default: RAY_ADDRESS, else a "

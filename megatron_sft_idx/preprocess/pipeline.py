@@ -1,6 +1,6 @@
 """The preprocessing pipeline: inputs -> sequence store -> pack plan -> shards -> publish.
 
-Stages, each a step whose units an engine runs (:mod:`.engine`), each unit committed by a
+Stages, each a step whose units an engine runs (:mod:`.engines`), each unit committed by a
 receipt (:mod:`.receipts`), so ``--resume`` continues a killed run from its completed units:
 
 1. *index* (:mod:`.tokenize`, per input file): sha256, size, deterministic partitions;
@@ -38,7 +38,7 @@ from ..packing import pad_multiple_for
 from . import outputs
 from .chat import load_chat_tokenizer, resolve_chat_template
 from .encode import EncodeOptions
-from .engine import make_engine
+from .engines import make_engine
 from .errors import output_error
 from .inputs import expand_inputs
 from .pack_stage import PackJob, books, check_outputs, record_outputs, run_pack

@@ -19,7 +19,7 @@ from ..builder import IndexedDatasetBuilder
 from ..errors import InputError
 from ..packing import exclusive_cumsum
 from .encode import EncodedBatch, EncodeOptions, RecordEncoder, preload
-from .engine import report_progress
+from .engines.base import report_progress
 from .partitions import Partition, index_file, read_batches
 from .receipts import ReceiptBook
 from .store import ROW_DTYPE, ROWS_SUFFIX, part_prefix, tokenize_book

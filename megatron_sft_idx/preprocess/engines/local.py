@@ -1,19 +1,9 @@
-"""Steps, and the engines that run their units.
+"""The local engine: a step's units in this process, or in a pool of forked worker processes.
 
-A *step* is a small frozen object with a ``name`` and ``run(unit) -> receipt``: it does the
-work of one unit (an input file, a partition, an output shard), publishes the unit's artifacts
-and writes its receipt, and knows nothing of who runs it. An *engine* runs the units of a step
-(``map``) and hands every receipt to the driver, which keeps nothing else (and, where the
-engine can, the units' :func:`report_progress` calls, so progress moves within a long unit):
-
-* :class:`LocalEngine` — in this process (one worker, or one unit), or a pool of forked
-  worker processes (``--workers N``);
-* :class:`~megatron_sft_idx.preprocess.ray_engine.RayEngine` — Ray tasks on a cluster
-  (``--engine ray``), the same steps.
-
-Every engine runs a unit through :func:`run_unit`, so a unit fails the same way everywhere:
-bad input as the step's ``ShardError``, a filesystem refusal as an ``OutputError`` naming the
-path, anything else as a ``ShardError`` carrying the worker's traceback.
+``--workers 1`` (or a single unit) runs the units here, one after another; ``--workers N``
+forks N workers that take units from a queue and send back receipts and progress. Workers
+ignore Ctrl-C (the driver handles it), die with the driver (even on SIGKILL) and are killed by
+it when it stops for any reason, so an interrupted run never leaves one behind.
 """
 
 from __future__ import annotations
@@ -22,66 +12,16 @@ import multiprocessing as mp
 import os
 import queue
 import signal
-import traceback
-from typing import Callable, Optional, Protocol, Sequence
+from typing import Optional, Sequence
 
-from .._extras import MissingExtraError
-from ..errors import ShardError
-from .errors import output_error
-from .._signals import Terminated, signals_deferred, worker_signals
-
-
-class Step(Protocol):
-    """A unit of work by number; optionally ``prepare()``, called once in the process that forks
-    local workers (e.g. to load a tokenizer they then share)."""
-
-    name: str
-    writes_to: str   # where the step writes: named when the filesystem refuses a write
-
-    def run(self, unit: int) -> dict: ...
-
-
-OnDone = Callable[[dict], None]
-OnProgress = Callable[[int, int], None]   # (unit, amount done since its last report)
-
-_report: Optional[Callable[[int], None]] = None   # set by the engine around each unit it runs
-
-
-def report_progress(amount: int) -> None:
-    """The running unit has done ``amount`` more of its work (in the units the driver sized it
-    in); the driver's progress moves before the unit ends. A no-op where nobody listens."""
-    if _report is not None:
-        _report(amount)
-
-
-def _run_reporting(step: Step, unit: int, report: Optional[Callable[[int], None]]) -> dict:
-    global _report
-    _report = report
-    try:
-        return run_unit(step, unit)
-    finally:
-        _report = None
-
-
-def run_unit(step: Step, unit: int) -> dict:
-    """``step.run(unit)`` with failures named the same way under every engine."""
-    try:
-        return step.run(unit)
-    except (ShardError, MissingExtraError):
-        raise
-    except OSError as exc:
-        raise output_error(exc, where=getattr(step, "writes_to", None)) from None
-    except Exception as exc:
-        raise ShardError(f"{step.name} unit {unit} failed: {exc.__class__.__name__}: {exc}",
-                         hint="this is a bug; the worker's traceback follows:\n" + traceback.format_exc()) from None
+from ..._extras import MissingExtraError
+from ..._signals import Terminated, signals_deferred, worker_signals
+from ...errors import ShardError
+from .base import OnDone, OnProgress, Step, run_reporting
 
 
 class LocalEngine:
-    """Units in this process, or in ``workers`` forked processes.
-
-    Workers ignore Ctrl-C (the driver handles it), die with the driver (even on SIGKILL) and are
-    killed by it when it stops for any reason, so an interrupted run never leaves one behind.
-    """
+    """Units in this process, or in ``workers`` forked processes (see the module docstring)."""
 
     name = "local"
 
@@ -93,7 +33,7 @@ class LocalEngine:
         if self.workers == 1 or len(units) <= 1:
             for unit in units:
                 report = None if on_progress is None else (lambda amount, unit=unit: on_progress(unit, amount))
-                on_done(_run_reporting(step, unit, report))
+                on_done(run_reporting(step, unit, report))
             return
         prepare = getattr(step, "prepare", None)
         if prepare is not None:
@@ -114,8 +54,8 @@ def _worker_main(step, parent_pid, tasks, results) -> None:
         if unit is None:
             return
         try:
-            results.put(("done", unit, _run_reporting(step, unit,
-                                                      lambda amount, unit=unit: results.put(("progress", unit, amount)))))
+            results.put(("done", unit, run_reporting(step, unit,
+                                                     lambda amount, unit=unit: results.put(("progress", unit, amount)))))
         except BaseException as exc:  # report, never hang the driver
             if not isinstance(exc, (ShardError, MissingExtraError)):
                 exc = ShardError(f"{step.name} unit {unit} failed: {exc.__class__.__name__}: {exc}")
@@ -192,18 +132,3 @@ class _Pool:
         for q in (self.tasks, self.results):
             q.cancel_join_thread()  # never block exit on a feeder thread with nobody reading
             q.close()
-
-
-def make_engine(kind: str, workers: int, ray_address=None):
-    """The engine for ``--engine kind``.
-
-    Raises:
-        ShardError: ``ray`` without Ray installed (names the extra to install).
-    """
-    if kind == "local":
-        return LocalEngine(workers)
-    if kind == "ray":
-        from .ray_engine import RayEngine
-
-        return RayEngine(address=ray_address, workers=workers)
-    raise ShardError(f"unknown engine {kind!r}", field="engine", expected=["local", "ray"], actual=kind)

@@ -17,9 +17,9 @@ import logging
 import os
 from typing import Optional, Sequence
 
-from .._extras import MissingExtraError, require_extra
-from ..errors import ShardError
-from .engine import OnDone, Step, run_unit
+from ..._extras import MissingExtraError, require_extra
+from ...errors import ShardError
+from .base import OnDone, Step, run_unit
 
 
 def _require_ray():
