@@ -321,12 +321,12 @@ def test_resume_of_a_finished_run_whose_outputs_changed_publishes_them_again(cor
 
 SLOW_PROOF = r"""
 import os, signal, sys, threading, time
-from megatron_sft_idx.preprocess import pipeline
+from megatron_sft_idx.preprocess import driver
 from megatron_sft_idx.preprocess.cli import main
 def endless(path, stop=None):       # an input too large to hash before the signal: only ``stop`` ends it
     while stop is None or not stop.is_set():
         time.sleep(0.01)
-pipeline.sha256_file = endless
+driver.sha256_file = endless
 threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
 sys.exit(main(sys.argv[1:]))
 """

@@ -25,7 +25,7 @@ import pytest
 
 from megatron_sft_idx.builder import IndexedDatasetBuilder
 from megatron_sft_idx.errors import ShardError
-from megatron_sft_idx.preprocess import pack_stage
+from megatron_sft_idx.preprocess import driver
 from megatron_sft_idx.preprocess.materialize import MaterializeStep
 from megatron_sft_idx.preprocess.pipeline import Config, run
 from megatron_sft_idx.preprocess.planfile import HEADER, HEADER_SIZE, PackPlan
@@ -68,7 +68,7 @@ def interrupted(monkeypatch, out, where, **kw):
         if where == "materialize":
             m.setattr(MaterializeStep, "run", stop)
         else:
-            m.setattr(pack_stage, "publish", stop)
+            m.setattr(driver, "publish", stop)
         with pytest.raises(Stop):
             preprocess(out, **kw)
     assert files_of(out) == {}

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from megatron_sft_idx.errors import ShardError
-from megatron_sft_idx.preprocess import pack_stage
+from megatron_sft_idx.preprocess import driver
 from megatron_sft_idx.preprocess.pipeline import Config, run
 from megatron_sft_idx.preprocess.planfile import HEADER, HEADER_SIZE, PackPlan
 from megatron_sft_idx.preprocess.repack import RepackConfig, repack
@@ -81,17 +81,17 @@ def world(tmp_path_factory):
         run(Config(inputs=["in.jsonl"], output_prefix=str(d / "ref" / "ds"), store=str(d / "store"), **SETTINGS))
         repack(RepackConfig(store=str(d / "store"), output_prefix=None, plan_only=str(d / "v.plan"), pack_size=1024,
                             split=[90, 10], max_packs_per_shard=20, progress=False))
-        real = pack_stage.publish
+        real = driver.publish
 
         def stop(*a, **k):
             raise Stop()
 
-        pack_stage.publish = stop
+        driver.publish = stop
         try:
             with pytest.raises(Stop):
                 run(Config(inputs=["in.jsonl"], output_prefix=str(d / "out" / "ds"), **SETTINGS))
         finally:
-            pack_stage.publish = real
+            driver.publish = real
     finally:
         os.chdir(cwd)
     shutil.copytree(d / "out" / ".ds.preprocess", d / "pristine")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """New packed shards from an existing sequence store, without re-tokenizing: ``tools/repack_sft.py --help``.
 
-Thin wrapper; the CLI lives in :mod:`megatron_sft_idx.preprocess.repack` (console script
+Thin wrapper; the CLI lives in :mod:`megatron_sft_idx.preprocess.cli` (console script
 ``repack-sft``).
 """
 
@@ -10,7 +10,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_sft_idx.preprocess.repack import build_parser, main  # noqa: E402
+from megatron_sft_idx.preprocess.cli import build_repack_parser as build_parser, repack_main as main  # noqa: E402
 
 __all__ = ["build_parser", "main"]
 

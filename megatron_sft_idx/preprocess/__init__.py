@@ -1,5 +1,38 @@
-"""Conversations (or pre-tokenized samples) in, packed shards out: see :mod:`.cli` and :mod:`.pipeline`."""
+"""Conversations (or pre-tokenized samples) in, packed shards out: ``preprocess-sft`` and ``repack-sft``.
 
-from .errors import InputError
+The public face (imported on first use, so importing a submodule stays cheap)::
 
-__all__ = ["InputError"]
+    from megatron_sft_idx.preprocess import Config, run, RepackConfig, repack
+
+    run(Config(["chat.jsonl"], "/data/sft/chat", tokenizer="tok/", pack_size=8192, workers=8))
+    repack(RepackConfig("/data/sft/store", "/data/sft/cp4/chat", pack_size=8192, cp=4))
+
+Where things live: :mod:`.cli` (both commands), :mod:`.config` (the settings, defined once),
+:mod:`.driver` (stage order, resume, commit), :mod:`.engines` (local and Ray), the steps
+(:mod:`.tokenize`, :mod:`.plan`, :mod:`.materialize`), :mod:`.checks`, :mod:`.publish`,
+:mod:`.summary`, and the artifacts (:mod:`.store`, :mod:`.planfile`, :mod:`.receipts`,
+:mod:`.workdir`).
+"""
+
+from .._lazy import lazy_getattr
+
+_PUBLIC = {
+    "run": ".driver",
+    "repack": ".driver",
+    "plan_only": ".driver",
+    "Config": ".config",
+    "RepackConfig": ".config",
+    "PackSettings": ".config",
+    "RunSettings": ".config",
+    "TokenizeSettings": ".config",
+    "InputError": ".errors",
+    "VirtualPackedDataset": ".virtual",
+}
+
+__all__ = list(_PUBLIC)
+
+__getattr__ = lazy_getattr(__name__, _PUBLIC, globals())
+
+
+def __dir__():
+    return sorted(__all__)

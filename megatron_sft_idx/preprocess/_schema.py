@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Callable, Dict, List, Optional, Sequence, Type
 
@@ -39,6 +40,11 @@ def load_json(path: str, error: Type[ShardError] = MetadataError) -> Any:
         return parse_json(raw, path)
     except ShardError as exc:
         raise error(exc.message, path=path, field=exc.field or "json") from None
+
+
+def normal_json(obj) -> Any:
+    """``obj`` as JSON reads it back (tuples as lists, keys sorted): what two artifacts are compared by."""
+    return json.loads(json.dumps(obj, sort_keys=True))
 
 
 def is_int(value) -> bool:

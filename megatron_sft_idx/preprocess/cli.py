@@ -1,10 +1,19 @@
-"""``preprocess-sft``: conversations (or pre-tokenized samples) in, packed shards out.
+"""The two commands' CLIs: ``preprocess-sft`` (:func:`main`) and ``repack-sft`` (:func:`repack_main`).
+
+Each flag group the commands share is defined once: the packing flags
+(:func:`add_packing_arguments`, read into a :class:`~.config.PackSettings` by
+:func:`pack_settings_of`) and the execution, check and reporting flags
+(:func:`add_run_arguments`, read into a :class:`~.config.RunSettings` by :func:`run_settings_of`).
+The driver (:mod:`.driver`) runs the configuration; :func:`run_and_report` prints its summary
+or its one-line error, with the exit codes of both commands.
 
 Example (the bundled example, offline)::
 
     python tools/preprocess_sft.py --input examples/conversations.jsonl \\
         --tokenizer examples/tokenizer --output-prefix /tmp/sft/example \\
         --pack-size 2048 --workers 2 --check --verify-masks 20
+    python tools/repack_sft.py --store /data/sft/store --output-prefix /data/sft/cp4/chat \\
+        --pack-size 8192 --cp 4 --split 98,1,1 --workers 8
 """
 
 from __future__ import annotations
@@ -21,12 +30,13 @@ from ..errors import ShardError
 from ..packing import ALGORITHMS, DEFAULT_ALGORITHM
 from .chat import LOSS_MODES
 from .encode import SPAN_METHODS
-from .engines import ENGINES
 from .fast_tokenizer import BACKENDS
 from .inputs import INPUT_FORMATS
+from .config import Config, PackSettings, RepackConfig, RunSettings, TokenizeSettings
+from .engines import ENGINES
 from .policy import EMPTY_REASONING_LOSS, REASONING_LOSS, TOOL_CALL_LOSS
 from .partitions import DEFAULT_MAX_RECORD_BYTES, DEFAULT_PARTITION_BYTES
-from .summary import decision_warnings, format_summary
+from .summary import decision_warnings, format_plan_summary, format_summary
 
 PROG = "preprocess-sft"
 DESCRIPTION = """\
@@ -241,26 +251,34 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _config(args):
-    from .pipeline import Config
+def pack_settings_of(args) -> PackSettings:
+    """The packing flags (:func:`add_packing_arguments`, and ``--skip-bad``) as settings."""
+    return PackSettings(
+        pack_size=args.pack_size, algorithm=args.packing_algorithm, seed=args.seed, overlong=args.overlong,
+        truncated_turn_loss=args.truncated_turn_loss, pad_seq_to_mult=args.pad_seq_to_mult,
+        pad_layout=args.pad_layout, cp=args.cp, tp=args.tp, sp=args.sp, pad_id=args.pad_id, split=args.split,
+        max_packs_per_shard=args.max_packs_per_shard, max_shard_bytes=args.max_shard_bytes,
+        skip_bad=args.skip_bad)
 
-    return Config(
-        inputs=args.input, output_prefix=args.output_prefix, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
-        pack_size=args.pack_size, workers=args.workers, seed=args.seed, algorithm=args.packing_algorithm,
-        loss_on=args.loss_on, input_format=args.input_format, prompt_key=args.prompt_key,
-        completion_key=args.completion_key, pad_seq_to_mult=args.pad_seq_to_mult,
-        pad_layout=args.pad_layout, cp=args.cp, tp=args.tp,
-        sp=args.sp, pad_id=args.pad_id, overlong=args.overlong, skip_bad=args.skip_bad, overwrite=args.overwrite,
-        split=args.split, max_packs_per_shard=args.max_packs_per_shard, max_shard_bytes=args.max_shard_bytes,
-        batch_size=args.batch_size, check=args.check, verify_masks=args.verify_masks,
-        tokenizer_backend=args.tokenizer_backend, span_method=args.span_method,
-        progress=progress_of(PROG, args), store=args.store, resume=args.resume,
-        engine=args.engine, ray_address=args.ray_address, partition_bytes=args.partition_bytes,
-        max_record_bytes=args.max_record_bytes, truncated_turn_loss=args.truncated_turn_loss,
-        chat_template=args.chat_template, staging_dir=args.staging_dir, prompt_format=args.prompt_format,
-        ignore_fields=tuple(args.ignore_field), tool_call_loss=args.tool_call_loss,
-        reasoning_loss=args.reasoning_loss, empty_reasoning_loss=args.empty_reasoning_loss,
-        reasoning_tags=tuple(args.reasoning_tags))
+
+def run_settings_of(prog: str, args) -> RunSettings:
+    """The execution and check flags (:func:`add_run_arguments`) and ``--staging-dir`` as settings."""
+    return RunSettings(workers=args.workers, engine=args.engine, ray_address=args.ray_address, resume=args.resume,
+                       overwrite=args.overwrite, check=args.check, verify_masks=args.verify_masks,
+                       progress=progress_of(prog, args), staging_dir=args.staging_dir)
+
+
+def _config(args) -> Config:
+    tokenize = TokenizeSettings(
+        tokenizer=args.tokenizer, vocab_size=args.vocab_size, loss_on=args.loss_on, input_format=args.input_format,
+        prompt_key=args.prompt_key, completion_key=args.completion_key, prompt_format=args.prompt_format,
+        chat_template=args.chat_template, ignore_fields=tuple(args.ignore_field),
+        tool_call_loss=args.tool_call_loss, reasoning_loss=args.reasoning_loss,
+        empty_reasoning_loss=args.empty_reasoning_loss, reasoning_tags=tuple(args.reasoning_tags),
+        tokenizer_backend=args.tokenizer_backend, span_method=args.span_method, batch_size=args.batch_size,
+        partition_bytes=args.partition_bytes, max_record_bytes=args.max_record_bytes)
+    return Config(args.input, args.output_prefix, store=args.store, tokenize=tokenize, pack=pack_settings_of(args),
+                  run=run_settings_of(PROG, args))
 
 
 def progress_of(prog: str, args) -> Progress:
@@ -328,6 +346,64 @@ def main(argv=None) -> int:
     if problem:
         parser.error(problem)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from .pipeline import run
+    from .driver import run
 
     return run_and_report(PROG, run, _config(args), args)
+
+
+# --------------------------------------------------------------------------- repack-sft
+
+
+REPACK_PROG = "repack-sft"
+REPACK_DESCRIPTION = """\
+New packed shards from a sequence store kept by preprocess-sft --store, without tokenizing again.
+
+A new pack size, pad multiple (--cp/--tp/--sp), algorithm, seed, split or shard size only
+plans and writes again; the shards are byte-identical to those of a fresh preprocess-sft with
+the same inputs and settings. --plan-only PATH writes just the pack plan, to serve packs
+virtually (VirtualPackedDataset) without writing any token.
+
+Example:
+
+  repack-sft --store /data/sft/store --output-prefix /data/sft/cp4/chat \\
+      --pack-size 8192 --cp 4 --split 98,1,1 --workers 8
+"""
+
+
+def build_repack_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=REPACK_PROG, description=REPACK_DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    io = p.add_argument_group("input and output")
+    io.add_argument("--store", required=True, metavar="DIR",
+                    help="a sequence store kept by preprocess-sft --store DIR (complete)")
+    io.add_argument("--output-prefix", help="output shard prefix, as preprocess-sft's (required unless "
+                                            "--plan-only)")
+    io.add_argument("--plan-only", metavar="PATH",
+                    help="write only the pack plan to PATH (for VirtualPackedDataset); no shards")
+    io.add_argument("--tokenizer", metavar="PATH",
+                    help="tokenizer for --verify-masks (default: where the store found it)")
+    add_staging_argument(io)
+    add_packing_arguments(p)
+    add_run_arguments(p, "worker processes for writing shards (local engine) (default: 1)")
+    return p
+
+
+def _repack_config(args) -> RepackConfig:
+    return RepackConfig(args.store, args.output_prefix, plan_only=args.plan_only, tokenizer=args.tokenizer,
+                        pack=pack_settings_of(args), run=run_settings_of(REPACK_PROG, args))
+
+
+def repack_main(argv=None) -> int:
+    parser = build_repack_parser()
+    args = parser.parse_args(argv)
+    configure_logging(REPACK_PROG, args.verbose, args.quiet)
+    if not args.output_prefix and not args.plan_only:
+        parser.error("--output-prefix is required (or --plan-only PATH)")
+    problem = usage_problem(args)
+    if problem:
+        parser.error(problem)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from .driver import repack
+
+    formatter = format_plan_summary if args.plan_only else None
+    return run_and_report(REPACK_PROG, repack, _repack_config(args), args, formatter)

@@ -1,5 +1,9 @@
 """The materialize step: plan + store -> one output shard per unit, in a staging directory.
 
+:func:`output_shards` names every output shard of a plan and the metadata it records (the same
+whichever command writes it); :func:`resumed_shards` is how ``--resume`` takes the shards an
+earlier attempt wrote (only once they verify).
+
 Unit ``u`` writes output shard ``u`` (splits in order, shards in order inside a split): the
 packs ``shard_starts[s]..shard_starts[s+1]`` of its split, a chunk of packs at a time. Each
 chunk reads its sequences from the store's partitions with ``pread`` (see :class:`Gatherer`),
@@ -11,21 +15,29 @@ cut to the truncation length (the last kept position gets loss 0), padded with `
 
 from __future__ import annotations
 
+import logging
 import os
 import resource
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..builder import IndexedDatasetBuilder
 from .._files import open_generation
-from ..errors import ShardError
+from ..errors import MetadataError, ShardError
 from ..format import BIN_SUFFIX, LOSS_SUFFIX, PUBLISH_ORDER, SEQ_IDX_SUFFIX, ShardPaths
+from ..metadata import ShardMetadata
 from ..packing import exclusive_cumsum, fill_sequences, padded_length, truncation_length
+from . import outputs
+from ._schema import normal_json
+from .config import PackJob
+from .integrity import verify_shard
 from .planfile import PackPlan
-from .receipts import ReceiptBook
-from .store import SequenceStore, part_prefix
+from .receipts import ReceiptBook, settings_key
+from .store import SequenceStore, encoding_extra, part_prefix
+
+log = logging.getLogger("megatron_sft_idx.preprocess")
 
 _CHUNK_TOKENS = 1 << 22  # tokens materialized at once
 _CHUNK_SEQUENCES = 512   # sequences read at once (one pread each for tokens and loss mask)
@@ -78,6 +90,130 @@ class MaterializeStep:
         body = {"final": out.final, "packs": last - first, "metadata": builder.metadata.to_dict(),
                 "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
         return self.book.write(unit, body, [out.staged + s for s in PUBLISH_ORDER], pinned=[out.staged + SEQ_IDX_SUFFIX])
+
+
+def materialize_schema(doc) -> None:
+    """The materialize receipt's own fields: the shard it wrote, and that shard's metadata."""
+    doc.str("final")
+    doc.int("packs", lo=1)
+    doc.number("peak_rss_mib", 0.0, float(1 << 40))
+    try:
+        ShardMetadata.from_dict(doc.raw("metadata"), path=doc.path)
+    except ShardError as exc:
+        raise MetadataError(exc.message, path=doc.path, field=f"metadata.{exc.field}") from None
+    doc.doc("metadata").doc("extra").str("split")
+
+
+# --------------------------------------------------------------------------- the output shards
+
+
+def shard_metadata(store: SequenceStore, job: PackJob, split: str, shard: int, count: int,
+                   set_id: Optional[str] = None) -> dict:
+    """The metadata every output shard records (the same whichever command wrote it); with
+    ``set_id`` (a run writing several shards) the shard's set membership too."""
+    s = job.settings
+    cp, tp, sp = job.parallelism
+    encode = store.identity["encode"]
+    meta = {
+        "pad_seq_to_mult": s.pad_multiple,
+        "pad_layout": s.pad_layout,
+        "tokenizer": store.tokenizer,
+        "packing": {"algorithm": s.algorithm, "seed": s.seed, "pack_size": s.pack_size, "overlong": s.overlong},
+        "parallelism": {"cp": cp, "tp": tp, "sp": bool(sp)},
+        "source": {"inputs": store.inputs, "input_format": encode["input_format"]},
+        "extra": {"loss_on": encode["loss_on"], "split": split, "shard_index": shard, "shard_count": count},
+    }
+    if set_id is not None:
+        meta["set"] = {"id": set_id, "name": split, "index": shard, "count": count}
+    if s.truncated_turn_loss != "keep":  # absent means keep (the default; the bytes of earlier shards)
+        meta["extra"]["truncated_turn_loss"] = s.truncated_turn_loss
+    meta["extra"].update(encoding_extra(encode))  # loss policy, prompt format: absent means the defaults
+    if meta["tokenizer"] is None:  # pre-tokenized input without a tokenizer
+        del meta["tokenizer"]
+    return meta
+
+
+def set_id(store: SequenceStore, job: PackJob, split: str) -> str:
+    """The id of the set of one split's shards: a digest of everything that decides their bytes
+    (what the store holds -- tokenizer, encoding, inputs by content -- and the pack settings)
+    and the split's name. Deterministic: the same inputs and settings give the same id whatever
+    the engine, the workers, the partitioning or a resume, and whether ``preprocess-sft`` or
+    ``repack-sft`` wrote the shards; any change to what the shards hold gives another id."""
+    settings = job.settings.to_dict()
+    if settings.get("split"):  # weights as given by the CLI (floats) or the API (maybe ints): one spelling
+        settings["split"] = [float(w) for w in settings["split"]]
+    return settings_key({"set": 1, "store": store.identity, "inputs": store.inputs, "settings": settings,
+                         "pad_id": job.pad_id, "vocab_size": job.vocab_size,
+                         "parallelism": [int(job.parallelism[0]), int(job.parallelism[1]), bool(job.parallelism[2])],
+                         "split": split})
+
+
+def output_shards(store: SequenceStore, job: PackJob, plan: dict, staged_dir: str) -> List[OutputShard]:
+    """Every output shard of the plan, in publishing order (splits, then shard index). When the
+    run writes more than one shard, each split's shards form a set (:func:`set_id`)."""
+    numbered = bool(job.settings.max_packs_per_shard or job.settings.max_shard_bytes)
+    by_name = dict(zip(job.settings.split_names, job.bases))
+    several = sum(split["shards"] for split in plan["splits"]) > 1
+    out = []
+    for i, split in enumerate(plan["splits"]):
+        count = split["shards"]
+        ident = set_id(store, job, split["name"]) if several else None
+        for k in range(count):
+            final = outputs.shard_prefix(by_name[split["name"]], k, numbered)
+            out.append(OutputShard(i, k, os.path.join(staged_dir, os.path.basename(final)), final,
+                                   shard_metadata(store, job, split["name"], k, count, ident)))
+    return out
+
+
+def resumed_shards(books: Dict[str, ReceiptBook], shards: Sequence[OutputShard], plan: PackPlan, work_path: str,
+                   remote: bool, hint: str) -> Tuple[Dict[int, dict], set]:
+    """``({unit: materialize receipt}, {published units})`` of the units an earlier attempt
+    finished whose shard still verifies (where it is now: staged, or under its final name
+    once published locally). A unit that does not verify loses both its receipts (``books``:
+    ``materialize`` and ``publish``), logged: it is written again."""
+    done, published = {}, set()
+    for u, shard in enumerate(shards):
+        pub = books["publish"].read(u)
+        moved = pub is not None and not remote   # a local publish moved the staged files
+        receipt = books["materialize"].read(u, artifacts=not moved)
+        if receipt is None:
+            books["publish"].discard(u)
+            continue
+        starts = plan.arrays(shard.split)["shard_starts"]
+        try:
+            _verify_unit(receipt, pub, shard, int(starts[shard.shard + 1] - starts[shard.shard]), work_path,
+                         moved, hint)
+        except ShardError as exc:
+            log.warning("output shard %d does not verify; writing it again: %s", u, exc)
+            books["materialize"].discard(u)
+            books["publish"].discard(u)
+            continue
+        done[u] = receipt
+        if pub is not None:
+            published.add(u)
+    return done, published
+
+
+def _verify_unit(receipt: dict, pub: Optional[dict], shard: OutputShard, packs: int, work_path: str,
+                 moved: bool, hint: str) -> None:
+    """Raise unless the unit's receipts name this shard and its bytes verify.
+
+    Raises:
+        ShardError: a receipt of another shard, or a checksum or the metadata differ.
+    """
+    final = outputs.normal_path(shard.final)
+    if (outputs.normal_path(receipt["final"]) != final or receipt["packs"] != packs
+            or (pub is not None and outputs.normal_path(pub["final"]) != final)):
+        raise MetadataError("the receipts of this unit name another shard", path=shard.staged, field="final",
+                            expected=[shard.final, packs], actual=[receipt["final"], receipt["packs"]])
+    rel = os.path.relpath(shard.staged + SEQ_IDX_SUFFIX, work_path)
+    ds = verify_shard(shard.final if moved else shard.staged, hint, receipt.get("crc32", {}).get(rel))
+    if normal_json(ds.metadata.to_dict()) != normal_json(receipt["metadata"]):
+        raise MetadataError("the shard's metadata differs from its receipt's", path=ds.paths.seq_idx,
+                            field="metadata")
+
+
+# --------------------------------------------------------------------------- gathering packs
 
 
 def chunks(offsets: np.ndarray, loads: np.ndarray, first: int, last: int):

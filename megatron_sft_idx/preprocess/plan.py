@@ -5,7 +5,9 @@ sequences are truncated, dropped or refused (``--overlong``), the kept conversat
 split (``--split``, seeded) and each split is packed globally (numba, the five algorithms)
 into packs of ``--pack-size`` with every sequence padded to the pad multiple, then cut into
 output shards (``--max-packs-per-shard`` / ``--max-shard-bytes``). The result is a
-:mod:`.planfile`: pack -> store sequence ids.
+:mod:`.planfile`: pack -> store sequence ids. :func:`resumed_plan` is how ``--resume`` takes
+an earlier attempt's plan (only once it verifies). :class:`PlanSettings` is defined in
+:mod:`.config`.
 
 Memory: about 16 bytes per conversation without ``--split`` and 24 with it (int32 padded
 lengths, packing order and bin ids, plus split ids and members), plus ~40 bytes per pack;
@@ -14,59 +16,26 @@ lengths, packing order and bin ids, plus split ids and members), plus ~40 bytes 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+import logging
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
 from .._numba import numba
-from ..errors import ShardError, ShardNotFoundError
-from ..packing import exclusive_cumsum, pack_lengths_csr, packing_summary, padded_length, truncation_length
+from ..errors import HeaderError, ShardError, ShardNotFoundError
+from ..packing import exclusive_cumsum, pack_lengths_csr, packing_summary
 from ..packing.algorithms import index_dtype
+from ._schema import normal_json
+from .config import SPLIT_NAMES, PlanSettings  # noqa: F401  (PlanSettings: this module's name for it before)
 from .errors import input_error
-from .planfile import PLAN_FORMAT, PlanWriter
+from .planfile import PLAN_FORMAT, PackPlan, PlanWriter
 from .receipts import ReceiptBook
 from .store import SequenceStore
+from .summary import merged_skips, skipped_text
 
-SPLIT_NAMES = ("train", "valid", "test")
+log = logging.getLogger("megatron_sft_idx.preprocess")
 _CHUNK = 1 << 20
-
-
-@dataclass(frozen=True)
-class PlanSettings:
-    """Everything that decides the packs (and nothing that decides their bytes)."""
-
-    pack_size: int
-    pad_multiple: int
-    algorithm: str
-    seed: int
-    split: Optional[Tuple[float, ...]]
-    overlong: str                   # truncate | drop | error
-    skip_bad: bool                  # under --overlong error: skip and count instead of stopping
-    max_packs_per_shard: Optional[int]
-    max_shard_bytes: Optional[int]
-    itemsize: int                   # bytes per output token (for --max-shard-bytes)
-    pad_layout: str = "stored"      # which length the pad multiple applies to (packing/padding.py)
-    truncated_turn_loss: str = "keep"   # keep | drop: loss on an assistant turn cut by truncation
-
-    @property
-    def truncate_to(self) -> int:
-        return truncation_length(self.pack_size, self.pad_multiple, self.pad_layout)
-
-    def padded(self, lengths) -> np.ndarray:
-        """Each length as padded in a pack (int64): the one padding rule, in this layout."""
-        return padded_length(lengths, self.pad_multiple, self.pad_layout)
-
-    @property
-    def split_names(self) -> Tuple[str, ...]:
-        return SPLIT_NAMES[:len(self.split)] if self.split else ("all",)
-
-    def to_dict(self) -> dict:
-        out = asdict(self)
-        out["split"] = list(self.split) if self.split else None
-        if self.truncated_turn_loss == "keep":  # the default: plans (and run keys) as before the flag
-            del out["truncated_turn_loss"]
-        return out
 
 
 def split_conversations(n: int, weights: Optional[Sequence[float]], seed: int) -> List[np.ndarray]:
@@ -329,6 +298,39 @@ class PlanStep:
         return self.book.write(unit, plan_summary(metadata), [self.path], pinned=[self.path])
 
 
+def plan_schema(doc) -> None:
+    """The plan receipt's own fields (the rest is compared with the plan file's strict metadata)."""
+    doc.int("conversations", lo=0)
+    doc.list("splits")
+
+
+_RECEIPT_KEYS = ("step", "unit", "key", "artifacts", "crc32")
+
+
+def resumed_plan(book: ReceiptBook, path: str, store: SequenceStore, settings: PlanSettings,
+                 hint: str) -> Optional[dict]:
+    """The plan receipt of an earlier attempt when the plan file verifies (pinned CRC-32, the
+    receipt equal to the file's metadata, ``settings``, every array valid against ``store``),
+    else None, its receipt discarded (logged: the plan is made again)."""
+    receipt = book.read(0)
+    if receipt is None:
+        return None
+    try:
+        book.verify(receipt, hint)
+        plan = PackPlan(path)
+        recorded = {k: v for k, v in receipt.items() if k not in _RECEIPT_KEYS}
+        if normal_json(plan_summary(plan.metadata)) != normal_json(recorded):
+            raise HeaderError("the plan receipt disagrees with the plan file", path=book.path(0), field="splits")
+        if normal_json(plan.metadata["settings"]) != normal_json(settings.to_dict()):
+            raise HeaderError("the plan was made with other settings", path=path, field="settings")
+        plan.validate(store)
+    except ShardError as exc:
+        log.warning("the pack plan does not verify; planning again: %s", exc)
+        book.discard(0)
+        return None
+    return receipt
+
+
 def plan_summary(metadata: dict) -> dict:
     """What the plan receipt records: the plan's metadata without the arrays' locations."""
     summary = {k: v for k, v in metadata.items() if k != "splits"}
@@ -376,8 +378,6 @@ def write_plan(store: SequenceStore, s: PlanSettings, path: str) -> dict:
 def _nothing_survived(store: SequenceStore, kept: Kept) -> ShardError:
     """Every record skipped: the error counts them by reason (tokenize and plan stages alike) and
     quotes the first of the most frequent."""
-    from .summary import merged_skips, skipped_text
-
     skipped, first = merged_skips(store, {"skipped": kept.skipped, "first_skipped": kept.first_skipped})
     top = max(skipped, key=skipped.get) if skipped else None
     example = f"; the first: {first[top]}" if top in first else ""

@@ -313,3 +313,10 @@ class SequenceStore:
 
     def __setstate__(self, state) -> None:
         self.__init__(state["directory"])
+
+
+def encoding_extra(encode: dict) -> dict:
+    """What a shard's ``extra`` records of the store's encoding beyond ``loss_on``: the loss policy
+    and the prompt format, when they differ from the defaults (absent means the defaults, so shards
+    made with them keep the bytes of earlier versions)."""
+    return {k: encode[k] for k in ("loss_policy", "prompt_format") if k in encode}

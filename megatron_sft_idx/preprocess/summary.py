@@ -3,11 +3,27 @@
 from __future__ import annotations
 
 import resource
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Dict, List, Optional
 
-if TYPE_CHECKING:   # (annotations only: pack_stage reads summaries back with check_summary)
-    from .pack_stage import PackJob, PackResult
+if TYPE_CHECKING:   # (annotations only)
+    from .config import PackJob
     from .store import SequenceStore
+
+
+@dataclass
+class PackResult:
+    """What a run's stages produced and recorded, as the summary reads it."""
+
+    plan: dict                          # the plan receipt (summary of the plan)
+    shards: List[dict]                  # materialize receipts, in output order
+    verify: Optional[dict] = None       # what --verify-masks found
+    gate: Optional[dict] = None         # what --check found
+    manifests: List[str] = field(default_factory=list)   # one per split when the run wrote several shards
+    times: Dict[str, float] = field(default_factory=dict)     # seconds by phase, in run order
+    resumed: Dict[str, int] = field(default_factory=dict)     # units done before, by stage
+    engine: dict = field(default_factory=dict)                # the engine's description
+    kept_store: Optional[str] = None    # the --store directory (kept for repack-sft), if any
 
 
 def peak_rss_mib(receipts: List[dict]) -> Dict[str, float]:
@@ -31,8 +47,8 @@ def merged_skips(store: SequenceStore, plan: dict):
     return dict(sorted(skipped.items())), dict(sorted(first.items()))
 
 
-def build_summary(store: SequenceStore, job: PackJob, result: PackResult, times: Dict[str, float],
-                  workers: int, engine: dict, resumed: Dict[str, int], kept_store: Optional[str]) -> dict:
+def build_summary(store: SequenceStore, job: PackJob, result: PackResult) -> dict:
+    """The summary of a run (``--json``; a finished run's record keeps it)."""
     s = job.settings
     stats = [r["metadata"]["stats"] for r in result.shards]
     tokens = sum(x["token_count"] for x in stats)
@@ -64,15 +80,16 @@ def build_summary(store: SequenceStore, job: PackJob, result: PackResult, times:
         "padding_tokens": result.plan["padding_tokens"],
         "packing_efficiency": round(tokens / (packs * s.pack_size), 6) if packs else 0.0,
         "pack_size": s.pack_size, "pad_seq_to_mult": s.pad_multiple, "algorithm": s.algorithm, "seed": s.seed,
-        "loss_on": encode["loss_on"], "loss_policy": loss_policy(encode), "workers": workers, "engine": engine,
+        "loss_on": encode["loss_on"], "loss_policy": loss_policy(encode), "workers": job.run.workers,
+        "engine": result.engine,
         "splits": splits,
         "empty_splits": result.plan["empty_splits"],
         "outputs": finals,
-        "manifests": [path for path, _ in result.staged.manifests],
-        "store": kept_store,
-        "resumed_units": resumed,
+        "manifests": list(result.manifests),
+        "store": result.kept_store,
+        "resumed_units": result.resumed,
         "verify_masks": result.verify, "check": result.gate,
-        "seconds": {k: round(v, 3) for k, v in times.items()},
+        "seconds": {k: round(v, 3) for k, v in result.times.items()},
         "peak_rss_mib": peak_rss_mib(store.receipts + result.shards),
     }
 
@@ -231,6 +248,19 @@ def _truncated_text(s: dict) -> str:
         what = "loss kept on the tokens before the cut" if mode == "keep" else "the cut reply masked"
         text += f", {cut:,} cut inside an assistant reply ({what}: --truncated-turn-loss {mode})"
     return text
+
+
+def format_plan_summary(s: dict) -> str:
+    """The summary of ``repack-sft --plan-only`` as the command prints it."""
+    from .._units import plural
+
+    lines = [f"plan                {s['plan']}: {plural(s['conversations'], 'conversation')}, "
+             f"{s['truncated']:,} truncated"]
+    for name, sp in s["splits"].items():
+        lines.append(f"split {name:<13} {plural(sp['conversations'], 'conversation')} -> "
+                     f"{plural(sp['packs'], 'pack')} in {plural(sp['shards'], 'shard')}, "
+                     f"efficiency {100 * sp['packing_efficiency']:.2f}%")
+    return "\n".join(lines)
 
 
 def verify_text(v: dict) -> str:

@@ -1,28 +1,105 @@
-"""The index and tokenize steps: inputs -> partitions -> the sequence store.
+"""Making the sequence store: inputs -> partitions -> tokenized partitions.
 
-:class:`IndexStep` (unit: one input file) hashes the file and cuts its partitions;
-:class:`TokenizeStep` (unit: one partition) reads the partition's records, encodes them a
-batch at a time through :meth:`RecordEncoder.encode_batch`, and writes partition ``k`` of the
-store (a shard plus its ``.rows``), then its receipt. Both are embarrassingly parallel, hold
-one batch in memory, and know nothing of the engine that runs them.
+:func:`resolve_inputs` resolves, once per run, the input files, the tokenizer and the encoding
+(:class:`Inputs`). :class:`IndexStep` (unit: one input file) hashes the file and cuts its
+partitions; :class:`TokenizeStep` (unit: one partition) reads the partition's records, encodes
+them a batch at a time through :meth:`RecordEncoder.encode_batch`, and writes partition ``k``
+of the store (a shard plus its ``.rows``), then its receipt. Both are embarrassingly parallel,
+hold one batch in memory, and know nothing of the engine that runs them. Between the two,
+:func:`describe_store` writes ``store.json`` (or checks that a resumed store is this one) and
+:func:`verified_partitions` keeps the partitions an earlier attempt tokenized that still verify.
+The driver (:mod:`.driver`) runs them in that order.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 from ..builder import IndexedDatasetBuilder
-from ..errors import InputError
+from ..errors import InputError, ShardError, ShardExistsError
 from ..packing import exclusive_cumsum
+from ._schema import HEX, normal_json
+from .chat import load_chat_tokenizer, resolve_chat_template
+from .config import Config, check_pad_id
 from .encode import EncodedBatch, EncodeOptions, RecordEncoder, preload
 from .engines.base import report_progress
+from .inputs import expand_inputs
 from .partitions import Partition, index_file, read_batches
 from .receipts import ReceiptBook
-from .store import ROW_DTYPE, ROWS_SUFFIX, part_prefix, tokenize_book
+from .store import (ROW_DTYPE, ROWS_SUFFIX, STORE_FILE, SequenceStore, encoding_extra, part_prefix, tokenize_book,
+                    write_store_file)
+from .workdir import Lock
+
+log = logging.getLogger("megatron_sft_idx.preprocess")
+
+# --------------------------------------------------------------------------- the inputs, resolved
+
+
+@dataclass
+class Inputs:
+    """What the driver resolves once: the input files and the tokenizer's identity."""
+
+    names: List[str]                 # as given (expanded): recorded in metadata and messages
+    paths: List[str]                 # absolute: what the workers open
+    options: EncodeOptions
+    tokenizer: Optional[dict]        # identity without its path, or None
+    pad_id: int
+
+    def stat(self) -> list:
+        return [[n, os.path.getsize(p), os.stat(p).st_mtime_ns] for n, p in zip(self.names, self.paths)]
+
+
+def resolve_inputs(cfg: Config) -> Inputs:
+    """Expand the inputs, load the tokenizer and its chat template, and fix the encoding options.
+
+    Raises:
+        ShardError: no input, a tokenizer without the chat template the input needs, no usable pad id.
+    """
+    tk = cfg.tokenize
+    names = expand_inputs(cfg.inputs)
+    template = resolve_chat_template(tk.chat_template, tk.tokenizer) if tk.chat_template and tk.tokenizer else None
+    tok = load_chat_tokenizer(tk.tokenizer, template) if tk.tokenizer else None
+    vocab = tk.vocab_size or (tok.vocab_size if tok else None)
+    pad = cfg.pack.pad_id if cfg.pack.pad_id is not None else (tok.pad_id if tok else None)
+    # chat input needs a template: say so before anything else fails (auto: when the run fails anyway;
+    # else prompt/completion records, which need none, may still come)
+    if tok is not None and tok.chat_template is None and (
+            tk.input_format in ("chat", "sharegpt", "alpaca")
+            or (tk.input_format == "prompt" and tk.prompt_format == "chat")
+            or (tk.input_format == "auto" and pad is None)):
+        _no_template(tok, pad is None)
+    pad_id = check_pad_id(pad, vocab)
+    options = EncodeOptions(tokenizer_path=tok.path if tok else None, vocab_size=vocab, loss_on=tk.loss_on,
+                            input_format=tk.input_format, prompt_key=tk.prompt_key,
+                            completion_key=tk.completion_key, skip_bad=cfg.pack.skip_bad,
+                            tokenizer_backend=tk.tokenizer_backend, span_method=tk.span_method,
+                            chat_template=template, tool_call_loss=tk.tool_call_loss,
+                            reasoning_loss=tk.reasoning_loss, empty_reasoning_loss=tk.empty_reasoning_loss,
+                            reasoning_tags=tuple(tk.reasoning_tags), prompt_format=tk.prompt_format,
+                            ignore_fields=tuple(tk.ignore_fields))
+    identity = {k: v for k, v in tok.identity().items() if k != "path"} if tok else None
+    return Inputs(names, [os.path.abspath(n) for n in names], options, identity, pad_id)
+
+
+def _no_template(tok, no_pad: bool) -> None:
+    """A bare tokenizer.json: one error naming every flag the run needs (chat template, pad id)."""
+    from .chat import TEMPLATE_HINT
+
+    hint = TEMPLATE_HINT + tok.names_hint()
+    if no_pad:
+        hint += "; it has no pad or EOS token either: also pass --pad-id ID"
+    raise ShardError("the tokenizer has no chat template" + (" and no pad or EOS token" if no_pad else ""),
+                     path=tok.path, field="chat_template", hint=hint)
+
+
+# --------------------------------------------------------------------------- the steps
+
 
 _ENCODERS: Dict[EncodeOptions, RecordEncoder] = {}  # one per process and options: load the tokenizer once
 
@@ -36,7 +113,8 @@ def encoder_for(options: EncodeOptions) -> RecordEncoder:
 
 @dataclass(frozen=True)
 class IndexStep:
-    """Unit ``i``: sha256, size and partitions of input file ``i``; the receipt holds them."""
+    """Unit ``i``: sha256, size and partitions of input file ``i``; the receipt holds them
+    (:func:`index_schema`)."""
 
     paths: Tuple[str, ...]       # absolute paths, read by whichever node runs the unit
     partition_bytes: int
@@ -54,6 +132,12 @@ class IndexStep:
             raise InputError(f"cannot read input ({exc.__class__.__name__}: {exc})", path=self.paths[unit],
                              hint="check the file is complete and its format matches its suffix") from None
         return self.book.write(unit, info)
+
+
+def index_schema(doc) -> None:
+    """The index receipt's own fields: the file's digest and its partitions."""
+    doc.str("sha256", pattern=HEX[64])
+    doc.list("partitions")
 
 
 class PartWriter:
@@ -176,3 +260,115 @@ def _read(path: str, name: str, part: Partition, batch_size: int, max_record_byt
     except (OSError, EOFError, ValueError) as exc:
         raise InputError(f"cannot read input ({exc.__class__.__name__}: {exc})", path=name,
                          hint="check the file is complete and its compression matches its suffix") from None
+
+
+# --------------------------------------------------------------------------- the store's description
+
+
+def partition_sizes(parts: List[Partition]):
+    """Each partition's share of the tokenize phase: its bytes when every partition is a byte range
+    of a JSONL file or a JSON array (the common case), else 1 each (compressed streams, Parquet
+    row groups, Arrow batches)."""
+    if parts and all(p.kind in ("lines", "array") and p.end >= p.start for p in parts):
+        return [p.end - p.start for p in parts], True
+    return [1] * len(parts), False
+
+
+def part_metadata(inputs: Inputs, info: dict, input_format: str) -> dict:
+    """The metadata of the store partitions cut from one input file (``info``: its name, digest, size)."""
+    meta = {"tokenizer": inputs.tokenizer, "source": {"inputs": [info], "input_format": input_format},
+            "extra": dict({"loss_on": inputs.options.loss_on}, **encoding_extra(inputs.options.to_dict()))}
+    if inputs.tokenizer is None:
+        del meta["tokenizer"]
+    return meta
+
+
+def describe_store(directory: str, identity: dict, infos: List[dict], parts: List[Partition],
+                   inputs: Inputs, owned: bool) -> str:
+    """Write ``store.json``, or check that an existing one (``--resume``) describes the same store;
+    returns the store id. An ``owned`` store (the run's own) that does not, or does not parse, is
+    emptied and started again; another is refused.
+
+    Raises:
+        ShardError: a ``--store`` made from other inputs or settings (naming what differs).
+    """
+    path = os.path.join(directory, STORE_FILE)
+    if os.path.exists(path):
+        try:
+            existing = SequenceStore(directory, require_complete=False)
+            differs = _store_difference(existing, identity, infos, parts)
+        except ShardError as exc:
+            if not owned:
+                raise
+            differs = str(exc)
+        if differs is None:
+            return existing.store_id
+        if not owned:
+            raise ShardError(f"the sequence store was made with other {differs}", path=directory,
+                             hint="restore them, or give an empty --store (this run cannot reuse that one)")
+        log.warning("the run's sequence store was made with other %s; tokenizing again", differs)
+        _empty_store(directory)
+    return write_store_file(directory, identity, infos, parts, inputs.options.tokenizer_path, inputs.paths)
+
+
+def _store_difference(existing: SequenceStore, identity: dict, infos: List[dict],
+                      parts: List[Partition]) -> Optional[str]:
+    """What differs between a store and the one this run would make (None: nothing)."""
+    if normal_json(identity) != normal_json(existing.identity):
+        return "tokenizer and encoding settings"
+    if len(infos) != len(existing.inputs):
+        return "inputs"
+    for mine, theirs in zip(infos, existing.inputs):
+        if mine["name"] != theirs["name"]:
+            return (f"inputs: {mine['name']!r} is named {theirs['name']!r} in the store "
+                    f"(shards record inputs by the name given)")
+        if normal_json(mine) != normal_json(theirs):
+            return (f"inputs: {mine['name']} is not the file it was made from "
+                    f"(sha256 {mine['sha256'][:16]}..., was {str(theirs['sha256'])[:16]}...)")
+    if [p.to_list() for p in parts] != [p.to_list() for p in existing.partitions]:
+        return "partitions"
+    return None
+
+
+def _empty_store(directory: str) -> None:
+    """Remove a run's own store (its description first: what remains is no store)."""
+    for name in (STORE_FILE,):
+        try:
+            os.unlink(os.path.join(directory, name))
+        except FileNotFoundError:
+            pass
+    shutil.rmtree(os.path.join(directory, "parts"), ignore_errors=True)
+    shutil.rmtree(os.path.join(directory, "receipts", "tokenize"), ignore_errors=True)
+
+
+def lock_user_store(directory: str, resume: bool) -> Lock:
+    """Take the lock of a ``--store`` directory; refuse a non-empty one without ``--resume``.
+
+    Raises:
+        ShardExistsError: the directory holds something and ``resume`` is false.
+        ShardError: another live process holds its lock.
+    """
+    if os.path.isdir(directory) and [n for n in os.listdir(directory) if n != "lock"] and not resume:
+        raise ShardExistsError("the --store directory is not empty", path=directory,
+                               hint="pass --resume to reuse it (only missing partitions are tokenized), "
+                                    "pack it again with repack-sft, or choose an empty directory")
+    os.makedirs(directory, exist_ok=True)
+    lock = Lock(os.path.join(directory, "lock"), f"sequence store {directory}")
+    lock.acquire()
+    return lock
+
+
+def verified_partitions(directory: str) -> set:
+    """Partitions an earlier attempt tokenized whose bytes still verify; the receipt of every
+    other one is removed, so it is tokenized again."""
+    store = SequenceStore(directory, require_complete=False)
+    done = set()
+    for k in sorted(store.receipts_present):
+        try:
+            store.verify([k])
+        except ShardError as exc:
+            log.warning("store partition %d does not verify; tokenizing it again: %s", k, exc)
+            store.book.discard(k)
+            continue
+        done.add(k)
+    return done

@@ -1,4 +1,7 @@
-"""``--verify-masks N`` (and the sample ``--check`` takes): N written conversations checked twice.
+"""The checks on the staged output, before anything is published: ``--verify-masks`` and ``--check``.
+
+:func:`run_gate` runs the promotion gate on every staged shard. ``--verify-masks N`` (and the
+sample ``--check`` takes, :func:`verify_count`) checks N written conversations twice:
 
 * exact: the record is encoded again by the reference path (one record at a time, prefix
   renders, ``tokenizers`` offsets; for ``per-turn`` the sequence of that turn) and its ids and
@@ -26,6 +29,7 @@ from .encode import encoding_of
 from .inputs import parse_record
 from .partitions import read_batches
 from .planfile import PackPlan
+from .summary import check_gate, check_verify
 from . import source_check as sc
 
 log = logging.getLogger("megatron_sft_idx.preprocess")
@@ -248,3 +252,41 @@ def verify_masks(store, plan_path: str, shards, job, count: int) -> dict:
                  "are not sampled", chosen.size, count, eligible, truncated)
     return {"checked": int(chosen.size), "failures": 0, "skipped_truncated": truncated, "requested": int(count),
             "eligible": eligible, "trained_tokens_by_role": dict(sorted(checker.counts.items()))}
+
+
+def verify_count(job, store) -> int:
+    """Conversations to check against their source: ``--verify-masks N``, else with ``--check``
+    a sample of :data:`CHECK_SAMPLE` when the tokenizer is at hand (or none is needed)."""
+    return job.run.verify_masks or (CHECK_SAMPLE if job.run.check and (job.tokenizer_path or store.tokenizer is None)
+                                    else 0)
+
+
+def checks_schema(doc) -> None:
+    """The checks receipt: what ``--verify-masks`` and ``--check`` found (each None when not run)."""
+    for key, check in (("verify", check_verify), ("gate", check_gate)):
+        entry = doc.doc(key, none=True)
+        if entry is not None:
+            check(entry)
+
+
+def run_gate(prefixes, on_shard=None) -> dict:
+    """Run the promotion gate on every staged shard.
+
+    Raises:
+        ShardError: the gate is not installed, or a shard fails it.
+    """
+    try:
+        from ..gate import check
+    except ImportError as exc:
+        raise ShardError(f"--check needs megatron_sft_idx.gate ({exc})", field="check") from None
+    report = None
+    for prefix in prefixes:  # one shard at a time: progress per shard, and the first failure stops
+        report = check([prefix], level="standard")
+        if not report.passed:
+            break
+        if on_shard is not None:
+            on_shard()
+    if report is not None and not report.passed:
+        raise ShardError("the gate rejected the output; nothing was published:\n" + report.format_text(),
+                         field="check")
+    return {"passed": True, "shards": len(prefixes)}

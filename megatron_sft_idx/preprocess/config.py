@@ -1,0 +1,312 @@
+"""The settings of a run, each defined once, composed into the two commands' configurations.
+
+Given (one field per flag; the CLI fills them, the API takes them)::
+
+    PackSettings      how sequences become packs and shards      preprocess-sft and repack-sft
+    RunSettings       how the run executes, what it checks       preprocess-sft and repack-sft
+    TokenizeSettings  how records become sequences               preprocess-sft
+    Config            inputs, output, --store + the three groups  preprocess-sft
+    RepackConfig      a store, output or --plan-only + pack, run  repack-sft
+
+Resolved once per run, by the driver (:mod:`.driver`)::
+
+    PlanSettings      what decides the packs, as the plan file records it
+    PackJob           what the run writes: output, the given settings, the plan settings, pad id
+
+Both configurations take the groups (``Config(inputs, prefix, pack=PackSettings(pack_size=8192))``)
+or the flat names of their fields (``Config(inputs, prefix, pack_size=8192)``), as the flat
+configurations before them did; a flat name given with its group overrides the group's field,
+so ``dataclasses.replace(cfg, workers=4)`` works. Reading a flat name (``cfg.pack_size``) reads
+it from its group. Nothing here runs anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import asdict, dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..errors import ShardError
+from ..packing import DEFAULT_ALGORITHM, pad_multiple_for, padded_length, truncation_length
+from . import outputs
+from .partitions import DEFAULT_MAX_RECORD_BYTES, DEFAULT_PARTITION_BYTES
+
+#: Output names of the splits of ``--split`` (one to three weights), in order.
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+@dataclass(frozen=True)
+class PackSettings:
+    """How sequences become packs and shards: the packing flags, shared by both commands."""
+
+    pack_size: int = 4096
+    algorithm: str = DEFAULT_ALGORITHM           # --packing-algorithm
+    seed: int = 1234                             # the split, first_fit_shuffle, --verify-masks' sample
+    overlong: str = "truncate"                   # truncate | drop | error
+    truncated_turn_loss: str = "keep"            # keep | drop: loss on an assistant turn cut by truncation
+    pad_seq_to_mult: int = 1
+    pad_layout: str = "stored"                   # "runtime" pads for Megatron-Bridge (packing/padding.py)
+    cp: int = 1
+    tp: int = 1
+    sp: bool = False
+    pad_id: Optional[int] = None                 # None: the tokenizer's (or the store's)
+    split: Optional[Sequence[float]] = None      # weights of train[, valid[, test]]
+    max_packs_per_shard: Optional[int] = None
+    max_shard_bytes: Optional[int] = None
+    skip_bad: bool = False                       # skip and count bad records instead of stopping
+
+    @property
+    def parallelism(self) -> Tuple[int, int, bool]:
+        """``(cp, tp, sp)`` the padding is computed for."""
+        return self.cp, self.tp, self.sp
+
+    def pad_multiple(self) -> int:
+        """``lcm(pad_seq_to_mult, the multiple for cp/tp/sp)``.
+
+        Raises:
+            ShardError: the multiple exceeds the pack size (or cp/tp below 1).
+        """
+        mult = int(np.lcm(max(1, self.pad_seq_to_mult), pad_multiple_for(self.cp, self.tp, self.sp)))
+        if mult > self.pack_size:
+            raise ShardError(f"padding multiple {mult} exceeds --pack-size {self.pack_size}", field="pack_size")
+        return mult
+
+    def plan_settings(self, vocab_size: Optional[int]) -> "PlanSettings":
+        """The settings the plan records, for output tokens of a vocabulary of ``vocab_size``.
+
+        Raises:
+            ShardError: see :meth:`pad_multiple`.
+        """
+        return PlanSettings(
+            pack_size=self.pack_size, pad_multiple=self.pad_multiple(), algorithm=self.algorithm, seed=self.seed,
+            split=tuple(self.split) if self.split else None, overlong=self.overlong, skip_bad=self.skip_bad,
+            max_packs_per_shard=self.max_packs_per_shard, max_shard_bytes=self.max_shard_bytes,
+            itemsize=2 if (vocab_size or 0) and vocab_size <= 65536 else 4, pad_layout=self.pad_layout,
+            truncated_turn_loss=self.truncated_turn_loss)
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """How a run executes and what it checks before publishing: never what the shards hold."""
+
+    workers: int = 1
+    engine: str = "local"                # local | ray
+    ray_address: Optional[str] = None
+    resume: bool = False
+    overwrite: bool = False
+    check: bool = False                  # the gate on every staged shard
+    verify_masks: int = 0                # conversations checked against their source
+    progress: object = True              # a _progress.Progress, or True (bar on a terminal, else log lines) / False
+    staging_dir: Optional[str] = None    # an s3:// / msc:// output is built here, then uploaded
+
+
+@dataclass(frozen=True)
+class TokenizeSettings:
+    """How input records become the store's sequences (``preprocess-sft`` only)."""
+
+    tokenizer: Optional[str] = None
+    vocab_size: Optional[int] = None
+    loss_on: str = "assistant"
+    input_format: str = "auto"
+    prompt_key: str = "prompt"
+    completion_key: str = "completion"
+    prompt_format: str = "chat"          # chat | raw: prompt/completion strings (schemas.py)
+    chat_template: Optional[str] = None  # a Jinja file, or a name of one of the tokenizer's templates
+    ignore_fields: Sequence[str] = ()    # message fields that carry nothing the model should see
+    tool_call_loss: str = "train"        # the loss policies (policy.py)
+    reasoning_loss: str = "train"
+    empty_reasoning_loss: str = "mask"
+    reasoning_tags: Sequence[str] = ("<think>", "</think>")
+    tokenizer_backend: str = "auto"      # the same bytes either way (checked): not in the store's identity
+    span_method: str = "auto"
+    batch_size: int = 256
+    partition_bytes: int = DEFAULT_PARTITION_BYTES
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+
+
+def _compose(owner: str, groups: Dict[str, type], given: Dict[str, object], flat: Dict[str, object]) -> dict:
+    """Each group of ``owner``: the one ``given`` (else its defaults) with the ``flat`` names of its
+    fields set on top.
+
+    Raises:
+        TypeError: a flat name no group has (as a dataclass constructor raises).
+    """
+    flat = dict(flat)
+    out = {}
+    for attr, cls in groups.items():
+        mine = {f.name: flat.pop(f.name) for f in dataclasses.fields(cls) if f.name in flat}
+        base = given.get(attr)
+        base = cls() if base is None else base
+        out[attr] = dataclasses.replace(base, **mine) if mine else base
+    if flat:
+        raise TypeError(f"{owner}() got an unexpected keyword argument {next(iter(flat))!r}")
+    return out
+
+
+class _Grouped:
+    """Flat reads of a composed configuration: ``cfg.pack_size`` is ``cfg.pack.pack_size``."""
+
+    _GROUPS: Dict[str, type] = {}
+
+    def __getattr__(self, name: str):
+        if not name.startswith("_"):
+            for attr in self._GROUPS:
+                group = self.__dict__.get(attr)
+                if group is not None and name in group.__dataclass_fields__:
+                    return getattr(group, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def _set(self, values: dict) -> None:
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+
+
+@dataclass(frozen=True, init=False)
+class Config(_Grouped):
+    """Everything ``preprocess-sft`` needs; the CLI fills it from its flags.
+
+    Example::
+
+        Config(["chat.jsonl"], "/data/sft/chat", tokenizer="tok/", pack_size=8192, workers=8)
+        Config(["chat.jsonl"], "/data/sft/chat", tokenize=TokenizeSettings(tokenizer="tok/"),
+               pack=PackSettings(pack_size=8192), run=RunSettings(workers=8))      # the same
+
+    Raises:
+        TypeError: a keyword that is no field of the configuration or of its groups.
+    """
+
+    inputs: Sequence[str]
+    output_prefix: str
+    store: Optional[str]                 # keep the sequence store here (for repack-sft)
+    tokenize: TokenizeSettings
+    pack: PackSettings
+    run: RunSettings
+
+    _GROUPS = {"tokenize": TokenizeSettings, "pack": PackSettings, "run": RunSettings}
+
+    def __init__(self, inputs: Sequence[str], output_prefix: str, *, store: Optional[str] = None,
+                 tokenize: Optional[TokenizeSettings] = None, pack: Optional[PackSettings] = None,
+                 run: Optional[RunSettings] = None, **flat) -> None:
+        groups = _compose("Config", self._GROUPS, {"tokenize": tokenize, "pack": pack, "run": run}, flat)
+        self._set(dict(inputs=inputs, output_prefix=output_prefix, store=store, **groups))
+
+
+@dataclass(frozen=True, init=False)
+class RepackConfig(_Grouped):
+    """Everything ``repack-sft`` needs: a complete sequence store, and an output prefix or a
+    ``plan_only`` path (just the pack plan, for virtual packs).
+
+    Raises:
+        TypeError: a keyword that is no field of the configuration or of its groups.
+    """
+
+    store: str
+    output_prefix: Optional[str]
+    plan_only: Optional[str]             # write only the pack plan here
+    tokenizer: Optional[str]             # for --verify-masks (default: where the store found it)
+    pack: PackSettings
+    run: RunSettings
+
+    _GROUPS = {"pack": PackSettings, "run": RunSettings}
+
+    def __init__(self, store: str, output_prefix: Optional[str] = None, *, plan_only: Optional[str] = None,
+                 tokenizer: Optional[str] = None, pack: Optional[PackSettings] = None,
+                 run: Optional[RunSettings] = None, **flat) -> None:
+        groups = _compose("RepackConfig", self._GROUPS, {"pack": pack, "run": run}, flat)
+        self._set(dict(store=store, output_prefix=output_prefix, plan_only=plan_only, tokenizer=tokenizer,
+                       **groups))
+
+
+# --------------------------------------------------------------------------- resolved
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """Everything that decides the packs (and nothing that decides their bytes): what a plan
+    file records (its ``settings``), and what a resumed plan is compared with."""
+
+    pack_size: int
+    pad_multiple: int
+    algorithm: str
+    seed: int
+    split: Optional[Tuple[float, ...]]
+    overlong: str                   # truncate | drop | error
+    skip_bad: bool                  # under --overlong error: skip and count instead of stopping
+    max_packs_per_shard: Optional[int]
+    max_shard_bytes: Optional[int]
+    itemsize: int                   # bytes per output token (for --max-shard-bytes)
+    pad_layout: str = "stored"      # which length the pad multiple applies to (packing/padding.py)
+    truncated_turn_loss: str = "keep"   # keep | drop: loss on an assistant turn cut by truncation
+
+    @property
+    def truncate_to(self) -> int:
+        return truncation_length(self.pack_size, self.pad_multiple, self.pad_layout)
+
+    def padded(self, lengths) -> np.ndarray:
+        """Each length as padded in a pack (int64): the one padding rule, in this layout."""
+        return padded_length(lengths, self.pad_multiple, self.pad_layout)
+
+    @property
+    def split_names(self) -> Tuple[str, ...]:
+        return SPLIT_NAMES[:len(self.split)] if self.split else ("all",)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["split"] = list(self.split) if self.split else None
+        if self.truncated_turn_loss == "keep":  # the default: plans (and run keys) as before the flag
+            del out["truncated_turn_loss"]
+        return out
+
+
+def check_pad_id(pad_id: Optional[int], vocab: Optional[int]) -> int:
+    """``pad_id`` when it is a token of the vocabulary.
+
+    Raises:
+        ShardError: none, negative, or not below ``vocab``.
+    """
+    if pad_id is None or pad_id < 0 or (vocab is not None and pad_id >= vocab):
+        raise ShardError("no usable pad id", field="pad_id", actual=pad_id,
+                         hint="pass --pad-id in [0, vocab size) (the tokenizer has no pad or EOS token)")
+    return pad_id
+
+
+@dataclass(frozen=True)
+class PackJob:
+    """What one run writes: the settings as given, and what was resolved from them once."""
+
+    output_prefix: str                   # "" for --plan-only
+    pack: PackSettings
+    run: RunSettings
+    settings: PlanSettings               # resolved from ``pack`` (pad multiple, token width)
+    pad_id: int                          # resolved: --pad-id, else the tokenizer's (or the store's)
+    vocab_size: Optional[int]
+    tokenizer_path: Optional[str] = None  # for --verify-masks
+
+    @classmethod
+    def resolve(cls, output_prefix: Optional[str], pack: PackSettings, run: RunSettings,
+                vocab_size: Optional[int], default_pad_id: Optional[int],
+                tokenizer_path: Optional[str] = None) -> "PackJob":
+        """Resolve the pad id (``pack.pad_id``, else ``default_pad_id``) and the plan settings.
+
+        Raises:
+            ShardError: no usable pad id; a padding multiple above the pack size.
+        """
+        pad_id = check_pad_id(pack.pad_id if pack.pad_id is not None else default_pad_id, vocab_size)
+        return cls(output_prefix or "", pack, run, pack.plan_settings(vocab_size), pad_id, vocab_size,
+                   tokenizer_path)
+
+    @property
+    def parallelism(self) -> Tuple[int, int, bool]:
+        return self.pack.parallelism
+
+    @property
+    def bases(self) -> List[str]:
+        """The output prefix of each split (before any shard number)."""
+        return [outputs.split_prefix(self.output_prefix, s, bool(self.settings.split))
+                for s in self.settings.split_names]
+
+
+__all__ = ["PackSettings", "RunSettings", "TokenizeSettings", "Config", "RepackConfig", "PlanSettings",
+           "PackJob", "check_pad_id", "SPLIT_NAMES"]
