@@ -152,6 +152,8 @@ class Kept:
     skipped: Dict[str, int]
     first_skipped: Dict[str, str]
     cut_turns: int = 0                  # truncated conversations whose cut fell inside a trained turn
+    split_of: Optional[np.ndarray] = None   # int8 split of each kept conversation (None: no --split)
+    id_dtype: str = "int64"             # of store ids in the plan (int32 when every id fits)
 
 
 #: Skip reason of an overlong conversation that is not kept, by --overlong mode.
@@ -348,17 +350,16 @@ def write_plan(store: SequenceStore, s: PlanSettings, path: str) -> dict:
     n = kept.padded.size
     if n == 0:
         raise _nothing_survived(store, kept)
-    split_of = split_assignment(n, s.split, s.seed)
-    counts = [n] if split_of is None else split_sizes(n, s.split)
-    id_dtype = "int32" if index_dtype(store.sequence_count) == np.int32 else "int64"
+    kept.split_of = split_assignment(n, s.split, s.seed)
+    counts = [n] if kept.split_of is None else split_sizes(n, s.split)
+    kept.id_dtype = "int32" if index_dtype(store.sequence_count) == np.int32 else "int64"
     writer = PlanWriter(path)
     planned: Dict[int, dict] = {}
     try:
         # smallest split first: the largest is packed last, after the kept lengths are released
         by_size = sorted((i for i in range(len(counts)) if counts[i]), key=lambda i: counts[i])
         for i in by_size:
-            planned[i] = _plan_split(writer, s.split_names[i], kept, split_of, i, int(counts[i]), s, id_dtype,
-                                     last=i == by_size[-1])
+            planned[i] = _plan_split(writer, kept, s, i, int(counts[i]), last=i == by_size[-1])
         splits = [planned[i] for i in sorted(planned)]
         # e.g. a 1% split of a tiny dataset: reported, not written
         empty = [name for i, name in enumerate(s.split_names) if not counts[i]]
@@ -385,11 +386,12 @@ def _nothing_survived(store: SequenceStore, kept: Kept) -> ShardError:
                       path=store.directory, hint=f"fix the inputs or the settings{example}")
 
 
-def _plan_split(writer: PlanWriter, name: str, kept: Kept, split_of, which: int, count: int, s: PlanSettings,
-                id_dtype: str, last: bool) -> dict:
-    """Pack one split and append its arrays to the plan. Peak memory: the split's padded lengths
-    and split ids, the packer's order and bin ids (int32 each) and its per-bin tree; the last
-    split releases the kept lengths once it has copied its own."""
+def _plan_split(writer: PlanWriter, kept: Kept, s: PlanSettings, which: int, count: int, last: bool) -> dict:
+    """Pack split ``which`` (``count`` conversations) and append its arrays to the plan. Peak
+    memory: the split's padded lengths and split ids, the packer's order and bin ids (int32
+    each) and its per-bin tree; the ``last`` split releases the kept lengths once it has copied
+    its own."""
+    split_of = kept.split_of
     padded = kept.padded if split_of is None else _split_members(split_of, which, count, kept.padded)
     if last:
         kept.padded = None
@@ -407,7 +409,7 @@ def _plan_split(writer: PlanWriter, name: str, kept: Kept, split_of, which: int,
     arrays = {"shard_starts": writer.array(starts, "int64"),
               "pack_offsets": writer.array(a.offsets, "int64"),
               "pack_loads": writer.array(a.loads, "int32"),
-              "sequence_ids": writer.array_chunks(ids(), id_dtype)}
-    return {"name": name, "conversations": int(a.items.size), "packs": a.n_bins, "shards": int(starts.size - 1),
+              "sequence_ids": writer.array_chunks(ids(), kept.id_dtype)}
+    return {"name": s.split_names[which], "conversations": int(a.items.size), "packs": a.n_bins, "shards": int(starts.size - 1),
             "packing_efficiency": summary["efficiency"],
             "bins_over_lower_bound": summary["bins_over_lower_bound"], "arrays": arrays}
