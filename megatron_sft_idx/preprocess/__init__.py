@@ -2,10 +2,14 @@
 
 The public face (imported on first use, so importing a submodule stays cheap)::
 
-    from megatron_sft_idx.preprocess import Config, run, RepackConfig, repack
+    from megatron_sft_idx.preprocess import Config, RepackConfig, run
+    from megatron_sft_idx.preprocess.driver import repack
 
-    run(Config(["chat.jsonl"], "/data/sft/chat", tokenizer="tok/", pack_size=8192, workers=8))
+    run(Config(["chat.jsonl"], "/data/sft/chat", tokenizer="tok/", pack_size=8192, workers=8, store="/data/sft/store"))
     repack(RepackConfig("/data/sft/store", "/data/sft/cp4/chat", pack_size=8192, cp=4))
+
+(``preprocess.repack`` is the module it always was, an alias now, whose ``repack`` is that
+function: a package attribute cannot be both.)
 
 Where things live: :mod:`.cli` (both commands), :mod:`.config` (the settings, defined once),
 :mod:`.driver` (stage order, resume, commit), :mod:`.engines` (local and Ray), the steps
@@ -18,7 +22,6 @@ from .._lazy import lazy_getattr
 
 _PUBLIC = {
     "run": ".driver",
-    "repack": ".driver",
     "plan_only": ".driver",
     "Config": ".config",
     "RepackConfig": ".config",
