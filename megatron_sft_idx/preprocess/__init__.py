@@ -22,7 +22,6 @@ from .._lazy import lazy_getattr
 
 _PUBLIC = {
     "run": ".driver",
-    "plan_only": ".driver",
     "Config": ".config",
     "RepackConfig": ".config",
     "PackSettings": ".config",

@@ -68,6 +68,7 @@ from .workdir import WorkDir, keep_only_record
 
 log = logging.getLogger("megatron_sft_idx.preprocess")
 
+
 def run(cfg: Config) -> dict:
     """``preprocess-sft``: the whole pipeline; returns the summary (what ``--json`` prints).
 
@@ -231,17 +232,17 @@ class _Run:
                 refused; KeyboardInterrupt, Terminated (``publishing`` says whether anything
                 reached a final name); whatever a stage raises.
         """
-        work, run = self.work, self.job.run
-        self.owned = sorted(owned_files(work, self.key)) if run.resume else []
-        self.replaced = outputs.refuse_existing(self.job.bases, run.overwrite, set(self.owned))
+        work, settings = self.work, self.job.run
+        self.owned = sorted(owned_files(work, self.key)) if settings.resume else []
+        self.replaced = outputs.refuse_existing(self.job.bases, settings.overwrite, set(self.owned))
         with terminate_as_exception():
             try:
-                work.open(run.resume)
+                work.open(settings.resume)
             except OSError as exc:
                 raise output_error(exc, resumable=False) from None
             remove = False
             try:
-                self.engine = make_engine(run.engine, run.workers, run.ray_address)
+                self.engine = make_engine(settings.engine, settings.workers, settings.ray_address)
                 yield self
             except OutputError:
                 raise
