@@ -29,11 +29,11 @@ from .._units import positive_int, size_arg
 from ..errors import ShardError
 from ..packing import ALGORITHMS, DEFAULT_ALGORITHM
 from .chat import LOSS_MODES
+from .config import Config, PackSettings, RepackConfig, RunSettings, TokenizeSettings
 from .encode import SPAN_METHODS
+from .engines import ENGINES
 from .fast_tokenizer import BACKENDS
 from .inputs import INPUT_FORMATS
-from .config import Config, PackSettings, RepackConfig, RunSettings, TokenizeSettings
-from .engines import ENGINES
 from .policy import EMPTY_REASONING_LOSS, REASONING_LOSS, TOOL_CALL_LOSS
 from .partitions import DEFAULT_MAX_RECORD_BYTES, DEFAULT_PARTITION_BYTES
 from .summary import decision_warnings, format_plan_summary, format_summary
