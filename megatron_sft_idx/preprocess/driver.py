@@ -58,7 +58,7 @@ from .plan import PlanStep, plan_schema, resumed_plan, write_plan
 from .planfile import PackPlan
 from .publish import StagedSet, StagedShard, publish
 from .receipts import ReceiptBook, settings_key
-from .record import REDO_HINT, check_outputs, owned_files, record_outputs, run_books
+from .record import check_outputs, owned_files, record_outputs, run_books
 from .remote_outputs import is_remote, job_output_key, publish_remote, work_prefix
 from .store import SequenceStore
 from .summary import PackResult, build_summary
@@ -376,7 +376,7 @@ class _Run:
     def _plan(self, store: SequenceStore, book: ReceiptBook) -> dict:
         """The plan receipt: an earlier attempt's when its plan verifies, else a new plan's."""
         t = time.perf_counter()
-        plan = resumed_plan(book, self.work.plan, store, self.job.settings, REDO_HINT)
+        plan = resumed_plan(book, self.work.plan, store, self.job.settings)
         self.resumed["plan"] = int(plan is not None)
         if plan is None:
             step = PlanStep(store.directory, self.job.settings, self.work.plan, book)
@@ -399,9 +399,8 @@ class _Run:
                      books: Dict[str, ReceiptBook]):
         """``({unit: materialize receipt} of every shard, {units published before}, [units written now])``."""
         t = time.perf_counter()
-        remote = is_remote(self.job.output_prefix)
         done, published = resumed_shards(books, shards, PackPlan(self.work.plan, verify=False), self.work.path,
-                                         remote, REDO_HINT)
+                                         is_remote(self.job.output_prefix))
         if done:
             self.times["verify_shards"] = time.perf_counter() - t
             t = time.perf_counter()

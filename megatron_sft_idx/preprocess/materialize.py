@@ -34,7 +34,7 @@ from ._schema import normal_json
 from .config import PackJob
 from .integrity import verify_shard
 from .planfile import PackPlan
-from .receipts import ReceiptBook, settings_key
+from .receipts import REDO_HINT, ReceiptBook, settings_key
 from .store import SequenceStore, encoding_extra, part_prefix
 
 log = logging.getLogger("megatron_sft_idx.preprocess")
@@ -166,7 +166,7 @@ def output_shards(store: SequenceStore, job: PackJob, plan: dict, staged_dir: st
 
 
 def resumed_shards(books: Dict[str, ReceiptBook], shards: Sequence[OutputShard], plan: PackPlan, work_path: str,
-                   remote: bool, hint: str) -> Tuple[Dict[int, dict], set]:
+                   remote: bool) -> Tuple[Dict[int, dict], set]:
     """``({unit: materialize receipt}, {published units})`` of the units an earlier attempt
     finished whose shard still verifies (where it is now: staged, or under its final name
     once published locally). A unit that does not verify loses both its receipts (``books``:
@@ -181,8 +181,7 @@ def resumed_shards(books: Dict[str, ReceiptBook], shards: Sequence[OutputShard],
             continue
         starts = plan.arrays(shard.split)["shard_starts"]
         try:
-            _verify_unit(receipt, pub, shard, int(starts[shard.shard + 1] - starts[shard.shard]), work_path,
-                         moved, hint)
+            _verify_unit(receipt, pub, shard, int(starts[shard.shard + 1] - starts[shard.shard]), work_path, moved)
         except ShardError as exc:
             log.warning("output shard %d does not verify; writing it again: %s", u, exc)
             books["materialize"].discard(u)
@@ -195,7 +194,7 @@ def resumed_shards(books: Dict[str, ReceiptBook], shards: Sequence[OutputShard],
 
 
 def _verify_unit(receipt: dict, pub: Optional[dict], shard: OutputShard, packs: int, work_path: str,
-                 moved: bool, hint: str) -> None:
+                 moved: bool) -> None:
     """Raise unless the unit's receipts name this shard and its bytes verify.
 
     Raises:
@@ -207,7 +206,7 @@ def _verify_unit(receipt: dict, pub: Optional[dict], shard: OutputShard, packs: 
         raise MetadataError("the receipts of this unit name another shard", path=shard.staged, field="final",
                             expected=[shard.final, packs], actual=[receipt["final"], receipt["packs"]])
     rel = os.path.relpath(shard.staged + SEQ_IDX_SUFFIX, work_path)
-    ds = verify_shard(shard.final if moved else shard.staged, hint, receipt.get("crc32", {}).get(rel))
+    ds = verify_shard(shard.final if moved else shard.staged, REDO_HINT, receipt.get("crc32", {}).get(rel))
     if normal_json(ds.metadata.to_dict()) != normal_json(receipt["metadata"]):
         raise MetadataError("the shard's metadata differs from its receipt's", path=ds.paths.seq_idx,
                             field="metadata")

@@ -30,7 +30,7 @@ from ._schema import normal_json
 from .config import SPLIT_NAMES, PlanSettings  # noqa: F401  (PlanSettings: this module's name for it before)
 from .errors import input_error
 from .planfile import PLAN_FORMAT, PackPlan, PlanWriter
-from .receipts import ReceiptBook
+from .receipts import REDO_HINT, ReceiptBook
 from .store import SequenceStore
 from .summary import merged_skips, skipped_text
 
@@ -309,8 +309,7 @@ def plan_schema(doc) -> None:
 _RECEIPT_KEYS = ("step", "unit", "key", "artifacts", "crc32")
 
 
-def resumed_plan(book: ReceiptBook, path: str, store: SequenceStore, settings: PlanSettings,
-                 hint: str) -> Optional[dict]:
+def resumed_plan(book: ReceiptBook, path: str, store: SequenceStore, settings: PlanSettings) -> Optional[dict]:
     """The plan receipt of an earlier attempt when the plan file verifies (pinned CRC-32, the
     receipt equal to the file's metadata, ``settings``, every array valid against ``store``),
     else None, its receipt discarded (logged: the plan is made again)."""
@@ -318,7 +317,7 @@ def resumed_plan(book: ReceiptBook, path: str, store: SequenceStore, settings: P
     if receipt is None:
         return None
     try:
-        book.verify(receipt, hint)
+        book.verify(receipt, REDO_HINT)
         plan = PackPlan(path)
         recorded = {k: v for k, v in receipt.items() if k not in _RECEIPT_KEYS}
         if normal_json(plan_summary(plan.metadata)) != normal_json(recorded):

@@ -27,6 +27,8 @@ from .integrity import check_crc, crc32_file
 
 log = logging.getLogger("megatron_sft_idx.preprocess")
 
+#: The hint of a resumed unit whose artifacts do not verify (logged; the unit is redone).
+REDO_HINT = "the unit is done again"
 #: ``schema(doc)`` checks a step's own fields of a receipt (raising a ShardError naming the field).
 Schema = Callable[[Doc], None]
 _reported: set = set()   # malformed receipts already logged by this process

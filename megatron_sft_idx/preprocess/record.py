@@ -18,14 +18,10 @@ from ..format import SEQ_IDX_SUFFIX
 from ._schema import HEX, check_int
 from .integrity import check_crc, crc32_file
 from .publish import StagedSet
-from .receipts import ReceiptBook
+from .receipts import REDO_HINT, ReceiptBook
 from .remote_outputs import is_remote, remote_sizes
 from .summary import check_summary
 from .workdir import WorkDir
-
-#: What a log line says happens to a resumed unit (or run) that does not verify.
-REDO_HINT = "the unit is done again"
-
 
 def _intent_schema(doc) -> None:
     for k, item in enumerate(doc.list("files")):
