@@ -70,7 +70,7 @@ def publish(staged: StagedSet, replaced: Sequence[str], book: ReceiptBook, on_sh
         if on_shard is not None:
             on_shard()
     for path, finals in staged.manifests:
-        from ..training.multi import write_manifest
+        from ..multi import write_manifest
 
         write_manifest(path, list(finals), relative=True)
 

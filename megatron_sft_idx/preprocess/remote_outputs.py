@@ -175,7 +175,7 @@ def _is_commit_point(path: str) -> bool:
 def _local_manifest(path: str, staged_prefixes: List[str]) -> str:
     """The manifest, written beside the staged shards (which bear the final names), so its
     relative prefixes are those of the final set: the bytes a local run writes."""
-    from ..training.multi import write_manifest
+    from ..multi import write_manifest
 
     local = os.path.join(os.path.dirname(staged_prefixes[0]), ObjectURL.parse(path).name)
     write_manifest(local, staged_prefixes, relative=True)

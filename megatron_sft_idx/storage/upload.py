@@ -139,7 +139,7 @@ def publish(source: Union[str, Sequence[str]], dest, *, replace: bool = False, l
         ShardError (ShardExistsError, ...) before anything is written when a shard does not
         open or exists without ``replace``; RemoteStorageError / OSError while writing.
     """
-    from ..training.multi import expand_shards
+    from ..multi import expand_shards
 
     prefixes = expand_shards(source)
     names = [os.path.basename(p) for p in prefixes]
@@ -193,7 +193,7 @@ def _publish_local(files: Dict[str, str], target: str, link: bool) -> None:
 
 def _publish_manifest(prefixes: List[str], dest: str, name: str, config) -> None:
     """A manifest of the set with prefixes relative to ``dest`` (the shards' names)."""
-    from ..training.multi import write_manifest
+    from ..multi import write_manifest
 
     with tempfile.TemporaryDirectory(prefix="msi-manifest-") as tmp:
         # Stage links named like the published shards, so the relative prefixes are bare names.

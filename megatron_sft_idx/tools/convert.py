@@ -196,7 +196,7 @@ def _from_flat(kind: str, source: str, output: str, options: ConvertOptions) -> 
     """Legacy ``.npy`` or packed Parquet, parsed and normalised by the factory one file at a time
     (Bridge's quirks -- loss on positions it never trains, the runtime padding layout -- are
     handled there, once, for training and conversion alike)."""
-    from ..training.factory import open_packed
+    from ..open import open_packed
 
     files = [source] if kind == "npy" else list(to_shard.parquet_files(source))
     restored = to_shard.read_parquet_shard_metadata(files[0], METADATA_KEY) if kind == "parquet" else None

@@ -122,7 +122,7 @@ def write_bridge_pack_metadata(path: str, shards: List[MMapIndexedDataset]) -> d
     record is in those runtime units: the longest sequence minus one, the shortest pack's
     length minus its sequence count, and the efficiency of the runtime lengths.
     """
-    from ..training._sources import runtime_min_packed
+    from ..packed import runtime_min_packed
 
     stats = [s.metadata.stats for s in shards]
     packs = sum(s.pack_count for s in stats)
