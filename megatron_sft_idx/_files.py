@@ -10,7 +10,8 @@ reader knows packs; a source knows bytes.
 Opening one generation:
 
 A shard at prefix ``P`` is replaced (the builder's ``overwrite=True``, ``check_idx
---promote --replace``, preprocessing's publish) only through :func:`_atomic.publish`:
+--promote --replace``, preprocessing's publish) only through
+:func:`megatron_sft_idx.publishing.commit_shard`:
 
 1. ``P.idx`` is removed first, before any other file of ``P`` changes;
 2. the new companions are renamed over the old ones (old files the new shard lacks are

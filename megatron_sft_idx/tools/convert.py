@@ -37,7 +37,7 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 
 from ..builder import IndexedDatasetBuilder
-from ..errors import FormatError, ShardExistsError, ShardNotFoundError
+from ..errors import FormatError, ShardNotFoundError
 from ..format import IDX_SUFFIX, SFT_SUFFIXES
 from ..metadata import RESERVED_KEYS, ShardMetadata
 from . import _outputs
@@ -142,8 +142,8 @@ def convert(source: str, output: str, *, source_format: Optional[str] = None, to
     if kind == "shard":
         raise FormatError("the input is already a shard", path=source, field="to",
                           hint="use merge-shards to copy or combine shards, or --to parquet")
-    if not options.overwrite and os.path.exists(output + IDX_SUFFIX):
-        raise ShardExistsError("a shard already exists at the output prefix", path=output)
+    if not options.overwrite:
+        _outputs.refuse_existing(output)
     writer = {"npy": _from_flat, "parquet": _from_flat, "option-a": _from_option_a, "pretrain": _from_pretrain}
     result = writer[kind](kind, source, output, options)
     result.seconds = time.perf_counter() - started
