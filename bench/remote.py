@@ -362,7 +362,7 @@ def _write_parquet(corpus: Corpus, path: Path, first: int, last: int) -> None:
 
 
 def _local_set(work: Path):
-    from megatron_sft_idx.training.multi import MultiShardDataset
+    from megatron_sft_idx.multi import MultiShardDataset
 
     return MultiShardDataset.open(str(work / "ours"))
 
