@@ -195,7 +195,7 @@ def _preimport(system: str) -> None:
     names = {"upstream_s3": ["boto3", "megatron.core.datasets.indexed_dataset"],
              "parquet_msc": ["multistorageclient", "pyarrow.parquet"],
              "parquet_arrow": ["pyarrow.fs", "pyarrow.parquet"]}.get(
-        system, ["boto3", "megatron_sft_idx.storage.remote", "megatron_sft_idx.training.multi"])
+        system, ["boto3", "megatron_sft_idx.storage.remote", "megatron_sft_idx.multi"])
     for name in names:
         importlib.import_module(name)
 
@@ -362,7 +362,7 @@ def _write_parquet(corpus: Corpus, path: Path, first: int, last: int) -> None:
 
 
 def _local_set(work: Path):
-    from megatron_sft_idx.training.multi import MultiShardDataset
+    from megatron_sft_idx.multi import MultiShardDataset
 
     return MultiShardDataset.open(str(work / "ours"))
 

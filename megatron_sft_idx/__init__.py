@@ -35,7 +35,7 @@ _PUBLIC = {
     "BuilderStateError": ".errors",
     "InputError": ".errors",
     "check": ".gate",
-    "open_packed": ".training.factory",
+    "open_packed": ".open",
     "VirtualPackedDataset": ".preprocess.virtual",
 }
 

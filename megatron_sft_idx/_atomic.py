@@ -1,15 +1,12 @@
-"""Publishing a set of files so that readers see all of them or none.
+"""The file primitives of publishing: temporaries, fsync, a directory's lock, one small file.
 
-Files are written under temporary names ``<final>.tmp-<pid>-<token>``, fsynced,
-then renamed over their final names in a fixed order with the file every
-reader needs (``.idx``) last, and the directory is fsynced. A temporary whose
-writer process is gone is a leftover of a crash; :func:`clear_stale_temporaries`
-removes those, never one that a live process is still writing.
-
-:func:`publish` is the writer's half of the protocol that lets readers open one
-generation of a shard without locks (``_files.py``): the gating file goes first and
-comes back last, as a file created for this publication, and publications into one
-directory take turns under a lock on the directory.
+Files are written under temporary names ``<final>.tmp-<pid>-<token>`` and fsynced; the order
+in which they then replace their final names -- the commit rule, ``.idx`` last -- is
+:mod:`megatron_sft_idx.publishing`'s. A temporary whose writer process is gone is a leftover
+of a crash; :func:`clear_stale_temporaries` removes those, never one that a live process is
+still writing. :func:`directory_lock` makes publications into one directory take turns (the
+writer's half of the protocol that lets readers open one generation of a shard without
+locks, ``_files.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +16,7 @@ import glob
 import os
 import secrets
 import shutil
-from typing import BinaryIO, Callable, Iterable, Iterator, List, Sequence, Tuple
+from typing import BinaryIO, Callable, Iterable, Iterator, List
 
 _TMP_TAG = ".tmp-"
 
@@ -107,46 +104,6 @@ def directory_lock(path: str) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # releases the lock
-
-
-def publish(pairs: Sequence[Tuple[str, str]], unpublish_first: str, remove: Iterable[str] = ()) -> None:
-    """Rename each ``(tmp, final)`` in order; ``pairs[-1]`` is the file that makes the set visible.
-
-    ``unpublish_first`` (the final name of that gating file) is removed before
-    anything is renamed, so that while an existing shard is being replaced no
-    reader can pair its old index with new data; then the files in ``remove``
-    (old files the new set lacks). If a rename fails, every file already renamed
-    is removed again: the prefix then holds no dataset at all rather than a mixture.
-
-    ``pairs[-1]``'s temporary must be a file created for this publication, never a
-    link to one published before: readers tell generations apart by its inode.
-    """
-    for tmp, _ in pairs:
-        fsync_file(tmp)
-    with directory_lock(unpublish_first):
-        try:
-            os.unlink(unpublish_first)
-        except FileNotFoundError:
-            pass
-        fsync_dir(unpublish_first)
-        remove_quietly(remove)
-        done: List[str] = []
-        try:
-            for tmp, final in pairs:
-                os.replace(tmp, final)
-                done.append(final)
-                if os.path.lexists(tmp):
-                    # rename() of two links to one inode succeeds and does nothing (POSIX): the
-                    # final name already holds this content (a rerun of a killed promotion).
-                    os.unlink(tmp)
-        except BaseException:
-            for final in done:
-                try:
-                    os.unlink(final)
-                except OSError:
-                    pass
-            raise
-        fsync_dir(pairs[-1][1])
 
 
 def write_file_atomically(path: str, write: Callable[[BinaryIO], None]) -> None:

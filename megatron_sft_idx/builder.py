@@ -20,9 +20,9 @@ from typing import Any, BinaryIO, Iterator, Mapping, Optional
 
 import numpy as np
 
-from . import _atomic, _kernels
+from . import _atomic, _kernels, publishing
 from ._crc import crc32
-from .errors import BuilderStateError, InvariantError, ShardError, ShardExistsError
+from .errors import BuilderStateError, InvariantError, ShardError
 from .format import (
     BIN_SUFFIX,
     IDX_SUFFIX,
@@ -164,7 +164,8 @@ class IndexedDatasetBuilder:
         metadata: extra shard metadata: ``pad_seq_to_mult`` (enforced on every
             sequence), ``tokenizer``, ``packing``, ``parallelism``, ``source``, ``set``;
             other keys are kept under ``extra``.
-        overwrite: replace an existing shard at ``prefix`` (otherwise refused).
+        overwrite: replace an existing shard at ``prefix`` (otherwise refused). The five files
+            are published by :func:`megatron_sft_idx.publishing.commit_shard` (``.idx`` last).
 
     Raises:
         ShardExistsError: a shard exists at ``prefix`` and ``overwrite`` is false.
@@ -203,8 +204,9 @@ class IndexedDatasetBuilder:
                                  hint="use dtype=numpy.int32 or leave dtype=None")
         # Only the .idx (published last) makes a shard; companions without it are the leftovers
         # of an interrupted build, which the next build replaces without being asked to.
-        if not overwrite and os.path.exists(self.paths.idx):
-            raise ShardExistsError("a shard already exists at this prefix", path=self.prefix)
+        if not overwrite:
+            publishing.refuse_existing(publishing.existing_shard(self.prefix, committed=True),
+                                       replace_with="overwrite=True")
         directory = os.path.dirname(os.path.abspath(self.prefix))
         os.makedirs(directory, exist_ok=True)
         _atomic.clear_stale_temporaries(self.paths)
@@ -589,8 +591,7 @@ class IndexedDatasetBuilder:
                 source=known.get("source"), extra=known["extra"],
                 shard_set=ShardSet.from_dict(known["set"]) if known.get("set") else None)
             self._write_seq_idx(self.metadata)
-            _atomic.publish([(self._tmp[s], self.prefix + s) for s in PUBLISH_ORDER],
-                            unpublish_first=self.paths.idx)
+            publishing.commit_shard(self._tmp, self.prefix)
         except BaseException:
             self.abort()
             raise

@@ -1,12 +1,16 @@
 """Memory-mapped reader of shards: O(1) random access, nothing loaded at open.
 
-``MMapIndexedDataset(prefix)`` opens the five files of one generation of the
-shard (``_files.open_generation``: never files of two generations, even while the
-shard is being replaced), reads the fixed headers and the metadata, checks every
-size it can check without reading data (the five files against each other, the
-headers and the metadata), and maps the files -- from the descriptors it opened,
-never by path again -- only when a pack is first read. It pickles as its prefix,
-so each DataLoader worker and each rank opens the files itself. Example::
+``MMapIndexedDataset(prefix)`` composes a *storage source* chosen at open, as
+megatron-core's ``IndexedDataset`` composes a ``_BinReader``: for a local prefix the five
+files of one generation of the shard (``_files.open_generation``: never files of two
+generations, even while the shard is being replaced), for an ``s3://`` / ``msc://`` URL
+the objects, with the index files cached on local disk and the data files read by
+blocks (``storage/remote.py``). The reader knows packs, a source knows bytes. It reads the
+fixed headers and the metadata, checks every size it can check without reading data (the
+five files against each other, the headers and the metadata), and maps the files -- from
+the descriptors it opened, never by path again -- only when a pack is first read. It
+pickles as its prefix (and a URL's storage settings), so each DataLoader worker and each
+rank opens the files itself. Example::
 
     ds = MMapIndexedDataset("/data/train_000")
     pack = ds[17]              # Pack(input_ids, loss_mask, seq_start_id), read-only views
@@ -150,41 +154,52 @@ def _view(buf: np.ndarray, dtype, count: int, offset: int) -> np.ndarray:
     return np.frombuffer(buf, dtype=dtype, count=count, offset=offset)
 
 
+def _open_source(prefix, config, cache_dir, block_size, object_storage_config) -> ShardFiles:
+    """The storage source of ``prefix``, chosen once, at open: one generation of the local files,
+    or the objects at a URL (the storage layer, imported only for URLs)."""
+    if is_remote(prefix):
+        from .storage.remote import RemoteShardFiles, storage_config
+
+        return RemoteShardFiles(prefix, storage_config(config, cache_dir, block_size, object_storage_config))
+    prefix = os.fspath(prefix)
+    return open_generation(prefix, ShardPaths.from_prefix(prefix))
+
+
 class MMapIndexedDataset:
     """Random access to the packs of one shard (or of upstream pretrain data).
 
     Args:
-        prefix: the shard's path without suffix.
+        prefix: the shard's path without suffix, or its ``s3://`` / ``msc://`` URL.
         check_packs: also check every pack's invariants as it is read (a few µs
             per pack; the promotion gate is the place for whole-shard checks).
+        config, cache_dir, block_size, object_storage_config: for a URL only (ignored for a
+            local path, as upstream ignores its object-storage settings there): a
+            :class:`~megatron_sft_idx.storage.StorageConfig` (default: from the environment),
+            overrides of its cache directory and block size, or megatron-core's
+            ``ObjectStorageConfig`` (``path_to_idx_cache``, ``bin_chunk_nbytes``).
 
     Raises:
         ShardNotFoundError, IncompleteShardError, ShardChangedError, HeaderError, VersionError,
-        DTypeError, MetadataError, SizeMismatchError, TruncatedFileError.
+        DTypeError, MetadataError, SizeMismatchError, TruncatedFileError; for a URL also
+        RemoteStorageError, RemoteTimeoutError, ResponseMismatchError, ObjectChangedError,
+        ChecksumError (a downloaded index file does not match the metadata), MissingExtraError.
     """
 
-    def __new__(cls, prefix=None, *args, **kwargs):
-        # An s3:// or msc:// prefix is served by the storage layer's subclass (same interface).
-        if cls is MMapIndexedDataset and is_remote(prefix):
-            from .storage.remote import RemoteIndexedDataset
-            cls = RemoteIndexedDataset
-        return super().__new__(cls)
-
-    def __init__(self, prefix, *, check_packs: bool = False) -> None:
+    def __init__(self, prefix, *, check_packs: bool = False, config=None, cache_dir: Optional[str] = None,
+                 block_size: Optional[int] = None, object_storage_config=None) -> None:
         if sys.byteorder != "little":
             raise ShardError("this reader supports little-endian hosts only", path=str(prefix))
-        self.prefix = os.fspath(prefix)
-        self.paths = ShardPaths.from_prefix(self.prefix)
         self.check_packs = check_packs
         self._tokens = None  # mapped lazily, on first access
         self._hot = None     # everything the per-pack path reads, as one tuple (set by _map_files)
-        self._mmaps: list = []
         self._map_lock = threading.Lock()
-        self._files: Optional[ShardFiles] = self._open_files()
+        self._source = _open_source(prefix, config, cache_dir, block_size, object_storage_config)
+        self.prefix = self._source.prefix
+        self.paths = self._source.paths
         try:
             self._open_headers()
         except BaseException:
-            self._files.close()
+            self._source.close()
             raise
         self._itemsize = self.dtype.itemsize
         self._bin_size = self._sizes[BIN_SUFFIX]
@@ -192,13 +207,8 @@ class MMapIndexedDataset:
 
     # ------------------------------------------------------------------ open
 
-    def _open_files(self) -> ShardFiles:
-        """Descriptors and sizes of one generation of the five files (storage hook: a remote
-        shard lists its objects and opens its verified local copies of the index files)."""
-        return open_generation(self.prefix, self.paths)
-
     def _open_headers(self) -> None:
-        files = self._files
+        files = self._source
         self._sizes = sizes = files.sizes
         companions = [s for s in SFT_SUFFIXES if s in sizes]
         if BIN_SUFFIX not in sizes:
@@ -290,46 +300,48 @@ class MMapIndexedDataset:
                 self._map_files()
 
     def _map_files(self) -> None:
-        ih = self.idx_header
-        idx = self._mapped(IDX_SUFFIX)
+        ih, source = self.idx_header, self._source
+        idx = source.map(IDX_SUFFIX)[0]
         self._lengths = _view(idx, LENGTH_DTYPE, self._n, ih.lengths_offset)
         self._pointers = _view(idx, POINTER_DTYPE, self._n, ih.pointers_offset)
         self._documents = _view(idx, POINTER_DTYPE, ih.document_count, ih.document_indices_offset)
         # memoryviews index to Python ints several times faster than numpy scalars.
         self._len_mv = memoryview(self._lengths).cast("B").cast("i")
         self._ptr_mv = memoryview(self._pointers).cast("B").cast("q")
-        tokens = self._data_array(BIN_SUFFIX, self.dtype.numpy, self._sizes[BIN_SUFFIX] // self._itemsize)
+        itemsize = self._itemsize
+        tokens = source.data_array(BIN_SUFFIX, self.dtype.numpy, self._sizes[BIN_SUFFIX] // itemsize,
+                                   self._pack_end, itemsize)
         if self.is_pretrain:
             self._off_mv = self._loss = self._starts = None
         else:
             h = self.seq_header
-            self._offsets = _view(self._mapped(SEQ_IDX_SUFFIX), POINTER_DTYPE, self._n + 1, h.csr_offset)
+            self._offsets = _view(source.map(SEQ_IDX_SUFFIX)[0], POINTER_DTYPE, self._n + 1, h.csr_offset)
             self._off_mv = memoryview(self._offsets).cast("B").cast("q")
-            self._loss = self._data_array(LOSS_SUFFIX, np.uint8, h.token_count)
-            self._starts = self._data_array(SEQ_BIN_SUFFIX, SEQ_DTYPE.numpy, h.sequence_count)
-        self._files.close()  # every map holds its own descriptor now
-        # The per-pack path unpacks this one tuple instead of reading nine attributes.
-        self._hot = (self._len_mv, self._ptr_mv, self._off_mv, tokens, self._loss, self._starts,
-                     self._itemsize, self._bin_size, self._seq_count)
+            self._loss = source.data_array(LOSS_SUFFIX, np.uint8, h.token_count, self._pack_end, itemsize)
+            self._starts = source.data_array(SEQ_BIN_SUFFIX, SEQ_DTYPE.numpy, h.sequence_count)
+        source.close()  # every map holds its own descriptor now
+        if not source.batched:
+            # The per-pack path unpacks this one tuple instead of reading nine attributes. A
+            # source that fetches blocks leaves it unset: its packs go through get_many.
+            self._hot = (self._len_mv, self._ptr_mv, self._off_mv, tokens, self._loss, self._starts,
+                         self._itemsize, self._bin_size, self._seq_count)
         self._tokens = tokens  # set last: it marks "mapped"
 
-    def _data_array(self, suffix: str, dtype, count: int):
-        """Typed whole-file array of a data file (storage hook: remote shards fetch blocks)."""
-        return _view(self._mapped(suffix), dtype, count, 0)
-
-    def _mapped(self, suffix: str) -> np.ndarray:
-        """Map a file from the descriptor opened with its generation (never by path)."""
-        buf, mm = self._files.map(suffix)
-        if mm is not None:
-            self._mmaps.append(mm)
-        return buf
+    def _pack_end(self, token: int) -> int:
+        """Token index where the pack straddling ``token`` ends (``token`` if none does): a
+        source reading blocks extends a fetch to it, so each pack is served by its first block's GET."""
+        ptrs, itemsize = self._pointers, self._itemsize
+        i = int(ptrs.searchsorted(token * itemsize, "left")) - 1
+        if i < 0:
+            return token
+        return max(token, int(ptrs[i]) // itemsize + int(self._lengths[i]))
 
     def advise(self, advice: int) -> None:
         """``madvise`` every mapped file of the shard (maps them first); a no-op where the
         platform lacks ``madvise``. E.g. ``mmap.MADV_RANDOM`` for scattered reads: no
         read-ahead (a fault still maps the page-cache folio around it, 64 KiB or more)."""
         self._ensure_maps()
-        for mm in self._mmaps:
+        for mm in self._source.mmaps:
             if hasattr(mm, "madvise"):
                 mm.madvise(advice)
 
@@ -361,6 +373,8 @@ class MMapIndexedDataset:
         if hot is None:
             self._ensure_maps()
             hot = self._hot
+            if hot is None:  # a source that fetches blocks: one pack's GETs go out in parallel
+                return self.get_many((idx,))[0]
         len_mv, ptr_mv, off_mv, tokens, loss, starts, itemsize, bin_size, seq_count = hot
         length = len_mv[idx]
         ptr = ptr_mv[idx]
@@ -394,10 +408,7 @@ class MMapIndexedDataset:
             IndexError, TypeError: an index is out of range or not an integer.
             InvariantError: an index entry of the shard is corrupt.
         """
-        if type(self)._gather is MMapIndexedDataset._gather:
-            # Local maps: the per-pack path (one lookup, scalar checks, three slices) costs less
-            # than any vectorised bookkeeping of a batch (bench.hotpath: a batch of 32 went
-            # 1.25-1.45x slower per pack the vectorised way); remote shards batch their fetches.
+        if not self._source.batched:  # local maps: the per-pack path is the cheapest (ShardFiles.batched)
             if isinstance(indices, np.ndarray):
                 if indices.ndim != 1:
                     raise TypeError(f"pack indices must be a 1-D integer sequence, not shape {indices.shape}")
@@ -418,24 +429,19 @@ class MMapIndexedDataset:
         t1 = (t0 + lengths).tolist()
         t0 = t0.tolist()
         if self.is_pretrain:
-            tokens, = self._gather(((self._tokens, t0, t1),))
+            tokens, = self._source.gather(((self._tokens, t0, t1),))
             return [_new_pack(Pack, (ids, self._ones(ids.shape[0]), _READ_ONLY_ZERO)) for ids in tokens]
         s0, s1 = self._offsets[idx], self._offsets[idx + 1]
         bad = (s0 < 0) | (s1 <= s0) | (s1 > self._seq_count)
         if bad.any():
             k = int(np.argmax(bad))
             raise self._corrupt_offsets(int(idx[k]), int(s0[k]), int(s1[k]))
-        packs = [_new_pack(Pack, parts) for parts in zip(*self._gather(
+        packs = [_new_pack(Pack, parts) for parts in zip(*self._source.gather(
             ((self._tokens, t0, t1), (self._loss, t0, t1), (self._starts, s0.tolist(), s1.tolist()))))]
         if self.check_packs:
             for i, pack in zip(idx.tolist(), packs):
                 self._check_pack(i, pack)
         return packs
-
-    def _gather(self, parts) -> list:
-        """For each ``(array, starts, stops)``: the slices ``array[a:b]`` (storage hook: remote
-        shards fetch the blocks of every array at once, in parallel)."""
-        return [[array[a:b] for a, b in zip(starts, stops)] for array, starts, stops in parts]
 
     def _corrupt_pointer(self, i: int, ptr: int, length: int) -> ShardError:
         return self._corrupt(i, "sequence_pointers/sequence_lengths", "pointer/length fall outside .bin",
@@ -555,15 +561,45 @@ class MMapIndexedDataset:
             return remote_shard_exists(prefix)
         return os.path.exists(prefix + IDX_SUFFIX) and os.path.exists(prefix + BIN_SUFFIX)
 
+    # ------------------------------------------------------------------ storage
+
+    @property
+    def is_remote(self) -> bool:
+        """Whether the shard is read from object storage (an ``s3://`` / ``msc://`` URL)."""
+        return self._source.remote
+
+    @property
+    def config(self):
+        """The :class:`~megatron_sft_idx.storage.StorageConfig` a URL is read with (None locally)."""
+        return self._source.config
+
+    @property
+    def local_index_prefix(self) -> Optional[str]:
+        """Where this node's verified copies of a URL's index files are (None locally)."""
+        return self._source.local_index_prefix
+
+    def block_stats(self) -> dict:
+        """Block-cache hits and misses of each remotely read file in this process (``{}`` locally)."""
+        self._ensure_maps()
+        return self._source.block_stats()
+
+    def clear_block_cache(self) -> None:
+        """Forget every cached block of this process (the next reads fetch again; a no-op locally)."""
+        if self.is_mapped:
+            self._source.clear_blocks()
+
     # ------------------------------------------------------------------ pickling
 
     def __getstate__(self):
-        return {"prefix": self.prefix, "check_packs": self.check_packs}
+        state = {"prefix": self.prefix, "check_packs": self.check_packs}
+        if self._source.remote:
+            state["config"] = self._source.config
+        return state
 
     def __setstate__(self, state) -> None:
-        self.__init__(state["prefix"], check_packs=state["check_packs"])
+        self.__init__(state["prefix"], check_packs=state["check_packs"], config=state.get("config"))
 
     def __repr__(self) -> str:
         kind = "pretrain" if self.is_pretrain else "sft"
-        return (f"MMapIndexedDataset({self.prefix!r}, packs={self._n}, dtype={self.dtype.name}, "
-                f"kind={kind})")
+        return (f"{'Remote' if self._source.remote else ''}MMapIndexedDataset({self.prefix!r}, packs={self._n}, "
+                f"dtype={self.dtype.name}, kind={kind})")

@@ -195,15 +195,15 @@ def test_kill_at_a_random_point_then_resume_gives_identical_bytes(corpus, tmp_pa
 
 KILL_IN_PUBLISH = r"""
 import os, signal, sys
-from megatron_sft_idx.preprocess import publish
+from megatron_sft_idx import publishing
 from megatron_sft_idx.preprocess.cli import main
-moved, original = [0], publish._move_shard
-def move_then_die(shard):
-    original(shard)
+moved, original = [0], publishing.commit_staged
+def move_then_die(staged, final):
+    original(staged, final)
     moved[0] += 1
     if moved[0] == int(os.environ["DIE_AFTER"]):
         os.kill(os.getpid(), int(os.environ["SIG"]))
-publish._move_shard = move_then_die
+publishing.commit_staged = move_then_die
 sys.exit(main(sys.argv[1:]))
 """
 

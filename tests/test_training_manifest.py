@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from shardgen import random_packs, write_shard
 
 from megatron_sft_idx.errors import ShardError
-from megatron_sft_idx.training import manifest as M
+from megatron_sft_idx import manifest as M  # the format module (training.manifest is another name of it)
 from megatron_sft_idx.training.factory import open_packed
 from megatron_sft_idx.training.multi import MultiShardDataset, read_manifest, write_manifest
 

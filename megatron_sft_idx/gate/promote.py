@@ -7,15 +7,15 @@ destination directory so that no reader ever opens a half-promoted shard:
    ``.idx`` always as a fresh copy (readers tell generations apart by its inode,
    see ``_files.py``), the others as a hard link on the same filesystem (no data
    copied), else as a copy that is fsynced;
-2. when replacing, the old ``.idx`` is removed first (an old index can never
-   pair with new data), then any old file the new shard lacks;
-3. the temporaries are renamed over the final names in publish order, ``.idx``
-   last, and the directory is fsynced (``_atomic.publish``, shared with the
-   builder, under the directory's lock);
-4. for a move, the source files are removed, ``.idx`` first.
+2. they are committed by :func:`megatron_sft_idx.publishing.commit_shard`, the rule the
+   builder and every other writer share: under the directory's lock, the old ``.idx`` is
+   removed first (an old index can never pair with new data), then any old file the new
+   shard lacks; the temporaries are renamed over the final names in publish order,
+   ``.idx`` last, and the directory is fsynced;
+3. for a move, the source files are removed, ``.idx`` first (``publishing.remove_shard``).
 
-A crash before step 3 ends leaves no ``.idx`` at the destination, so nothing
-there opens; a crash in step 4 leaves a complete copy at both places.
+A crash before step 2 ends leaves no ``.idx`` at the destination, so nothing
+there opens; a crash in step 3 leaves a complete copy at both places.
 
 Symbolic links are resolved: the destination always receives regular files
 holding the content that was checked (a hard link to, or a copy of, the link's
@@ -29,10 +29,10 @@ import os
 import shutil
 from typing import Dict
 
-from .. import _atomic
-from ..errors import RemoteStorageError, ShardError, ShardExistsError
+from .. import _atomic, publishing
+from ..errors import RemoteStorageError, ShardError
+from ..format import IDX_SUFFIX, PUBLISH_ORDER
 from ..storage import is_remote
-from ..format import IDX_SUFFIX, PUBLISH_ORDER, ShardPaths
 from .report import Report, ShardReport, make_finding
 
 
@@ -60,11 +60,8 @@ def promote(shard: ShardReport, dest, *, link: bool = False, replace: bool = Fal
     if os.path.abspath(dest_prefix) == os.path.abspath(shard.prefix):
         raise ShardError("the shard is already at the destination", path=shard.prefix)
     _verify_unchanged(shard, source)
-    existing = [p for p in ShardPaths.from_prefix(dest_prefix) if os.path.lexists(p)]
-    if existing and not replace:
-        raise ShardExistsError("a shard already exists at the destination", path=dest_prefix,
-                               actual=[os.path.basename(p) for p in existing],
-                               hint="pass --replace to replace it")
+    if not replace:
+        publishing.refuse_existing(publishing.existing_shard(dest_prefix), replace_with="--replace")
     dest_dev = os.stat(dest).st_dev
     same_fs = {s: shard.identity[s][0] == dest_dev for s in suffixes}
     if link and not all(same_fs[s] for s in suffixes if s != IDX_SUFFIX):
@@ -77,17 +74,12 @@ def promote(shard: ShardReport, dest, *, link: bool = False, replace: bool = Fal
             tmp[suffix] = _atomic.temporary_path(final[suffix])
             _place(source[suffix], tmp[suffix], same_fs[suffix] and suffix != IDX_SUFFIX, link,
                    shard.identity[suffix])
-        old = [p for p in ShardPaths.from_prefix(dest_prefix) if p not in final.values()] if existing else []
-        _atomic.publish([(tmp[s], final[s]) for s in suffixes], unpublish_first=dest_prefix + IDX_SUFFIX,
-                        remove=old)
+        publishing.commit_shard(tmp, dest_prefix)
     except BaseException:
         _atomic.remove_quietly(tmp.values())
         raise
-    if not link:
-        # The source goes .idx first, so its prefix never opens with files missing. A source
-        # that is a symbolic link loses the link only.
-        _atomic.remove_quietly(source[s] for s in reversed(suffixes))
-        _atomic.fsync_dir(shard.prefix)
+    if not link:  # a source that is a symbolic link loses the link only
+        publishing.remove_shard(shard.prefix, suffixes)
     return final
 
 

@@ -13,7 +13,7 @@ finding codes, without downloading the data files to disk:
   packs (every pack at ``deep``) with the bytes fetched directly.
 
 :func:`promote_remote` uploads a shard that passed (``.idx`` last, see
-:func:`megatron_sft_idx.storage.upload_shard`) and then removes the local source,
+:func:`megatron_sft_idx.publishing.upload_shard`) and then removes the local source,
 ``.idx`` first, as a local promotion moves it.
 """
 
@@ -225,8 +225,7 @@ def promote_remote(shard: ShardReport, dest: str, *, link: bool = False, replace
             for, or a shard exists at the destination without ``replace`` (nothing uploaded).
         RemoteStorageError: an upload failed (the destination's ``.idx`` was not written).
     """
-    from .. import _atomic
-    from ..storage.upload import upload_shard
+    from .. import publishing
 
     if not shard.passed:
         raise ShardError("refusing to promote a shard that failed the check", path=shard.prefix)
@@ -238,7 +237,6 @@ def promote_remote(shard: ShardReport, dest: str, *, link: bool = False, replace
             raise ShardError("the file changed after it was checked", path=shard.prefix + suffix,
                              hint="check the shard again before promoting it")
     target = str(ObjectURL.parse(dest).join(os.path.basename(shard.prefix)))
-    uploaded = upload_shard(shard.prefix, target, replace=replace)
-    _atomic.remove_quietly(shard.prefix + s for s in reversed([s for s in PUBLISH_ORDER if s in shard.files]))
-    _atomic.fsync_dir(shard.prefix)
+    uploaded = publishing.upload_shard(shard.prefix, target, replace=replace)
+    publishing.remove_shard(shard.prefix, [s for s in PUBLISH_ORDER if s in shard.files])
     return uploaded

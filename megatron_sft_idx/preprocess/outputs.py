@@ -2,7 +2,7 @@
 
 Shards are built under a work directory next to the output (``.<name>.preprocess``) and
 moved to their final names only after every shard (and ``--check``) succeeded
-(:mod:`.publish`). The work directory holds the run's lock (its pid), its receipts, the pack
+(:mod:`.publish`, by the rule of :mod:`megatron_sft_idx.publishing`). The work directory holds the run's lock (its pid), its receipts, the pack
 plan, the staged shards and, without ``--store``, the sequence store. A run that is killed
 leaves only its work directory: the next run clears it, or continues from it with ``--resume``.
 An ``s3://`` / ``msc://`` output prefix works in a local staging directory instead and uploads
@@ -16,11 +16,10 @@ import os
 import re
 from typing import List, Sequence
 
-from ..errors import ShardExistsError
 from ..format import ALL_SUFFIXES
+from ..manifest import MANIFEST_SUFFIX
+from ..publishing import refuse_existing as _refuse
 from ..storage._url import is_remote
-
-MANIFEST_SUFFIX = ".json"
 
 
 def split_prefix(output_prefix: str, split: str, splitting: bool) -> str:
@@ -71,9 +70,8 @@ def refuse_existing(bases: Sequence[str], overwrite: bool, ours=frozenset()) -> 
     """
     mine = {normal_path(p) for p in ours}
     found = [p for p in existing_outputs(bases) if normal_path(p) not in mine]
-    if found and not overwrite:
-        raise ShardExistsError(f"output already exists ({len(found)} file(s), e.g. {found[0]})",
-                               path=found[0], hint="pass --overwrite to replace it, or choose another --output-prefix")
+    if not overwrite:
+        _refuse(found, replace_with="--overwrite", elsewhere="another --output-prefix")
     return found
 
 

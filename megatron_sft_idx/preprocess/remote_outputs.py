@@ -5,12 +5,13 @@ The run is the local one, relocated: its work directory (lock, receipts, sequenc
 plan, staged shards) lives in a local staging directory keyed by the URL,
 ``<staging-dir>/megatron_sft_idx-<digest of the URL>/.<name>.preprocess``, so ``--resume``
 after a kill finds it again. The shards are materialized, verified and gated there exactly
-as for a local output, then :func:`publish_remote` uploads them in the local publish's order:
+as for a local output, then :func:`publish_remote` uploads them by the local publish's rule
+(:func:`megatron_sft_idx.publishing.publish_set`):
 
 1. the set's manifests are deleted, then (``--overwrite``) the old shards' objects, every
    ``.idx`` before any data object, so no reader pairs an old index with new data;
 2. every shard, data objects first and ``.idx`` last
-   (:func:`megatron_sft_idx.storage.upload_shard`: multipart, parts in parallel), each
+   (:func:`megatron_sft_idx.publishing.upload_shard`: multipart, parts in parallel), each
    followed by a publish receipt, so a resumed upload sends only the shards without one
    (sending a shard again is idempotent: the same bytes give the same objects);
 3. the manifests ``BASE.json`` last, one PUT each: the set's commit point, so a reader of
@@ -29,14 +30,13 @@ import tempfile
 from typing import Dict, List, Optional, Sequence
 
 from ..errors import OutputError, RemoteStorageError, ShardError, ShardNotFoundError
-from ..format import ALL_SUFFIXES, IDX_SUFFIX, PUBLISH_ORDER, SEQ_IDX_SUFFIX
+from ..format import ALL_SUFFIXES
+from ..manifest import MANIFEST_SUFFIX
 from ..storage._url import ObjectURL, is_remote
-from .publish import StagedSet
+from .publish import StagedSet, publish
 from .receipts import ReceiptBook
 
 __all__ = ["is_remote", "work_prefix", "existing_remote_outputs", "publish_remote", "job_output_key", "remote_sizes"]
-
-MANIFEST_SUFFIX = ".json"
 _STAGING_TAG = "megatron_sft_idx-"
 
 
@@ -146,44 +146,5 @@ def publish_remote(staged: StagedSet, replaced: Sequence[str], book: ReceiptBook
         OutputError: a request failed for good (the URL named; the work directory is kept,
             so ``--resume`` finishes the upload); ShardError: a staged shard does not open.
     """
-    from ..storage import upload_shard
-
-    done = set(book.completed(range(len(staged.shards))))
-    keep = {staged.shards[i].final + s for i in done for s in PUBLISH_ORDER}
-    removals = [m for m, _ in staged.manifests]
-    removals += sorted((p for p in replaced if p not in keep), key=lambda p: not _is_commit_point(p))
-    for path in removals:
-        _call(lambda: _store(ObjectURL.parse(path)).delete(ObjectURL.parse(path)), path, "delete the old output")
-    for i, shard in enumerate(staged.shards):
-        if i not in done:
-            _call(lambda: upload_shard(shard.staged, shard.final, replace=True), shard.final, "upload the shard")
-            book.write(i, {"final": shard.final}, [shard.staged + s for s in PUBLISH_ORDER
-                                                   if os.path.exists(shard.staged + s)])
-        if on_shard is not None:
-            on_shard()
-    staged_of: Dict[str, str] = {s.final: s.staged for s in staged.shards}
-    for path, finals in staged.manifests:
-        local = _local_manifest(path, [staged_of[f] for f in finals])
-        url = ObjectURL.parse(path)
-        _call(lambda: _store(url).upload(local, url), path, "upload the manifest")
-
-
-def _is_commit_point(path: str) -> bool:
-    return path.endswith(IDX_SUFFIX) and not path.endswith(SEQ_IDX_SUFFIX)
-
-
-def _local_manifest(path: str, staged_prefixes: List[str]) -> str:
-    """The manifest, written beside the staged shards (which bear the final names), so its
-    relative prefixes are those of the final set: the bytes a local run writes."""
-    from ..training.multi import write_manifest
-
-    local = os.path.join(os.path.dirname(staged_prefixes[0]), ObjectURL.parse(path).name)
-    write_manifest(local, staged_prefixes, relative=True)
-    return local
-
-
-def _call(op, path: str, doing: str) -> None:
-    try:
-        op()
-    except (RemoteStorageError, ShardNotFoundError) as exc:
-        raise _destination_error(exc, ObjectURL.parse(path), doing, resumable=True) from None
+    publish(staged, replaced, book, on_shard,
+            on_error=lambda exc, path, doing: _destination_error(exc, ObjectURL.parse(path), doing, resumable=True))

@@ -2,14 +2,17 @@
 prefix is accepted.
 
 Reading: ``MMapIndexedDataset("s3://bucket/train_000")`` (and ``open_packed``, manifests,
-``data_path`` blends, the Bridge adapter) opens a remote shard. Its small index files are
-cached on local disk once per node (:mod:`.index_cache`); ``.bin`` and ``.loss.bin`` are
-read by ranged GETs through an in-memory block cache (:mod:`.blocks`). Writing:
-:func:`upload_shard` (``.idx`` last, the commit point) and :func:`publish` (local or
-remote destination). Settings: :class:`StorageConfig` (environment variables listed there).
+``data_path`` blends, the Bridge adapter) opens a remote shard: the reader composes this
+package's source (:mod:`.remote`). Its small index files are cached on local disk once per
+node (:mod:`.index_cache`); ``.bin`` and ``.loss.bin`` are read by ranged GETs through an
+in-memory block cache (:mod:`.blocks`). Writing: :mod:`megatron_sft_idx.publishing` orders
+every publication (``.idx`` last, the commit point), through this package's object-store
+destination (:mod:`.upload`); :func:`upload_shard`, :func:`publish` and :func:`publish_shard`
+are kept here as names of publishing's functions, and ``RemoteIndexedDataset`` as a name of
+the reader. Settings: :class:`StorageConfig` (environment variables listed there).
 
 This package's ``__init__`` imports nothing heavy: boto3 / multi-storage-client (extra
-``[s3]``) are imported the first time a URL is used.
+``[s3]``) are imported the first time a URL is used. Nothing in it imports the reader.
 """
 
 from .._lazy import lazy_getattr
@@ -18,9 +21,9 @@ from ._url import ObjectURL, is_remote
 
 _PUBLIC = {
     "StorageConfig": ".config",
-    "RemoteIndexedDataset": ".remote",
+    "RemoteIndexedDataset": ".remote",    # the reader, looked up by name (storage/remote.py)
     "remote_shard_exists": ".remote",
-    "upload_shard": ".upload",
+    "upload_shard": ".upload",            # megatron_sft_idx.publishing's, looked up by name
     "publish": ".upload",
     "publish_shard": ".upload",
     "request_counts": "._stores",

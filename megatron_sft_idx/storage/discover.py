@@ -1,54 +1,24 @@
-"""``open_packed`` for URLs: a remote shard, a remote manifest, a "directory" or glob of shards.
+"""Finding shards in object storage: what a URL names, by listing (no dataset is opened here).
 
-``open_packed("s3://b/sft/train_000")`` is a :class:`~.remote.RemoteIndexedDataset`;
-``open_packed("s3://b/sft/all.json")`` reads the manifest (relative prefixes resolve
-against the manifest's location, as locally); ``s3://b/sft/`` or ``s3://b/sft`` with
-no shard of that name lists the shards under it; ``s3://b/sft/train_*`` globs them.
-Lists may mix local prefixes and URLs. Sets open as
-:class:`~megatron_sft_idx.training.multi.MultiShardDataset`, whose shards open lazily in
-the process that reads them, after the same checks as local sets: the shards agree, and a
-"directory", glob or manifest holds whole sets (:mod:`megatron_sft_idx.sets`).
+``s3://b/sft/train_000`` with any file of a shard is a prefix; ``s3://b/sft/`` or
+``s3://b/sft`` with no shard of that name is a "directory" whose shards are listed;
+``s3://b/sft/train_*`` globs them (``*`` within one path level). :func:`read_object` fetches a
+small object whole (a manifest). What a URL then opens as is decided by
+:func:`megatron_sft_idx.open.open_packed` (the one dispatcher), with the set checks of
+:mod:`megatron_sft_idx.multi`.
 """
 
 from __future__ import annotations
 
-import os
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Tuple
 
-from ..errors import ShardError, ShardNotFoundError
+from ..errors import ShardNotFoundError
 from ..format import ALL_SUFFIXES, IDX_SUFFIX, SEQ_IDX_SUFFIX
 from ._stores import ObjectStore, store_for
 from ._url import ObjectURL
 from .config import StorageConfig
 
-__all__ = ["open_remote", "expand_remote", "select_remote", "read_remote_manifest", "load_remote_manifest"]
-
-
-def open_remote(spec: Union[str, Sequence[str]], *, check_packs: bool = False,
-                config: Optional[StorageConfig] = None):
-    """What ``open_packed`` returns for a URL, or a list holding URLs.
-
-    Raises:
-        ShardNotFoundError: nothing at the URL; ShardError: a remote file of a kind this
-        reader does not stream (``.npy``, Parquet).
-    """
-    from ..training.multi import MultiShardDataset, Selection
-
-    if isinstance(spec, (list, tuple)):
-        return MultiShardDataset.open(list(spec), check_packs=check_packs)
-    url = ObjectURL.parse(spec)
-    if url.key.endswith((".npy", ".parquet", ".pq")):
-        raise ShardError("remote legacy .npy / Parquet files are not streamed", path=str(url), field="format",
-                         hint="convert them to shards (they can then be read from the bucket), or copy "
-                              "the file to local disk")
-    if not url.key.endswith(".json"):
-        kind, prefixes = select_remote(str(url), config)
-        if kind == "prefix":
-            from .remote import RemoteIndexedDataset
-
-            return RemoteIndexedDataset(str(url), check_packs=check_packs, config=StorageConfig.resolve(config))
-        return MultiShardDataset.open(Selection(kind, str(url), tuple(prefixes)), check_packs=check_packs)
-    return MultiShardDataset.open(str(url), check_packs=check_packs)
+__all__ = ["expand_remote", "select_remote", "read_object"]
 
 
 def expand_remote(spec: str, config: Optional[StorageConfig] = None) -> List[str]:
@@ -109,35 +79,15 @@ def _glob(store: ObjectStore, pattern: ObjectURL) -> List[str]:
     return sorted(out)
 
 
-def read_remote_manifest(spec: str, config: Optional[StorageConfig] = None) -> tuple:
-    """``(prefixes, counts, summaries)`` of a manifest in object storage (one GET); see
-    :func:`load_remote_manifest`."""
-    m = load_remote_manifest(spec, config)
-    return m.prefixes, m.counts, m.summaries
-
-
-def load_remote_manifest(spec: str, config: Optional[StorageConfig] = None):
-    """The :class:`~megatron_sft_idx.training.manifest.Manifest` at a URL (one GET).
-
-    Parsed by the local manifest parser, so both accept exactly the same documents;
-    relative prefixes resolve against the manifest's URL, absolute paths and URLs are kept.
-
-    Raises:
-        ShardNotFoundError: no object at the URL; ShardError: a malformed manifest (naming the URL).
-    """
-    import tempfile
-
-    from ..training.manifest import MAX_MANIFEST_BYTES, load_manifest
-
+def read_object(spec: str, limit: int, config: Optional[StorageConfig] = None) -> Tuple[Optional[int], Optional[bytes]]:
+    """``(size, bytes)`` of the object at ``spec``, read whole by ranged GETs within one deadline
+    when it holds at most ``limit`` bytes: ``(None, None)`` when there is no such object,
+    ``(size, None)`` when it is larger (nothing of it is read)."""
     url = ObjectURL.parse(spec)
     store = store_for(url, StorageConfig.resolve(config))
     info = store.head(url)
     if info is None:
-        raise ShardNotFoundError("no manifest at this URL", path=spec)
-    if info.size > MAX_MANIFEST_BYTES:
-        raise ShardError(f"manifest is larger than {MAX_MANIFEST_BYTES >> 20} MiB", path=spec, field="manifest",
-                         actual=info.size, hint="rewrite it with write-sft-manifest")
-    with tempfile.TemporaryDirectory(prefix="msi-manifest-") as tmp:
-        local = os.path.join(tmp, "manifest.json")
-        store.download(url, local, info)
-        return load_manifest(local, url=str(url))
+        return None, None
+    if info.size > limit:
+        return info.size, None
+    return info.size, b"".join(store.read_chunks(url, info.size, info.etag))

@@ -1,32 +1,36 @@
-"""A shard in object storage, read through the same interface as a local one.
+"""The storage source of a shard in object storage: what the reader composes for a URL.
 
-``MMapIndexedDataset("s3://bucket/train_000")`` constructs a :class:`RemoteIndexedDataset`
-(the reader dispatches on the URL). At open it lists the five objects (one LIST, or
-five HEADs where listing is not allowed), makes sure the small index files are in the
-node's cache (:mod:`.index_cache`) and then runs the local reader's own checks on
-them: headers, metadata, sizes against headers and metadata, the last pack's end.
-``.bin`` and ``.loss.bin`` (and a ``.seq.bin`` above ``seq_bin_limit``) become
-:class:`~.blocks.RemoteArray`\\ s, so ``ds[i]`` costs at most one ranged GET per data
-file on a cache miss and none on a hit; :meth:`get_many` fetches a whole batch's
-blocks with parallel GETs. It pickles as its URL and :class:`StorageConfig`, so every
-DataLoader worker and rank reopens it (from the cache) itself.
+``MMapIndexedDataset("s3://bucket/train_000")`` opens a :class:`RemoteShardFiles` as its
+source (the reader chooses it at open; this module knows nothing of datasets). At open it
+lists the five objects (one LIST, or five HEADs where listing is not allowed) and makes
+sure the small index files are in the node's cache (:mod:`.index_cache`): the reader then
+runs its own checks on them, as on local files -- headers, metadata, sizes against headers
+and metadata, the last pack's end. ``.bin`` and ``.loss.bin`` (and a ``.seq.bin`` above
+``seq_bin_limit``) become :class:`~.blocks.RemoteArray`\\ s, so a pack costs at most one
+ranged GET per data file on a cache miss and none on a hit; :meth:`RemoteShardFiles.gather`
+fetches a whole batch's blocks with parallel GETs. A dataset over it pickles as its URL and
+:class:`StorageConfig`, so every DataLoader worker and rank reopens it (from the cache) itself.
+
+``RemoteIndexedDataset`` is kept as a name for :class:`~megatron_sft_idx.reader.MMapIndexedDataset`
+(which opens URLs itself); it is looked up on first use, so this module never imports the reader.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from importlib import import_module
+from typing import Callable, Dict, Optional
 
 from .._files import ShardFiles
 from ..errors import IncompleteShardError, ShardError, ShardNotFoundError
-from ..format import ALL_SUFFIXES, BIN_SUFFIX, IDX_SUFFIX, SEQ_BIN_SUFFIX, SEQ_IDX_SUFFIX, SFT_SUFFIXES
-from ..reader import MMapIndexedDataset, pack_index
+from ..format import ALL_SUFFIXES, BIN_SUFFIX, IDX_SUFFIX, LOSS_SUFFIX, SEQ_BIN_SUFFIX, SEQ_IDX_SUFFIX, \
+    SFT_SUFFIXES, ShardPaths
 from ._stores import ObjectInfo, ObjectStore, store_for
 from ._url import ObjectURL
 from .blocks import RemoteArray, fetch_pool
 from .config import StorageConfig
 from .index_cache import open_cached
 
-__all__ = ["RemoteIndexedDataset", "stat_shard", "remote_shard_exists"]
+__all__ = ["RemoteShardFiles", "RemoteIndexedDataset", "stat_shard", "remote_shard_exists", "storage_config"]
 
 
 def stat_shard(store: ObjectStore, url: ObjectURL) -> Dict[str, ObjectInfo]:
@@ -42,103 +46,92 @@ def remote_shard_exists(prefix: str, config: Optional[StorageConfig] = None) -> 
     return IDX_SUFFIX in infos and BIN_SUFFIX in infos
 
 
-class RemoteIndexedDataset(MMapIndexedDataset):
-    """Random access to the packs of a shard at an ``s3://`` or ``msc://`` URL.
+def storage_config(config: Optional[StorageConfig] = None, cache_dir: Optional[str] = None,
+                   block_size: Optional[int] = None, object_storage_config=None) -> StorageConfig:
+    """The :class:`StorageConfig` a remote shard is read with: ``config`` (default: from the
+    environment) with ``cache_dir`` / ``block_size`` overridden; megatron-core's
+    ``ObjectStorageConfig`` is accepted too, with the same meaning (``path_to_idx_cache`` is the
+    cache directory, ``bin_chunk_nbytes`` the block size)."""
+    if object_storage_config is not None:  # upstream's contract, same meaning
+        cache_dir = cache_dir or getattr(object_storage_config, "path_to_idx_cache", None)
+        block_size = block_size or getattr(object_storage_config, "bin_chunk_nbytes", None)
+    return StorageConfig.resolve(config, cache_dir=cache_dir, block_size=block_size)
 
-    Args:
-        prefix: the shard's URL without suffix.
-        check_packs: as for :class:`MMapIndexedDataset`.
-        config: a :class:`StorageConfig` (default: from the environment).
-        cache_dir, block_size: override those fields of ``config``.
-        object_storage_config: megatron-core's ``ObjectStorageConfig`` is accepted too:
-            ``path_to_idx_cache`` is the cache directory, ``bin_chunk_nbytes`` the block size.
+
+class RemoteShardFiles(ShardFiles):
+    """The source of a shard at an ``s3://`` or ``msc://`` URL: the objects' sizes from one
+    listing, descriptors of the node's verified copies of the index files (verified from these
+    descriptors when reused, see :mod:`.index_cache`), the data files read by blocks.
 
     Raises:
-        everything :class:`MMapIndexedDataset` raises, naming the objects; plus
-        RemoteStorageError (retries exhausted, access denied), RemoteTimeoutError (a read
-        outlived its budget, docs/STORAGE.md), ResponseMismatchError (a response did not
-        answer its request), ObjectChangedError (an object was replaced while being read),
-        ChecksumError (a downloaded index file does not match the metadata),
-        MissingExtraError (boto3 / MSC not installed).
+        ShardNotFoundError, IncompleteShardError (as a local open says them); ShardError (the
+        index cache is unusable); RemoteStorageError, RemoteTimeoutError, ResponseMismatchError,
+        ObjectChangedError, ChecksumError (a downloaded index file does not match the
+        metadata), MissingExtraError (boto3 / MSC not installed).
     """
 
-    def __init__(self, prefix, *, check_packs: bool = False, config: Optional[StorageConfig] = None,
-                 cache_dir: Optional[str] = None, block_size: Optional[int] = None,
-                 object_storage_config=None) -> None:
-        if object_storage_config is not None:  # upstream's contract, same meaning
-            cache_dir = cache_dir or getattr(object_storage_config, "path_to_idx_cache", None)
-            block_size = block_size or getattr(object_storage_config, "bin_chunk_nbytes", None)
+    remote = True
+    batched = True  # one pack's (and one batch's) GETs go out in parallel
+
+    def __init__(self, prefix, config: StorageConfig) -> None:
         self.url = ObjectURL.parse(prefix)
-        self.config = StorageConfig.resolve(config, cache_dir=cache_dir, block_size=block_size)
-        self._cached = frozenset()
-        self._cache_prefix = None
-        super().__init__(str(self.url), check_packs=check_packs)
-
-    # ------------------------------------------------------------------ reader hooks
-
-    def _open_files(self) -> ShardFiles:
-        """The objects' sizes from one listing; descriptors of the node's verified copies of
-        the index files (verified from these descriptors when reused, see index_cache)."""
-        self._infos = infos = stat_shard(self._current_store(), self.url)
+        self.config = config
+        prefix = str(self.url)
+        paths = ShardPaths.from_prefix(prefix)
+        self.infos = infos = stat_shard(self.store(), self.url)
         sizes = {s: i.size for s, i in infos.items()}
+        self._cached = frozenset()
+        self._arrays: Dict[str, RemoteArray] = {}
+        super().__init__(prefix, paths, {}, sizes)
         if IDX_SUFFIX not in infos:  # as a local open says it
             if not infos:
-                raise ShardNotFoundError("no shard at this URL (no .idx, .bin or SFT companions)", path=self.prefix)
-            raise IncompleteShardError(f"{self.prefix}.idx is missing but {sorted(infos)} exist",
-                                       path=self.paths.idx, field="files")
+                raise ShardNotFoundError("no shard at this URL (no .idx, .bin or SFT companions)", path=prefix)
+            raise IncompleteShardError(f"{prefix}.idx is missing but {sorted(infos)} exist",
+                                       path=paths.idx, field="files")
         sft = [s for s in SFT_SUFFIXES if s in infos]
         if BIN_SUFFIX not in infos or len(sft) not in (0, len(SFT_SUFFIXES)):
-            return ShardFiles(self.prefix, self.paths, {}, sizes)  # the reader names what is missing
+            return  # the reader names what is missing
         cached = [IDX_SUFFIX]
         if sft:
             cached.append(SEQ_IDX_SUFFIX)
-            if infos[SEQ_BIN_SUFFIX].size <= self.config.seq_bin_limit:
+            if infos[SEQ_BIN_SUFFIX].size <= config.seq_bin_limit:
                 cached.append(SEQ_BIN_SUFFIX)
         try:
-            self._cache_prefix, fds = open_cached(self._current_store(), self.url, infos, cached,
-                                                  self.config.cache_root)
+            self.local_index_prefix, self._fds = open_cached(self.store(), self.url, infos, cached,
+                                                             config.cache_root)
         except OSError as exc:
             raise ShardError(f"cannot use the index cache: {exc.strerror or exc}", path=exc.filename,
                              hint="clear the index cache directory, or set MEGATRON_SFT_IDX_CACHE") from None
         self._cached = frozenset(cached)
-        return ShardFiles(self.prefix, self.paths, fds, sizes)
 
-    def _data_array(self, suffix: str, dtype, count: int):
-        if suffix in self._cached:
-            return super()._data_array(suffix, dtype, count)
-        info = self._infos[suffix]
-        block = self.config.block_size
-        if suffix != BIN_SUFFIX and suffix != SEQ_BIN_SUFFIX:
-            block //= self._itemsize  # .loss.bin blocks cover the same tokens as .bin's
-        extend = self._pack_end if suffix != SEQ_BIN_SUFFIX else None
-        return RemoteArray(self._current_store, self.url.with_suffix(suffix), info.size, info.etag, dtype,
-                           block, self.config.cache_blocks, self.config.concurrency, extend)
-
-    def _current_store(self) -> ObjectStore:
+    def store(self) -> ObjectStore:
         """This process's store (a forked worker gets its own client, not the parent's)."""
         return store_for(self.url, self.config)
 
-    def _pack_end(self, token: int) -> int:
-        """Token index where the pack straddling ``token`` ends (``token`` if none does): a
-        block fetch is extended to it, so each pack is served by its first block's GET."""
-        ptrs, itemsize = self._pointers, self._itemsize
-        i = int(ptrs.searchsorted(token * itemsize, "left")) - 1
-        if i < 0:
-            return token
-        return max(token, int(ptrs[i]) // itemsize + int(self._lengths[i]))
+    def data_array(self, suffix: str, dtype, count: int, record_end: Optional[Callable[[int], int]] = None,
+                   token_itemsize: int = 1):
+        """A cached file's map, or a :class:`RemoteArray` whose block fetches are extended to
+        ``record_end(token)`` (where the pack straddling that token ends), so each pack is
+        served by its first block's GET. ``.loss.bin`` blocks (one byte per token) cover the
+        same tokens as ``.bin``'s (``token_itemsize`` bytes per token)."""
+        if suffix in self._cached:
+            return super().data_array(suffix, dtype, count)
+        info = self.infos[suffix]
+        block = self.config.block_size
+        if suffix == LOSS_SUFFIX:
+            block //= token_itemsize
+        extend = record_end if suffix != SEQ_BIN_SUFFIX else None
+        array = RemoteArray(self.store, self.url.with_suffix(suffix), info.size, info.etag, dtype, block,
+                            self.config.cache_blocks, self.config.concurrency, extend)
+        self._arrays[suffix] = array
+        return array
 
-    def __getitem__(self, idx):
-        # One pack's GETs (.bin, .loss.bin) go out in parallel: a miss costs one round trip.
-        if isinstance(idx, slice):
-            return super().__getitem__(idx)
-        return self.get_many((pack_index(idx, self._n, self.prefix),))[0]
-
-    _pack = __getitem__
-
-    def _gather(self, parts) -> list:
+    def gather(self, parts) -> list:
+        """For each ``(array, starts, stops)``: the slices ``array[a:b]``, the missing blocks of
+        every remote array fetched at once, each array's in its own thread."""
         remote = [(array, list(zip(a, b))) for array, a, b in parts if isinstance(array, RemoteArray)]
         pinned = {}
-        if len(remote) > 1:  # each array's missing blocks in its own thread, at the same time
+        if len(remote) > 1:
             pool = fetch_pool(4, "arrays")
             jobs = {id(array): pool.submit(array.fetch_for, ranges) for array, ranges in remote}
             pinned = {key: job.result() for key, job in jobs.items()}
@@ -150,35 +143,18 @@ class RemoteIndexedDataset(MMapIndexedDataset):
                 out.append([array[a:b] for a, b in zip(starts, stops)])
         return out
 
-    # ------------------------------------------------------------------ remote specifics
-
-    @property
-    def local_index_prefix(self) -> Optional[str]:
-        """Where this node's verified copies of the index files are."""
-        return self._cache_prefix
-
     def block_stats(self) -> Dict[str, Dict[str, int]]:
-        """Block-cache hits and misses of each remotely read file in this process."""
-        self._ensure_maps()
-        out = {}
-        for suffix, arr in ((BIN_SUFFIX, self._tokens), (".loss.bin", self._loss), (SEQ_BIN_SUFFIX, self._starts)):
-            if isinstance(arr, RemoteArray):
-                out[suffix] = {"hits": arr.hits, "misses": arr.misses, "block_size": arr.block_size}
-        return out
+        return {suffix: {"hits": arr.hits, "misses": arr.misses, "block_size": arr.block_size}
+                for suffix, arr in self._arrays.items()}
 
-    def clear_block_cache(self) -> None:
-        """Forget every cached block of this process (the next reads fetch again)."""
-        if not self.is_mapped:
-            return
-        for arr in (self._tokens, self._loss, self._starts):
-            if isinstance(arr, RemoteArray):
-                arr.clear()
+    def clear_blocks(self) -> None:
+        for arr in self._arrays.values():
+            arr.clear()
 
-    def __getstate__(self):
-        return {"prefix": self.prefix, "check_packs": self.check_packs, "config": self.config}
 
-    def __setstate__(self, state) -> None:
-        self.__init__(state["prefix"], check_packs=state["check_packs"], config=state["config"])
-
-    def __repr__(self) -> str:
-        return f"Remote{super().__repr__()}"
+def __getattr__(name: str):
+    # ``RemoteIndexedDataset`` (the name of the remote reader before the reader composed storage
+    # sources): the reader itself, looked up by name so that storage never imports it.
+    if name == "RemoteIndexedDataset":
+        return import_module("..reader", __package__).MMapIndexedDataset
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,10 +1,10 @@
 """Where the shard tools put their output: a local path, or ``s3://`` / ``msc://``.
 
 A local output is written in a staging directory beside it and published with the builder's
-commit (``.idx`` last). An object-storage output is written the same way into a fresh local
-temporary directory (``staging_dir``, default the system's temporary directory), checked by
-the promotion gate, then uploaded through :mod:`megatron_sft_idx.storage` -- data files
-first, ``.idx`` last, the commit point -- and the local copy removed. So a reader of the
+commit (``.idx`` last, :mod:`megatron_sft_idx.publishing`). An object-storage output is
+written the same way into a fresh local temporary directory (``staging_dir``, default the
+system's temporary directory), checked by the promotion gate, then uploaded by the same rule
+-- data files first, ``.idx`` last, the commit point -- and the local copy removed. So a reader of the
 bucket sees the whole new shard or none of it, as locally. An interruption (SIGINT,
 SIGTERM) after the ``.idx`` was uploaded is marked on the exception (``published``), so the
 command line says the output was published; before, nothing that opens is left there.
@@ -18,8 +18,9 @@ import shutil
 import tempfile
 from typing import Iterator, Optional
 
+from .. import publishing
 from .._signals import INTERRUPTS, raise_if_signalled
-from ..errors import ChecksumError, InvariantError, ShardError, ShardExistsError
+from ..errors import ChecksumError, InvariantError, ShardError
 from ..format import IDX_SUFFIX
 from ..storage._url import ObjectURL, is_remote
 
@@ -54,16 +55,16 @@ def _store(url: ObjectURL):
 
 
 def refuse_existing(output: str, *, shard: bool = True) -> None:
-    """Refuse an object-storage output that exists (a shard: its ``.idx``; a file: the object).
+    """Refuse an output that exists (a shard: its ``.idx``; a file: the file or object).
 
     Raises:
         ShardExistsError: it exists (pass ``--overwrite`` to replace it).
     """
-    url = ObjectURL.parse(output)
-    target = url.with_suffix(IDX_SUFFIX) if shard else url
-    if _store(url).head(target) is not None:
-        raise ShardExistsError("a shard already exists at the output" if shard else "the output object exists",
-                               path=output, hint="pass --overwrite to replace it")
+    if shard:
+        found = publishing.existing_shard(output, committed=True)
+    else:
+        found = [output] if publishing.destination_for(output).exists(output) else []
+    publishing.refuse_existing(found)
 
 
 def refuse_remote_input(path: str, tool: str) -> None:
@@ -94,14 +95,12 @@ def remote_staging(output: str, staging_dir: Optional[str] = None) -> Iterator[s
 def publish_shard_remotely(staged: str, output: str) -> None:
     """Upload the gated local shard ``staged`` to the URL ``output`` (data first, ``.idx`` last),
     replacing what is there. An interruption after the new ``.idx`` landed is marked ``published``."""
-    from ..storage import upload_shard
-
     url = ObjectURL.parse(output)
     store = _store(url)
     before = store.head(url.with_suffix(IDX_SUFFIX))
     raise_if_signalled()  # the last point where a signal dropped inside numba stops the upload
     try:
-        upload_shard(staged, output, replace=True)
+        publishing.upload_shard(staged, output, replace=True)
     except INTERRUPTS as exc:
         after = store.head(url.with_suffix(IDX_SUFFIX))
         if after is not None and (before is None or after.etag != before.etag):
@@ -114,7 +113,7 @@ def upload_file(local: str, output: str) -> None:
     url = ObjectURL.parse(output)
     raise_if_signalled()
     try:
-        _store(url).upload(local, url)
+        publishing.upload_file(local, output)
     except INTERRUPTS as exc:
         info = _store(url).head(url)
         if info is not None and info.size == os.path.getsize(local):

@@ -37,7 +37,7 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 
 from ..builder import IndexedDatasetBuilder
-from ..errors import FormatError, ShardExistsError, ShardNotFoundError
+from ..errors import FormatError, ShardNotFoundError
 from ..format import IDX_SUFFIX, SFT_SUFFIXES
 from ..metadata import RESERVED_KEYS, ShardMetadata
 from . import _outputs
@@ -142,8 +142,8 @@ def convert(source: str, output: str, *, source_format: Optional[str] = None, to
     if kind == "shard":
         raise FormatError("the input is already a shard", path=source, field="to",
                           hint="use merge-shards to copy or combine shards, or --to parquet")
-    if not options.overwrite and os.path.exists(output + IDX_SUFFIX):
-        raise ShardExistsError("a shard already exists at the output prefix", path=output)
+    if not options.overwrite:
+        _outputs.refuse_existing(output)
     writer = {"npy": _from_flat, "parquet": _from_flat, "option-a": _from_option_a, "pretrain": _from_pretrain}
     result = writer[kind](kind, source, output, options)
     result.seconds = time.perf_counter() - started
@@ -196,7 +196,7 @@ def _from_flat(kind: str, source: str, output: str, options: ConvertOptions) -> 
     """Legacy ``.npy`` or packed Parquet, parsed and normalised by the factory one file at a time
     (Bridge's quirks -- loss on positions it never trains, the runtime padding layout -- are
     handled there, once, for training and conversion alike)."""
-    from ..training.factory import open_packed
+    from ..open import open_packed
 
     files = [source] if kind == "npy" else list(to_shard.parquet_files(source))
     restored = to_shard.read_parquet_shard_metadata(files[0], METADATA_KEY) if kind == "parquet" else None

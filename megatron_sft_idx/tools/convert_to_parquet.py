@@ -17,9 +17,10 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
+from .. import publishing
 from .._atomic import write_file_atomically
 from .._extras import require_extra
-from ..errors import FormatError, ShardExistsError
+from ..errors import FormatError
 from ..reader import MMapIndexedDataset
 
 METADATA_KEY = b"megatron_sft_idx.metadata"
@@ -83,8 +84,8 @@ def shards_to_parquet(prefixes: Sequence[str], output: str, *, row_group_size: i
     import pyarrow.parquet as pq
 
     output = os.fspath(output)
-    if not overwrite and os.path.exists(output):
-        raise ShardExistsError("the output file exists", path=output)
+    if not overwrite:
+        publishing.refuse_existing([output] if os.path.exists(output) else [])
     shards = [MMapIndexedDataset(p) for p in prefixes]
     for shard in shards:
         if shard.is_pretrain:
@@ -122,7 +123,7 @@ def write_bridge_pack_metadata(path: str, shards: List[MMapIndexedDataset]) -> d
     record is in those runtime units: the longest sequence minus one, the shortest pack's
     length minus its sequence count, and the efficiency of the runtime lengths.
     """
-    from ..training._sources import runtime_min_packed
+    from ..packed import runtime_min_packed
 
     stats = [s.metadata.stats for s in shards]
     packs = sum(s.pack_count for s in stats)

@@ -4,7 +4,7 @@ Each reader hands the builder runs of packs as flat arrays (``CHUNK_TOKENS`` tok
 time), so every invariant is checked in numba and the shard is published atomically by
 the builder. What each source keeps in memory:
 
-* legacy ``.npy`` and packed Parquet: parsed by :func:`megatron_sft_idx.training.factory.open_packed`
+* legacy ``.npy`` and packed Parquet: parsed by :func:`megatron_sft_idx.open.open_packed`
   (the one place their rules live: the restricted unpickler, the column checks, any
   normalisation of Bridge's quirks), one file at a time -- the ``.npy`` is one pickle, and
   the factory reads a Parquet file whole, as Bridge does;
@@ -48,7 +48,7 @@ def _runs(token_offsets: np.ndarray) -> Iterator[tuple]:
 
 
 def add_flat_source(builder: IndexedDatasetBuilder, src, label: str, first_pack: int = 0) -> int:
-    """Every pack of a :class:`~megatron_sft_idx.training._sources.FlatPackedSource`, in runs."""
+    """Every pack of a :class:`~megatron_sft_idx.packed.FlatPackedSource`, in runs."""
     t_off, s_off = src.token_offsets, src.seq_offsets
     for a, b in _runs(t_off):
         t0, t1, s0, s1 = int(t_off[a]), int(t_off[b]), int(s_off[a]), int(s_off[b])
@@ -205,10 +205,10 @@ def add_pretrain(builder: IndexedDatasetBuilder, src: MMapIndexedDataset, plan: 
 
 
 def parquet_files(path: str) -> Sequence[str]:
-    """The Parquet files ``path`` names, by the factory's own rule (file, directory, glob)."""
-    from ..training.factory import _parquet_files
+    """The Parquet files ``path`` names, by the dispatcher's own rule (file, directory, glob)."""
+    from .. import legacy
 
-    return _parquet_files(path)
+    return legacy.parquet_files(path)
 
 
 def read_parquet_shard_metadata(path: str, key: bytes) -> Optional[dict]:

@@ -22,8 +22,8 @@ How it stays flat in memory and fast:
 Nothing is trusted blindly: the output is checked by the promotion gate
 (:func:`megatron_sft_idx.gate.check`: every CRC, every pack, every statistic,
 recomputed from the bytes) in a hidden staging directory next to the output, and
-published with the builder's commit (:func:`_atomic.publish`, ``.idx`` last) only if it
-passes. Any failure or interruption leaves nothing under the output's name (a SIGINT or
+published with the builder's commit (:func:`megatron_sft_idx.publishing.commit_shard`,
+``.idx`` last) only if it passes. Any failure or interruption leaves nothing under the output's name (a SIGINT or
 SIGTERM after the commit point leaves the complete output, and says so); the staging
 directory of a killed run is removed by the next run.
 """
@@ -41,10 +41,10 @@ from typing import Callable, Iterator, List, Optional, Sequence
 
 import numpy as np
 
-from .. import _atomic, _kernels
+from .. import _atomic, _kernels, publishing
 from .._signals import INTERRUPTS, raise_if_signalled
 from .._crc import crc32, crc32_combine
-from ..errors import InvariantError, ShardError, ShardExistsError, SizeMismatchError
+from ..errors import InvariantError, ShardError, SizeMismatchError
 from ..format import (BIN_SUFFIX, IDX_SUFFIX, LENGTH_DTYPE, LOSS_SUFFIX, METADATA_OFFSET, POINTER_DTYPE,
                       PUBLISH_ORDER, SEQ_BIN_SUFFIX, SEQ_IDX_SUFFIX, DType, IdxHeader, SeqIdxHeader, ShardPaths)
 from ..metadata import PackingStats, ShardMetadata
@@ -110,8 +110,8 @@ def merge_shards(output, inputs: Sequence[str], *, widen: bool = False, pack_siz
             _outputs.publish_shard_remotely(local, output)
         return dataclasses.replace(result, prefix=output, seconds=time.perf_counter() - started)
     paths = ShardPaths.from_prefix(output)
-    if not overwrite and os.path.exists(paths.idx):
-        raise ShardExistsError("a shard already exists at the output prefix", path=output)
+    if not overwrite:
+        _outputs.refuse_existing(output)
     plan = plan_merge(inputs, widen=widen, pack_size=pack_size)
     _refuse_output_among_inputs(output, plan.prefixes)
     directory = os.path.dirname(os.path.abspath(output))
@@ -141,7 +141,7 @@ def merge_shards(output, inputs: Sequence[str], *, widen: bool = False, pack_siz
             gate_seconds = time.perf_counter() - gate_started
             raise_if_signalled()  # the last point where a signal dropped inside numba stops the merge
             committed = os.stat(staged + IDX_SUFFIX).st_ino
-            _atomic.publish([(staged + s, output + s) for s in PUBLISH_ORDER], unpublish_first=paths.idx)
+            publishing.commit_shard({s: staged + s for s in PUBLISH_ORDER}, output)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     except INTERRUPTS as exc:

@@ -47,7 +47,7 @@ from ..format import DType
 from ..reader import MMapIndexedDataset
 from ..storage._url import is_remote
 from ..sets import Agreement, ShardIdentity
-from ..training.multi import Selection, check_selections, select_shards, selection_identities
+from ..multi import Selection, check_selections, select_shards, selection_identities
 
 #: Keys the merge recomputes, combines by its own rule or compares through ``sets.Agreement``;
 #: every other key must be equal.

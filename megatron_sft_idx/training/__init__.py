@@ -5,29 +5,33 @@ Modules (imported on first use, so importing this package costs nothing):
 * :mod:`.megatron` — ``SFTIndexedDataset`` for megatron-core's blended builder,
   ``parse_data_path``, the Megatron-LM dataset provider (imports megatron-core);
 * :mod:`.bridge` — ``PackedSFTDataset`` with Bridge's packed interface;
-* :mod:`.collate` — ``PackedCollator``: Bridge's packed batch, vectorised;
-* :mod:`.multi` — ``MultiShardDataset`` and manifests;
-* :mod:`.factory` — ``open_packed`` for shards, manifests, legacy ``.npy`` and Parquet.
+* :mod:`.collate` — ``PackedCollator``: Bridge's packed batch, vectorised.
+
+The data sources they read are named here too, from the modules below training that own them:
+``open_packed`` (:mod:`megatron_sft_idx.open`, the one dispatcher), ``MultiShardDataset`` and
+``write_manifest`` (:mod:`megatron_sft_idx.multi`), ``PackSummary`` (:mod:`megatron_sft_idx.packed`),
+the legacy ``.npy`` / Parquet readers (:mod:`megatron_sft_idx.legacy`); ``.factory``, ``.multi``,
+``.manifest`` and ``._sources`` remain as other names of those modules.
 """
 
 from .._lazy import lazy_getattr
 
 _PUBLIC = {
-    "open_packed": ".factory",
-    "load_legacy_npy": ".factory",
-    "load_parquet": ".factory",
-    "RestrictedUnpickler": ".factory",
-    "MultiShardDataset": ".multi",
-    "write_manifest": ".multi",
-    "read_manifest": ".multi",
+    "open_packed": "..open",
+    "load_legacy_npy": "..legacy",
+    "load_parquet": "..legacy",
+    "RestrictedUnpickler": "..legacy",
+    "MultiShardDataset": "..multi",
+    "write_manifest": "..multi",
+    "read_manifest": "..multi",
     "PackedSFTDataset": ".bridge",
     "build_samples_mapping": ".bridge",
     "bridge_datasets": ".bridge",
     "PackedCollator": ".collate",
     "collate_fn": ".collate",
-    "PackSummary": "._sources",
-    "summarize": "._sources",
-    "FlatPackedSource": "._sources",
+    "PackSummary": "..packed",
+    "summarize": "..packed",
+    "FlatPackedSource": "..packed",
     "SFTIndexedDataset": ".megatron",
     "SFTIndexedDatasetConfig": ".megatron",
     "parse_data_path": ".megatron",

@@ -22,7 +22,7 @@ from typing import List, Optional
 
 from ..errors import ShardError, ShardNotFoundError
 from .._units import plural
-from .multi import write_manifest
+from ..multi import write_manifest
 
 log = logging.getLogger("megatron_sft_idx.training.manifest")
 

@@ -5,7 +5,7 @@ builds train/valid/test from a blend such as ``"0.7 /d/a 0.3 /d/b"`` (see
 :func:`parse_data_path`) and a ``split`` such as ``"98,1,1"``, or from per-split
 blends, exactly as it builds ``GPTDataset``s: each entry of the blend is a shard
 prefix, a manifest ``.json``, a directory or glob of shards, a legacy ``.npy``
-or packed Parquet (anything :func:`~megatron_sft_idx.training.factory.open_packed` opens).
+or packed Parquet (anything :func:`~megatron_sft_idx.open.open_packed` opens).
 Every sample is one pack, laid out as Megatron-LM's own packed ``SFTDataset``
 lays out a pack, at ``config.sequence_length = S``:
 
@@ -63,9 +63,9 @@ from .._atomic import write_file_atomically
 from ..errors import ShardError
 from ..format import PAD_LAYOUT_STORED
 from ..sets import require_compatible
-from ._sources import PackSummary, summarize
-from .factory import open_packed
-from .multi import MultiShardDataset, identities_of
+from ..packed import PackSummary, summarize
+from ..open import open_packed
+from ..multi import MultiShardDataset, identities_of
 
 __all__ = [
     "SFTIndexedDataset",
@@ -241,7 +241,7 @@ def check_blend(config) -> None:
     paths = blend_paths(config)
     if len(paths) < 2 or config.__dict__.get("_sft_idx_blend_checked") == paths:
         return
-    from .factory import records_no_identity
+    from ..open import records_no_identity
 
     members = []
     for path in paths:

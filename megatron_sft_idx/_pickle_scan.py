@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import _kernels
+from . import _kernels
 
 MAX_TEXT_ARG = 4096
 
