@@ -6,6 +6,7 @@
 * through Bridge's own loader (``build_pretraining_data_loader``, global-batch sampler),
   the provider's batches equal those of Bridge's own reader (``build_gpt_sft_split`` over
   the ``.npy`` Bridge's packer wrote) on the same packs and settings;
+* docs/TRAINING.md's provider example runs as written and makes Bridge's own objects;
 * the example runs as written, with Bridge importable (the CPU import measures of
   megatron_cpu.py first) and without them, where Bridge's package fails to import on this
   CPU machine, as a user's would: then it warns with the reason and still runs.
@@ -25,6 +26,7 @@ from megatron.bridge.data.samplers import build_pretraining_data_loader
 
 from bridge_data import PACK_SIZE, bridge_tokenizer, write_bridge_artifacts
 from test_bridge_parity import assert_same_batch, bridge_dataset
+from test_bridge_provider import DOC_BATCH_KEYS, doc_provider_snippet
 from test_readme_megatron import write_demo_like_shard
 
 from megatron_sft_idx.tools.convert import ConvertOptions, convert
@@ -100,11 +102,11 @@ def test_bridges_loader_gives_the_provider_the_batches_of_bridges_own_reader(cha
         assert_same_batch(ref, got, f"step {step}, {opts}")
 
 
-def run_example(tmp_path, shims: bool):
+def run_example(tmp_path, shims: bool, script=None):
     os.makedirs(tmp_path / "out" / "demo" / "training", exist_ok=True)
     write_demo_like_shard(str(tmp_path / "out" / "demo" / "training" / "example"))
     prelude = "import megatron_cpu\n" if shims else ""
-    script = prelude + f"import runpy\nrunpy.run_path({EXAMPLE!r}, run_name='__main__')\n"
+    script = prelude + (script or f"import runpy\nrunpy.run_path({EXAMPLE!r}, run_name='__main__')\n")
     path = [HERE, ROOT] if shims else [ROOT]  # the stack's directory comes first in PYTHONPATH already
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.environ["PYTHONPATH"].split(os.pathsep)[0], *path]),
                PYTHONWARNINGS="default::RuntimeWarning")  # the suite runs with warnings ignored
@@ -112,6 +114,14 @@ def run_example(tmp_path, shims: bool):
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
+
+
+def test_the_docs_provider_example_runs_with_bridge(tmp_path):
+    snippet = doc_provider_snippet()
+    script = snippet + "\nfrom megatron.bridge.data.base import DatasetBuildContext, DatasetProvider\n" \
+        "print(isinstance(provider, DatasetProvider), type(context) is DatasetBuildContext)\n"
+    lines = run_example(tmp_path, shims=True, script=script).stdout.splitlines()
+    assert lines[-2:] == [f"64 {DOC_BATCH_KEYS}", "True True"]
 
 
 EXAMPLE_KEYS = ["tokens", "labels", "loss_mask", "position_ids", "token_count", "attention_mask",

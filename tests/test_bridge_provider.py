@@ -1,7 +1,7 @@
-"""The Megatron-Bridge provider and ``examples/bridge_sft.py`` in this environment, where
-Megatron-Bridge is not installed: the provider must build the same datasets and batches as
-:func:`bridge_datasets` with the same options. Against the installed Bridge (its
-``DatasetProvider``, its loader, its own reader over the same packs):
+"""The Megatron-Bridge provider, its snippet in docs/TRAINING.md and ``examples/bridge_sft.py`` in
+this environment, where Megatron-Bridge is not installed: the provider must build the same
+datasets and batches as :func:`bridge_datasets` with the same options. Against the installed
+Bridge (its ``DatasetProvider``, its loader, its own reader over the same packs):
 ``tests/compat/test_bridge_example.py``."""
 
 import copy
@@ -12,6 +12,8 @@ import subprocess
 import sys
 
 import numpy as np
+import re
+
 import pytest
 
 from shardgen import random_packs, write_shard
@@ -24,6 +26,17 @@ from megatron_sft_idx.training.bridge_provider import PackedSFTDatasetProvider, 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "bridge_sft.py")
+DOC_BATCH_KEYS = ['attention_mask', 'cu_seqlens_kv', 'cu_seqlens_q', 'labels', 'loss_mask', 'max_seqlen_kv',
+                  'max_seqlen_q', 'position_ids', 'token_count', 'tokens']
+
+
+def doc_provider_snippet() -> str:
+    """The provider example of docs/TRAINING.md (section "The provider"), as written."""
+    text = open(os.path.join(ROOT, "docs", "TRAINING.md"), encoding="utf-8").read()
+    section = text.split("\n### The provider\n", 1)[1].split("\n### ", 1)[0]
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", section, re.S) if "build_context(" in b]
+    assert len(blocks) == 1, "docs/TRAINING.md's provider example moved: update this test"
+    return blocks[0]
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +115,18 @@ def test_provider_is_a_config_bridge_can_copy_and_finalize(shard):
         assert twin == provider and type(twin) is PackedSFTDatasetProvider
 
 
+def demo_root(shard):
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(shard))))  # out/demo/training/example
+
+
+def test_the_docs_provider_example_runs_as_written(shard):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", doc_provider_snippet()], cwd=demo_root(shard), env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1] == f"64 {DOC_BATCH_KEYS}"
+
+
 def run_example(cwd, *args, env_extra=None):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     env.update(env_extra or {})
@@ -110,8 +135,7 @@ def run_example(cwd, *args, env_extra=None):
 
 
 def test_example_runs_as_written_after_the_demo(shard):
-    cwd = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(shard))))  # out/demo/training/example
-    proc = run_example(cwd, "--seq-length", "256")
+    proc = run_example(demo_root(shard), "--seq-length", "256")
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     if bridge_provider.BRIDGE_IMPORT_ERROR is None:
@@ -132,8 +156,7 @@ def test_a_bridge_that_does_not_import_is_named_and_the_example_still_runs(shard
     package = tmp_path / "site" / "megatron" / "bridge"  # "megatron" is a namespace package
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("import triton_kernels_for_the_gpu  # noqa\n")
-    cwd = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(shard))))
-    proc = run_example(cwd, "--seq-length", "256", env_extra={
+    proc = run_example(demo_root(shard), "--seq-length", "256", env_extra={
         "PYTHONPATH": os.pathsep.join([ROOT, str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")])})
     assert proc.returncode == 0, proc.stderr[-3000:]
     reason = ("megatron.bridge is installed but does not import here "
