@@ -38,7 +38,7 @@ inline constexpr size_t kSeqIdxHeaderSize = 64;
 inline constexpr size_t kMetadataOffset = 64;
 inline constexpr uint64_t kAlignment = 64;
 
-// FORMAT.md "Limits" (format.py holds the same numbers; tests/test_limits.py checks both agree).
+// FORMAT.md "Limits" (format.py holds the same numbers; tests/core/test_limits.py checks both agree).
 inline constexpr uint64_t kMaxMetadataLength = uint64_t{16} << 20;
 inline constexpr uint64_t kMaxMetadataDepth = 64;   // containers nested; the top-level object is 1
 inline constexpr uint64_t kMaxCount = uint64_t{1} << 56;  // pack/sequence/token counts of .seq.idx

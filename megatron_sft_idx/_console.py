@@ -7,7 +7,7 @@ on stderr and exit status 2, never a traceback.
 
 Adding a console script: a row in ``TOOLS`` and the line
 ``my-tool = "megatron_sft_idx._console:my_tool"`` in ``pyproject.toml`` (the function
-``my_tool`` is made from the row, below); ``tests/test_extras.py`` then asks for a real
+``my_tool`` is made from the row, below); ``tests/packaging/test_extras.py`` then asks for a real
 invocation of it in its ``PROBES`` table, and runs it with its dependencies hidden.
 """
 

@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 # (tmp_path, tempfile, torchrun's and torch's scratch), the home directory (Ray's auth token,
 # matplotlib's font cache, anything else a library keeps under ~) and Ray's session directories.
 # Set in the controlling process before xdist starts its workers, so they and every subprocess
-# a test starts inherit it. MEGATRON_SFT_IDX_TEST_ROOT names the directory (tests/test_hermetic.py).
+# a test starts inherit it. MEGATRON_SFT_IDX_TEST_ROOT names the directory (tests/project/test_hermetic.py).
 _ROOT_ENV = "MEGATRON_SFT_IDX_TEST_ROOT"
 
 
@@ -139,8 +139,8 @@ def hostile(hostile_server, monkeypatch, tmp_path):
 
 @pytest.fixture
 def small_fs(tmp_path):
-    """A 256 KiB tmpfs at tmp_path/fs, or None where this sandbox cannot mount one (tests/faults.py)."""
-    from faults import tmpfs
+    """A 256 KiB tmpfs at tmp_path/fs, or None where this sandbox cannot mount one (tests/support/faults.py)."""
+    from support.faults import tmpfs
 
     with tmpfs(tmp_path / "fs") as path:
         yield path
@@ -167,7 +167,7 @@ def native_lib(tmp_path_factory):
 
 
 # tests/compat/ imports the real megatron-core / Megatron-Bridge of one installed stack each;
-# tests/test_compat_stacks.py runs it once per stack in a subprocess with that stack on the path.
+# tests/training/test_compat_stacks.py runs it once per stack in a subprocess with that stack on the path.
 if not os.environ.get("MEGATRON_SFT_IDX_STACK"):
     collect_ignore = ["compat"]
 
@@ -178,8 +178,8 @@ if not os.environ.get("MEGATRON_SFT_IDX_STACK"):
 @pytest.fixture(scope="session")
 def families(tmp_path_factory):
     """{family: tokenizer directory}: stand-in tokenizers with each family's special tokens and a
-    template reproducing its documented format (tests/chat_families.py)."""
-    from chat_families import FAMILIES, make_tokenizer
+    template reproducing its documented format (tests/support/chat_families.py)."""
+    from support.chat_families import FAMILIES, make_tokenizer
 
     base = tmp_path_factory.mktemp("families")
     return {name: make_tokenizer(str(base / name), name) for name in FAMILIES}

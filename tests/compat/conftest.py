@@ -1,6 +1,6 @@
 """Compatibility tests against the real megatron-core / Megatron-Bridge wheels.
 
-They run in a subprocess per installed stack (``tests/test_compat_stacks.py``), with that
+They run in a subprocess per installed stack (``tests/training/test_compat_stacks.py``), with that
 stack's ``--target`` directory first on PYTHONPATH and ``MEGATRON_SFT_IDX_STACK`` naming it;
 the plain suite does not collect this directory (``tests/conftest.py``). The first thing
 here checks that the intended megatron-core was imported, not another one on the path.

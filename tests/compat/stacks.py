@@ -37,7 +37,7 @@ def current() -> Stack:
     name = os.environ.get("MEGATRON_SFT_IDX_STACK")
     if name not in STACKS:
         raise RuntimeError(f"MEGATRON_SFT_IDX_STACK must be one of {sorted(STACKS)}, not {name!r}; "
-                           "run these tests through tests/test_compat_stacks.py or `make test`")
+                           "run these tests through tests/training/test_compat_stacks.py or `make test`")
     return STACKS[name]
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from shardgen import random_packs, write_shard
+from support.shardgen import random_packs, write_shard
 
 from megatron.bridge.data.datasets.gpt_sft import GPTSFTChatDataset
 

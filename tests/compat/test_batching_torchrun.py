@@ -20,7 +20,7 @@ import zlib
 import numpy as np
 import pytest
 
-from shardgen import random_packs, write_shard
+from support.shardgen import random_packs, write_shard
 
 from megatron_sft_idx import MMapIndexedDataset
 from megatron_sft_idx.batching import CostModel, Topology, plan_order, shard_pack_costs

@@ -26,7 +26,7 @@ from megatron.bridge.data.samplers import build_pretraining_data_loader
 
 from bridge_data import PACK_SIZE, bridge_tokenizer, write_bridge_artifacts
 from test_bridge_parity import assert_same_batch, bridge_dataset
-from test_bridge_provider import DOC_BATCH_KEYS, doc_provider_snippet
+from support.bridge_doc import DOC_BATCH_KEYS, doc_provider_snippet
 from test_readme_megatron import write_demo_like_shard
 
 from megatron_sft_idx.tools.convert import ConvertOptions, convert

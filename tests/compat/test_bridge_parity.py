@@ -194,7 +194,7 @@ def test_converted_shards_pass_the_gate_and_keep_every_trained_position(artifact
 
 
 def test_stored_layout_cp_shard_is_refused_for_bridge(tmp_path, tokenizer):
-    from shardgen import write_shard
+    from support.shardgen import write_shard
 
     prefix = str(tmp_path / "mlm")
     write_shard(prefix, [(np.arange(1, 9), np.array([0, 1, 1, 0, 0, 1, 1, 0]), np.array([0, 4]))],

@@ -18,7 +18,7 @@ import sys
 import numpy as np
 import pytest
 
-from shardgen import random_packs, write_shard
+from support.shardgen import random_packs, write_shard
 
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 

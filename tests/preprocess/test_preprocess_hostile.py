@@ -1,0 +1,162 @@
+"""Hostile input records (issue 9, item 6): each family ends as a ``file:line`` InputError, or a
+counted skip under ``--skip-bad``; never a traceback, and never unbounded memory.
+
+Families: JSON nested deeper than Python can parse (anywhere in the record), text holding a
+lone UTF-16 surrogate (as an escape or as CESU-8 bytes, in every text field of every record
+kind), and records longer than ``--max-record-bytes`` (plain, gzip; blank or not), whose peak
+memory is measured in a child process.
+"""
+
+import gzip
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from megatron_sft_idx.preprocess.cli import main
+from megatron_sft_idx.preprocess.errors import InputError
+from megatron_sft_idx.preprocess.pipeline import Config, run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOKENIZER = os.path.join(ROOT, "examples", "tokenizer")
+GOOD = json.dumps({"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]})
+
+
+def deep(open_, close, depth, inner="1"):
+    return open_ * depth + inner + close * depth
+
+
+def chat_line(content, role="assistant"):
+    return '{"messages": [{"role": "user", "content": "Q?"}, {"role": "%s", "content": "%s"}]}' % (role, content)
+
+
+DEEP = {
+    "top_level_array": deep("[", "]", 100_000),
+    "top_level_object": deep('{"a":', "}", 50_000),
+    "inside_an_ignored_key": '{"meta": %s, "messages": []}' % deep("[", "]", 20_000),
+    "inside_content": chat_line("x").replace('"x"', deep("[", "]", 10_000)).replace('"%s"', ""),
+    "string_then_deep": '{"messages": "%s", "x": %s}' % ("y" * 1000, deep('{"b":', "}", 30_000)),
+}
+
+SURROGATES = {
+    "high_in_content": (chat_line("bad \\ud800 text"), "messages[1].content"),
+    "low_in_content": (chat_line("\\udc00"), "messages[1].content"),
+    "reversed_pair": (chat_line("\\udc00\\ud800"), "messages[1].content"),
+    "in_role": (chat_line("ok", role="assist\\ud801ant"), "messages[1].role"),
+    "sharegpt_value": ('{"conversations": [{"from": "human", "value": "Q"}, {"from": "gpt", "value": "\\ud83d"}]}',
+                       "conversations[1].value"),
+    "sharegpt_from": ('{"conversations": [{"from": "hu\\udfffman", "value": "Q"}, {"from": "gpt", "value": "A"}]}',
+                      "conversations[0].from"),
+    "prompt": ('{"prompt": "\\ud800?", "completion": "fine"}', "prompt"),
+    "completion": ('{"prompt": "fine?", "completion": "x\\udbff"}', "completion"),
+}
+
+
+def write(path, lines):
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("".join(line + "\n" for line in lines))
+    return str(path)
+
+
+def cfg(tmp_path, path, **kw):
+    return Config(inputs=[path], output_prefix=str(tmp_path / "out" / "ds"), tokenizer=TOKENIZER, pack_size=256,
+                  progress=False, **kw)
+
+
+@pytest.mark.parametrize("name", sorted(DEEP))
+def test_deeply_nested_json_is_a_located_error_or_a_counted_skip(tmp_path, name):
+    path = write(tmp_path / "d.jsonl", [GOOD, DEEP[name], GOOD])
+    with pytest.raises(InputError, match=f"^{path}:2: ") as e:
+        run(cfg(tmp_path, path))
+    assert getattr(e.value, "reason") in ("json_too_deep", "missing_key")
+    s = run(cfg(tmp_path, path, skip_bad=True))
+    assert s["conversations"] == 2 and sum(s["skipped"].values()) == 1
+
+
+def test_moderate_nesting_in_an_ignored_key_is_accepted(tmp_path):
+    line = json.dumps({"meta": json.loads(deep("[", "]", 200)), **json.loads(GOOD)})
+    s = run(cfg(tmp_path, write(tmp_path / "m.jsonl", [line])))
+    assert s["conversations"] == 1
+
+
+@pytest.mark.parametrize("name", sorted(SURROGATES))
+def test_lone_surrogates_are_refused_before_the_tokenizer(tmp_path, name):
+    line, field = SURROGATES[name]
+    path = write(tmp_path / "s.jsonl", [GOOD, line])
+    with pytest.raises(InputError, match=f"^{re.escape(path)}:2: '{re.escape(field)}' holds a lone UTF-16") as e:
+        run(cfg(tmp_path, path))
+    assert e.value.reason == "invalid_unicode"
+
+
+def test_cesu8_surrogate_bytes_are_refused_too_and_real_pairs_are_fine(tmp_path):
+    path = tmp_path / "c.jsonl"
+    with open(path, "wb") as f:
+        f.write(GOOD.encode() + b"\n")
+        f.write(chat_line("emoji \\ud83d\\ude00 fine").encode() + b"\n")    # a proper pair
+        f.write(chat_line("x").encode().replace(b'"x"', b'"\xed\xa0\x80"') + b"\n")  # CESU-8 lone surrogate
+    with pytest.raises(InputError, match=f"^{path}:3: 'messages\\[1\\].content' holds a lone"):
+        run(cfg(tmp_path, str(path)))
+    s = run(cfg(tmp_path, str(path), skip_bad=True))
+    assert s["conversations"] == 2 and s["skipped"] == {"invalid_unicode": 1}
+
+
+def test_every_hostile_family_in_one_file_is_counted_under_skip_bad(tmp_path, capsys):
+    lines = [GOOD] + list(DEEP.values()) + [line for line, _ in SURROGATES.values()] + ["x" * 600_000, GOOD]
+    path = write(tmp_path / "all.jsonl", lines)
+    rc = main(["--input", path, "--tokenizer", TOKENIZER, "--output-prefix", str(tmp_path / "o" / "ds"),
+               "--pack-size", "256", "--skip-bad", "--max-record-bytes", "512K", "--json", "--quiet"])
+    out = capsys.readouterr()
+    assert rc == 0 and "Traceback" not in out.err
+    s = json.loads(out.out)
+    assert s["conversations"] == 2 and sum(s["skipped"].values()) == len(lines) - 2
+    assert s["skipped"]["record_too_large"] == 1 and s["skipped"]["invalid_unicode"] == len(SURROGATES)
+    assert s["skipped"]["json_too_deep"] >= 4
+    assert s["skipped_examples"]["record_too_large"].startswith(f"{path}:{len(lines) - 1}: record of 600001 bytes")
+
+
+PROBE = r"""
+import json, resource, sys
+from megatron_sft_idx.preprocess.pipeline import Config, run
+from megatron_sft_idx.errors import ShardError
+args = json.loads(sys.argv[1])
+try:
+    s = run(Config(progress=False, **args))
+    out = {"ok": True, "skipped": s["skipped"], "conversations": s["conversations"]}
+except ShardError as e:
+    out = {"ok": False, "error": str(e)}
+out["peak_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(json.dumps(out))
+"""
+
+
+def probe(**kw) -> dict:
+    proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps(kw)], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_a_50_mb_conversation_is_refused_with_bounded_memory(tmp_path, compress):
+    """The issue's case (12.7 GB peak before): the 50 MB line is never held whole; peak RSS stays
+    within a few MiB of a run without it (the default --max-record-bytes is 2 MiB)."""
+    huge = chat_line("word " * (10 << 20))  # 50 MiB
+    small, big = tmp_path / "small.jsonl", tmp_path / "big.jsonl"
+    write(small, [GOOD] * 50)
+    write(big, [GOOD] * 25 + [huge] + [GOOD] * 25)
+    if compress:
+        for p in (small, big):
+            with open(p, "rb") as f, gzip.open(str(p) + ".gz", "wb") as g:
+                g.write(f.read())
+        small, big = str(small) + ".gz", str(big) + ".gz"
+    common = dict(tokenizer=TOKENIZER, pack_size=256)
+    base = probe(inputs=[str(small)], output_prefix=str(tmp_path / "a" / "ds"), **common)
+    refused = probe(inputs=[str(big)], output_prefix=str(tmp_path / "b" / "ds"), **common)
+    assert not refused["ok"] and refused["error"].startswith(f"{big}:26: record of {len(huge) + 1} bytes exceeds")
+    skipped = probe(inputs=[str(big)], output_prefix=str(tmp_path / "c" / "ds"), skip_bad=True, **common)
+    assert skipped["ok"] and skipped["skipped"] == {"record_too_large": 1} and skipped["conversations"] == 50
+    for run_ in (refused, skipped):
+        assert run_["peak_mib"] - base["peak_mib"] < 48, (run_, base)  # the line alone is 50 MiB
