@@ -43,6 +43,7 @@ NOT_HIDDEN = {
     "packaging": "transformers and megatron-core import it too: hiding it would break the extra itself",
     "pytest": "test tools", "hypothesis": "test tools", "pytest-xdist": "test tools", "tomli": "test tools",
     "pytest-timeout": "test tools",
+    "import-linter": "test tools: the import contract of tests/project/test_architecture.py",
     "setuptools": "test tools", "megatron-sft-idx": "an extra that names other extras",
     "pandas": "test tools: HF datasets needs it in the Megatron-Bridge compat stack (tests/compat)",
     "moto": "test tools: the S3 server on loopback of tests/storage/test_remote.py and bench/remote.py",
