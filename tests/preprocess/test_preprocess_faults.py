@@ -102,9 +102,33 @@ def alive(pid):
         return False
 
 
-def start(prefix, inputs, *extra):
-    return subprocess.Popen(cmd(prefix, inputs, *extra), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+# Runs the tool with every tokenize worker held after its first partition (its part is in the
+# store, its receipt not yet sent) until the file named by MSI_TEST_RELEASE exists: the run cannot
+# finish before the test has signalled it, however loaded the machine. The signal ends the hold.
+_HELD = r"""
+import os, runpy, sys, time
+from megatron_sft_idx.preprocess.tokenize import TokenizeStep
+real, driver, release = TokenizeStep.run, os.getpid(), os.environ["MSI_TEST_RELEASE"]
+def held(self, unit):
+    receipt = real(self, unit)
+    while os.getpid() != driver and not os.path.exists(release):
+        time.sleep(0.01)
+    return receipt
+TokenizeStep.run = held
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def start(prefix, inputs, *extra, held=False):
+    """The tool in a session of its own; ``held``: its workers wait after their first partition
+    (until ``<prefix>.release`` exists, which these tests never create: the signal ends them)."""
+    argv, env = cmd(prefix, inputs, *extra), ENV
+    if held:
+        argv = [sys.executable, "-c", _HELD, *argv[1:]]
+        env = dict(ENV, MSI_TEST_RELEASE=str(prefix) + ".release")
+    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
 
 
 def wait_for_workers(proc, prefix, count=2, deadline=120):
@@ -132,7 +156,7 @@ def finish(proc, timeout=30):
 @pytest.mark.parametrize("how,code", [("group_sigint", 130), ("main_sigterm", 143), ("group_sigterm", 143)])
 def test_signal_during_workers_exits_fast_with_no_orphans_and_nothing_published(corpus, tmp_path, how, code):
     prefix = tmp_path / "out" / "ds"
-    proc = start(prefix, corpus / "in.jsonl")
+    proc = start(prefix, corpus / "in.jsonl", held=True)
     workers = wait_for_workers(proc, str(prefix))
     sig = signal.SIGINT if "sigint" in how else signal.SIGTERM
     if how.startswith("group"):
@@ -156,7 +180,7 @@ def test_signal_during_workers_exits_fast_with_no_orphans_and_nothing_published(
 
 def test_sigkill_of_the_driver_takes_its_workers_down_and_the_next_run_clears_up(corpus, tmp_path):
     prefix = tmp_path / "out" / "ds"
-    proc = start(prefix, corpus / "in.jsonl")
+    proc = start(prefix, corpus / "in.jsonl", held=True)
     workers = wait_for_workers(proc, str(prefix))
     os.kill(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=30)
