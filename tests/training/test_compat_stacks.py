@@ -7,6 +7,7 @@ tests/compat/conftest.py refuses to run if another megatron-core was imported.
 In CI (``CI`` set, as ``.ci/run`` runs) a missing stack is a failure, never a skip.
 """
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -15,9 +16,11 @@ import pytest
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: compat/ lives there
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, os.path.join(HERE, "compat"))
-
-import stacks  # noqa: E402
+# tests/compat/stacks.py by its path: tests/compat/ stays off sys.path, where its conftest.py would
+# shadow tests/conftest.py for a process the plain suite spawns (tests/storage/test_remote.py).
+_spec = importlib.util.spec_from_file_location("stacks", os.path.join(HERE, "compat", "stacks.py"))
+stacks = sys.modules["stacks"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(stacks)
 
 
 @pytest.mark.parametrize("name", sorted(stacks.STACKS))
