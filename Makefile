@@ -15,7 +15,7 @@ PIP_TARGET = $(PIP_BASE) --no-deps --ignore-requires-python --target
 STACK_CORE_016 = $(DEPS)/megatron-core-0.16.1
 STACK_BRIDGE_062 = $(DEPS)/megatron-bridge-0.6.2
 
-.PHONY: install install-test install-compat demo test bench
+.PHONY: install install-test install-compat demo test test-fast bench
 
 # The main job needs no torch: the reader, the builder, preprocessing and the gate are numpy+numba.
 install:
@@ -45,6 +45,12 @@ demo: install
 
 test: install-test
 	$(PYTHON) -m pytest -n 2 -q tests
+
+# The edit-test loop (after `make install-test` once): everything but the slow, subprocess,
+# compat-stack, packaging and S3-server tests (docs/CONTRIBUTING.md "Markers and the fast tier").
+FAST = not slow and not subprocess and not compat and not packaging and not remote
+test-fast:
+	$(PYTHON) -m pytest -n 2 -q -m "$(FAST)" tests
 
 bench: install-test
 	$(PYTHON) -m bench.compare

@@ -48,6 +48,16 @@ def pytest_unconfigure(config):
         shutil.rmtree(root, ignore_errors=True)
 
 
+#: Fixtures that start or use the S3 server on loopback: a test asking for one is marked ``remote``.
+_REMOTE_FIXTURES = {"loop", "s3", "bucket", "hostile_server", "hostile"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _REMOTE_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.remote)
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)

@@ -3,7 +3,11 @@ systems write the same number of tokens, and the JSON holds the ratios the READM
 
 import json
 
+import pytest
+
 from bench import preprocess_speed
+
+pytestmark = pytest.mark.slow
 
 
 def test_preprocess_speed_runs_baseline_and_ours(tmp_path, monkeypatch, capsys):

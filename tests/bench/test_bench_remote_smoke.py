@@ -3,7 +3,11 @@ reads back exactly the corpus, and the JSON holds what the README quotes. No tim
 
 import json
 
+import pytest
+
 from bench import hotpath, remote
+
+pytestmark = pytest.mark.slow
 
 
 def test_remote_bench_entry_point(tmp_path):

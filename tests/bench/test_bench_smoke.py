@@ -15,6 +15,8 @@ from bench import builder_rss, compare, offsets, peers, scale
 from bench.compare import METRICS
 from bench.corpus import Corpus
 
+pytestmark = pytest.mark.slow
+
 
 HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None

@@ -23,6 +23,8 @@ from megatron_sft_idx.errors import ShardError
 from megatron_sft_idx.format import ALL_SUFFIXES, PUBLISH_ORDER
 from support.shardgen import random_packs
 
+pytestmark = pytest.mark.subprocess
+
 RENAMES_PER_BUILD = len(PUBLISH_ORDER)
 
 

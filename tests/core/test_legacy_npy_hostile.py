@@ -15,6 +15,8 @@ import sys
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.subprocess
+
 try:
     from numpy._core.multiarray import _reconstruct
 except ImportError:  # numpy 1.x

@@ -36,6 +36,8 @@ from megatron_sft_idx.gate import check, promote_report
 from megatron_sft_idx.gate.cli import main as check_idx
 from megatron_sft_idx.native import NativeShard
 
+pytestmark = pytest.mark.subprocess
+
 RUN_SECONDS = float(os.environ.get("TORN_READ_SECONDS", 8))
 GENERATIONS = 4
 _fork = multiprocessing.get_context("fork")

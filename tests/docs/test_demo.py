@@ -4,8 +4,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from megatron_sft_idx import MMapIndexedDataset
 from megatron_sft_idx.gate import check
+
+pytestmark = pytest.mark.subprocess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -127,6 +127,7 @@ def readme_code(heading, language):
     return blocks[0]
 
 
+@pytest.mark.subprocess
 def test_readme_path_and_python_api_run_as_written(tmp_path):
     script = readme_code("## From conversations to training", "bash")
     install, rest = script.split("\n", 1)

@@ -7,6 +7,10 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.subprocess
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MARK = "# after make demo"
 

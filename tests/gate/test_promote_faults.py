@@ -42,6 +42,8 @@ from megatron_sft_idx import MMapIndexedDataset, ShardError
 from megatron_sft_idx.gate import check, promote_report
 from megatron_sft_idx.gate.cli import main as check_idx
 
+pytestmark = pytest.mark.subprocess
+
 SEED = 4242
 CASES_PER_MODE = 4
 OLD, NEW = 1, 2

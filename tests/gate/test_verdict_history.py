@@ -30,6 +30,8 @@ from megatron_sft_idx import _kernels
 from megatron_sft_idx.gate import check
 from support.shardgen import random_packs, write_shard
 
+pytestmark = pytest.mark.subprocess
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEED = 20240917
 

@@ -23,6 +23,8 @@ import pytest
 from megatron_sft_idx._console import TOOLS
 from megatron_sft_idx._extras import MissingExtraError, install_command, require_extra
 
+pytestmark = [pytest.mark.packaging, pytest.mark.subprocess]
+
 try:
     import tomllib
 except ImportError:  # Python 3.10

@@ -21,6 +21,8 @@ import zipfile
 
 import pytest
 
+pytestmark = [pytest.mark.packaging, pytest.mark.subprocess]
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GOLDEN = os.path.join(ROOT, "tests", "golden", "v1_0", "tiny")
 NATIVE = ("megatron_sft_idx/_native/libsft_idx.so", "megatron_sft_idx/_native/sft_idx_check")

@@ -35,6 +35,8 @@ from megatron_sft_idx.training.factory import open_packed
 
 from support.faults import run_leftovers
 
+pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOKENIZER = os.path.join(ROOT, "examples", "tokenizer")
 TOOL = os.path.join(ROOT, "tools", "preprocess_sft.py")

@@ -139,6 +139,7 @@ def probe(**kw) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("compress", [False, True])
 def test_a_50_mb_conversation_is_refused_with_bounded_memory(tmp_path, compress):
     """The issue's case (12.7 GB peak before): the 50 MB line is never held whole; peak RSS stays

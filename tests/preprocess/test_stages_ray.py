@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
+
 ray = pytest.importorskip("ray", reason="the [ray] extra is not installed")
 
 from megatron_sft_idx.preprocess.pipeline import Config, run  # noqa: E402

@@ -15,6 +15,8 @@ from megatron_sft_idx._units import parse_size, plural
 from megatron_sft_idx.format import ALL_SUFFIXES
 from megatron_sft_idx.preprocess.cli import build_parser, main
 
+pytestmark = pytest.mark.subprocess
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = os.path.join(ROOT, "examples")
 TOKENIZER = os.path.join(EXAMPLES, "tokenizer")

@@ -37,6 +37,8 @@ from megatron_sft_idx import MMapIndexedDataset, ShardError
 from megatron_sft_idx.tools.merge_cli import main as merge_main
 from support.shardgen import random_packs, write_shard
 
+pytestmark = pytest.mark.subprocess
+
 SEED = 9191
 CASES_PER_SIGNAL = 4
 #: The filesystem steps of a merge, each a point where a signal may arrive.

@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+pytestmark = [pytest.mark.compat, pytest.mark.slow]
+
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: compat/ lives there
 ROOT = os.path.dirname(HERE)
 # tests/compat/stacks.py by its path: tests/compat/ stays off sys.path, where its conftest.py would
