@@ -55,7 +55,7 @@ from .packed import PackSummary, summarize
 from .sets import ShardIdentity, require_compatible, require_whole_sets
 from .storage._url import ObjectURL, is_remote, join_url
 
-__all__ = ["Manifest", "parse_manifest", "load_manifest", "read_manifest", "is_manifest", "check_manifest_set",
+__all__ = ["Manifest", "parse_manifest", "missing_entry", "open_entry", "load_manifest", "read_manifest", "is_manifest", "check_manifest_set",
            "manifest_entry", "manifest_document", "encode_manifest", "listed_prefix", "MANIFEST_FORMAT", "MANIFEST_VERSION",
            "MAX_MANIFEST_BYTES", "MANIFEST_SUFFIX"]
 
@@ -180,6 +180,33 @@ def check_manifest_set(manifest: Manifest, identities: Sequence[ShardIdentity]) 
     members = list(zip(manifest.prefixes, identities))
     require_compatible(members)
     require_whole_sets([(p, i.shard_set) for p, i in members], source=manifest.path, selected_by="manifest")
+
+
+def missing_entry(manifest: str, prefix: str, k: Optional[int] = None, what: str = ".idx missing") -> ShardNotFoundError:
+    """The error for entry ``k`` of ``manifest`` whose shard ``prefix`` is not there: it names
+    the manifest and the entry, so a user knows which file points at nothing."""
+    return ShardNotFoundError(f"manifest {manifest} lists {prefix}: no shard at this prefix ({what})",
+                              field=None if k is None else f"shards[{k}].prefix",
+                              hint="the shard was moved or deleted after the manifest was written: restore it, "
+                                   "or rewrite the manifest with write-sft-manifest (check-idx --promote moves "
+                                   "a set's manifest with its shards)")
+
+
+def open_entry(manifest: str, prefix: str, k: Optional[int], opener):
+    """``opener(prefix)`` for entry ``k`` of ``manifest``; a shard that is not there (no ``.idx``)
+    raises :func:`missing_entry` instead of the reader's bare "no shard at this prefix".
+
+    Raises:
+        ShardNotFoundError: naming the manifest and the entry; anything ``opener`` raises else.
+    """
+    from .errors import IncompleteShardError
+
+    try:
+        return opener(prefix)
+    except ShardNotFoundError:
+        raise missing_entry(manifest, prefix, k, ".idx missing") from None
+    except IncompleteShardError:
+        raise missing_entry(manifest, prefix, k, ".idx missing, other files of the shard present") from None
 
 
 def _resolve(manifest: str, prefix: str) -> str:

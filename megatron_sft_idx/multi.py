@@ -37,7 +37,7 @@ from ._atomic import write_file_atomically
 from .errors import ShardNotFoundError, ShardSetError, SizeMismatchError
 from .format import IDX_SUFFIX, SEQ_IDX_SUFFIX
 from .manifest import (MANIFEST_FORMAT, MANIFEST_SUFFIX, Manifest, encode_manifest, is_manifest, load_manifest,
-                       manifest_document, read_manifest)
+                       manifest_document, open_entry, read_manifest)
 from .packed import PackSummary, summarize
 from .reader import MMapIndexedDataset, pack_index, pack_indices
 from .sets import ShardIdentity, identity_difference, require_compatible, require_whole_sets
@@ -180,7 +180,8 @@ class MultiShardDataset:
 
     def __init__(self, prefixes: Sequence[str], counts: Sequence[int],
                  summaries: Sequence[PackSummary], *, source: str = "<shards>",
-                 check_packs: bool = False, identities: Optional[Sequence[Optional[ShardIdentity]]] = None) -> None:
+                 check_packs: bool = False, identities: Optional[Sequence[Optional[ShardIdentity]]] = None,
+                 listed_by: Optional[Sequence[Optional[Tuple[str, int]]]] = None) -> None:
         if not prefixes:
             raise ShardNotFoundError("no shards given", path=source)
         self.prefixes = [os.fspath(p) for p in prefixes]
@@ -191,6 +192,9 @@ class MultiShardDataset:
         self.identities: List[Optional[ShardIdentity]] = (_shared(identities) if identities is not None
                                                           else [None] * len(self.prefixes))
         self.source = source
+        #: Per shard, ``(manifest, entry number)`` when a manifest lists it (for messages), else None.
+        self.listed_by: List[Optional[Tuple[str, int]]] = (list(listed_by) if listed_by is not None
+                                                           else [None] * len(self.prefixes))
         self.check_packs = check_packs
         self._open: Dict[int, MMapIndexedDataset] = {}
 
@@ -208,15 +212,16 @@ class MultiShardDataset:
                 one directory or glob (see :mod:`megatron_sft_idx.sets`).
         """
         selections = select_shards(spec)
-        prefixes, counts, summaries, identities = [], [], [], []
+        prefixes, counts, summaries, identities, listed_by = [], [], [], [], []
         opened: Dict[int, MMapIndexedDataset] = {}
         for sel in selections:
             m = sel.manifest
             for j, prefix in enumerate(sel.prefixes):
                 k = len(prefixes)
+                listed_by.append((sel.source, j) if m is not None else None)
                 identity = m.identities[j] if m is not None else None
                 if identity is None:  # not a manifest, or one written before identities were recorded
-                    shard = opened[k] = MMapIndexedDataset(prefix, check_packs=check_packs)
+                    shard = opened[k] = _open_listed(prefix, listed_by[k], check_packs)
                     if m is not None and len(shard) != m.counts[j]:
                         raise _stale(prefix, sel.source, "packs", m.counts[j], len(shard))
                     identity = ShardIdentity.of(shard.metadata)
@@ -231,7 +236,7 @@ class MultiShardDataset:
         source = (spec.source if isinstance(spec, Selection) else
                   os.fspath(spec) if isinstance(spec, (str, os.PathLike)) else "<list>")
         ds = cls(prefixes, counts, summaries, source=source,
-                 check_packs=check_packs, identities=identities)
+                 check_packs=check_packs, identities=identities, listed_by=listed_by)
         ds._open = opened  # already open: keep them
         return ds
 
@@ -257,7 +262,7 @@ class MultiShardDataset:
         """
         shard = self._open.get(k)
         if shard is None:
-            shard = MMapIndexedDataset(self.prefixes[k], check_packs=self.check_packs)
+            shard = _open_listed(self.prefixes[k], self.listed_by[k], self.check_packs)
             if len(shard) != int(self.counts[k]):
                 raise _stale(self.prefixes[k], self.source, "packs", int(self.counts[k]), len(shard))
             recorded = self.identities[k]
@@ -294,14 +299,26 @@ class MultiShardDataset:
 
     def __getstate__(self):
         return {"prefixes": self.prefixes, "counts": self.counts, "summaries": self.summaries,
-                "source": self.source, "check_packs": self.check_packs, "identities": self.identities}
+                "source": self.source, "check_packs": self.check_packs, "identities": self.identities,
+                "listed_by": self.listed_by}
 
     def __setstate__(self, state) -> None:
         self.__init__(state["prefixes"], state["counts"], state["summaries"], source=state["source"],
-                      check_packs=state["check_packs"], identities=state.get("identities"))
+                      check_packs=state["check_packs"], identities=state.get("identities"),
+                      listed_by=state.get("listed_by"))
 
     def __repr__(self) -> str:
         return f"MultiShardDataset({self.source!r}, shards={self.num_shards}, packs={len(self)})"
+
+
+def _open_listed(prefix: str, listed_by: Optional[Tuple[str, int]], check_packs: bool) -> MMapIndexedDataset:
+    """Open one shard; one a manifest lists but that is not there is named as its entry."""
+    def opener(p: str) -> MMapIndexedDataset:
+        return MMapIndexedDataset(p, check_packs=check_packs)
+
+    if listed_by is None:
+        return opener(prefix)
+    return open_entry(listed_by[0], prefix, listed_by[1], opener)
 
 
 def _shared(identities: Sequence[Optional[ShardIdentity]]) -> List[Optional[ShardIdentity]]:
