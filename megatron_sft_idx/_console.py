@@ -86,13 +86,19 @@ def sft_idx_check(argv: Optional[List[str]] = None) -> int:
     one line says why and what to do instead; exit status 2.
     """
     from .native import NativeLibraryError, checker_path
+    from .storage._url import is_remote
 
+    args = sys.argv[1:] if argv is None else list(argv)
+    remote = [a for a in args if is_remote(a)]
+    if remote:  # the native checker maps local files; check-idx streams the same passes from URLs
+        print(f"sft_idx_check: error: {remote[0]}: the native checker reads local files only; check URLs "
+              "with check-idx (same checks, streamed from object storage)", file=sys.stderr)
+        return 2
     try:
         path = checker_path()
     except NativeLibraryError as exc:
         print(f"sft_idx_check: error: {exc}", file=sys.stderr)
         return 2
-    args = sys.argv[1:] if argv is None else list(argv)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(path, ["sft_idx_check", *args])  # replaces this process: exit status and signals are the checker's

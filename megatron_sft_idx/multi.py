@@ -33,7 +33,6 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from ._atomic import write_file_atomically
 from .errors import ShardNotFoundError, ShardSetError, SizeMismatchError
 from .format import IDX_SUFFIX, SEQ_IDX_SUFFIX
 from .manifest import (MANIFEST_FORMAT, MANIFEST_SUFFIX, Manifest, encode_manifest, is_manifest, load_manifest,
@@ -144,11 +143,13 @@ def selection_identities(selections: Sequence[Selection]) -> Dict[str, ShardIden
 
 
 def write_manifest(path, shards, *, relative: bool = True) -> dict:
-    """Write a manifest at the local ``path`` listing ``shards`` (anything :func:`select_shards` takes).
+    """Write a manifest at ``path`` (a local file, or an ``s3://`` / ``msc://`` object)
+    listing ``shards`` (anything :func:`select_shards` takes, local or URLs).
 
     Opens each shard's headers once (nothing else) to record its pack count, summary and
     identity; refuses shards that do not agree or do not form whole sets (a manifest a
-    reader would refuse is never written); writes atomically. Returns the manifest object.
+    reader would refuse is never written); writes atomically (one PUT for an object), through
+    :func:`megatron_sft_idx.publishing.write_bytes`. Returns the manifest object.
 
     Raises:
         ShardError (any subclass): a shard does not open; IncompatibleShardsError,
@@ -162,8 +163,9 @@ def write_manifest(path, shards, *, relative: bool = True) -> dict:
                            source=selection.source, selected_by=selection.kind)
         members.extend(opened)
     document = manifest_document(path, members, relative=relative)
-    data = encode_manifest(document)
-    write_file_atomically(path, lambda f: f.write(data))
+    from .publishing import write_bytes
+
+    write_bytes(path, encode_manifest(document))
     return document
 
 
