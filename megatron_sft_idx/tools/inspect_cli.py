@@ -53,7 +53,9 @@ def _usage_problem(args) -> Optional[str]:
     for flag in ("max_chars", "max_rows", "bins"):
         if getattr(args, flag) <= 0:
             return f"--{flag.replace('_', '-')} must be positive"
-    return None
+    from ..storage._url import local_only
+
+    return local_only([("--plot", args.plot), ("--tokenizer", args.tokenizer)]) or None
 
 
 def main(argv: Optional[List[str]] = None) -> int:
