@@ -52,8 +52,9 @@ def run(name: str, argv: Optional[List[str]] = None) -> int:
         process_entry()
         if "megatron_sft_idx._numba" in sys.modules:  # tools/*.py import their CLI first
             sys.modules["megatron_sft_idx._numba"].skip_extensions()
+    asks_help = any(a in ("-h", "--help") for a in (sys.argv[1:] if argv is None else argv))
     try:
-        if tool.extra is not None:
+        if tool.extra is not None and not asks_help:  # the help is read before installing more
             require_extra(tool.extra, *tool.modules, user=name)
         module, function = tool.target.split(":")
         with signals_raise():  # a signal while the tool is still importing: it has done nothing yet

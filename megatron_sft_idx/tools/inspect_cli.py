@@ -29,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--pack", type=int, default=None, metavar="N", help="show pack N (global index; -1 = last)")
     mode.add_argument("--sql", default=None, metavar="QUERY",
                       help="run QUERY over the table 'packs' (columns: pack, packed_len, num_sequences, "
-                           "trainable_tokens, input_ids, loss_mask, seq_start_id, shard); needs duckdb")
+                           "trainable_tokens, input_ids, loss_mask, seq_start_id, shard (its prefix), shard_index); "
+                           "needs duckdb")
     p.add_argument("--seq", type=int, default=None, metavar="K", help="with --pack: show only sequence K's text")
     p.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="with --pack: detokenize with this tokenizer directory or tokenizer.json "
