@@ -36,14 +36,14 @@ import numpy as np
 from .errors import ShardNotFoundError, ShardSetError, SizeMismatchError
 from .format import IDX_SUFFIX, SEQ_IDX_SUFFIX
 from .manifest import (MANIFEST_FORMAT, MANIFEST_SUFFIX, Manifest, encode_manifest, is_manifest, load_manifest,
-                       manifest_document, open_entry, read_manifest)
+                       manifest_document, open_entry, read_manifest, require_entries_present)
 from .packed import PackSummary, summarize
 from .reader import MMapIndexedDataset, pack_index, pack_indices
 from .sets import ShardIdentity, identity_difference, require_compatible, require_whole_sets
 from .storage._url import is_remote
 
 __all__ = ["MultiShardDataset", "write_manifest", "read_manifest", "is_manifest", "expand_shards",
-           "select_shards", "check_selections", "selection_identities", "identities_of", "Selection",
+           "select_shards", "check_selections", "require_present", "selection_identities", "identities_of", "Selection",
            "MANIFEST_FORMAT"]
 
 
@@ -115,6 +115,18 @@ def expand_shards(spec: Union[str, Sequence[str]]) -> List[str]:
     return [p for s in select_shards(spec, manifests=False) for p in s.prefixes]
 
 
+def require_present(selections: Sequence[Selection]) -> None:
+    """The local shards every manifest among ``selections`` lists are there (a ``stat`` each),
+    for callers that open every shard anyway: a missing one is named as the manifest's entry.
+
+    Raises:
+        ShardNotFoundError: naming the manifest and the entry.
+    """
+    for s in selections:
+        if s.manifest is not None:
+            require_entries_present(s.source, s.prefixes)
+
+
 def check_selections(selections: Sequence[Selection], identities: Dict[str, ShardIdentity]) -> None:
     """Every directory, glob and manifest of ``selections`` holds whole sets (``identities``:
     of their shards, by prefix). Agreement across all of them is the caller's (readers and
@@ -157,7 +169,9 @@ def write_manifest(path, shards, *, relative: bool = True) -> dict:
     """
     path = os.fspath(path)
     members = []
-    for selection in select_shards(shards):
+    selections = select_shards(shards)
+    require_present(selections)
+    for selection in selections:
         opened = [(p, MMapIndexedDataset(p)) for p in selection.prefixes]
         require_whole_sets([(p, ShardIdentity.of(s.metadata).shard_set) for p, s in opened],
                            source=selection.source, selected_by=selection.kind)

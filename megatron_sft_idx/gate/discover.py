@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple, Union
 
 from ..errors import ShardNotFoundError
-from ..format import ALL_SUFFIXES, IDX_SUFFIX
+from ..format import ALL_SUFFIXES
 from ..storage import is_remote
 
 _MANIFEST_SUFFIX = ".json"  # (manifest.MANIFEST_SUFFIX; that module is imported only for a manifest)
@@ -62,14 +62,10 @@ def _manifest(arg: str) -> List[str]:
         ShardError: the manifest is malformed; ShardNotFoundError: an entry's shard is not
         there (naming the manifest and the entry).
     """
-    from ..manifest import load_manifest, missing_entry
+    from ..manifest import load_manifest, require_entries_present
 
     m = load_manifest(arg)
-    for k, prefix in enumerate(m.prefixes):
-        if not is_remote(prefix) and not os.path.exists(prefix + IDX_SUFFIX):
-            others = any(os.path.exists(prefix + s) for s in ALL_SUFFIXES)
-            raise missing_entry(arg, prefix, k, ".idx missing, other files of the shard present" if others
-                                else ".idx missing")
+    require_entries_present(arg, m.prefixes, urls=True)
     return list(m.prefixes)
 
 

@@ -47,7 +47,7 @@ from ..format import DType
 from ..reader import MMapIndexedDataset
 from ..storage._url import is_remote
 from ..sets import Agreement, ShardIdentity
-from ..multi import Selection, check_selections, select_shards, selection_identities
+from ..multi import Selection, check_selections, require_present, select_shards, selection_identities
 
 #: Keys the merge recomputes, combines by its own rule or compares through ``sets.Agreement``;
 #: every other key must be equal.
@@ -103,6 +103,7 @@ def resolve_inputs(inputs: Sequence[str]) -> List[str]:
             directory, glob or manifest holds part of a set, or several sets.
     """
     selections = resolve_selections(inputs)
+    require_present(selections)
     check_selections(selections, selection_identities(selections))
     return [p for s in selections for p in s.prefixes]
 
@@ -222,6 +223,7 @@ def plan_merge(inputs: Sequence[str], *, widen: bool = False, pack_size: Optiona
         InvariantError: ``pack_size`` is shorter than an input's longest pack.
     """
     selections = resolve_selections(inputs)
+    require_present(selections)
     prefixes = [p for s in selections for p in s.prefixes]
     packs = np.zeros(len(prefixes), dtype=np.int64)
     totals = {"packs": 0, "sequences": 0, "tokens": 0, "loss_tokens": 0, "max_packed": 0, "uint16_inputs": 0}
