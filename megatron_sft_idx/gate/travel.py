@@ -33,6 +33,7 @@ from ..storage._url import ObjectURL, is_remote
 from .report import Report, ShardReport
 
 _MARK = MANIFEST_FORMAT.encode("utf-8")
+_PEEK = 4096
 
 
 @dataclass
@@ -73,11 +74,12 @@ def _read(path: str) -> Optional[List[str]]:
     a manifest of this project. Raises ShardError when it is one but does not parse."""
     try:
         with open(path, "rb") as f:
-            raw = f.read(MAX_MANIFEST_BYTES + 1)
+            head = f.read(_PEEK)  # every writer puts "format" first (sorted keys): other JSON is skipped cheaply
+            if _MARK not in head:
+                return None
+            raw = head + f.read(MAX_MANIFEST_BYTES + 1 - len(head))
     except OSError as exc:
         raise ShardError(f"cannot read the manifest beside the shard ({exc.strerror or exc})", path=path) from None
-    if _MARK not in raw:
-        return None
     m = parse_manifest(raw, os.path.abspath(path), named=path)
     return [p if is_remote(p) else _key(p) for p in m.prefixes]
 
