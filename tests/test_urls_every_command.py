@@ -136,7 +136,7 @@ def _url_of(argv, case, r):
     flag = case.split()[0]
     if flag.startswith("--"):
         return argv[argv.index(flag) + 1]
-    return next(a for a in argv if a.startswith("s3://"))
+    return next(a for a in argv if a.startswith(("s3://", "msc://")))
 
 
 @pytest.mark.parametrize("name, case, argv, outcome", CASES, ids=[f"{c[0]} {c[1]}" for c in CASES])
@@ -161,6 +161,20 @@ def test_command_with_a_url(remote, tmp_path, capsys, name, case, argv, outcome)
         "plan-batches": lambda: os.path.getsize(tmp_path / "o.order") > 0,
     }
     assert checks[name](), (out, err)
+
+
+MSC_CASES = [c for c in CASES if (c[0], c[1]) in {
+    ("check-idx", "PREFIX URL (shard, directory, manifest)"), ("check-idx", "--promote URL"),
+    ("write-sft-manifest", "OUT URL, SHARD URL"), ("merge-shards", "IN URL"), ("merge-shards", "OUT URL"),
+    ("inspect-idx", "PREFIX URL (summary)"), ("inspect-idx", "PREFIX URL (--sql)"), ("plan-batches", "SHARD URL"),
+    ("plan-batches", "--out URL"), ("preprocess-sft", "--store URL")}]
+
+
+@pytest.mark.parametrize("name, case, argv, outcome", MSC_CASES, ids=[f"{c[0]} {c[1]}" for c in MSC_CASES])
+def test_command_with_an_msc_url(remote, s3, bucket, tmp_path, monkeypatch, capsys, name, case, argv, outcome):
+    """The same cases through an MSC profile on the same bucket (msc://loop/... is s3://BUCKET/...)."""
+    monkeypatch.setenv("MSC_CONFIG", s3.msc_config(str(tmp_path / "msc.json"), "loop", bucket))
+    test_command_with_a_url(dict(remote, url="msc://loop/run"), tmp_path, capsys, name, case, argv, outcome)
 
 
 def test_sft_idx_check_refuses_a_url_in_one_line(remote, native_lib):
