@@ -12,7 +12,9 @@ destination directory so that no reader ever opens a half-promoted shard:
    removed first (an old index can never pair with new data), then any old file the new
    shard lacks; the temporaries are renamed over the final names in publish order,
    ``.idx`` last, and the directory is fsynced;
-3. for a move, the source files are removed, ``.idx`` first (``publishing.remove_shard``).
+3. for a move, the source files are removed, ``.idx`` first (``publishing.remove_shard``):
+   by :func:`promote_report` only once every shard of the run is placed and the manifests
+   that list them are written at the destination (:mod:`.travel`).
 
 A crash before step 2 ends leaves no ``.idx`` at the destination, so nothing
 there opens; a crash in step 3 leaves a complete copy at both places.
