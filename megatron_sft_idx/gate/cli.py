@@ -70,8 +70,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return EXIT_OK if exc.code == 0 else EXIT_USAGE
     configure_logging(parser.prog, args.verbose, args.quiet)
     problem = _usage_problem(args)
-    if problem:
-        parser.print_usage(sys.stderr)
+    if problem:  # one line naming the options (argparse's own errors print the usage too)
         print(f"check-idx: error: {problem}", file=sys.stderr)
         return EXIT_USAGE
     try:
