@@ -52,8 +52,9 @@ def run(name: str, argv: Optional[List[str]] = None) -> int:
         process_entry()
         if "megatron_sft_idx._numba" in sys.modules:  # tools/*.py import their CLI first
             sys.modules["megatron_sft_idx._numba"].skip_extensions()
+    asks_help = any(a in ("-h", "--help") for a in (sys.argv[1:] if argv is None else argv))
     try:
-        if tool.extra is not None:
+        if tool.extra is not None and not asks_help:  # the help is read before installing more
             require_extra(tool.extra, *tool.modules, user=name)
         module, function = tool.target.split(":")
         with signals_raise():  # a signal while the tool is still importing: it has done nothing yet
@@ -86,13 +87,19 @@ def sft_idx_check(argv: Optional[List[str]] = None) -> int:
     one line says why and what to do instead; exit status 2.
     """
     from .native import NativeLibraryError, checker_path
+    from .storage._url import is_remote
 
+    args = sys.argv[1:] if argv is None else list(argv)
+    remote = [a for a in args if is_remote(a)]
+    if remote:  # the native checker maps local files; check-idx streams the same passes from URLs
+        print(f"sft_idx_check: error: {remote[0]}: the native checker reads local files only; check URLs "
+              "with check-idx (same checks, streamed from object storage)", file=sys.stderr)
+        return 2
     try:
         path = checker_path()
     except NativeLibraryError as exc:
         print(f"sft_idx_check: error: {exc}", file=sys.stderr)
         return 2
-    args = sys.argv[1:] if argv is None else list(argv)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(path, ["sft_idx_check", *args])  # replaces this process: exit status and signals are the checker's

@@ -55,7 +55,7 @@ from .packed import PackSummary, summarize
 from .sets import ShardIdentity, require_compatible, require_whole_sets
 from .storage._url import ObjectURL, is_remote, join_url
 
-__all__ = ["Manifest", "parse_manifest", "load_manifest", "read_manifest", "is_manifest", "check_manifest_set",
+__all__ = ["Manifest", "parse_manifest", "missing_entry", "open_entry", "require_entries_present", "load_manifest", "read_manifest", "is_manifest", "check_manifest_set",
            "manifest_entry", "manifest_document", "encode_manifest", "listed_prefix", "MANIFEST_FORMAT", "MANIFEST_VERSION",
            "MAX_MANIFEST_BYTES", "MANIFEST_SUFFIX"]
 
@@ -180,6 +180,61 @@ def check_manifest_set(manifest: Manifest, identities: Sequence[ShardIdentity]) 
     members = list(zip(manifest.prefixes, identities))
     require_compatible(members)
     require_whole_sets([(p, i.shard_set) for p, i in members], source=manifest.path, selected_by="manifest")
+
+
+def missing_entry(manifest: str, prefix: str, k: Optional[int] = None, what: str = ".idx missing") -> ShardNotFoundError:
+    """The error for entry ``k`` of ``manifest`` whose shard ``prefix`` is not there: it names
+    the manifest and the entry, so a user knows which file points at nothing."""
+    return ShardNotFoundError(f"manifest {manifest} lists {prefix}: no shard at this prefix ({what})",
+                              field=None if k is None else f"shards[{k}].prefix",
+                              hint="the shard was moved or deleted after the manifest was written: restore it, "
+                                   "or rewrite the manifest with write-sft-manifest (check-idx --promote moves "
+                                   "a set's manifest with its shards)")
+
+
+def require_entries_present(manifest: str, prefixes: Sequence[str], *, urls: bool = False) -> None:
+    """Every local shard ``manifest`` lists has its ``.idx`` (one ``stat`` each; for tools that
+    open every shard anyway). URLs are left to the reader, which names the manifest when it
+    opens one lazily, unless ``urls`` (one listing each: the gate, which reads every shard).
+
+    Raises:
+        ShardNotFoundError: :func:`missing_entry` for the first entry that is not there.
+    """
+    from .format import ALL_SUFFIXES, IDX_SUFFIX
+
+    for k, prefix in enumerate(prefixes):
+        if is_remote(prefix):
+            if urls:
+                from .storage.remote import stat_shard
+                from .storage._stores import store_for
+                from .storage.config import StorageConfig
+
+                url = ObjectURL.parse(prefix)
+                found = stat_shard(store_for(url, StorageConfig.resolve(None)), url)
+                if IDX_SUFFIX not in found:
+                    raise missing_entry(manifest, prefix, k, ".idx missing, other files of the shard present"
+                                        if found else ".idx missing")
+        elif not os.path.exists(prefix + IDX_SUFFIX):
+            others = any(os.path.exists(prefix + s) for s in ALL_SUFFIXES)
+            raise missing_entry(manifest, prefix, k, ".idx missing, other files of the shard present" if others
+                                else ".idx missing")
+
+
+def open_entry(manifest: str, prefix: str, k: Optional[int], opener):
+    """``opener(prefix)`` for entry ``k`` of ``manifest``; a shard that is not there (no ``.idx``)
+    raises :func:`missing_entry` instead of the reader's bare "no shard at this prefix".
+
+    Raises:
+        ShardNotFoundError: naming the manifest and the entry; anything ``opener`` raises else.
+    """
+    from .errors import IncompleteShardError
+
+    try:
+        return opener(prefix)
+    except ShardNotFoundError:
+        raise missing_entry(manifest, prefix, k, ".idx missing") from None
+    except IncompleteShardError:
+        raise missing_entry(manifest, prefix, k, ".idx missing, other files of the shard present") from None
 
 
 def _resolve(manifest: str, prefix: str) -> str:

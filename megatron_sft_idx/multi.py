@@ -33,18 +33,17 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from ._atomic import write_file_atomically
 from .errors import ShardNotFoundError, ShardSetError, SizeMismatchError
 from .format import IDX_SUFFIX, SEQ_IDX_SUFFIX
 from .manifest import (MANIFEST_FORMAT, MANIFEST_SUFFIX, Manifest, encode_manifest, is_manifest, load_manifest,
-                       manifest_document, read_manifest)
+                       manifest_document, open_entry, read_manifest, require_entries_present)
 from .packed import PackSummary, summarize
 from .reader import MMapIndexedDataset, pack_index, pack_indices
 from .sets import ShardIdentity, identity_difference, require_compatible, require_whole_sets
 from .storage._url import is_remote
 
 __all__ = ["MultiShardDataset", "write_manifest", "read_manifest", "is_manifest", "expand_shards",
-           "select_shards", "check_selections", "selection_identities", "identities_of", "Selection",
+           "select_shards", "check_selections", "require_present", "selection_identities", "identities_of", "Selection",
            "MANIFEST_FORMAT"]
 
 
@@ -116,6 +115,18 @@ def expand_shards(spec: Union[str, Sequence[str]]) -> List[str]:
     return [p for s in select_shards(spec, manifests=False) for p in s.prefixes]
 
 
+def require_present(selections: Sequence[Selection]) -> None:
+    """The local shards every manifest among ``selections`` lists are there (a ``stat`` each),
+    for callers that open every shard anyway: a missing one is named as the manifest's entry.
+
+    Raises:
+        ShardNotFoundError: naming the manifest and the entry.
+    """
+    for s in selections:
+        if s.manifest is not None:
+            require_entries_present(s.source, s.prefixes)
+
+
 def check_selections(selections: Sequence[Selection], identities: Dict[str, ShardIdentity]) -> None:
     """Every directory, glob and manifest of ``selections`` holds whole sets (``identities``:
     of their shards, by prefix). Agreement across all of them is the caller's (readers and
@@ -144,11 +155,13 @@ def selection_identities(selections: Sequence[Selection]) -> Dict[str, ShardIden
 
 
 def write_manifest(path, shards, *, relative: bool = True) -> dict:
-    """Write a manifest at the local ``path`` listing ``shards`` (anything :func:`select_shards` takes).
+    """Write a manifest at ``path`` (a local file, or an ``s3://`` / ``msc://`` object)
+    listing ``shards`` (anything :func:`select_shards` takes, local or URLs).
 
     Opens each shard's headers once (nothing else) to record its pack count, summary and
     identity; refuses shards that do not agree or do not form whole sets (a manifest a
-    reader would refuse is never written); writes atomically. Returns the manifest object.
+    reader would refuse is never written); writes atomically (one PUT for an object), through
+    :func:`megatron_sft_idx.publishing.write_bytes`. Returns the manifest object.
 
     Raises:
         ShardError (any subclass): a shard does not open; IncompatibleShardsError,
@@ -156,14 +169,17 @@ def write_manifest(path, shards, *, relative: bool = True) -> dict:
     """
     path = os.fspath(path)
     members = []
-    for selection in select_shards(shards):
+    selections = select_shards(shards)
+    require_present(selections)
+    for selection in selections:
         opened = [(p, MMapIndexedDataset(p)) for p in selection.prefixes]
         require_whole_sets([(p, ShardIdentity.of(s.metadata).shard_set) for p, s in opened],
                            source=selection.source, selected_by=selection.kind)
         members.extend(opened)
     document = manifest_document(path, members, relative=relative)
-    data = encode_manifest(document)
-    write_file_atomically(path, lambda f: f.write(data))
+    from .publishing import write_bytes
+
+    write_bytes(path, encode_manifest(document))
     return document
 
 
@@ -180,7 +196,8 @@ class MultiShardDataset:
 
     def __init__(self, prefixes: Sequence[str], counts: Sequence[int],
                  summaries: Sequence[PackSummary], *, source: str = "<shards>",
-                 check_packs: bool = False, identities: Optional[Sequence[Optional[ShardIdentity]]] = None) -> None:
+                 check_packs: bool = False, identities: Optional[Sequence[Optional[ShardIdentity]]] = None,
+                 listed_by: Optional[Sequence[Optional[Tuple[str, int]]]] = None) -> None:
         if not prefixes:
             raise ShardNotFoundError("no shards given", path=source)
         self.prefixes = [os.fspath(p) for p in prefixes]
@@ -191,6 +208,9 @@ class MultiShardDataset:
         self.identities: List[Optional[ShardIdentity]] = (_shared(identities) if identities is not None
                                                           else [None] * len(self.prefixes))
         self.source = source
+        #: Per shard, ``(manifest, entry number)`` when a manifest lists it (for messages), else None.
+        self.listed_by: List[Optional[Tuple[str, int]]] = (list(listed_by) if listed_by is not None
+                                                           else [None] * len(self.prefixes))
         self.check_packs = check_packs
         self._open: Dict[int, MMapIndexedDataset] = {}
 
@@ -208,15 +228,16 @@ class MultiShardDataset:
                 one directory or glob (see :mod:`megatron_sft_idx.sets`).
         """
         selections = select_shards(spec)
-        prefixes, counts, summaries, identities = [], [], [], []
+        prefixes, counts, summaries, identities, listed_by = [], [], [], [], []
         opened: Dict[int, MMapIndexedDataset] = {}
         for sel in selections:
             m = sel.manifest
             for j, prefix in enumerate(sel.prefixes):
                 k = len(prefixes)
+                listed_by.append((sel.source, j) if m is not None else None)
                 identity = m.identities[j] if m is not None else None
                 if identity is None:  # not a manifest, or one written before identities were recorded
-                    shard = opened[k] = MMapIndexedDataset(prefix, check_packs=check_packs)
+                    shard = opened[k] = _open_listed(prefix, listed_by[k], check_packs)
                     if m is not None and len(shard) != m.counts[j]:
                         raise _stale(prefix, sel.source, "packs", m.counts[j], len(shard))
                     identity = ShardIdentity.of(shard.metadata)
@@ -231,7 +252,7 @@ class MultiShardDataset:
         source = (spec.source if isinstance(spec, Selection) else
                   os.fspath(spec) if isinstance(spec, (str, os.PathLike)) else "<list>")
         ds = cls(prefixes, counts, summaries, source=source,
-                 check_packs=check_packs, identities=identities)
+                 check_packs=check_packs, identities=identities, listed_by=listed_by)
         ds._open = opened  # already open: keep them
         return ds
 
@@ -257,7 +278,7 @@ class MultiShardDataset:
         """
         shard = self._open.get(k)
         if shard is None:
-            shard = MMapIndexedDataset(self.prefixes[k], check_packs=self.check_packs)
+            shard = _open_listed(self.prefixes[k], self.listed_by[k], self.check_packs)
             if len(shard) != int(self.counts[k]):
                 raise _stale(self.prefixes[k], self.source, "packs", int(self.counts[k]), len(shard))
             recorded = self.identities[k]
@@ -294,14 +315,26 @@ class MultiShardDataset:
 
     def __getstate__(self):
         return {"prefixes": self.prefixes, "counts": self.counts, "summaries": self.summaries,
-                "source": self.source, "check_packs": self.check_packs, "identities": self.identities}
+                "source": self.source, "check_packs": self.check_packs, "identities": self.identities,
+                "listed_by": self.listed_by}
 
     def __setstate__(self, state) -> None:
         self.__init__(state["prefixes"], state["counts"], state["summaries"], source=state["source"],
-                      check_packs=state["check_packs"], identities=state.get("identities"))
+                      check_packs=state["check_packs"], identities=state.get("identities"),
+                      listed_by=state.get("listed_by"))
 
     def __repr__(self) -> str:
         return f"MultiShardDataset({self.source!r}, shards={self.num_shards}, packs={len(self)})"
+
+
+def _open_listed(prefix: str, listed_by: Optional[Tuple[str, int]], check_packs: bool) -> MMapIndexedDataset:
+    """Open one shard; one a manifest lists but that is not there is named as its entry."""
+    def opener(p: str) -> MMapIndexedDataset:
+        return MMapIndexedDataset(p, check_packs=check_packs)
+
+    if listed_by is None:
+        return opener(prefix)
+    return open_entry(listed_by[0], prefix, listed_by[1], opener)
 
 
 def _shared(identities: Sequence[Optional[ShardIdentity]]) -> List[Optional[ShardIdentity]]:

@@ -29,7 +29,7 @@ import operator
 import os
 import sys
 import threading
-from typing import NamedTuple, Optional
+from typing import Dict, NamedTuple, Optional
 
 import numpy as np
 
@@ -344,6 +344,11 @@ class MMapIndexedDataset:
         for mm in self._source.mmaps:
             if hasattr(mm, "madvise"):
                 mm.madvise(advice)
+
+    @property
+    def file_sizes(self) -> Dict[str, int]:
+        """Bytes of each of the shard's files (or objects) found at open, by suffix."""
+        return dict(self._sizes)
 
     def release_pages(self) -> None:
         """Drop this process's resident pages of the mapped files (``MADV_DONTNEED``).

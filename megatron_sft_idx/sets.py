@@ -173,6 +173,15 @@ def _tokenizer_name(tokenizer: Mapping) -> str:
     return repr(name) if isinstance(name, str) and name else "a tokenizer"
 
 
+def _tokenizer_words(tokenizer: Mapping) -> str:
+    """``'name' (files sha256 3f9a0c1e2b7d, vocab 32,000)``: what tells two tokenizers apart."""
+    vocab = tokenizer.get("vocab_size")
+    facts = [f"files sha256 {_short(tokenizer.get('files_sha256'))}"]
+    if isinstance(vocab, int) and not isinstance(vocab, bool):
+        facts.append(f"vocab {vocab:,}")
+    return f"{_tokenizer_name(tokenizer)} ({', '.join(facts)})"
+
+
 def _short(digest: Any) -> str:
     return str(digest)[:12] if digest else "none"
 
@@ -182,16 +191,15 @@ def _tokenizer_difference(a: Mapping, b: Mapping) -> Optional[Difference]:
     if a.get("files_sha256") and b.get("files_sha256"):
         if a["files_sha256"] != b["files_sha256"]:
             return Difference("tokenizer", _short(a["files_sha256"]), _short(b["files_sha256"]),
-                              f"tokenized with different tokenizers: {_tokenizer_name(a)} (files sha256 "
-                              f"{_short(a['files_sha256'])}) and {_tokenizer_name(b)} (files sha256 "
-                              f"{_short(b['files_sha256'])})")
+                              f"tokenized with different tokenizers: {_tokenizer_words(a)} and "
+                              f"{_tokenizer_words(b)}")
         ta, tb = a.get("chat_template_sha256"), b.get("chat_template_sha256")
         if ta != tb:
             if ta and tb:
-                words = (f"the same tokenizer ({_tokenizer_name(a)}) with different chat templates "
-                         f"(sha256 {_short(ta)} and {_short(tb)})")
+                words = (f"chat template differs: the same tokenizer ({_tokenizer_name(a)}) with "
+                         f"different chat templates (sha256 {_short(ta)} and {_short(tb)})")
             else:
-                words = (f"the same tokenizer ({_tokenizer_name(a)}), "
+                words = (f"chat template differs: the same tokenizer ({_tokenizer_name(a)}), "
                          f"{'only the first' if ta else 'only the second'} rendered with a chat template")
             return Difference("chat_template", _short(ta), _short(tb), words)
         return None
@@ -199,8 +207,8 @@ def _tokenizer_difference(a: Mapping, b: Mapping) -> Optional[Difference]:
     bare_b = {k: v for k, v in b.items() if k != "path"}
     if bare_a != bare_b:
         return Difference("tokenizer", a.get("name"), b.get("name"),
-                          f"tokenized with different tokenizers: {_tokenizer_name(a)} and {_tokenizer_name(b)} "
-                          "(their recorded identities differ)")
+                          f"tokenized with different tokenizers: {_tokenizer_words(a)} and "
+                          f"{_tokenizer_words(b)} (their recorded identities differ)")
     return None
 
 

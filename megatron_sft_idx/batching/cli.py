@@ -75,6 +75,11 @@ def _cost_model(args, parser):
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from ..storage._url import local_only
+
+    refusal = local_only([("--out", args.out), ("--plot", args.plot)])
+    if refusal:
+        parser.error(refusal)
     from ..training.multi import MultiShardDataset
     from .balance import plan_order
     from .cost import shard_pack_costs

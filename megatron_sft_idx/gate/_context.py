@@ -173,5 +173,7 @@ class ShardContext:
         return self.view(SEQ_BIN_SUFFIX, SEQ_DTYPE.numpy, self.sizes[SEQ_BIN_SUFFIX] // SEQ_DTYPE.itemsize)
 
     def close(self) -> None:
+        if self.metadata is not None:
+            self.report.shard_set = self.metadata.shard_set
         self._maps.clear()
         self._mmaps.clear()

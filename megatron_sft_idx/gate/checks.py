@@ -30,7 +30,7 @@ from ..format import METADATA_FIELD_RANGES
 from ..storage import is_remote
 from . import structure
 from ._context import ShardContext, UnreadableFile
-from .discover import resolve_prefixes
+from .discover import resolve_selections
 from .readback import read_back
 from .report import Report, ShardReport
 
@@ -80,7 +80,8 @@ def check(prefixes: Union[PathLike, Sequence[PathLike]], *, level: str = "standa
     options = Options(level, None if vocab_size is None else int(vocab_size), bool(strict),
                       bool(allow_pretrain), int(sample))
     started = time.perf_counter()
-    shards = resolve_prefixes(prefixes)
+    selections = resolve_selections(prefixes)
+    shards = list(dict.fromkeys(p for s in selections for p in s.prefixes))
     if int(workers) > 1 and len(shards) > 1:
         ctx = multiprocessing.get_context("spawn")  # safe beside threads; each worker maps its own files
         # A Pool, not a ProcessPoolExecutor: leaving the block by an exception (Ctrl-C, SIGTERM
@@ -89,8 +90,33 @@ def check(prefixes: Union[PathLike, Sequence[PathLike]], *, level: str = "standa
             reports = pool.starmap(check_shard, [(prefix, options) for prefix in shards])
     else:
         reports = [check_shard(prefix, options) for prefix in shards]
+    by_prefix = {r.prefix: r for r in reports}
+    for selection in selections:  # a directory, glob or manifest must hold whole sets
+        if selection.kind != "prefix":
+            require_whole_sets_found([by_prefix[p] for p in selection.prefixes], selection.source)
     return Report(shards=reports, level=level, options={**asdict(options), "workers": int(workers)},
                   seconds=time.perf_counter() - started)
+
+
+def require_whole_sets_found(reports: Sequence[ShardReport], source: str) -> None:
+    """Fail (``SET_INCOMPLETE``) every shard of a set that ``reports`` (the shards ``source``
+    selects) hold only part of, naming the members missing (:func:`megatron_sft_idx.sets.require_whole_sets`).
+    Each set is judged alone: a run's directory holds its train, valid and test sets."""
+    from ..errors import ShardSetError
+    from ..sets import require_whole_sets
+    from .report import make_finding
+
+    by_set = {}
+    for r in reports:
+        if r.shard_set is not None:
+            by_set.setdefault(r.shard_set.id, []).append(r)
+    for members in by_set.values():
+        try:
+            require_whole_sets([(r.prefix, r.shard_set) for r in members], source=source, selected_by="manifest")
+        except ShardSetError as exc:
+            for r in members:
+                if "SET_INCOMPLETE" not in r.codes():
+                    r.add(make_finding("SET_INCOMPLETE", f"{source}: {exc.message}", r.prefix))
 
 
 def _ignore_sigint() -> None:

@@ -19,6 +19,7 @@ from .._signals import Terminated  # noqa: F401  (re-exported: SIGTERM's excepti
 from .._signals import INTERRUPTS, exit_code, raise_if_signalled, signal_name, signals_raise
 from ..errors import ShardError
 from ..format import METADATA_FIELD_RANGES
+from ..storage import is_remote
 from .checks import check
 from .promote import promote_report
 
@@ -69,8 +70,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return EXIT_OK if exc.code == 0 else EXIT_USAGE
     configure_logging(parser.prog, args.verbose, args.quiet)
     problem = _usage_problem(args)
-    if problem:
-        parser.print_usage(sys.stderr)
+    if problem:  # one line naming the options (argparse's own errors print the usage too)
         print(f"check-idx: error: {problem}", file=sys.stderr)
         return EXIT_USAGE
     try:
@@ -79,7 +79,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                            allow_pretrain=args.allow_pretrain, sample=args.sample, workers=args.workers)
             raise_if_signalled()
             if args.promote is not None and report.exit_code != EXIT_USAGE:
-                promote_report(report, args.promote, link=args.link, replace=args.replace)
+                promote_report(report, args.promote, link=args.link, replace=args.replace, inputs=args.prefixes)
             raise_if_signalled()
     except ShardError as exc:
         print(f"check-idx: error: {exc}", file=sys.stderr)
@@ -104,6 +104,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 def _usage_problem(args) -> Optional[str]:
     if (args.link or args.replace) and args.promote is None:
         return "--link and --replace need --promote DEST"
+    if args.link and is_remote(args.promote):
+        return "--link needs a local destination (hard links cannot point into object storage); drop --link to upload"
     if args.workers < 1:
         return "--workers must be >= 1"
     if args.sample < 0:

@@ -153,6 +153,11 @@ CODES: Dict[str, Code] = {
     "PROMOTION_FAILED": Code(ERROR, "shard", "placing or renaming the files failed (I/O error, hard "
                              "links unsupported with --link); nothing that opens was left at the destination",
                              "fix the cause and retry"),
+    # ---- sets (appended)
+    "SET_INCOMPLETE": Code(ERROR, "shard", "the shards given (a directory, glob or manifest; for --promote, "
+                           "everything given) hold part of a shard set: a member is missing or given twice",
+                           "give every shard of the set (its manifest BASE.json, or its directory), or "
+                           "name a shard's prefix alone to check just that shard"),
 }
 
 #: Each pack invariant's finding code.

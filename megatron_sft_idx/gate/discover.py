@@ -1,14 +1,29 @@
-"""Turn the gate's inputs (prefixes, globs, directories, file names) into shard prefixes."""
+"""Turn the gate's inputs (prefixes, globs, directories, file names, manifests) into shard
+prefixes, remembering how each was named (:class:`Selection`): the set rules apply to what a
+directory, a glob or a manifest selects (:mod:`megatron_sft_idx.sets`)."""
 
 from __future__ import annotations
 
 import glob
 import os
-from typing import List, Optional, Sequence, Union
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple, Union
 
 from ..errors import ShardNotFoundError
 from ..format import ALL_SUFFIXES
 from ..storage import is_remote
+
+_MANIFEST_SUFFIX = ".json"  # (manifest.MANIFEST_SUFFIX; that module is imported only for a manifest)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The shards one input names: ``kind`` is ``"prefix"``, ``"directory"``, ``"glob"`` or
+    ``"manifest"``; ``source`` the input as given."""
+
+    kind: str
+    source: str
+    prefixes: Tuple[str, ...]
 
 #: Longest first, so "x.seq.idx" is prefix "x", not "x.seq".
 _SUFFIXES = tuple(sorted(ALL_SUFFIXES, key=len, reverse=True))
@@ -40,50 +55,96 @@ def _in_directory(directory: str) -> List[str]:
     return found
 
 
-def _expand(arg: str) -> List[str]:
+def _manifest(arg: str) -> List[str]:
+    """The prefixes a manifest lists, each there (local: its ``.idx`` exists).
+
+    Raises:
+        ShardError: the manifest is malformed; ShardNotFoundError: an entry's shard is not
+        there (naming the manifest and the entry).
+    """
+    from ..manifest import load_manifest, require_entries_present
+
+    m = load_manifest(arg)
+    require_entries_present(arg, m.prefixes, urls=True)
+    return list(m.prefixes)
+
+
+def _kind(arg: str) -> str:
+    if arg.endswith(_MANIFEST_SUFFIX) and (is_remote(arg) or os.path.isfile(arg)):
+        return "manifest"
     if is_remote(arg):
-        from ..storage.discover import expand_remote
-        return expand_remote(arg)
+        return "url"
     if os.path.isdir(arg):
-        return _in_directory(arg)
+        return "directory"
     if _is_prefix(arg):
-        return [arg]
-    if glob.has_magic(arg):
-        out = []
-        for match in sorted(glob.glob(arg)):
-            if os.path.isdir(match):
-                out += _in_directory(match)
-            else:
-                prefix = prefix_of(match) if os.path.isfile(match) else None
-                if prefix is not None:
-                    out.append(prefix)
-                elif _is_prefix(match):
-                    out.append(match)
-        return out
+        return "prefix"
+    return "glob" if glob.has_magic(arg) else "prefix"
+
+
+def _expand(arg: str, kind: str) -> Tuple[str, List[str]]:
+    if kind == "manifest":
+        return kind, _manifest(arg)
+    if kind == "url":
+        from ..storage.discover import select_remote
+        return select_remote(arg)
+    if kind == "directory":
+        return kind, _in_directory(arg)
+    if _is_prefix(arg):
+        return kind, [arg]
+    return kind, _expand_glob(arg) if kind == "glob" else _file(arg)
+
+
+def _file(arg: str) -> List[str]:
     if os.path.isfile(arg):
         prefix = prefix_of(arg)
         return [prefix] if prefix is not None else []
     return []
 
 
+def _expand_glob(arg: str) -> List[str]:
+    out = []
+    for match in sorted(glob.glob(arg)):
+        if os.path.isdir(match):
+            out += _in_directory(match)
+        else:
+            prefix = prefix_of(match) if os.path.isfile(match) else None
+            if prefix is not None:
+                out.append(prefix)
+            elif _is_prefix(match):
+                out.append(match)
+    return out
+
+
 def resolve_prefixes(inputs: Union[str, "os.PathLike[str]", Sequence]) -> List[str]:
     """Every shard prefix named by ``inputs``, in order, without duplicates.
 
     Raises:
-        ShardNotFoundError: an input matches no shard file (a typo must not pass as "nothing to check").
+        ShardNotFoundError: an input matches no shard file (a typo must not pass as "nothing to
+        check"), or a manifest lists a shard that is not there.
+        ShardError: a manifest is malformed.
     """
-    if isinstance(inputs, (str, bytes, os.PathLike)):
-        inputs = [inputs]
-    seen, out, unmatched = set(), [], []
-    for raw in inputs:
-        arg = os.fspath(raw)
-        found = _expand(arg)
-        if not found:
-            unmatched.append(arg)
-        for prefix in found:
+    seen, out = set(), []
+    for selection in resolve_selections(inputs):
+        for prefix in selection.prefixes:
             if prefix not in seen:
                 seen.add(prefix)
                 out.append(prefix)
+    return out
+
+
+def resolve_selections(inputs: Union[str, "os.PathLike[str]", Sequence]) -> List[Selection]:
+    """What each input names, and how (see :class:`Selection`); raises as :func:`resolve_prefixes`."""
+    if isinstance(inputs, (str, bytes, os.PathLike)):
+        inputs = [inputs]
+    out: List[Selection] = []
+    unmatched = []
+    for raw in inputs:
+        arg = os.fspath(raw)
+        kind, found = _expand(arg, _kind(arg))
+        if not found:
+            unmatched.append(arg)
+        else:
+            out.append(Selection(kind, arg, tuple(dict.fromkeys(found))))
     if unmatched or not out:
         raise ShardNotFoundError(f"no shard file matches {unmatched or list(inputs)}",
                                  path=", ".join(unmatched) or None, field="prefixes",

@@ -12,7 +12,9 @@ destination directory so that no reader ever opens a half-promoted shard:
    removed first (an old index can never pair with new data), then any old file the new
    shard lacks; the temporaries are renamed over the final names in publish order,
    ``.idx`` last, and the directory is fsynced;
-3. for a move, the source files are removed, ``.idx`` first (``publishing.remove_shard``).
+3. for a move, the source files are removed, ``.idx`` first (``publishing.remove_shard``):
+   by :func:`promote_report` only once every shard of the run is placed and the manifests
+   that list them are written at the destination (:mod:`.travel`).
 
 A crash before step 2 ends leaves no ``.idx`` at the destination, so nothing
 there opens; a crash in step 3 leaves a complete copy at both places.
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Dict
+from typing import Dict, List, Sequence
 
 from .. import _atomic, publishing
 from ..errors import RemoteStorageError, ShardError
@@ -36,8 +38,10 @@ from ..storage import is_remote
 from .report import Report, ShardReport, make_finding
 
 
-def promote(shard: ShardReport, dest, *, link: bool = False, replace: bool = False) -> Dict[str, str]:
+def promote(shard: ShardReport, dest, *, link: bool = False, replace: bool = False,
+            keep_source: bool = False) -> Dict[str, str]:
     """Move (or hard-link) a passing shard's files into directory ``dest``, ``.idx`` last.
+    ``keep_source``: leave the source files for the caller to remove (after its manifests).
 
     Returns:
         ``{suffix: destination path}`` for every file promoted.
@@ -78,7 +82,7 @@ def promote(shard: ShardReport, dest, *, link: bool = False, replace: bool = Fal
     except BaseException:
         _atomic.remove_quietly(tmp.values())
         raise
-    if not link:  # a source that is a symbolic link loses the link only
+    if not link and not keep_source:  # a source that is a symbolic link loses the link only
         publishing.remove_shard(shard.prefix, suffixes)
     return final
 
@@ -138,38 +142,78 @@ def promote_remote(shard: ShardReport, dest, **kw) -> Dict[str, str]:
     return upload(shard, dest, **kw)
 
 
-def promote_report(report: Report, dest, *, link: bool = False, replace: bool = False) -> Report:
-    """Promote every passing shard of ``report``; record where each file went, or why not.
+def promote_report(report: Report, dest, *, link: bool = False, replace: bool = False,
+                   inputs: Sequence[str] = ()) -> Report:
+    """Promote every passing shard of ``report`` with the manifests that list them
+    (:mod:`.travel`); record where each file went, or why not. ``inputs``: what the check
+    was given (a manifest among them travels even when it lives elsewhere).
 
+    A set is promoted whole or not at all: the shards given must hold every member of each
+    set they touch (``SET_INCOMPLETE``), and a set with a failing member is not promoted.
     Adds a finding to every shard: PROMOTED, NOT_PROMOTED (it failed), PROMOTION_REFUSED
     or PROMOTION_FAILED (the latter two fail the shard and the run).
     """
-    names = set()
+    from .checks import require_whole_sets_found
+    from .travel import plan, publish
+
+    dest = os.fspath(dest)
+    require_whole_sets_found(report.shards, "the shards given to --promote")
+    candidates = _candidates(report)
+    the_plan = plan(candidates, dest, replace=replace, inputs=inputs)
+    moved = []
+    for shard in candidates:
+        if shard.prefix in the_plan.refused:
+            shard.add(make_finding("PROMOTION_REFUSED", the_plan.refused[shard.prefix], shard.prefix))
+        elif _promote_one(shard, dest, link, replace):
+            moved.append(shard)
+    keep = set(publish(the_plan, report, link=link))
+    if not link:  # the sources go last, after the manifests that listed them
+        for shard in moved:
+            if shard.prefix not in keep:
+                publishing.remove_shard(shard.prefix, [s for s in PUBLISH_ORDER if s in shard.files])
+    report.options.update({"promote": dest, "link": link, "replace": replace})
+    return report
+
+
+def _candidates(report: Report) -> List[ShardReport]:
+    """The shards that may be promoted; the others get NOT_PROMOTED or PROMOTION_REFUSED."""
+    failed_sets = {s.shard_set.id: s.prefix for s in report.shards if not s.passed and s.shard_set is not None}
+    names, out = set(), []
     for shard in report.shards:
         if not shard.passed:
             shard.add(make_finding("NOT_PROMOTED", "the shard failed the check and was left in place",
                                    shard.prefix))
             continue
         name = os.path.basename(shard.prefix)
-        if name in names:
-            shard.add(make_finding("PROMOTION_REFUSED", f"another shard of this run is named {name!r}",
-                                   shard.prefix))
-            continue
-        names.add(name)
-        try:
-            place = promote_remote if is_remote(dest) else promote  # s3:// msc://: upload, .idx last
-            shard.promoted = place(shard, dest, link=link, replace=replace)
-        except RemoteStorageError as exc:  # mid-upload: the destination's .idx was not written
-            shard.add(make_finding("PROMOTION_FAILED", str(exc), shard.prefix))
-        except ShardError as exc:  # raised before anything was touched
-            shard.add(make_finding("PROMOTION_REFUSED", str(exc), shard.prefix))
-        except OSError as exc:
-            shard.add(make_finding("PROMOTION_FAILED", f"{exc.__class__.__name__}: {exc}", shard.prefix))
+        if shard.shard_set is not None and shard.shard_set.id in failed_sets:
+            why = (f"{failed_sets[shard.shard_set.id]} of its {shard.shard_set.describe()} failed the check: "
+                   "a set is promoted whole or not at all")
+        elif name in names:
+            why = f"another shard of this run is named {name!r}"
         else:
-            verb = "linked" if link else "moved"
-            shard.add(make_finding("PROMOTED", f"{verb} {len(shard.promoted)} files to {dest}", shard.prefix))
-    report.options.update({"promote": os.fspath(dest), "link": link, "replace": replace})
-    return report
+            names.add(name)
+            out.append(shard)
+            continue
+        shard.add(make_finding("PROMOTION_REFUSED", why, shard.prefix))
+    return out
+
+
+def _promote_one(shard: ShardReport, dest: str, link: bool, replace: bool) -> bool:
+    """Place one shard at ``dest`` (its source kept); True when it was committed there."""
+    try:
+        place = promote_remote if is_remote(dest) else promote  # s3:// msc://: upload, .idx last
+        shard.promoted = place(shard, dest, link=link, replace=replace, keep_source=True)
+    except RemoteStorageError as exc:  # mid-upload: the destination's .idx was not written
+        shard.add(make_finding("PROMOTION_FAILED", str(exc), shard.prefix))
+    except ShardError as exc:  # raised before anything was touched
+        shard.add(make_finding("PROMOTION_REFUSED", str(exc), shard.prefix))
+    except OSError as exc:
+        shard.add(make_finding("PROMOTION_FAILED", f"{exc.__class__.__name__}: {exc}", shard.prefix))
+    else:
+        verb = "linked" if link else "moved"
+        shard.add(make_finding("PROMOTED", f"{verb} {len(shard.promoted)} files to {dest}", shard.prefix))
+        return True
+    return False
 
 
 __all__ = ["promote", "promote_report"]

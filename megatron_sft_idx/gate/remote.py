@@ -216,7 +216,8 @@ def _read_back(ctx: RemoteShardContext, options) -> None:
 # --------------------------------------------------------------------------- promotion
 
 
-def promote_remote(shard: ShardReport, dest: str, *, link: bool = False, replace: bool = False) -> Dict[str, str]:
+def promote_remote(shard: ShardReport, dest: str, *, link: bool = False, replace: bool = False,
+                   keep_source: bool = False) -> Dict[str, str]:
     """Upload a passing local shard into the "directory" URL ``dest`` (``.idx`` last), then
     remove the local files (``.idx`` first), as a local promotion moves them.
 
@@ -238,5 +239,6 @@ def promote_remote(shard: ShardReport, dest: str, *, link: bool = False, replace
                              hint="check the shard again before promoting it")
     target = str(ObjectURL.parse(dest).join(os.path.basename(shard.prefix)))
     uploaded = publishing.upload_shard(shard.prefix, target, replace=replace)
-    publishing.remove_shard(shard.prefix, [s for s in PUBLISH_ORDER if s in shard.files])
+    if not keep_source:
+        publishing.remove_shard(shard.prefix, [s for s in PUBLISH_ORDER if s in shard.files])
     return uploaded

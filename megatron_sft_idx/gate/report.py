@@ -11,6 +11,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional
 
+from ..metadata import ShardSet
 from .codes import CODES, ERROR, INFO, WARNING
 
 JSON_SCHEMA = "megatron_sft_idx.gate/1"
@@ -75,6 +76,8 @@ class ShardReport:
     promoted: Dict[str, str] = field(default_factory=dict)
     #: (st_dev, st_ino, size, mtime_ns) per suffix when checked; promotion refuses changed files.
     identity: Dict[str, tuple] = field(default_factory=dict, repr=False)
+    #: The set the metadata says the shard belongs to (None: no set, or no readable metadata).
+    shard_set: Optional[ShardSet] = field(default=None, repr=False)
 
     @property
     def passed(self) -> bool:
@@ -145,6 +148,9 @@ class Report:
     level: str = "standard"
     options: Dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
+    #: With --promote: each manifest that travelled with its shards, ``{"source", "promoted"}``,
+    #: or that was left in place, ``{"source", "left": why}``.
+    manifests: List[Dict[str, str]] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -168,6 +174,7 @@ class Report:
                         "failed": len(failed), "errors": sum(s.count(ERROR) for s in self.shards),
                         "warnings": sum(s.count(WARNING) for s in self.shards)},
             "shards": [s.to_dict() for s in self.shards],
+            "manifests": [dict(m) for m in self.manifests],
         }
 
     def to_json(self, indent: Optional[int] = 2) -> str:
@@ -175,6 +182,9 @@ class Report:
 
     def format_text(self, verbose: bool = False) -> str:
         blocks = [s.format_text(verbose) for s in self.shards]
+        for m in self.manifests:
+            blocks.append(f"manifest {m['source']} -> {m['promoted']}" if "promoted" in m
+                          else f"manifest {m['source']} left in place: {m['left']}")
         return "\n".join(blocks + [self.verdict_line()])
 
     def verdict_line(self) -> str:

@@ -293,7 +293,10 @@ def usage_problem(args) -> str:
                 "pass --overlong drop --skip-bad to skip and count overlong ones, or drop --skip-bad")
     if args.verify_masks < 0:
         return "--verify-masks takes a count >= 0"
-    return ""
+    from ..storage._url import local_only
+
+    return local_only((flag, getattr(args, flag[2:].replace("-", "_"), None)) for flag in
+                      ("--input", "--store", "--staging-dir", "--summary-json", "--tokenizer", "--plan-only"))
 
 
 def run_and_report(prog: str, run, cfg, args, formatter=None) -> int:

@@ -242,7 +242,10 @@ class _Run:
                 raise output_error(exc, resumable=False) from None
             remove = False
             try:
+                t = time.perf_counter()
                 self.engine = make_engine(settings.engine, settings.workers, settings.ray_address)
+                if self.engine.name == "ray":  # joining or starting the cluster: seconds, part of the run
+                    self.times["ray_start"] = time.perf_counter() - t
                 yield self
             except OutputError:
                 raise

@@ -12,7 +12,8 @@ shards without converting it::
     duckdb.sql("SELECT num_sequences, count(*) FROM packs GROUP BY 1 ORDER BY 1").show()
     polars.from_arrow(packs.to_table())          # also zero-copy for the token lists
 
-Columns: ``shard`` (int32, position of the shard in the list), ``pack`` (int64, global),
+Columns: ``shard`` (string, the shard's prefix or URL), ``shard_index`` (int32, the shard's
+position in the list), ``pack`` (int64, global),
 ``packed_len`` (int32), ``num_sequences`` (int32), ``trainable_tokens`` (int64, ones in the
 loss mask; computed from it), ``input_ids`` (large_list of the token dtype; int32 when
 shards of both dtypes are listed, then copied), ``loss_mask`` (large_list<uint8>),
@@ -35,7 +36,7 @@ from .._extras import require_extra
 from ..errors import FormatError, InvariantError
 from ..reader import MMapIndexedDataset
 
-COLUMNS = ("shard", "pack", "packed_len", "num_sequences", "trainable_tokens", "input_ids", "loss_mask",
+COLUMNS = ("shard", "shard_index", "pack", "packed_len", "num_sequences", "trainable_tokens", "input_ids", "loss_mask",
            "seq_start_id")
 #: Packs per record batch.
 BATCH_PACKS = 1 << 16
@@ -93,7 +94,7 @@ class PackTable:
             dtypes.add(shard.dtype.numpy)
         self.counts = np.asarray(counts, dtype=np.int64)
         self.token_dtype = np.dtype(dtypes.pop()) if len(dtypes) == 1 else np.dtype(np.int32)
-        types = {"shard": pa.int32(), "pack": pa.int64(), "packed_len": pa.int32(), "num_sequences": pa.int32(),
+        types = {"shard": pa.string(), "shard_index": pa.int32(), "pack": pa.int64(), "packed_len": pa.int32(), "num_sequences": pa.int32(),
                  "trainable_tokens": pa.int64(), "input_ids": pa.large_list(pa.from_numpy_dtype(self.token_dtype)),
                  "loss_mask": pa.large_list(pa.uint8()), "seq_start_id": pa.large_list(pa.int32())}
         self.schema = pa.schema([(c, types[c]) for c in self.columns])
@@ -144,6 +145,8 @@ class PackTable:
     def _column(self, name: str, parts: Dict[str, np.ndarray], k: int, base: int, a: int, b: int):
         pa = _pa()
         if name == "shard":
+            return pa.repeat(pa.scalar(self.prefixes[k], pa.string()), b - a)
+        if name == "shard_index":
             return pa.array(np.full(b - a, k, dtype=np.int32))
         if name == "pack":
             return pa.array(np.arange(base + a, base + b, dtype=np.int64))

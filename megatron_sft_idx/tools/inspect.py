@@ -102,8 +102,7 @@ def summarize(prefixes: Sequence[str], bins: int = BINS) -> Dict[str, Any]:
     packs, tokens = sum(s.pack_count for s in stats), sum(s.token_count for s in stats)
     trained = sum(s.loss_token_count for s in stats)
     sequences = sum(s.sequence_count for s in stats)
-    files = sum(d.size for s in shards for d in s.metadata.files.values())
-    files += sum(os.path.getsize(s.paths.seq_idx) for s in shards)
+    files = sum(sum(s.file_sizes.values()) for s in shards)  # (local files or objects alike)
     return {
         "shards": [s.prefix for s in shards], "packs": packs, "sequences": sequences, "tokens": tokens,
         "trainable_tokens": trained, "trainable_share": round(trained / tokens, 6),

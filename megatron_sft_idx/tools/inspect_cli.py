@@ -29,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--pack", type=int, default=None, metavar="N", help="show pack N (global index; -1 = last)")
     mode.add_argument("--sql", default=None, metavar="QUERY",
                       help="run QUERY over the table 'packs' (columns: pack, packed_len, num_sequences, "
-                           "trainable_tokens, input_ids, loss_mask, seq_start_id, shard); needs duckdb")
+                           "trainable_tokens, input_ids, loss_mask, seq_start_id, shard (its prefix), shard_index); "
+                           "needs duckdb")
     p.add_argument("--seq", type=int, default=None, metavar="K", help="with --pack: show only sequence K's text")
     p.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="with --pack: detokenize with this tokenizer directory or tokenizer.json "
@@ -53,7 +54,9 @@ def _usage_problem(args) -> Optional[str]:
     for flag in ("max_chars", "max_rows", "bins"):
         if getattr(args, flag) <= 0:
             return f"--{flag.replace('_', '-')} must be positive"
-    return None
+    from ..storage._url import local_only
+
+    return local_only([("--plot", args.plot), ("--tokenizer", args.tokenizer)]) or None
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -47,7 +47,7 @@ from ..format import DType
 from ..reader import MMapIndexedDataset
 from ..storage._url import is_remote
 from ..sets import Agreement, ShardIdentity
-from ..multi import Selection, check_selections, select_shards, selection_identities
+from ..multi import Selection, check_selections, require_present, select_shards, selection_identities
 
 #: Keys the merge recomputes, combines by its own rule or compares through ``sets.Agreement``;
 #: every other key must be equal.
@@ -103,8 +103,38 @@ def resolve_inputs(inputs: Sequence[str]) -> List[str]:
             directory, glob or manifest holds part of a set, or several sets.
     """
     selections = resolve_selections(inputs)
+    require_present(selections)
     check_selections(selections, selection_identities(selections))
     return [p for s in selections for p in s.prefixes]
+
+
+#: The loss policy preprocess records in ``extra`` (``loss_on``, ``loss_policy``: defaults left
+#: out), as the flags that set it and their defaults.
+_POLICY_FLAGS = (("loss_on", "--loss-on", None), ("tool_calls", "--tool-call-loss", "train"),
+                 ("reasoning", "--reasoning-loss", "train"), ("empty_reasoning", "--empty-reasoning-loss", "mask"),
+                 ("reasoning_tags", "--reasoning-tags", None))
+
+
+def _loss_policy(extra: Any) -> Optional[Dict[str, Any]]:
+    """``{flag: value}`` of the loss policy ``extra`` records, or None (not written by preprocess)."""
+    if not isinstance(extra, dict) or "loss_on" not in extra:
+        return None
+    policy = extra.get("loss_policy") if isinstance(extra.get("loss_policy"), dict) else {}
+    return {flag: extra["loss_on"] if key == "loss_on" else policy.get(key, default)
+            for key, flag, default in _POLICY_FLAGS}
+
+
+def _require_same_loss_policy(first: str, first_extra: Any, prefix: str, extra: Any) -> None:
+    """Raises: IncompatibleShardsError: both record a loss policy and they differ (named by flag)."""
+    mine, theirs = _loss_policy(first_extra), _loss_policy(extra)
+    if mine is None or theirs is None or mine == theirs:
+        return
+    words = ", ".join(f"{flag} {mine[flag]} in {first}, {theirs[flag]} here"
+                      for flag in mine if mine[flag] != theirs[flag])
+    raise IncompatibleShardsError(
+        f"cannot be merged with {first}: loss policy differs: {words}", path=prefix, field="extra.loss_policy",
+        hint="a merged shard records one loss policy: re-run preprocess-sft (or repack-sft) for one input "
+             "with the other's flags, or train on both as a blend or manifest instead of merging them")
 
 
 class _Fold:
@@ -150,6 +180,7 @@ class _Fold:
         if meta.get("source") != self.source:
             self.source = None
         extra = meta.get("extra") or {}
+        _require_same_loss_policy(self.first, self.ref.get("extra"), shard.prefix, extra)
         self.extra = {k: v for k, v in self.extra.items() if k in extra and extra[k] == v}
         vocab = meta.get("vocab_size")
         self.vocab_seen |= vocab is not None
@@ -192,6 +223,7 @@ def plan_merge(inputs: Sequence[str], *, widen: bool = False, pack_size: Optiona
         InvariantError: ``pack_size`` is shorter than an input's longest pack.
     """
     selections = resolve_selections(inputs)
+    require_present(selections)
     prefixes = [p for s in selections for p in s.prefixes]
     packs = np.zeros(len(prefixes), dtype=np.int64)
     totals = {"packs": 0, "sequences": 0, "tokens": 0, "loss_tokens": 0, "max_packed": 0, "uint16_inputs": 0}

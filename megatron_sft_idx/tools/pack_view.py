@@ -55,9 +55,27 @@ def trained_spans(loss_mask: np.ndarray, begin: int, end: int) -> List[List[int]
 TOKENIZER_PATH_ENV = "MEGATRON_SFT_IDX_TOKENIZER_PATH"
 
 
+#: The example tokenizer of a checkout (``examples/tokenizer``), which the demo shard records.
+EXAMPLE_TOKENIZER = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                 "examples", "tokenizer")
+
+
+def searched(recorded: dict) -> str:
+    """The places :func:`find_tokenizer` looks, in words, for a message."""
+    places = (["its recorded path"] if recorded.get("path") else [])
+    places.append(f"${TOKENIZER_PATH_ENV}" + ("" if os.environ.get(TOKENIZER_PATH_ENV) else " (unset)"))
+    if recorded.get("name"):
+        places.append(f"the Hugging Face cache under the name {recorded['name']}")
+    if os.path.isdir(EXAMPLE_TOKENIZER):
+        places.append("this checkout's examples/tokenizer")
+    return ", ".join(places)
+
+
 def _candidates(recorded: dict) -> List[str]:
     """Where the tokenizer a shard records may be on this machine, most specific first: its
-    recorded path, ``$MEGATRON_SFT_IDX_TOKENIZER_PATH``, then the Hugging Face cache by name."""
+    recorded path (preprocess records none: a path is not part of a tokenizer's identity),
+    ``$MEGATRON_SFT_IDX_TOKENIZER_PATH``, the Hugging Face cache by name, then the example
+    tokenizer of a checkout (the demo's). Each is used only if its files hash to the record."""
     out = [recorded["path"]] if recorded.get("path") else []
     for root in filter(None, os.environ.get(TOKENIZER_PATH_ENV, "").split(os.pathsep)):
         out.append(root)
@@ -70,6 +88,7 @@ def _candidates(recorded: dict) -> List[str]:
         snapshots = os.path.join(hub, "models--" + name.replace("/", "--"), "snapshots")
         if os.path.isdir(snapshots):
             out += sorted(os.path.join(snapshots, n) for n in os.listdir(snapshots))
+    out.append(EXAMPLE_TOKENIZER)
     return [p for p in out if os.path.isfile(os.path.join(p, "tokenizer.json") if os.path.isdir(p) else p)]
 
 
@@ -109,8 +128,9 @@ def load_tokenizer(recorded: Optional[dict], override: Optional[str] = None):
             return None, "no tokenizer recorded in the metadata (pass --tokenizer PATH to detokenize)"
         path = find_tokenizer(recorded)
         if path is None:
-            return None, (f"tokenizer {recorded.get('name', '?')} not found on this machine (searched its "
-                          f"recorded path, ${TOKENIZER_PATH_ENV} and the Hugging Face cache; pass --tokenizer PATH)")
+            return None, (f"tokenizer {recorded.get('name', '?')} not found on this machine (searched "
+                          f"{searched(recorded)}; put its directory in ${TOKENIZER_PATH_ENV} or pass "
+                          "--tokenizer PATH)")
         file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
     try:
         from tokenizers import Tokenizer

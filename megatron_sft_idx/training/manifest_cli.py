@@ -1,6 +1,9 @@
-"""``write_manifest OUT.json SHARD... [--absolute] [--json]``: list shards once, open them in one read.
+"""Write a manifest (OUT.json) listing shards, so that they open as one dataset with one read.
 
-Each SHARD is a prefix, a directory of shards or a glob. The manifest records
+Usage: ``write-sft-manifest OUT.json SHARD... [--absolute] [--json]``. OUT.json and each
+SHARD may be local or an ``s3://`` / ``msc://`` URL.
+
+Each SHARD is a prefix, a directory of shards, a glob or a manifest. The manifest records
 every shard's pack count, packing statistics and identity (tokenizer, padding,
 the set it belongs to), so a dataset over a thousand shards opens with one file
 read; give its path wherever a shard prefix goes (``data_path`` blends,
@@ -58,6 +61,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ShardError as exc:
         print(f"write-sft-manifest: error: {exc}", file=sys.stderr)
         return 1
+    except OSError as exc:
+        print(f"write-sft-manifest: error: cannot write {args.out}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     shards = manifest["shards"]
     summary = {"manifest": args.out, "shards": len(shards), "packs": sum(s["packs"] for s in shards)}
     if args.json:

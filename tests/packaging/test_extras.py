@@ -281,9 +281,12 @@ def test_console_script_runs_with_every_other_optional_package_hidden(blocker, t
 
 @pytest.mark.parametrize("name, hidden", [(n, m) for n in sorted(TOOLS) for m in TOOLS[n].modules])
 def test_console_script_without_its_extra_is_one_line(blocker, tmp_path, name, hidden):
-    for args in (PROBES[name](tmp_path), ["--help"]):
-        proc = run_script(name, args, blocker, str(tmp_path), hide=(hidden,))
-        assert_one_line_naming(proc, TOOLS[name].extra, hidden, tool=name)
+    proc = run_script(name, PROBES[name](tmp_path), blocker, str(tmp_path), hide=(hidden,))
+    assert_one_line_naming(proc, TOOLS[name].extra, hidden, tool=name)
+    # --help is what a user reads before installing more: it shows, extra or not
+    proc = run_script(name, ["--help"], blocker, str(tmp_path), hide=(hidden,))
+    assert proc.returncode == 0 and proc.stdout.startswith(f"usage: {name}"), proc.stderr[-2000:]
+    assert "--output-prefix" in proc.stdout and not proc.stderr, proc.stderr[-2000:]
 
 
 def _small_inputs(tmp_path):

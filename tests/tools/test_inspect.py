@@ -102,6 +102,9 @@ def _tokenized_shard(tmp_path, tokenizer_meta):
 def test_detokenizes_with_the_recorded_tokenizer_found_locally(tmp_path, monkeypatch):
     digest = tokenizer_files_sha256(EXAMPLE_TOKENIZER)[0]
     prefix, answer = _tokenized_shard(tmp_path, {"name": "org/example-bpe", "files_sha256": digest})
+    # (the checkout's examples/tokenizer is searched last: out of reach here, to test the other places;
+    # tests/test_frictions.py finds the demo's tokenizer through it)
+    monkeypatch.setattr(pack_view, "EXAMPLE_TOKENIZER", str(tmp_path / "no-checkout"))
     assert "not found on this machine" in describe_pack([prefix], 0)["tokenizer_note"]
     monkeypatch.setenv(pack_view.TOKENIZER_PATH_ENV, os.path.dirname(EXAMPLE_TOKENIZER))
     text = describe_pack([prefix], 0)["sequences"][0]["text"]

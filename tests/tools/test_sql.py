@@ -51,7 +51,8 @@ def test_rows_equal_the_packs(shards):
     prefixes, packs = shards
     rows = PackTable(prefixes, batch_packs=7).to_table().to_pylist()
     assert [r["pack"] for r in rows] == list(range(len(packs)))
-    assert [r["shard"] for r in rows] == [0] * 70 + [1] * 33
+    assert [r["shard_index"] for r in rows] == [0] * 70 + [1] * 33
+    assert [r["shard"] for r in rows] == [prefixes[0]] * 70 + [prefixes[1]] * 33  # the prefix, as users ask
     for row, (ids, loss, starts) in zip(rows, packs):
         assert row["input_ids"] == ids.tolist() and row["loss_mask"] == loss.tolist()
         assert row["seq_start_id"] == starts.tolist() and row["packed_len"] == len(ids)
