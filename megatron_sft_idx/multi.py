@@ -2,7 +2,7 @@
 
 Sources: a list of prefixes, a glob of prefixes, a directory (every shard in it,
 sorted by name) or a *manifest* (:mod:`megatron_sft_idx.manifest`): a small JSON file listing
-each shard with its pack count, summary and identity, written once by :func:`write_manifest` /
+each shard with its pack count, summary and identity, written once by :func:`megatron_sft_idx.publishing.write_manifest` /
 ``write-sft-manifest``. Each may be local or in object storage (listed by
 :mod:`megatron_sft_idx.storage.discover`). :func:`select_shards` says what a spec names, in one
 place; opening a manifest is one read however many shards it lists; a list, glob or directory
@@ -35,14 +35,14 @@ import numpy as np
 
 from .errors import ShardNotFoundError, ShardSetError, SizeMismatchError
 from .format import IDX_SUFFIX, SEQ_IDX_SUFFIX
-from .manifest import (MANIFEST_FORMAT, MANIFEST_SUFFIX, Manifest, encode_manifest, is_manifest, load_manifest,
+from .manifest import (MANIFEST_FORMAT, MANIFEST_SUFFIX, Manifest, is_manifest, load_manifest,
                        manifest_document, open_entry, read_manifest, require_entries_present)
 from .packed import PackSummary, summarize
 from .reader import MMapIndexedDataset, pack_index, pack_indices
 from .sets import ShardIdentity, identity_difference, require_compatible, require_whole_sets
 from .storage._url import is_remote
 
-__all__ = ["MultiShardDataset", "write_manifest", "read_manifest", "is_manifest", "expand_shards",
+__all__ = ["MultiShardDataset", "manifest_for", "read_manifest", "is_manifest", "expand_shards",
            "select_shards", "check_selections", "require_present", "selection_identities", "identities_of", "Selection",
            "MANIFEST_FORMAT"]
 
@@ -154,14 +154,14 @@ def selection_identities(selections: Sequence[Selection]) -> Dict[str, ShardIden
     return out
 
 
-def write_manifest(path, shards, *, relative: bool = True) -> dict:
-    """Write a manifest at ``path`` (a local file, or an ``s3://`` / ``msc://`` object)
-    listing ``shards`` (anything :func:`select_shards` takes, local or URLs).
+def manifest_for(path, shards, *, relative: bool = True) -> dict:
+    """The manifest document for ``path`` (a local file, or an ``s3://`` / ``msc://`` object)
+    listing ``shards`` (anything :func:`select_shards` takes, local or URLs); written by
+    :func:`megatron_sft_idx.publishing.write_manifest`.
 
     Opens each shard's headers once (nothing else) to record its pack count, summary and
     identity; refuses shards that do not agree or do not form whole sets (a manifest a
-    reader would refuse is never written); writes atomically (one PUT for an object), through
-    :func:`megatron_sft_idx.publishing.write_bytes`. Returns the manifest object.
+    reader would refuse is never written).
 
     Raises:
         ShardError (any subclass): a shard does not open; IncompatibleShardsError,
@@ -176,11 +176,7 @@ def write_manifest(path, shards, *, relative: bool = True) -> dict:
         require_whole_sets([(p, ShardIdentity.of(s.metadata).shard_set) for p, s in opened],
                            source=selection.source, selected_by=selection.kind)
         members.extend(opened)
-    document = manifest_document(path, members, relative=relative)
-    from .publishing import write_bytes
-
-    write_bytes(path, encode_manifest(document))
-    return document
+    return manifest_document(path, members, relative=relative)
 
 
 # --------------------------------------------------------------------------- dataset

@@ -9,7 +9,7 @@ In this order:
   :class:`~megatron_sft_idx.reader.MMapIndexedDataset` (its source reads blocks), several as a
   :class:`~megatron_sft_idx.multi.MultiShardDataset`;
 * a local shard prefix of this format (``P.idx`` exists) -> :class:`MMapIndexedDataset`;
-* a manifest (``*.json`` written by :func:`~megatron_sft_idx.multi.write_manifest`)
+* a manifest (``*.json`` written by :func:`~megatron_sft_idx.publishing.write_manifest`)
   -> :class:`MultiShardDataset`;
 * Megatron-Bridge's legacy packed ``.npy``, then packed Parquet (a file, a directory of
   ``*.parquet`` or a glob) -> :class:`~megatron_sft_idx.packed.FlatPackedSource`

@@ -50,7 +50,8 @@ from .storage._url import ObjectURL, is_remote
 
 __all__ = ["LocalDestination", "destination_for", "commit_shard", "commit_staged", "remove_shard",
            "existing_shard", "refuse_existing", "upload_shard", "publish_shard", "publish", "local_files",
-           "StagedShard", "StagedSet", "publish_set", "manifest_bytes", "write_bytes", "upload_file"]
+           "StagedShard", "StagedSet", "publish_set", "manifest_bytes", "write_bytes", "write_manifest",
+           "upload_file"]
 
 
 # --------------------------------------------------------------------------- destinations
@@ -342,6 +343,25 @@ def manifest_bytes(path: str, shards: Sequence[Tuple[str, str]]) -> bytes:
 
     members = [(final, MMapIndexedDataset(local)) for final, local in shards]
     return encode_manifest(manifest_document(path, members, relative=True))
+
+
+def write_manifest(path, shards, *, relative: bool = True) -> dict:
+    """Write a manifest at ``path`` (a local file, or an ``s3://`` / ``msc://`` object) listing
+    ``shards`` (anything :func:`megatron_sft_idx.multi.select_shards` takes, local or URLs):
+    the document of :func:`megatron_sft_idx.multi.manifest_for` (shards that do not agree or do
+    not form whole sets are refused: a manifest a reader would refuse is never written), written
+    whole by :func:`write_bytes` (one PUT for an object). Returns the manifest object.
+
+    Raises:
+        ShardError (any subclass): see :func:`megatron_sft_idx.multi.manifest_for`.
+    """
+    from .manifest import encode_manifest
+    from .multi import manifest_for
+
+    path = os.fspath(path)
+    document = manifest_for(path, shards, relative=relative)
+    write_bytes(path, encode_manifest(document))
+    return document
 
 
 def write_bytes(path: str, data: bytes, config=None) -> None:

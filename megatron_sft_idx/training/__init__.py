@@ -8,8 +8,8 @@ Modules (imported on first use, so importing this package costs nothing):
 * :mod:`.collate` — ``PackedCollator``: Bridge's packed batch, vectorised.
 
 The data sources they read are named here too, from the modules below training that own them:
-``open_packed`` (:mod:`megatron_sft_idx.open`, the one dispatcher), ``MultiShardDataset`` and
-``write_manifest`` (:mod:`megatron_sft_idx.multi`), ``PackSummary`` (:mod:`megatron_sft_idx.packed`),
+``open_packed`` (:mod:`megatron_sft_idx.open`, the one dispatcher), ``MultiShardDataset``
+(:mod:`megatron_sft_idx.multi`), ``write_manifest`` (:mod:`megatron_sft_idx.publishing`), ``PackSummary`` (:mod:`megatron_sft_idx.packed`),
 the legacy ``.npy`` / Parquet readers (:mod:`megatron_sft_idx.legacy`); ``.factory``, ``.multi``,
 ``.manifest`` and ``._sources`` remain as other names of those modules.
 """
@@ -22,7 +22,7 @@ _PUBLIC = {
     "load_parquet": "..legacy",
     "RestrictedUnpickler": "..legacy",
     "MultiShardDataset": "..multi",
-    "write_manifest": "..multi",
+    "write_manifest": "..publishing",
     "read_manifest": "..multi",
     "PackedSFTDataset": ".bridge",
     "build_samples_mapping": ".bridge",

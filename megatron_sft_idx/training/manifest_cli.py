@@ -25,7 +25,7 @@ from typing import List, Optional
 
 from ..errors import ShardError, ShardNotFoundError
 from .._units import plural
-from ..multi import write_manifest
+from ..publishing import write_manifest
 
 log = logging.getLogger("megatron_sft_idx.training.manifest")
 

@@ -19,9 +19,9 @@ import pytest
 from megatron_sft_idx import open_packed
 from megatron_sft_idx.format import ALL_SUFFIXES
 from megatron_sft_idx.gate.cli import main as check_idx
-from megatron_sft_idx.multi import write_manifest
-from shardgen import random_packs, write_shard
-from test_stages import files_of, preprocess
+from megatron_sft_idx.publishing import write_manifest
+from support.shardgen import random_packs, write_shard
+from support.stages import files_of, preprocess
 
 TRAIN = [f"ds_train_{i:06d}" for i in range(3)]
 VALID = ["ds_valid_000000"]

@@ -17,9 +17,9 @@ import pytest
 from megatron_sft_idx import open_packed, publishing
 from megatron_sft_idx._console import TOOLS
 from megatron_sft_idx._console import run as run_tool
-from test_stages import CHAT, TOKENIZER, preprocess
+from support.stages import CHAT, TOKENIZER, preprocess
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +124,7 @@ CASES = [
 
 
 def _local_shard(tmp):
-    from shardgen import random_packs, write_shard
+    from support.shardgen import random_packs, write_shard
 
     prefix = os.path.join(tmp, "loose", "one")
     write_shard(prefix, random_packs(np.random.default_rng(0), 5), vocab_size=1000)
@@ -177,6 +177,7 @@ def test_command_with_an_msc_url(remote, s3, bucket, tmp_path, monkeypatch, caps
     test_command_with_a_url(dict(remote, url="msc://loop/run"), tmp_path, capsys, name, case, argv, outcome)
 
 
+@pytest.mark.subprocess
 def test_sft_idx_check_refuses_a_url_in_one_line(remote, native_lib):
     """The native checker maps local files: a URL is refused before it runs (a subprocess: it
     execs the checker in its own place)."""

@@ -15,9 +15,9 @@ import pytest
 
 from megatron_sft_idx._console import run as run_tool
 from megatron_sft_idx.tools import pack_view
-from test_stages import CHAT, TOKENIZER, preprocess
+from support.stages import CHAT, TOKENIZER, preprocess
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +101,8 @@ def test_write_sft_manifest_help_starts_with_what_it_does(capsys):
     assert "write_manifest" not in out
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_ray_summary_time_includes_the_cluster_start(tmp_path):
     """A run that starts its own one-node cluster reports the start-up seconds on their own and
     counts them in the total (a real Ray cluster, in a subprocess that owns it)."""
