@@ -34,7 +34,10 @@ from megatron_sft_idx.errors import ObjectChangedError, RemoteTimeoutError, Resp
 pytestmark = pytest.mark.timeout(120)
 
 OP = HOSTILE_OPERATION_TIMEOUT
-GRACE = 3.0
+#: What a failing call may take past its operation budget: the failures these tests guard against
+#: are unbounded (a trickled body, a listing that never ends) or ~16 minutes (8 attempts x 120 s),
+#: so a generous grace still tells them apart, and a loaded 2-core machine does not fail the test.
+GRACE = 15.0
 BUCKET = "hostile-reads"
 SUFFIXES = (".bin", ".loss.bin", ".seq.bin", ".seq.idx", ".idx")
 #: Python allocations one failing read may make; the big shard's .bin alone is 23 MiB.
