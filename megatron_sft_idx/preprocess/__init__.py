@@ -25,6 +25,7 @@ _PUBLIC = {
     "Config": ".config",
     "RepackConfig": ".config",
     "PackSettings": ".config",
+    "BalanceSettings": ".config",
     "RunSettings": ".config",
     "TokenizeSettings": ".config",
     "InputError": ".errors",
