@@ -334,6 +334,13 @@ def usage_problem(args) -> str:
         return "--cost-model, --balance-epochs, --balance-seed and --exchange-window shape the order of --balance-for: give it"
     if args.balance_for is not None and getattr(args, "plan_only", None):
         return "--balance-for writes an order beside shards; --plan-only writes none (plan-batches plans one for them)"
+    if args.balance_for is not None:
+        try:
+            balance = balance_settings_of(args)
+            balance.topology()
+            balance.model(1, "stored")
+        except ShardError as exc:
+            return f"--balance-for/--cost-model: {exc}"
     return ""
 
 
