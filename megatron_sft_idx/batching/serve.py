@@ -5,7 +5,9 @@ An order file sits beside the data it was planned for (``preprocess-sft`` / ``re
 manifest ``B.json``. The adapters take an order as an :class:`~.order.Order`, a path, or
 ``"auto"`` (that file, found by name beside the data path). A manifest written with an order
 records it (:data:`MANIFEST_KEY`: the file's name, size and CRC-32, its topology, cost model,
-seed and epochs); an order found beside such a manifest must be that file.
+seed and epochs); an order found beside such a manifest that is not that file (re-planned for
+another topology with ``plan-batches --out``) is served after the checks below, with an
+:class:`OrderRecordWarning` saying so.
 
 Before an order is served, :func:`checked_order` proves it belongs to the data and the run:
 
@@ -27,7 +29,11 @@ from .layout import Topology
 from .order import Order
 
 __all__ = ["ORDER_SUFFIX", "MANIFEST_KEY", "AUTO", "order_path_for", "resolve_order", "checked_order",
-           "order_record"]
+           "order_record", "OrderRecordWarning"]
+
+
+class OrderRecordWarning(UserWarning):
+    """The order beside a manifest is not the one the manifest records (it was re-planned)."""
 
 #: An order's file name beside its data: ``P.order`` for a shard ``P``, ``B.order`` for ``B.json``.
 ORDER_SUFFIX = ".order"
@@ -73,7 +79,8 @@ def resolve_order(spec: OrderSpec, data_path: Optional[str] = None) -> Optional[
 
     Raises:
         ShardError: ``"auto"`` without a local shard prefix or manifest path, no order file there,
-            a file that is not that manifest's order, or an order file that does not parse.
+            or an order file that does not parse. OrderRecordWarning (a warning): the file is
+            not the order the manifest records.
     """
     if spec is None or isinstance(spec, Order):
         return spec
@@ -93,11 +100,14 @@ def resolve_order(spec: OrderSpec, data_path: Optional[str] = None) -> Optional[
     with open(path, "rb") as f:
         data = f.read()
     record = _manifest_record(data_path) if data_path.endswith(".json") else None
+    order = Order.from_bytes(data, path)   # (its own CRCs: a corrupt or truncated file is refused here)
     if record is not None and (record.get("size") != len(data) or record.get("crc32") != zlib.crc32(data)):
-        raise ShardError("the order file beside the manifest is not the order the manifest records", path=path,
-                         field="crc32", expected=record.get("crc32"), actual=zlib.crc32(data),
-                         hint="re-run the preprocessing that wrote the set, or plan-batches --out this file")
-    return Order.from_bytes(data, path)
+        import warnings
+
+        warnings.warn(f"{path}: not the order {data_path} records (CRC-32 {zlib.crc32(data)}, recorded "
+                      f"{record.get('crc32')}): it was re-planned since; it is served once its seed and pack "
+                      "costs check against the data", OrderRecordWarning, stacklevel=2)
+    return order
 
 
 def checked_order(order: Order, source, *, seed: int, topology: Optional[Topology] = None,

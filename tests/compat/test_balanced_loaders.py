@@ -25,6 +25,7 @@ from megatron.training.datasets.data_samplers import MegatronPretrainingSampler
 
 from megatron_sft_idx.batching import Order, Topology
 from megatron_sft_idx.batching.layout import where
+from megatron_sft_idx.batching.serve import OrderRecordWarning
 from megatron_sft_idx.errors import ShardError
 from megatron_sft_idx.open import open_packed
 from megatron_sft_idx.preprocess import Config, RepackConfig, run
@@ -124,17 +125,27 @@ def test_the_provider_refuses_a_reshuffling_loader(data, kind):
         provider.build_datasets(build_context(NUM_SAMPLES))
 
 
-def test_bridge_refuses_another_seed_and_a_tampered_order(data, tmp_path):
+def test_bridge_refuses_another_seed_and_notes_a_replanned_order(data, tmp_path):
     with pytest.raises(ShardError, match="another data seed"):
         PackedSFTDatasetProvider(train_path=data["manifest"], seq_length=256, seed=1234, balanced_order="auto",
                                  dataloader_type="single").build_datasets(build_context(NUM_SAMPLES))
     order_path = data["manifest"][:-len(".json")] + ".order"
     original = open(order_path, "rb").read()
-    try:   # a valid order file, but not the one the manifest records
+    try:   # a valid order of these packs, but not the one the manifest records: served, with a warning
         other = Order.load(order_path)
         other.stats = {"note": "replanned"}
         other.save(order_path)
-        with pytest.raises(ShardError, match="not the order the manifest records"):
+        with pytest.warns(OrderRecordWarning, match="re-planned"):
+            train = PackedSFTDatasetProvider(train_path=data["manifest"], seq_length=256, seed=SEED,
+                                             balanced_order="auto", dataloader_type="single").build_datasets(
+                build_context(NUM_SAMPLES))[0]
+        np.testing.assert_array_equal(train.samples_mapping, other.sample_index(NUM_SAMPLES))
+        with open(order_path, "r+b") as f:   # a corrupt one: refused by its own CRCs
+            f.seek(100)
+            byte = f.read(1)
+            f.seek(100)
+            f.write(bytes([byte[0] ^ 1]))
+        with pytest.raises(ShardError, match="CRC-32 mismatch"):
             PackedSFTDatasetProvider(train_path=data["manifest"], seq_length=256, seed=SEED, balanced_order="auto",
                                      dataloader_type="single").build_datasets(build_context(NUM_SAMPLES))
     finally:
