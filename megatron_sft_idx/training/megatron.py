@@ -36,7 +36,10 @@ The sample order is a deterministic function of the config: each epoch of the
 split's packs is a permutation drawn from ``RandomState(random_seed)`` (or the
 split in order with ``shuffle=False``), cached under ``path_to_cache`` as
 upstream caches its indices, so samples after ``consumed_samples = k`` are the
-same in a restarted run.
+same in a restarted run. With ``pack_order_file`` (a balanced order, docs/BATCHING.md)
+the train split's samples are the order's positions instead: each step keeps the packs
+this shuffle gives it, dealt so that the data-parallel ranks' shares cost the same
+(:func:`balanced_order` says what is refused first).
 """
 
 from __future__ import annotations
