@@ -342,6 +342,11 @@ class SFTIndexedDataset(MegatronDataset):
         if n == 0 or count == 0:
             return np.empty(0, dtype=np.int64)
         if self._balanced is not None:  # the split is the whole dataset: sample j of epoch e is pack j
+            if count > self._balanced.epochs * n:
+                raise ShardError(f"{count} train samples need {-(-count // n)} epochs of the balanced order; it "
+                                 f"holds {self._balanced.epochs}", path=self.dataset_path, field="pack_order_file",
+                                 expected=f">= {-(-count // n)} epochs", actual=self._balanced.epochs,
+                                 hint="plan more epochs (--balance-epochs, plan-batches --epochs)")
             return self._balanced.sample_index(count)
         epochs = -(-count // n)
         rng = np.random.RandomState(self.config.random_seed)

@@ -144,3 +144,10 @@ def test_a_topology_mismatch_warns_and_still_serves_the_order(data):
         train = build(data["prefix"], data_parallel_size=8, global_batch_size=32)[0]
     order = Order.load(data["prefix"] + ".order")
     np.testing.assert_array_equal(np.asarray(train.sample_index), order.sample_index(40))
+
+
+def test_more_samples_than_the_order_holds_are_refused(data):
+    n = Order.load(data["prefix"] + ".order").num_packs
+    with pytest.raises(ShardError, match="need 4 epochs of the balanced order; it holds 3") as info:
+        build(data["prefix"], sizes=(3 * n + 1, 0, 0))
+    assert "--balance-epochs" in str(info.value)
