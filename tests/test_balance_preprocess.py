@@ -139,3 +139,11 @@ def test_the_balance_flags_fill_the_same_settings_for_both_commands():
     # the defaults are the flags' defaults, and flat keywords reach the group
     assert _config(build_parser().parse_args(pre_args)).balance == Config(["a"], "o").balance == BalanceSettings()
     assert RepackConfig("/s", "/o", balance_for=(2, 1, 4)).balance == BalanceSettings(balance_for=(2, 1, 4))
+
+
+def test_fewer_packs_than_a_global_batch_still_write_a_valid_order(tmp_path):
+    prefix = str(tmp_path / "tiny")
+    assert pre(tmp_path, prefix, "--balance-for", "64,1,4096") == 0
+    order = Order.load(prefix + ".order")
+    assert order.stats["balanced"] == {"steps": 0, "packs_per_rank": 64}
+    assert sorted(order.permutation(0).tolist()) == list(range(len(MMapIndexedDataset(prefix))))

@@ -453,9 +453,13 @@ class _Run:
         orders = stage_orders(self.job, shards, located, staged.manifests)
         self.times["balance"] = time.perf_counter() - t
         for o in orders:
+            before, after = o.order.stats["shuffle"], o.order.stats["balanced"]
+            if not after.get("steps"):
+                log.warning("balance: %s holds fewer packs than one global batch of %s: nothing to balance",
+                            o.final, o.order.topology.describe())
+                continue
             log.info("balance: %s for %s, predicted straggler overhead %.2f %% -> %.2f %% (mean)", o.final,
-                     o.order.topology.describe(), 100 * o.order.stats["shuffle"]["mean"],
-                     100 * o.order.stats["balanced"]["mean"])
+                     o.order.topology.describe(), 100 * before["mean"], 100 * after["mean"])
         return replace(staged, orders=tuple(orders))
 
     def _publish(self, staged: StagedSet, published: set, books: Dict[str, ReceiptBook]) -> None:
