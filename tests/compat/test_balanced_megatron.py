@@ -151,3 +151,16 @@ def test_more_samples_than_the_order_holds_are_refused(data):
     with pytest.raises(ShardError, match="need 4 epochs of the balanced order; it holds 3") as info:
         build(data["prefix"], sizes=(3 * n + 1, 0, 0))
     assert "--balance-epochs" in str(info.value)
+
+
+def test_per_split_paths_balance_the_train_split_and_shuffle_the_validation_split(data):
+    cfg = M.SFTIndexedDatasetConfig(random_seed=SEED, sequence_length=256, blend=None,
+                                    blend_per_split=M.parse_per_split_data_path(data["prefix"], data["other"]),
+                                    split=None, path_to_cache=None, tokenizer=None, pack_order_file="auto",
+                                    data_parallel_size=DP, micro_batch_size=MBS, global_batch_size=GBS)
+    train, valid, _ = BlendedMegatronDatasetBuilder(M.SFTIndexedDataset, [40, 20, 0], lambda: True, cfg).build()
+    np.testing.assert_array_equal(np.asarray(train.sample_index), Order.load(data["prefix"] + ".order").sample_index(40))
+    n = len(MMapIndexedDataset(data["other"]))
+    expected = np.random.RandomState(SEED).permutation(n)[:20]   # the ordinary shuffle, no order beside it needed
+    np.testing.assert_array_equal(np.asarray(valid.sample_index), expected)
+    assert "pack_order_file" not in valid.unique_identifiers
