@@ -376,7 +376,8 @@ class StagedOrder:
     final: str                 # where it goes (``P.order`` / ``BASE.order``)
     data: bytes                # the order file's bytes
     manifest: Optional[str]    # the manifest that records it (None: beside a single shard)
-    order: object              # the :class:`~megatron_sft_idx.batching.Order` (for the record)
+    record: dict               # what that manifest records of it (``batching.serve.order_record``)
+    order: object = None       # the :class:`~megatron_sft_idx.batching.Order` itself (for the run's log)
 
 
 @dataclass(frozen=True)
@@ -444,9 +445,7 @@ def publish_set(staged: StagedSet, replaced: Sequence[str], *, done: Iterable[in
         step(order.final, "write the pack order", lambda: _put_bytes(destination, order.final, order.data, remote,
                                                                   staged.shards[0].staged))
         if order.manifest is not None:
-            from .batching.serve import order_record
-
-            records[order.manifest] = order_record(order.order, _base_name(order.final), len(order.data))
+            records[order.manifest] = order.record
     local_copy = {s.final: s.staged if remote else s.final for s in staged.shards}
     for path, finals in staged.manifests:
         data = manifest_bytes(path, [(f, local_copy[f]) for f in finals], records.get(path))

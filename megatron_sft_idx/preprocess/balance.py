@@ -44,7 +44,7 @@ def stage_orders(job: PackJob, shards: Sequence, located: Sequence, manifests: S
         return []
     from ..batching.balance import plan_order
     from ..batching.cost import shard_pack_costs
-    from ..batching.serve import order_path_for
+    from ..batching.serve import order_path_for, order_record
     from ..reader import MMapIndexedDataset
 
     model = balance.model(job.settings.pad_multiple, job.settings.pad_layout)
@@ -61,6 +61,7 @@ def stage_orders(job: PackJob, shards: Sequence, located: Sequence, manifests: S
                   "packs": [len(p) for p in parts]}
         order = plan_order(costs, topology, model, seed=seed, epochs=balance.balance_epochs,
                            exchange_window=balance.exchange_window, source=source)
-        out.append(StagedOrder(order_path_for(data_path), order.to_bytes(),
-                               data_path if data_path in by_manifest.values() else None, order))
+        data, final = order.to_bytes(), order_path_for(data_path)
+        manifest = data_path if data_path in by_manifest.values() else None
+        out.append(StagedOrder(final, data, manifest, order_record(order, os.path.basename(final), len(data)), order))
     return out

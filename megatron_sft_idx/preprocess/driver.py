@@ -48,10 +48,10 @@ from .._units import human_bytes, plural
 from ..errors import OutputError, ShardError
 from ..format import PUBLISH_ORDER
 from . import outputs
+from .balance import stage_orders
 from .checks import checks_schema, run_gate, verify_count, verify_masks
 from .config import Config, PackJob, RepackConfig
 from .engines import make_engine
-from .balance import stage_orders
 from .errors import output_error
 from .materialize import MaterializeStep, OutputShard, materialize_schema, output_shards, resumed_shards
 from .partitions import Partition, sha256_file
