@@ -171,6 +171,11 @@ def _balanced_mapping(spec, source, data_path, max_num_samples, seed, order, top
     checked_order(resolved, source, seed=seed, topology=topology,
                   path=data_path if isinstance(spec, str) and spec == "auto" else None)
     count = resolved.num_packs if max_num_samples is None else int(max_num_samples)
+    if count > resolved.epochs * resolved.num_packs:
+        need = -(-count // max(1, resolved.num_packs))
+        raise ShardError(f"{count} samples need {need} epochs of the balanced order; it holds {resolved.epochs}",
+                         path=data_path, field="balanced_order", expected=f">= {need} epochs",
+                         actual=resolved.epochs, hint="plan more epochs (--balance-epochs, plan-batches --epochs)")
     mapping = resolved.sample_index(count)
     mapping.flags.writeable = False
     return mapping

@@ -151,3 +151,11 @@ def test_bridge_refuses_another_seed_and_notes_a_replanned_order(data, tmp_path)
     finally:
         with open(order_path, "wb") as f:
             f.write(original)
+
+
+def test_bridge_refuses_more_samples_than_the_order_holds(data):
+    n = data["order"].num_packs
+    with pytest.raises(ShardError, match="need 3 epochs of the balanced order; it holds 2") as info:
+        PackedSFTDatasetProvider(train_path=data["manifest"], seq_length=256, seed=SEED, balanced_order="auto",
+                                 dataloader_type="single").build_datasets(build_context(2 * n + 1))
+    assert "--balance-epochs" in str(info.value)
