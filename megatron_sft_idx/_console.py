@@ -41,7 +41,7 @@ TOOLS = {
     "convert-packed": Tool("megatron_sft_idx.tools.convert_cli:main", None, ()),
     "inspect-idx": Tool("megatron_sft_idx.tools.inspect_cli:main", None, ()),
     # Reads shard indexes only; --plot checks the 'tools' extra where used.
-    "plan-batches": Tool("megatron_sft_idx.batching.cli:main", None, ()),
+    "plan-batches": Tool("megatron_sft_idx.tools.plan_batches_cli:main", None, ()),
 }
 
 

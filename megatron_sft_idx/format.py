@@ -97,6 +97,9 @@ SFT_SUFFIXES = (LOSS_SUFFIX, SEQ_IDX_SUFFIX, SEQ_BIN_SUFFIX)
 ALL_SUFFIXES = (BIN_SUFFIX, IDX_SUFFIX) + SFT_SUFFIXES
 #: Order in which the builder publishes: .idx last, because every reader needs it.
 PUBLISH_ORDER = (BIN_SUFFIX, LOSS_SUFFIX, SEQ_BIN_SUFFIX, SEQ_IDX_SUFFIX, IDX_SUFFIX)
+#: Not a shard file: a balanced pack order beside a shard ``P.order`` or a set's manifest
+#: ``B.order`` (``docs/BATCHING.md``; its format in :mod:`megatron_sft_idx.batching.order`).
+ORDER_SUFFIX = ".order"
 #: Files whose size and CRC-32 the metadata records.
 CHECKSUMMED_SUFFIXES = (BIN_SUFFIX, IDX_SUFFIX, LOSS_SUFFIX, SEQ_BIN_SUFFIX)
 

@@ -31,7 +31,9 @@ the field, e.g. ``shards[3].summary.token_count``):
 * across entries: the shards agree (:mod:`megatron_sft_idx.sets`) and form whole sets
   (checked here when every entry has an identity; else by the reader once it has opened them).
 
-Unknown keys are ignored, as in shard metadata.
+Unknown keys are ignored, as in shard metadata. A set written with a balanced pack order records
+it under ``"order"`` (:func:`megatron_sft_idx.batching.serve.order_record`; docs/FORMAT.md): read by
+the adapters' ``"auto"`` order, ignored here.
 
 A manifest is parsed from its bytes (:func:`parse_manifest`), wherever they came from: a local
 file or an object (:func:`load_manifest` reads either, at most :data:`MAX_MANIFEST_BYTES`). It is

@@ -23,8 +23,10 @@ a staged shard is left where it stopped, and a rerun finishes it (:func:`commit_
 
 **A set** (:func:`publish_set`, :func:`publish`): its manifests are removed before the first
 shard is touched, the old outputs it replaces are removed (every ``.idx`` before any other
-file), each shard is committed, and the manifests are written last -- the set's commit point,
-so a reader of the set sees the whole previous set, no set, or the whole new set.
+file), each shard is committed, then its balanced pack orders (``--balance-for``: derived
+files beside the data, each written whole, atomically), and the manifests are written last --
+the set's commit point, recording its order -- so a reader of the set sees the whole previous
+set, no set, or the whole new set.
 
 **An existing output** is refused by :func:`refuse_existing`, one message for every door.
 
@@ -50,8 +52,8 @@ from .storage._url import ObjectURL, is_remote
 
 __all__ = ["LocalDestination", "destination_for", "commit_shard", "commit_staged", "remove_shard",
            "existing_shard", "refuse_existing", "upload_shard", "publish_shard", "publish", "local_files",
-           "StagedShard", "StagedSet", "publish_set", "manifest_bytes", "write_bytes", "write_manifest",
-           "upload_file"]
+           "StagedShard", "StagedSet", "StagedOrder", "publish_set", "manifest_bytes", "write_bytes",
+           "write_manifest", "upload_file"]
 
 
 # --------------------------------------------------------------------------- destinations
@@ -330,9 +332,10 @@ def publish(source: Union[str, Sequence[str]], dest, *, replace: bool = False, l
     return targets
 
 
-def manifest_bytes(path: str, shards: Sequence[Tuple[str, str]]) -> bytes:
+def manifest_bytes(path: str, shards: Sequence[Tuple[str, str]], order: Optional[dict] = None) -> bytes:
     """The manifest ``path`` (local or a URL) of published shards ``(final, local copy)``: entries
-    from the local copies' headers, prefixes as the finals relative to the manifest.
+    from the local copies' headers, prefixes as the finals relative to the manifest; ``order``
+    (:func:`megatron_sft_idx.batching.serve.order_record`) recorded under ``"order"``.
 
     Raises:
         ShardError: a local copy does not open; IncompatibleShardsError, ShardSetError: the
@@ -342,7 +345,10 @@ def manifest_bytes(path: str, shards: Sequence[Tuple[str, str]]) -> bytes:
     from .reader import MMapIndexedDataset
 
     members = [(final, MMapIndexedDataset(local)) for final, local in shards]
-    return encode_manifest(manifest_document(path, members, relative=True))
+    document = manifest_document(path, members, relative=True)
+    if order is not None:
+        document["order"] = order
+    return encode_manifest(document)
 
 
 def write_manifest(path, shards, *, relative: bool = True) -> dict:
@@ -384,11 +390,24 @@ class StagedShard:
 
 
 @dataclass(frozen=True)
+class StagedOrder:
+    """A balanced pack order to publish beside its data (``--balance-for``)."""
+
+    final: str                 # where it goes (``P.order`` / ``BASE.order``)
+    data: bytes                # the order file's bytes
+    manifest: Optional[str]    # the manifest that records it (None: beside a single shard)
+    record: dict               # what that manifest records of it (``batching.serve.order_record``)
+    order: object = None       # the :class:`~megatron_sft_idx.batching.Order` itself (for the run's log)
+
+
+@dataclass(frozen=True)
 class StagedSet:
-    """What one run publishes: its shards and, when it writes several, one manifest per split."""
+    """What one run publishes: its shards, when it writes several one manifest per split, and
+    its balanced orders."""
 
     shards: Tuple[StagedShard, ...]
     manifests: Tuple[Tuple[str, Tuple[str, ...]], ...]   # (manifest path, final prefixes it lists)
+    orders: Tuple[StagedOrder, ...] = ()
 
 
 def publish_set(staged: StagedSet, replaced: Sequence[str], *, done: Iterable[int] = (),
@@ -441,9 +460,15 @@ def publish_set(staged: StagedSet, replaced: Sequence[str], *, done: Iterable[in
                 on_commit(i, after)
         if on_shard is not None:
             on_shard()
+    records = {}
+    for order in staged.orders:
+        step(order.final, "write the pack order", lambda: _put_bytes(destination, order.final, order.data, remote,
+                                                                  staged.shards[0].staged))
+        if order.manifest is not None:
+            records[order.manifest] = order.record
     local_copy = {s.final: s.staged if remote else s.final for s in staged.shards}
     for path, finals in staged.manifests:
-        data = manifest_bytes(path, [(f, local_copy[f]) for f in finals])
+        data = manifest_bytes(path, [(f, local_copy[f]) for f in finals], records.get(path))
         if not remote:
             destination.write_bytes(path, data)
             continue
@@ -452,3 +477,18 @@ def publish_set(staged: StagedSet, replaced: Sequence[str], *, done: Iterable[in
         kept = os.path.join(os.path.dirname(local_copy[finals[0]]), ObjectURL.parse(path).name)
         LocalDestination().write_bytes(kept, data)
         step(path, "upload the manifest", lambda: destination.put(kept, path))
+
+
+def _base_name(path: str) -> str:
+    return ObjectURL.parse(path).name if is_remote(path) else os.path.basename(path)
+
+
+def _put_bytes(destination, path: str, data: bytes, remote: bool, staged_prefix: str) -> None:
+    """One small derived file whole: atomically locally; uploaded from a copy beside the staged
+    shards for object storage (one PUT: readers see the old object or the new one)."""
+    if not remote:
+        destination.write_bytes(path, data)
+        return
+    kept = os.path.join(os.path.dirname(staged_prefix), _base_name(path))
+    LocalDestination().write_bytes(kept, data)
+    destination.put(kept, path)

@@ -2,7 +2,7 @@
 """Balance packed shards for a training topology:
 ``tools/plan_batches.py SHARD... --dp N --global-batch-size G [--out X.order] [--plot X.png]``.
 
-Thin wrapper; the CLI lives in :mod:`megatron_sft_idx.batching.cli` (console script ``plan-batches``).
+Thin wrapper; the CLI lives in :mod:`megatron_sft_idx.tools.plan_batches_cli` (console script ``plan-batches``).
 """
 
 import os
@@ -10,7 +10,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_sft_idx.batching.cli import build_parser, main  # noqa: E402
+from megatron_sft_idx.tools.plan_batches_cli import build_parser, main  # noqa: E402
 
 __all__ = ["build_parser", "main"]
 

@@ -9,7 +9,11 @@ Modules (imported on first use; only :mod:`.loaders` needs torch):
 * :mod:`.balance` — ``plan_order`` / ``balanced_permutation``: each step's packs re-dealt among
   its ranks and micro-batches, step membership unchanged;
 * :mod:`.order` — ``Order`` and its strict file (``save`` / ``load``);
+* :mod:`.serve` — ``resolve_order`` (an order by path, or ``"auto"``: the one beside the
+  data) and ``checked_order`` (its seed and pack costs proven against the data and the run);
 * :mod:`.dynamic` — ``plan_dynamic``: NeMo-RL's token-budget micro-batches, from lengths;
+* (``StoreSequences`` and ``sequence_lengths``, a sequence store's verified sequences and their
+  lengths -- no tokens read -- live with the store: :mod:`megatron_sft_idx.preprocess.sequences`);
 * :mod:`.report` — per-step predicted cost per rank, straggler overhead, plot;
 * :mod:`.loaders` — ``OrderedDataset``, ``DynamicBatchSampler``, ``SequenceDataset``,
   ``DynamicCollator`` (torch).
@@ -32,6 +36,8 @@ _PUBLIC = {
     "plan_order": ".balance",
     "Order": ".order",
     "TopologyMismatchWarning": ".order",
+    "resolve_order": ".serve",
+    "checked_order": ".serve",
     "DynamicBatchPlan": ".dynamic",
     "plan_dynamic": ".dynamic",
     "StragglerReport": ".report",

@@ -84,6 +84,8 @@ class Order:
     exchange_window: int = 1
     source: Optional[dict] = None
     stats: dict = field(default_factory=dict)
+    file_crc32: Optional[int] = field(default=None, compare=False)
+    """CRC-32 of the whole file this order was read from or last encoded to (None: neither yet)."""
 
     @property
     def num_packs(self) -> int:
@@ -156,9 +158,8 @@ class Order:
 
     # ------------------------------------------------------------------ file
 
-    def save(self, path) -> None:
-        """Write the order file atomically (temporary name, fsync, rename)."""
-        path = os.fspath(path)
+    def to_bytes(self) -> bytes:
+        """The order file's bytes (module doc); :meth:`save` writes them, :meth:`from_bytes` reads them."""
         n = self.num_packs
         dtype = "int32" if n < 2**31 - 1 else "int64"
         perms = np.ascontiguousarray(self.permutations, dtype=_INDEX_DTYPES[dtype])
@@ -168,20 +169,17 @@ class Order:
         meta_off = cost_off + costs.nbytes
         meta = json.dumps(self._metadata(dtype, perm_off, cost_off), sort_keys=True,
                           separators=(",", ":")).encode()
+        body = b"".join([perms.tobytes(), b"\0" * (cost_off - perm_off - perms.nbytes), costs.tobytes(), meta])
+        head = HEADER.pack(ORDER_MAGIC, ORDER_VERSION[0], ORDER_VERSION[1], 0, meta_off, len(meta),
+                           meta_off + len(meta), b"\0" * 16, zlib.crc32(body), 0)[:_CRC_SPAN]
+        data = head + struct.pack("<I", zlib.crc32(head)) + body
+        self.file_crc32 = zlib.crc32(data)
+        return data
 
-        def write(f) -> None:
-            crc = 0
-            body = [memoryview(perms).cast("B"), b"\0" * (cost_off - perm_off - perms.nbytes),
-                    memoryview(costs).cast("B"), meta]
-            for part in body:
-                crc = zlib.crc32(part, crc)
-            head = HEADER.pack(ORDER_MAGIC, ORDER_VERSION[0], ORDER_VERSION[1], 0, meta_off, len(meta),
-                               meta_off + len(meta), b"\0" * 16, crc, 0)[:_CRC_SPAN]
-            f.write(head + struct.pack("<I", zlib.crc32(head)))
-            for part in body:
-                f.write(part)
-
-        write_file_atomically(path, write)
+    def save(self, path) -> None:
+        """Write the order file atomically (temporary name, fsync, rename)."""
+        data = self.to_bytes()
+        write_file_atomically(os.fspath(path), lambda f: f.write(data))
 
     def _metadata(self, dtype: str, perm_off: int, cost_off: int) -> dict:
         return {"format": ORDER_FORMAT, "num_packs": self.num_packs, "first_epoch": int(self.first_epoch),
@@ -205,6 +203,11 @@ class Order:
                 data = f.read()
         except OSError as exc:
             raise ShardError(f"cannot read the order file ({exc.strerror or exc})", path=path) from None
+        return cls.from_bytes(data, path)
+
+    @classmethod
+    def from_bytes(cls, data: bytes, path: Optional[str] = None) -> "Order":
+        """Parse and verify an order file's bytes (``path`` names it in errors); see :meth:`load`."""
         meta_off, meta_len = _parse_header(data, path)
         try:
             meta = json.loads(data[meta_off:meta_off + meta_len].decode("utf-8"))
@@ -226,7 +229,8 @@ class Order:
                    topology=Topology.from_dict(meta.get("topology"), path=path),
                    cost_model=CostModel.from_dict(meta.get("cost_model"), path=path),
                    first_epoch=fields["first_epoch"], algorithm=fields["algorithm"],
-                   exchange_window=fields["exchange_window"], source=fields["source"], stats=fields["stats"])
+                   exchange_window=fields["exchange_window"], source=fields["source"], stats=fields["stats"],
+                   file_crc32=zlib.crc32(data))
 
 
 def _parse_header(data: bytes, path: str):

@@ -157,8 +157,12 @@ def plot_report(reports: Dict[str, StragglerReport], path: str, title: Optional[
     return path
 
 
-def order_reports(order, epochs: Optional[Sequence[int]] = None) -> Dict[str, StragglerReport]:
-    """``{"shuffle": ..., "balanced": ...}`` reports of an :class:`~.order.Order`'s epochs."""
+def order_reports(order, epochs: Optional[Sequence[int]] = None,
+                  topology: Optional[Topology] = None) -> Dict[str, StragglerReport]:
+    """``{"shuffle": ..., "balanced": ...}`` reports of an :class:`~.order.Order`'s epochs, sliced
+    for ``topology`` (default: the one it was planned for; another shows what a run with that
+    topology would see of it)."""
+    topology = order.topology if topology is None else topology
     from .layout import base_permutation
 
     n = order.num_packs
@@ -169,5 +173,5 @@ def order_reports(order, epochs: Optional[Sequence[int]] = None) -> Dict[str, St
     start = chosen[0] * n if chosen else 0
     base = np.concatenate([base_permutation(n, order.seed, e) for e in chosen]) if chosen else np.empty(0, np.int64)
     ours = np.concatenate([order.permutation(e) for e in chosen]) if chosen else np.empty(0, np.int64)
-    return {"shuffle": straggler_report(base, order.costs, order.topology, start),
-            "balanced": straggler_report(ours, order.costs, order.topology, start)}
+    return {"shuffle": straggler_report(base, order.costs, topology, start),
+            "balanced": straggler_report(ours, order.costs, topology, start)}

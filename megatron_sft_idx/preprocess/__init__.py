@@ -25,10 +25,13 @@ _PUBLIC = {
     "Config": ".config",
     "RepackConfig": ".config",
     "PackSettings": ".config",
+    "BalanceSettings": ".config",
     "RunSettings": ".config",
     "TokenizeSettings": ".config",
     "InputError": ".errors",
     "VirtualPackedDataset": ".virtual",
+    "StoreSequences": ".sequences",
+    "sequence_lengths": ".sequences",
 }
 
 __all__ = list(_PUBLIC)

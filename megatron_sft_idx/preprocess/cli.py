@@ -29,7 +29,7 @@ from .._units import positive_int, size_arg
 from ..errors import ShardError
 from ..packing import ALGORITHMS, DEFAULT_ALGORITHM
 from .chat import LOSS_MODES
-from .config import Config, PackSettings, RepackConfig, RunSettings, TokenizeSettings
+from .config import BalanceSettings, Config, PackSettings, RepackConfig, RunSettings, TokenizeSettings
 from .encode import SPAN_METHODS
 from .engines import ENGINES
 from .fast_tokenizer import BACKENDS
@@ -129,6 +129,41 @@ def add_packing_arguments(p: argparse.ArgumentParser) -> None:
                     help="split each output into PREFIX_000000, ... of at most this many packs (default: one shard)")
     pk.add_argument("--max-shard-bytes", type=size_arg, metavar="SIZE",
                     help="split each output into shards of at most about this size, e.g. 1G (default: one shard)")
+
+
+def _topology(text: str):
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != 3 or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected DP,MBS,GBS (three positive integers), not {text!r}")
+    return values
+
+
+def add_balance_arguments(p: argparse.ArgumentParser) -> None:
+    """The balanced-order flags of both commands (:class:`~.config.BalanceSettings`)."""
+    bl = p.add_argument_group("balanced order (docs/BATCHING.md)")
+    bl.add_argument("--balance-for", type=_topology, metavar="DP,MBS,GBS",
+                    help="also write OUT.order beside the shards: each step's packs dealt to the data-parallel ranks "
+                         "and micro-batches of this topology so they cost the same (default: no order)")
+    bl.add_argument("--cost-model", default="llama3-8b", metavar="PRESET|LINEAR,ATTENTION",
+                    help="price of a pack: a model preset (llama3-8b, llama3-70b, llama3.2-1b, qwen2.5-7b, "
+                         "qwen2.5-72b) or FLOPs per token and per token squared (default: llama3-8b)")
+    bl.add_argument("--balance-epochs", type=positive_int, default=1, metavar="N",
+                    help="epochs the order covers; plan as many as the run trains (default: 1)")
+    bl.add_argument("--balance-seed", type=int, metavar="SEED",
+                    help="the training run's data seed (Megatron-LM --seed, Bridge's dataset seed), which the "
+                         "order must start from (default: --seed)")
+    bl.add_argument("--exchange-window", type=positive_int, default=1, metavar="W",
+                    help="let W neighbouring steps trade packs; above 1 this CHANGES step membership (default: 1)")
+
+
+def balance_settings_of(args) -> BalanceSettings:
+    """The balanced-order flags (:func:`add_balance_arguments`) as settings."""
+    return BalanceSettings(balance_for=args.balance_for, cost_model=args.cost_model,
+                           balance_epochs=args.balance_epochs, balance_seed=args.balance_seed,
+                           exchange_window=args.exchange_window)
 
 
 def add_run_arguments(p: argparse.ArgumentParser, workers_help: str) -> None:
@@ -247,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "spans (auto), or from prefix renders always (prefix) (default: auto)")
     tk.add_argument("--batch-size", type=positive_int, default=256, help="records per worker batch (default: 256)")
     add_packing_arguments(p)
+    add_balance_arguments(p)
     add_run_arguments(p, "worker processes for tokenizing and writing (local engine) (default: 1)")
     return p
 
@@ -278,7 +314,7 @@ def _config(args) -> Config:
         tokenizer_backend=args.tokenizer_backend, span_method=args.span_method, batch_size=args.batch_size,
         partition_bytes=args.partition_bytes, max_record_bytes=args.max_record_bytes)
     return Config(args.input, args.output_prefix, store=args.store, tokenize=tokenize, pack=pack_settings_of(args),
-                  run=run_settings_of(PROG, args))
+                  run=run_settings_of(PROG, args), balance=balance_settings_of(args))
 
 
 def progress_of(prog: str, args) -> Progress:
@@ -293,6 +329,18 @@ def usage_problem(args) -> str:
                 "pass --overlong drop --skip-bad to skip and count overlong ones, or drop --skip-bad")
     if args.verify_masks < 0:
         return "--verify-masks takes a count >= 0"
+    if args.balance_for is None and (args.balance_seed is not None or args.exchange_window != 1
+                                     or args.balance_epochs != 1 or args.cost_model != "llama3-8b"):
+        return "--cost-model, --balance-epochs, --balance-seed and --exchange-window shape the order of --balance-for: give it"
+    if args.balance_for is not None and getattr(args, "plan_only", None):
+        return "--balance-for writes an order beside shards; --plan-only writes none (plan-batches plans one for them)"
+    if args.balance_for is not None:
+        try:
+            balance = balance_settings_of(args)
+            balance.topology()
+            balance.model(1, "stored")
+        except ShardError as exc:
+            return f"--balance-for/--cost-model: {exc}"
     from ..storage._url import local_only
 
     return local_only((flag, getattr(args, flag[2:].replace("-", "_"), None)) for flag in
@@ -387,13 +435,15 @@ def build_repack_parser() -> argparse.ArgumentParser:
                     help="tokenizer for --verify-masks (default: where the store found it)")
     add_staging_argument(io)
     add_packing_arguments(p)
+    add_balance_arguments(p)
     add_run_arguments(p, "worker processes for writing shards (local engine) (default: 1)")
     return p
 
 
 def _repack_config(args) -> RepackConfig:
     return RepackConfig(args.store, args.output_prefix, plan_only=args.plan_only, tokenizer=args.tokenizer,
-                        pack=pack_settings_of(args), run=run_settings_of(REPACK_PROG, args))
+                        pack=pack_settings_of(args), run=run_settings_of(REPACK_PROG, args),
+                        balance=balance_settings_of(args))
 
 
 def repack_main(argv=None) -> int:

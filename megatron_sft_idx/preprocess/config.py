@@ -3,10 +3,11 @@
 Given (one field per flag; the CLI fills them, the API takes them)::
 
     PackSettings      how sequences become packs and shards      preprocess-sft and repack-sft
+    BalanceSettings   the balanced pack order written beside them preprocess-sft and repack-sft
     RunSettings       how the run executes, what it checks       preprocess-sft and repack-sft
     TokenizeSettings  how records become sequences               preprocess-sft
-    Config            inputs, output, --store + the three groups  preprocess-sft
-    RepackConfig      a store, output or --plan-only + pack, run  repack-sft
+    Config            inputs, output, --store + the groups        preprocess-sft
+    RepackConfig      a store, output or --plan-only + pack, balance, run   repack-sft
 
 Resolved once per run, by the driver (:mod:`.driver`)::
 
@@ -85,6 +86,54 @@ class PackSettings:
             max_packs_per_shard=self.max_packs_per_shard, max_shard_bytes=self.max_shard_bytes,
             itemsize=2 if (vocab_size or 0) and vocab_size <= 65536 else 4, pad_layout=self.pad_layout,
             truncated_turn_loss=self.truncated_turn_loss)
+
+
+@dataclass(frozen=True)
+class BalanceSettings:
+    """The balanced pack order a run writes beside its shards (``--balance-for``; docs/BATCHING.md).
+
+    Derived data: it never changes a shard's bytes, and a resumed run plans it again (the same
+    bytes: it is a deterministic function of the packs and these settings).
+    """
+
+    balance_for: Optional[Tuple[int, int, int]] = None   # (DP, micro-batch, global batch); None: no order
+    cost_model: str = "llama3-8b"                         # a preset name, or "LINEAR,ATTENTION" FLOP coefficients
+    balance_epochs: int = 1
+    balance_seed: Optional[int] = None                    # None: --seed (it must be the training data seed)
+    exchange_window: int = 1                              # > 1 CHANGES step membership
+
+    def topology(self):
+        """The :class:`~megatron_sft_idx.batching.Topology` of ``balance_for`` (None without it).
+
+        Raises:
+            ShardError: not a consistent DP, micro-batch, global batch.
+        """
+        if self.balance_for is None:
+            return None
+        from ..batching.layout import Topology
+
+        return Topology(*self.balance_for)
+
+    def model(self, pad_multiple: int, pad_layout: str):
+        """The cost model, pricing each sequence as the kernel sees it in ``pad_layout``.
+
+        Raises:
+            ShardError: an unknown preset, or coefficients that are not two numbers >= 0.
+        """
+        from ..batching.cost import PRESETS, CostModel
+
+        if self.cost_model in PRESETS:
+            return CostModel.from_preset(self.cost_model, pad_multiple=pad_multiple, pad_layout=pad_layout)
+        try:
+            linear, attention = (float(v) for v in self.cost_model.split(","))
+        except ValueError:
+            raise ShardError("--cost-model is a preset or LINEAR,ATTENTION", field="cost_model",
+                             expected=sorted(PRESETS) + ["LINEAR,ATTENTION"], actual=self.cost_model) from None
+        return CostModel(linear, attention, pad_multiple=pad_multiple, pad_layout=pad_layout)
+
+    def to_dict(self) -> Optional[dict]:
+        """What the run key digests (None without ``balance_for``: keys of unbalanced runs are unchanged)."""
+        return None if self.balance_for is None else asdict(self)
 
 
 @dataclass(frozen=True)
@@ -183,13 +232,15 @@ class Config(_Grouped):
     tokenize: TokenizeSettings
     pack: PackSettings
     run: RunSettings
+    balance: BalanceSettings
 
-    _GROUPS = {"tokenize": TokenizeSettings, "pack": PackSettings, "run": RunSettings}
+    _GROUPS = {"tokenize": TokenizeSettings, "pack": PackSettings, "run": RunSettings, "balance": BalanceSettings}
 
     def __init__(self, inputs: Sequence[str], output_prefix: str, *, store: Optional[str] = None,
                  tokenize: Optional[TokenizeSettings] = None, pack: Optional[PackSettings] = None,
-                 run: Optional[RunSettings] = None, **flat) -> None:
-        groups = _compose("Config", self._GROUPS, {"tokenize": tokenize, "pack": pack, "run": run}, flat)
+                 run: Optional[RunSettings] = None, balance: Optional[BalanceSettings] = None, **flat) -> None:
+        groups = _compose("Config", self._GROUPS, {"tokenize": tokenize, "pack": pack, "run": run,
+                                                   "balance": balance}, flat)
         self._set(dict(inputs=inputs, output_prefix=output_prefix, store=store, **groups))
 
 
@@ -208,13 +259,14 @@ class RepackConfig(_Grouped):
     tokenizer: Optional[str]             # for --verify-masks (default: where the store found it)
     pack: PackSettings
     run: RunSettings
+    balance: BalanceSettings
 
-    _GROUPS = {"pack": PackSettings, "run": RunSettings}
+    _GROUPS = {"pack": PackSettings, "run": RunSettings, "balance": BalanceSettings}
 
     def __init__(self, store: str, output_prefix: Optional[str] = None, *, plan_only: Optional[str] = None,
                  tokenizer: Optional[str] = None, pack: Optional[PackSettings] = None,
-                 run: Optional[RunSettings] = None, **flat) -> None:
-        groups = _compose("RepackConfig", self._GROUPS, {"pack": pack, "run": run}, flat)
+                 run: Optional[RunSettings] = None, balance: Optional[BalanceSettings] = None, **flat) -> None:
+        groups = _compose("RepackConfig", self._GROUPS, {"pack": pack, "run": run, "balance": balance}, flat)
         self._set(dict(store=store, output_prefix=output_prefix, plan_only=plan_only, tokenizer=tokenizer,
                        **groups))
 
@@ -283,19 +335,23 @@ class PackJob:
     pad_id: int                          # resolved: --pad-id, else the tokenizer's (or the store's)
     vocab_size: Optional[int]
     tokenizer_path: Optional[str] = None  # for --verify-masks
+    balance: BalanceSettings = BalanceSettings()
 
     @classmethod
     def resolve(cls, output_prefix: Optional[str], pack: PackSettings, run: RunSettings,
                 vocab_size: Optional[int], default_pad_id: Optional[int],
-                tokenizer_path: Optional[str] = None) -> "PackJob":
+                tokenizer_path: Optional[str] = None, balance: Optional[BalanceSettings] = None) -> "PackJob":
         """Resolve the pad id (``pack.pad_id``, else ``default_pad_id``) and the plan settings.
 
         Raises:
             ShardError: no usable pad id; a padding multiple above the pack size.
         """
         pad_id = check_pad_id(pack.pad_id if pack.pad_id is not None else default_pad_id, vocab_size)
+        balance = balance or BalanceSettings()
+        balance.topology()   # (refused now, not after the shards are written)
+        balance.model(1, "stored")
         return cls(output_prefix or "", pack, run, pack.plan_settings(vocab_size), pad_id, vocab_size,
-                   tokenizer_path)
+                   tokenizer_path, balance)
 
     @property
     def parallelism(self) -> Tuple[int, int, bool]:
@@ -308,5 +364,5 @@ class PackJob:
                 for s in self.settings.split_names]
 
 
-__all__ = ["PackSettings", "RunSettings", "TokenizeSettings", "Config", "RepackConfig", "PlanSettings",
+__all__ = ["PackSettings", "BalanceSettings", "RunSettings", "TokenizeSettings", "Config", "RepackConfig", "PlanSettings",
            "PackJob", "check_pad_id", "SPLIT_NAMES"]

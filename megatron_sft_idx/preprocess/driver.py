@@ -48,6 +48,7 @@ from .._units import human_bytes, plural
 from ..errors import OutputError, ShardError
 from ..format import PUBLISH_ORDER
 from . import outputs
+from .balance import stage_orders
 from .checks import checks_schema, run_gate, verify_count, verify_masks
 from .config import Config, PackJob, RepackConfig
 from .engines import make_engine
@@ -81,7 +82,7 @@ def run(cfg: Config) -> dict:
     t = time.perf_counter()
     inputs = resolve_inputs(cfg)
     job = PackJob.resolve(cfg.output_prefix, cfg.pack, cfg.run, inputs.options.vocab_size, inputs.pad_id,
-                          inputs.options.tokenizer_path)
+                          inputs.options.tokenizer_path, cfg.balance)
     store_dir = os.path.abspath(cfg.store) if cfg.store else None
     key = settings_key({"job": _job_key(job), "tokenizer": inputs.tokenizer, "encode": inputs.options.to_dict(),
                         "inputs": inputs.paths, "partition_bytes": cfg.tokenize.partition_bytes,
@@ -109,7 +110,7 @@ def repack(cfg: RepackConfig) -> dict:
     t = time.perf_counter()
     store = SequenceStore(cfg.store)
     job = PackJob.resolve(cfg.output_prefix, cfg.pack, cfg.run, store.vocab_size,
-                          (store.tokenizer or {}).get("pad_id"), cfg.tokenizer or store.tokenizer_path)
+                          (store.tokenizer or {}).get("pad_id"), cfg.tokenizer or store.tokenizer_path, cfg.balance)
     if cfg.plan_only:
         return plan_only(store, job, cfg.plan_only)
     key = settings_key({"store_id": store.store_id, "job": _job_key(job)})
@@ -148,8 +149,11 @@ def plan_only(store: SequenceStore, job: PackJob, path: str) -> dict:
 
 def _job_key(job: PackJob) -> dict:
     """What of the job the run key digests (the settings as the plan records them, resolved)."""
-    return {"output_prefix": job_output_key(job.output_prefix), "settings": job.settings.to_dict(),
-            "pad_id": job.pad_id, "vocab_size": job.vocab_size, "parallelism": list(job.parallelism)}
+    key = {"output_prefix": job_output_key(job.output_prefix), "settings": job.settings.to_dict(),
+           "pad_id": job.pad_id, "vocab_size": job.vocab_size, "parallelism": list(job.parallelism)}
+    if job.balance.to_dict() is not None:   # (keys of runs without --balance-for are unchanged)
+        key["balance"] = job.balance.to_dict()
+    return key
 
 
 def prove_inputs(inputs: Inputs, workers: int) -> Callable[[dict], None]:
@@ -365,14 +369,16 @@ class _Run:
         result = PackResult(plan, [done[u] for u in range(len(shards))], manifests=[p for p, _ in staged.manifests],
                             times=self.times, resumed=self.resumed, engine=self.engine.describe(),
                             kept_store=self.kept_store)
+        moved = set() if is_remote(self.job.output_prefix) else published   # (a local publish moves them)
+        located = [replace(s, staged=s.final) if u in moved else s for u, s in enumerate(shards)]
         checked = books["checks"].read(0)
         if checked is None:  # (a resumed publish has passed them already, and moved the staged files)
-            moved = set() if is_remote(self.job.output_prefix) else published   # (a local publish moves them)
-            located = [replace(s, staged=s.final) if u in moved else s for u, s in enumerate(shards)]
             checked = books["checks"].write(0, self._check(store, located))
         elif todo and self.job.run.check:  # units done again after the checks passed: the same gate on them
             run_gate([shards[u].staged for u in todo])
         result.verify, result.gate = checked["verify"], checked["gate"]
+        staged = self._balance(staged, shards, located)
+        result.orders = [o.final for o in staged.orders]
         self._publish(staged, published, books)
         self._commit(store, build_summary(store, self.job, result), staged, result.shards)
 
@@ -441,13 +447,32 @@ class _Run:
             times["check"] = time.perf_counter() - t
         return out
 
+    def _balance(self, staged: StagedSet, shards: Sequence[OutputShard], located: Sequence[OutputShard]) -> StagedSet:
+        """The staged set with its balanced orders (``--balance-for``), planned again on every
+        attempt: derived data, the same bytes from the same packs."""
+        if self.job.balance.balance_for is None:
+            return staged
+        t = time.perf_counter()
+        orders = stage_orders(self.job, shards, located, staged.manifests)
+        self.times["balance"] = time.perf_counter() - t
+        for o in orders:
+            before, after = o.order.stats["shuffle"], o.order.stats["balanced"]
+            if not after.get("steps"):
+                log.warning("balance: %s holds fewer packs than one global batch of %s: nothing to balance",
+                            o.final, o.order.topology.describe())
+                continue
+            log.info("balance: %s for %s, predicted straggler overhead %.2f %% -> %.2f %% (mean)", o.final,
+                     o.order.topology.describe(), 100 * before["mean"], 100 * after["mean"])
+        return replace(staged, orders=tuple(orders))
+
     def _publish(self, staged: StagedSet, published: set, books: Dict[str, ReceiptBook]) -> None:
         """Record the intent (every file the run owns, before any final name is touched: a resumed
         publish may replace them), then publish the set; files an earlier attempt published that
         this one does not write again are removed with the replaced outputs."""
         t = time.perf_counter()
         self.resumed["publish"] = len(published)
-        finals = {s.final + x for s in staged.shards for x in PUBLISH_ORDER} | {path for path, _ in staged.manifests}
+        finals = ({s.final + x for s in staged.shards for x in PUBLISH_ORDER} | {path for path, _ in staged.manifests}
+                  | {o.final for o in staged.orders})
         books["intent"].write(0, {"files": sorted(finals | set(self.owned))})
         written = {outputs.normal_path(p) for p in finals}
         mine = {outputs.normal_path(p) for p in self.owned}

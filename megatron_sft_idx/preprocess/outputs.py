@@ -16,7 +16,7 @@ import os
 import re
 from typing import List, Sequence
 
-from ..format import ALL_SUFFIXES
+from ..format import ALL_SUFFIXES, ORDER_SUFFIX
 from ..manifest import MANIFEST_SUFFIX
 from ..publishing import refuse_existing as _refuse
 from ..storage._url import is_remote
@@ -35,8 +35,9 @@ def manifest_path(base: str) -> str:
 
 
 def existing_outputs(bases: Sequence[str]) -> List[str]:
-    """Files of shards already at ``base`` or ``base_NNNNNN``, and manifests ``base.json``, for any base
-    (objects, for bases in object storage: :mod:`.remote_outputs`)."""
+    """Files of shards already at ``base`` or ``base_NNNNNN``, manifests ``base.json`` and balanced
+    orders ``base.order`` / ``base_NNNNNN.order``, for any base (objects, for bases in object
+    storage: :mod:`.remote_outputs`, which lists shards and manifests)."""
     if any(is_remote(b) for b in bases):
         from .remote_outputs import existing_remote_outputs
 
@@ -45,12 +46,12 @@ def existing_outputs(bases: Sequence[str]) -> List[str]:
     for base in bases:
         if os.path.exists(manifest_path(base)):
             found.append(manifest_path(base))
-        for suffix in ALL_SUFFIXES:
+        for suffix in ALL_SUFFIXES + (ORDER_SUFFIX,):
             if os.path.exists(base + suffix):
                 found.append(base + suffix)
         numbered = re.compile(re.escape(os.path.basename(base)) + r"_\d{6}(\.|$)")
         for path in glob.glob(glob.escape(base) + "_" + "[0-9]" * 6 + ".*"):
-            if numbered.match(os.path.basename(path)) and path.endswith(ALL_SUFFIXES):
+            if numbered.match(os.path.basename(path)) and path.endswith(ALL_SUFFIXES + (ORDER_SUFFIX,)):
                 found.append(path)
     return sorted(set(found))
 

@@ -11,6 +11,7 @@ complete and identical (:func:`check_outputs`) makes the resumed run a no-op.
 from __future__ import annotations
 
 import os
+import zlib
 from typing import Dict, List
 
 from ..errors import ShardError
@@ -73,6 +74,8 @@ def record_outputs(staged: StagedSet, receipts: List[dict], work: WorkDir) -> Di
     for path, _ in staged.manifests:
         local = os.path.join(work.staged, os.path.basename(path)) if is_remote(path) else path
         record[path] = [os.path.getsize(local), crc32_file(local)]
+    for order in staged.orders:
+        record[order.final] = [len(order.data), zlib.crc32(order.data)]
     return record
 
 

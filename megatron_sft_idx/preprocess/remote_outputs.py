@@ -30,7 +30,7 @@ import tempfile
 from typing import Dict, List, Optional, Sequence
 
 from ..errors import OutputError, RemoteStorageError, ShardError, ShardNotFoundError
-from ..format import ALL_SUFFIXES
+from ..format import ALL_SUFFIXES, ORDER_SUFFIX
 from ..manifest import MANIFEST_SUFFIX
 from ..storage._url import ObjectURL, is_remote
 from .publish import StagedSet, publish
@@ -113,15 +113,15 @@ def remote_sizes(urls: Sequence[str]) -> Dict[str, int]:
 
 
 def existing_remote_outputs(bases: Sequence[str]) -> List[str]:
-    """Objects of shards already at ``base`` or ``base_NNNNNN`` and manifests ``base.json``,
-    for any base: one LIST per base (the same names :func:`.outputs.existing_outputs` finds
+    """Objects of shards already at ``base`` or ``base_NNNNNN``, manifests ``base.json`` and
+    balanced orders ``base.order``, for any base: one LIST per base (the same names :func:`.outputs.existing_outputs` finds
     on disk).
 
     Raises:
         OutputError: the bucket is missing or unreachable, or credentials are refused (one
             line naming the URL); MissingExtraError: boto3 / multi-storage-client absent.
     """
-    files = "|".join(re.escape(s) for s in (*ALL_SUFFIXES, MANIFEST_SUFFIX))
+    files = "|".join(re.escape(s) for s in (*ALL_SUFFIXES, MANIFEST_SUFFIX, ORDER_SUFFIX))
     ours = re.compile(rf"(_\d{{6}})?({files})")
     found = []
     for base in bases:

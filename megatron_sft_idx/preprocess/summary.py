@@ -24,6 +24,7 @@ class PackResult:
     resumed: Dict[str, int] = field(default_factory=dict)     # units done before, by stage
     engine: dict = field(default_factory=dict)                # the engine's description
     kept_store: Optional[str] = None    # the --store directory (kept for repack-sft), if any
+    orders: List[str] = field(default_factory=list)      # balanced pack orders written (--balance-for)
 
 
 def peak_rss_mib(receipts: List[dict]) -> Dict[str, float]:
@@ -63,7 +64,7 @@ def build_summary(store: SequenceStore, job: PackJob, result: PackResult) -> dic
             "shards": [r["final"] for r in result.shards if _split_of(r) == sp["name"]],
             "packing_efficiency": sp["packing_efficiency"], "bins_over_lower_bound": sp["bins_over_lower_bound"]}
     encode = store.identity["encode"]
-    return {
+    out = {
         "inputs": [{"name": i["name"]} for i in store.inputs],
         "records_read": sum(r["records"] for r in store.receipts),
         "conversations": result.plan["conversations"],
@@ -92,6 +93,9 @@ def build_summary(store: SequenceStore, job: PackJob, result: PackResult) -> dic
         "seconds": {k: round(v, 3) for k, v in result.times.items()},
         "peak_rss_mib": peak_rss_mib(store.receipts + result.shards),
     }
+    if result.orders:   # (summaries of runs without --balance-for are unchanged)
+        out["orders"] = list(result.orders)
+    return out
 
 
 def loss_policy(encode: dict) -> dict:
@@ -151,7 +155,7 @@ def check_summary(doc) -> None:
         shards = split.list("shards")
         if not shards or not all(isinstance(x, str) for x in shards):
             raise split.fail("must be a non-empty list of strings", "shards")
-    for key in ("empty_splits", "manifests"):
+    for key in ("empty_splits", "manifests", "orders"):
         if not all(isinstance(x, str) for x in doc.list(key, default=None) or []):
             raise doc.fail("must be a list of strings", key)
     for key, check in (("verify_masks", check_verify), ("check", check_gate)):
@@ -226,6 +230,8 @@ def format_summary(s: dict) -> str:
         lines.append(f"check               gate passed on {plural(s['check']['shards'], 'shard')}")
     if s.get("manifests"):
         lines.append(f"manifests           {', '.join(s['manifests'])}")
+    if s.get("orders"):
+        lines.append(f"balanced orders     {', '.join(s['orders'])}")
     if s.get("store"):
         lines.append(f"sequence store      {s['store']} (repack with repack-sft --store)")
     resumed = {k: v for k, v in (s.get("resumed_units") or {}).items() if v}

@@ -2,7 +2,9 @@
 
 Modes: a summary (default; ``--plot OUT.png`` also draws its histograms), ``--pack N``
 (one pack with its boundaries and trained spans, detokenized when the recorded tokenizer
-is available), ``--sql "SELECT ... FROM packs"`` (DuckDB over the shards, zero-copy).
+is available), ``--sql "SELECT ... FROM packs"`` (DuckDB over the shards, zero-copy),
+``--order [FILE|auto]`` (a balanced order's straggler report next to the shuffle's:
+:mod:`.order_view`; ``--plot`` draws it).
 Exit status: 0 done; 1 a shard is corrupt or the query failed; 2 usage error, a missing
 shard or a missing optional dependency.
 """
@@ -31,6 +33,15 @@ def build_parser() -> argparse.ArgumentParser:
                       help="run QUERY over the table 'packs' (columns: pack, packed_len, num_sequences, "
                            "trainable_tokens, input_ids, loss_mask, seq_start_id, shard (its prefix), shard_index); "
                            "needs duckdb")
+    mode.add_argument("--order", nargs="?", const="auto", default=None, metavar="FILE|auto",
+                      help="report a balanced pack order for this data next to the shuffled order (default "
+                           "auto: PREFIX.order beside a shard or manifest)")
+    p.add_argument("--dp", type=int, default=None, metavar="N",
+                   help="with --order: data-parallel size to report for (default: the order's)")
+    p.add_argument("--micro-batch-size", type=int, default=None, metavar="N",
+                   help="with --order: packs per micro-batch (default: the order's)")
+    p.add_argument("--global-batch-size", type=int, default=None, metavar="N",
+                   help="with --order: packs per step (default: the order's)")
     p.add_argument("--seq", type=int, default=None, metavar="K", help="with --pack: show only sequence K's text")
     p.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="with --pack: detokenize with this tokenizer directory or tokenizer.json "
@@ -50,7 +61,12 @@ def _usage_problem(args) -> Optional[str]:
     if args.seq is not None and args.pack is None:
         return "--seq needs --pack"
     if args.plot and (args.pack is not None or args.sql):
-        return "--plot draws the summary: use it without --pack/--sql"
+        return "--plot draws the summary (or with --order the order's report): use it without --pack/--sql"
+    topology = (args.dp, args.micro_batch_size, args.global_batch_size)
+    if args.order is None and any(v is not None for v in topology):
+        return "--dp, --micro-batch-size and --global-batch-size go with --order"
+    if any(v is not None and v <= 0 for v in topology):
+        return "--dp, --micro-batch-size and --global-batch-size must be positive"
     for flag in ("max_chars", "max_rows", "bins"):
         if getattr(args, flag) <= 0:
             return f"--{flag.replace('_', '-')} must be positive"
@@ -76,6 +92,14 @@ def _run(args) -> int:
 
     if args.sql:
         return _sql(args)
+    if args.order is not None:
+        from .order_view import format_order_view, order_view
+
+        view = order_view(args.shards, args.order, dp=args.dp, micro_batch_size=args.micro_batch_size,
+                          global_batch_size=args.global_batch_size, plot=args.plot)
+        reports = view.pop("reports")
+        _cli.emit(json.dumps(view, indent=1) if args.json else format_order_view(dict(view, reports=reports)))
+        return _cli.EXIT_OK
     prefixes = resolve_inputs(args.shards)
     if args.pack is not None:
         from .pack_view import describe_pack, format_pack

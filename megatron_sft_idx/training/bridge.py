@@ -91,11 +91,18 @@ class PackedSFTDataset(torch.utils.data.Dataset):
             entries (max/min over all, as Bridge) replace the source's own statistics.
         order: index order of each epoch of the samples mapping (default: a full shuffle;
             :class:`~megatron_sft_idx.locality.BlockLocalOrder` reads a bucket block by block).
+        balanced_order: a balanced order (docs/BATCHING.md) as the samples mapping: an
+            :class:`~megatron_sft_idx.batching.Order`, an order file's path, or ``"auto"`` (the
+            ``P.order`` / ``BASE.order`` beside a one-path ``source``). Checked: its seed is
+            ``seed``, its pack costs are this data's; ``topology`` (a
+            :class:`~megatron_sft_idx.batching.Topology`), when given, warns on a mismatch. It
+            reaches the ranks only through ``dataloader_type="single"``.
 
     Raises:
         ShardError: the source does not open; options contradict its statistics; or it is
             padded for context parallelism in Megatron-LM's ``"stored"`` layout, which
-            Bridge's runtime segments would break.
+            Bridge's runtime segments would break; a balanced order of another seed or other
+            packs, or given with ``order``.
     """
 
     def __init__(self, source, *, max_seq_length: Optional[int] = None, eos_id: Optional[int] = None,
@@ -104,8 +111,10 @@ class PackedSFTDataset(torch.utils.data.Dataset):
                  pad_seq_to_mult: Optional[int] = None, pad_layout: str = PAD_LAYOUT_RUNTIME,
                  pad_cu_seqlens: bool = False, pack_metadata_file_path: Optional[str] = None,
                  return_cu_seqlen: bool = True, answer_only_loss: bool = True,
-                 stats: Optional[BridgePackingStats] = None, order=None) -> None:
+                 stats: Optional[BridgePackingStats] = None, order=None, balanced_order=None,
+                 topology=None) -> None:
         eos = eos_id if eos_id is not None else (pad_id if pad_id is not None else 0)
+        data_path = source if isinstance(source, str) else None
         if isinstance(source, (str, list, tuple)) or hasattr(source, "__fspath__"):
             source = open_packed(source, pad_seq_to_mult=pad_seq_to_mult, pad_layout=pad_layout)
         self.source = source
@@ -120,8 +129,12 @@ class PackedSFTDataset(torch.utils.data.Dataset):
                 field="pad_layout", expected=PAD_LAYOUT_RUNTIME, actual=self.summary.pad_layout,
                 hint="re-run preprocess_sft with --pad-layout runtime for Megatron-Bridge, or pass "
                      "pad_seq_to_mult=1 to train without context parallelism")
-        self.samples_mapping = (None if max_num_samples is None else
-                                build_samples_mapping(len(source), int(max_num_samples), seed, order, source))
+        if balanced_order is not None:
+            self.samples_mapping = _balanced_mapping(balanced_order, source, data_path, max_num_samples, seed,
+                                                     order, topology)
+        else:
+            self.samples_mapping = (None if max_num_samples is None else
+                                    build_samples_mapping(len(source), int(max_num_samples), seed, order, source))
         if pad_cu_seqlens and stats is None:
             stats = (bridge_metadata_stats(pack_metadata_file_path) if pack_metadata_file_path
                      else bridge_stats(source))
@@ -145,6 +158,27 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         if is_padding:
             loss = np.zeros_like(loss)
         return {"input_ids": pack.input_ids, "seq_boundaries": pack.seq_boundaries, "loss_mask": loss}
+
+
+def _balanced_mapping(spec, source, data_path, max_num_samples, seed, order, topology) -> np.ndarray:
+    """The samples mapping of a balanced order (:class:`PackedSFTDataset`'s ``balanced_order``)."""
+    from ..batching.serve import checked_order, resolve_order
+
+    if order is not None:
+        raise ShardError("balanced_order replaces the samples mapping's shuffle: give it without order=",
+                         path=data_path, field="balanced_order")
+    resolved = resolve_order(spec, data_path)
+    checked_order(resolved, source, seed=seed, topology=topology,
+                  path=data_path if isinstance(spec, str) and spec == "auto" else None)
+    count = resolved.num_packs if max_num_samples is None else int(max_num_samples)
+    if count > resolved.epochs * resolved.num_packs:
+        need = -(-count // max(1, resolved.num_packs))
+        raise ShardError(f"{count} samples need {need} epochs of the balanced order; it holds {resolved.epochs}",
+                         path=data_path, field="balanced_order", expected=f">= {need} epochs",
+                         actual=resolved.epochs, hint="plan more epochs (--balance-epochs, plan-batches --epochs)")
+    mapping = resolved.sample_index(count)
+    mapping.flags.writeable = False
+    return mapping
 
 
 def bridge_stats(source) -> BridgePackingStats:
@@ -176,7 +210,8 @@ def bridge_datasets(context, train=None, valid=None, test=None, **options):
 
     ``context`` is Bridge's ``DatasetBuildContext`` (``train_samples``,
     ``valid_samples``, ``test_samples``, ``tokenizer``); each split with a path
-    gets ``max_num_samples`` from it and ``eos_id`` from the tokenizer. With
+    gets ``max_num_samples`` from it and ``eos_id`` from the tokenizer. ``balanced_order``
+    (and ``topology``), when given, apply to the train split alone. With
     ``pad_cu_seqlens`` the statistics are combined over every split given, as Bridge's
     one metadata file for its train and validation packs combines them.
 
@@ -195,8 +230,10 @@ def bridge_datasets(context, train=None, valid=None, test=None, **options):
     splits = [(path, samples) for path, samples in ((train, getattr(context, "train_samples", None)),
                                                     (valid, getattr(context, "valid_samples", None)),
                                                     (test, getattr(context, "test_samples", None)))]
-    out = [None if path is None or not samples else PackedSFTDataset(path, max_num_samples=samples, **options)
-           for path, samples in splits]
+    train_only = {k: options.pop(k) for k in ("balanced_order", "topology") if k in options}
+    out = [None if path is None or not samples else
+           PackedSFTDataset(path, max_num_samples=samples, **options, **(train_only if k == 0 else {}))
+           for k, (path, samples) in enumerate(splits)]
     require_compatible([m for ds in out if ds is not None for m in identities_of(ds.source)],
                        doing="used with the other splits")
     if options.get("pad_cu_seqlens") and "stats" not in options and not options.get("pack_metadata_file_path"):

@@ -146,13 +146,19 @@ class PackedSFTDatasetProvider(_Base):
             with this window) instead of a full shuffle: for shards in object storage.
         dataset_kwargs: any other :class:`PackedSFTDataset` option (``answer_only_loss``,
             ``return_cu_seqlen``, ``pad_seq_length_to_mult``, ``pad_layout``).
+        balanced_order: the train split's samples mapping from a balanced order
+            (docs/BATCHING.md): an order file's path, or ``"auto"`` for the ``P.order`` /
+            ``BASE.order`` that ``--balance-for`` wrote beside ``train_path``. Its seed must be
+            ``seed``; needs ``dataloader_type="single"``. ``dataset_kwargs={"topology":
+            Topology(dp, mbs, gbs)}`` warns when the order was balanced for another one.
         dataloader_type: Bridge's sampler; ``"batch"`` (as Bridge's own SFT config), or
             ``"single"`` for a planned batch order (docs/BATCHING.md). The other loader
             fields are Bridge's ``DataloaderConfig``'s.
 
     Raises:
-        ShardError: ``seq_length`` is not a positive integer (at construction);
-            ``build_datasets`` raises what :func:`bridge_datasets` raises.
+        ShardError: ``seq_length`` is not a positive integer (at construction); a
+            ``balanced_order`` with a ``dataloader_type`` other than ``"single"`` (at construction
+            and at build); ``build_datasets`` raises what :func:`bridge_datasets` raises.
     """
 
     train_path: Paths
@@ -166,6 +172,7 @@ class PackedSFTDatasetProvider(_Base):
     pack_metadata_file_path: Optional[str] = None
     eos_id: Optional[int] = None
     block_local_window: Optional[int] = None
+    balanced_order: Optional[str] = None
     dataset_kwargs: Optional[dict] = None
     dataloader_type: Optional[Literal["single", "cyclic", "batch", "external"]] = "batch"
 
@@ -174,6 +181,15 @@ class PackedSFTDatasetProvider(_Base):
             raise ShardError("seq_length must be a positive integer: Bridge's packed sequence size",
                              field="seq_length", expected="an int > 0", actual=self.seq_length,
                              hint="give cfg.model.seq_length")
+        self._check_loader()
+
+    def _check_loader(self) -> None:
+        if self.balanced_order is not None and self.dataloader_type != "single":
+            raise ShardError(f"a balanced order reaches the ranks only through dataloader_type=\"single\" "
+                             f"(Megatron's MegatronPretrainingSampler reads the dataset in index order); "
+                             f"{self.dataloader_type!r} re-shuffles or hands batching to another sampler",
+                             field="dataloader_type", expected="single", actual=self.dataloader_type,
+                             hint="set dataloader_type=\"single\" and train by iterations, not num_epochs")
 
     @property
     def enable_offline_packing(self) -> bool:
@@ -196,6 +212,7 @@ class PackedSFTDatasetProvider(_Base):
         from ..locality import BlockLocalOrder
         from .bridge import bridge_datasets
 
+        self._check_loader()
         options = dict(self.dataset_kwargs or {})
         options.update(max_seq_length=self.seq_length, seed=self.seed, pad_to_max_length=self.pad_to_max_length,
                        pad_cu_seqlens=self.pad_cu_seqlens, pad_seq_to_mult=self.pad_seq_to_mult,
@@ -204,6 +221,8 @@ class PackedSFTDatasetProvider(_Base):
             options["eos_id"] = self.eos_id
         if self.block_local_window is not None:
             options["order"] = BlockLocalOrder(window=self.block_local_window)
+        if self.balanced_order is not None:
+            options["balanced_order"] = self.balanced_order
         return bridge_datasets(context, train=self.train_path, valid=self.valid_path, test=self.test_path,
                                **options)
 

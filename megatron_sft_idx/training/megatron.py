@@ -36,7 +36,10 @@ The sample order is a deterministic function of the config: each epoch of the
 split's packs is a permutation drawn from ``RandomState(random_seed)`` (or the
 split in order with ``shuffle=False``), cached under ``path_to_cache`` as
 upstream caches its indices, so samples after ``consumed_samples = k`` are the
-same in a restarted run.
+same in a restarted run. With ``pack_order_file`` (a balanced order, docs/BATCHING.md)
+the train split's samples are the order's positions instead: each step keeps the packs
+this shuffle gives it, dealt so that the data-parallel ranks' shares cost the same
+(:func:`balanced_order` says what is refused first).
 """
 
 from __future__ import annotations
@@ -161,6 +164,18 @@ class SFTIndexedDatasetConfig(BlendedMegatronDatasetConfig):
     pack_order: Optional[object] = None
     """Order of each epoch's packs: None is a full shuffle; ``BlockLocalOrder(window)``
     (:mod:`megatron_sft_idx.locality`) fetches each object-storage block once per epoch."""
+
+    pack_order_file: Optional[object] = None
+    """A balanced order for the train split (docs/BATCHING.md): an order file's path, an
+    ``Order``, or ``"auto"``: the ``P.order`` / ``BASE.order`` that ``--balance-for`` wrote beside
+    the data path. The train blend must be that one path, its split the whole dataset."""
+
+    micro_batch_size: Optional[int] = None
+    """With ``global_batch_size`` (and ``data_parallel_size``): the topology a balanced order is
+    checked against (a mismatch warns). Megatron-LM's ``--micro-batch-size``."""
+
+    global_batch_size: Optional[int] = None
+    """Megatron-LM's ``--global-batch-size`` (see ``micro_batch_size``)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -290,6 +305,9 @@ class SFTIndexedDataset(MegatronDataset):
         self.unique_identifiers["shuffle"] = bool(getattr(config, "shuffle", True))
         if getattr(config, "pack_order", None) is not None:
             self.unique_identifiers["pack_order"] = repr(config.pack_order)
+        self._balanced = balanced_order(self, config)
+        if self._balanced is not None:  # another order file, other cache files
+            self.unique_identifiers["pack_order_file"] = self._balanced.file_crc32
         self.unique_description = json.dumps(self.unique_identifiers, indent=4,
                                              default=lambda obj: obj.unique_identifiers)
         self.unique_description_hash = hashlib.md5(self.unique_description.encode("utf-8"),
@@ -297,6 +315,7 @@ class SFTIndexedDataset(MegatronDataset):
         self.pad_token_id = _pad_token(config)
         self._sample_index_path: Optional[str] = None
         self.sample_index = self._build_sample_index()
+        self._balanced = None   # (served through the sample index; workers need not pickle it)
 
     @staticmethod
     def build_low_level_dataset(dataset_path: str, config) -> object:
@@ -322,6 +341,13 @@ class SFTIndexedDataset(MegatronDataset):
         n = len(self.indices)
         if n == 0 or count == 0:
             return np.empty(0, dtype=np.int64)
+        if self._balanced is not None:  # the split is the whole dataset: sample j of epoch e is pack j
+            if count > self._balanced.epochs * n:
+                raise ShardError(f"{count} train samples need {-(-count // n)} epochs of the balanced order; it "
+                                 f"holds {self._balanced.epochs}", path=self.dataset_path, field="pack_order_file",
+                                 expected=f">= {-(-count // n)} epochs", actual=self._balanced.epochs,
+                                 hint="plan more epochs (--balance-epochs, plan-batches --epochs)")
+            return self._balanced.sample_index(count)
         epochs = -(-count // n)
         rng = np.random.RandomState(self.config.random_seed)
         out = np.empty(epochs * n, dtype=np.int64)
@@ -406,6 +432,47 @@ class SFTIndexedDataset(MegatronDataset):
             self.sample_index = np.load(self._sample_index_path, mmap_mode="r", allow_pickle=False)
 
 
+def balanced_order(dataset: "SFTIndexedDataset", config):
+    """The balanced order ``config.pack_order_file`` names for ``dataset``'s train split, checked
+    (:func:`megatron_sft_idx.batching.serve.checked_order`); None without one or for another split.
+
+    Raises:
+        ShardError: a blend, a split that is not the whole dataset, a pack order or ``shuffle=False``
+            besides it, another seed, an order of other packs; TopologyMismatchWarning (a warning):
+            the order was balanced for another DP, micro-batch or global batch size.
+    """
+    spec = getattr(config, "pack_order_file", None)
+    if spec is None or dataset.index_split != Split.train:
+        return None
+    from ..batching.layout import Topology
+    from ..batching.serve import checked_order, resolve_order
+
+    path = dataset.dataset_path
+    train = (config.blend_per_split or [None])[0] if getattr(config, "blend_per_split", None) else config.blend
+    if train is None or len(train[0]) != 1:
+        raise ShardError("a balanced pack order serves one dataset: the train data_path is a blend", path=path,
+                         field="pack_order_file", actual=None if train is None else train[0],
+                         hint="give the train split one shard or manifest (balance a blend's packs as one set: "
+                              "write them with one preprocess run, or plan-batches over the manifest)")
+    n = len(dataset.dataset)
+    if len(dataset.indices) != n or not np.array_equal(dataset.indices, np.arange(n)):
+        raise ShardError("a balanced pack order permutes every pack of the data: the train split must be all of it",
+                         path=path, field="split", actual=getattr(config, "split", None),
+                         hint="use split \"100,0,0\" (or train_data_path), with separate validation data")
+    if getattr(config, "pack_order", None) is not None or not getattr(config, "shuffle", True):
+        raise ShardError("pack_order_file replaces the shuffle: leave pack_order unset and shuffle on", path=path,
+                         field="pack_order_file")
+    order = resolve_order(spec, path)
+    sizes = (getattr(config, "data_parallel_size", None), getattr(config, "micro_batch_size", None),
+             getattr(config, "global_batch_size", None))
+    topology = Topology(*sizes) if all(sizes) else None
+    checked_order(order, dataset.dataset, seed=config.random_seed, topology=topology,
+                  path=path if spec == "auto" else os.fspath(spec) if isinstance(spec, (str, os.PathLike)) else path)
+    if order.file_crc32 is None:
+        order.to_bytes()
+    return order
+
+
 def _layout_pack(pack, seq_len: int, pad: int, path: Optional[str]) -> Dict[str, torch.Tensor]:
     """One pack as Megatron-LM's packed SFT sample at ``seq_len`` (vectorised)."""
     n = pack.input_ids.shape[0]
@@ -443,8 +510,9 @@ def config_from_args(args, tokenizer=None) -> SFTIndexedDatasetConfig:
 
     Reads ``--data-path`` or ``--train/valid/test-data-path``, ``--split``,
     ``--seq-length``, ``--seed``, ``--data-cache-path``, ``--num-dataset-builder-threads``,
-    ``--context-parallel-size``, ``--sequence-parallel`` (with TP size) and
-    ``--mid-level-dataset-surplus`` when present.
+    ``--context-parallel-size``, ``--sequence-parallel`` (with TP size),
+    ``--micro-batch-size``, ``--global-batch-size``, ``--mid-level-dataset-surplus`` and
+    ``pack_order_file`` (an argument a training script adds: a balanced order) when present.
     """
     per_split = [getattr(args, name, None) for name in ("train_data_path", "valid_data_path",
                                                        "test_data_path")]
@@ -467,6 +535,9 @@ def config_from_args(args, tokenizer=None) -> SFTIndexedDatasetConfig:
         sequence_parallel_size=sp,
         hybrid_context_parallel=getattr(args, "hybrid_context_parallel", False),
         data_parallel_size=getattr(args, "data_parallel_size", 1) or 1,
+        micro_batch_size=getattr(args, "micro_batch_size", None),
+        global_batch_size=getattr(args, "global_batch_size", None),
+        pack_order_file=getattr(args, "pack_order_file", None),
         **extra,
     )
 

@@ -9,7 +9,10 @@ every pack (or collated row) it receives, micro-batch by micro-batch:
 * ``bridge_single``: Megatron-Bridge's ``build_pretraining_data_loader(..., "single", ...)`` over
   Bridge-style ``PackedSFTDataset`` (its collate);
 * ``bridge_batch``: the same with ``dataloader_type="batch"`` (Bridge's SFT default), which
-  re-shuffles: the negative control.
+  re-shuffles: the negative control;
+* ``mlm_door``: the Megatron-LM door itself: ``SFTIndexedDataset`` with ``pack_order_file`` (the
+  order file), built by megatron-core's ``BlendedMegatronDatasetBuilder`` in every rank, read by
+  ``MegatronPretrainingSampler``: a CRC-32 of each sample's ``tokens``.
 
 Usage: batching_worker.py OUT ORDER SHARD NUM_SAMPLES CONSUMED MICRO_BATCH GLOBAL_BATCH
 """
@@ -64,6 +67,18 @@ def main(out, order_path, shard, num_samples, consumed, mbs, gbs):
         if kind == "batch":  # one global batch's share at once: split it into micro-batches as Bridge's loop does
             batches = [rows[i:i + mbs] for rows in batches for i in range(0, len(rows), mbs)]
         result[f"bridge_{kind}"] = batches
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron_sft_idx.training import megatron as M
+
+    cfg = M.SFTIndexedDatasetConfig(random_seed=order.seed, sequence_length=64, blend=M.parse_data_path(shard),
+                                    split="100,0,0", path_to_cache=None, tokenizer=None, pack_order_file=order_path,
+                                    data_parallel_size=world, micro_batch_size=mbs, global_batch_size=gbs)
+    train = BlendedMegatronDatasetBuilder(M.SFTIndexedDataset, [num_samples, 0, 0], lambda: True, cfg).build()[0]
+    sampler = MegatronPretrainingSampler(total_samples=len(train), consumed_samples=consumed, micro_batch_size=mbs,
+                                         data_parallel_rank=rank, data_parallel_size=world)
+    loader = torch.utils.data.DataLoader(train, batch_sampler=sampler, num_workers=2, collate_fn=lambda samples: [
+        zlib.crc32(s["tokens"].numpy().tobytes()) for s in samples])
+    result["mlm_door"] = list(loader)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier()

@@ -134,3 +134,17 @@ def test_bridge_single_loader_delivers_the_plan_and_batch_reshuffles(run):
     assert [r["bridge_single"] for r in run["full"]] == expected
     batch = [r["bridge_batch"] for r in run["full"]]
     assert batch != [e[:len(b)] for e, b in zip(expected, batch)]
+
+
+@pytest.mark.slow
+def test_the_megatron_lm_door_delivers_the_plan_in_every_rank(run):
+    """SFTIndexedDataset(pack_order_file=...) built by megatron-core's builder in each of the 4
+    torchrun ranks, read by MegatronPretrainingSampler: each rank's planned packs, from the start
+    and from the resume point."""
+    from megatron_sft_idx.training.megatron import _layout_pack
+
+    ds = MMapIndexedDataset(run["shard"])
+    row = {p: zlib.crc32(_layout_pack(ds[p], 64, 0, None)["tokens"].numpy().tobytes()) for p in range(N_PACKS)}
+    for result, consumed in ((run["full"], 0), (run["resumed"], RESUME_AT)):
+        planned, _ = _planned(run["order"], consumed)
+        assert [r["mlm_door"] for r in result] == [[[row[p] for p in mb] for mb in per_rank] for per_rank in planned]

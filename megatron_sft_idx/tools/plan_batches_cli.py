@@ -11,6 +11,11 @@ order file that training serves (``docs/BATCHING.md``), ``--plot`` draws the ove
 SHARD is a prefix, a directory or glob of shards, or a manifest; several are concatenated in
 the order given (the pack ids the order permutes).
 
+``--dynamic`` plans NeMo-RL-style dynamic micro-batches of unpacked sequences instead (a token
+budget ``--max-tokens-per-microbatch``, widths rounded up to ``--sequence-length-round``), from
+a sequence store (``--store DIR`` of preprocess-sft, its partitions verified first) or shards
+whose every pack is one sequence, and prints per epoch the micro-batch count and the padding.
+
 Exit codes: 0 planned, 1 a shard is corrupt, 2 usage error or nothing found.
 """
 
@@ -28,12 +33,20 @@ PROG = "plan-batches"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .cost import PRESETS
-    from .order import ALGORITHMS
+    from ..batching.cost import PRESETS
+    from ..batching.order import ALGORITHMS
 
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.replace("``", ""),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("shards", nargs="+", help="shard prefixes, directories, globs or manifests")
+    p.add_argument("shards", nargs="*", help="shard prefixes, directories, globs or manifests")
+    dyn = p.add_argument_group("dynamic batching (unpacked sequences)")
+    dyn.add_argument("--dynamic", action="store_true",
+                     help="plan token-budget micro-batches of unpacked sequences (NeMo-RL's) instead of an order")
+    dyn.add_argument("--store", metavar="DIR", help="with --dynamic: a sequence store (preprocess-sft --store DIR)")
+    dyn.add_argument("--max-tokens-per-microbatch", type=int, metavar="N",
+                     help="with --dynamic: rows x padded width of a micro-batch stays within N (required)")
+    dyn.add_argument("--sequence-length-round", type=int, default=1, metavar="N",
+                     help="with --dynamic: round widths up to a multiple of N (default: 1)")
     topo = p.add_argument_group("topology")
     topo.add_argument("--dp", type=int, required=True, help="data-parallel size")
     topo.add_argument("--global-batch-size", type=int, required=True, help="packs per optimizer step")
@@ -62,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cost_model(args, parser):
-    from .cost import CostModel
+    from ..batching.cost import CostModel
 
     if (args.linear is None) != (args.attention is None):
         parser.error("--linear and --attention go together")
@@ -72,19 +85,71 @@ def _cost_model(args, parser):
                                  recompute=args.recompute)
 
 
+def _usage(args, parser) -> None:
+    if args.dynamic:
+        if bool(args.store) == bool(args.shards):
+            parser.error("--dynamic plans from a sequence store (--store DIR) or from shards: give one of them")
+        if args.max_tokens_per_microbatch is None:
+            parser.error("--dynamic needs --max-tokens-per-microbatch")
+        if args.out or args.plot or args.exchange_window != 1 or args.algorithm != "kk":
+            parser.error("--out, --plot, --algorithm and --exchange-window are for balanced orders, not --dynamic")
+    elif args.store or args.max_tokens_per_microbatch is not None or args.sequence_length_round != 1:
+        parser.error("--store, --max-tokens-per-microbatch and --sequence-length-round go with --dynamic")
+    elif not args.shards:
+        parser.error("give the shards to balance")
+
+
+def _dynamic(args) -> int:
+    """``--dynamic``: plan each epoch's dynamic micro-batches and print their statistics."""
+    from ..batching.dynamic import plan_dynamic
+    from ..preprocess.sequences import StoreSequences, sequence_lengths
+
+    try:
+        if args.store:
+            source = StoreSequences(args.store)
+        else:
+            from ..multi import MultiShardDataset
+
+            source = MultiShardDataset.open(args.shards if len(args.shards) > 1 else args.shards[0])
+        lengths = sequence_lengths(source)
+        epochs = [plan_dynamic(lengths, global_batch_size=args.global_batch_size, data_parallel_size=args.dp,
+                               max_tokens_per_microbatch=args.max_tokens_per_microbatch,
+                               sequence_length_round=args.sequence_length_round, seed=args.seed, epoch=e).stats()
+                  for e in range(args.epochs)]
+    except ShardNotFoundError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except ShardError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 1 if exc.path else 2
+    if args.json:
+        print(json.dumps({"sequences": int(lengths.shape[0]), "epochs": epochs}))
+        return 0
+    print(f"{lengths.shape[0]:,} sequences, DP {args.dp}, global batch {args.global_batch_size}, budget "
+          f"{args.max_tokens_per_microbatch:,} tokens, widths rounded to {args.sequence_length_round}:")
+    for e, s in enumerate(epochs):
+        print(f"epoch {e}: {s['steps']:,} steps, {s['microbatches']:,} micro-batches per rank "
+              f"({s['microbatches_per_step_mean']:.2f} per step, max {s['microbatches_per_step_max']}), "
+              f"padding {100 * s['padding_share']:.2f} % of {s['padded_tokens']:,} padded tokens")
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    _usage(args, parser)
     from ..storage._url import local_only
 
-    refusal = local_only([("--out", args.out), ("--plot", args.plot)])
+    refusal = local_only([("--out", args.out), ("--plot", args.plot), ("--store", args.store)])
     if refusal:
         parser.error(refusal)
-    from ..training.multi import MultiShardDataset
-    from .balance import plan_order
-    from .cost import shard_pack_costs
-    from .layout import Topology
-    from .report import format_report, order_reports, plot_report
+    if args.dynamic:
+        return _dynamic(args)
+    from ..multi import MultiShardDataset
+    from ..batching.balance import plan_order
+    from ..batching.cost import shard_pack_costs
+    from ..batching.layout import Topology
+    from ..batching.report import format_report, order_reports, plot_report
 
     try:
         topology = Topology(args.dp, args.micro_batch_size, args.global_batch_size)

@@ -1,0 +1,130 @@
+"""Finding and checking a balanced order for the data a training adapter serves.
+
+An order file sits beside the data it was planned for (``preprocess-sft`` / ``repack-sft
+--balance-for`` write it there): ``P.order`` beside a shard ``P``, ``B.order`` beside a set's
+manifest ``B.json``. The adapters take an order as an :class:`~.order.Order`, a path, or
+``"auto"`` (that file, found by name beside the data path). A manifest written with an order
+records it (:data:`MANIFEST_KEY`: the file's name, size and CRC-32, its topology, cost model,
+seed and epochs); an order found beside such a manifest that is not that file (re-planned for
+another topology with ``plan-batches --out``) is served after the checks below, with an
+:class:`OrderRecordWarning` saying so.
+
+Before an order is served, :func:`checked_order` proves it belongs to the data and the run:
+
+* its seed is the run's data seed (the order starts from the shuffle that seed draws: another
+  seed would be another run's optimisation);
+* every pack's cost, recomputed from the data's index with the order's cost model, is the
+  recorded one (:meth:`~.order.Order.check_costs`): an order of other packs is refused;
+* a topology other than the planned one warns (:class:`~.order.TopologyMismatchWarning`).
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from typing import Optional, Union
+
+from ..errors import ShardError
+from ..format import ORDER_SUFFIX
+from .layout import Topology
+from .order import Order
+
+__all__ = ["ORDER_SUFFIX", "MANIFEST_KEY", "AUTO", "order_path_for", "resolve_order", "checked_order",
+           "order_record", "OrderRecordWarning"]
+
+
+class OrderRecordWarning(UserWarning):
+    """The order beside a manifest is not the one the manifest records (it was re-planned)."""
+
+#: The key under which a manifest records the set's order.
+MANIFEST_KEY = "order"
+#: The order spec that means "the order file beside the data path".
+AUTO = "auto"
+
+OrderSpec = Union[Order, str, os.PathLike, None]
+
+
+def order_path_for(data_path: str) -> str:
+    """Where the order of ``data_path`` (a shard prefix or a manifest ``.json``) lives."""
+    data_path = os.fspath(data_path)
+    if data_path.endswith(".json"):
+        return data_path[:-len(".json")] + ORDER_SUFFIX
+    return data_path + ORDER_SUFFIX
+
+
+def order_record(order: Order, name: str, size: int) -> dict:
+    """What a manifest records of its set's order (``name`` relative to the manifest)."""
+    return {"file": name, "size": int(size), "crc32": int(order.file_crc32), "seed": int(order.seed),
+            "epochs": order.epochs, "first_epoch": order.first_epoch, "topology": order.topology.to_dict(),
+            "cost_model": order.cost_model.to_dict(), "exchange_window": int(order.exchange_window)}
+
+
+def _manifest_record(manifest: str) -> Optional[dict]:
+    import json
+
+    try:
+        with open(manifest, "rb") as f:
+            doc = json.loads(f.read().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None   # the reader of the data refuses a bad manifest, naming it
+    record = doc.get(MANIFEST_KEY) if isinstance(doc, dict) else None
+    return record if isinstance(record, dict) else None
+
+
+def resolve_order(spec: OrderSpec, data_path: Optional[str] = None) -> Optional[Order]:
+    """The :class:`Order` ``spec`` names: an Order as is, a path loaded, ``"auto"`` the order file
+    beside ``data_path`` (checked against the manifest's record when the manifest has one); None
+    for None.
+
+    Raises:
+        ShardError: ``"auto"`` without a local shard prefix or manifest path, no order file there,
+            or an order file that does not parse. OrderRecordWarning (a warning): the file is
+            not the order the manifest records.
+    """
+    if spec is None or isinstance(spec, Order):
+        return spec
+    spec = os.fspath(spec)
+    if spec != AUTO:
+        return Order.load(spec)
+    if not isinstance(data_path, str) or "://" in data_path:
+        raise ShardError("pack order \"auto\" needs one local data path (a shard prefix or a manifest)",
+                         path=str(data_path), field="pack_order_file",
+                         hint="name the order file instead of \"auto\"")
+    path = order_path_for(data_path)
+    if not os.path.isfile(path):
+        raise ShardError("no balanced order beside the data (looked for this file)", path=path,
+                         field="pack_order_file",
+                         hint="write one with preprocess-sft/repack-sft --balance-for or plan-batches --out, "
+                              "or name the order file")
+    with open(path, "rb") as f:
+        data = f.read()
+    record = _manifest_record(data_path) if data_path.endswith(".json") else None
+    order = Order.from_bytes(data, path)   # (its own CRCs: a corrupt or truncated file is refused here)
+    if record is not None and (record.get("size") != len(data) or record.get("crc32") != zlib.crc32(data)):
+        import warnings
+
+        warnings.warn(f"{path}: not the order {data_path} records (CRC-32 {zlib.crc32(data)}, recorded "
+                      f"{record.get('crc32')}): it was re-planned since; it is served once its seed and pack "
+                      "costs check against the data", OrderRecordWarning, stacklevel=2)
+    return order
+
+
+def checked_order(order: Order, source, *, seed: int, topology: Optional[Topology] = None,
+                  path: Optional[str] = None) -> Order:
+    """``order``, once proven to belong to ``source`` and the run (module doc).
+
+    Raises:
+        ShardError: another seed; a pack count or any pack's cost that differs.
+    """
+    from .cost import shard_pack_costs
+
+    where = path or (order.source or {}).get("path")
+    if int(seed) != order.seed:
+        raise ShardError("the balanced order was planned from another data seed than this run's", path=where,
+                         field="seed", expected=order.seed, actual=int(seed),
+                         hint="train with the order's seed (Megatron-LM --seed, Bridge's dataset seed), or "
+                              "re-plan the order with --balance-seed set to the run's seed")
+    order.check_costs(shard_pack_costs(source, order.cost_model), path=where)
+    if topology is not None:
+        order.warn_if_mismatch(topology)
+    return order

@@ -1,0 +1,67 @@
+"""``--balance-for``: the balanced pack order a run publishes beside its shards (docs/BATCHING.md).
+
+For each split the run writes, one order over the split's packs as a reader of the output
+sees them: a single shard's packs, or a set's packs in its manifest's order (the global pack
+index ``open_packed(BASE.json)`` presents, which is what the adapters' ``"auto"`` order and
+``plan-batches BASE.json`` permute). The order is planned from the staged shards' indexes
+(sequence boundaries only, never tokens) after the checks and before the publish, and
+published after the shards and before the manifests, which record it
+(:func:`~megatron_sft_idx.batching.serve.order_record`); the file is ``P.order`` beside a
+single shard ``P``, ``BASE.order`` beside a set's ``BASE.json``
+(:func:`~megatron_sft_idx.batching.serve.order_path_for`).
+
+The order is derived data: the shards' bytes never depend on it, and a resumed run plans it
+again from the same packs and settings (the same bytes).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import List, Sequence
+
+import numpy as np
+
+from ..publishing import StagedOrder
+from .config import PackJob
+
+__all__ = ["stage_orders"]
+
+
+def stage_orders(job: PackJob, shards: Sequence, located: Sequence, manifests: Sequence) -> List[StagedOrder]:
+    """The orders of a run with ``--balance-for`` (none without it), one per split.
+
+    ``shards`` are the run's :class:`~.materialize.OutputShard`\\ s (finals), ``located`` the same
+    with ``staged`` where each one's files are now; ``manifests`` the staged set's
+    ``(manifest path, finals)``, empty when the run writes one shard.
+
+    Raises:
+        ShardError: the topology or cost model is refused (see
+            :class:`~megatron_sft_idx.preprocess.config.BalanceSettings`).
+    """
+    balance = job.balance
+    topology = balance.topology()
+    if topology is None:
+        return []
+    from ..batching.balance import plan_order
+    from ..batching.cost import shard_pack_costs
+    from ..batching.serve import order_path_for, order_record
+    from ..reader import MMapIndexedDataset
+
+    model = balance.model(job.settings.pad_multiple, job.settings.pad_layout)
+    seed = job.pack.seed if balance.balance_seed is None else balance.balance_seed
+    by_manifest = {finals: path for path, finals in manifests}
+    out = []
+    for split in sorted({s.split for s in shards}):
+        mine = [(s.final, where.staged) for s, where in zip(shards, located) if s.split == split]
+        finals = tuple(final for final, _ in mine)
+        data_path = by_manifest.get(finals, finals[0])
+        parts = [MMapIndexedDataset(local) for _, local in mine]
+        costs = np.concatenate([shard_pack_costs(p, model) for p in parts])   # the set's global pack index
+        source = {"path": os.path.basename(data_path), "shards": [os.path.basename(f) for f in finals],
+                  "packs": [len(p) for p in parts]}
+        order = plan_order(costs, topology, model, seed=seed, epochs=balance.balance_epochs,
+                           exchange_window=balance.exchange_window, source=source)
+        data, final = order.to_bytes(), order_path_for(data_path)
+        manifest = data_path if data_path in by_manifest.values() else None
+        out.append(StagedOrder(final, data, manifest, order_record(order, os.path.basename(final), len(data)), order))
+    return out
