@@ -11,6 +11,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional
 
+from ..format import ORDER_SUFFIX
 from ..metadata import ShardSet
 from .codes import CODES, ERROR, INFO, WARNING
 
@@ -182,9 +183,10 @@ class Report:
 
     def format_text(self, verbose: bool = False) -> str:
         blocks = [s.format_text(verbose) for s in self.shards]
-        for m in self.manifests:
-            blocks.append(f"manifest {m['source']} -> {m['promoted']}" if "promoted" in m
-                          else f"manifest {m['source']} left in place: {m['left']}")
+        for m in self.manifests:   # manifests, and the balanced orders that travel with them
+            kind = "order" if m["source"].endswith(ORDER_SUFFIX) else "manifest"
+            blocks.append(f"{kind} {m['source']} -> {m['promoted']}" if "promoted" in m
+                          else f"{kind} {m['source']} left in place: {m['left']}")
         return "\n".join(blocks + [self.verdict_line()])
 
     def verdict_line(self) -> str:
