@@ -43,6 +43,7 @@ import numpy as np
 
 from .._atomic import write_file_atomically
 from ..errors import HeaderError, ShardError, VersionError
+from ..storage._url import is_remote
 from . import _kernels
 from .cost import CostModel
 from .layout import Topology
@@ -64,6 +65,41 @@ ALGORITHMS = ("shuffle", "lpt", "kk")
 
 class TopologyMismatchWarning(UserWarning):
     """An order is used with a topology other than the one it was balanced for."""
+
+
+#: The largest order file read (8 bytes per pack and epoch: 1 GiB is 134M pack-epochs).
+MAX_ORDER_BYTES = 1 << 30
+
+
+def read_file(path: str, limit: int, what: str) -> Optional[bytes]:
+    """The bytes of a local file or an object (read whole, at most ``limit`` bytes); None when
+    there is none.
+
+    Raises:
+        ShardError: larger than ``limit``, or unreadable (RemoteStorageError for objects).
+    """
+    if is_remote(path):
+        from ..storage.discover import read_object
+
+        size, data = read_object(path, limit)
+    else:
+        try:
+            size = os.path.getsize(path)
+            data = None
+            if size <= limit:
+                with open(path, "rb") as f:
+                    data = f.read(limit + 1)
+                size = len(data)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise ShardError(f"cannot read the {what} ({exc.strerror or exc})", path=path) from None
+    if size is None:
+        return None
+    if data is None or len(data) > limit:
+        raise ShardError(f"the {what} is larger than this reader takes", path=path, expected=f"<= {limit} bytes",
+                         actual=size, hint=f"is this the {what}?")
+    return data
 
 
 @dataclass
@@ -191,18 +227,17 @@ class Order:
 
     @classmethod
     def load(cls, path) -> "Order":
-        """Read and verify an order file (module doc). The arrays are read whole (no mapping).
+        """Read and verify an order file, local or an ``s3://`` / ``msc://`` object (module doc). The
+        arrays are read whole (no mapping).
 
         Raises:
             ShardError (HeaderError, VersionError): not an order file, a corrupt or truncated one,
                 an unknown major version, a field of the wrong type, a row that is not a permutation.
         """
         path = os.fspath(path)
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except OSError as exc:
-            raise ShardError(f"cannot read the order file ({exc.strerror or exc})", path=path) from None
+        data = read_file(path, MAX_ORDER_BYTES, "order file")
+        if data is None:
+            raise ShardError("cannot read the order file (no such file or object)", path=path)
         return cls.from_bytes(data, path)
 
     @classmethod

@@ -3,7 +3,8 @@
 An order file sits beside the data it was planned for (``preprocess-sft`` / ``repack-sft
 --balance-for`` write it there): ``P.order`` beside a shard ``P``, ``B.order`` beside a set's
 manifest ``B.json``. The adapters take an order as an :class:`~.order.Order`, a path, or
-``"auto"`` (that file, found by name beside the data path). A manifest written with an order
+``"auto"`` (that file, found by name beside the data path), local or in object storage
+(``s3://`` / ``msc://``: read whole through the storage layer, with its deadlines). A manifest written with an order
 records it (:data:`MANIFEST_KEY`: the file's name, size and CRC-32, its topology, cost model,
 seed and epochs); an order found beside such a manifest that is not that file (re-planned for
 another topology with ``plan-batches --out``) is served after the checks below, with an
@@ -26,8 +27,9 @@ from typing import Optional, Union
 
 from ..errors import ShardError
 from ..format import ORDER_SUFFIX
+from ..manifest import MAX_MANIFEST_BYTES
 from .layout import Topology
-from .order import Order
+from .order import MAX_ORDER_BYTES, Order, read_file
 
 __all__ = ["ORDER_SUFFIX", "MANIFEST_KEY", "AUTO", "order_path_for", "resolve_order", "checked_order",
            "order_record", "OrderRecordWarning"]
@@ -63,9 +65,9 @@ def _manifest_record(manifest: str) -> Optional[dict]:
     import json
 
     try:
-        with open(manifest, "rb") as f:
-            doc = json.loads(f.read().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
+        data = read_file(manifest, MAX_MANIFEST_BYTES, "manifest")
+        doc = json.loads(data.decode("utf-8")) if data is not None else None
+    except (ShardError, UnicodeDecodeError, ValueError):
         return None   # the reader of the data refuses a bad manifest, naming it
     record = doc.get(MANIFEST_KEY) if isinstance(doc, dict) else None
     return record if isinstance(record, dict) else None
@@ -77,8 +79,8 @@ def resolve_order(spec: OrderSpec, data_path: Optional[str] = None) -> Optional[
     for None.
 
     Raises:
-        ShardError: ``"auto"`` without a local shard prefix or manifest path, no order file there,
-            or an order file that does not parse. OrderRecordWarning (a warning): the file is
+        ShardError: ``"auto"`` without one shard prefix or manifest path (local or a URL), no
+            order file there, or an order file that does not parse. OrderRecordWarning (a warning): the file is
             not the order the manifest records.
     """
     if spec is None or isinstance(spec, Order):
@@ -86,18 +88,17 @@ def resolve_order(spec: OrderSpec, data_path: Optional[str] = None) -> Optional[
     spec = os.fspath(spec)
     if spec != AUTO:
         return Order.load(spec)
-    if not isinstance(data_path, str) or "://" in data_path:
-        raise ShardError("pack order \"auto\" needs one local data path (a shard prefix or a manifest)",
+    if not isinstance(data_path, str):
+        raise ShardError("pack order \"auto\" needs one data path (a shard prefix or a manifest)",
                          path=str(data_path), field="pack_order_file",
                          hint="name the order file instead of \"auto\"")
     path = order_path_for(data_path)
-    if not os.path.isfile(path):
+    data = read_file(path, MAX_ORDER_BYTES, "order file")
+    if data is None:
         raise ShardError("no balanced order beside the data (looked for this file)", path=path,
                          field="pack_order_file",
                          hint="write one with preprocess-sft/repack-sft --balance-for or plan-batches --out, "
                               "or name the order file")
-    with open(path, "rb") as f:
-        data = f.read()
     record = _manifest_record(data_path) if data_path.endswith(".json") else None
     order = Order.from_bytes(data, path)   # (its own CRCs: a corrupt or truncated file is refused here)
     if record is not None and (record.get("size") != len(data) or record.get("crc32") != zlib.crc32(data)):

@@ -15,7 +15,9 @@ import shutil
 import pytest
 
 from megatron_sft_idx import open_packed
+from megatron_sft_idx.batching import Order
 from megatron_sft_idx.batching.serve import checked_order, resolve_order
+from megatron_sft_idx.errors import ShardError
 from megatron_sft_idx.gate.cli import main as check_idx
 from support.stages import files_of, preprocess
 
@@ -108,7 +110,7 @@ def test_an_order_at_the_destination_is_not_replaced_without_replace(run, tmp_pa
     assert auto_order(str(dest / "ds_train.json"))
 
 
-def test_a_sets_order_is_uploaded_after_its_shards_and_before_its_manifest(run, bucket, s3):
+def test_a_sets_order_is_uploaded_after_its_shards_and_before_its_manifest_and_read_from_there(run, bucket, s3):
     sets, _ = run
     order_bytes = open(os.path.join(sets, "ds_train.order"), "rb").read()
     dest = f"s3://{bucket}/promoted-orders/"
@@ -121,3 +123,11 @@ def test_a_sets_order_is_uploaded_after_its_shards_and_before_its_manifest(run, 
 
     body = boto3.client("s3").get_object(Bucket=bucket, Key="promoted-orders/ds_train.order")["Body"].read()
     assert body == order_bytes and visible(sets) == []
+    # training from object storage: "auto" finds the order beside the promoted manifest, and a
+    # named order URL loads the same bytes
+    assert auto_order(dest + "ds_train.json").to_bytes() == order_bytes
+    assert Order.load(dest + "ds_train.order").to_bytes() == order_bytes
+    with pytest.raises(ShardError, match="cannot read the order file"):
+        Order.load(dest + "missing.order")
+    with pytest.raises(ShardError, match="no balanced order beside the data"):
+        resolve_order("auto", dest + "ds_train_000000")
