@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="kk (Karmarkar-Karp), lpt, or shuffle (no balancing) (default: kk)")
     plan.add_argument("--exchange-window", type=int, default=1,
                       help="steps whose packs may trade places (default 1; more CHANGES step membership)")
-    p.add_argument("--out", help="write the order file here (*.order)")
+    p.add_argument("--out", help="write the order file here (*.order; a local path or an s3:// / msc:// URL)")
     p.add_argument("--plot", help="draw the per-step overhead into this PNG")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     return p
@@ -138,9 +138,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _usage(args, parser)
-    from ..storage._url import local_only
+    from ..storage._url import is_remote, local_only
 
-    refusal = local_only([("--out", args.out), ("--plot", args.plot), ("--store", args.store)])
+    refusal = local_only([("--plot", args.plot), ("--store", args.store)])
     if refusal:
         parser.error(refusal)
     if args.dynamic:
@@ -166,7 +166,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         order = plan_order(costs, topology, model, seed=args.seed, epochs=args.epochs, algorithm=args.algorithm,
                            exchange_window=args.exchange_window,
                            source={"shards": list(source.prefixes), "packs": [int(c) for c in source.counts]})
-        if args.out:
+        if args.out and is_remote(args.out):   # one PUT, as a manifest is written
+            from ..publishing import write_bytes
+
+            write_bytes(args.out, order.to_bytes())
+        elif args.out:
             order.save(args.out)
     except ShardError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)

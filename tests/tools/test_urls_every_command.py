@@ -16,6 +16,7 @@ import pytest
 
 from megatron_sft_idx import open_packed, publishing
 from megatron_sft_idx._console import TOOLS
+from megatron_sft_idx.batching import Order
 from megatron_sft_idx._console import run as run_tool
 from support.stages import CHAT, TOKENIZER, preprocess
 
@@ -116,7 +117,10 @@ CASES = [
      lambda r, t: [r["url"] + "/ds.json", "--dp", "2", "--global-batch-size", "8", "--out", t + "/o.order"], "works"),
     ("plan-batches", "--out URL",
      lambda r, t: [r["url"] + "/ds.json", "--dp", "2", "--global-batch-size", "8", "--out", f"{r['url']}/o.order"],
-     "refused"),
+     "works"),
+    ("plan-batches", "--store URL",
+     lambda r, t: ["--dynamic", "--store", f"{r['url']}/store", "--max-tokens-per-microbatch", "4096", "--dp", "2",
+                   "--global-batch-size", "8"], "refused"),
     ("plan-batches", "--plot URL",
      lambda r, t: [r["url"] + "/ds.json", "--dp", "2", "--global-batch-size", "8", "--plot", f"{r['url']}/p.png"],
      "refused"),
@@ -158,7 +162,8 @@ def test_command_with_a_url(remote, tmp_path, capsys, name, case, argv, outcome)
         == remote["packs"],
         "convert-packed": lambda: True,
         "inspect-idx": lambda: url in out,
-        "plan-batches": lambda: os.path.getsize(tmp_path / "o.order") > 0,
+        "plan-batches": lambda: (Order.load(f"{url}/o.order").epochs == 1 if "--out URL" in case
+                                 else os.path.getsize(tmp_path / "o.order") > 0),
     }
     assert checks[name](), (out, err)
 
