@@ -17,7 +17,7 @@ import zlib
 import numpy as np
 import pytest
 
-from test_balanced_megatron import tokens_input
+from support.token_inputs import tokens_input
 
 from megatron.bridge.data.samplers import build_pretraining_data_loader
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder

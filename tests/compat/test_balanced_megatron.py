@@ -10,14 +10,13 @@
   an order of other packs, ``shuffle=False`` or a ``pack_order`` beside it; a topology mismatch warns.
 """
 
-import json
 import os
-import random
 
 import numpy as np
 import pytest
 
-from shardgen import random_packs, write_shard
+from support.shardgen import random_packs, write_shard
+from support.token_inputs import tokens_input
 
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 
@@ -28,16 +27,6 @@ from megatron_sft_idx.preprocess import Config, run
 from megatron_sft_idx.training import megatron as M
 
 DP, MBS, GBS, SEED = 4, 1, 16, 1234
-
-
-def tokens_input(path, count=300, seed=0):
-    r = random.Random(seed)
-    with open(path, "w") as f:
-        for _ in range(count):
-            n = r.choice([8, 16, 30, 60, 120, 200])
-            ids = [1] + [r.randrange(3, 49) for _ in range(n - 2)] + [2]
-            f.write(json.dumps({"input_ids": ids, "answer_start_idx": n // 2}) + "\n")
-    return str(path)
 
 
 @pytest.fixture(scope="module")
