@@ -222,8 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "s3://bucket/dir/NAME or msc://profile/dir/NAME uploads them (see --staging-dir)")
     io.add_argument("--input-format", choices=INPUT_FORMATS, default="auto",
                     help="record shape (docs/INPUTS.md); auto detects per record: messages (chat), conversations "
-                         "(sharegpt), input_ids (tokens), the prompt key (prompt), instruction (alpaca) "
-                         "(default: auto)")
+                         "(sharegpt), input_ids (tokens), the prompt key (prompt), instruction (alpaca), query and "
+                         "answers (xlam) (default: auto)")
     io.add_argument("--prompt-key", default="prompt", help="prompt key of prompt/completion records (default: prompt)")
     io.add_argument("--completion-key", default="completion",
                     help="completion key of prompt/completion records (default: completion)")

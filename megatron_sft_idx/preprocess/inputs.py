@@ -161,6 +161,6 @@ def parse_record(raw, path: str, line: int, input_format: str, prompt_key: str, 
     kind = input_format if input_format != "auto" else detect(record, prompt_key)
     if kind is None:
         raise input_error(f"record has none of the keys 'messages', 'conversations', 'instruction', "
-                          f"'input_ids', '{prompt_key}'", path, line, reason="missing_key",
+                          f"'input_ids', '{prompt_key}', 'query'+'answers'", path, line, reason="missing_key",
                           hint="set --input-format/--prompt-key to match the data, or --skip-bad")
     return map_record(kind, record, path, line, schema, detected=input_format == "auto")

@@ -20,6 +20,8 @@ kind          record
 chat          ``{"messages": [...], "tools"?, "functions"?, "system"?}`` (OpenAI / Hugging Face)
 sharegpt      ``{"conversations": [{"from", "value"}...], "system"?, "tools"?}`` (LLaMA-Factory)
 alpaca        ``{"instruction", "input"?, "output", "system"?, "history"?, "tools"?}``
+xlam          ``{"query", "answers", "tools"}`` (xLAM / APIGen function calling: the calls and tools as
+              JSON strings or lists)
 prompt        ``{PROMPT_KEY, COMPLETION_KEY}``: strings, or lists of messages (TRL conversational)
 tokens        ``{"input_ids", "loss_mask" | "answer_start_idx"}``
 ============  ================================================================================
@@ -40,7 +42,7 @@ from typing import Dict, FrozenSet, List, Optional, Tuple
 
 from .errors import input_error
 
-KINDS = ("chat", "sharegpt", "alpaca", "prompt", "tokens")
+KINDS = ("chat", "sharegpt", "alpaca", "xlam", "prompt", "tokens")
 REASONING_TAGS = ("<think>", "</think>")
 
 #: OpenAI / Hugging Face roles -> template roles (``developer`` is OpenAI's newer ``system``;
@@ -64,7 +66,8 @@ _TOOL_CALL_FIELDS = frozenset({"id", "type", "function", "name", "arguments", "i
 #: keys of the other shapes: a record holding them beside its own is ambiguous, not metadata
 _SHAPE_KEYS = {"chat": ("conversations", "instruction", "history"),
                "sharegpt": ("messages", "instruction", "history"),
-               "alpaca": ("messages", "conversations")}
+               "alpaca": ("messages", "conversations"),
+               "xlam": ("messages", "conversations", "instruction")}
 
 
 @dataclass
@@ -140,6 +143,8 @@ def detect(record: dict, prompt_key: str) -> Optional[str]:
                       (prompt_key, "prompt"), ("instruction", "alpaca")):
         if key in record:
             return kind
+    if "query" in record and "answers" in record:
+        return "xlam"
     return None
 
 
@@ -153,8 +158,11 @@ def map_record(kind: str, record: dict, path: str, line: int, opts: SchemaOption
     """
     m = _Mapper(path, line, opts)
     # (a kind named by --input-format is the user's choice; only a detected one can be ambiguous)
-    if detected and kind in _SHAPE_KEYS and any(k in record for k in _SHAPE_KEYS[kind]):
+    if detected and kind in _SHAPE_KEYS and (any(k in record for k in _SHAPE_KEYS[kind])
+                                             or (kind != "xlam" and "answers" in record)):
         other = [k for k in _SHAPE_KEYS[kind] if _present(record.get(k))]
+        if not other and kind != "xlam" and _present(record.get("query")) and _present(record.get("answers")):
+            other = ["answers"]   # the xlam shape's keys beside another shape's
         if other:
             raise m.error(f"record holds '{other[0]}' beside the {kind} shape's keys: which one is meant?",
                           other[0], "ambiguous_record", "give each record one shape (--input-format names it)")
@@ -164,6 +172,8 @@ def map_record(kind: str, record: dict, path: str, line: int, opts: SchemaOption
         return "chat", m.sharegpt(record)
     if kind == "alpaca":
         return "chat", m.alpaca(record)
+    if kind == "xlam":
+        return "chat", m.xlam(record)
     if kind == "tokens":
         return "tokens", token_record(record, path, line)
     return m.prompt(record)
@@ -473,6 +483,23 @@ class _Mapper:
         if not calls:
             raise self.error(f"'{where}' holds no function call", where, "bad_tool_call")
         return [self.tool_call(c, f"{where}[{j}]") for j, c in enumerate(calls)]
+
+    def xlam(self, record: dict) -> Conversation:
+        """xLAM / APIGen function calling (Salesforce's ``xlam-function-calling-60k``): ``query``
+        is the user's request, ``answers`` the assistant's calls (``[{"name", "arguments"}...]``,
+        a JSON string as published, or a list), ``tools`` the functions offered (bare schemas,
+        wrapped as the other shapes' are). A record without calls is refused: xLAM has no reply text."""
+        self.add({"role": "user", "content": self.text(record.get("query"), "query")}, "query")
+        answers = record.get("answers")
+        if isinstance(answers, str):
+            calls = self.function_call_value(answers, "answers")
+        elif isinstance(answers, list) and answers:
+            calls = [self.tool_call(c, f"answers[{j}]") for j, c in enumerate(answers)]
+        else:
+            raise self.error("'answers' holds no function call (a JSON list of {\"name\", \"arguments\"})",
+                             "answers", "bad_tool_call")
+        self.add({"role": "assistant", "content": "", "tool_calls": calls}, "answers")
+        return self.done(self.tools(record.get("tools"), "tools"))
 
     def alpaca(self, record: dict) -> Conversation:
         """Stanford / LLaMA-Factory Alpaca: system, history pairs, then instruction and input joined by

@@ -225,6 +225,18 @@ def read_source(record: dict, shape: str, settings: dict) -> SourceConversation:
         r.text(t, "content", record.get("input"), "input")
         r.reply(r.turn("assistant", "output"), record.get("output"), {}, "output")
         tools = record.get("tools")
+    elif shape == "xlam":
+        r.text(r.turn("user", "query"), "content", record.get("query"), "query")
+        t = r.turn("assistant", "answers")
+        answers = record.get("answers")
+        if isinstance(answers, str):
+            try:
+                answers = json.loads(answers)
+            except ValueError:
+                raise Unverifiable("answers: not JSON") from None
+        for j, c in enumerate(answers if isinstance(answers, list) else [answers]):
+            r.call(t, c, f"answers[{j}]")
+        tools = record.get("tools")
     elif shape == "prompt":
         prompt, completion = record[settings["prompt_key"]], record[settings["completion_key"]]
         if isinstance(prompt, list):
@@ -245,6 +257,8 @@ def shape_of(record: dict, input_format: str, prompt_key: str) -> str:
                        (prompt_key, "prompt"), ("instruction", "alpaca")):
         if key in record:
             return shape
+    if "query" in record and "answers" in record:
+        return "xlam"
     raise Unverifiable("a record of no known shape")
 
 

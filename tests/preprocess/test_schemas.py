@@ -242,3 +242,36 @@ def test_prompt_completion_chat_raw_and_conversational():
 
 def test_tokens_records_are_unchanged():
     assert parse({"input_ids": [1, 2, 3], "answer_start_idx": 1}) == ("tokens", ([1, 2, 3], None, 1))
+
+
+# ---------------------------------------------------------------- xLAM / APIGen rows as published
+
+def test_xlam_rows_map_to_one_user_turn_and_parallel_tool_calls():
+    from support.sft_fixtures import xlam_raw
+
+    kind, conv = parse(xlam_raw(2))
+    assert kind == "chat" and [m["role"] for m in conv.messages] == ["user", "assistant"]
+    assert conv.messages[0]["content"].startswith("What is the weather in")
+    calls = conv.messages[1]["tool_calls"]
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "get_weather"]
+    assert calls[1]["function"]["arguments"] == {"city": json.loads(xlam_raw(2)["answers"])[1]["arguments"]["city"],
+                                                 "unit": "f"}
+    assert conv.tools[0]["type"] == "function" and conv.tools[0]["function"]["parameters"]["city"]["type"] == "str"
+    assert conv.where(0) == "query" and conv.where(1) == "answers"
+    # answers and tools given as lists (a converted dataset) map the same
+    record = dict(xlam_raw(2), answers=json.loads(xlam_raw(2)["answers"]), tools=json.loads(xlam_raw(2)["tools"]))
+    assert parse(record, "xlam")[1].messages == conv.messages
+
+
+def test_xlam_refusals():
+    from support.sft_fixtures import xlam_raw
+
+    refused(dict(xlam_raw(0), answers="[]"), "bad_tool_call", "answers", match="holds no function call")
+    refused(dict(xlam_raw(0), answers=[]), "bad_tool_call", "answers", match="holds no function call")
+    refused(dict(xlam_raw(0), answers="get_weather(Paris)"), "bad_tool_call", "answers")
+    refused(dict(xlam_raw(0), answers=json.dumps([{"arguments": {}}])), "bad_tool_call")
+    refused(dict(xlam_raw(0), query=None), "missing_key")
+    refused(dict(xlam_raw(0), messages=[{"role": "user", "content": "x"}]), "ambiguous_record", fmt="auto")
+    refused(dict(glaive(0), query="q", answers="[]"), "ambiguous_record", "answers")
+    # named by --input-format, another shape's key present but null does not make a row ambiguous
+    assert parse(dict(xlam_raw(0), messages=None), "xlam")[1].where(1) == "answers"

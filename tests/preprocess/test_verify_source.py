@@ -16,7 +16,7 @@ from support.chat_families import with_template
 from megatron_sft_idx.errors import ShardError
 from megatron_sft_idx.preprocess import chat, encode, schemas
 from megatron_sft_idx.preprocess.pipeline import Config, run
-from support.sft_fixtures import alpaca, glaive, openai, reasoning, toolace, write_jsonl, xlam
+from support.sft_fixtures import alpaca, glaive, openai, reasoning, toolace, write_jsonl, xlam, xlam_raw
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE_TOKENIZER = os.path.join(ROOT, "examples", "tokenizer")
@@ -43,13 +43,14 @@ def fails(tmp_path, records, tokenizer, match, **kw):
 
 @pytest.mark.parametrize("family,make", [("qwen25", glaive), ("qwen25", toolace), ("qwen25", xlam),
                                          ("qwen25", openai), ("deepseek", toolace), ("deepseek", openai),
-                                         ("llama3", openai), ("mistral", lambda i: openai(i, with_system=False))])
+                                         ("llama3", openai), ("mistral", lambda i: openai(i, with_system=False)),
+                                         ("qwen25", xlam_raw), ("deepseek", xlam_raw)])
 def test_tool_data_passes_and_counts_trained_tokens_per_role(tmp_path, families, family, make):
     s = go(tmp_path, [make(i) for i in range(6)], families[family])
     roles = s["verify_masks"]["trained_tokens_by_role"]
     assert s["verify_masks"]["checked"] == 6 and roles["tool_call"] > 0
     assert set(roles) <= {"assistant", "tool_call"}
-    if make not in (xlam,):
+    if make not in (xlam, xlam_raw):
         assert roles["assistant"] > 0
 
 
@@ -158,6 +159,20 @@ def test_alpaca_input_lost_fails(tmp_path, monkeypatch):
     monkeypatch.setattr(schemas._Mapper, "alpaca", old_alpaca)
     fails(tmp_path, [alpaca(i, with_input=True) for i in range(4)], EXAMPLE_TOKENIZER,
           "input (user content 'The cat number 0 sleeps.') is nowhere in the rendering")
+
+
+def keep_first_call(self, record):
+    """An xLAM mapping that loses parallel calls: only the first of ``answers`` is kept."""
+    calls = json.loads(record["answers"])[:1]
+    self.add({"role": "user", "content": record["query"]}, "query")
+    self.add({"role": "assistant", "content": "", "tool_calls": [self.tool_call(c, "answers[0]") for c in calls]},
+             "answers")
+    return self.done(self.tools(record.get("tools"), "tools"))
+
+
+def test_xlam_parallel_call_lost_fails(tmp_path, monkeypatch, families):
+    monkeypatch.setattr(schemas._Mapper, "xlam", keep_first_call)
+    fails(tmp_path, [xlam_raw(i) for i in range(4)], families["qwen25"], "answers[1]")
 
 
 def test_tool_results_trained_fail(tmp_path, monkeypatch, families):

@@ -56,6 +56,21 @@ def xlam(i: int) -> dict:
             "tools": json.dumps([WEATHER, CONVERT])}
 
 
+#: xLAM's published tool schemas: parameters as {name: {"type", "description", "default"?}}, not JSON Schema
+XLAM_WEATHER = {"name": "get_weather", "description": "Current weather in a city",
+                "parameters": {"city": {"description": "The city", "type": "str", "default": "Paris"},
+                               "unit": {"description": "c or f", "type": "str, optional", "default": "c"}}}
+
+
+def xlam_raw(i: int) -> dict:
+    """A row of Salesforce's xlam-function-calling-60k as published: answers and tools as JSON strings."""
+    a, b = CITIES[i % len(CITIES)], CITIES[(i + 3) % len(CITIES)]
+    calls = [{"name": "get_weather", "arguments": {"city": a}},
+             {"name": "get_weather", "arguments": {"city": b, "unit": "f"}}]
+    return {"id": i, "query": f"What is the weather in {a}, and in {b} in Fahrenheit?",
+            "answers": json.dumps(calls), "tools": json.dumps([XLAM_WEATHER])}
+
+
 def toolace(i: int) -> dict:
     city = CITIES[i % len(CITIES)]
     amount = 10 * (i + 1)
