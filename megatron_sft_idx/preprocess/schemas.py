@@ -286,11 +286,6 @@ class _Mapper:
                 out["reasoning_content"] = thought
             self.inline[len(self.messages)] = content
             return answer
-        if opening and content.lstrip().startswith(opening):
-            raise self.error(f"'{where}' opens a reasoning block ({opening}) that never closes ({closing}): "
-                             "a trace cut short would be trained as the reply", where, "unclosed_reasoning",
-                             f"close the block or drop the cut trace (--reasoning-tags names other tags), or pass "
-                             "--skip-bad to skip and count such records")
         return content
 
     # ------------------------------------------------------------------ tool calls and tools

@@ -275,17 +275,3 @@ def test_xlam_refusals():
     refused(dict(glaive(0), query="q", answers="[]"), "ambiguous_record", "answers")
     # named by --input-format, another shape's key present but null does not make a row ambiguous
     assert parse(dict(xlam_raw(0), messages=None), "xlam")[1].where(1) == "answers"
-
-
-def test_a_reasoning_block_that_never_closes_is_refused():
-    record = {"messages": [{"role": "user", "content": "Why?"},
-                           {"role": "assistant", "content": "  <think>\nBecause the budget ran out befo"}]}
-    refused(record, "unclosed_reasoning", "messages[1]", match="never closes")
-    refused({"conversations": [{"from": "human", "value": "Why?"}, {"from": "gpt", "value": "<think>cut"}]},
-            "unclosed_reasoning", "conversations[1]")
-    refused({"instruction": "Why?", "output": "<think>cut"}, "unclosed_reasoning", "output")
-    # other tags are the run's choice; the default tags elsewhere in the content are plain text
-    assert parse(record, reasoning_tags=("<reason>", "</reason>"))[1].messages[1]["content"].lstrip().startswith("<think>")
-    assert parse({"messages": [{"role": "user", "content": "a"},
-                               {"role": "assistant", "content": "Use <think> tags."}]})[1].messages[1]["content"] \
-        == "Use <think> tags."
