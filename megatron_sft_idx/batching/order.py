@@ -1,23 +1,9 @@
 """A balanced pack order, and its file (``*.order``): the per-epoch permutations of pack ids, with
 the topology, cost model and seed they were planned for.
 
-Layout, version 1.0 (integers little-endian; the same container as the pack plan's):
-
-======  ====  ====  ==================  ==================================================
-offset  size  type  name                constraint
-======  ====  ====  ==================  ==================================================
-0       8     bytes magic               ``MSFTORD\\x00``
-8       2     u16   version_major       1; any other major is refused
-10      2     u16   version_minor       any; a newer minor only adds metadata keys
-12      4     u32   reserved            0
-16      8     u64   metadata_offset     where the JSON metadata starts (after the arrays)
-24      8     u64   metadata_length     L <= 16 MiB
-32      8     u64   file_size           the file's exact size: metadata_offset + L
-40      16    --    reserved            0
-56      4     u32   body_crc32          CRC-32 of bytes ``[64, file_size)``
-60      4     u32   header_crc32        CRC-32 of bytes ``[0, 60)``
-64      ...   --    arrays              64-byte aligned, located by the metadata
-======  ====  ====  ==================  ==================================================
+Layout, version 1.0: the container of :mod:`megatron_sft_idx._container` (a 64-byte header with
+both CRC-32s, then the arrays, then the metadata; integers little-endian) with magic
+``MSFTORD\\x00``.
 
 Metadata (JSON object; unknown keys are ignored): ``format`` (``"megatron_sft_idx.order"``),
 ``num_packs``, ``first_epoch``, ``epochs``, ``seed``, ``topology`` (:class:`~.layout.Topology`),
@@ -33,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 import warnings
 import zlib
 from dataclasses import dataclass, field
@@ -42,7 +27,9 @@ from typing import Optional
 import numpy as np
 
 from .._atomic import write_file_atomically
-from ..errors import HeaderError, ShardError, VersionError
+from .._container import ALIGN as _ALIGN
+from .._container import HEADER, HEADER_SIZE, Kind  # (HEADER: the container's layout, named here too)
+from ..errors import HeaderError, ShardError
 from ..storage._url import is_remote
 from . import _kernels
 from .cost import CostModel
@@ -53,11 +40,8 @@ __all__ = ["Order", "ORDER_FORMAT", "ALGORITHMS", "TopologyMismatchWarning"]
 ORDER_MAGIC = b"MSFTORD\x00"
 ORDER_VERSION = (1, 0)
 ORDER_FORMAT = "megatron_sft_idx.order"
-HEADER = struct.Struct("<8sHHIQQQ16sII")
-HEADER_SIZE = HEADER.size  # 64
-_CRC_SPAN = 60
-_ALIGN = 64
-_MAX_METADATA = 16 << 20
+_KIND = Kind(ORDER_MAGIC, ORDER_VERSION, "order", "an order", "a pack order file",
+             "re-plan the order with this version")
 _INDEX_DTYPES = {"int32": np.dtype("<i4"), "int64": np.dtype("<i8")}
 #: Balancing algorithms: ``shuffle`` (none: the adapters' order), ``lpt``, ``kk`` (Karmarkar-Karp).
 ALGORITHMS = ("shuffle", "lpt", "kk")
@@ -206,9 +190,7 @@ class Order:
         meta = json.dumps(self._metadata(dtype, perm_off, cost_off), sort_keys=True,
                           separators=(",", ":")).encode()
         body = b"".join([perms.tobytes(), b"\0" * (cost_off - perm_off - perms.nbytes), costs.tobytes(), meta])
-        head = HEADER.pack(ORDER_MAGIC, ORDER_VERSION[0], ORDER_VERSION[1], 0, meta_off, len(meta),
-                           meta_off + len(meta), b"\0" * 16, zlib.crc32(body), 0)[:_CRC_SPAN]
-        data = head + struct.pack("<I", zlib.crc32(head)) + body
+        data = _KIND.pack_header(meta_off, len(meta), zlib.crc32(body)) + body
         self.file_crc32 = zlib.crc32(data)
         return data
 
@@ -269,22 +251,7 @@ class Order:
 
 
 def _parse_header(data: bytes, path: str):
-    if len(data) < HEADER_SIZE:
-        raise HeaderError("file is shorter than an order header", path=path, field="header")
-    magic, major, minor, _, meta_off, meta_len, file_size, _, body_crc, header_crc = HEADER.unpack(
-        data[:HEADER_SIZE])
-    if magic != ORDER_MAGIC:
-        raise HeaderError("not a pack order file: bad magic", path=path, field="magic", expected=ORDER_MAGIC,
-                          actual=magic)
-    if major != ORDER_VERSION[0]:
-        raise VersionError(f"unsupported order major version {major}.{minor}; supported: {ORDER_VERSION[0]}",
-                           path=path, field="version_major", hint="re-plan the order with this version")
-    if zlib.crc32(data[:_CRC_SPAN]) != header_crc:
-        raise HeaderError("order header CRC-32 mismatch", path=path, field="header_crc32")
-    if (file_size != len(data) or meta_len > _MAX_METADATA or meta_off < HEADER_SIZE
-            or meta_off + meta_len != file_size):
-        raise HeaderError("order file size disagrees with its header (truncated or extended)", path=path,
-                          field="file_size", expected=file_size, actual=len(data))
+    meta_off, meta_len, body_crc = _KIND.parse_header(data, len(data), path)
     if zlib.crc32(memoryview(data)[HEADER_SIZE:]) != body_crc:
         raise HeaderError("order body CRC-32 mismatch: the file was modified or is corrupt", path=path,
                           field="body_crc32")

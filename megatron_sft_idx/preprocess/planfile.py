@@ -1,22 +1,8 @@
 """The pack plan file (``*.plan``): which store sequences make each pack, for every split.
 
-Layout, version 1.0 (all integers little-endian; ``docs/STORE.md`` is the specification):
-
-======  ====  ====  ==================  ==================================================
-offset  size  type  name                constraint
-======  ====  ====  ==================  ==================================================
-0       8     bytes magic               ``MSFTPLN\\x00``
-8       2     u16   version_major       1; any other major is refused
-10      2     u16   version_minor       any; a newer minor only adds metadata keys
-12      4     u32   reserved            0
-16      8     u64   metadata_offset     where the JSON metadata starts (after the arrays)
-24      8     u64   metadata_length     L <= 16 MiB
-32      8     u64   file_size           the file's exact size: metadata_offset + L
-40      16    --    reserved            0
-56      4     u32   body_crc32          CRC-32 of bytes ``[64, file_size)``
-60      4     u32   header_crc32        CRC-32 of bytes ``[0, 60)``
-64      ...   --    arrays              64-byte aligned, located by the metadata
-======  ====  ====  ==================  ==================================================
+Layout, version 1.0 (``docs/STORE.md`` is the specification): the container of
+:mod:`megatron_sft_idx._container` (a 64-byte header with both CRC-32s, then the arrays, then the
+metadata; integers little-endian) with magic ``MSFTPLN\\x00``.
 
 Per split the metadata names three arrays, ``[offset, count, dtype]`` each:
 ``shard_starts`` (int64[S+1]: first pack of each output shard, then the pack count),
@@ -30,14 +16,15 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 import zlib
 from typing import Dict, List, Optional
 
 import numpy as np
 
 from .. import _atomic
-from ..errors import HeaderError, ShardError, VersionError
+from .._container import ALIGN as _ALIGN
+from .._container import HEADER, HEADER_SIZE, Kind  # (HEADER: the container's layout, named here too)
+from ..errors import HeaderError, ShardError
 from ..metadata import PAD_LAYOUTS, parse_json
 from ..packing import ALGORITHMS
 from ._schema import HEX, Doc, check_int
@@ -45,11 +32,7 @@ from ._schema import HEX, Doc, check_int
 PLAN_MAGIC = b"MSFTPLN\x00"
 PLAN_VERSION = (1, 0)
 PLAN_FORMAT = "megatron_sft_idx.plan"
-HEADER = struct.Struct("<8sHHIQQQ16sII")
-HEADER_SIZE = HEADER.size  # 64
-_CRC_SPAN = 60
-_ALIGN = 64
-_MAX_METADATA = 16 << 20
+_KIND = Kind(PLAN_MAGIC, PLAN_VERSION, "plan", "a plan", "a pack plan", "re-plan with this version")
 _DTYPES = {"int32": np.dtype("<i4"), "int64": np.dtype("<i8")}
 _INT32_MAX = (1 << 31) - 1
 _VALIDATE_PACKS = 1 << 18   # packs whose sequence ids are checked at once
@@ -96,10 +79,8 @@ class PlanWriter:
         meta = json.dumps(metadata, sort_keys=True, separators=(",", ":")).encode()
         meta_offset = self.offset
         self._write(meta)
-        header = HEADER.pack(PLAN_MAGIC, PLAN_VERSION[0], PLAN_VERSION[1], 0, meta_offset, len(meta),
-                             self.offset, b"\0" * 16, self.crc, 0)
         self.file.seek(0)
-        self.file.write(header[:_CRC_SPAN] + struct.pack("<I", zlib.crc32(header[:_CRC_SPAN])))
+        self.file.write(_KIND.pack_header(meta_offset, len(meta), self.crc))
         self.file.flush()
         os.fsync(self.file.fileno())
         self.file.close()
@@ -149,20 +130,7 @@ class PackPlan:
         self._check_metadata()
 
     def _parse_header(self, raw: bytes, size: int) -> dict:
-        if len(raw) < HEADER_SIZE:
-            raise HeaderError("file is shorter than a plan header", path=self.path, field="header")
-        magic, major, minor, _, meta_off, meta_len, file_size, _, body_crc, header_crc = HEADER.unpack(raw)
-        if magic != PLAN_MAGIC:
-            raise HeaderError("not a pack plan: bad magic", path=self.path, field="magic",
-                              expected=PLAN_MAGIC, actual=magic)
-        if major != PLAN_VERSION[0]:
-            raise VersionError(f"unsupported plan major version {major}.{minor}; supported: {PLAN_VERSION[0]}",
-                               path=self.path, field="version_major", hint="re-plan with this version")
-        if zlib.crc32(raw[:_CRC_SPAN]) != header_crc:
-            raise HeaderError("plan header CRC-32 mismatch", path=self.path, field="header_crc32")
-        if file_size != size or meta_len > _MAX_METADATA or meta_off + meta_len != file_size or meta_off < HEADER_SIZE:
-            raise HeaderError("plan file size disagrees with its header (truncated or extended)",
-                              path=self.path, field="file_size", expected=file_size, actual=size)
+        meta_off, meta_len, body_crc = _KIND.parse_header(raw, size, self.path)
         return {"metadata_offset": meta_off, "metadata_length": meta_len, "body_crc32": body_crc}
 
     def _verify_body(self, expected: int, size: int) -> None:
