@@ -8,7 +8,6 @@ The adapters serving it are tested against the installed stacks in tests/compat/
 
 import json
 import os
-import random
 import zlib
 
 import numpy as np
@@ -20,16 +19,7 @@ from megatron_sft_idx.batching.serve import checked_order, resolve_order
 from megatron_sft_idx.errors import ShardError
 from megatron_sft_idx.open import open_packed
 from megatron_sft_idx.preprocess.cli import main, repack_main
-
-
-def tokens_input(path, count=300, seed=0):
-    r = random.Random(seed)
-    with open(path, "w") as f:
-        for _ in range(count):
-            n = r.choice([8, 16, 30, 60, 120, 200])
-            ids = [1] + [r.randrange(3, 49) for _ in range(n - 2)] + [2]
-            f.write(json.dumps({"input_ids": ids, "answer_start_idx": n // 2}) + "\n")
-    return str(path)
+from support.token_inputs import tokens_input
 
 
 def pre(tmp_path, prefix, *extra, store=None):

@@ -1,5 +1,5 @@
 """Pre-tokenized inputs (``{"input_ids", "answer_start_idx"}`` JSON Lines) for runs that need
-conversations of varied lengths without a tokenizer; shared by the balanced-order compat tests."""
+conversations of varied lengths without a tokenizer; shared by the balanced-order tests."""
 
 import json
 import random
