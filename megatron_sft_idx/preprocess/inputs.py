@@ -20,7 +20,7 @@ import hashlib
 import io
 import json
 import os
-from typing import List, NamedTuple, Optional, Sequence
+from typing import Iterator, List, NamedTuple, Optional, Sequence
 
 from .._extras import require_extra
 from .errors import InputError, input_error
@@ -106,6 +106,22 @@ def hf_dataset_files(directory: str) -> List[str]:
         raise InputError("a data file state.json lists is missing", path=missing[0], field="_data_files",
                          hint="the saved dataset is incomplete; save it again")
     return found
+
+
+#: Bytes read at a time from an input stream.
+BLOCK = 1 << 20
+
+
+def read_blocks(stream, limit: int) -> Iterator[bytes]:
+    """Blocks of ``stream`` (:data:`BLOCK` bytes at most each), at most ``limit`` bytes in all
+    (all of it when ``limit < 0``)."""
+    while limit != 0:
+        block = stream.read(BLOCK if limit < 0 else min(BLOCK, limit))
+        if not block:
+            return
+        if limit > 0:
+            limit -= len(block)
+        yield block
 
 
 def file_digest(path: str) -> str:

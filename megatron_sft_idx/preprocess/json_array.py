@@ -19,9 +19,9 @@ from typing import Iterator, List, Tuple
 import numpy as np
 
 from .._numba import numba
-from .inputs import OversizedRecord
+from .inputs import BLOCK, OversizedRecord, read_blocks
 
-_BLOCK = 1 << 20
+_BLOCK = BLOCK  # (the element buffers below are sized for one block)
 # scanner state, carried across blocks: depth, in a string, after a backslash, expecting an element,
 # inside an element, the array is closed, an error position (-1: none)
 _DEPTH, _STRING, _ESCAPE, _EXPECT, _INSIDE, _CLOSED, _ERROR = range(7)
@@ -101,12 +101,7 @@ def _events(stream, limit: int, state: np.ndarray, offset: int) -> Iterator[Tupl
     """``(block, block offset, element starts, element ends)`` over ``stream`` (``limit`` bytes, all when < 0)."""
     starts = np.empty(_BLOCK // 2 + 1, dtype=np.int64)  # an element and its comma take two bytes at least
     ends = np.empty(_BLOCK // 2 + 1, dtype=np.int64)
-    while limit != 0:
-        block = stream.read(_BLOCK if limit < 0 else min(_BLOCK, limit))
-        if not block:
-            return
-        if limit > 0:
-            limit -= len(block)
+    for block in read_blocks(stream, limit):
         ns, ne = _scan(np.frombuffer(block, dtype=np.uint8), offset, state, starts, ends)
         if state[_ERROR] >= 0:
             raise ArrayError(f"not a JSON array at byte {int(state[_ERROR])}")

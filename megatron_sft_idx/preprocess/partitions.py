@@ -41,9 +41,9 @@ from typing import Iterator, List, Optional, Tuple
 
 from .._extras import require_extra
 from . import json_array
-from .inputs import ARROW_SUFFIXES, COMPRESSED_SUFFIXES, PARQUET_SUFFIXES, OversizedRecord, open_text_bytes
+from .inputs import (ARROW_SUFFIXES, BLOCK, COMPRESSED_SUFFIXES, PARQUET_SUFFIXES, OversizedRecord, open_text_bytes,
+                     read_blocks)
 
-_BLOCK = 1 << 20
 DEFAULT_PARTITION_BYTES = 64 << 20
 DEFAULT_MAX_RECORD_BYTES = 2 << 20
 KINDS = ("lines", "array", "stream", "array_stream", "rows", "arrow")
@@ -175,7 +175,7 @@ def index_file(path: str, file_index: int, partition_bytes: int) -> dict:
     elif kind == "array_stream":
         digest = sha256_file(path)
         with open_text_bytes(path) as stream:  # checks the array is whole before any work is planned
-            json_array.cut_points(iter(lambda: stream.read(_BLOCK), b""), 1 << 62)
+            json_array.cut_points(iter(lambda: stream.read(BLOCK), b""), 1 << 62)
         parts = [Partition(file_index, kind, 0, -1, 1)]
     else:
         digest = sha256_file(path)
@@ -195,7 +195,7 @@ def sha256_file(path: str, stop=None) -> Optional[str]:
     """
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(_BLOCK), b""):
+        for block in iter(lambda: f.read(BLOCK), b""):
             if stop is not None and stop.is_set():
                 return None
             h.update(block)
@@ -209,7 +209,7 @@ def _hash_and_cut_lines(path: str, partition_bytes: int) -> Tuple[str, List[Tupl
     offset, newlines, target = 0, 0, partition_bytes
     seeking = False  # looking for the first line start at or after ``target``
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(_BLOCK), b""):
+        for block in iter(lambda: f.read(BLOCK), b""):
             h.update(block)
             pos, counted = 0, 0  # newlines in block[:counted] are already in ``newlines``
             while True:
@@ -239,7 +239,7 @@ def _hash_and_cut_array(path: str, partition_bytes: int) -> Tuple[str, List[Tupl
 
     def blocks():
         with open(path, "rb") as f:
-            for block in iter(lambda: f.read(_BLOCK), b""):
+            for block in iter(lambda: f.read(BLOCK), b""):
                 h.update(block)
                 yield block
 
@@ -328,17 +328,6 @@ def read_batches(path: str, part: Partition, batch_size: int, max_record_bytes: 
         yield batch
 
 
-def _blocks(stream, limit: int) -> Iterator[bytes]:
-    """Blocks of ``stream``, at most ``limit`` bytes in all (all of it when ``limit < 0``)."""
-    while limit != 0:
-        block = stream.read(_BLOCK if limit < 0 else min(_BLOCK, limit))
-        if not block:
-            return
-        if limit > 0:
-            limit -= len(block)
-        yield block
-
-
 def _bounded_lines(stream, limit: int, first_line: int, max_bytes: int) -> Iterator[tuple]:
     """``(line number, bytes | OversizedRecord)`` for every non-blank line, holding at most one
     block plus ``max_bytes`` of it."""
@@ -346,7 +335,7 @@ def _bounded_lines(stream, limit: int, first_line: int, max_bytes: int) -> Itera
     pending: List[bytes] = []
     held = 0          # bytes in ``pending``
     skipped = -1      # >= 0 while discarding an oversized line: its bytes so far
-    for block in _blocks(stream, limit):
+    for block in read_blocks(stream, limit):
         pos = 0
         while True:
             nl = block.find(b"\n", pos)
