@@ -201,11 +201,13 @@ def publish(the_plan: Plan, report: Report, *, link: bool) -> List[str]:
 
 
 def _bytes_of(path: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as exc:
-        raise ShardError(f"cannot read the balanced order beside the data ({exc.strerror or exc})", path=path) from None
+    """The bytes of the balanced order at ``path``, read as the adapters read one (bounded)."""
+    from ..batching.order import MAX_ORDER_BYTES, read_file
+
+    data = read_file(path, MAX_ORDER_BYTES, "balanced order")
+    if data is None:
+        raise ShardError("the balanced order beside the data is gone", path=path)
+    return data
 
 
 def _single_orders(the_plan: Plan, promoted: Dict[str, ShardReport], report: Report, link: bool) -> List[str]:
