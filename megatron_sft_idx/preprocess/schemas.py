@@ -63,11 +63,13 @@ _MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call
 _TURN_FIELDS = frozenset({"from", "value", "weight"})
 _TEXT_PARTS = ("text", "input_text", "output_text")
 _TOOL_CALL_FIELDS = frozenset({"id", "type", "function", "name", "arguments", "index"})
-#: keys of the other shapes: a record holding them beside its own is ambiguous, not metadata
-_SHAPE_KEYS = {"chat": ("conversations", "instruction", "history"),
-               "sharegpt": ("messages", "instruction", "history"),
-               "alpaca": ("messages", "conversations"),
-               "xlam": ("messages", "conversations", "instruction")}
+#: the keys that mark the other shapes (each entry: keys that together mark one; the last one is
+#: named): a record holding them beside its own is ambiguous, not metadata
+_XLAM_KEYS = ("query", "answers")
+_SHAPE_KEYS = {"chat": (("conversations",), ("instruction",), ("history",), _XLAM_KEYS),
+               "sharegpt": (("messages",), ("instruction",), ("history",), _XLAM_KEYS),
+               "alpaca": (("messages",), ("conversations",), _XLAM_KEYS),
+               "xlam": (("messages",), ("conversations",), ("instruction",))}
 
 
 @dataclass
@@ -143,7 +145,7 @@ def detect(record: dict, prompt_key: str) -> Optional[str]:
                       (prompt_key, "prompt"), ("instruction", "alpaca")):
         if key in record:
             return kind
-    if "query" in record and "answers" in record:
+    if all(k in record for k in _XLAM_KEYS):
         return "xlam"
     return None
 
@@ -158,11 +160,8 @@ def map_record(kind: str, record: dict, path: str, line: int, opts: SchemaOption
     """
     m = _Mapper(path, line, opts)
     # (a kind named by --input-format is the user's choice; only a detected one can be ambiguous)
-    if detected and kind in _SHAPE_KEYS and (any(k in record for k in _SHAPE_KEYS[kind])
-                                             or (kind != "xlam" and "answers" in record)):
-        other = [k for k in _SHAPE_KEYS[kind] if _present(record.get(k))]
-        if not other and kind != "xlam" and _present(record.get("query")) and _present(record.get("answers")):
-            other = ["answers"]   # the xlam shape's keys beside another shape's
+    if detected and kind in _SHAPE_KEYS and any(keys[-1] in record for keys in _SHAPE_KEYS[kind]):
+        other = [keys[-1] for keys in _SHAPE_KEYS[kind] if all(_present(record.get(k)) for k in keys)]
         if other:
             raise m.error(f"record holds '{other[0]}' beside the {kind} shape's keys: which one is meant?",
                           other[0], "ambiguous_record", "give each record one shape (--input-format names it)")
