@@ -29,7 +29,7 @@ _PART = 250_000  # conversations per synthetic partition
 
 def make_store(directory: str, n: int, pack_size: int, seed: int = 0) -> None:
     """A store whose partitions have rows (lengths up to 2x the pack size) but no token files."""
-    from megatron_sft_idx.preprocess.partitions import Partition
+    from megatron_sft_idx.preprocess.records.partitions import Partition
     from megatron_sft_idx.preprocess.store import ROW_DTYPE, part_prefix, tokenize_book, write_store_file
 
     rng = np.random.default_rng(seed)

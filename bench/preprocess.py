@@ -51,7 +51,7 @@ def child_legacy(path: str, out: str, pack_size: int) -> dict:
     """All-in-RAM: lists of token ids per conversation, packs as dicts of lists, pickled .npy."""
     import numpy as np
 
-    from megatron_sft_idx.preprocess.chat import ChatTokenizer
+    from megatron_sft_idx.preprocess.records.chat import ChatTokenizer
 
     tok = ChatTokenizer(TOKENIZER)
     t = time.perf_counter()

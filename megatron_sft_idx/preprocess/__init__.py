@@ -11,11 +11,13 @@ The public face (imported on first use, so importing a submodule stays cheap)::
 (``preprocess.repack`` is the module it always was, an alias now, whose ``repack`` is that
 function: a package attribute cannot be both.)
 
-Where things live: :mod:`.cli` (both commands), :mod:`.config` (the settings, defined once),
-:mod:`.driver` (stage order, resume, commit), :mod:`.engines` (local and Ray), the steps
+Two wings. The run, here: :mod:`.cli` (both commands), :mod:`.config` (the settings, defined
+once), :mod:`.driver` (stage order, resume, commit), :mod:`.engines` (local and Ray), the steps
 (:mod:`.tokenize`, :mod:`.plan`, :mod:`.materialize`), :mod:`.checks`, :mod:`.publish`,
 :mod:`.summary`, and the artifacts (:mod:`.store`, :mod:`.planfile`, :mod:`.receipts`,
-:mod:`.workdir`).
+:mod:`.done` (the run's done record), :mod:`.workdir`). Below it, :mod:`.records`: one input
+record to tokens and mask (inputs, partitions, shapes, rendering, policies, spans, the source
+check), which imports nothing of the run.
 """
 
 from .._lazy import lazy_getattr
@@ -28,7 +30,7 @@ _PUBLIC = {
     "BalanceSettings": ".config",
     "RunSettings": ".config",
     "TokenizeSettings": ".config",
-    "InputError": ".errors",
+    "InputError": ".records.errors",
     "VirtualPackedDataset": ".virtual",
     "StoreSequences": ".sequences",
     "sequence_lengths": ".sequences",

@@ -24,13 +24,13 @@ import numpy as np
 
 from ..errors import ShardError
 from ..reader import MMapIndexedDataset
-from .chat import load_chat_tokenizer, trained_from_offsets
-from .encode import encoding_of
-from .inputs import parse_record
-from .partitions import read_batches
+from .records.chat import load_chat_tokenizer, trained_from_offsets
+from .records.encode import encoding_of
+from .records.inputs import parse_record
+from .records.partitions import read_batches
 from .planfile import PackPlan
 from .summary import check_gate, check_verify
-from . import source_check as sc
+from .records import source_check as sc
 
 log = logging.getLogger("megatron_sft_idx.preprocess")
 #: conversations ``--check`` verifies against their source when ``--verify-masks`` is not given

@@ -28,14 +28,14 @@ from .._progress import DEFAULT_LOG_INTERVAL, Progress, add_verbosity_arguments,
 from .._units import positive_int, size_arg
 from ..errors import ShardError
 from ..packing import ALGORITHMS, DEFAULT_ALGORITHM
-from .chat import LOSS_MODES
+from .records.chat import LOSS_MODES
 from .config import BalanceSettings, Config, PackSettings, RepackConfig, RunSettings, TokenizeSettings
-from .encode import SPAN_METHODS
+from .records.encode import SPAN_METHODS
 from .engines import ENGINES
-from .fast_tokenizer import BACKENDS
-from .inputs import INPUT_FORMATS
-from .policy import EMPTY_REASONING_LOSS, REASONING_LOSS, TOOL_CALL_LOSS
-from .partitions import DEFAULT_MAX_RECORD_BYTES, DEFAULT_PARTITION_BYTES
+from .records.fast_tokenizer import BACKENDS
+from .records.inputs import INPUT_FORMATS
+from .records.policy import EMPTY_REASONING_LOSS, REASONING_LOSS, TOOL_CALL_LOSS
+from .records.partitions import DEFAULT_MAX_RECORD_BYTES, DEFAULT_PARTITION_BYTES
 from .summary import decision_warnings, format_plan_summary, format_summary
 
 PROG = "preprocess-sft"

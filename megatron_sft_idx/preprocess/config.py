@@ -32,7 +32,7 @@ import numpy as np
 from ..errors import ShardError
 from ..packing import DEFAULT_ALGORITHM, pad_multiple_for, padded_length, truncation_length
 from . import outputs
-from .partitions import DEFAULT_MAX_RECORD_BYTES, DEFAULT_PARTITION_BYTES
+from .records.partitions import DEFAULT_MAX_RECORD_BYTES, DEFAULT_PARTITION_BYTES
 
 #: Output names of the splits of ``--split`` (one to three weights), in order.
 SPLIT_NAMES = ("train", "valid", "test")

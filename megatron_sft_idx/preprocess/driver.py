@@ -52,14 +52,14 @@ from .balance import stage_orders
 from .checks import checks_schema, run_gate, verify_count, verify_masks
 from .config import Config, PackJob, RepackConfig
 from .engines import make_engine
-from .errors import output_error
+from .records.errors import output_error
 from .materialize import MaterializeStep, OutputShard, materialize_schema, output_shards, resumed_shards
-from .partitions import Partition, sha256_file
+from .records.partitions import Partition, sha256_file
 from .plan import PlanStep, plan_schema, resumed_plan, write_plan
 from .planfile import PackPlan
 from .publish import StagedSet, StagedShard, publish
 from .receipts import ReceiptBook, settings_key
-from .record import check_outputs, owned_files, record_outputs, run_books
+from .done import check_outputs, owned_files, record_outputs, run_books
 from .remote_outputs import is_remote, job_output_key, publish_remote, work_prefix
 from .store import SequenceStore
 from .summary import PackResult, build_summary

@@ -30,7 +30,7 @@ from ..format import BIN_SUFFIX, LOSS_SUFFIX, PUBLISH_ORDER, SEQ_IDX_SUFFIX, Sha
 from ..metadata import ShardMetadata
 from ..packing import exclusive_cumsum, fill_sequences, padded_length, truncation_length
 from . import outputs
-from ._schema import normal_json
+from ..jsondoc import normal_json
 from .config import PackJob
 from .integrity import verify_shard
 from .planfile import PackPlan

@@ -27,7 +27,7 @@ from .._container import HEADER, HEADER_SIZE, Kind  # (HEADER: the container's l
 from ..errors import HeaderError, ShardError
 from ..metadata import PAD_LAYOUTS, parse_json
 from ..packing import ALGORITHMS
-from ._schema import HEX, Doc, check_int
+from ..jsondoc import HEX, Doc, check_int
 
 PLAN_MAGIC = b"MSFTPLN\x00"
 PLAN_VERSION = (1, 0)

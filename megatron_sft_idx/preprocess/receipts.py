@@ -22,7 +22,7 @@ from typing import Callable, Dict, Iterable, Mapping, Optional
 
 from .._atomic import write_file_atomically
 from ..errors import MetadataError, ShardError
-from ._schema import Doc, check_int, load_json
+from ..jsondoc import Doc, check_int, load_json
 from .integrity import check_crc, crc32_file
 
 log = logging.getLogger("megatron_sft_idx.preprocess")

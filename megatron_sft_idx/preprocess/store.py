@@ -30,9 +30,9 @@ import numpy as np
 from .._atomic import write_file_atomically
 from ..errors import InvariantError, MetadataError, ShardError
 from ..reader import MMapIndexedDataset
-from ._schema import HEX, Doc, load_json
+from ..jsondoc import HEX, Doc, load_json
 from .integrity import verify_shard
-from .partitions import Partition, check_cover
+from .records.partitions import Partition, check_cover
 from .receipts import ReceiptBook, settings_key
 
 STORE_FORMAT = "megatron_sft_idx.store"

@@ -100,7 +100,7 @@ def build_summary(store: SequenceStore, job: PackJob, result: PackResult) -> dic
 
 def loss_policy(encode: dict) -> dict:
     """The run's loss policies, defaults included (the store records only what differs)."""
-    from .policy import LossPolicy
+    from .records.policy import LossPolicy
 
     given = encode.get("loss_policy") or {}
     p = LossPolicy()

@@ -24,13 +24,13 @@ import numpy as np
 from ..builder import IndexedDatasetBuilder
 from ..errors import InputError, ShardError, ShardExistsError
 from ..packing import exclusive_cumsum
-from ._schema import HEX, normal_json
-from .chat import load_chat_tokenizer, resolve_chat_template
+from ..jsondoc import HEX, normal_json
+from .records.chat import load_chat_tokenizer, resolve_chat_template
 from .config import Config, check_pad_id
-from .encode import EncodedBatch, EncodeOptions, RecordEncoder, preload
+from .records.encode import EncodedBatch, EncodeOptions, RecordEncoder, preload
 from .engines.base import report_progress
-from .inputs import expand_inputs
-from .partitions import Partition, index_file, read_batches
+from .records.inputs import expand_inputs
+from .records.partitions import Partition, index_file, read_batches
 from .receipts import ReceiptBook
 from .store import (ROW_DTYPE, ROWS_SUFFIX, STORE_FILE, SequenceStore, encoding_extra, part_prefix, tokenize_book,
                     write_store_file)
@@ -89,7 +89,7 @@ def resolve_inputs(cfg: Config) -> Inputs:
 
 def _no_template(tok, no_pad: bool) -> None:
     """A bare tokenizer.json: one error naming every flag the run needs (chat template, pad id)."""
-    from .chat import TEMPLATE_HINT
+    from .records.chat import TEMPLATE_HINT
 
     hint = TEMPLATE_HINT + tok.names_hint()
     if no_pad:

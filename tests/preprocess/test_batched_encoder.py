@@ -13,11 +13,11 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from megatron_sft_idx.errors import ShardError
-from megatron_sft_idx.preprocess.chat import ChatTokenizer
-from megatron_sft_idx.preprocess.encode import RecordEncoder
-from megatron_sft_idx.preprocess.errors import InputError
-from megatron_sft_idx.preprocess.fast_tokenizer import FastTokenizer, _spec_ok, backend_spec
-from megatron_sft_idx.preprocess.encode import EncodeOptions
+from megatron_sft_idx.preprocess.records.chat import ChatTokenizer
+from megatron_sft_idx.preprocess.records.encode import RecordEncoder
+from megatron_sft_idx.preprocess.records.errors import InputError
+from megatron_sft_idx.preprocess.records.fast_tokenizer import FastTokenizer, _spec_ok, backend_spec
+from megatron_sft_idx.preprocess.records.encode import EncodeOptions
 from support.preprocess_identity import TEMPLATES, tokenizer_dir
 
 CHATML = "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"

@@ -7,8 +7,8 @@ import shutil
 import numpy as np
 import pytest
 
-from megatron_sft_idx.preprocess.chat import ChatTokenizer, encode_tokens
-from megatron_sft_idx.preprocess.errors import InputError
+from megatron_sft_idx.preprocess.records.chat import ChatTokenizer, encode_tokens
+from megatron_sft_idx.preprocess.records.errors import InputError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE_TOKENIZER = os.path.join(ROOT, "examples", "tokenizer")

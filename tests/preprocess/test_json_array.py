@@ -1,4 +1,4 @@
-"""The JSON-array scanner (preprocess/json_array.py): any array, cut anywhere, reads back element for
+"""The JSON-array scanner (preprocess/records/json_array.py): any array, cut anywhere, reads back element for
 element as json.loads reads it; oversized elements are reported, never held; memory stays bounded."""
 
 import io
@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_sft_idx.preprocess import json_array as ja
-from megatron_sft_idx.preprocess.inputs import OversizedRecord
+from megatron_sft_idx.preprocess.records import json_array as ja
+from megatron_sft_idx.preprocess.records.inputs import OversizedRecord
 
 _text = st.text(alphabet=st.sampled_from(list('ab,[]{}":\\ \n\t') + ["é", "😀", "\u2028"]), max_size=12)
 _json = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6), _text),

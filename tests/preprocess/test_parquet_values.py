@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from megatron_sft_idx.errors import ShardError
-from megatron_sft_idx.preprocess.errors import InputError
+from megatron_sft_idx.preprocess.records.errors import InputError
 from megatron_sft_idx.preprocess.pipeline import Config, run
 from megatron_sft_idx.tools.convert_cli import main as convert_main
 from megatron_sft_idx.training.factory import open_packed

@@ -11,7 +11,7 @@ import pytest
 import zstandard
 
 from megatron_sft_idx.errors import ShardError, ShardExistsError
-from megatron_sft_idx.preprocess.errors import InputError
+from megatron_sft_idx.preprocess.records.errors import InputError
 from megatron_sft_idx.preprocess.pipeline import Config, plan_shards, run, split_conversations
 from megatron_sft_idx.reader import MMapIndexedDataset
 
@@ -65,7 +65,7 @@ def sequences(prefixes):
 
 
 def decode_runs(ids, mask):
-    from megatron_sft_idx.preprocess.chat import ChatTokenizer
+    from megatron_sft_idx.preprocess.records.chat import ChatTokenizer
 
     tok = decode_runs.tok = getattr(decode_runs, "tok", None) or ChatTokenizer(TOKENIZER)
     t = np.flatnonzero(mask) + 1

@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from megatron_sft_idx.preprocess.cli import main
-from megatron_sft_idx.preprocess.errors import InputError
+from megatron_sft_idx.preprocess.records.errors import InputError
 from megatron_sft_idx.preprocess.pipeline import Config, run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

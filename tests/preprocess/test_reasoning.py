@@ -9,11 +9,11 @@ import pytest
 
 from support.chat_families import QWEN3, with_template
 from megatron_sft_idx.errors import ShardError
-from megatron_sft_idx.preprocess.chat import ChatTokenizer
-from megatron_sft_idx.preprocess.errors import InputError
-from megatron_sft_idx.preprocess.inputs import parse_record
+from megatron_sft_idx.preprocess.records.chat import ChatTokenizer
+from megatron_sft_idx.preprocess.records.errors import InputError
+from megatron_sft_idx.preprocess.records.inputs import parse_record
 from megatron_sft_idx.preprocess.pipeline import Config, run
-from megatron_sft_idx.preprocess.policy import LossPolicy
+from megatron_sft_idx.preprocess.records.policy import LossPolicy
 from megatron_sft_idx.reader import MMapIndexedDataset
 from support.sft_fixtures import openai, reasoning, write_jsonl, xlam
 

@@ -17,8 +17,8 @@ from hypothesis import assume, given, settings, strategies as st
 
 from megatron_sft_idx.errors import HeaderError, ShardError, ShardExistsError, VersionError
 from megatron_sft_idx.preprocess.engines import LocalEngine, report_progress
-from megatron_sft_idx.preprocess.inputs import OversizedRecord
-from megatron_sft_idx.preprocess.partitions import Partition, index_file, read_batches
+from megatron_sft_idx.preprocess.records.inputs import OversizedRecord
+from megatron_sft_idx.preprocess.records.partitions import Partition, index_file, read_batches
 from megatron_sft_idx.preprocess.pipeline import Config, run
 from megatron_sft_idx.preprocess.planfile import PackPlan
 from megatron_sft_idx.preprocess.repack import RepackConfig, main as repack_main, repack

@@ -11,10 +11,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from support.chat_families import DEEPSEEK, FAMILIES
-from megatron_sft_idx.preprocess.chat import ChatTokenizer
-from megatron_sft_idx.preprocess.encode import EncodeOptions, RecordEncoder
-from megatron_sft_idx.preprocess.errors import InputError
-from megatron_sft_idx.preprocess.inputs import parse_record
+from megatron_sft_idx.preprocess.records.chat import ChatTokenizer
+from megatron_sft_idx.preprocess.records.encode import EncodeOptions, RecordEncoder
+from megatron_sft_idx.preprocess.records.errors import InputError
+from megatron_sft_idx.preprocess.records.inputs import parse_record
 from megatron_sft_idx.preprocess.pipeline import Config, run
 from support.sft_fixtures import glaive, openai, reasoning, toolace, write_jsonl, xlam
 
@@ -70,7 +70,7 @@ def reference(tok, raw, loss_on, line):
             for text, spans in texts:
                 enc = tok.backend.encode(text, add_special_tokens=False)
                 starts = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)[:, 0]
-                from megatron_sft_idx.preprocess.chat import trained_from_offsets
+                from megatron_sft_idx.preprocess.records.chat import trained_from_offsets
                 out.append((np.asarray(enc.ids), tok._label_aligned(trained_from_offsets(starts, spans), "h.jsonl",
                                                                      line)))
             return out

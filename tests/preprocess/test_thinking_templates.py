@@ -15,11 +15,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_sft_idx.preprocess.chat import ChatTokenizer
-from megatron_sft_idx.preprocess.encode import RecordEncoder
-from megatron_sft_idx.preprocess.errors import InputError
+from megatron_sft_idx.preprocess.records.chat import ChatTokenizer
+from megatron_sft_idx.preprocess.records.encode import RecordEncoder
+from megatron_sft_idx.preprocess.records.errors import InputError
 from megatron_sft_idx.preprocess.pipeline import Config, run
-from megatron_sft_idx.preprocess.encode import EncodeOptions
+from megatron_sft_idx.preprocess.records.encode import EncodeOptions
 from megatron_sft_idx.reader import MMapIndexedDataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from support.chat_families import with_template
-from megatron_sft_idx.preprocess.chat import ChatTokenizer
-from megatron_sft_idx.preprocess.encode import EncodeOptions, RecordEncoder
-from megatron_sft_idx.preprocess.errors import InputError
-from megatron_sft_idx.preprocess.inputs import parse_record
+from megatron_sft_idx.preprocess.records.chat import ChatTokenizer
+from megatron_sft_idx.preprocess.records.encode import EncodeOptions, RecordEncoder
+from megatron_sft_idx.preprocess.records.errors import InputError
+from megatron_sft_idx.preprocess.records.inputs import parse_record
 from megatron_sft_idx.preprocess.pipeline import Config, run
 from support.sft_fixtures import glaive, openai, toolace, write_jsonl, xlam
 

@@ -14,7 +14,7 @@ import pytest
 
 from support.chat_families import with_template
 from megatron_sft_idx.errors import ShardError
-from megatron_sft_idx.preprocess import chat, encode, schemas
+from megatron_sft_idx.preprocess.records import chat, encode, shapes as schemas
 from megatron_sft_idx.preprocess.pipeline import Config, run
 from support.sft_fixtures import alpaca, glaive, openai, reasoning, toolace, write_jsonl, xlam, xlam_raw
 
@@ -229,7 +229,7 @@ def test_end_of_turn_untrained_fails(tmp_path, monkeypatch):
 
 def test_a_template_dropping_reasoning_is_refused_before_verify(tmp_path, families):
     """DeepSeek-R1's template strips reasoning from every turn: refused by name (or dropped on purpose)."""
-    from megatron_sft_idx.preprocess.errors import InputError
+    from megatron_sft_idx.preprocess.records.errors import InputError
 
     with pytest.raises(InputError, match="renders the reasoning of messages\\[2\\] nowhere"):
         go(tmp_path, [reasoning(i) for i in range(3)], families["deepseek"], name="r1")

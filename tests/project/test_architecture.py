@@ -14,7 +14,7 @@ pytest.importorskip("importlinter", reason="import-linter is in the [test] extra
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGE = os.path.join(ROOT, "megatron_sft_idx")
 CONTRACTS = {"floors", "acyclic", "storage-knows-no-dataset", "engines", "engine-choice", "clis-on-top",
-             "no-torch-in-core", "ray-in-its-engine", "object-store-clients"}
+             "no-torch-in-core", "ray-in-its-engine", "object-store-clients", "records-know-no-run"}
 
 
 def lint_imports(cwd: str) -> subprocess.CompletedProcess:
@@ -36,6 +36,22 @@ def test_the_import_contract_is_kept():
     assert f"Contracts: {len(CONTRACTS)} kept, 0 broken." in proc.stdout, proc.stdout
 
 
+def test_records_contract_lists_every_module_of_the_run():
+    """The records wing's contract is exhaustive: every module of ``preprocess/`` outside
+    ``records/`` (the run) is one it may not import, so a new run module cannot be forgotten."""
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        contracts = {c["id"]: c for c in tomllib.load(f)["tool"]["importlinter"]["contracts"]}
+    forbidden = set(contracts["records-know-no-run"]["forbidden_modules"])
+    here = os.path.join(PACKAGE, "preprocess")
+    run = {f"megatron_sft_idx.preprocess.{os.path.splitext(name)[0]}" for name in os.listdir(here)
+           if name != "records" and name != "__init__.py" and name != "__pycache__"
+           and (name.endswith(".py") or os.path.isdir(os.path.join(here, name)))}
+    assert run, here
+    assert run == forbidden, f"run modules not forbidden: {sorted(run - forbidden)}; gone: {sorted(forbidden - run)}"
+
+
 # (module of the copy, the line appended to it, the contracts it must break)
 BACK_ARROWS = [
     ("storage/blocks.py", "from ..reader import MMapIndexedDataset", {"floors", "storage-knows-no-dataset", "acyclic"}),
@@ -47,6 +63,7 @@ BACK_ARROWS = [
     ("reader.py", "import torch", {"no-torch-in-core"}),
     ("preprocess/tokenize.py", "import ray", {"ray-in-its-engine"}),
     ("storage/blocks.py", "import boto3", {"object-store-clients"}),
+    ("preprocess/records/shapes.py", "from ..workdir import WorkDir", {"records-know-no-run"}),
     ("storage/new_module.py", "X = 1", set()),  # a new module of a listed package is placed by its package
     ("new_module.py", "X = 1", {"floors"}),  # a new top-level module must be given a floor
 ]

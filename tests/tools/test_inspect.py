@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from megatron_sft_idx.errors import FormatError, ShardError
-from megatron_sft_idx.preprocess.chat import tokenizer_files_sha256
+from megatron_sft_idx.preprocess.records.chat import tokenizer_files_sha256
 from megatron_sft_idx.tools import pack_view
 from megatron_sft_idx.tools.inspect import format_summary, summarize
 from megatron_sft_idx.tools.inspect_cli import main as inspect_main

@@ -20,7 +20,7 @@ from typing import Callable, Optional, Protocol, Sequence
 
 from ..._extras import MissingExtraError
 from ...errors import ShardError
-from ..errors import output_error
+from ..records.errors import output_error
 
 
 class Step(Protocol):

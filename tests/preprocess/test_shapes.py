@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from megatron_sft_idx.preprocess.errors import InputError
-from megatron_sft_idx.preprocess.inputs import parse_record
-from megatron_sft_idx.preprocess.schemas import SchemaOptions
+from megatron_sft_idx.preprocess.records.errors import InputError
+from megatron_sft_idx.preprocess.records.inputs import parse_record
+from megatron_sft_idx.preprocess.records.shapes import SchemaOptions
 from support.sft_fixtures import alpaca, glaive, openai, parts, reasoning, toolace, xlam
 
 

@@ -19,9 +19,9 @@ import json
 import re
 from typing import Any, Callable, Dict, List, Optional, Sequence, Type
 
-from ..errors import MetadataError, ShardError
-from ..format import MAX_METADATA_LENGTH
-from ..metadata import parse_json
+from .errors import MetadataError, ShardError
+from .format import MAX_METADATA_LENGTH
+from .metadata import parse_json
 
 _MISSING = object()
 HEX = {32: re.compile(r"[0-9a-f]{32}"), 64: re.compile(r"[0-9a-f]{64}")}

@@ -16,7 +16,7 @@ from typing import Dict, List
 
 from ..errors import ShardError
 from ..format import SEQ_IDX_SUFFIX
-from ._schema import HEX, check_int
+from ..jsondoc import HEX, check_int
 from .integrity import check_crc, crc32_file
 from .publish import StagedSet
 from .receipts import REDO_HINT, ReceiptBook

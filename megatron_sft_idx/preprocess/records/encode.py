@@ -29,8 +29,8 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ..errors import ShardError
-from ..packing.padding import padded_length
+from ...errors import ShardError
+from ...packing.padding import padded_length
 from .chat import (ChatTokenizer, encode_tokens, load_chat_tokenizer, reasoning_turns, template_rejected,
                    trained_from_offsets)
 from .errors import InputError, input_error
@@ -38,7 +38,7 @@ from .fast_tokenizer import FastTokenizer
 from .inputs import parse_record
 from .policy import LossPolicy, trained_turns
 from .rendering import check_rendered
-from .schemas import REASONING_TAGS, SchemaOptions
+from .shapes import REASONING_TAGS, SchemaOptions
 from .spans import SpanLocator
 
 SAMPLE_EVERY = 256

@@ -36,12 +36,12 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from .._extras import require_extra
-from ..errors import ShardError
+from ..._extras import require_extra
+from ...errors import ShardError
 from .errors import input_error
 from .policy import DEFAULT_POLICY, LossPolicy, refine_spans, trained_turns
 from .rendering import TemplateTraits, adapt, check_rendered, probe
-from .schemas import Conversation, SchemaOptions, as_conversation
+from .shapes import Conversation, SchemaOptions, as_conversation
 
 LOSS_MODES = ("assistant", "last-turn", "all", "per-turn")
 PREFIX_HINT = ("use --loss-on last-turn (loss on the final assistant turn, history as the template renders it), "

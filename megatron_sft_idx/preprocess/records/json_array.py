@@ -18,7 +18,7 @@ from typing import Iterator, List, Tuple
 
 import numpy as np
 
-from .._numba import numba
+from ..._numba import numba
 from .inputs import BLOCK, OversizedRecord, read_blocks
 
 _BLOCK = BLOCK  # (the element buffers below are sized for one block)

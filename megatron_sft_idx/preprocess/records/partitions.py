@@ -39,7 +39,7 @@ import os
 from dataclasses import dataclass
 from typing import Iterator, List, Optional, Tuple
 
-from .._extras import require_extra
+from ..._extras import require_extra
 from . import json_array
 from .inputs import (ARROW_SUFFIXES, BLOCK, COMPRESSED_SUFFIXES, PARQUET_SUFFIXES, OversizedRecord, open_text_bytes,
                      read_blocks)
@@ -70,8 +70,8 @@ class Partition:
             MetadataError: not a list of five, a kind that does not exist, a non-integer
                 (naming ``path`` and ``field``).
         """
-        from ..errors import MetadataError
-        from ._schema import check_int
+        from ...errors import MetadataError
+        from ...jsondoc import check_int
 
         if not isinstance(item, list) or len(item) != 5:
             raise MetadataError("a partition is [file, kind, start, end, first_line]", path=path, field=field,
@@ -132,7 +132,7 @@ def check_cover(parts: List[Partition], names: List[str], sizes: List[int], path
     Raises:
         MetadataError: the first partition that breaks a rule (naming ``path`` and ``field[k]``).
     """
-    from ..errors import MetadataError
+    from ...errors import MetadataError
 
     prev = None
     for k, p in enumerate(parts):

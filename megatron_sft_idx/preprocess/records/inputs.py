@@ -22,9 +22,9 @@ import json
 import os
 from typing import Iterator, List, NamedTuple, Optional, Sequence
 
-from .._extras import require_extra
+from ..._extras import require_extra
 from .errors import InputError, input_error
-from .schemas import KINDS, SchemaOptions, detect, map_record
+from .shapes import KINDS, SchemaOptions, detect, map_record
 
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
 JSON_SUFFIXES = (".json", ".json.gz", ".json.zst")   # a JSON array, or JSON Lines (by the first character)

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Tuple
 
-from .schemas import Conversation
+from .shapes import Conversation
 
 _PROBE_TEXTS = ("Hello there.", "", "  padded  ", "line one\nline two\n", "<|im_end|>", "x", " ",
                 "\n\nlead", "trail\n\n", "ünïcødé 日本 😀", "user", "assistant", "{{ not jinja }}")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import errno
 
-from ..errors import InputError, OutputError
+from ...errors import InputError, OutputError
 
 __all__ = ["InputError", "OutputError", "input_error", "output_error"]
 

@@ -25,8 +25,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .._numba import numba
-from ..errors import ShardError
+from ..._numba import numba
+from ...errors import ShardError
 
 BACKENDS = ("auto", "gigatoken", "hf")
 _SPLITTERS = {"Split", "ByteLevel", "Digits", "Punctuation"}

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
 from .errors import input_error
-from .schemas import REASONING_TAGS, Conversation
+from .shapes import REASONING_TAGS, Conversation
 
 TOOL_CALL_LOSS = ("train", "mask")
 REASONING_LOSS = ("train", "mask", "drop")

@@ -30,7 +30,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from .errors import input_error
 from .policy import LossPolicy
-from .schemas import Conversation
+from .shapes import Conversation
 
 _FIELDS = ("reasoning_content", "thinking", "reasoning")
 _ID = "pr0be0001"  # nine alphanumerics: Mistral's templates require exactly that
