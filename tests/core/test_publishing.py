@@ -15,7 +15,8 @@ from megatron_sft_idx import MMapIndexedDataset, publishing
 from megatron_sft_idx.errors import IncompleteShardError, ShardError, ShardExistsError, ShardNotFoundError
 from megatron_sft_idx.format import ALL_SUFFIXES, IDX_SUFFIX, PUBLISH_ORDER
 from megatron_sft_idx.manifest import load_manifest
-from megatron_sft_idx.publishing import LocalDestination, StagedSet, StagedShard
+from megatron_sft_idx.publishing import StagedSet, StagedShard
+from megatron_sft_idx.storage.destination import LocalDestination
 
 
 def shard_bytes(prefix):
