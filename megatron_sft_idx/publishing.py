@@ -93,7 +93,7 @@ def commit_shard(files: Mapping[str, str], prefix: str, destination=None, *, rol
         destination.finish(prefix, files)
 
 
-def commit_staged(staged: str, final: str) -> None:
+def commit_staged(staged: str, final: str, destination: Optional[Destination] = None) -> None:
     """Move the staged local shard ``staged`` (a complete shard, on the final's filesystem) to
     ``final``, ``.idx`` last; resumable after an interruption at any point: a staged file already
     moved (its final name present) is left, and a shard whose ``.idx`` was moved is complete.
@@ -113,7 +113,7 @@ def commit_staged(staged: str, final: str) -> None:
         raise ShardError("a staged file vanished before it was published", path=vanished,
                          hint="rerun without --resume to rebuild the output")
     if IDX_SUFFIX in pending:  # not committed yet
-        destination = LocalDestination()
+        destination = destination or LocalDestination()
         # Files already moved belong to the new shard: only the names still pending hold old ones.
         old = [s for s in destination.existing(final) if s in pending]
         commit_shard(pending, final, destination, rollback=False, existing=old)
@@ -456,7 +456,7 @@ def _place_staged(destination: Destination, staged: str, final: str, step) -> bo
     """A staged local shard to ``final``: moved (resumable, :func:`commit_staged`) where the
     destination moves files, else uploaded from the staged copy (which stays)."""
     if destination.moves:
-        commit_staged(staged, final)
+        commit_staged(staged, final, destination)
     else:
         step(final, "upload the shard",
              lambda: publish_shard(staged, final, replace=True, destination=destination))

@@ -17,7 +17,7 @@ from typing import Dict, List, Mapping
 from ..errors import RemoteStorageError, ShardError, ShardNotFoundError
 from ..format import SEQ_IDX_SUFFIX
 from ..jsondoc import HEX, check_int
-from .integrity import check_crc, crc32_file
+from .integrity import check_crc
 from ..storage.destination import Destination
 from .publish import StagedSet, destination_error
 from .receipts import REDO_HINT, ReceiptBook

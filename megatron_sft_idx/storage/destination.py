@@ -64,6 +64,13 @@ class Destination:
     def join(self, directory: str, name: str) -> str: raise NotImplementedError
     def name(self, path: str) -> str: raise NotImplementedError
     def normal(self, path: str) -> str: raise NotImplementedError
+    def key(self, path: str) -> str: raise NotImplementedError
+
+    def same(self, path: str, other: str) -> bool:
+        """Whether ``other`` (a path or a URL) names the place ``path`` names (links resolved)."""
+        return self.key(path) == destination_for(other).key(other)
+
+    def local_copy(self, prefix: str, directory: str): raise NotImplementedError
 
     # ---- listing
     def listing(self, prefix: str) -> Dict[str, int]: raise NotImplementedError
@@ -111,6 +118,15 @@ class LocalDestination(Destination):
 
     def normal(self, path: str) -> str:
         return os.path.abspath(path)
+
+    def key(self, path: str) -> str:
+        """One spelling per place (symbolic links resolved): two names of one file compare equal."""
+        return os.path.realpath(path)
+
+    @contextlib.contextmanager
+    def local_copy(self, prefix: str, directory: str) -> Iterator[str]:
+        """The local shard ``prefix`` itself (nothing is copied)."""
+        yield prefix
 
     def listing(self, prefix: str) -> Dict[str, int]:
         directory, start = os.path.dirname(os.path.abspath(prefix)), os.path.basename(prefix)
@@ -254,6 +270,23 @@ class ObjectDestination(Destination):
 
     def normal(self, path: str) -> str:
         return str(ObjectURL.parse(path))
+
+    def key(self, path: str) -> str:
+        return self.normal(path)
+
+    @contextlib.contextmanager
+    def local_copy(self, prefix: str, directory: str) -> Iterator[str]:
+        """The shard's objects at ``prefix`` downloaded into ``directory`` (removed after the block)."""
+        url = ObjectURL.parse(prefix)
+        store = self._store(url)
+        os.makedirs(directory, exist_ok=True)
+        local = os.path.join(directory, url.name)
+        try:
+            for suffix, info in store.stat_files(url, ALL_SUFFIXES).items():
+                store.download(url.with_suffix(suffix), local + suffix, info)
+            yield local
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
 
     # ---- listing
     def listing(self, prefix: str) -> Dict[str, int]:
