@@ -21,21 +21,25 @@ A failure before the ``.idx`` is in place leaves nothing that opens; from tempor
 files already renamed are removed again (the prefix holds no dataset rather than a mixture);
 a staged shard is left where it stopped, and a rerun finishes it (:func:`commit_staged`).
 
-**A set** (:func:`publish_set`, :func:`publish`): its manifests are removed before the first
+**A set** (:func:`commit_set`, the one sequence; used by :func:`publish_set` for preprocess and
+repack, by promotion, and by :func:`publish`): its manifests are withdrawn before the first
 shard is touched, the old outputs it replaces are removed (every ``.idx`` before any other
 file), each shard is committed, then its balanced pack orders (``--balance-for``: derived
 files beside the data, each written whole, atomically), and the manifests are written last --
 the set's commit point, recording its order -- so a reader of the set sees the whole previous
-set, no set, or the whole new set.
+set, no set, or the whole new set. Then the destination is **read back** (``Destination.read_back``):
+every shard placed (sizes, the ``.idx`` header, the ``.seq.idx`` header and metadata), every
+order and manifest written (whole), nothing replaced left over; a publication that returns
+whole has seen its destination whole.
 
 **An existing output** is refused by :func:`refuse_existing`, one message for every door.
 
 **A moved shard's source** goes ``.idx`` first (:func:`remove_shard`), so it never opens
 with files missing.
 
-Destinations: :class:`LocalDestination` here, ``storage.upload.ObjectDestination`` for
-``s3://`` / ``msc://`` (the primitives, with their deadlines and checks; imported for URLs
-only). This module orders them; it never imports a storage client.
+Destinations (:mod:`megatron_sft_idx.storage.destination`): a local directory or object storage
+behind one interface (the primitives, with their deadlines and checks); this module orders
+them and never asks which kind it holds, nor imports a storage client.
 """
 
 from __future__ import annotations
@@ -50,13 +54,13 @@ from ._crc import crc32
 from .errors import RemoteStorageError, ShardError, ShardExistsError, ShardNotFoundError
 from .format import (ALL_SUFFIXES, IDX_HEADER_SIZE, IDX_SUFFIX, PUBLISH_ORDER, SEQ_IDX_HEADER_SIZE,
                      SEQ_IDX_SUFFIX, SeqIdxHeader)
-from .storage.destination import Destination, LocalDestination, destination_for
+from .storage.destination import Destination, Expect, LocalDestination, destination_for
 
 __all__ = ["commit_shard", "commit_staged", "remove_shard",
            "existing_shard", "refuse_existing", "upload_shard", "publish_shard", "publish", "local_files",
            "StagedShard", "StagedSet", "StagedOrder", "publish_set", "manifest_bytes", "write_bytes",
-           "write_manifest", "upload_file", "SetFile", "SetOutcome", "commit_set", "Expect", "expect_shard",
-           "expect_bytes", "read_back"]
+           "write_manifest", "upload_file", "SetFile", "SetOutcome", "commit_set", "expect_shard",
+           "expect_bytes"]
 
 
 # --------------------------------------------------------------------------- one shard
@@ -396,7 +400,7 @@ def commit_set(destination: Destination, shards: Sequence[Tuple[str, str]], *,
        upload), except those in ``done`` (an interrupted attempt placed them);
     4. the other ``files`` (balanced orders), then the manifests, each only once the shards it
        ``needs`` are in place and the files it comes ``after`` were written;
-    5. the destination is read back (:func:`read_back`): every shard placed now (sizes, the
+    5. the destination is read back (``Destination.read_back``): every shard placed now (sizes, the
        ``.idx`` header, the ``.seq.idx`` whole, which holds every checksum), every file written,
        and that nothing of ``replaced`` is left.
 
@@ -448,7 +452,7 @@ def commit_set(destination: Destination, shards: Sequence[Tuple[str, str]], *,
         expected.append(expect_bytes(f.final, data))
     written = set(out.written) | {e.path for e in expected}
     expected += [Expect(p, None) for p in gone if p not in written]
-    out.problems = list(out.left.items()) + read_back(destination, expected)
+    out.problems = list(out.left.items()) + destination.read_back(expected)
     return out
 
 
@@ -469,17 +473,6 @@ def _names(paths: Sequence[str], limit: int = 3) -> str:
 
 
 # --------------------------------------------------------------------------- reading back
-
-
-@dataclass(frozen=True)
-class Expect:
-    """What one file at the destination must be after a publication: its ``size`` (None: it
-    must be gone), and where given the CRC-32 of its whole content or its first bytes."""
-
-    path: str
-    size: Optional[int]
-    crc32: Optional[int] = None
-    head: bytes = b""
 
 
 def expect_shard(local: str, final: str) -> List[Expect]:
@@ -510,43 +503,6 @@ def expect_shard(local: str, final: str) -> List[Expect]:
 def expect_bytes(path: str, data: bytes) -> Expect:
     """A small file written whole (an order, a manifest): its size and CRC-32."""
     return Expect(path, len(data), crc32(data))
-
-
-def read_back(destination: Destination, expected: Sequence[Expect]) -> List[Tuple[str, str]]:
-    """Read the destination back against ``expected``: sizes from one listing per directory,
-    then the CRC-32s and headers asked for. Returns ``(path, what is there now)`` for every file
-    missing, left over, or different (empty: the destination is whole).
-
-    Raises nothing for what it finds; a listing or read that fails is itself a problem named."""
-    problems: List[Tuple[str, str]] = []
-    try:
-        sizes = destination.sizes([e.path for e in expected])
-    except (ShardError, RemoteStorageError, OSError) as exc:
-        return [(expected[0].path, f"cannot list the destination to read it back: {exc}")] if expected else []
-    for e in expected:
-        size = sizes.get(e.path)
-        if e.size is None:
-            if size is not None:
-                problems.append((e.path, "an old file the new generation does not bring is still there"))
-            continue
-        if size is None:
-            problems.append((e.path, "missing"))
-            continue
-        if size != e.size:
-            problems.append((e.path, f"{size} bytes, {e.size} were published"))
-            continue
-        try:
-            if e.crc32 is not None:
-                data = destination.read(e.path, e.size)
-                if data is None or crc32(data) != e.crc32:
-                    problems.append((e.path, "its content differs from what was published (CRC-32)"))
-            elif e.head:
-                head = destination.read_head(e.path, len(e.head))
-                if head != e.head:
-                    problems.append((e.path, "its header differs from what was published"))
-        except (ShardError, RemoteStorageError, OSError) as exc:
-            problems.append((e.path, f"cannot read it back: {exc}"))
-    return problems
 
 
 # --------------------------------------------------------------------------- a staged run's set

@@ -150,7 +150,8 @@ def plan_only(store: SequenceStore, job: PackJob, path: str) -> dict:
 
 def _job_key(job: PackJob) -> dict:
     """What of the job the run key digests (the settings as the plan records them, resolved)."""
-    key = {"output_prefix": destination_for(job.output_prefix).normal(job.output_prefix), "settings": job.settings.to_dict(),
+    key = {"output_prefix": destination_for(job.output_prefix).normal(job.output_prefix),
+           "settings": job.settings.to_dict(),
            "pad_id": job.pad_id, "vocab_size": job.vocab_size, "parallelism": list(job.parallelism)}
     if job.balance.to_dict() is not None:   # (keys of runs without --balance-for are unchanged)
         key["balance"] = job.balance.to_dict()

@@ -8,7 +8,8 @@ node (:mod:`.index_cache`); ``.bin`` and ``.loss.bin`` are read by ranged GETs t
 in-memory block cache (:mod:`.blocks`). Writing: every writer holds a destination
 (:mod:`.destination`: a local directory or object storage, one interface: listing, sizes,
 names, staging, the publishing primitives, reading back), and :mod:`megatron_sft_idx.publishing`
-orders every publication through it (``.idx`` last, the commit point); :func:`upload_shard`, :func:`publish` and :func:`publish_shard`
+orders every publication through it (``.idx`` last, the commit point);
+:func:`upload_shard`, :func:`publish` and :func:`publish_shard`
 are kept here as names of publishing's functions, and ``RemoteIndexedDataset`` as a name of
 the reader. Settings: :class:`StorageConfig` (environment variables listed there).
 

@@ -20,8 +20,9 @@ What a destination owns:
   one place take turns), ``remove``, ``sync``, ``put`` / ``put_many`` (a local source moves
   there, or is uploaded), ``finish`` (the place is durable, or the sizes are checked),
   ``write_bytes`` (one small file whole);
-* **reading back**: :meth:`~Destination.read` (a small file whole) and
-  :meth:`~Destination.read_head` (its first bytes), for the read-back after a publish;
+* **reading back**: :meth:`~Destination.read` (a small file whole),
+  :meth:`~Destination.read_head` (its first bytes), :meth:`~Destination.read_back` (files
+  against what was published: :class:`Expect`), for the read-back after a publish;
 * whether a publish **moves** the staged files (:attr:`~Destination.moves`: local renames)
   or copies them (uploads: the staged copies stay), and whether reading a file whole is as
   cheap as listing it (:attr:`~Destination.cheap_reads`).
@@ -39,17 +40,30 @@ import hashlib
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from .. import _atomic
+from .._crc import crc32
 from ..errors import ShardError, SizeMismatchError
 from ..format import ALL_SUFFIXES
 from ._url import ObjectURL, is_remote
 from .config import StorageConfig
 
-__all__ = ["Destination", "LocalDestination", "ObjectDestination", "destination_for"]
+__all__ = ["Destination", "LocalDestination", "ObjectDestination", "destination_for", "Expect"]
 
 _STAGING_TAG = "megatron_sft_idx-"
+
+
+@dataclass(frozen=True)
+class Expect:
+    """What one file at a destination must be after a publication: its ``size`` (None: it must
+    be gone), and where given the CRC-32 of its whole content or its first bytes (``head``)."""
+
+    path: str
+    size: Optional[int]
+    crc32: Optional[int] = None
+    head: bytes = b""
 
 
 class Destination:
@@ -101,6 +115,41 @@ class Destination:
     def put_many(self, pairs: Sequence[Tuple[str, str]]) -> None:
         for source, final in pairs:
             self.put(source, final)
+
+    def read_back(self, expected: Sequence["Expect"]) -> List[Tuple[str, str]]:
+        """Read the destination back against ``expected``: sizes from one listing per directory,
+        then the CRC-32s and first bytes asked for. Returns ``(path, what is there now)`` for
+        every file missing, left over, or different (empty: the destination is whole). A listing
+        or read that fails is itself a problem named; nothing is raised for what is found."""
+        problems: List[Tuple[str, str]] = []
+        try:
+            sizes = self.sizes([e.path for e in expected])
+        except (ShardError, OSError) as exc:
+            return [(expected[0].path, f"cannot list the destination to read it back: {exc}")] if expected else []
+        for e in expected:
+            size = sizes.get(e.path)
+            if e.size is None:
+                if size is not None:
+                    problems.append((e.path, "an old file the new generation does not bring is still there"))
+                continue
+            if size is None:
+                problems.append((e.path, "missing"))
+                continue
+            if size != e.size:
+                problems.append((e.path, f"{size} bytes, {e.size} were published"))
+                continue
+            try:
+                if e.crc32 is not None:
+                    data = self.read(e.path, e.size)
+                    if data is None or crc32(data) != e.crc32:
+                        problems.append((e.path, "its content differs from what was published (CRC-32)"))
+                elif e.head:
+                    if self.read_head(e.path, len(e.head)) != e.head:
+                        problems.append((e.path, "its header differs from what was published"))
+            except (ShardError, OSError) as exc:
+                problems.append((e.path, f"cannot read it back: {exc}"))
+        return problems
+
 
 
 class LocalDestination(Destination):

@@ -22,7 +22,7 @@ from .._signals import INTERRUPTS, raise_if_signalled
 from ..errors import ChecksumError, IncompleteDestinationError, InvariantError, ShardError
 from ..format import IDX_SUFFIX, PUBLISH_ORDER
 from ..storage._url import local_only
-from ..storage.destination import Destination
+from ..storage.destination import Destination, Expect
 
 __all__ = ["gate_or_refuse", "refuse_existing", "marks_published", "publish_staged", "publish_file",
            "refuse_remote_input"]
@@ -108,14 +108,14 @@ def publish_file(local: str, output: str, destination: Destination) -> None:
     Raises:
         IncompleteDestinationError: the file read back is missing or differs in size.
     """
-    expected = [publishing.Expect(output, os.path.getsize(local))]
+    expected = [Expect(output, os.path.getsize(local))]
     raise_if_signalled()
     destination.put(local, output)
     _read_back(destination, expected)
 
 
 def _read_back(destination: Destination, expected) -> None:
-    problems = publishing.read_back(destination, expected)
+    problems = destination.read_back(expected)
     if problems:
         path, why = problems[0]
         raise IncompleteDestinationError(f"the output, read back after publishing, is not whole: {why}", path=path,

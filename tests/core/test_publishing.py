@@ -212,8 +212,8 @@ def staged_set(tmp_path, rng, n=3, order=True):
     for k, f in enumerate(finals):
         write_shard(str(stage / os.path.basename(f)), random_packs(rng, 2 + k),
                     metadata={"set": {"id": "z" * 32, "index": k, "count": n}})
-    orders = (publishing.StagedOrder(str(out / "ds.order"), b"order bytes", str(out / "ds.json"), {"file": "ds.order"}),) \
-        if order else ()
+    record = {"file": "ds.order"}
+    orders = (publishing.StagedOrder(str(out / "ds.order"), b"order bytes", str(out / "ds.json"), record),) if order else ()
     return StagedSet(tuple(StagedShard(str(stage / os.path.basename(f)), f) for f in finals),
                      ((str(out / "ds.json"), tuple(finals)),), orders), out
 
@@ -274,4 +274,5 @@ def test_read_back_finds_a_shard_file_that_differs_and_an_old_file_left(tmp_path
 
     outcome = publishing.publish_set(StagedSet(staged.shards, ()), [str(stale)], destination=Keeps())
     found = dict(outcome.problems)
-    assert found[str(stale)].startswith("an old file") and "header differs" in found[staged.shards[0].final + ".seq.idx"]
+    assert found[str(stale)].startswith("an old file")
+    assert "header differs" in found[staged.shards[0].final + ".seq.idx"]
