@@ -185,7 +185,8 @@ class Report:
     def format_text(self, verbose: bool = False) -> str:
         blocks = [s.format_text(verbose) for s in self.shards]
         for m in self.manifests:   # manifests, and the balanced orders that travel with them
-            kind = "order" if m["source"].endswith(ORDER_SUFFIX) else "manifest"
+            kind = ("order" if m["source"].endswith(ORDER_SUFFIX) else "manifest" if m["source"].endswith(".json")
+                    else "file")
             if "promoted" in m:
                 blocks.append(f"{kind} {m['source']} -> {m['promoted']}")
             elif "removed" in m:

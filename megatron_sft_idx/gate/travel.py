@@ -13,7 +13,8 @@ the shards without it would leave it pointing at nothing. So promotion:
    order its manifest records (size and CRC-32): ``TRAVELLER_INVALID``;
 3. commits everything as one set (:func:`megatron_sft_idx.publishing.commit_set`): the
    manifests withdrawn at the destination, what of an old generation the new one does not
-   bring removed (with ``--replace``: an order beside a manifest or shard that now has none),
+   bring removed (with ``--replace``: an order beside a manifest or shard that now has none,
+   the shards of the set's name, ``BASE_NNNNNN``, that the new manifest does not list),
    the shards, then the orders (a set's ``BASE.order``, a single shard's ``P.order``), then the
    manifests, listing the promoted shards relative to themselves and keeping their ``"order"``
    record;
@@ -34,13 +35,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .. import publishing
 from ..errors import ShardError
-from ..format import ORDER_SUFFIX
+from ..format import ALL_SUFFIXES, ORDER_SUFFIX
 from ..manifest import MANIFEST_SUFFIX, MAX_MANIFEST_BYTES, MANIFEST_FORMAT, parse_manifest
 from ..storage.destination import Destination, LocalDestination
 from .report import Report, ShardReport, make_finding
@@ -156,6 +158,9 @@ def plan(shards: Sequence[ShardReport], dest: str, destination: Destination, *, 
                 changed = True
     out.manifests = [m for m in found if all(p in keys and keys[p] not in out.refused for p in m.listed)]
     out.stale = [m.order_dest for m in out.manifests if m.order is None and destination.exists(m.order_dest)]
+    if replace:
+        for m in out.manifests:
+            out.stale += _old_members(m, [keys[p] for p in m.listed], dest, destination)
     listed = {p for m in found for p in m.listed}
     for k, prefix in keys.items():   # a single shard's own order (P.order) follows it
         if k in listed or prefix in out.refused:
@@ -175,6 +180,21 @@ def plan(shards: Sequence[ShardReport], dest: str, destination: Destination, *, 
         elif there:
             out.stale.append(target)
     return out
+
+
+def _old_members(m: Travelling, prefixes: Sequence[str], dest: str, destination: Destination) -> List[str]:
+    """Files at ``dest`` of shards named like the set of manifest ``m`` (``BASE_NNNNNN``) that the
+    new manifest does not list: an old generation's (``--replace`` removes them)."""
+    base = os.path.basename(m.dest)[: -len(MANIFEST_SUFFIX)]
+    ours = re.compile(re.escape(base) + r"_\d{6}(" + "|".join(re.escape(x) for x in (*ALL_SUFFIXES, ORDER_SUFFIX))
+                      + ")")
+    new = {os.path.basename(p) for p in prefixes}
+    out = []
+    for path in destination.listing(destination.join(dest, base)):
+        match = ours.fullmatch(destination.name(path))
+        if match and destination.name(path)[: -len(match.group(1))] not in new:
+            out.append(path)
+    return sorted(out)
 
 
 def _travelling_order(m: Travelling) -> Optional[str]:
@@ -260,7 +280,8 @@ def commit(the_plan: Plan, shards: Sequence[ShardReport], report: Report, destin
                 f.final, "not written") + "; the shards it concerns stay at the source too"})
     for path in the_plan.stale:
         if path not in {p for p, _ in outcome.problems}:
-            report.manifests.append({"source": path, "removed": "an old order the new generation does not bring"})
+            what = "an old order" if path.endswith(ORDER_SUFFIX) else "an old shard's file"
+            report.manifests.append({"source": path, "removed": f"{what} the new generation does not bring"})
     _findings(outcome, shards, concerns, dest)
     placed = set(outcome.placed)
     whole = [i for i in range(len(shards)) if i in placed and i not in concerned]

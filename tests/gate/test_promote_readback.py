@@ -27,14 +27,16 @@ TOPOLOGY = (2, 1, 4)
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The same set written twice: with a balanced order (ds_train.json recording ds_train.order)
-    and without one."""
+    """The same set written three times: with a balanced order (ds_train.json recording
+    ds_train.order), without one, and without one in fewer, larger shards."""
     root = tmp_path_factory.mktemp("runs")
-    balanced, plain = str(root / "balanced"), str(root / "plain")
+    balanced, plain, fewer = str(root / "balanced"), str(root / "plain"), str(root / "fewer")
     preprocess(balanced, pack_size=512, split=[100], max_packs_per_shard=30, balance_for=TOPOLOGY)
     preprocess(plain, pack_size=512, split=[100], max_packs_per_shard=30)
+    preprocess(fewer, pack_size=512, split=[100], max_packs_per_shard=60)
     assert "ds_train.order" in os.listdir(balanced) and "ds_train.order" not in os.listdir(plain)
-    return balanced, plain
+    assert len(os.listdir(fewer)) < len(os.listdir(plain))
+    return balanced, plain, fewer
 
 
 @pytest.fixture
@@ -67,7 +69,7 @@ def keys(s3, bucket, prefix):
 
 @pytest.mark.parametrize("failing", ["ds_train.json", "ds_train.order"])
 def test_a_failed_upload_of_the_manifest_or_order_fails_the_promotion_naming_it(run, s3, bucket, capsys, failing):
-    balanced, _ = run
+    balanced = run[0]
     before = visible(balanced)
     dest = f"s3://{bucket}/promoted/"
     s3.inject("500", lambda m, k, h: m == "PUT" and k.endswith("/promoted/" + failing), times=1000)
@@ -91,7 +93,7 @@ def test_a_failed_upload_of_the_manifest_or_order_fails_the_promotion_naming_it(
 
 def test_a_failed_manifest_upload_through_an_msc_profile_fails_the_promotion(run, s3, bucket, capsys, tmp_path,
                                                                              monkeypatch):
-    balanced, _ = run
+    balanced = run[0]
     monkeypatch.setenv("MSC_CONFIG", s3.msc_config(str(tmp_path / "msc.json"), "loop", bucket))
     dest = "msc://loop/promoted/"
     s3.inject("500", lambda m, k, h: m == "PUT" and k.endswith("/promoted/ds_train.json"), times=1000)
@@ -106,7 +108,7 @@ def test_a_failed_manifest_upload_through_an_msc_profile_fails_the_promotion(run
 
 @pytest.mark.parametrize("damage", ["flipped byte", "not the recorded order"])
 def test_a_damaged_order_is_refused_before_anything_moves(run, tmp_path, capsys, damage):
-    balanced, _ = run
+    balanced = run[0]
     order = os.path.join(balanced, "ds_train.order")
     data = bytearray(open(order, "rb").read())
     if damage == "flipped byte":
@@ -131,14 +133,14 @@ def test_a_damaged_order_is_refused_before_anything_moves(run, tmp_path, capsys,
 
 
 def test_a_missing_recorded_order_is_refused(run, tmp_path, capsys):
-    balanced, _ = run
+    balanced = run[0]
     os.remove(os.path.join(balanced, "ds_train.order"))
     code, report = promote(capsys, balanced, "--promote", str(tmp_path / "storage"))
     assert code == 1 and "not beside it" in findings(report, "TRAVELLER_INVALID")[0]["message"]
 
 
 def test_replace_leaves_no_stale_order(run, tmp_path, capsys):
-    balanced, plain = run
+    balanced, plain = run[:2]
     dest = tmp_path / "storage"
     assert promote(capsys, balanced, "--promote", str(dest))[0] == 0
     assert "ds_train.order" in visible(dest)
@@ -151,3 +153,18 @@ def test_replace_leaves_no_stale_order(run, tmp_path, capsys):
         in report["manifests"]
     assert json.load(open(dest / "ds_train.json")).get("order") is None
     assert len(open_packed(str(dest / "ds_train.json"))) > 0
+
+
+def test_replace_removes_the_old_generations_shards_the_new_manifest_does_not_list(run, tmp_path, capsys):
+    _, plain, fewer = run
+    dest = tmp_path / "storage"
+    assert promote(capsys, plain, "--promote", str(dest))[0] == 0
+    old = visible(dest)
+    code, report = promote(capsys, fewer, "--promote", str(dest), "--replace")
+    assert code == 0, report
+    listed = [os.path.basename(p) for p in open_packed(str(dest / "ds_train.json")).prefixes]
+    assert visible(dest) == sorted([n + s for n in listed for s in (".bin", ".idx", ".loss.bin", ".seq.bin",
+                                                                       ".seq.idx")] + ["ds_train.json"])
+    assert len(visible(dest)) < len(old)
+    assert any("old shard's file" in m.get("removed", "") for m in report["manifests"])
+    assert len(open_packed(str(dest))) == len(open_packed(str(dest / "ds_train.json")))   # the directory is one set
