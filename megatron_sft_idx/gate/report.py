@@ -150,7 +150,7 @@ class Report:
     options: Dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
     #: With --promote: each manifest or order that travelled with its shards, ``{"source", "promoted"}``,
-    #: that was left in place, ``{"source", "left": why}``, or an old order removed at the
+    #: that was left in place, ``{"source", "left": why}``, or an old order (or shard file) removed at the
     #: destination (``--replace``), ``{"source": its path, "removed": why}``.
     manifests: List[Dict[str, str]] = field(default_factory=list)
 
