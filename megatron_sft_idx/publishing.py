@@ -220,7 +220,7 @@ def publish_shard(prefix, dest, *, replace: bool = False, link: bool = False, co
         raise ShardError("the shard is already at the destination", path=prefix)
     if link and not destination.moves:
         raise ShardError("hard links need a local destination", path=dest, hint="publish without link")
-    destination.make_directory(os.path.dirname(os.path.abspath(dest)) if destination.moves else dest)
+    destination.make_directory(destination.parent(dest))
     sources: Dict[str, str] = {}
     try:
         for suffix, src in files.items():

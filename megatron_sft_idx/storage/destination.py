@@ -9,7 +9,7 @@ writing.
 What a destination owns:
 
 * **names**: :meth:`~Destination.join` (a name under a directory), :meth:`~Destination.name`
-  (the last component), :meth:`~Destination.normal` (how runs compare two spellings);
+  (the last component), :meth:`~Destination.parent`, :meth:`~Destination.normal` (how runs compare two spellings);
 * **listing**: :meth:`~Destination.listing` (every file beside a prefix whose name starts
   with it, with sizes), :meth:`~Destination.existing` (which of a shard's five files exist),
   :meth:`~Destination.exists`, :meth:`~Destination.sizes`;
@@ -77,6 +77,7 @@ class Destination:
     # ---- names
     def join(self, directory: str, name: str) -> str: raise NotImplementedError
     def name(self, path: str) -> str: raise NotImplementedError
+    def parent(self, path: str) -> str: raise NotImplementedError
     def normal(self, path: str) -> str: raise NotImplementedError
     def key(self, path: str) -> str: raise NotImplementedError
 
@@ -164,6 +165,9 @@ class LocalDestination(Destination):
 
     def name(self, path: str) -> str:
         return os.path.basename(path)
+
+    def parent(self, path: str) -> str:
+        return os.path.dirname(os.path.abspath(path))
 
     def normal(self, path: str) -> str:
         return os.path.abspath(path)
@@ -316,6 +320,9 @@ class ObjectDestination(Destination):
 
     def name(self, path: str) -> str:
         return ObjectURL.parse(path).name
+
+    def parent(self, path: str) -> str:
+        return str(ObjectURL.parse(path).parent)
 
     def normal(self, path: str) -> str:
         return str(ObjectURL.parse(path))

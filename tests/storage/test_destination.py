@@ -32,6 +32,7 @@ def test_one_interface_for_both_kinds(place, tmp_path):
     dest, directory = place
     final = dest.join(directory, "ds_000000")
     assert dest.name(final) == "ds_000000" and dest.normal(final).endswith("/out/ds_000000")
+    assert dest.normal(dest.parent(final)) == dest.normal(directory)
     assert dest.same(final, final) and not dest.same(final, dest.join(directory, "other"))
     assert dest.listing(final) == {} and dest.existing(final) == [] and not dest.exists(final + ".idx")
     local = tmp_path / "src.bin"
