@@ -479,12 +479,18 @@ class ObjectDestination(Destination):
         return b"".join(store.read_chunks(url, info.size, info.etag))
 
     def read_head(self, path: str, size: int) -> Optional[bytes]:
+        """The first ``size`` bytes (one ranged GET: the caller knows the object is at least that
+        long, from a listing), or None when there is no such object.
+
+        Raises:
+            RemoteStorageError: a request failed for good (a shorter object: ShortReadError)."""
+        from ..errors import ShardNotFoundError
+
         url = ObjectURL.parse(path)
-        store = self._store(url)
-        info = store.head(url)
-        if info is None:
+        try:
+            return bytes(self._store(url).read_range(url, 0, size))
+        except ShardNotFoundError:
             return None
-        return bytes(store.read_range(url, 0, min(size, info.size), info.etag))
 
 
 def destination_for(path: str, config: Optional[StorageConfig] = None) -> Destination:
