@@ -168,3 +168,14 @@ def test_replace_removes_the_old_generations_shards_the_new_manifest_does_not_li
     assert len(visible(dest)) < len(old)
     assert any("old shard's file" in m.get("removed", "") for m in report["manifests"])
     assert len(open_packed(str(dest))) == len(open_packed(str(dest / "ds_train.json")))   # the directory is one set
+
+
+def test_replace_leaves_no_stale_order_in_object_storage(run, s3, bucket, capsys):
+    balanced, plain = run[:2]
+    dest = f"s3://{bucket}/promoted/"
+    assert promote(capsys, balanced, "--promote", dest)[0] == 0
+    assert "ds_train.order" in keys(s3, bucket, "promoted/")
+    code, report = promote(capsys, plain, "--promote", dest, "--replace")
+    assert code == 0, report
+    assert "ds_train.order" not in keys(s3, bucket, "promoted/") and "ds_train.json" in keys(s3, bucket, "promoted/")
+    assert len(open_packed(dest + "ds_train.json")) > 0
