@@ -43,6 +43,7 @@ __all__ = [
     "RemoteTimeoutError",
     "ResponseMismatchError",
     "OutputError",
+    "IncompleteDestinationError",
 ]
 
 
@@ -271,3 +272,11 @@ class OutputError(ShardError):
     ``path`` is the file or directory the system refused; ``errno`` the system's code."""
 
     default_hint = "fix the destination (free space, permissions, a writable filesystem) and rerun"
+
+
+class IncompleteDestinationError(ShardError):
+    """A publication ended, and the destination read back is not what it published: a file of
+    the set (a shard's, an order, a manifest) is missing or differs, or an old file the new
+    generation does not bring is still there. ``path`` names the first such file."""
+
+    default_hint = "publish again with --overwrite / --replace (the staged output is kept where the run keeps it)"

@@ -21,97 +21,46 @@ A failure before the ``.idx`` is in place leaves nothing that opens; from tempor
 files already renamed are removed again (the prefix holds no dataset rather than a mixture);
 a staged shard is left where it stopped, and a rerun finishes it (:func:`commit_staged`).
 
-**A set** (:func:`publish_set`, :func:`publish`): its manifests are removed before the first
+**A set** (:func:`commit_set`, the one sequence; used by :func:`publish_set` for preprocess and
+repack, by promotion, and by :func:`publish`): its manifests are withdrawn before the first
 shard is touched, the old outputs it replaces are removed (every ``.idx`` before any other
 file), each shard is committed, then its balanced pack orders (``--balance-for``: derived
 files beside the data, each written whole, atomically), and the manifests are written last --
 the set's commit point, recording its order -- so a reader of the set sees the whole previous
-set, no set, or the whole new set.
+set, no set, or the whole new set. Then the destination is **read back** (``Destination.read_back``):
+every shard placed (sizes, the ``.idx`` header, the ``.seq.idx`` header and metadata), every
+order and manifest written (whole), nothing replaced left over; a publication that returns
+whole has seen its destination whole.
 
 **An existing output** is refused by :func:`refuse_existing`, one message for every door.
 
 **A moved shard's source** goes ``.idx`` first (:func:`remove_shard`), so it never opens
 with files missing.
 
-Destinations: :class:`LocalDestination` here, ``storage.upload.ObjectDestination`` for
-``s3://`` / ``msc://`` (the primitives, with their deadlines and checks; imported for URLs
-only). This module orders them; it never imports a storage client.
+Destinations (:mod:`megatron_sft_idx.storage.destination`): a local directory or object storage
+behind one interface (the primitives, with their deadlines and checks); this module orders
+them and never asks which kind it holds, nor imports a storage client.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from . import _atomic
+from ._crc import crc32
 from .errors import RemoteStorageError, ShardError, ShardExistsError, ShardNotFoundError
-from .format import ALL_SUFFIXES, IDX_SUFFIX, PUBLISH_ORDER, SEQ_IDX_SUFFIX
-from .storage._url import ObjectURL, is_remote
+from .format import (ALL_SUFFIXES, IDX_HEADER_SIZE, IDX_SUFFIX, PUBLISH_ORDER, SEQ_IDX_HEADER_SIZE,
+                     SEQ_IDX_SUFFIX, SeqIdxHeader)
+from .storage.destination import Destination, Expect, LocalDestination, destination_for
 
-__all__ = ["LocalDestination", "destination_for", "commit_shard", "commit_staged", "remove_shard",
+__all__ = ["commit_shard", "commit_staged", "remove_shard",
            "existing_shard", "refuse_existing", "upload_shard", "publish_shard", "publish", "local_files",
            "StagedShard", "StagedSet", "StagedOrder", "publish_set", "manifest_bytes", "write_bytes",
-           "write_manifest", "upload_file"]
-
-
-# --------------------------------------------------------------------------- destinations
-
-
-class LocalDestination:
-    """Where files go on local disk. The interface every destination has: ``existing(prefix)``
-    (suffixes present), ``exists(path)``, ``prepare(sources)`` (make them durable),
-    ``turn(prefix)`` (a context: publications into one place take turns), ``remove(paths)``,
-    ``sync(prefix)``, ``put(source, final)``, ``put_many(pairs)``, ``finish(prefix, files)``,
-    ``write_bytes(path, data)``."""
-
-    remote = False
-
-    def existing(self, prefix: str) -> List[str]:
-        return [s for s in ALL_SUFFIXES if os.path.lexists(prefix + s)]
-
-    def exists(self, path: str) -> bool:
-        return os.path.lexists(path)
-
-    def prepare(self, sources: Iterable[str]) -> None:
-        for path in sources:
-            _atomic.fsync_file(path)
-
-    def turn(self, prefix: str):
-        return _atomic.directory_lock(prefix)
-
-    def remove(self, paths: Iterable[str]) -> None:
-        _atomic.remove_quietly(paths)
-
-    def sync(self, prefix: str) -> None:
-        _atomic.fsync_dir(prefix)
-
-    def put(self, source: str, final: str) -> None:
-        os.replace(source, final)
-        if os.path.lexists(source):
-            # rename() of two links to one inode succeeds and does nothing (POSIX): the final
-            # name already holds this content (a rerun of a killed promotion).
-            os.unlink(source)
-
-    def put_many(self, pairs: Sequence[Tuple[str, str]]) -> None:
-        for source, final in pairs:
-            self.put(source, final)
-
-    def finish(self, prefix: str, files: Mapping[str, str]) -> None:
-        _atomic.fsync_dir(prefix)
-
-    def write_bytes(self, path: str, data: bytes) -> None:
-        _atomic.write_file_atomically(path, lambda f: f.write(data))
-
-
-def destination_for(path: str, config=None):
-    """The destination of ``path``: local, or object storage for an ``s3://`` / ``msc://`` URL."""
-    if is_remote(path):
-        from .storage.upload import ObjectDestination
-
-        return ObjectDestination(config)
-    return LocalDestination()
+           "write_manifest", "upload_file", "SetFile", "SetOutcome", "commit_set", "expect_shard",
+           "expect_bytes"]
 
 
 # --------------------------------------------------------------------------- one shard
@@ -148,7 +97,7 @@ def commit_shard(files: Mapping[str, str], prefix: str, destination=None, *, rol
         destination.finish(prefix, files)
 
 
-def commit_staged(staged: str, final: str) -> None:
+def commit_staged(staged: str, final: str, destination: Optional[Destination] = None) -> None:
     """Move the staged local shard ``staged`` (a complete shard, on the final's filesystem) to
     ``final``, ``.idx`` last; resumable after an interruption at any point: a staged file already
     moved (its final name present) is left, and a shard whose ``.idx`` was moved is complete.
@@ -168,7 +117,7 @@ def commit_staged(staged: str, final: str) -> None:
         raise ShardError("a staged file vanished before it was published", path=vanished,
                          hint="rerun without --resume to rebuild the output")
     if IDX_SUFFIX in pending:  # not committed yet
-        destination = LocalDestination()
+        destination = destination or LocalDestination()
         # Files already moved belong to the new shard: only the names still pending hold old ones.
         old = [s for s in destination.existing(final) if s in pending]
         commit_shard(pending, final, destination, rollback=False, existing=old)
@@ -239,61 +188,62 @@ def upload_shard(prefix, dest, *, replace: bool = False, config=None) -> Dict[st
 
     Raises:
         ShardExistsError: a shard exists at ``dest`` and ``replace`` is false.
-        ShardError: the local shard does not open; RemoteStorageError: an upload failed
-            (nothing that opens is left at ``dest``: ``.idx`` was not sent).
+        ShardError: ``dest`` is not a URL, the local shard does not open; RemoteStorageError: an
+            upload failed (nothing that opens is left at ``dest``: ``.idx`` was not sent).
         SizeMismatchError: an object's listed size differs from its local file after upload.
     """
-    from .storage.upload import ObjectDestination
+    from .storage._url import ObjectURL
 
-    prefix = os.fspath(prefix)
-    url = str(ObjectURL.parse(dest))
-    files = local_files(prefix)
-    destination = ObjectDestination(config)
-    existing = destination.existing(url)
-    if not replace:
-        refuse_existing([url + s for s in existing], replace_with="replace=True (--replace)")
-    commit_shard(files, url, destination, rollback=False, existing=existing)
-    return {s: url + s for s in files}
+    url = str(ObjectURL.parse(dest))   # (an upload: a URL, never a local path)
+    publish_shard(prefix, url, replace=replace, config=config)
+    return {s: url + s for s in local_files(os.fspath(prefix))}
 
 
-def publish_shard(prefix, dest, *, replace: bool = False, link: bool = False, config=None) -> str:
+def publish_shard(prefix, dest, *, replace: bool = False, link: bool = False, config=None,
+                  destination: Optional[Destination] = None) -> str:
     """Publish one finished local shard under the exact prefix ``dest`` (a path or a URL),
-    ``.idx`` last, copying it (or hard-linking it, ``link``, locally). Returns ``dest``.
+    ``.idx`` last, copying it (or hard-linking it, ``link``, where the destination moves files
+    into place: locally). The source is left as it was. Returns ``dest``.
 
     Raises:
         ShardExistsError: a shard exists at ``dest`` and ``replace`` is false (nothing written);
-        ShardError: the local shard does not open; RemoteStorageError / OSError while writing.
+        ShardError: the local shard does not open, it is already at ``dest``, or ``link`` into a
+            destination that copies; RemoteStorageError / OSError while writing.
     """
     prefix, dest = os.fspath(prefix), os.fspath(dest)
+    destination = destination or destination_for(dest, config)
     files = local_files(prefix)
+    existing = destination.existing(dest)
     if not replace:
-        refuse_existing(existing_shard(dest, config=config), replace_with="replace=True (--replace)")
-    if is_remote(dest):
-        upload_shard(prefix, dest, replace=True, config=config)
-        return dest
-    if os.path.abspath(dest) == os.path.abspath(prefix):
+        refuse_existing([dest + s for s in existing], replace_with="replace=True (--replace)")
+    if destination.normal(dest) == os.path.abspath(prefix):
         raise ShardError("the shard is already at the destination", path=prefix)
-    os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
-    finals = {s: dest + s for s in files}
-    _atomic.clear_stale_temporaries(finals.values())
-    tmp: Dict[str, str] = {}
+    if link and not destination.moves:
+        raise ShardError("hard links need a local destination", path=dest, hint="publish without link")
+    destination.make_directory(destination.parent(dest))
+    sources: Dict[str, str] = {}
     try:
         for suffix, src in files.items():
-            tmp[suffix] = _atomic.temporary_path(finals[suffix])
+            tmp = destination.temporary(dest + suffix)
+            if tmp is None:   # the destination reads the source as it is (an upload)
+                sources[suffix] = src
+                continue
+            sources[suffix] = tmp
             if link:
-                os.link(src, tmp[suffix])
+                os.link(src, tmp)
             else:
-                shutil.copyfile(src, tmp[suffix])
-        commit_shard(tmp, dest, LocalDestination())
+                shutil.copyfile(src, tmp)
+        commit_shard(sources, dest, destination, existing=existing)
     except BaseException:
-        _atomic.remove_quietly(tmp.values())
+        _atomic.remove_quietly(t for s, t in sources.items() if t != files[s])
         raise
     return dest
 
 
 def publish(source: Union[str, Sequence[str]], dest, *, replace: bool = False, link: bool = False,
             manifest: Optional[str] = None, config=None) -> List[str]:
-    """Publish finished local shards into directory ``dest`` (a local path or a URL).
+    """Publish finished local shards into directory ``dest`` (a local path or a URL), by the
+    set's rule (:func:`commit_set`; the sources are left as they were).
 
     Args:
         source: a local shard prefix, a list of them, or a directory of shards.
@@ -308,7 +258,8 @@ def publish(source: Union[str, Sequence[str]], dest, *, replace: bool = False, l
 
     Raises:
         ShardError (ShardExistsError, ...) before anything is written when a shard does not
-        open or exists without ``replace``; RemoteStorageError / OSError while writing.
+        open or exists without ``replace``; RemoteStorageError / OSError while writing;
+        IncompleteDestinationError: the destination, read back, is not what was published.
     """
     from .multi import expand_shards
 
@@ -317,18 +268,26 @@ def publish(source: Union[str, Sequence[str]], dest, *, replace: bool = False, l
     if len(set(names)) != len(names):
         raise ShardError("two shards of the set share a name", field="source", actual=names)
     dest = os.fspath(dest)
-    remote = is_remote(dest)
-    targets = [str(ObjectURL.parse(dest).join(n)) if remote else os.path.join(dest, n) for n in names]
+    destination = destination_for(dest, config)
+    targets = [destination.join(dest, n) for n in names]
     for prefix in prefixes:  # every shard opens, before anything is written
         local_files(prefix)
     if not replace:
         for target in targets:
-            refuse_existing(existing_shard(target, config=config), replace_with="replace=True (--replace)")
-    for prefix, target in zip(prefixes, targets):
-        publish_shard(prefix, target, replace=True, link=link, config=config)  # existence checked above
+            refuse_existing([target + s for s in destination.existing(target)],
+                            replace_with="replace=True (--replace)")
+    files = ()
     if manifest:
-        path = str(ObjectURL.parse(dest).join(manifest)) if remote else os.path.join(dest, manifest)
-        write_bytes(path, manifest_bytes(path, list(zip(targets, prefixes))), config)
+        path = destination.join(dest, manifest)
+        files = (SetFile(path, lambda: manifest_bytes(path, list(zip(targets, prefixes))), "manifest",
+                         needs=tuple(range(len(prefixes))), commit_point=True),)
+
+    def place(i: int) -> bool:
+        publish_shard(prefixes[i], targets[i], replace=True, link=link, destination=destination)
+        return True
+
+    outcome = commit_set(destination, list(zip(prefixes, targets)), place=place, files=files)
+    outcome.raise_if_incomplete()
     return targets
 
 
@@ -380,7 +339,173 @@ def upload_file(local: str, dest: str, config=None) -> None:
     destination_for(dest, config).put(local, dest)
 
 
-# --------------------------------------------------------------------------- a staged set
+# --------------------------------------------------------------------------- a set
+
+
+@dataclass(frozen=True)
+class SetFile:
+    """A file that travels with a set: a balanced order, or a manifest (``commit_point``: the
+    set's commit point, withdrawn before the first shard is touched and written last)."""
+
+    final: str
+    data: Callable[[], bytes]     # its bytes (called once, after the shards it needs are in place)
+    what: str                     # "pack order", "manifest": how messages name it
+    needs: Tuple[int, ...] = ()   # the shards (indices) that must be in place before it is written
+    after: Tuple[str, ...] = ()   # files of the set (finals) that must be written before it
+    commit_point: bool = False
+
+
+@dataclass
+class SetOutcome:
+    """What :func:`commit_set` did: the shards placed, the files written (their bytes), the
+    files not written (``left``: final -> why), and what the read-back found wrong
+    (``problems``: ``(path, what is there now)``)."""
+
+    placed: List[int] = field(default_factory=list)
+    written: Dict[str, bytes] = field(default_factory=dict)
+    left: Dict[str, str] = field(default_factory=dict)
+    problems: List[Tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def whole(self) -> bool:
+        return not self.problems
+
+    def raise_if_incomplete(self, hint: str = "publish again with replace=True") -> None:
+        """Raises:
+            IncompleteDestinationError: the read-back found a file missing or different (the
+                first named, the others counted)."""
+        if self.problems:
+            from .errors import IncompleteDestinationError
+
+            path, why = self.problems[0]
+            more = f" (and {len(self.problems) - 1} more)" if len(self.problems) > 1 else ""
+            raise IncompleteDestinationError(f"the destination is not whole after publishing: {why}{more}",
+                                             path=path, hint=hint)
+
+
+def commit_set(destination: Destination, shards: Sequence[Tuple[str, str]], *,
+               place: Optional[Callable[[int], bool]] = None, files: Sequence[SetFile] = (),
+               replaced: Sequence[str] = (), done: Iterable[int] = (),
+               on_commit: Optional[Callable[[int], None]] = None, on_shard: Optional[Callable[[], None]] = None,
+               step: Optional[Callable[[str, str, Callable[[], None]], None]] = None,
+               lenient: bool = False) -> SetOutcome:
+    """Commit a set at ``destination`` -- the one sequence every set publication follows
+    (preprocess and repack, promotion, :func:`publish`):
+
+    1. its commit points (the manifests of ``files``) are withdrawn;
+    2. ``replaced`` (what of an earlier generation the new one does not bring) is removed,
+       every ``.idx`` first;
+    3. each shard ``(local prefix, final prefix)`` is placed, by ``place(i)`` (True when it
+       arrived; default: :func:`commit_staged` where the destination moves files, else an
+       upload), except those in ``done`` (an interrupted attempt placed them);
+    4. the other ``files`` (balanced orders), then the manifests, each only once the shards it
+       ``needs`` are in place and the files it comes ``after`` were written;
+    5. the destination is read back (``Destination.read_back``): every shard placed now (sizes, the
+       ``.idx`` header, the ``.seq.idx`` whole, which holds every checksum), every file written,
+       and that nothing of ``replaced`` is left.
+
+    ``step(path, doing, op)`` runs each destination operation (default: as is) -- the caller's
+    error naming. ``lenient``: a file that cannot be written is recorded in ``left`` and the
+    publication goes on (promotion reports per shard); otherwise its error propagates.
+
+    Raises:
+        what ``place`` or ``step`` raise; ShardError: a staged file is missing.
+    """
+    step = step or (lambda path, doing, op: op())
+    done, out = set(done), SetOutcome()
+    points = [f for f in files if f.commit_point]
+    for f in points:
+        step(f.final, "delete the old output", lambda: destination.remove([f.final]))
+    keep = {shards[i][1] + s for i in done for s in PUBLISH_ORDER}
+    gone = [p for p in replaced if p not in keep]
+    for path in _commit_point_first(gone):
+        step(path, "delete the old output", lambda: destination.remove([path]))
+    expected: List[Expect] = []
+    place = place or (lambda i: _place_staged(destination, shards[i][0], shards[i][1], step))
+    for i, (local, final) in enumerate(shards):
+        if i not in done:
+            before = expect_shard(local, final)
+            if place(i):
+                out.placed.append(i)
+                expected += before
+                if on_commit is not None:
+                    on_commit(i)
+        if on_shard is not None:
+            on_shard()
+    arrived = set(out.placed) | done
+    for f in [f for f in files if not f.commit_point] + points:
+        missing = [shards[n][1] for n in f.needs if n not in arrived]
+        blocked = [a for a in f.after if a in out.left]
+        if missing or blocked:
+            out.left[f.final] = (f"not written: {_names(missing)} did not arrive" if missing
+                                 else f"not written: {_names(blocked)} was not written")
+            continue
+        try:
+            data = f.data()
+            step(f.final, f"write the {f.what}", lambda: destination.write_bytes(f.final, data))
+        except (ShardError, RemoteStorageError, OSError) as exc:
+            if not lenient:
+                raise
+            out.left[f.final] = f"writing the {f.what} failed: {exc}"
+            continue
+        out.written[f.final] = data
+        expected.append(expect_bytes(f.final, data))
+    written = set(out.written) | {e.path for e in expected}
+    expected += [Expect(p, None) for p in gone if p not in written]
+    out.problems = list(out.left.items()) + destination.read_back(expected)
+    return out
+
+
+def _place_staged(destination: Destination, staged: str, final: str, step) -> bool:
+    """A staged local shard to ``final``: moved (resumable, :func:`commit_staged`) where the
+    destination moves files, else uploaded from the staged copy (which stays)."""
+    if destination.moves:
+        commit_staged(staged, final, destination)
+    else:
+        step(final, "upload the shard",
+             lambda: publish_shard(staged, final, replace=True, destination=destination))
+    return True
+
+
+def _names(paths: Sequence[str], limit: int = 3) -> str:
+    names = [p.rstrip("/").rsplit("/", 1)[-1] for p in paths]
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+# --------------------------------------------------------------------------- reading back
+
+
+def expect_shard(local: str, final: str) -> List[Expect]:
+    """What the shard at ``final`` must be once the local shard ``local`` is published there:
+    every file's size, the ``.idx`` header, and the ``.seq.idx`` header with the metadata
+    (which records the size and CRC-32 of every other file, and the header the CRC-32 of its
+    body). Read before publishing (a move takes the files).
+
+    Raises:
+        ShardError: the ``.seq.idx`` header does not parse (the shard was gated: a bug)."""
+    out = []
+    for suffix in PUBLISH_ORDER:
+        path = local + suffix
+        if not os.path.exists(path):
+            continue
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            if suffix == SEQ_IDX_SUFFIX:
+                raw = f.read(SEQ_IDX_HEADER_SIZE)
+                header = SeqIdxHeader.parse(raw, path, size)
+                head = raw + f.read(header.metadata_length)
+            else:
+                head = f.read(IDX_HEADER_SIZE) if suffix == IDX_SUFFIX else b""
+        out.append(Expect(final + suffix, size, None, head))
+    return out
+
+
+def expect_bytes(path: str, data: bytes) -> Expect:
+    """A small file written whole (an order, a manifest): its size and CRC-32."""
+    return Expect(path, len(data), crc32(data))
+
+
+# --------------------------------------------------------------------------- a staged run's set
 
 
 @dataclass(frozen=True)
@@ -411,27 +536,31 @@ class StagedSet:
 
 
 def publish_set(staged: StagedSet, replaced: Sequence[str], *, done: Iterable[int] = (),
+                destination: Optional[Destination] = None,
                 on_commit: Optional[Callable[[int, List[str]], None]] = None,
                 on_shard: Optional[Callable[[], None]] = None,
-                on_error: Optional[Callable[[ShardError, str, str], BaseException]] = None) -> None:
-    """Publish a staged set (the module's rule for a set), local or to object storage.
+                on_error: Optional[Callable[[ShardError, str, str], BaseException]] = None) -> SetOutcome:
+    """Publish a run's staged set by :func:`commit_set`, local or to object storage.
 
     ``replaced``: existing outputs of an earlier generation (``--overwrite``), removed after the
-    manifests and before any shard is touched, every ``.idx`` first. ``done``: shards already
-    published by an interrupted attempt (their files are kept, not committed again).
-    ``on_commit(i, local_files)`` records shard ``i`` (a receipt: its local files after the
-    commit -- moved to the final names locally, the staged copies after an upload);
-    ``on_shard()`` is called after each shard (progress); ``on_error(exc, path, doing)`` turns
-    a storage failure into the caller's error.
+    manifests are withdrawn and before any shard is touched, every ``.idx`` first. ``done``:
+    shards already published by an interrupted attempt (their files are kept, not committed
+    again). ``on_commit(i, local_files)`` records shard ``i`` (a receipt: its local files after
+    the commit -- moved to the final names where the destination moves them, else the staged
+    copies); ``on_shard()`` is called after each shard (progress); ``on_error(exc, path, doing)``
+    turns a storage failure into the caller's error. Returns the outcome, read back.
 
     Raises:
         ShardError: a staged file is missing, or a staged shard does not open (remote).
         OSError: the filesystem refused a rename or write; RemoteStorageError (or what
         ``on_error`` returns) when a request failed for good.
     """
-    remote = any(is_remote(s.final) for s in staged.shards)
-    destination = destination_for(staged.shards[0].final if staged.shards else "")
-    done = set(done)
+    if not staged.shards:
+        return SetOutcome()
+    destination = destination or destination_for(staged.shards[0].final)
+    if destination.moves:
+        for path, _ in staged.manifests:
+            _atomic.clear_stale_temporaries([path])  # (a manifest write an earlier attempt was killed in)
 
     def step(path: str, doing: str, op: Callable[[], None]) -> None:
         try:
@@ -441,54 +570,26 @@ def publish_set(staged: StagedSet, replaced: Sequence[str], *, done: Iterable[in
                 raise
             raise on_error(exc, path, doing) from None
 
-    keep = {staged.shards[i].final + s for i in done for s in PUBLISH_ORDER}
-    for path, _ in staged.manifests:
-        step(path, "delete the old output", lambda: destination.remove([path]))
-        if not remote:
-            _atomic.clear_stale_temporaries([path])  # (a manifest write an earlier attempt was killed in)
-    for path in _commit_point_first(p for p in replaced if p not in keep):
-        step(path, "delete the old output", lambda: destination.remove([path]))
-    for i, shard in enumerate(staged.shards):
-        if i not in done:
-            if remote:
-                step(shard.final, "upload the shard", lambda: upload_shard(shard.staged, shard.final, replace=True))
-                after = [shard.staged + s for s in PUBLISH_ORDER if os.path.exists(shard.staged + s)]
-            else:
-                commit_staged(shard.staged, shard.final)
-                after = [shard.final + s for s in PUBLISH_ORDER]
-            if on_commit is not None:
-                on_commit(i, after)
-        if on_shard is not None:
-            on_shard()
-    records = {}
+    def committed(i: int) -> None:
+        if on_commit is not None:
+            where = staged.shards[i].final if destination.moves else staged.shards[i].staged
+            on_commit(i, [where + s for s in PUBLISH_ORDER if os.path.exists(where + s)])
+
+    index = {s.final: i for i, s in enumerate(staged.shards)}
+    local_copy = {s.final: s.staged for s in staged.shards}
+    records, orders = {}, {}
+    files = []
     for order in staged.orders:
-        step(order.final, "write the pack order", lambda: _put_bytes(destination, order.final, order.data, remote,
-                                                                  staged.shards[0].staged))
+        needs = tuple(index[f] for path, finals in staged.manifests if path == order.manifest for f in finals)
+        files.append(SetFile(order.final, lambda order=order: order.data, "pack order", needs or tuple(index.values())))
         if order.manifest is not None:
-            records[order.manifest] = order.record
-    local_copy = {s.final: s.staged if remote else s.final for s in staged.shards}
+            records[order.manifest], orders[order.manifest] = order.record, order.final
     for path, finals in staged.manifests:
-        data = manifest_bytes(path, [(f, local_copy[f]) for f in finals], records.get(path))
-        if not remote:
-            destination.write_bytes(path, data)
-            continue
-        # Uploaded from a copy beside the staged shards, which the run keeps (it records the
-        # manifest's size and checksum from it).
-        kept = os.path.join(os.path.dirname(local_copy[finals[0]]), ObjectURL.parse(path).name)
-        LocalDestination().write_bytes(kept, data)
-        step(path, "upload the manifest", lambda: destination.put(kept, path))
-
-
-def _base_name(path: str) -> str:
-    return ObjectURL.parse(path).name if is_remote(path) else os.path.basename(path)
-
-
-def _put_bytes(destination, path: str, data: bytes, remote: bool, staged_prefix: str) -> None:
-    """One small derived file whole: atomically locally; uploaded from a copy beside the staged
-    shards for object storage (one PUT: readers see the old object or the new one)."""
-    if not remote:
-        destination.write_bytes(path, data)
-        return
-    kept = os.path.join(os.path.dirname(staged_prefix), _base_name(path))
-    LocalDestination().write_bytes(kept, data)
-    destination.put(kept, path)
+        def data(path=path, finals=finals) -> bytes:
+            # from the staged copies' headers (a moved shard: its final prefix holds the same files)
+            return manifest_bytes(path, [(f, local_copy[f] if os.path.exists(local_copy[f] + IDX_SUFFIX) else f)
+                                         for f in finals], records.get(path))
+        files.append(SetFile(path, data, "manifest", tuple(index[f] for f in finals),
+                             after=(orders[path],) if path in orders else (), commit_point=True))
+    return commit_set(destination, [(s.staged, s.final) for s in staged.shards], files=files, replaced=replaced,
+                      done=done, on_commit=committed, on_shard=on_shard, step=step)

@@ -19,7 +19,7 @@ from .._signals import Terminated  # noqa: F401  (re-exported: SIGTERM's excepti
 from .._signals import INTERRUPTS, exit_code, raise_if_signalled, signal_name, signals_raise
 from ..errors import ShardError
 from ..format import METADATA_FIELD_RANGES
-from ..storage import is_remote
+from ..storage.destination import destination_for
 from .checks import check
 from .promote import promote_report
 
@@ -104,7 +104,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 def _usage_problem(args) -> Optional[str]:
     if (args.link or args.replace) and args.promote is None:
         return "--link and --replace need --promote DEST"
-    if args.link and is_remote(args.promote):
+    if args.link and not destination_for(args.promote).moves:
         return "--link needs a local destination (hard links cannot point into object storage); drop --link to upload"
     if args.workers < 1:
         return "--workers must be >= 1"

@@ -158,6 +158,15 @@ CODES: Dict[str, Code] = {
                            "everything given) hold part of a shard set: a member is missing or given twice",
                            "give every shard of the set (its manifest BASE.json, or its directory), or "
                            "name a shard's prefix alone to check just that shard"),
+    # ---- promotion: what travels with a set, and the destination read back (appended)
+    "TRAVELLER_INVALID": Code(ERROR, "shard", "a file that travels with the shard (a balanced order) is not "
+                              "whole (its own CRC-32s), is not the order its manifest records, or is missing "
+                              "though the manifest records it: refused before anything moved",
+                              "re-plan the order (--balance-for, or plan-batches --out) and check again"),
+    "DESTINATION_INCOMPLETE": Code(ERROR, "shard", "after promotion the destination, read back, is not whole: "
+                                   "a shard's file, an order or a manifest is missing or differs, or an old "
+                                   "file the new generation does not bring is left; the sources were kept",
+                                   "fix the cause (storage, permissions) and promote again with --replace"),
 }
 
 #: Each pack invariant's finding code.

@@ -29,19 +29,20 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from .. import _atomic, publishing
 from ..errors import RemoteStorageError, ShardError
 from ..format import IDX_SUFFIX, PUBLISH_ORDER
-from ..storage import is_remote
+from ..storage.destination import Destination, destination_for
 from .report import Report, ShardReport, make_finding
 
 
 def promote(shard: ShardReport, dest, *, link: bool = False, replace: bool = False,
-            keep_source: bool = False) -> Dict[str, str]:
-    """Move (or hard-link) a passing shard's files into directory ``dest``, ``.idx`` last.
-    ``keep_source``: leave the source files for the caller to remove (after its manifests).
+            keep_source: bool = False, destination: Optional[Destination] = None) -> Dict[str, str]:
+    """Move (or hard-link) a passing shard's files into directory ``dest`` (a path, or an
+    ``s3://`` / ``msc://`` "directory": uploaded), ``.idx`` last. ``keep_source``: leave the
+    source files for the caller to remove (after its manifests).
 
     Returns:
         ``{suffix: destination path}`` for every file promoted.
@@ -49,38 +50,43 @@ def promote(shard: ShardReport, dest, *, link: bool = False, replace: bool = Fal
     Raises:
         ShardExistsError: a shard exists at the destination and ``replace`` is false.
         ShardError: the shard did not pass, a file changed (or a link's target vanished)
-            since it was checked, or ``link`` across filesystems -- all refused before
-            anything is published.
-        OSError: an I/O failure while placing files (nothing that opens is left at ``dest``).
+            since it was checked, or ``link`` across filesystems or into object storage -- all
+            refused before anything is published.
+        OSError, RemoteStorageError: a failure while placing files (nothing that opens is left
+            at ``dest``).
     """
     if not shard.passed:
         raise ShardError("refusing to promote a shard that failed the check", path=shard.prefix)
     dest = os.fspath(dest)
-    os.makedirs(dest, exist_ok=True)
+    destination = destination or destination_for(dest)
+    if link and not destination.moves:
+        raise ShardError("--link cannot link into object storage", path=dest, hint="promote without --link")
+    destination.make_directory(dest)
     suffixes = [s for s in PUBLISH_ORDER if s in shard.files]
     source = {s: shard.prefix + s for s in suffixes}
-    dest_prefix = os.path.join(dest, os.path.basename(shard.prefix))
+    dest_prefix = destination.join(dest, os.path.basename(shard.prefix))
     final = {s: dest_prefix + s for s in suffixes}
-    if os.path.abspath(dest_prefix) == os.path.abspath(shard.prefix):
+    if destination.normal(dest_prefix) == os.path.abspath(shard.prefix):
         raise ShardError("the shard is already at the destination", path=shard.prefix)
     _verify_unchanged(shard, source)
+    existing = destination.existing(dest_prefix)
     if not replace:
-        publishing.refuse_existing(publishing.existing_shard(dest_prefix), replace_with="--replace")
-    dest_dev = os.stat(dest).st_dev
-    same_fs = {s: shard.identity[s][0] == dest_dev for s in suffixes}
-    if link and not all(same_fs[s] for s in suffixes if s != IDX_SUFFIX):
-        raise ShardError("--link needs the destination on the same filesystem as the shard",
-                         path=dest, hint="promote without --link (the files are then copied)")
-    _atomic.clear_stale_temporaries(final.values())
-    tmp: Dict[str, str] = {}
+        publishing.refuse_existing([dest_prefix + s for s in existing], replace_with="--replace")
+    tmp: Dict[str, Optional[str]] = {s: destination.temporary(final[s]) for s in suffixes}
+    staged = {s: t for s, t in tmp.items() if t is not None}   # (a destination that uploads reads the sources)
+    if staged:
+        dest_dev = os.stat(os.path.dirname(next(iter(staged.values())))).st_dev
+        same_fs = {s: shard.identity[s][0] == dest_dev for s in staged}
+        if link and not all(same_fs[s] for s in staged if s != IDX_SUFFIX):
+            raise ShardError("--link needs the destination on the same filesystem as the shard",
+                             path=dest, hint="promote without --link (the files are then copied)")
     try:
-        for suffix in suffixes:
-            tmp[suffix] = _atomic.temporary_path(final[suffix])
-            _place(source[suffix], tmp[suffix], same_fs[suffix] and suffix != IDX_SUFFIX, link,
-                   shard.identity[suffix])
-        publishing.commit_shard(tmp, dest_prefix)
+        for suffix, path in staged.items():
+            _place(source[suffix], path, same_fs[suffix] and suffix != IDX_SUFFIX, link, shard.identity[suffix])
+        publishing.commit_shard({s: tmp[s] or source[s] for s in suffixes}, dest_prefix, destination,
+                                existing=existing)
     except BaseException:
-        _atomic.remove_quietly(tmp.values())
+        _atomic.remove_quietly(staged.values())
         raise
     if not link and not keep_source:  # a source that is a symbolic link loses the link only
         publishing.remove_shard(shard.prefix, suffixes)
@@ -136,41 +142,40 @@ def copy_file(src: str, dst: str) -> None:
     _atomic.fsync_file(dst)
 
 
-def promote_remote(shard: ShardReport, dest, **kw) -> Dict[str, str]:
-    from .remote import promote_remote as upload
-
-    return upload(shard, dest, **kw)
-
-
 def promote_report(report: Report, dest, *, link: bool = False, replace: bool = False,
                    inputs: Sequence[str] = ()) -> Report:
-    """Promote every passing shard of ``report`` with the manifests that list them
-    (:mod:`.travel`); record where each file went, or why not. ``inputs``: what the check
-    was given (a manifest among them travels even when it lives elsewhere).
+    """Promote every passing shard of ``report`` with the manifests and orders that travel with
+    them (:mod:`.travel`), by the set's commit rule (:func:`megatron_sft_idx.publishing.commit_set`),
+    then read the destination back; record where each file went, or why not. ``inputs``: what
+    the check was given (a manifest among them travels even when it lives elsewhere).
 
     A set is promoted whole or not at all: the shards given must hold every member of each
-    set they touch (``SET_INCOMPLETE``), and a set with a failing member is not promoted.
-    Adds a finding to every shard: PROMOTED, NOT_PROMOTED (it failed), PROMOTION_REFUSED
-    or PROMOTION_FAILED (the latter two fail the shard and the run).
+    set they touch (``SET_INCOMPLETE``), and a set with a failing member is not promoted; an
+    order or manifest that travels is verified before anything moves. Adds a finding to every
+    shard: PROMOTED, NOT_PROMOTED (it failed), PROMOTION_REFUSED, TRAVELLER_INVALID or
+    PROMOTION_FAILED; and DESTINATION_INCOMPLETE where the destination read back is not whole
+    (the sources are then kept). Every one but PROMOTED and NOT_PROMOTED fails the run.
     """
     from .checks import require_whole_sets_found
-    from .travel import plan, publish
+    from .travel import commit, plan
 
     dest = os.fspath(dest)
+    destination = destination_for(dest)
     require_whole_sets_found(report.shards, "the shards given to --promote")
     candidates = _candidates(report)
-    the_plan = plan(candidates, dest, replace=replace, inputs=inputs)
-    moved = []
+    the_plan = plan(candidates, dest, destination, replace=replace, inputs=inputs)
+    movable = []
     for shard in candidates:
         if shard.prefix in the_plan.refused:
-            shard.add(make_finding("PROMOTION_REFUSED", the_plan.refused[shard.prefix], shard.prefix))
-        elif _promote_one(shard, dest, link, replace):
-            moved.append(shard)
-    keep = set(publish(the_plan, report, link=link))
+            code, why = the_plan.refused[shard.prefix]
+            shard.add(make_finding(code, why, shard.prefix))
+        else:
+            movable.append(shard)
+    moved = commit(the_plan, movable, report, destination, dest,
+                   lambda shard: _promote_one(shard, dest, destination, link, replace), link=link)
     if not link:  # the sources go last, after the manifests that listed them
         for shard in moved:
-            if shard.prefix not in keep:
-                publishing.remove_shard(shard.prefix, [s for s in PUBLISH_ORDER if s in shard.files])
+            publishing.remove_shard(shard.prefix, [s for s in PUBLISH_ORDER if s in shard.files])
     report.options.update({"promote": dest, "link": link, "replace": replace})
     return report
 
@@ -198,11 +203,10 @@ def _candidates(report: Report) -> List[ShardReport]:
     return out
 
 
-def _promote_one(shard: ShardReport, dest: str, link: bool, replace: bool) -> bool:
+def _promote_one(shard: ShardReport, dest: str, destination: Destination, link: bool, replace: bool) -> bool:
     """Place one shard at ``dest`` (its source kept); True when it was committed there."""
     try:
-        place = promote_remote if is_remote(dest) else promote  # s3:// msc://: upload, .idx last
-        shard.promoted = place(shard, dest, link=link, replace=replace, keep_source=True)
+        shard.promoted = promote(shard, dest, link=link, replace=replace, keep_source=True, destination=destination)
     except RemoteStorageError as exc:  # mid-upload: the destination's .idx was not written
         shard.add(make_finding("PROMOTION_FAILED", str(exc), shard.prefix))
     except ShardError as exc:  # raised before anything was touched

@@ -12,9 +12,8 @@ finding codes, without downloading the data files to disk:
 * the read-back opens the shard through the remote reader and compares a sample of
   packs (every pack at ``deep``) with the bytes fetched directly.
 
-:func:`promote_remote` uploads a shard that passed (``.idx`` last, see
-:func:`megatron_sft_idx.publishing.upload_shard`) and then removes the local source,
-``.idx`` first, as a local promotion moves it.
+Promotion into a bucket is :func:`.promote.promote` with an object-store destination (one
+code path with a local one: :mod:`megatron_sft_idx.storage.destination`).
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ from .report import ShardReport
 #: Tokens per streamed chunk (x itemsize + 1 bytes of memory): whole packs, about this many.
 CHUNK_TOKENS = 16 << 20
 
-__all__ = ["check_remote_shard", "promote_remote"]
+__all__ = ["check_remote_shard"]
 
 
 class RemoteShardContext(ShardContext):
@@ -211,34 +210,3 @@ def _read_back(ctx: RemoteShardContext, options) -> None:
                         "bytes", pack=i)
                 break
     ctx.report.checks.append("read-back-all" if options.level == "deep" else "read-back-sample")
-
-
-# --------------------------------------------------------------------------- promotion
-
-
-def promote_remote(shard: ShardReport, dest: str, *, link: bool = False, replace: bool = False,
-                   keep_source: bool = False) -> Dict[str, str]:
-    """Upload a passing local shard into the "directory" URL ``dest`` (``.idx`` last), then
-    remove the local files (``.idx`` first), as a local promotion moves them.
-
-    Raises:
-        ShardError: the shard did not pass, changed since it was checked, ``link`` was asked
-            for, or a shard exists at the destination without ``replace`` (nothing uploaded).
-        RemoteStorageError: an upload failed (the destination's ``.idx`` was not written).
-    """
-    from .. import publishing
-
-    if not shard.passed:
-        raise ShardError("refusing to promote a shard that failed the check", path=shard.prefix)
-    if link:
-        raise ShardError("--link cannot link into object storage", path=dest, hint="promote without --link")
-    for suffix in shard.files:
-        st = os.stat(shard.prefix + suffix)
-        if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != shard.identity.get(suffix):
-            raise ShardError("the file changed after it was checked", path=shard.prefix + suffix,
-                             hint="check the shard again before promoting it")
-    target = str(ObjectURL.parse(dest).join(os.path.basename(shard.prefix)))
-    uploaded = publishing.upload_shard(shard.prefix, target, replace=replace)
-    if not keep_source:
-        publishing.remove_shard(shard.prefix, [s for s in PUBLISH_ORDER if s in shard.files])
-    return uploaded

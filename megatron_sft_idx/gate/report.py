@@ -149,8 +149,9 @@ class Report:
     level: str = "standard"
     options: Dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
-    #: With --promote: each manifest that travelled with its shards, ``{"source", "promoted"}``,
-    #: or that was left in place, ``{"source", "left": why}``.
+    #: With --promote: each manifest or order that travelled with its shards, ``{"source", "promoted"}``,
+    #: that was left in place, ``{"source", "left": why}``, or an old order (or shard file) removed at the
+    #: destination (``--replace``), ``{"source": its path, "removed": why}``.
     manifests: List[Dict[str, str]] = field(default_factory=list)
 
     @property
@@ -184,9 +185,14 @@ class Report:
     def format_text(self, verbose: bool = False) -> str:
         blocks = [s.format_text(verbose) for s in self.shards]
         for m in self.manifests:   # manifests, and the balanced orders that travel with them
-            kind = "order" if m["source"].endswith(ORDER_SUFFIX) else "manifest"
-            blocks.append(f"{kind} {m['source']} -> {m['promoted']}" if "promoted" in m
-                          else f"{kind} {m['source']} left in place: {m['left']}")
+            kind = ("order" if m["source"].endswith(ORDER_SUFFIX) else "manifest" if m["source"].endswith(".json")
+                    else "file")
+            if "promoted" in m:
+                blocks.append(f"{kind} {m['source']} -> {m['promoted']}")
+            elif "removed" in m:
+                blocks.append(f"{kind} {m['source']} removed: {m['removed']}")
+            else:
+                blocks.append(f"{kind} {m['source']} left in place: {m['left']}")
         return "\n".join(blocks + [self.verdict_line()])
 
     def verdict_line(self) -> str:

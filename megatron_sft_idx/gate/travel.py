@@ -1,4 +1,5 @@
-"""Manifests travel with the shards they list when ``check-idx --promote`` moves them.
+"""Manifests and balanced orders travel with the shards they belong to when ``check-idx
+--promote`` moves them, and the destination is read back before the run passes.
 
 A manifest (``BASE.json``, :mod:`megatron_sft_idx.manifest`) lists shards by prefix; moving
 the shards without it would leave it pointing at nothing. So promotion:
@@ -6,18 +7,25 @@ the shards without it would leave it pointing at nothing. So promotion:
 1. finds the manifests that list a promoted shard: every ``*.json`` manifest in the
    directories the shards come from, and every manifest given as an input;
 2. refuses, before anything moves, to promote part of what a manifest lists (the shards it
-   lists that are not promoted -- not given, or failing -- are named), or to put a manifest
-   where one of that name exists (without ``--replace``);
-3. after the shards are committed at the destination, writes each manifest there, listing
-   the promoted shards (relative to it, entries from their headers): a set's commit point
-   comes after its shards, the rule of :mod:`megatron_sft_idx.publishing`;
-4. for a move (not ``--link``), removes the source manifest, and only then the source
-   shards;
-5. a balanced pack order beside a travelling manifest (``BASE.order``, written by
-   ``--balance-for``) travels with it: copied after the shards and before the manifest, which
-   keeps its ``"order"`` record; an order beside a single promoted shard (``P.order``) follows
-   the shard. For a move, the source order goes with the source manifest (or shard); a manifest whose shards did not all arrive stays where it was, and so do its
-   shards (a complete copy is left at both places, as for a crash between commit and removal).
+   lists that are not promoted -- not given, or failing -- are named), to put a manifest or an
+   order where one of that name exists (without ``--replace``), or to carry an order that is
+   not whole (its own CRC-32s, :meth:`megatron_sft_idx.batching.Order.from_bytes`) or is not the
+   order its manifest records (size and CRC-32): ``TRAVELLER_INVALID``;
+3. commits everything as one set (:func:`megatron_sft_idx.publishing.commit_set`): the
+   manifests withdrawn at the destination, what of an old generation the new one does not
+   bring removed (with ``--replace``: an order beside a manifest or shard that now has none,
+   the shards of the set's name, ``BASE_NNNNNN``, that the new manifest does not list),
+   the shards, then the orders (a set's ``BASE.order``, a single shard's ``P.order``), then the
+   manifests, listing the promoted shards relative to themselves and keeping their ``"order"``
+   record;
+4. reads the destination back: every shard placed (sizes, headers, metadata), every order and
+   manifest written, and nothing stale left; whatever is missing or different is a
+   ``DESTINATION_INCOMPLETE`` finding on the shards it concerns, naming the file and saying what
+   is there now and how to finish, and the run fails;
+5. for a move (not ``--link``), removes the source manifests and orders, and only then the
+   source shards -- but only of what arrived whole: a manifest whose shards did not all arrive
+   stays where it was, and so do its shards (a complete copy is left at both places, as for a
+   crash between commit and removal).
 
 A manifest found beside the shards that does not parse refuses the promotion of the
 shards in its directory: it might list them.
@@ -27,15 +35,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import zlib
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .. import publishing
-from ..errors import RemoteStorageError, ShardError
-from ..format import IDX_SUFFIX, ORDER_SUFFIX
+from ..errors import ShardError
+from ..format import ALL_SUFFIXES, ORDER_SUFFIX
 from ..manifest import MANIFEST_SUFFIX, MAX_MANIFEST_BYTES, MANIFEST_FORMAT, parse_manifest
-from ..storage._url import ObjectURL, is_remote
-from .report import Report, ShardReport
+from ..storage.destination import Destination, LocalDestination
+from .report import Report, ShardReport, make_finding
 
 _MARK = MANIFEST_FORMAT.encode("utf-8")
 _PEEK = 4096
@@ -51,22 +61,20 @@ class Travelling:
     dest: str
     record: Optional[dict] = None   # the manifest's "order" record, kept when its order travels
     order: Optional[str] = None     # the balanced order beside it (BASE.order), if any
-    order_dest: Optional[str] = None
+    order_dest: str = ""            # where an order beside it goes (or an old one is removed, --replace)
+    order_bytes: bytes = b""        # the order, read and verified before anything moves
 
 
 @dataclass
 class Plan:
     manifests: List[Travelling] = field(default_factory=list)
-    refused: Dict[str, str] = field(default_factory=dict)   # shard prefix -> why
-    orders: Dict[str, str] = field(default_factory=dict)    # shard key -> its own order (P.order), single shards
+    refused: Dict[str, Tuple[str, str]] = field(default_factory=dict)   # shard prefix -> (code, why)
+    orders: Dict[str, Tuple[str, bytes]] = field(default_factory=dict)  # shard key -> its own order (P.order), verified
+    stale: List[str] = field(default_factory=list)   # old orders at the destination the new generation does not bring
 
 
 def _key(prefix: str) -> str:
     return os.path.normpath(os.path.abspath(prefix))
-
-
-def _dest_path(dest: str, name: str) -> str:
-    return str(ObjectURL.parse(dest).join(name)) if is_remote(dest) else os.path.join(dest, name)
 
 
 def _manifests_in(directory: str) -> List[str]:
@@ -92,15 +100,17 @@ def _read(path: str):
         raise ShardError(f"cannot read the manifest beside the shard ({exc.strerror or exc})", path=path) from None
     m = parse_manifest(raw, os.path.abspath(path), named=path)
     record = json.loads(raw.decode("utf-8")).get("order")   # parsed above: valid JSON, an object
-    return [p if is_remote(p) else _key(p) for p in m.prefixes], record if isinstance(record, dict) else None
+    return [_key(p) if os.path.isabs(p) else p for p in m.prefixes], record if isinstance(record, dict) else None
 
 
-def plan(shards: Sequence[ShardReport], dest: str, *, replace: bool, inputs: Sequence[str] = ()) -> Plan:
-    """Which manifests travel with ``shards`` (the ones about to be promoted) and which shards
-    must not be promoted because a manifest would be stranded (see the module docstring)."""
+def plan(shards: Sequence[ShardReport], dest: str, destination: Destination, *, replace: bool,
+         inputs: Sequence[str] = ()) -> Plan:
+    """Which manifests and orders travel with ``shards`` (the ones about to be promoted), which
+    shards must not be promoted (a manifest would be stranded, a file is in the way, an order is
+    not whole) and which old orders ``--replace`` removes (see the module docstring)."""
     out = Plan()
     keys = {_key(s.prefix): s.prefix for s in shards}
-    given = [p for p in inputs if not is_remote(p) and p.endswith(MANIFEST_SUFFIX) and os.path.isfile(p)]
+    given = [p for p in inputs if p.endswith(MANIFEST_SUFFIX) and os.path.isfile(p)]
     beside = [m for d in sorted({os.path.dirname(k) for k in keys}) for m in _manifests_in(d)]
     paths = list({_key(p): p for p in reversed(given + beside)}.values())[::-1]  # each once, as given
     found = []
@@ -110,54 +120,119 @@ def plan(shards: Sequence[ShardReport], dest: str, *, replace: bool, inputs: Seq
         except ShardError as exc:
             for k, prefix in keys.items():
                 if os.path.dirname(k) == os.path.dirname(_key(path)):
-                    out.refused[prefix] = f"a manifest beside it does not parse, so it cannot travel: {exc}"
+                    out.refused[prefix] = ("PROMOTION_REFUSED",
+                                           f"a manifest beside it does not parse, so it cannot travel: {exc}")
             continue
         if read is not None and any(p in keys for p in read[0]):
-            m = Travelling(path, read[0], _dest_path(dest, os.path.basename(path)), read[1])
+            m = Travelling(path, read[0], destination.join(dest, os.path.basename(path)), read[1])
             order = path[: -len(MANIFEST_SUFFIX)] + ORDER_SUFFIX
+            m.order_dest = destination.join(dest, os.path.basename(order))
             if os.path.isfile(order):
-                m.order, m.order_dest = order, _dest_path(dest, os.path.basename(order))
+                m.order = order
             found.append(m)
     destinations: Dict[str, str] = {}
     for m in found:
-        why = None
+        why, code = None, "PROMOTION_REFUSED"
         if m.dest in destinations:
             why = f"manifests {destinations[m.dest]} and {m.source} would both be promoted as {m.dest}"
-        elif not replace and publishing.destination_for(m.dest).exists(m.dest):
+        elif not replace and destination.exists(m.dest):
             why = f"a manifest exists at {m.dest} (pass --replace to replace it)"
-        elif m.order and not replace and publishing.destination_for(m.order_dest).exists(m.order_dest):
+        elif not replace and destination.exists(m.order_dest):
             why = f"a balanced order exists at {m.order_dest} (pass --replace to replace it)"
+        else:
+            why = _travelling_order(m)
+            code = "TRAVELLER_INVALID"
         destinations.setdefault(m.dest, m.source)
         if why:
-            _refuse(out, keys, m, why)
+            _refuse(out, keys, m, code, why)
     changed = True
     while changed:  # refusing a shard can strand another manifest that lists it
         changed = False
         for m in found:
             left = [p for p in m.listed if p not in keys or keys[p] in out.refused]
             if left and any(p in keys and keys[p] not in out.refused for p in m.listed):
-                _refuse(out, keys, m, f"manifest {m.source} also lists {_names(left)}, not promoted with it: "
-                                      "promoting part of what a manifest lists would strand it; promote every "
-                                      "shard it lists (give the manifest to check-idx)")
+                _refuse(out, keys, m, "PROMOTION_REFUSED",
+                        f"manifest {m.source} also lists {_names(left)}, not promoted with it: "
+                        "promoting part of what a manifest lists would strand it; promote every "
+                        "shard it lists (give the manifest to check-idx)")
                 changed = True
     out.manifests = [m for m in found if all(p in keys and keys[p] not in out.refused for p in m.listed)]
+    out.stale = [m.order_dest for m in out.manifests if m.order is None and destination.exists(m.order_dest)]
+    if replace:
+        for m in out.manifests:
+            out.stale += _old_members(m, [keys[p] for p in m.listed], dest, destination)
     listed = {p for m in found for p in m.listed}
     for k, prefix in keys.items():   # a single shard's own order (P.order) follows it
-        order = prefix + ORDER_SUFFIX
-        if k in listed or prefix in out.refused or not os.path.isfile(order):
+        if k in listed or prefix in out.refused:
             continue
-        target = _dest_path(dest, os.path.basename(order))
-        if not replace and publishing.destination_for(target).exists(target):
-            out.refused[prefix] = f"a balanced order exists at {target} (pass --replace to replace it)"
-        else:
-            out.orders[k] = order
+        order = prefix + ORDER_SUFFIX
+        target = destination.join(dest, os.path.basename(order))
+        there = destination.exists(target)
+        if there and not replace:
+            out.refused[prefix] = ("PROMOTION_REFUSED", f"a balanced order exists at {target} "
+                                   "(pass --replace to replace it)")
+        elif os.path.isfile(order):
+            data, why = _verified_order(order, None)
+            if why:
+                out.refused[prefix] = ("TRAVELLER_INVALID", why)
+            else:
+                out.orders[k] = (order, data)
+        elif there:
+            out.stale.append(target)
     return out
 
 
-def _refuse(out: Plan, keys: Dict[str, str], m: Travelling, why: str) -> None:
+def _old_members(m: Travelling, prefixes: Sequence[str], dest: str, destination: Destination) -> List[str]:
+    """Files at ``dest`` of shards named like the set of manifest ``m`` (``BASE_NNNNNN``) that the
+    new manifest does not list: an old generation's (``--replace`` removes them)."""
+    base = os.path.basename(m.dest)[: -len(MANIFEST_SUFFIX)]
+    ours = re.compile(re.escape(base) + r"_\d{6}(" + "|".join(re.escape(x) for x in (*ALL_SUFFIXES, ORDER_SUFFIX))
+                      + ")")
+    new = {os.path.basename(p) for p in prefixes}
+    out = []
+    for path in destination.listing(destination.join(dest, base)):
+        match = ours.fullmatch(destination.name(path))
+        if match and destination.name(path)[: -len(match.group(1))] not in new:
+            out.append(path)
+    return sorted(out)
+
+
+def _travelling_order(m: Travelling) -> Optional[str]:
+    """Read and verify the order that travels with manifest ``m`` (kept in ``m.order_bytes``);
+    why it cannot travel, or None."""
+    if m.order is None:
+        if m.record is not None:
+            return (f"manifest {m.source} records the balanced order {m.record.get('file')!r}, which is not "
+                    "beside it: promoting the manifest would point training at nothing; restore the order "
+                    "(or re-plan it with plan-batches --out) and check again")
+        return None
+    data, why = _verified_order(m.order, m.record)
+    m.order_bytes = data
+    return why
+
+
+def _verified_order(path: str, record: Optional[dict]) -> Tuple[bytes, Optional[str]]:
+    """``(bytes, None)`` of the balanced order at ``path`` when it is whole (its own CRC-32s) and
+    is the order ``record`` (a manifest's) names; else ``(b"", why)``."""
+    from ..batching.order import Order
+
+    try:
+        data = _bytes_of(path)
+        Order.from_bytes(data, path)
+    except ShardError as exc:
+        return b"", (f"the balanced order that travels with it is not whole: {exc}; re-plan it "
+                     "(preprocess/repack --balance-for, or plan-batches --out) and check again")
+    if record is not None and (record.get("size") != len(data) or record.get("crc32") != zlib.crc32(data)):
+        return b"", (f"the balanced order {path} is not the one its manifest records (size {len(data)}, "
+                     f"CRC-32 {zlib.crc32(data)}; recorded {record.get('size')}, {record.get('crc32')}): it "
+                     "was replaced or altered since; re-plan it with the run that wrote the manifest")
+    return data, None
+
+
+def _refuse(out: Plan, keys: Dict[str, str], m: Travelling, code: str, why: str) -> None:
     for p in m.listed:
         if p in keys and keys[p] not in out.refused:
-            out.refused[keys[p]] = why
+            out.refused[keys[p]] = (code, why)
 
 
 def _names(prefixes: Sequence[str], limit: int = 3) -> str:
@@ -165,39 +240,85 @@ def _names(prefixes: Sequence[str], limit: int = 3) -> str:
     return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def publish(the_plan: Plan, report: Report, *, link: bool) -> List[str]:
-    """Write each travelling manifest at the destination once all its shards arrived there and,
-    for a move, remove it at the source. Returns the prefixes of promoted shards whose source
-    files must stay (a manifest listing them stayed)."""
-    promoted = {_key(s.prefix): s for s in report.shards if s.promoted}
-    keep: List[str] = []
+def commit(the_plan: Plan, shards: Sequence[ShardReport], report: Report, destination: Destination, dest: str,
+           place: Callable[[ShardReport], bool], *, link: bool) -> List[ShardReport]:
+    """Commit ``shards`` (placed by ``place``) with the orders and manifests of ``the_plan`` at
+    ``dest`` as one set, read the destination back, and record it in ``report``. Returns the
+    shards whose source files may go (a move): those that arrived and that nothing found at the
+    destination concerns; the travelling sources of those are removed here (for a move)."""
+    keys = [_key(s.prefix) for s in shards]
+    index = {k: i for i, k in enumerate(keys)}
+    finals = [destination.join(dest, os.path.basename(s.prefix)) for s in shards]
+    files: List[publishing.SetFile] = []
+    sources: Dict[str, str] = {}    # destination path -> its source (orders, manifests)
     for m in the_plan.manifests:
-        missing = [p for p in m.listed if p not in promoted]
-        if missing:
-            report.manifests.append({"source": m.source, "left": f"{_names(missing)} were not promoted; "
-                                     "the shards it lists stay at the source too"})
-            keep += [promoted[p].prefix for p in m.listed if p in promoted]
-            continue
-        shards = [promoted[p] for p in m.listed]
-        finals = [s.promoted[IDX_SUFFIX][: -len(IDX_SUFFIX)] for s in shards]
-        local = [s.prefix if is_remote(f) else f for s, f in zip(shards, finals)]
-        try:
-            if m.order:   # after the shards, before the manifest that records it
-                publishing.write_bytes(m.order_dest, _bytes_of(m.order))
-            publishing.write_bytes(m.dest, publishing.manifest_bytes(m.dest, list(zip(finals, local)),
-                                                                     order=m.record if m.order else None))
-        except (ShardError, RemoteStorageError, OSError) as exc:
-            report.manifests.append({"source": m.source, "left": f"writing {m.dest} failed: {exc}; the shards "
-                                     "it lists stay at the source too"})
-            keep += [s.prefix for s in shards]
-            continue
-        if not link:
-            publishing.LocalDestination().remove([m.source] + ([m.order] if m.order else []))
-        report.manifests.append({"source": m.source, "promoted": m.dest})
-        if m.order:
-            report.manifests.append({"source": m.order, "promoted": m.order_dest})
-    keep += _single_orders(the_plan, promoted, report, link)
-    return keep
+        needs = tuple(index[p] for p in m.listed)
+        after: Tuple[str, ...] = ()
+        if m.order:   # after the shards, before the manifest that records it
+            files.append(publishing.SetFile(m.order_dest, lambda m=m: m.order_bytes, "pack order", needs))
+            sources[m.order_dest], after = m.order, (m.order_dest,)
+
+        def manifest(m=m, needs=needs) -> bytes:
+            return publishing.manifest_bytes(m.dest, [(finals[i], shards[i].prefix) for i in needs],
+                                             order=m.record if m.order else None)
+        files.append(publishing.SetFile(m.dest, manifest, "manifest", needs, after, commit_point=True))
+        sources[m.dest] = m.source
+    for k, (order, data) in the_plan.orders.items():
+        target = finals[index[k]] + ORDER_SUFFIX
+        files.append(publishing.SetFile(target, lambda data=data: data, "pack order", (index[k],)))
+        sources[target] = order
+    outcome = publishing.commit_set(destination, list(zip([s.prefix for s in shards], finals)),
+                                    place=lambda i: place(shards[i]), files=files, replaced=the_plan.stale,
+                                    lenient=True)
+    concerns = _concerns(outcome, files, finals)
+    concerned = set().union(*concerns.values()) if concerns else set()
+    for f in files:
+        if f.final in outcome.written:
+            report.manifests.append({"source": sources[f.final], "promoted": f.final})
+        else:
+            report.manifests.append({"source": sources[f.final], "left": outcome.left.get(
+                f.final, "not written") + "; the shards it concerns stay at the source too"})
+    for path in the_plan.stale:
+        if path not in {p for p, _ in outcome.problems}:
+            what = "an old order" if path.endswith(ORDER_SUFFIX) else "an old shard's file"
+            report.manifests.append({"source": path, "removed": f"{what} the new generation does not bring"})
+    _findings(outcome, shards, concerns, dest)
+    placed = set(outcome.placed)
+    whole = [i for i in range(len(shards)) if i in placed and i not in concerned]
+    if not link:
+        gone = set(whole)
+        for f in files:
+            if f.final in outcome.written and all(i in gone for i in f.needs):
+                LocalDestination().remove([sources[f.final]])
+    return [shards[i] for i in whole]
+
+
+def _concerns(outcome: publishing.SetOutcome, files: Sequence[publishing.SetFile],
+              finals: Sequence[str]) -> Dict[str, set]:
+    """``{path: shards (indices)}`` each problem found at the destination concerns: a shard's
+    own file, or every shard an order or manifest needs; an unattributed file concerns them all."""
+    need = {f.final: f.needs for f in files}
+    out: Dict[str, set] = {}
+    for path, _ in outcome.problems:
+        own = [i for i, f in enumerate(finals) if path.startswith(f + ".")]
+        out[path] = set(need.get(path, ()) or own or range(len(finals)))
+    return out
+
+
+def _findings(outcome: publishing.SetOutcome, shards: Sequence[ShardReport], concerns: Dict[str, set],
+              dest: str) -> None:
+    """A DESTINATION_INCOMPLETE finding per problem on each shard it concerns, naming the file,
+    what is at the destination now and how to finish."""
+    if not outcome.problems:
+        return
+    names = lambda paths: ", ".join(p.rstrip("/").rsplit("/", 1)[-1] for p in paths)  # noqa: E731
+    now = (f"the destination holds {len(outcome.placed)} of the {len(shards)} shards promoted"
+           + (f" and {names(outcome.written)}" if outcome.written else "")
+           + (f", not {names(outcome.left)}" if outcome.left else ""))
+    finish = f"the sources were kept: fix the cause and rerun check-idx with --promote {dest} --replace to finish"
+    for path, why in outcome.problems:
+        for i in sorted(concerns[path]):
+            shards[i].add(make_finding("DESTINATION_INCOMPLETE", f"{why}; {now}; {finish}", path))
 
 
 def _bytes_of(path: str) -> bytes:
@@ -210,26 +331,4 @@ def _bytes_of(path: str) -> bytes:
     return data
 
 
-def _single_orders(the_plan: Plan, promoted: Dict[str, ShardReport], report: Report, link: bool) -> List[str]:
-    """Copy each promoted single shard's own order next to it; the shards whose copy failed keep
-    their source files (returned)."""
-    keep = []
-    for k, order in the_plan.orders.items():
-        shard = promoted.get(k)
-        if shard is None:
-            continue
-        target = shard.promoted[IDX_SUFFIX][: -len(IDX_SUFFIX)] + ORDER_SUFFIX
-        try:
-            publishing.write_bytes(target, _bytes_of(order))
-        except (ShardError, RemoteStorageError, OSError) as exc:
-            report.manifests.append({"source": order, "left": f"writing {target} failed: {exc}; the shard "
-                                     "stays at the source too"})
-            keep.append(shard.prefix)
-            continue
-        if not link:
-            publishing.LocalDestination().remove([order])
-        report.manifests.append({"source": order, "promoted": target})
-    return keep
-
-
-__all__ = ["plan", "publish", "Plan", "Travelling"]
+__all__ = ["plan", "commit", "Plan", "Travelling"]

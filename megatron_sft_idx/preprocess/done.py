@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import os
 import zlib
-from typing import Dict, List
+from typing import Dict, List, Mapping
 
-from ..errors import ShardError
+from ..errors import RemoteStorageError, ShardError, ShardNotFoundError
 from ..format import SEQ_IDX_SUFFIX
 from ..jsondoc import HEX, check_int
-from .integrity import check_crc, crc32_file
-from .publish import StagedSet
+from .integrity import check_crc
+from ..storage.destination import Destination
+from .publish import StagedSet, destination_error
 from .receipts import REDO_HINT, ReceiptBook
-from .remote_outputs import is_remote, remote_sizes
 from .summary import check_summary
 from .workdir import WorkDir
 
@@ -62,43 +62,42 @@ def owned_files(work: WorkDir, key: str) -> set:
     return set(intent["files"] if intent else ()) | set(done["outputs"] if done else ())
 
 
-def record_outputs(staged: StagedSet, receipts: List[dict], work: WorkDir) -> Dict[str, list]:
+def record_outputs(staged: StagedSet, receipts: List[dict], work: WorkDir,
+                   written: Mapping[str, bytes]) -> Dict[str, list]:
     """``{final file: [size, CRC-32]}`` of everything the run published: the shards' files from
-    their metadata and materialize receipts, the manifests read once (a URL's from its local copy)."""
+    their metadata and materialize receipts, the manifests and orders from the bytes written
+    (``written``, :func:`.publish.publish`'s)."""
     record: Dict[str, list] = {}
     for shard, receipt in zip(staged.shards, receipts):
         for suffix, digest in receipt["metadata"]["files"].items():
             record[shard.final + suffix] = [digest["size"], digest["crc32"]]
         rel = os.path.relpath(shard.staged + SEQ_IDX_SUFFIX, work.path)
         record[shard.final + SEQ_IDX_SUFFIX] = [receipt["artifacts"][rel], receipt.get("crc32", {}).get(rel)]
-    for path, _ in staged.manifests:
-        local = os.path.join(work.staged, os.path.basename(path)) if is_remote(path) else path
-        record[path] = [os.path.getsize(local), crc32_file(local)]
-    for order in staged.orders:
-        record[order.final] = [len(order.data), zlib.crc32(order.data)]
+    for path, data in written.items():
+        record[path] = [len(data), zlib.crc32(data)]
     return record
 
 
-def check_outputs(record: Dict[str, list]) -> None:
+def check_outputs(record: Dict[str, list], destination: Destination) -> None:
     """Raise unless every output of a finished run's record is still there, complete and
-    identical: local files by size and CRC-32 (read once), objects by size (one LIST per prefix).
+    identical: by size (one listing per directory), and by CRC-32 where the destination reads
+    whole files cheaply (local files, read once; objects are trusted by their listed size).
 
     Raises:
-        ShardError: a file or object is missing, or differs (naming it).
+        ShardError: a file or object is missing, or differs (naming it); OutputError: the
+            destination cannot be listed.
     """
-    remote = sorted(p for p in record if is_remote(p))
-    sizes = remote_sizes(remote) if remote else {}
-    for path, (size, crc) in sorted(record.items()):
-        if is_remote(path):
-            if sizes.get(path) != size:
-                raise ShardError("a published object is missing or changed size", path=path, field="size",
-                                 expected=size, actual=sizes.get(path))
-            continue
-        try:
-            actual = os.path.getsize(path)
-        except OSError:
-            raise ShardError("a published file is missing", path=path) from None
+    paths = sorted(record)
+    try:
+        sizes = destination.sizes(paths) if paths else {}
+    except (RemoteStorageError, ShardNotFoundError) as exc:
+        raise destination_error(exc, paths[0], "list the outputs", resumable=False) from None
+    for path in paths:
+        size, crc = record[path]
+        actual = sizes.get(path)
+        if actual is None:
+            raise ShardError("a published file is missing", path=path, field="size", expected=size)
         if actual != size:
             raise ShardError("a published file changed size", path=path, field="size", expected=size, actual=actual)
-        if crc is not None:
+        if crc is not None and destination.cheap_reads:
             check_crc(path, crc, "a published file", REDO_HINT)

@@ -14,7 +14,7 @@ receipt (:mod:`.receipts`), so ``--resume`` continues a killed run from its comp
 3. *plan* (one unit, lengths only): store -> pack plan (:mod:`.plan`, :mod:`.planfile`);
 4. *materialize* (per output shard): plan + store -> staged shards (:mod:`.materialize`);
 5. *check*: ``--verify-masks`` / ``--check`` on the staged shards (:mod:`.checks`);
-6. *publish* (:mod:`.publish`, :mod:`.remote_outputs`), then the run's *record*.
+6. *publish* (:mod:`.publish`, to the output's destination, read back after), then the run's *record*.
 
 Resume: every input is hashed again and a resumed unit is used only once what it made verifies
 (:func:`.plan.resumed_plan`, :func:`.materialize.resumed_shards`); the rest is done again.
@@ -45,7 +45,7 @@ from .._extras import MissingExtraError
 from .._progress import Progress
 from .._signals import Terminated, committed, signals_deferred, terminate_as_exception
 from .._units import human_bytes, plural
-from ..errors import OutputError, ShardError
+from ..errors import IncompleteDestinationError, OutputError, ShardError
 from ..format import PUBLISH_ORDER
 from . import outputs
 from .balance import stage_orders
@@ -60,7 +60,8 @@ from .planfile import PackPlan
 from .publish import StagedSet, StagedShard, publish
 from .receipts import ReceiptBook, settings_key
 from .done import check_outputs, owned_files, record_outputs, run_books
-from .remote_outputs import is_remote, job_output_key, publish_remote, work_prefix
+from ..storage._url import local_only
+from ..storage.destination import destination_for
 from .store import SequenceStore
 from .summary import PackResult, build_summary
 from .tokenize import (IndexStep, Inputs, TokenizeStep, describe_store, index_schema, lock_user_store,
@@ -131,7 +132,7 @@ def plan_only(store: SequenceStore, job: PackJob, path: str) -> dict:
     Raises:
         ShardError: ``path`` is a URL, the store does not verify; OutputError: the write failed.
     """
-    if is_remote(path):
+    if local_only([("--plan-only", path)]):
         raise ShardError("--plan-only writes a local file", path=path, field="plan_only",
                          hint="give a local path (VirtualPackedDataset reads the plan and the store locally)")
     t = time.perf_counter()
@@ -149,7 +150,8 @@ def plan_only(store: SequenceStore, job: PackJob, path: str) -> dict:
 
 def _job_key(job: PackJob) -> dict:
     """What of the job the run key digests (the settings as the plan records them, resolved)."""
-    key = {"output_prefix": job_output_key(job.output_prefix), "settings": job.settings.to_dict(),
+    key = {"output_prefix": destination_for(job.output_prefix).normal(job.output_prefix),
+           "settings": job.settings.to_dict(),
            "pad_id": job.pad_id, "vocab_size": job.vocab_size, "parallelism": list(job.parallelism)}
     if job.balance.to_dict() is not None:   # (keys of runs without --balance-for are unchanged)
         key["balance"] = job.balance.to_dict()
@@ -194,7 +196,8 @@ class _Run:
 
     def __init__(self, job: PackJob, key: str, times: Dict[str, float], kept_store: Optional[str]) -> None:
         self.job, self.key, self.times, self.kept_store = job, key, times, kept_store
-        self.work = WorkDir(work_prefix(job.output_prefix, job.run.staging_dir))  # a URL's: in the staging dir
+        self.destination = destination_for(job.output_prefix)
+        self.work = WorkDir(self.destination.work_prefix(job.output_prefix, job.run.staging_dir))  # a URL's: staged
         self.progress = Progress.of(job.run.progress)
         self.resumed: Dict[str, int] = {}
         self.engine = None
@@ -214,7 +217,7 @@ class _Run:
         if done is None or (owner is not None and owner != os.getpid() and _alive(owner)):
             return None
         try:
-            check_outputs(done["outputs"])
+            check_outputs(done["outputs"], self.destination)
             if prove is not None:
                 prove(done)
         except ShardError as exc:
@@ -238,7 +241,7 @@ class _Run:
         """
         work, settings = self.work, self.job.run
         self.owned = sorted(owned_files(work, self.key)) if settings.resume else []
-        self.replaced = outputs.refuse_existing(self.job.bases, settings.overwrite, set(self.owned))
+        self.replaced = outputs.refuse_existing(self.job.bases, settings.overwrite, self.destination, set(self.owned))
         with terminate_as_exception():
             try:
                 work.open(settings.resume)
@@ -251,7 +254,7 @@ class _Run:
                 if self.engine.name == "ray":  # joining or starting the cluster: seconds, part of the run
                     self.times["ray_start"] = time.perf_counter() - t
                 yield self
-            except OutputError:
+            except (OutputError, IncompleteDestinationError):
                 raise
             except (ShardError, MissingExtraError):
                 remove = True
@@ -369,7 +372,7 @@ class _Run:
         result = PackResult(plan, [done[u] for u in range(len(shards))], manifests=[p for p, _ in staged.manifests],
                             times=self.times, resumed=self.resumed, engine=self.engine.describe(),
                             kept_store=self.kept_store)
-        moved = set() if is_remote(self.job.output_prefix) else published   # (a local publish moves them)
+        moved = published if self.destination.moves else set()   # (where a publish moves the staged files)
         located = [replace(s, staged=s.final) if u in moved else s for u, s in enumerate(shards)]
         checked = books["checks"].read(0)
         if checked is None:  # (a resumed publish has passed them already, and moved the staged files)
@@ -379,8 +382,8 @@ class _Run:
         result.verify, result.gate = checked["verify"], checked["gate"]
         staged = self._balance(staged, shards, located)
         result.orders = [o.final for o in staged.orders]
-        self._publish(staged, published, books)
-        self._commit(store, build_summary(store, self.job, result), staged, result.shards)
+        written = self._publish(staged, published, books)
+        self._commit(store, build_summary(store, self.job, result), staged, result.shards, written)
 
     def _plan(self, store: SequenceStore, book: ReceiptBook) -> dict:
         """The plan receipt: an earlier attempt's when its plan verifies, else a new plan's."""
@@ -409,7 +412,7 @@ class _Run:
         """``({unit: materialize receipt} of every shard, {units published before}, [units written now])``."""
         t = time.perf_counter()
         done, published = resumed_shards(books, shards, PackPlan(self.work.plan, verify=False), self.work.path,
-                                         is_remote(self.job.output_prefix))
+                                         not self.destination.moves)   # (an upload leaves them staged)
         if done:
             self.times["verify_shards"] = time.perf_counter() - t
             t = time.perf_counter()
@@ -465,7 +468,7 @@ class _Run:
                      o.order.topology.describe(), 100 * before["mean"], 100 * after["mean"])
         return replace(staged, orders=tuple(orders))
 
-    def _publish(self, staged: StagedSet, published: set, books: Dict[str, ReceiptBook]) -> None:
+    def _publish(self, staged: StagedSet, published: set, books: Dict[str, ReceiptBook]) -> Dict[str, bytes]:
         """Record the intent (every file the run owns, before any final name is touched: a resumed
         publish may replace them), then publish the set; files an earlier attempt published that
         this one does not write again are removed with the replaced outputs."""
@@ -474,20 +477,23 @@ class _Run:
         finals = ({s.final + x for s in staged.shards for x in PUBLISH_ORDER} | {path for path, _ in staged.manifests}
                   | {o.final for o in staged.orders})
         books["intent"].write(0, {"files": sorted(finals | set(self.owned))})
-        written = {outputs.normal_path(p) for p in finals}
-        mine = {outputs.normal_path(p) for p in self.owned}
-        stale = [p for p in outputs.existing_outputs(self.job.bases) if outputs.normal_path(p) in mine - written]
+        normal = self.destination.normal
+        ours = {normal(p) for p in finals}
+        mine = {normal(p) for p in self.owned}
+        stale = [p for p in outputs.existing_outputs(self.job.bases, self.destination) if normal(p) in mine - ours]
         self.work.publishing = True
         with self.progress.phase("publish", len(staged.shards), unit="shards") as bar:
-            publish_to = publish_remote if is_remote(self.job.output_prefix) else publish
-            publish_to(staged, list(self.replaced) + stale, books["publish"], on_shard=lambda: bar.update(1))
+            written = publish(staged, list(self.replaced) + stale, books["publish"], self.destination,
+                              on_shard=lambda: bar.update(1))
         self.times["publish"] = time.perf_counter() - t
+        return written
 
-    def _commit(self, store: SequenceStore, summary: dict, staged: StagedSet, receipts: List[dict]) -> None:
+    def _commit(self, store: SequenceStore, summary: dict, staged: StagedSet, receipts: List[dict],
+                written: Dict[str, bytes]) -> None:
         """Write the run's record; from here on a signal no longer fails the run, and the work
         directory is reduced to the record whatever arrives."""
         run_books(self.work, self.key)["done"].write(0, {
-            "summary": summary, "outputs": record_outputs(staged, receipts, self.work),
+            "summary": summary, "outputs": record_outputs(staged, receipts, self.work, written),
             "inputs": [{"name": i["name"], "sha256": i["sha256"]} for i in store.inputs]})
         self.summary = summary
         committed()  # (a signal from here on is ignored by the tool, or caught by started())

@@ -5,9 +5,11 @@ Reading: ``MMapIndexedDataset("s3://bucket/train_000")`` (and ``open_packed``, m
 ``data_path`` blends, the Bridge adapter) opens a remote shard: the reader composes this
 package's source (:mod:`.remote`). Its small index files are cached on local disk once per
 node (:mod:`.index_cache`); ``.bin`` and ``.loss.bin`` are read by ranged GETs through an
-in-memory block cache (:mod:`.blocks`). Writing: :mod:`megatron_sft_idx.publishing` orders
-every publication (``.idx`` last, the commit point), through this package's object-store
-destination (:mod:`.upload`); :func:`upload_shard`, :func:`publish` and :func:`publish_shard`
+in-memory block cache (:mod:`.blocks`). Writing: every writer holds a destination
+(:mod:`.destination`: a local directory or object storage, one interface: listing, sizes,
+names, staging, the publishing primitives, reading back), and :mod:`megatron_sft_idx.publishing`
+orders every publication through it (``.idx`` last, the commit point);
+:func:`upload_shard`, :func:`publish` and :func:`publish_shard`
 are kept here as names of publishing's functions, and ``RemoteIndexedDataset`` as a name of
 the reader. Settings: :class:`StorageConfig` (environment variables listed there).
 
@@ -21,6 +23,10 @@ from ._url import ObjectURL, is_remote
 
 _PUBLIC = {
     "StorageConfig": ".config",
+    "Destination": ".destination",
+    "LocalDestination": ".destination",
+    "ObjectDestination": ".destination",
+    "destination_for": ".destination",
     "RemoteIndexedDataset": ".remote",    # the reader, looked up by name (storage/remote.py)
     "remote_shard_exists": ".remote",
     "upload_shard": ".upload",            # megatron_sft_idx.publishing's, looked up by name

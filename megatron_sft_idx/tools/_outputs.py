@@ -1,31 +1,31 @@
-"""Where the shard tools put their output: a local path, or ``s3://`` / ``msc://``.
+"""Where the shard tools put their output: a local path, or ``s3://`` / ``msc://`` -- one code path.
 
-A local output is written in a staging directory beside it and published with the builder's
-commit (``.idx`` last, :mod:`megatron_sft_idx.publishing`). An object-storage output is
-written the same way into a fresh local temporary directory (``staging_dir``, default the
-system's temporary directory), checked by the promotion gate, then uploaded by the same rule
--- data files first, ``.idx`` last, the commit point -- and the local copy removed. So a reader of the
-bucket sees the whole new shard or none of it, as locally. An interruption (SIGINT,
-SIGTERM) after the ``.idx`` was uploaded is marked on the exception (``published``), so the
-command line says the output was published; before, nothing that opens is left there.
+A tool holds the output's destination (:mod:`megatron_sft_idx.storage.destination`) and writes
+into its staging area (beside a local output, on its filesystem; a fresh local temporary
+directory, ``staging_dir``, for a URL); a shard is checked by the promotion gate there, then
+published by the builder's commit (:func:`megatron_sft_idx.publishing.commit_shard`: data
+first, ``.idx`` last, the commit point; renamed locally, uploaded to object storage) and read
+back (sizes, headers, metadata). So a reader sees the whole new shard or none of it, wherever
+it lives. An interruption (SIGINT, SIGTERM) after the ``.idx`` landed is marked on the
+exception (``published``), so the command line says the output was published; before, nothing
+that opens is left there.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import tempfile
-from typing import Iterator, Optional
+from typing import Iterator
 
 from .. import publishing
 from .._signals import INTERRUPTS, raise_if_signalled
-from ..errors import ChecksumError, InvariantError, ShardError
-from ..format import IDX_SUFFIX
-from ..storage._url import ObjectURL, is_remote
+from ..errors import ChecksumError, IncompleteDestinationError, InvariantError, ShardError
+from ..format import IDX_SUFFIX, PUBLISH_ORDER
+from ..storage._url import local_only
+from ..storage.destination import Destination, Expect
 
-__all__ = ["gate_or_refuse", "is_remote", "refuse_existing", "remote_staging", "publish_shard_remotely",
-           "upload_file", "refuse_remote_input"]
+__all__ = ["gate_or_refuse", "refuse_existing", "marks_published", "publish_staged", "publish_file",
+           "refuse_remote_input"]
 
 
 def gate_or_refuse(staged: str, output: str, level: str) -> None:
@@ -47,24 +47,14 @@ def gate_or_refuse(staged: str, output: str, level: str) -> None:
               hint="an input is probably corrupt: run check-idx on the inputs and rebuild the bad one")
 
 
-def _store(url: ObjectURL):
-    from ..storage._stores import store_for
-    from ..storage.config import StorageConfig
-
-    return store_for(url, StorageConfig.resolve(None))
-
-
-def refuse_existing(output: str, *, shard: bool = True) -> None:
+def refuse_existing(output: str, destination: Destination, *, shard: bool = True) -> None:
     """Refuse an output that exists (a shard: its ``.idx``; a file: the file or object).
 
     Raises:
         ShardExistsError: it exists (pass ``--overwrite`` to replace it).
     """
-    if shard:
-        found = publishing.existing_shard(output, committed=True)
-    else:
-        found = [output] if publishing.destination_for(output).exists(output) else []
-    publishing.refuse_existing(found)
+    path = output + IDX_SUFFIX if shard else output
+    publishing.refuse_existing([path] if destination.exists(path) else [])
 
 
 def refuse_remote_input(path: str, tool: str) -> None:
@@ -73,49 +63,60 @@ def refuse_remote_input(path: str, tool: str) -> None:
     Raises:
         ShardError: ``path`` is a URL.
     """
-    if is_remote(path):
+    if local_only([("input", path)]):
         raise ShardError(f"{tool} reads local inputs only", path=path, field="input",
                          hint="copy the input to local disk first (merge-shards reads s3:// and msc:// "
                               "shards, e.g. merge-shards /local/copy s3://bucket/shard)")
 
 
 @contextlib.contextmanager
-def remote_staging(output: str, staging_dir: Optional[str] = None) -> Iterator[str]:
-    """A local path named like ``output``'s last component, in a fresh temporary directory that is
-    removed (with everything in it) when the block exits."""
-    if staging_dir:
-        os.makedirs(staging_dir, exist_ok=True)
-    directory = tempfile.mkdtemp(prefix="msi-out-", dir=staging_dir)
+def marks_published(output: str, destination: Destination, *, shard: bool = True) -> Iterator[None]:
+    """Around everything a tool does to publish ``output``: an interruption (SIGINT, SIGTERM)
+    that arrives once the output's commit point (a shard's ``.idx``, a file itself) is a new one
+    -- during the read-back or the staging's cleanup -- is marked ``published`` on the exception,
+    so the command line says the output is complete."""
+    point = output + IDX_SUFFIX if shard else output
+    before = destination.stamp(point)
     try:
-        yield os.path.join(directory, ObjectURL.parse(output).name)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-
-
-def publish_shard_remotely(staged: str, output: str) -> None:
-    """Upload the gated local shard ``staged`` to the URL ``output`` (data first, ``.idx`` last),
-    replacing what is there. An interruption after the new ``.idx`` landed is marked ``published``."""
-    url = ObjectURL.parse(output)
-    store = _store(url)
-    before = store.head(url.with_suffix(IDX_SUFFIX))
-    raise_if_signalled()  # the last point where a signal dropped inside numba stops the upload
-    try:
-        publishing.upload_shard(staged, output, replace=True)
+        yield
     except INTERRUPTS as exc:
-        after = store.head(url.with_suffix(IDX_SUFFIX))
-        if after is not None and (before is None or after.etag != before.etag):
+        after = destination.stamp(point)
+        if after is not None and after != before:
             exc.published = output
         raise
 
 
-def upload_file(local: str, output: str) -> None:
-    """Upload one finished local file (e.g. a Parquet file) to the URL ``output``."""
-    url = ObjectURL.parse(output)
+def publish_staged(staged: str, output: str, destination: Destination) -> None:
+    """Publish the gated local shard ``staged`` at ``output`` (data first, ``.idx`` last),
+    replacing what is there, then read it back (inside :func:`marks_published`).
+
+    Raises:
+        IncompleteDestinationError: the shard read back is missing a file or differs (named).
+        OSError, RemoteStorageError: a step failed (nothing that opens is left at ``output``).
+    """
+    files = {s: staged + s for s in PUBLISH_ORDER if os.path.exists(staged + s)}
+    expected = publishing.expect_shard(staged, output)
+    raise_if_signalled()  # the last point where a signal dropped inside numba stops the publish
+    publishing.commit_shard(files, output, destination)
+    _read_back(destination, expected)
+
+
+def publish_file(local: str, output: str, destination: Destination) -> None:
+    """Publish one finished local file (e.g. a Parquet file) at ``output``, whole (a rename, or
+    one PUT), then read its size back.
+
+    Raises:
+        IncompleteDestinationError: the file read back is missing or differs in size.
+    """
+    expected = [Expect(output, os.path.getsize(local))]
     raise_if_signalled()
-    try:
-        publishing.upload_file(local, output)
-    except INTERRUPTS as exc:
-        info = _store(url).head(url)
-        if info is not None and info.size == os.path.getsize(local):
-            exc.published = output
-        raise
+    destination.put(local, output)
+    _read_back(destination, expected)
+
+
+def _read_back(destination: Destination, expected) -> None:
+    problems = destination.read_back(expected)
+    if problems:
+        path, why = problems[0]
+        raise IncompleteDestinationError(f"the output, read back after publishing, is not whole: {why}", path=path,
+                                         hint="publish it again (--overwrite)")

@@ -15,8 +15,8 @@ kind             what INPUT is                                        to
 ===============  ===================================================  ===========
 
 OUTPUT is a shard prefix, or a ``.parquet``/``.pq`` file (``to="parquet"``), local or an
-``s3://`` / ``msc://`` URL: a remote output is written into a local temporary directory,
-gated (a shard), then uploaded ``.idx`` last (:mod:`._outputs`). INPUT is local. Example::
+``s3://`` / ``msc://`` URL: it is written into its destination's staging area, gated (a
+shard), then published ``.idx`` last and read back (:mod:`._outputs`). INPUT is local. Example::
 
     convert("/data/train.npy", "/data/shards/train")               # legacy -> shard
     convert("/data/shards/train", "/data/train.parquet")           # shard -> Bridge Parquet
@@ -40,6 +40,7 @@ from ..builder import IndexedDatasetBuilder
 from ..errors import FormatError, ShardNotFoundError
 from ..format import IDX_SUFFIX, SFT_SUFFIXES
 from ..metadata import RESERVED_KEYS, ShardMetadata
+from ..storage.destination import destination_for
 from . import _outputs
 from . import convert_to_shard as to_shard
 from .convert_to_parquet import METADATA_KEY, ROW_GROUP_SIZE, shards_to_parquet
@@ -115,63 +116,53 @@ def convert(source: str, output: str, *, source_format: Optional[str] = None, to
             options: Optional[ConvertOptions] = None) -> ConvertResult:
     """Convert ``source`` to ``output`` (see the module table); the output appears atomically.
 
+    One code path for every output: the conversion is written into the output's staging area
+    (beside a local output; a local temporary directory for a URL), a shard is gated there, and
+    the output (and ``pack_metadata``) is published by its destination and read back.
+
     Raises:
         FormatError: an unsupported pair of formats, or an unreadable source.
         ShardExistsError: ``output`` exists and ``options.overwrite`` is false.
         InvariantError: a pack breaks an invariant (named by file and pack).
-        ShardError (any subclass): the source is malformed.
+        ShardError (any subclass): the source is malformed; IncompleteDestinationError: the
+            output read back after publishing is not whole.
     """
     options = options or ConvertOptions()
     source, output = os.fspath(source), os.fspath(output)
     _outputs.refuse_remote_input(source, "convert-packed")
     kind = source_format or detect_source(source)
     target = to or detect_target(output)
-    if _outputs.is_remote(output) or (options.pack_metadata and _outputs.is_remote(options.pack_metadata)):
-        return _convert_remotely(source, output, kind, target, options)
     started = time.perf_counter()
-    if target == "parquet":
-        if kind != "shard":
-            raise FormatError(f"--to parquet converts shards; this input is {kind}", path=source, field="to",
-                              hint="convert it to a shard first, then the shard to Parquet")
-        from .merge_plan import resolve_inputs
-
-        counts = shards_to_parquet(resolve_inputs([source]), output, row_group_size=options.row_group_size,
-                                   overwrite=options.overwrite, pack_metadata=options.pack_metadata)
-        return ConvertResult(kind, target, output, counts["packs"], time.perf_counter() - started,
-                             details=counts)
-    if kind == "shard":
+    if target == "parquet" and kind != "shard":
+        raise FormatError(f"--to parquet converts shards; this input is {kind}", path=source, field="to",
+                          hint="convert it to a shard first, then the shard to Parquet")
+    if target != "parquet" and kind == "shard":
         raise FormatError("the input is already a shard", path=source, field="to",
                           hint="use merge-shards to copy or combine shards, or --to parquet")
-    if not options.overwrite:
-        _outputs.refuse_existing(output)
-    writer = {"npy": _from_flat, "parquet": _from_flat, "option-a": _from_option_a, "pretrain": _from_pretrain}
-    result = writer[kind](kind, source, output, options)
-    result.seconds = time.perf_counter() - started
-    return result
-
-
-def _convert_remotely(source: str, output: str, kind: str, target: str, options: ConvertOptions) -> ConvertResult:
-    """Convert into local staging, gate a shard, then upload the output (and the pack metadata)
-    wherever they are URLs."""
-    started = time.perf_counter()
-    remote_out = _outputs.is_remote(output)
+    destination = destination_for(output)
     meta = options.pack_metadata
-    remote_meta = bool(meta) and _outputs.is_remote(meta)
-    if remote_out and not options.overwrite:
-        _outputs.refuse_existing(output, shard=target == "shard")
+    meta_destination = destination_for(meta) if meta else None
+    if not options.overwrite:
+        _outputs.refuse_existing(output, destination, shard=target == "shard")
     with contextlib.ExitStack() as stack:
-        local = stack.enter_context(_outputs.remote_staging(output, options.staging_dir)) if remote_out else output
-        local_meta = stack.enter_context(_outputs.remote_staging(meta, options.staging_dir)) if remote_meta else meta
-        result = convert(source, local, source_format=kind, to=target,
-                         options=dataclasses.replace(options, pack_metadata=local_meta,
-                                                     overwrite=options.overwrite and not remote_out))
-        if remote_out and target == "shard":
+        stack.enter_context(_outputs.marks_published(output, destination, shard=target == "shard"))
+        local = stack.enter_context(destination.staging(output, options.staging_dir))
+        local_meta = stack.enter_context(meta_destination.staging(meta, options.staging_dir)) if meta else None
+        staged = dataclasses.replace(options, pack_metadata=local_meta, overwrite=True)
+        if target == "parquet":
+            from .merge_plan import resolve_inputs
+
+            counts = shards_to_parquet(resolve_inputs([source]), local, row_group_size=options.row_group_size,
+                                       overwrite=True, pack_metadata=local_meta)
+            result = ConvertResult(kind, target, output, counts["packs"], 0.0, details=counts)
+            _outputs.publish_file(local, output, destination)
+        else:
+            writer = {"npy": _from_flat, "parquet": _from_flat, "option-a": _from_option_a, "pretrain": _from_pretrain}
+            result = writer[kind](kind, source, local, staged)
             _outputs.gate_or_refuse(local, output, "standard")
-            _outputs.publish_shard_remotely(local, output)
-        elif remote_out:
-            _outputs.upload_file(local, output)
-        if remote_meta:
-            _outputs.upload_file(local_meta, meta)
+            _outputs.publish_staged(local, output, destination)
+        if meta:
+            _outputs.publish_file(local_meta, meta, meta_destination)
     result.output = output
     result.seconds = time.perf_counter() - started
     return result

@@ -21,36 +21,35 @@ How it stays flat in memory and fast:
 
 Nothing is trusted blindly: the output is checked by the promotion gate
 (:func:`megatron_sft_idx.gate.check`: every CRC, every pack, every statistic,
-recomputed from the bytes) in a hidden staging directory next to the output, and
-published with the builder's commit (:func:`megatron_sft_idx.publishing.commit_shard`,
-``.idx`` last) only if it passes. Any failure or interruption leaves nothing under the output's name (a SIGINT or
+recomputed from the bytes) in the output's staging area (a hidden directory next to a local
+output, a local temporary directory for a URL), and published with the builder's commit
+(:func:`megatron_sft_idx.publishing.commit_shard`, ``.idx`` last) only if it passes, then read
+back. Any failure or interruption leaves nothing under the output's name (a SIGINT or
 SIGTERM after the commit point leaves the complete output, and says so); the staging
 directory of a killed run is removed by the next run.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
-import shutil
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import numpy as np
 
-from .. import _atomic, _kernels, publishing
-from .._signals import INTERRUPTS, raise_if_signalled
+from .. import _kernels
+from .._signals import raise_if_signalled
 from .._crc import crc32, crc32_combine
 from ..errors import InvariantError, ShardError, SizeMismatchError
 from ..format import (BIN_SUFFIX, IDX_SUFFIX, LENGTH_DTYPE, LOSS_SUFFIX, METADATA_OFFSET, POINTER_DTYPE,
-                      PUBLISH_ORDER, SEQ_BIN_SUFFIX, SEQ_IDX_SUFFIX, DType, IdxHeader, SeqIdxHeader, ShardPaths)
+                      SEQ_BIN_SUFFIX, SEQ_IDX_SUFFIX, DType, IdxHeader, SeqIdxHeader, ShardPaths)
 from ..metadata import PackingStats, ShardMetadata
 from ..reader import MMapIndexedDataset
 from ..version import __version__
-from ..storage._url import ObjectURL, is_remote
+from ..storage.destination import destination_for
 from . import _outputs
 from ._copy import copy_range
 from .merge_plan import MergePlan, plan_merge
@@ -80,9 +79,10 @@ def merge_shards(output, inputs: Sequence[str], *, widen: bool = False, pack_siz
                  staging_dir: Optional[str] = None) -> MergeResult:
     """Write the concatenation of ``inputs`` (prefixes, globs, directories, manifests) to ``output``.
 
-    ``output`` and ``inputs`` may be ``s3://`` / ``msc://`` URLs: a remote output is merged into
-    a local temporary directory, gated, then uploaded ``.idx`` last (:mod:`._outputs`); a
-    remote input is downloaded into the staging directory for its turn, then removed.
+    ``output`` and ``inputs`` may be ``s3://`` / ``msc://`` URLs: the output is merged into its
+    destination's staging area (beside a local output; a local temporary directory for a URL),
+    gated, then published ``.idx`` last and read back (:mod:`._outputs`); a remote input is
+    downloaded into the staging directory for its turn, then removed.
 
     Args:
         widen: allow uint16 and int32 inputs together (the output is int32).
@@ -97,38 +97,24 @@ def merge_shards(output, inputs: Sequence[str], *, widen: bool = False, pack_siz
         IncompatibleShardsError: inputs that cannot become one shard (dtype, convention,
             pad multiple, CP layout, tokenizer).
         ShardError (any subclass): an input is missing, unreadable or corrupt, or the
-            output failed the gate; nothing was published.
+            output failed the gate; nothing was published. IncompleteDestinationError: the
+            output read back after publishing is not whole.
     """
     started = time.perf_counter()
     output = os.fspath(output)
-    if is_remote(output):
-        if not overwrite:
-            _outputs.refuse_existing(output)
-        with _outputs.remote_staging(output, staging_dir) as local:
-            result = merge_shards(local, inputs, widen=widen, pack_size=pack_size, check_level=check_level,
-                                  progress=progress)  # gated before it is published in the staging directory
-            _outputs.publish_shard_remotely(local, output)
-        return dataclasses.replace(result, prefix=output, seconds=time.perf_counter() - started)
-    paths = ShardPaths.from_prefix(output)
+    destination = destination_for(output)
     if not overwrite:
-        _outputs.refuse_existing(output)
+        _outputs.refuse_existing(output, destination)
     plan = plan_merge(inputs, widen=widen, pack_size=pack_size)
-    _refuse_output_among_inputs(output, plan.prefixes)
-    directory = os.path.dirname(os.path.abspath(output))
-    os.makedirs(directory, exist_ok=True)
-    hidden = os.path.join(directory, "." + os.path.basename(output))
-    _atomic.clear_stale_temporaries([hidden])
-    staging = _atomic.temporary_path(hidden)
-    os.mkdir(staging)
-    committed = None  # inode of the staged .idx once publication starts: the commit point's witness
+    _refuse_output_among_inputs(output, destination, plan.prefixes)
     try:
-        try:
-            staged = os.path.join(staging, os.path.basename(output))
+        with _outputs.marks_published(output, destination), destination.staging(output, staging_dir) as staged:
+            staging = os.path.dirname(staged)
             writer = _MergeWriter(staged, plan)
             try:
                 for k, prefix in enumerate(plan.prefixes):
                     raise_if_signalled()
-                    with _local_copy(prefix, os.path.join(staging, "input")) as local:
+                    with destination_for(prefix).local_copy(prefix, os.path.join(staging, "input")) as local:
                         writer.add(local, int(plan.packs[k]))
                     if progress is not None:
                         progress(k + 1, len(plan.prefixes))
@@ -139,15 +125,7 @@ def merge_shards(output, inputs: Sequence[str], *, widen: bool = False, pack_siz
             gate_started = time.perf_counter()
             _gate(staged, output, check_level)
             gate_seconds = time.perf_counter() - gate_started
-            raise_if_signalled()  # the last point where a signal dropped inside numba stops the merge
-            committed = os.stat(staged + IDX_SUFFIX).st_ino
-            publishing.commit_shard({s: staged + s for s in PUBLISH_ORDER}, output)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-    except INTERRUPTS as exc:
-        if committed is not None and _holds_inode(paths.idx, committed):
-            exc.published = output  # interrupted after the commit point: the output is complete
-        raise
+            _outputs.publish_staged(staged, output, destination)
     except OSError as exc:  # a full disk, a read-only destination: name the output, not a descriptor
         if isinstance(exc, ShardError) or exc.filename is not None:
             raise
@@ -157,17 +135,9 @@ def merge_shards(output, inputs: Sequence[str], *, widen: bool = False, pack_siz
                        writer.copy_methods, plan.notes)
 
 
-def _holds_inode(path: str, inode: int) -> bool:
-    try:
-        return os.stat(path).st_ino == inode
-    except OSError:
-        return False
-
-
-def _refuse_output_among_inputs(output: str, prefixes: Sequence[str]) -> None:
-    target = os.path.realpath(output)
+def _refuse_output_among_inputs(output: str, destination, prefixes: Sequence[str]) -> None:
     for prefix in prefixes:
-        if not is_remote(prefix) and os.path.realpath(prefix) == target:
+        if destination.same(output, prefix):
             raise ShardError("the output prefix is also an input", path=output, field="output",
                              hint="write the merged shard to a new prefix")
 
@@ -175,29 +145,6 @@ def _refuse_output_among_inputs(output: str, prefixes: Sequence[str]) -> None:
 def _gate(staged: str, output: str, level: str) -> None:
     """Check the staged output; refuse it (nothing published) unless it passes."""
     _outputs.gate_or_refuse(staged, output, level)
-
-
-@contextlib.contextmanager
-def _local_copy(prefix: str, directory: str) -> Iterator[str]:
-    """``prefix`` itself when local; a remote shard's five files downloaded into ``directory``
-    (removed after the block). Its bytes are checked by the gate's CRCs of the merged output."""
-    if not is_remote(prefix):
-        yield prefix
-        return
-    from ..storage._stores import store_for
-    from ..storage.config import StorageConfig
-    from ..storage.remote import stat_shard
-
-    url = ObjectURL.parse(prefix)
-    store = store_for(url, StorageConfig.resolve(None))
-    os.makedirs(directory, exist_ok=True)
-    local = os.path.join(directory, url.name)
-    try:
-        for suffix, info in stat_shard(store, url).items():
-            store.download(url.with_suffix(suffix), local + suffix, info)
-        yield local
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 class _MergeWriter:

@@ -45,7 +45,7 @@ import numpy as np
 from ..errors import IncompatibleShardsError, InvariantError, ShardError
 from ..format import DType
 from ..reader import MMapIndexedDataset
-from ..storage._url import is_remote
+from ..storage.destination import destination_for
 from ..sets import Agreement, ShardIdentity
 from ..multi import Selection, check_selections, require_present, select_shards, selection_identities
 
@@ -83,7 +83,7 @@ def resolve_selections(inputs: Sequence[str]) -> List[Selection]:
     selections = select_shards([os.fspath(part) for part in inputs])
     seen: Dict[str, str] = {}
     for prefix in (p for s in selections for p in s.prefixes):
-        key = prefix if is_remote(prefix) else os.path.realpath(prefix)
+        key = destination_for(prefix).key(prefix)
         if key in seen:
             raise ShardError("the same shard is named twice", path=prefix, field="inputs",
                              expected="each shard once", actual=f"also named as {seen[key]}",

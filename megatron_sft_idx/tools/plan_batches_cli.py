@@ -138,7 +138,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _usage(args, parser)
-    from ..storage._url import is_remote, local_only
+    from ..storage._url import local_only
 
     refusal = local_only([("--plot", args.plot), ("--store", args.store)])
     if refusal:
@@ -166,12 +166,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         order = plan_order(costs, topology, model, seed=args.seed, epochs=args.epochs, algorithm=args.algorithm,
                            exchange_window=args.exchange_window,
                            source={"shards": list(source.prefixes), "packs": [int(c) for c in source.counts]})
-        if args.out and is_remote(args.out):   # one PUT, as a manifest is written
+        if args.out:   # whole: a rename locally, one PUT to object storage (as a manifest is written)
             from ..publishing import write_bytes
 
             write_bytes(args.out, order.to_bytes())
-        elif args.out:
-            order.save(args.out)
     except ShardError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 1 if exc.path else 2

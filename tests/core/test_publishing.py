@@ -12,10 +12,11 @@ import pytest
 from support.shardgen import random_packs, write_shard
 
 from megatron_sft_idx import MMapIndexedDataset, publishing
-from megatron_sft_idx.errors import IncompleteShardError, ShardError, ShardExistsError, ShardNotFoundError
+from megatron_sft_idx.errors import IncompleteDestinationError, IncompleteShardError, ShardError, ShardExistsError, ShardNotFoundError
 from megatron_sft_idx.format import ALL_SUFFIXES, IDX_SUFFIX, PUBLISH_ORDER
 from megatron_sft_idx.manifest import load_manifest
-from megatron_sft_idx.publishing import LocalDestination, StagedSet, StagedShard
+from megatron_sft_idx.publishing import StagedSet, StagedShard
+from megatron_sft_idx.storage.destination import LocalDestination
 
 
 def shard_bytes(prefix):
@@ -173,8 +174,8 @@ def test_a_set_interrupted_after_its_first_shard_resumes_without_committing_it_a
     os.makedirs(out)
     real, calls = publishing.commit_staged, []
 
-    def die_after_first(a, b):
-        real(a, b)
+    def die_after_first(a, b, *rest):
+        real(a, b, *rest)
         calls.append(b)
         if len(calls) == 1:
             raise KeyboardInterrupt
@@ -185,3 +186,93 @@ def test_a_set_interrupted_after_its_first_shard_resumes_without_committing_it_a
     assert not (out / "ds.json").exists()  # no manifest: a reader of the set sees no set
     publishing.publish_set(staged, [], done=[0])
     assert calls == [finals[0], finals[1]] and len(load_manifest(str(out / "ds.json")).prefixes) == 2
+
+
+class Lossy(Recorder):
+    """A destination whose write of one file fails (``fail``: the Nth such write raises) or is
+    silently lost (``lose``: the call returns, nothing is written): what read-back is for."""
+
+    def __init__(self, lose=None, fail=None):
+        super().__init__()
+        self.lose, self.fail = lose, fail
+
+    def write_bytes(self, path, data):
+        if self.fail and path.endswith(self.fail):
+            raise OSError(28, "No space left on device", path)
+        if self.lose and path.endswith(self.lose):
+            return
+        self.log.append(("put", os.path.basename(path)))
+        super().write_bytes(path, data)
+
+
+def staged_set(tmp_path, rng, n=3, order=True):
+    out, stage = tmp_path / "out", tmp_path / "stage"
+    os.makedirs(out, exist_ok=True)
+    finals = [str(out / f"ds_{k:06d}") for k in range(n)]
+    for k, f in enumerate(finals):
+        write_shard(str(stage / os.path.basename(f)), random_packs(rng, 2 + k),
+                    metadata={"set": {"id": "z" * 32, "index": k, "count": n}})
+    record = {"file": "ds.order"}
+    orders = (publishing.StagedOrder(str(out / "ds.order"), b"order bytes", str(out / "ds.json"), record),) if order else ()
+    return StagedSet(tuple(StagedShard(str(stage / os.path.basename(f)), f) for f in finals),
+                     ((str(out / "ds.json"), tuple(finals)),), orders), out
+
+
+def test_one_set_commit_withdraws_the_manifest_then_shards_then_order_then_manifest(tmp_path, rng):
+    staged, out = staged_set(tmp_path, rng)
+    (out / "ds.json").write_text("{}")
+    dest = Lossy()
+    outcome = publishing.publish_set(staged, [], destination=dest)
+    assert outcome.whole and set(outcome.written) == {str(out / "ds.order"), str(out / "ds.json")}
+    assert dest.log[0] == ("remove", "ds.json")
+    puts = [name for op, name in dest.log if op == "put"]
+    assert puts[-2:] == ["ds.order", "ds.json"] and puts[-3] == "ds_000002.idx", puts
+    assert json.loads((out / "ds.json").read_bytes())["order"] == {"file": "ds.order"}
+
+
+def test_read_back_finds_a_write_the_destination_lost(tmp_path, rng):
+    staged, out = staged_set(tmp_path, rng)
+    outcome = publishing.publish_set(staged, [], destination=Lossy(lose="ds.order"))
+    assert outcome.problems == [(str(out / "ds.order"), "missing")]
+    with pytest.raises(IncompleteDestinationError, match="not whole after publishing: missing"):
+        outcome.raise_if_incomplete()
+
+
+def test_a_failed_write_is_raised_or_with_lenient_recorded_and_what_comes_after_it_not_written(tmp_path, rng):
+    staged, out = staged_set(tmp_path, rng)
+    with pytest.raises(OSError, match="No space"):
+        publishing.publish_set(staged, [], destination=Lossy(fail="ds.order"))
+    assert not (out / "ds.json").exists()   # the manifest that records the order was not written
+    shards = [(s.staged, s.final) for s in staged.shards]
+    files = [publishing.SetFile(str(out / "ds.order"), lambda: b"o", "pack order", (0, 1, 2)),
+             publishing.SetFile(str(out / "ds.json"), lambda: b"{}", "manifest", (0, 1, 2),
+                                after=(str(out / "ds.order"),), commit_point=True)]
+    outcome = publishing.commit_set(Lossy(fail="ds.order"), shards, files=files, lenient=True)
+    paths = [p for p, _ in outcome.problems]
+    assert paths == [str(out / "ds.order"), str(out / "ds.json")], outcome.problems
+    assert "No space" in outcome.problems[0][1] and "ds.order was not written" in outcome.problems[1][1]
+    assert not (out / "ds.json").exists()
+
+
+def test_read_back_finds_a_shard_file_that_differs_and_an_old_file_left(tmp_path, rng):
+    staged, out = staged_set(tmp_path, rng, n=1, order=False)
+    stale = out / "old.order"
+    stale.write_bytes(b"x")
+
+    class Keeps(Lossy):   # "removes" nothing, and the shard's .seq.idx is corrupted on the way
+        def remove(self, paths):
+            self.log += [("remove", os.path.basename(p)) for p in paths]
+
+        def put(self, source, final):
+            super().put(source, final)
+            if final.endswith(".seq.idx"):
+                with open(final, "r+b") as f:
+                    f.seek(70)
+                    b = f.read(1)
+                    f.seek(70)
+                    f.write(bytes([b[0] ^ 1]))
+
+    outcome = publishing.publish_set(StagedSet(staged.shards, ()), [str(stale)], destination=Keeps())
+    found = dict(outcome.problems)
+    assert found[str(stale)].startswith("an old file")
+    assert "header differs" in found[staged.shards[0].final + ".seq.idx"]

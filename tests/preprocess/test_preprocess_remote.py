@@ -232,3 +232,27 @@ def test_an_unusable_destination_is_one_line_before_any_work(s3, bucket, tmp_pat
                 "no name": "must end in the shards' name"}[case]
     assert expected in err, err
     assert not (tmp_path / "stage").exists()  # refused before any work
+
+
+def test_an_upload_the_store_lost_fails_the_run_and_resume_finishes_it(s3, bucket, local_run, tmp_path, capsys,
+                                                                      monkeypatch):
+    """The store acknowledges the train manifest's PUT but nothing lands: the read-back after the
+    set's commit fails the run (exit 1, the object named, --resume said), and --resume finishes
+    with the objects of a clean run."""
+    from megatron_sft_idx.storage.destination import ObjectDestination
+
+    real = ObjectDestination.write_bytes
+
+    def lossy(self, path, data):
+        if not path.endswith("ds_train.json"):
+            real(self, path, data)
+
+    monkeypatch.setattr(ObjectDestination, "write_bytes", lossy)
+    url = f"s3://{bucket}/sft/ds"
+    args = SETTINGS + ["--output-prefix", url, "--staging-dir", str(tmp_path / "stage")]
+    assert preprocess_main(args) == 1
+    err = capsys.readouterr().err
+    assert "not whole" in err and f"{url}_train.json" in err and "--resume" in err, err
+    monkeypatch.setattr(ObjectDestination, "write_bytes", real)
+    assert preprocess_main(args + ["--resume"]) == 0
+    assert bucket_files(s3, bucket, "sft/") == local_files(local_run / "out")

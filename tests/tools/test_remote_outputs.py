@@ -193,3 +193,30 @@ def test_convert_refuses_s3_inputs_saying_what_to_do(s3, bucket, tmp_path, capsy
     assert convert_main([f"s3://{bucket}/x/s", str(tmp_path / "o.parquet")]) == 1
     err = capsys.readouterr().err
     assert "reads local inputs only" in err and "merge-shards" in err and "Traceback" not in err
+
+
+def test_an_upload_that_lands_different_is_found_by_the_read_back(s3, bucket, tmp_path, capsys, monkeypatch):
+    """The store acknowledges the .seq.idx, but what landed has one byte of its metadata flipped
+    (same size: the listed sizes agree): the read-back after the commit names the object."""
+    from megatron_sft_idx.storage.destination import ObjectDestination
+
+    prefixes, _ = inputs(tmp_path)
+    real = ObjectDestination.put
+
+    def corrupting(self, source, final):
+        if final.endswith(".seq.idx"):
+            data = bytearray(open(source, "rb").read())
+            data[70] ^= 0x01
+            source = str(tmp_path / "corrupted")
+            with open(source, "wb") as f:
+                f.write(data)
+        real(self, source, final)
+
+    monkeypatch.setattr(ObjectDestination, "put", corrupting)
+    url = f"s3://{bucket}/merged/all"
+    assert merge_main([url, *prefixes, "--quiet", "--staging-dir", str(tmp_path / "stage")]) == 1
+    err = capsys.readouterr().err
+    assert "not whole" in err and "header differs" in err and f"{url}.seq.idx" in err, err
+    monkeypatch.setattr(ObjectDestination, "put", real)
+    assert merge_main([url, *prefixes, "--quiet", "--overwrite", "--staging-dir", str(tmp_path / "stage")]) == 0
+    MMapIndexedDataset(url)

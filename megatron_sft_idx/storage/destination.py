@@ -1,0 +1,501 @@
+"""Where outputs go: one location type for a local directory and for object storage.
+
+Every writer of the project -- the builder's publish, ``preprocess-sft`` / ``repack-sft``,
+promotion, the shard tools -- holds a :class:`Destination` and never asks which kind it is
+(the habit of Energon's ``EPath`` and mosaicml streaming's uploaders: local is one more
+destination). :func:`destination_for` is the one place that tells a path from a URL when
+writing.
+
+What a destination owns:
+
+* **names**: :meth:`~Destination.join` (a name under a directory), :meth:`~Destination.name`
+  (the last component), :meth:`~Destination.parent`, :meth:`~Destination.normal` (how runs compare two spellings);
+* **listing**: :meth:`~Destination.listing` (every file beside a prefix whose name starts
+  with it, with sizes), :meth:`~Destination.existing` (which of a shard's five files exist),
+  :meth:`~Destination.exists`, :meth:`~Destination.sizes`;
+* **staging**: :meth:`~Destination.work_prefix` (where a run keeps its work directory),
+  :meth:`~Destination.staging` (a local prefix to write an output into before it is
+  published: beside it on the same filesystem, or a fresh temporary directory for a URL);
+* **publishing primitives**: ``prepare`` (make sources durable), ``turn`` (publications into
+  one place take turns), ``remove``, ``sync``, ``put`` / ``put_many`` (a local source moves
+  there, or is uploaded), ``finish`` (the place is durable, or the sizes are checked),
+  ``write_bytes`` (one small file whole);
+* **reading back**: :meth:`~Destination.read` (a small file whole),
+  :meth:`~Destination.read_head` (its first bytes), :meth:`~Destination.read_back` (files
+  against what was published: :class:`Expect`), for the read-back after a publish;
+* whether a publish **moves** the staged files (:attr:`~Destination.moves`: local renames)
+  or copies them (uploads: the staged copies stay), and whether reading a file whole is as
+  cheap as listing it (:attr:`~Destination.cheap_reads`).
+
+The order in which publications use these -- the commit rule of a shard and of a set --
+lives in :mod:`megatron_sft_idx.publishing`. Nothing here knows a dataset (contract
+``storage-knows-no-dataset``): a shard is a prefix and the file suffixes of ``format``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as futures
+import contextlib
+import hashlib
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+from .. import _atomic
+from .._crc import crc32
+from ..errors import ShardError, SizeMismatchError
+from ..format import ALL_SUFFIXES
+from ._url import ObjectURL, is_remote
+from .config import StorageConfig
+
+__all__ = ["Destination", "LocalDestination", "ObjectDestination", "destination_for", "Expect"]
+
+_STAGING_TAG = "megatron_sft_idx-"
+
+
+@dataclass(frozen=True)
+class Expect:
+    """What one file at a destination must be after a publication: its ``size`` (None: it must
+    be gone), and where given the CRC-32 of its whole content or its first bytes (``head``)."""
+
+    path: str
+    size: Optional[int]
+    crc32: Optional[int] = None
+    head: bytes = b""
+
+
+class Destination:
+    """The interface of a place outputs go (see the module doc); subclasses implement it."""
+
+    #: A publish renames the staged files into place (they are gone from the staging area after).
+    moves: bool = False
+    #: Reading a file back whole costs no more than a local disk read.
+    cheap_reads: bool = False
+
+    # ---- names
+    def join(self, directory: str, name: str) -> str: raise NotImplementedError
+    def name(self, path: str) -> str: raise NotImplementedError
+    def parent(self, path: str) -> str: raise NotImplementedError
+    def normal(self, path: str) -> str: raise NotImplementedError
+    def key(self, path: str) -> str: raise NotImplementedError
+
+    def same(self, path: str, other: str) -> bool:
+        """Whether ``other`` (a path or a URL) names the place ``path`` names (links resolved)."""
+        return self.key(path) == destination_for(other).key(other)
+
+    def local_copy(self, prefix: str, directory: str): raise NotImplementedError
+
+    # ---- listing
+    def listing(self, prefix: str) -> Dict[str, int]: raise NotImplementedError
+    def existing(self, prefix: str) -> List[str]: raise NotImplementedError
+    def exists(self, path: str) -> bool: raise NotImplementedError
+    def sizes(self, paths: Sequence[str]) -> Dict[str, int]: raise NotImplementedError
+
+    # ---- staging
+    def work_prefix(self, prefix: str, staging_dir: Optional[str] = None) -> str: raise NotImplementedError
+    def staging(self, output: str, staging_dir: Optional[str] = None): raise NotImplementedError
+
+    # ---- publishing primitives
+    def prepare(self, sources) -> None: raise NotImplementedError
+    def turn(self, prefix: str): raise NotImplementedError
+    def remove(self, paths) -> None: raise NotImplementedError
+    def sync(self, prefix: str) -> None: raise NotImplementedError
+    def put(self, source: str, final: str) -> None: raise NotImplementedError
+    def finish(self, prefix: str, files: Mapping[str, str]) -> None: raise NotImplementedError
+    def write_bytes(self, path: str, data: bytes) -> None: raise NotImplementedError
+    def stamp(self, path: str): raise NotImplementedError
+    def temporary(self, final: str) -> Optional[str]: raise NotImplementedError
+    def make_directory(self, directory: str) -> None: raise NotImplementedError
+
+    # ---- reading back
+    def read(self, path: str, limit: int) -> Optional[bytes]: raise NotImplementedError
+    def read_head(self, path: str, size: int) -> Optional[bytes]: raise NotImplementedError
+
+    def put_many(self, pairs: Sequence[Tuple[str, str]]) -> None:
+        for source, final in pairs:
+            self.put(source, final)
+
+    def read_back(self, expected: Sequence["Expect"]) -> List[Tuple[str, str]]:
+        """Read the destination back against ``expected``: sizes from one listing per directory,
+        then the CRC-32s and first bytes asked for. Returns ``(path, what is there now)`` for
+        every file missing, left over, or different (empty: the destination is whole). A listing
+        or read that fails is itself a problem named; nothing is raised for what is found."""
+        problems: List[Tuple[str, str]] = []
+        try:
+            sizes = self.sizes([e.path for e in expected])
+        except (ShardError, OSError) as exc:
+            return [(expected[0].path, f"cannot list the destination to read it back: {exc}")] if expected else []
+        for e in expected:
+            size = sizes.get(e.path)
+            if e.size is None:
+                if size is not None:
+                    problems.append((e.path, "an old file the new generation does not bring is still there"))
+                continue
+            if size is None:
+                problems.append((e.path, "missing"))
+                continue
+            if size != e.size:
+                problems.append((e.path, f"{size} bytes, {e.size} were published"))
+                continue
+            try:
+                if e.crc32 is not None:
+                    data = self.read(e.path, e.size)
+                    if data is None or crc32(data) != e.crc32:
+                        problems.append((e.path, "its content differs from what was published (CRC-32)"))
+                elif e.head:
+                    if self.read_head(e.path, len(e.head)) != e.head:
+                        problems.append((e.path, "its header differs from what was published"))
+            except (ShardError, OSError) as exc:
+                problems.append((e.path, f"cannot read it back: {exc}"))
+        return problems
+
+
+
+class LocalDestination(Destination):
+    """A local directory: files are renamed into place (same filesystem), under a lock per
+    directory, fsynced."""
+
+    moves = True
+    cheap_reads = True
+
+    def join(self, directory: str, name: str) -> str:
+        return os.path.join(directory, name)
+
+    def name(self, path: str) -> str:
+        return os.path.basename(path)
+
+    def parent(self, path: str) -> str:
+        return os.path.dirname(os.path.abspath(path))
+
+    def normal(self, path: str) -> str:
+        return os.path.abspath(path)
+
+    def key(self, path: str) -> str:
+        """One spelling per place (symbolic links resolved): two names of one file compare equal."""
+        return os.path.realpath(path)
+
+    @contextlib.contextmanager
+    def local_copy(self, prefix: str, directory: str) -> Iterator[str]:
+        """The local shard ``prefix`` itself (nothing is copied)."""
+        yield prefix
+
+    def listing(self, prefix: str) -> Dict[str, int]:
+        directory, start = os.path.dirname(os.path.abspath(prefix)), os.path.basename(prefix)
+        out: Dict[str, int] = {}
+        try:
+            entries = list(os.scandir(directory))
+        except FileNotFoundError:
+            return out
+        base = os.path.dirname(prefix)
+        for entry in entries:
+            if entry.name.startswith(start) and _atomic._TMP_TAG not in entry.name:
+                try:
+                    out[os.path.join(base, entry.name)] = entry.stat().st_size
+                except OSError:
+                    continue   # (removed meanwhile)
+        return out
+
+    def existing(self, prefix: str) -> List[str]:
+        return [s for s in ALL_SUFFIXES if os.path.lexists(prefix + s)]
+
+    def exists(self, path: str) -> bool:
+        return os.path.lexists(path)
+
+    def sizes(self, paths: Sequence[str]) -> Dict[str, int]:
+        out = {}
+        for path in paths:
+            try:
+                out[path] = os.path.getsize(path)
+            except OSError:
+                continue
+        return out
+
+    def work_prefix(self, prefix: str, staging_dir: Optional[str] = None) -> str:
+        return prefix
+
+    @contextlib.contextmanager
+    def staging(self, output: str, staging_dir: Optional[str] = None) -> Iterator[str]:
+        """A hidden temporary directory beside ``output`` (same filesystem: the publish renames),
+        removed with everything in it when the block exits; a killed run's is cleared first."""
+        directory = os.path.dirname(os.path.abspath(output))
+        os.makedirs(directory, exist_ok=True)
+        hidden = os.path.join(directory, "." + os.path.basename(output))
+        _atomic.clear_stale_temporaries([hidden])
+        staging = _atomic.temporary_path(hidden)
+        os.mkdir(staging)
+        try:
+            yield os.path.join(staging, os.path.basename(output))
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def prepare(self, sources) -> None:
+        for path in sources:
+            _atomic.fsync_file(path)
+
+    def turn(self, prefix: str):
+        return _atomic.directory_lock(prefix)
+
+    def remove(self, paths) -> None:
+        _atomic.remove_quietly(paths)
+
+    def sync(self, prefix: str) -> None:
+        _atomic.fsync_dir(prefix)
+
+    def put(self, source: str, final: str) -> None:
+        os.replace(source, final)
+        if os.path.lexists(source):
+            # rename() of two links to one inode succeeds and does nothing (POSIX): the final
+            # name already holds this content (a rerun of a killed promotion).
+            os.unlink(source)
+
+    def finish(self, prefix: str, files: Mapping[str, str]) -> None:
+        _atomic.fsync_dir(prefix)
+
+    def temporary(self, final: str) -> Optional[str]:
+        """A fresh temporary name beside ``final`` to stage a copy under (a rename puts it in
+        place); a killed publication's temporaries of ``final`` are cleared first."""
+        _atomic.clear_stale_temporaries([final])
+        return _atomic.temporary_path(final)
+
+    def make_directory(self, directory: str) -> None:
+        os.makedirs(directory, exist_ok=True)
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        _atomic.write_file_atomically(path, lambda f: f.write(data))
+
+    def stamp(self, path: str):
+        """Which file ``path`` is now (its inode), or None: a publish replaces it by another."""
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        return (st.st_dev, st.st_ino)
+
+    def read(self, path: str, limit: int) -> Optional[bytes]:
+        """``path`` whole, or None when it does not exist.
+
+        Raises:
+            ShardError: larger than ``limit`` or unreadable."""
+        try:
+            with open(path, "rb") as f:
+                data = f.read(limit + 1)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise ShardError(f"cannot read the file back ({exc.strerror or exc})", path=path) from None
+        if len(data) > limit:
+            raise ShardError("the file is larger than expected", path=path, expected=f"<= {limit} bytes")
+        return data
+
+    def read_head(self, path: str, size: int) -> Optional[bytes]:
+        try:
+            with open(path, "rb") as f:
+                return f.read(size)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise ShardError(f"cannot read the file back ({exc.strerror or exc})", path=path) from None
+
+
+class ObjectDestination(Destination):
+    """``s3://`` / ``msc://``: files are uploaded (the staged copies stay), every call one
+    retried, deadline-bounded operation per object (:mod:`._stores`)."""
+
+    moves = False
+    cheap_reads = False
+
+    def __init__(self, config: Optional[StorageConfig] = None) -> None:
+        self.config = StorageConfig.resolve(config)
+
+    def _store(self, url: ObjectURL):
+        from ._stores import store_for
+
+        return store_for(url, self.config)
+
+    # ---- names
+    def join(self, directory: str, name: str) -> str:
+        return str(ObjectURL.parse(directory).join(name))
+
+    def name(self, path: str) -> str:
+        return ObjectURL.parse(path).name
+
+    def parent(self, path: str) -> str:
+        return str(ObjectURL.parse(path).parent)
+
+    def normal(self, path: str) -> str:
+        return str(ObjectURL.parse(path))
+
+    def key(self, path: str) -> str:
+        return self.normal(path)
+
+    @contextlib.contextmanager
+    def local_copy(self, prefix: str, directory: str) -> Iterator[str]:
+        """The shard's objects at ``prefix`` downloaded into ``directory`` (removed after the block)."""
+        url = ObjectURL.parse(prefix)
+        store = self._store(url)
+        os.makedirs(directory, exist_ok=True)
+        local = os.path.join(directory, url.name)
+        try:
+            for suffix, info in store.stat_files(url, ALL_SUFFIXES).items():
+                store.download(url.with_suffix(suffix), local + suffix, info)
+            yield local
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+
+    # ---- listing
+    def listing(self, prefix: str) -> Dict[str, int]:
+        """Every object whose key starts with ``prefix``'s (not below a further ``/``): one LIST."""
+        url = ObjectURL.parse(prefix)
+        return {str(obj): info.size for obj, info in self._store(url).list(url)}
+
+    def existing(self, prefix: str) -> List[str]:
+        """Suffixes of the shard objects at ``prefix`` (one LIST, or a HEAD per suffix)."""
+        url = ObjectURL.parse(prefix)
+        return list(self._store(url).stat_files(url, ALL_SUFFIXES))
+
+    def exists(self, path: str) -> bool:
+        url = ObjectURL.parse(path)
+        return self._store(url).head(url) is not None
+
+    def sizes(self, paths: Sequence[str]) -> Dict[str, int]:
+        """``{url: size}`` of those of ``paths`` that exist: one LIST per directory they are in."""
+        out: Dict[str, int] = {}
+        for parent in sorted({u.rsplit("/", 1)[0] + "/" for u in paths}):
+            url = ObjectURL.parse(parent)
+            out.update((str(obj), info.size) for obj, info in self._store(url).list(url))
+        normal = {u: str(ObjectURL.parse(u)) for u in paths}
+        return {u: out[normal[u]] for u in paths if normal[u] in out}
+
+    # ---- staging
+    def _named(self, prefix: str) -> ObjectURL:
+        url = ObjectURL.parse(prefix)
+        if not url.key or url.key.endswith("/"):
+            raise ShardError("an output prefix in object storage must end in the shards' name", path=prefix,
+                             field="output", hint="e.g. s3://bucket/sft/ds writes s3://bucket/sft/ds_train_000000...")
+        return url
+
+    def work_prefix(self, prefix: str, staging_dir: Optional[str] = None) -> str:
+        """``NAME`` in a directory of ``staging_dir`` (default: the system's temporary directory)
+        named by a digest of the URL: every run writing that URL (and only those) finds it again."""
+        url = self._named(prefix)
+        digest = hashlib.sha256(str(url).encode("utf-8")).hexdigest()[:16]
+        root = os.path.abspath(staging_dir or tempfile.gettempdir())
+        return os.path.join(root, _STAGING_TAG + digest, url.name)
+
+    @contextlib.contextmanager
+    def staging(self, output: str, staging_dir: Optional[str] = None) -> Iterator[str]:
+        """A local path named like ``output``'s last component, in a fresh temporary directory
+        (in ``staging_dir``) removed with everything in it when the block exits."""
+        name = self._named(output).name
+        if staging_dir:
+            os.makedirs(staging_dir, exist_ok=True)
+        directory = tempfile.mkdtemp(prefix="msi-out-", dir=staging_dir)
+        try:
+            yield os.path.join(directory, name)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+
+    # ---- publishing primitives
+    def prepare(self, sources) -> None:
+        """Nothing to do: the local files are complete (the publisher opened the shard)."""
+
+    def turn(self, prefix: str):
+        """Object stores offer no lock: publications of one prefix must not run at once."""
+        return contextlib.nullcontext()
+
+    def remove(self, paths) -> None:
+        for path in paths:
+            url = ObjectURL.parse(path)
+            self._store(url).delete(url)
+
+    def sync(self, prefix: str) -> None:
+        """Nothing to do: a completed request is durable."""
+
+    def temporary(self, final: str) -> Optional[str]:
+        """None: an upload reads the local source as it is (no copy is staged)."""
+        return None
+
+    def make_directory(self, directory: str) -> None:
+        """Nothing to do: keys need no directories."""
+
+    def put(self, source: str, final: str) -> None:
+        url = ObjectURL.parse(final)
+        self._store(url).upload(source, url)
+
+    def put_many(self, pairs: Sequence[Tuple[str, str]]) -> None:
+        """Upload each ``(local file, URL)``, in parallel (``config.concurrency`` at most)."""
+        if not pairs:
+            return
+        with futures.ThreadPoolExecutor(max_workers=min(len(pairs), self.config.concurrency) or 1) as pool:
+            list(pool.map(lambda pair: self.put(*pair), pairs))
+
+    def finish(self, prefix: str, files: Mapping[str, str]) -> None:
+        """The uploaded objects' listed sizes equal the local files'.
+
+        Raises:
+            SizeMismatchError: naming the object.
+        """
+        url = ObjectURL.parse(prefix)
+        listed = self._store(url).stat_files(url, ALL_SUFFIXES)
+        for suffix, path in files.items():
+            want = os.path.getsize(path)
+            got = listed.get(suffix)
+            if got is None or got.size != want:
+                raise SizeMismatchError("uploaded object differs in size from the local file",
+                                        path=str(url.with_suffix(suffix)), field="size", expected=want,
+                                        actual=None if got is None else got.size,
+                                        hint="upload the shard again (replace=True)")
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        """One PUT of ``data`` (a manifest: its set's commit point)."""
+        with tempfile.TemporaryDirectory(prefix="msi-put-") as tmp:
+            local = os.path.join(tmp, "object")
+            with open(local, "wb") as f:
+                f.write(data)
+            self.put(local, path)
+
+    def stamp(self, path: str):
+        """Which object ``path`` is now (its ETag and size), or None."""
+        url = ObjectURL.parse(path)
+        info = self._store(url).head(url)
+        return None if info is None else (info.etag, info.size)
+
+    # ---- reading back
+    def read(self, path: str, limit: int) -> Optional[bytes]:
+        """The object whole (ranged GETs within one deadline), or None when there is none.
+
+        Raises:
+            ShardError: larger than ``limit``; RemoteStorageError: a request failed for good."""
+        url = ObjectURL.parse(path)
+        store = self._store(url)
+        info = store.head(url)
+        if info is None:
+            return None
+        if info.size > limit:
+            raise ShardError("the object is larger than expected", path=path, expected=f"<= {limit} bytes",
+                             actual=info.size)
+        return b"".join(store.read_chunks(url, info.size, info.etag))
+
+    def read_head(self, path: str, size: int) -> Optional[bytes]:
+        """The first ``size`` bytes (one ranged GET: the caller knows the object is at least that
+        long, from a listing), or None when there is no such object.
+
+        Raises:
+            RemoteStorageError: a request failed for good (a shorter object: ShortReadError)."""
+        from ..errors import ShardNotFoundError
+
+        url = ObjectURL.parse(path)
+        try:
+            return bytes(self._store(url).read_range(url, 0, size))
+        except ShardNotFoundError:
+            return None
+
+
+def destination_for(path: str, config: Optional[StorageConfig] = None) -> Destination:
+    """The destination of ``path``: local, or object storage for an ``s3://`` / ``msc://`` URL
+    (the one place a writer's path is told from a URL)."""
+    if is_remote(path):
+        return ObjectDestination(config)
+    return LocalDestination()
