@@ -30,12 +30,17 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..errors import ShardError
-from ..packing import DEFAULT_ALGORITHM, pad_multiple_for, padded_length, truncation_length
+from ..format import PAD_LAYOUTS
+from ..packing import ALGORITHMS, DEFAULT_ALGORITHM, pad_multiple_for, padded_length, truncation_length
 from . import outputs
 from .records.partitions import DEFAULT_MAX_RECORD_BYTES, DEFAULT_PARTITION_BYTES
 
 #: Output names of the splits of ``--split`` (one to three weights), in order.
 SPLIT_NAMES = ("train", "valid", "test")
+#: What ``--overlong`` may say, and ``--truncated-turn-loss``.
+OVERLONG = ("truncate", "drop", "error")
+TRUNCATED_TURN_LOSS = ("keep", "drop")
+_INT32_MAX = (1 << 31) - 1
 
 
 @dataclass(frozen=True)
@@ -289,8 +294,9 @@ class PlanSettings:
     max_packs_per_shard: Optional[int]
     max_shard_bytes: Optional[int]
     itemsize: int                   # bytes per output token (for --max-shard-bytes)
-    pad_layout: str = "stored"      # which length the pad multiple applies to (packing/padding.py)
-    truncated_turn_loss: str = "keep"   # keep | drop: loss on an assistant turn cut by truncation
+    # absent from plans made before them: the given settings' defaults
+    pad_layout: str = PackSettings.pad_layout                     # which length the pad multiple applies to
+    truncated_turn_loss: str = PackSettings.truncated_turn_loss   # keep | drop: loss on a reply cut by truncation
 
     @property
     def truncate_to(self) -> int:
@@ -307,9 +313,48 @@ class PlanSettings:
     def to_dict(self) -> dict:
         out = asdict(self)
         out["split"] = list(self.split) if self.split else None
-        if self.truncated_turn_loss == "keep":  # the default: plans (and run keys) as before the flag
+        if self.truncated_turn_loss == PackSettings.truncated_turn_loss:  # plans (and run keys) as before the flag
             del out["truncated_turn_loss"]
         return out
+
+    @classmethod
+    def from_doc(cls, doc) -> "PlanSettings":
+        """The settings a plan file records (``doc``: its ``settings`` object, a
+        :class:`~megatron_sft_idx.jsondoc.Doc`), each of its type and range; a key absent from
+        an older plan is its default here (the one place defaults are stated: the fields above).
+
+        Raises:
+            ShardError (the ``doc``'s error class): a value of the wrong type or out of range,
+                naming the plan file and the field (``settings.pad_multiple``).
+        """
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+
+        def kw(name: str) -> dict:
+            default = fields[name].default
+            return {} if default is dataclasses.MISSING else {"default": default}
+
+        pack_size = doc.int("pack_size", lo=1, hi=_INT32_MAX)
+        split = doc.list("split", none=True)
+        if split is not None:
+            if not 1 <= len(split) <= len(SPLIT_NAMES):
+                raise doc.fail("has the wrong length", "split", expected=f"1..{len(SPLIT_NAMES)}", actual=len(split))
+            for k, w in enumerate(split):
+                if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0:
+                    raise doc.fail("must be a weight > 0", f"split[{k}]", actual=w)
+        return cls(
+            pack_size=pack_size,
+            pad_multiple=doc.int("pad_multiple", lo=1, hi=pack_size),
+            algorithm=doc.str("algorithm", choices=ALGORITHMS),
+            seed=doc.int("seed"),
+            split=tuple(split) if split else None,
+            overlong=doc.str("overlong", choices=OVERLONG),
+            skip_bad=doc.bool("skip_bad"),
+            max_packs_per_shard=doc.int("max_packs_per_shard", lo=1, none=True),
+            max_shard_bytes=doc.int("max_shard_bytes", lo=1, none=True),
+            itemsize=doc.int("itemsize", lo=1, hi=8),
+            pad_layout=doc.str("pad_layout", choices=PAD_LAYOUTS, **kw("pad_layout")),
+            truncated_turn_loss=doc.str("truncated_turn_loss", choices=TRUNCATED_TURN_LOSS,
+                                        **kw("truncated_turn_loss")))
 
 
 def check_pad_id(pad_id: Optional[int], vocab: Optional[int]) -> int:
@@ -365,4 +410,4 @@ class PackJob:
 
 
 __all__ = ["PackSettings", "BalanceSettings", "RunSettings", "TokenizeSettings", "Config", "RepackConfig", "PlanSettings",
-           "PackJob", "check_pad_id", "SPLIT_NAMES"]
+           "PackJob", "check_pad_id", "SPLIT_NAMES", "OVERLONG", "TRUNCATED_TURN_LOSS"]

@@ -92,6 +92,28 @@ def test_the_plan_settings_and_the_job_are_resolved_from_the_pack_settings():
         PackJob.resolve("/o/ds", pack, RunSettings(), vocab_size=100, default_pad_id=100)
 
 
+def test_a_plan_files_settings_are_parsed_once_into_plan_settings():
+    """What a plan file records reads back as the PlanSettings that wrote it; a key an older plan
+    lacks is the given settings' default; a bad value is a HeaderError naming the field."""
+    from megatron_sft_idx.errors import HeaderError
+    from megatron_sft_idx.jsondoc import Doc, normal_json
+
+    plan = PackSettings(pack_size=1024, cp=2, split=[98, 1, 1], truncated_turn_loss="drop").plan_settings(70000)
+    assert PlanSettings.from_doc(Doc(normal_json(plan.to_dict()), "x.plan", "settings")) == plan
+    old = normal_json(dataclasses.replace(plan, truncated_turn_loss="keep").to_dict())
+    del old["pad_layout"]
+    assert "truncated_turn_loss" not in old
+    back = PlanSettings.from_doc(Doc(old, "x.plan", "settings"))
+    assert (back.pad_layout, back.truncated_turn_loss) == (PackSettings().pad_layout, PackSettings().truncated_turn_loss)
+    for key, value, field in (("split", [98, 0, 1], "settings.split[1]"), ("split", [1, 1, 1, 1], "settings.split"),
+                              ("pad_multiple", 2048, "settings.pad_multiple"), ("skip_bad", 0, "settings.skip_bad"),
+                              ("max_shard_bytes", 0, "settings.max_shard_bytes"),
+                              ("truncated_turn_loss", "cut", "settings.truncated_turn_loss")):
+        with pytest.raises(HeaderError) as e:
+            PlanSettings.from_doc(Doc({**normal_json(plan.to_dict()), key: value}, "x.plan", "settings", HeaderError))
+        assert e.value.field == field and e.value.path == "x.plan"
+
+
 def test_the_modules_of_before_keep_their_names():
     from megatron_sft_idx.preprocess import cli, config, driver, pipeline, plan, repack
 
