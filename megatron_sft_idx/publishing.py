@@ -43,12 +43,15 @@ from __future__ import annotations
 import os
 import shutil
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from . import _atomic
 from .errors import RemoteStorageError, ShardError, ShardExistsError, ShardNotFoundError
 from .format import ALL_SUFFIXES, IDX_SUFFIX, PUBLISH_ORDER, SEQ_IDX_SUFFIX
 from .storage._url import ObjectURL, is_remote
+
+if TYPE_CHECKING:
+    from .manifest import OrderRecord
 
 __all__ = ["LocalDestination", "destination_for", "commit_shard", "commit_staged", "remove_shard",
            "existing_shard", "refuse_existing", "upload_shard", "publish_shard", "publish", "local_files",
@@ -332,10 +335,10 @@ def publish(source: Union[str, Sequence[str]], dest, *, replace: bool = False, l
     return targets
 
 
-def manifest_bytes(path: str, shards: Sequence[Tuple[str, str]], order: Optional[dict] = None) -> bytes:
+def manifest_bytes(path: str, shards: Sequence[Tuple[str, str]], order: Optional["OrderRecord"] = None) -> bytes:
     """The manifest ``path`` (local or a URL) of published shards ``(final, local copy)``: entries
     from the local copies' headers, prefixes as the finals relative to the manifest; ``order``
-    (:func:`megatron_sft_idx.batching.serve.order_record`) recorded under ``"order"``.
+    (a :class:`megatron_sft_idx.manifest.OrderRecord`) recorded.
 
     Raises:
         ShardError: a local copy does not open; IncompatibleShardsError, ShardSetError: the
@@ -345,10 +348,7 @@ def manifest_bytes(path: str, shards: Sequence[Tuple[str, str]], order: Optional
     from .reader import MMapIndexedDataset
 
     members = [(final, MMapIndexedDataset(local)) for final, local in shards]
-    document = manifest_document(path, members, relative=True)
-    if order is not None:
-        document["order"] = order
-    return encode_manifest(document)
+    return encode_manifest(manifest_document(path, members, relative=True, order=order))
 
 
 def write_manifest(path, shards, *, relative: bool = True) -> dict:
@@ -396,7 +396,7 @@ class StagedOrder:
     final: str                 # where it goes (``P.order`` / ``BASE.order``)
     data: bytes                # the order file's bytes
     manifest: Optional[str]    # the manifest that records it (None: beside a single shard)
-    record: dict               # what that manifest records of it (``batching.serve.order_record``)
+    record: "OrderRecord"      # what that manifest records of it
     order: object = None       # the :class:`~megatron_sft_idx.batching.Order` itself (for the run's log)
 
 
