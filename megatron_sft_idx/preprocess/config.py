@@ -33,6 +33,7 @@ from ..errors import ShardError
 from ..format import PAD_LAYOUTS
 from ..packing import ALGORITHMS, DEFAULT_ALGORITHM, pad_multiple_for, padded_length, truncation_length
 from . import outputs
+from .records.encode import EncodeSettings
 from .records.partitions import DEFAULT_MAX_RECORD_BYTES, DEFAULT_PARTITION_BYTES
 
 #: Output names of the splits of ``--split`` (one to three weights), in order.
@@ -125,16 +126,9 @@ class BalanceSettings:
         Raises:
             ShardError: an unknown preset, or coefficients that are not two numbers >= 0.
         """
-        from ..batching.cost import PRESETS, CostModel
+        from ..batching.cost import CostModel
 
-        if self.cost_model in PRESETS:
-            return CostModel.from_preset(self.cost_model, pad_multiple=pad_multiple, pad_layout=pad_layout)
-        try:
-            linear, attention = (float(v) for v in self.cost_model.split(","))
-        except ValueError:
-            raise ShardError("--cost-model is a preset or LINEAR,ATTENTION", field="cost_model",
-                             expected=sorted(PRESETS) + ["LINEAR,ATTENTION"], actual=self.cost_model) from None
-        return CostModel(linear, attention, pad_multiple=pad_multiple, pad_layout=pad_layout)
+        return CostModel.parse(self.cost_model, pad_multiple=pad_multiple, pad_layout=pad_layout)
 
     def to_dict(self) -> Optional[dict]:
         """What the run key digests (None without ``balance_for``: keys of unbalanced runs are unchanged)."""
@@ -156,25 +150,15 @@ class RunSettings:
     staging_dir: Optional[str] = None    # an s3:// / msc:// output is built here, then uploaded
 
 
-@dataclass(frozen=True)
-class TokenizeSettings:
-    """How input records become the store's sequences (``preprocess-sft`` only)."""
+@dataclass(frozen=True, kw_only=True)
+class TokenizeSettings(EncodeSettings):
+    """How input records become the store's sequences (``preprocess-sft`` only): the encoding
+    settings (:class:`~megatron_sft_idx.preprocess.records.encode.EncodeSettings`, defined once
+    there: ``loss_on``, ``input_format``, the keys, the loss policies, ``vocab_size``, ...) and
+    the run's own, below. :meth:`encode_options` makes the workers' options from them."""
 
     tokenizer: Optional[str] = None
-    vocab_size: Optional[int] = None
-    loss_on: str = "assistant"
-    input_format: str = "auto"
-    prompt_key: str = "prompt"
-    completion_key: str = "completion"
-    prompt_format: str = "chat"          # chat | raw: prompt/completion strings (schemas.py)
     chat_template: Optional[str] = None  # a Jinja file, or a name of one of the tokenizer's templates
-    ignore_fields: Sequence[str] = ()    # message fields that carry nothing the model should see
-    tool_call_loss: str = "train"        # the loss policies (policy.py)
-    reasoning_loss: str = "train"
-    empty_reasoning_loss: str = "mask"
-    reasoning_tags: Sequence[str] = ("<think>", "</think>")
-    tokenizer_backend: str = "auto"      # the same bytes either way (checked): not in the store's identity
-    span_method: str = "auto"
     batch_size: int = 256
     partition_bytes: int = DEFAULT_PARTITION_BYTES
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES

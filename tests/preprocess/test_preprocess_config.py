@@ -114,6 +114,31 @@ def test_a_plan_files_settings_are_parsed_once_into_plan_settings():
         assert e.value.field == field and e.value.path == "x.plan"
 
 
+def test_the_encoding_settings_are_defined_once_and_the_workers_options_built_from_them():
+    """TokenizeSettings and EncodeOptions both extend EncodeSettings (records/encode.py): no field
+    of either restates one of it, and the options the run gives its workers carry every
+    encoding setting as given, with the resolved tokenizer, vocabulary and template."""
+    from megatron_sft_idx.preprocess.records.encode import EncodeOptions, EncodeSettings
+
+    def own(cls):
+        return {f.name for f in dataclasses.fields(cls)} - {f.name for f in dataclasses.fields(EncodeSettings)}
+
+    assert issubclass(TokenizeSettings, EncodeSettings) and issubclass(EncodeOptions, EncodeSettings)
+    assert own(TokenizeSettings) == {"tokenizer", "chat_template", "batch_size", "partition_bytes", "max_record_bytes"}
+    assert own(EncodeOptions) == {"tokenizer_path", "skip_bad", "chat_template_text"}
+    args = build_parser().parse_args(PRE + ["--loss-on", "last-turn", "--ignore-field", "id", "--prompt-format", "raw",
+                                            "--reasoning-loss", "mask", "--span-method", "prefix"])
+    tk = _config(args).tokenize
+    opts = tk.encode_options(tokenizer_path="/abs/tok", vocab_size=777, skip_bad=True, chat_template_text="{{x}}")
+    for f in dataclasses.fields(EncodeSettings):
+        if f.name != "vocab_size":
+            assert getattr(opts, f.name) == getattr(tk, f.name), f.name
+    assert (opts.vocab_size, opts.tokenizer_path, opts.skip_bad, opts.chat_template_text) == (777, "/abs/tok", True,
+                                                                                              "{{x}}")
+    assert opts.ignore_fields == ("id",) and hash(opts)   # a dict key of the workers' encoders
+    assert TokenizeSettings(ignore_fields=["id"]).ignore_fields == ("id",)
+
+
 def test_the_modules_of_before_keep_their_names():
     from megatron_sft_idx.preprocess import cli, config, driver, pipeline, plan, repack
 
