@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import resource
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Dict, List, Optional
@@ -95,6 +96,9 @@ def build_summary(store: SequenceStore, job: PackJob, result: PackResult) -> dic
     }
     if result.orders:   # (summaries of runs without --balance-for are unchanged)
         out["orders"] = list(result.orders)
+    if store.tokenizer_path:   # where the tokenizer was found: inspect-idx --pack looks there first
+        path = store.tokenizer_path
+        out["tokenizer_path"] = path if "://" in path else os.path.abspath(path)
     return out
 
 
@@ -155,6 +159,7 @@ def check_summary(doc) -> None:
         shards = split.list("shards")
         if not shards or not all(isinstance(x, str) for x in shards):
             raise split.fail("must be a non-empty list of strings", "shards")
+    doc.str("tokenizer_path", default=None)
     for key in ("empty_splits", "manifests", "orders"):
         if not all(isinstance(x, str) for x in doc.list(key, default=None) or []):
             raise doc.fail("must be a list of strings", key)
