@@ -97,7 +97,8 @@ def resolve_order(spec: OrderSpec, data_path: Optional[str] = None) -> Optional[
         raise ShardError("no balanced order beside the data (looked for this file)", path=path,
                          field="pack_order_file",
                          hint="write one with preprocess-sft/repack-sft --balance-for or plan-batches --out, "
-                              "or name the order file")
+                              "or name the order file; a split smaller than one global batch gets none (it "
+                              "has no step to balance: the run's summary names it): train it without one")
     record = _manifest_record(data_path) if data_path.endswith(".json") else None
     order = Order.from_bytes(data, path)   # (its own CRCs: a corrupt or truncated file is refused here)
     if record is not None and (record.size != len(data) or record.crc32 != zlib.crc32(data)):

@@ -199,6 +199,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ShardError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 1 if exc.path else 2
+    if args.out and len(source) < topology.global_batch_size:   # an order with no step: nothing to write
+        print(f"{PROG}: error: {len(source):,} packs, fewer than one global batch of {topology.global_batch_size:,} "
+              f"({topology.describe()}): an order would hold no step; no order written (train this data "
+              "without one, or balance for a smaller global batch)", file=sys.stderr)
+        return 2
     try:
         costs = shard_pack_costs(source, model)
         order = plan_order(costs, topology, model, seed=args.balance_seed, epochs=args.balance_epochs,

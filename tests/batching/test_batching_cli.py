@@ -83,6 +83,15 @@ def test_one_spelling_per_setting_and_the_old_ones_as_aliases(shards, tmp_path, 
     assert "DP,MBS,GBS" in capsys.readouterr().err
 
 
+def test_an_order_with_no_step_is_not_written(shards, tmp_path, capsys):
+    """70 packs and a global batch of 128: the report says 0 steps; --out writes nothing, saying why."""
+    out = tmp_path / "none.order"
+    assert main([str(shards / "a"), "--balance-for", "2,1,128", "--out", str(out)]) == 2
+    assert "70 packs, fewer than one global batch of 128" in capsys.readouterr().err and not out.exists()
+    assert main([str(shards / "a"), "--balance-for", "2,1,128", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["balanced"]["steps"] == 0
+
+
 def test_linear_without_attention_is_a_usage_error(shards):
     with pytest.raises(SystemExit) as exc:
         main([str(shards / "a"), "--dp", "2", "--global-batch-size", "4", "--linear", "1"])
