@@ -36,7 +36,7 @@ from .fast_tokenizer import FastTokenizer
 from .inputs import parse_record
 from .policy import LossPolicy, trained_turns
 from .rendering import check_rendered
-from .shapes import REASONING_TAGS, SchemaOptions
+from .shapes import SchemaOptions
 from .spans import SpanLocator
 
 SAMPLE_EVERY = 256
@@ -57,10 +57,10 @@ class EncodeSettings:
     completion_key: str = "completion"
     prompt_format: str = "chat"           # chat | raw: prompt/completion strings (shapes.py)
     ignore_fields: Tuple[str, ...] = ()   # message fields that carry nothing the model should see
-    tool_call_loss: str = "train"         # the loss policies (policy.py)
-    reasoning_loss: str = "train"
-    empty_reasoning_loss: str = "mask"
-    reasoning_tags: Tuple[str, str] = REASONING_TAGS
+    tool_call_loss: str = LossPolicy.tool_calls         # the loss policies (policy.py), its defaults
+    reasoning_loss: str = LossPolicy.reasoning
+    empty_reasoning_loss: str = LossPolicy.empty_reasoning
+    reasoning_tags: Tuple[str, str] = LossPolicy.tags
     tokenizer_backend: str = "auto"   # auto | gigatoken | hf (fast_tokenizer): the same bytes either way
     span_method: str = "auto"         # auto (one render, proven) | prefix (reference): the same bytes
 
@@ -109,7 +109,7 @@ class EncodeOptions(EncodeSettings):
         policy = self.policy.to_dict()
         if policy:
             out["loss_policy"] = policy
-        if self.prompt_format != "chat":
+        if self.prompt_format != EncodeSettings.prompt_format:
             out["prompt_format"] = self.prompt_format
         if self.ignore_fields:
             out["ignore_fields"] = sorted(self.ignore_fields)
@@ -119,11 +119,13 @@ class EncodeOptions(EncodeSettings):
 def encoding_of(encode: dict) -> Tuple[SchemaOptions, LossPolicy]:
     """The schema options and loss policy a store's ``identity["encode"]`` records (defaults absent)."""
     policy = encode.get("loss_policy") or {}
-    tags = tuple(policy.get("reasoning_tags", REASONING_TAGS))
-    schema = SchemaOptions(encode["prompt_key"], encode["completion_key"], encode.get("prompt_format", "chat"),
-                           tuple(encode.get("ignore_fields", ())), tags)
-    return schema, LossPolicy(policy.get("tool_calls", "train"), policy.get("reasoning", "train"),
-                              policy.get("empty_reasoning", "mask"), tags)
+    tags = tuple(policy.get("reasoning_tags", LossPolicy.tags))
+    schema = SchemaOptions(encode["prompt_key"], encode["completion_key"],
+                           encode.get("prompt_format", EncodeSettings.prompt_format),
+                           tuple(encode.get("ignore_fields", EncodeSettings.ignore_fields)), tags)
+    return schema, LossPolicy(policy.get("tool_calls", LossPolicy.tool_calls),
+                              policy.get("reasoning", LossPolicy.reasoning),
+                              policy.get("empty_reasoning", LossPolicy.empty_reasoning), tags)
 
 
 @dataclass
