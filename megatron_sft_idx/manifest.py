@@ -32,8 +32,10 @@ the field, e.g. ``shards[3].summary.token_count``):
   (checked here when every entry has an identity; else by the reader once it has opened them).
 
 Unknown keys are ignored, as in shard metadata. A set written with a balanced pack order records
-it under ``"order"`` (:func:`megatron_sft_idx.batching.serve.order_record`; docs/FORMAT.md): read by
-the adapters' ``"auto"`` order, ignored here.
+it under ``"order"`` (docs/FORMAT.md): an :class:`OrderRecord` -- the order file's name (relative
+to the manifest), size and CRC-32, and the seed, epochs, topology, cost model and exchange window
+it was planned with -- written and parsed here only (``Manifest.order``; None when the set has no
+order), checked by the adapters' ``"auto"`` order and carried by a promotion.
 
 A manifest is parsed from its bytes (:func:`parse_manifest`), wherever they came from: a local
 file or an object (:func:`load_manifest` reads either, at most :data:`MAX_MANIFEST_BYTES`). It is
@@ -48,7 +50,7 @@ from __future__ import annotations
 import json
 import os
 import posixpath
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .errors import MetadataError, ShardError, ShardNotFoundError
@@ -57,7 +59,7 @@ from .packed import PackSummary, summarize
 from .sets import ShardIdentity, require_compatible, require_whole_sets
 from .storage._url import ObjectURL, is_remote, join_url
 
-__all__ = ["Manifest", "parse_manifest", "missing_entry", "open_entry", "require_entries_present", "load_manifest", "read_manifest", "is_manifest", "check_manifest_set",
+__all__ = ["Manifest", "OrderRecord", "ORDER_KEY", "parse_manifest", "missing_entry", "open_entry", "require_entries_present", "load_manifest", "read_manifest", "is_manifest", "check_manifest_set",
            "manifest_entry", "manifest_document", "encode_manifest", "listed_prefix", "MANIFEST_FORMAT", "MANIFEST_VERSION",
            "MAX_MANIFEST_BYTES", "MANIFEST_SUFFIX"]
 
@@ -70,16 +72,61 @@ MAX_MANIFEST_BYTES = 64 << 20
 _REWRITE = "rewrite it with write-sft-manifest (or rerun the run that wrote it)"
 
 
+#: The key under which a manifest records its set's balanced order.
+ORDER_KEY = "order"
+
+
+@dataclass(frozen=True)
+class OrderRecord:
+    """What a manifest records of its set's balanced order (``"order"``): the file (``file``,
+    relative to the manifest; ``size`` bytes; ``crc32`` of its bytes) and what it was planned
+    with (``topology`` and ``cost_model`` as their ``to_dict()``, parsed by ``batching``)."""
+
+    file: str
+    size: int
+    crc32: int
+    seed: int
+    epochs: int
+    first_epoch: int
+    topology: Dict[str, Any]
+    cost_model: Dict[str, Any]
+    exchange_window: int
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, obj: Any, path: str) -> "OrderRecord":
+        """The record ``obj`` (a manifest's ``"order"``) of the manifest ``path``.
+
+        Raises:
+            ShardError: not an object, or a field missing, mistyped or out of range (naming
+                ``order.<field>``).
+        """
+        from .jsondoc import Doc
+
+        doc = Doc(obj, path, ORDER_KEY, error=ShardError)
+        name = doc.str("file")
+        if not name or "/" in name or "\0" in name:
+            raise doc.fail("must be a file name beside the manifest", "file", actual=name)
+        return cls(file=name, size=doc.int("size", lo=1), crc32=doc.int("crc32", lo=0, hi=0xFFFFFFFF),
+                   seed=doc.int("seed"), epochs=doc.int("epochs", lo=1), first_epoch=doc.int("first_epoch", lo=0),
+                   topology=doc.doc("topology").obj, cost_model=doc.doc("cost_model").obj,
+                   exchange_window=doc.int("exchange_window", lo=1))
+
+
 @dataclass
 class Manifest:
     """A parsed manifest: per shard its prefix (resolved), pack count, summary and identity
-    (None for entries of a manifest written before identities were recorded)."""
+    (None for entries of a manifest written before identities were recorded); the set's
+    balanced ``order`` record, if it has one."""
 
     path: str
     prefixes: List[str]
     counts: List[int]
     summaries: List[PackSummary]
     identities: List[Optional[ShardIdentity]]
+    order: Optional[OrderRecord] = None
 
 
 def is_manifest(path: str) -> bool:
@@ -155,6 +202,8 @@ def parse_manifest(raw: bytes, location: str, *, named: Optional[str] = None) ->
     if not isinstance(shards, list) or not shards:
         raise _fail(path, "shards", "lists no shards", actual=type(shards).__name__)
     out = Manifest(path, [], [], [], [])
+    if obj.get(ORDER_KEY) is not None:
+        out.order = OrderRecord.from_dict(obj[ORDER_KEY], path)
     seen = {}
     for k, entry in enumerate(shards):
         prefix, packs, summary, identity = _entry(path, k, entry)
@@ -330,10 +379,12 @@ def manifest_entry(listed: str, shard) -> Dict[str, Any]:
             "identity": ShardIdentity.of(shard.metadata).to_dict()}
 
 
-def manifest_document(path: str, members: Sequence[Tuple[str, Any]], *, relative: bool = True) -> Dict[str, Any]:
+def manifest_document(path: str, members: Sequence[Tuple[str, Any]], *, relative: bool = True,
+                      order: Optional[OrderRecord] = None) -> Dict[str, Any]:
     """The manifest at ``path`` listing ``members`` (``(prefix, opened shard)``, in order), after
     checking that the shards agree and form whole sets: a manifest a reader would refuse is
-    never written. ``relative``: list prefixes relative to the manifest (:func:`listed_prefix`).
+    never written. ``relative``: list prefixes relative to the manifest (:func:`listed_prefix`);
+    ``order``: the set's balanced order, recorded.
 
     Raises:
         IncompatibleShardsError, ShardSetError: the shards cannot be read as one set.
@@ -342,7 +393,10 @@ def manifest_document(path: str, members: Sequence[Tuple[str, Any]], *, relative
     require_compatible(identities)
     require_whole_sets([(p, i.shard_set) for p, i in identities], source=path, selected_by="manifest")
     entries = [manifest_entry(listed_prefix(p, path, relative), shard) for p, shard in members]
-    return {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "shards": entries}
+    document = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "shards": entries}
+    if order is not None:
+        document[ORDER_KEY] = order.to_dict()
+    return document
 
 
 def encode_manifest(document: Dict[str, Any]) -> bytes:

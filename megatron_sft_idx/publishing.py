@@ -47,7 +47,7 @@ from __future__ import annotations
 import os
 import shutil
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from . import _atomic
 from ._crc import crc32
@@ -55,6 +55,9 @@ from .errors import RemoteStorageError, ShardError, ShardExistsError, ShardNotFo
 from .format import (ALL_SUFFIXES, IDX_HEADER_SIZE, IDX_SUFFIX, PUBLISH_ORDER, SEQ_IDX_HEADER_SIZE,
                      SEQ_IDX_SUFFIX, SeqIdxHeader)
 from .storage.destination import Destination, Expect, LocalDestination, destination_for
+
+if TYPE_CHECKING:
+    from .manifest import OrderRecord
 
 __all__ = ["commit_shard", "commit_staged", "remove_shard",
            "existing_shard", "refuse_existing", "upload_shard", "publish_shard", "publish", "local_files",
@@ -291,10 +294,10 @@ def publish(source: Union[str, Sequence[str]], dest, *, replace: bool = False, l
     return targets
 
 
-def manifest_bytes(path: str, shards: Sequence[Tuple[str, str]], order: Optional[dict] = None) -> bytes:
+def manifest_bytes(path: str, shards: Sequence[Tuple[str, str]], order: Optional["OrderRecord"] = None) -> bytes:
     """The manifest ``path`` (local or a URL) of published shards ``(final, local copy)``: entries
     from the local copies' headers, prefixes as the finals relative to the manifest; ``order``
-    (:func:`megatron_sft_idx.batching.serve.order_record`) recorded under ``"order"``.
+    (a :class:`megatron_sft_idx.manifest.OrderRecord`) recorded.
 
     Raises:
         ShardError: a local copy does not open; IncompatibleShardsError, ShardSetError: the
@@ -304,10 +307,7 @@ def manifest_bytes(path: str, shards: Sequence[Tuple[str, str]], order: Optional
     from .reader import MMapIndexedDataset
 
     members = [(final, MMapIndexedDataset(local)) for final, local in shards]
-    document = manifest_document(path, members, relative=True)
-    if order is not None:
-        document["order"] = order
-    return encode_manifest(document)
+    return encode_manifest(manifest_document(path, members, relative=True, order=order))
 
 
 def write_manifest(path, shards, *, relative: bool = True) -> dict:
@@ -521,7 +521,7 @@ class StagedOrder:
     final: str                 # where it goes (``P.order`` / ``BASE.order``)
     data: bytes                # the order file's bytes
     manifest: Optional[str]    # the manifest that records it (None: beside a single shard)
-    record: dict               # what that manifest records of it (``batching.serve.order_record``)
+    record: "OrderRecord"      # what that manifest records of it
     order: object = None       # the :class:`~megatron_sft_idx.batching.Order` itself (for the run's log)
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Balance packed shards for a training topology:
-``tools/plan_batches.py SHARD... --dp N --global-batch-size G [--out X.order] [--plot X.png]``.
+``tools/plan_batches.py SHARD... --balance-for DP,MBS,GBS [--out X.order] [--plot X.png]``.
 
 Thin wrapper; the CLI lives in :mod:`megatron_sft_idx.tools.plan_batches_cli` (console script ``plan-batches``).
 """

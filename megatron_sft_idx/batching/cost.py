@@ -176,6 +176,24 @@ class CostModel:
                    pad_multiple=int(pad_multiple), pad_layout=pad_layout, name=name)
 
     @classmethod
+    def parse(cls, spec: str, **options) -> "CostModel":
+        """The cost model ``--cost-model`` names: a :data:`PRESETS` name (:meth:`from_preset`, with
+        ``recompute``), or ``"LINEAR,ATTENTION"`` FLOP coefficients; ``pad_*`` as there.
+
+        Raises:
+            ShardError: an unknown preset, or coefficients that are not two numbers (> 0, >= 0).
+        """
+        if spec in PRESETS:
+            return cls.from_preset(spec, **options)
+        try:
+            linear, attention = (float(v) for v in spec.split(","))
+        except ValueError:
+            raise ShardError("--cost-model is a preset or LINEAR,ATTENTION", field="cost_model",
+                             expected=sorted(PRESETS) + ["LINEAR,ATTENTION"], actual=spec) from None
+        options.pop("recompute", None)   # (coefficients given: they already say what a step costs)
+        return cls(linear, attention, **options)
+
+    @classmethod
     def from_preset(cls, preset: str, **options) -> "CostModel":
         """:meth:`from_shape` of a :data:`PRESETS` entry (``recompute``, ``pad_*`` as there).
 

@@ -68,6 +68,22 @@ class Topology:
                              field="global_batch_size", expected=f"a multiple of {group}",
                              actual=self.global_batch_size, hint="Megatron refuses such a batch too")
 
+    @classmethod
+    def parse(cls, text: str) -> "Topology":
+        """The topology ``--balance-for`` spells ``"DP,MBS,GBS"``.
+
+        Raises:
+            ShardError: not three integers, or not a consistent topology (see the class).
+        """
+        try:
+            values = tuple(int(v) for v in text.split(","))
+        except ValueError:
+            values = ()
+        if len(values) != 3:
+            raise ShardError(f"expected DP,MBS,GBS (three positive integers), not {text!r}", field="balance_for",
+                             actual=text)
+        return cls(*values)
+
     @property
     def num_microbatches(self) -> int:
         return self.global_batch_size // (self.micro_batch_size * self.data_parallel_size)

@@ -27,7 +27,7 @@ from typing import Optional, Union
 
 from ..errors import ShardError
 from ..format import ORDER_SUFFIX
-from ..manifest import MAX_MANIFEST_BYTES
+from ..manifest import MAX_MANIFEST_BYTES, ORDER_KEY, OrderRecord, parse_manifest
 from .layout import Topology
 from .order import MAX_ORDER_BYTES, Order, read_file
 
@@ -38,8 +38,8 @@ __all__ = ["ORDER_SUFFIX", "MANIFEST_KEY", "AUTO", "order_path_for", "resolve_or
 class OrderRecordWarning(UserWarning):
     """The order beside a manifest is not the one the manifest records (it was re-planned)."""
 
-#: The key under which a manifest records the set's order.
-MANIFEST_KEY = "order"
+#: The key under which a manifest records the set's order (:class:`~megatron_sft_idx.manifest.OrderRecord`).
+MANIFEST_KEY = ORDER_KEY
 #: The order spec that means "the order file beside the data path".
 AUTO = "auto"
 
@@ -54,23 +54,22 @@ def order_path_for(data_path: str) -> str:
     return data_path + ORDER_SUFFIX
 
 
-def order_record(order: Order, name: str, size: int) -> dict:
+def order_record(order: Order, name: str, size: int) -> OrderRecord:
     """What a manifest records of its set's order (``name`` relative to the manifest)."""
-    return {"file": name, "size": int(size), "crc32": int(order.file_crc32), "seed": int(order.seed),
-            "epochs": order.epochs, "first_epoch": order.first_epoch, "topology": order.topology.to_dict(),
-            "cost_model": order.cost_model.to_dict(), "exchange_window": int(order.exchange_window)}
+    return OrderRecord(file=name, size=int(size), crc32=int(order.file_crc32), seed=int(order.seed),
+                       epochs=int(order.epochs), first_epoch=int(order.first_epoch),
+                       topology=order.topology.to_dict(), cost_model=order.cost_model.to_dict(),
+                       exchange_window=int(order.exchange_window))
 
 
-def _manifest_record(manifest: str) -> Optional[dict]:
-    import json
-
+def _manifest_record(manifest: str) -> Optional[OrderRecord]:
     try:
         data = read_file(manifest, MAX_MANIFEST_BYTES, "manifest")
-        doc = json.loads(data.decode("utf-8")) if data is not None else None
-    except (ShardError, UnicodeDecodeError, ValueError):
+        if data is None:
+            return None
+        return parse_manifest(data, manifest).order
+    except ShardError:
         return None   # the reader of the data refuses a bad manifest, naming it
-    record = doc.get(MANIFEST_KEY) if isinstance(doc, dict) else None
-    return record if isinstance(record, dict) else None
 
 
 def resolve_order(spec: OrderSpec, data_path: Optional[str] = None) -> Optional[Order]:
@@ -98,14 +97,15 @@ def resolve_order(spec: OrderSpec, data_path: Optional[str] = None) -> Optional[
         raise ShardError("no balanced order beside the data (looked for this file)", path=path,
                          field="pack_order_file",
                          hint="write one with preprocess-sft/repack-sft --balance-for or plan-batches --out, "
-                              "or name the order file")
+                              "or name the order file; a split smaller than one global batch gets none (it "
+                              "has no step to balance: the run's summary names it): train it without one")
     record = _manifest_record(data_path) if data_path.endswith(".json") else None
     order = Order.from_bytes(data, path)   # (its own CRCs: a corrupt or truncated file is refused here)
-    if record is not None and (record.get("size") != len(data) or record.get("crc32") != zlib.crc32(data)):
+    if record is not None and (record.size != len(data) or record.crc32 != zlib.crc32(data)):
         import warnings
 
         warnings.warn(f"{path}: not the order {data_path} records (CRC-32 {zlib.crc32(data)}, recorded "
-                      f"{record.get('crc32')}): it was re-planned since; it is served once its seed and pack "
+                      f"{record.crc32}): it was re-planned since; it is served once its seed and pack "
                       "costs check against the data", OrderRecordWarning, stacklevel=2)
     return order
 

@@ -57,8 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after a pass, move the five files into directory DEST atomically (.idx last); "
                         "DEST may be s3://bucket/dir or msc://profile/dir (uploaded, .idx last)")
     p.add_argument("--link", action="store_true", help="with --promote: hard-link instead of moving")
-    p.add_argument("--replace", action="store_true",
-                   help="with --promote: replace a shard of the same name at DEST (its .idx goes first)")
+    p.add_argument("--overwrite", "--replace", dest="overwrite", action="store_true",
+                   help="with --promote: replace a shard of the same name at DEST (its .idx goes first; "
+                        "--replace is another name of it)")
     return p
 
 
@@ -79,7 +80,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                            allow_pretrain=args.allow_pretrain, sample=args.sample, workers=args.workers)
             raise_if_signalled()
             if args.promote is not None and report.exit_code != EXIT_USAGE:
-                promote_report(report, args.promote, link=args.link, replace=args.replace, inputs=args.prefixes)
+                promote_report(report, args.promote, link=args.link, replace=args.overwrite, inputs=args.prefixes)
             raise_if_signalled()
     except ShardError as exc:
         print(f"check-idx: error: {exc}", file=sys.stderr)
@@ -102,8 +103,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _usage_problem(args) -> Optional[str]:
-    if (args.link or args.replace) and args.promote is None:
-        return "--link and --replace need --promote DEST"
+    if (args.link or args.overwrite) and args.promote is None:
+        return "--link and --overwrite need --promote DEST"
     if args.link and not destination_for(args.promote).moves:
         return "--link needs a local destination (hard links cannot point into object storage); drop --link to upload"
     if args.workers < 1:

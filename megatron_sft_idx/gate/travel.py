@@ -33,7 +33,6 @@ shards in its directory: it might list them.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import zlib
@@ -43,7 +42,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from .. import publishing
 from ..errors import ShardError
 from ..format import ALL_SUFFIXES, ORDER_SUFFIX
-from ..manifest import MANIFEST_SUFFIX, MAX_MANIFEST_BYTES, MANIFEST_FORMAT, parse_manifest
+from ..manifest import MANIFEST_SUFFIX, MAX_MANIFEST_BYTES, MANIFEST_FORMAT, OrderRecord, parse_manifest
 from ..storage.destination import Destination, LocalDestination
 from .report import Report, ShardReport, make_finding
 
@@ -59,7 +58,7 @@ class Travelling:
     source: str
     listed: List[str]
     dest: str
-    record: Optional[dict] = None   # the manifest's "order" record, kept when its order travels
+    record: Optional[OrderRecord] = None   # the manifest's order record, kept when its order travels
     order: Optional[str] = None     # the balanced order beside it (BASE.order), if any
     order_dest: str = ""            # where an order beside it goes (or an old one is removed, --replace)
     order_bytes: bytes = b""        # the order, read and verified before anything moves
@@ -99,8 +98,7 @@ def _read(path: str):
     except OSError as exc:
         raise ShardError(f"cannot read the manifest beside the shard ({exc.strerror or exc})", path=path) from None
     m = parse_manifest(raw, os.path.abspath(path), named=path)
-    record = json.loads(raw.decode("utf-8")).get("order")   # parsed above: valid JSON, an object
-    return [_key(p) if os.path.isabs(p) else p for p in m.prefixes], record if isinstance(record, dict) else None
+    return [_key(p) if os.path.isabs(p) else p for p in m.prefixes], m.order
 
 
 def plan(shards: Sequence[ShardReport], dest: str, destination: Destination, *, replace: bool,
@@ -202,7 +200,7 @@ def _travelling_order(m: Travelling) -> Optional[str]:
     why it cannot travel, or None."""
     if m.order is None:
         if m.record is not None:
-            return (f"manifest {m.source} records the balanced order {m.record.get('file')!r}, which is not "
+            return (f"manifest {m.source} records the balanced order {m.record.file!r}, which is not "
                     "beside it: promoting the manifest would point training at nothing; restore the order "
                     "(or re-plan it with plan-batches --out) and check again")
         return None
@@ -211,7 +209,7 @@ def _travelling_order(m: Travelling) -> Optional[str]:
     return why
 
 
-def _verified_order(path: str, record: Optional[dict]) -> Tuple[bytes, Optional[str]]:
+def _verified_order(path: str, record: Optional[OrderRecord]) -> Tuple[bytes, Optional[str]]:
     """``(bytes, None)`` of the balanced order at ``path`` when it is whole (its own CRC-32s) and
     is the order ``record`` (a manifest's) names; else ``(b"", why)``."""
     from ..batching.order import Order
@@ -222,9 +220,9 @@ def _verified_order(path: str, record: Optional[dict]) -> Tuple[bytes, Optional[
     except ShardError as exc:
         return b"", (f"the balanced order that travels with it is not whole: {exc}; re-plan it "
                      "(preprocess/repack --balance-for, or plan-batches --out) and check again")
-    if record is not None and (record.get("size") != len(data) or record.get("crc32") != zlib.crc32(data)):
+    if record is not None and (record.size != len(data) or record.crc32 != zlib.crc32(data)):
         return b"", (f"the balanced order {path} is not the one its manifest records (size {len(data)}, "
-                     f"CRC-32 {zlib.crc32(data)}; recorded {record.get('size')}, {record.get('crc32')}): it "
+                     f"CRC-32 {zlib.crc32(data)}; recorded {record.size}, {record.crc32}): it "
                      "was replaced or altered since; re-plan it with the run that wrote the manifest")
     return data, None
 

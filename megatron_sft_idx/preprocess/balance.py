@@ -12,12 +12,17 @@ single shard ``P``, ``BASE.order`` beside a set's ``BASE.json``
 
 The order is derived data: the shards' bytes never depend on it, and a resumed run plans it
 again from the same packs and settings (the same bytes).
+
+A split with fewer packs than one global batch gets no order: it would hold no step (the
+samplers drop an incomplete step), and an order nobody can use is not written. The run's
+summary names the split and the sizes (``orders_not_written``); its manifest records no order,
+and a trainer asked for ``"auto"`` on it refuses, naming the file it looked for.
 """
 
 from __future__ import annotations
 
 import os
-from typing import List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
@@ -27,8 +32,10 @@ from .config import PackJob
 __all__ = ["stage_orders"]
 
 
-def stage_orders(job: PackJob, shards: Sequence, located: Sequence, manifests: Sequence) -> List[StagedOrder]:
-    """The orders of a run with ``--balance-for`` (none without it), one per split.
+def stage_orders(job: PackJob, shards: Sequence, located: Sequence,
+                 manifests: Sequence) -> Tuple[List[StagedOrder], Dict[str, str]]:
+    """The orders of a run with ``--balance-for`` (none without it), one per split, and the
+    splits that get none, each with why (fewer packs than one global batch: module doc).
 
     ``shards`` are the run's :class:`~.materialize.OutputShard`\\ s (finals), ``located`` the same
     with ``staged`` where each one's files are now; ``manifests`` the staged set's
@@ -41,7 +48,7 @@ def stage_orders(job: PackJob, shards: Sequence, located: Sequence, manifests: S
     balance = job.balance
     topology = balance.topology()
     if topology is None:
-        return []
+        return [], {}
     from ..batching.balance import plan_order
     from ..batching.cost import shard_pack_costs
     from ..batching.serve import order_path_for, order_record
@@ -50,12 +57,18 @@ def stage_orders(job: PackJob, shards: Sequence, located: Sequence, manifests: S
     model = balance.model(job.settings.pad_multiple, job.settings.pad_layout)
     seed = job.pack.seed if balance.balance_seed is None else balance.balance_seed
     by_manifest = {finals: path for path, finals in manifests}
-    out = []
+    out, none = [], {}
     for split in sorted({s.split for s in shards}):
         mine = [(s.final, where.staged) for s, where in zip(shards, located) if s.split == split]
         finals = tuple(final for final, _ in mine)
         data_path = by_manifest.get(finals, finals[0])
         parts = [MMapIndexedDataset(local) for _, local in mine]
+        packs = sum(len(p) for p in parts)
+        if packs < topology.global_batch_size:
+            name = next(s.metadata["extra"]["split"] for s in shards if s.split == split)
+            none[name] = (f"{packs:,} packs, fewer than one global batch of {topology.global_batch_size:,} "
+                                  f"({topology.describe()}): no step to balance")
+            continue
         costs = np.concatenate([shard_pack_costs(p, model) for p in parts])   # the set's global pack index
         source = {"path": os.path.basename(data_path), "shards": [os.path.basename(f) for f in finals],
                   "packs": [len(p) for p in parts]}
@@ -64,4 +77,4 @@ def stage_orders(job: PackJob, shards: Sequence, located: Sequence, manifests: S
         data, final = order.to_bytes(), order_path_for(data_path)
         manifest = data_path if data_path in by_manifest.values() else None
         out.append(StagedOrder(final, data, manifest, order_record(order, os.path.basename(final), len(data)), order))
-    return out
+    return out, none

@@ -30,12 +30,18 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..errors import ShardError
-from ..packing import DEFAULT_ALGORITHM, pad_multiple_for, padded_length, truncation_length
+from ..format import PAD_LAYOUTS
+from ..packing import ALGORITHMS, DEFAULT_ALGORITHM, pad_multiple_for, padded_length, truncation_length
 from . import outputs
+from .records.encode import EncodeSettings
 from .records.partitions import DEFAULT_MAX_RECORD_BYTES, DEFAULT_PARTITION_BYTES
 
 #: Output names of the splits of ``--split`` (one to three weights), in order.
 SPLIT_NAMES = ("train", "valid", "test")
+#: What ``--overlong`` may say, and ``--truncated-turn-loss``.
+OVERLONG = ("truncate", "drop", "error")
+TRUNCATED_TURN_LOSS = ("keep", "drop")
+_INT32_MAX = (1 << 31) - 1
 
 
 @dataclass(frozen=True)
@@ -120,16 +126,9 @@ class BalanceSettings:
         Raises:
             ShardError: an unknown preset, or coefficients that are not two numbers >= 0.
         """
-        from ..batching.cost import PRESETS, CostModel
+        from ..batching.cost import CostModel
 
-        if self.cost_model in PRESETS:
-            return CostModel.from_preset(self.cost_model, pad_multiple=pad_multiple, pad_layout=pad_layout)
-        try:
-            linear, attention = (float(v) for v in self.cost_model.split(","))
-        except ValueError:
-            raise ShardError("--cost-model is a preset or LINEAR,ATTENTION", field="cost_model",
-                             expected=sorted(PRESETS) + ["LINEAR,ATTENTION"], actual=self.cost_model) from None
-        return CostModel(linear, attention, pad_multiple=pad_multiple, pad_layout=pad_layout)
+        return CostModel.parse(self.cost_model, pad_multiple=pad_multiple, pad_layout=pad_layout)
 
     def to_dict(self) -> Optional[dict]:
         """What the run key digests (None without ``balance_for``: keys of unbalanced runs are unchanged)."""
@@ -151,25 +150,15 @@ class RunSettings:
     staging_dir: Optional[str] = None    # an s3:// / msc:// output is built here, then uploaded
 
 
-@dataclass(frozen=True)
-class TokenizeSettings:
-    """How input records become the store's sequences (``preprocess-sft`` only)."""
+@dataclass(frozen=True, kw_only=True)
+class TokenizeSettings(EncodeSettings):
+    """How input records become the store's sequences (``preprocess-sft`` only): the encoding
+    settings (:class:`~megatron_sft_idx.preprocess.records.encode.EncodeSettings`, defined once
+    there: ``loss_on``, ``input_format``, the keys, the loss policies, ``vocab_size``, ...) and
+    the run's own, below. :meth:`encode_options` makes the workers' options from them."""
 
     tokenizer: Optional[str] = None
-    vocab_size: Optional[int] = None
-    loss_on: str = "assistant"
-    input_format: str = "auto"
-    prompt_key: str = "prompt"
-    completion_key: str = "completion"
-    prompt_format: str = "chat"          # chat | raw: prompt/completion strings (schemas.py)
     chat_template: Optional[str] = None  # a Jinja file, or a name of one of the tokenizer's templates
-    ignore_fields: Sequence[str] = ()    # message fields that carry nothing the model should see
-    tool_call_loss: str = "train"        # the loss policies (policy.py)
-    reasoning_loss: str = "train"
-    empty_reasoning_loss: str = "mask"
-    reasoning_tags: Sequence[str] = ("<think>", "</think>")
-    tokenizer_backend: str = "auto"      # the same bytes either way (checked): not in the store's identity
-    span_method: str = "auto"
     batch_size: int = 256
     partition_bytes: int = DEFAULT_PARTITION_BYTES
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
@@ -289,8 +278,9 @@ class PlanSettings:
     max_packs_per_shard: Optional[int]
     max_shard_bytes: Optional[int]
     itemsize: int                   # bytes per output token (for --max-shard-bytes)
-    pad_layout: str = "stored"      # which length the pad multiple applies to (packing/padding.py)
-    truncated_turn_loss: str = "keep"   # keep | drop: loss on an assistant turn cut by truncation
+    # absent from plans made before them: the given settings' defaults
+    pad_layout: str = PackSettings.pad_layout                     # which length the pad multiple applies to
+    truncated_turn_loss: str = PackSettings.truncated_turn_loss   # keep | drop: loss on a reply cut by truncation
 
     @property
     def truncate_to(self) -> int:
@@ -307,9 +297,48 @@ class PlanSettings:
     def to_dict(self) -> dict:
         out = asdict(self)
         out["split"] = list(self.split) if self.split else None
-        if self.truncated_turn_loss == "keep":  # the default: plans (and run keys) as before the flag
+        if self.truncated_turn_loss == PackSettings.truncated_turn_loss:  # plans (and run keys) as before the flag
             del out["truncated_turn_loss"]
         return out
+
+    @classmethod
+    def from_doc(cls, doc) -> "PlanSettings":
+        """The settings a plan file records (``doc``: its ``settings`` object, a
+        :class:`~megatron_sft_idx.jsondoc.Doc`), each of its type and range; a key absent from
+        an older plan is its default here (the one place defaults are stated: the fields above).
+
+        Raises:
+            ShardError (the ``doc``'s error class): a value of the wrong type or out of range,
+                naming the plan file and the field (``settings.pad_multiple``).
+        """
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+
+        def kw(name: str) -> dict:
+            default = fields[name].default
+            return {} if default is dataclasses.MISSING else {"default": default}
+
+        pack_size = doc.int("pack_size", lo=1, hi=_INT32_MAX)
+        split = doc.list("split", none=True)
+        if split is not None:
+            if not 1 <= len(split) <= len(SPLIT_NAMES):
+                raise doc.fail("has the wrong length", "split", expected=f"1..{len(SPLIT_NAMES)}", actual=len(split))
+            for k, w in enumerate(split):
+                if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0:
+                    raise doc.fail("must be a weight > 0", f"split[{k}]", actual=w)
+        return cls(
+            pack_size=pack_size,
+            pad_multiple=doc.int("pad_multiple", lo=1, hi=pack_size),
+            algorithm=doc.str("algorithm", choices=ALGORITHMS),
+            seed=doc.int("seed"),
+            split=tuple(split) if split else None,
+            overlong=doc.str("overlong", choices=OVERLONG),
+            skip_bad=doc.bool("skip_bad"),
+            max_packs_per_shard=doc.int("max_packs_per_shard", lo=1, none=True),
+            max_shard_bytes=doc.int("max_shard_bytes", lo=1, none=True),
+            itemsize=doc.int("itemsize", lo=1, hi=8),
+            pad_layout=doc.str("pad_layout", choices=PAD_LAYOUTS, **kw("pad_layout")),
+            truncated_turn_loss=doc.str("truncated_turn_loss", choices=TRUNCATED_TURN_LOSS,
+                                        **kw("truncated_turn_loss")))
 
 
 def check_pad_id(pad_id: Optional[int], vocab: Optional[int]) -> int:
@@ -365,4 +394,4 @@ class PackJob:
 
 
 __all__ = ["PackSettings", "BalanceSettings", "RunSettings", "TokenizeSettings", "Config", "RepackConfig", "PlanSettings",
-           "PackJob", "check_pad_id", "SPLIT_NAMES"]
+           "PackJob", "check_pad_id", "SPLIT_NAMES", "OVERLONG", "TRUNCATED_TURN_LOSS"]

@@ -204,6 +204,7 @@ class _Run:
         self.owned: List[str] = []       # final files an earlier attempt of this run published
         self.replaced: List[str] = []    # existing outputs --overwrite replaces
         self.summary: Optional[dict] = None
+        self.orders_not_written: Dict[str, str] = {}   # split -> why (--balance-for: stage_orders)
 
     def finished(self, prove: Optional[Callable[[dict], None]] = None) -> Optional[dict]:
         """With ``--resume``, the summary of this run if it already finished and nothing changed
@@ -382,6 +383,7 @@ class _Run:
         result.verify, result.gate = checked["verify"], checked["gate"]
         staged = self._balance(staged, shards, located)
         result.orders = [o.final for o in staged.orders]
+        result.orders_not_written = dict(self.orders_not_written)
         written = self._publish(staged, published, books)
         self._commit(store, build_summary(store, self.job, result), staged, result.shards, written)
 
@@ -456,14 +458,12 @@ class _Run:
         if self.job.balance.balance_for is None:
             return staged
         t = time.perf_counter()
-        orders = stage_orders(self.job, shards, located, staged.manifests)
+        orders, self.orders_not_written = stage_orders(self.job, shards, located, staged.manifests)
         self.times["balance"] = time.perf_counter() - t
+        for split, why in self.orders_not_written.items():
+            log.warning("balance: no order for split %s: %s", split, why)
         for o in orders:
             before, after = o.order.stats["shuffle"], o.order.stats["balanced"]
-            if not after.get("steps"):
-                log.warning("balance: %s holds fewer packs than one global batch of %s: nothing to balance",
-                            o.final, o.order.topology.describe())
-                continue
             log.info("balance: %s for %s, predicted straggler overhead %.2f %% -> %.2f %% (mean)", o.final,
                      o.order.topology.describe(), 100 * before["mean"], 100 * after["mean"])
         return replace(staged, orders=tuple(orders))

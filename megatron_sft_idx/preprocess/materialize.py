@@ -72,14 +72,14 @@ class MaterializeStep:
         out = self.shards[unit]
         store = SequenceStore(self.store_dir)
         plan = PackPlan(self.plan_path)
-        settings = plan.metadata["settings"]
-        gather = Gatherer(store, settings["pack_size"], settings["pad_multiple"], self.pad_id,
-                          settings.get("pad_layout", "stored"), settings.get("truncated_turn_loss", "keep"))
+        settings = plan.settings
+        gather = Gatherer(store, settings.pack_size, settings.pad_multiple, self.pad_id, settings.pad_layout,
+                          settings.truncated_turn_loss)
         arrays = plan.arrays(out.split)
         first, last = int(arrays["shard_starts"][out.shard]), int(arrays["shard_starts"][out.shard + 1])
         try:
             with IndexedDatasetBuilder(out.staged, overwrite=True, vocab_size=self.vocab_size,
-                                       pack_size=settings["pack_size"], metadata=out.metadata) as builder:
+                                       pack_size=settings.pack_size, metadata=out.metadata) as builder:
                 for b0, b1 in chunks(arrays["pack_offsets"], arrays["pack_loads"], first, last):
                     ids, mask, starts, ends = gather.packs(arrays, b0, b1)
                     for k in range(b1 - b0):

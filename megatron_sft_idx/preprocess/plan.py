@@ -322,7 +322,7 @@ def resumed_plan(book: ReceiptBook, path: str, store: SequenceStore, settings: P
         recorded = {k: v for k, v in receipt.items() if k not in _RECEIPT_KEYS}
         if normal_json(plan_summary(plan.metadata)) != normal_json(recorded):
             raise HeaderError("the plan receipt disagrees with the plan file", path=book.path(0), field="splits")
-        if normal_json(plan.metadata["settings"]) != normal_json(settings.to_dict()):
+        if plan.settings != settings:
             raise HeaderError("the plan was made with other settings", path=path, field="settings")
         plan.validate(store)
     except ShardError as exc:

@@ -25,16 +25,15 @@ from .. import _atomic
 from .._container import ALIGN as _ALIGN
 from .._container import HEADER, HEADER_SIZE, Kind  # (HEADER: the container's layout, named here too)
 from ..errors import HeaderError, ShardError
-from ..metadata import PAD_LAYOUTS, parse_json
-from ..packing import ALGORITHMS
 from ..jsondoc import HEX, Doc, check_int
+from ..metadata import parse_json
+from .config import PlanSettings
 
 PLAN_MAGIC = b"MSFTPLN\x00"
 PLAN_VERSION = (1, 0)
 PLAN_FORMAT = "megatron_sft_idx.plan"
 _KIND = Kind(PLAN_MAGIC, PLAN_VERSION, "plan", "a plan", "a pack plan", "re-plan with this version")
 _DTYPES = {"int32": np.dtype("<i4"), "int64": np.dtype("<i8")}
-_INT32_MAX = (1 << 31) - 1
 _VALIDATE_PACKS = 1 << 18   # packs whose sequence ids are checked at once
 SPLIT_NAMES = ("train", "valid", "test", "all")
 
@@ -93,7 +92,9 @@ class PlanWriter:
 
 
 class PackPlan:
-    """A plan file opened for reading: ``metadata`` and the arrays of each split (mapped).
+    """A plan file opened for reading: ``metadata``, its ``settings`` (a
+    :class:`~megatron_sft_idx.preprocess.config.PlanSettings`, parsed once at open) and the arrays
+    of each split (mapped).
 
     Opening checks the header, the body CRC-32 (``verify``) and the metadata as strictly as a
     shard header: every key the tools read, its type and range, and every array inside the
@@ -148,15 +149,8 @@ class PackPlan:
     def _check_metadata(self) -> None:
         """Types, ranges and cross-references of the metadata; the arrays located and sized."""
         doc = Doc(self.metadata, self.path, error=HeaderError)
-        settings = doc.doc("settings")
-        pack_size = settings.int("pack_size", lo=1, hi=_INT32_MAX)
-        settings.int("pad_multiple", lo=1, hi=pack_size)
-        settings.str("algorithm", choices=ALGORITHMS)
-        settings.int("seed")
-        settings.str("overlong", choices=("truncate", "drop", "error"))
-        settings.str("pad_layout", choices=PAD_LAYOUTS, default="stored")
-        settings.str("truncated_turn_loss", choices=("keep", "drop"), default="keep")
-        settings.int("itemsize", lo=1, hi=8)
+        self.settings = PlanSettings.from_doc(doc.doc("settings"))
+        pack_size = self.settings.pack_size
         store = doc.doc("store")
         store.str("store_id", pattern=HEX[32])
         sequences = store.int("sequences", lo=0)
@@ -247,23 +241,20 @@ class PackPlan:
 
     def _store_lengths(self, store) -> np.ndarray:
         """Padded, cut length of every store sequence, or -1 for one the settings drop."""
-        from ..packing import padded_length, truncation_length
-
-        meta, s = self.metadata, self.metadata["settings"]
+        meta, s = self.metadata, self.settings
         if meta["store"]["store_id"] != store.store_id or meta["store"]["sequences"] != store.sequence_count:
             raise HeaderError("the plan was made from another sequence store", path=self.path, field="store",
                               expected=[store.store_id, store.sequence_count],
                               actual=[meta["store"]["store_id"], meta["store"]["sequences"]])
-        layout = s.get("pad_layout", "stored")
-        trunc = truncation_length(s["pack_size"], s["pad_multiple"], layout)
+        trunc = s.truncate_to
         out = np.empty(store.sequence_count, dtype=np.int32)
         at = 0
         for k in range(len(store.partitions)):
             rows = store.rows(k)
             full = rows["length"].astype(np.int64)
-            cut = padded_length(np.minimum(full, trunc), s["pad_multiple"], layout)
-            over = padded_length(full, s["pad_multiple"], layout) > s["pack_size"]
-            drop = over if s["overlong"] != "truncate" else over & (rows["first_trained"] >= trunc - 1)
+            cut = s.padded(np.minimum(full, trunc))
+            over = s.padded(full) > s.pack_size
+            drop = over if s.overlong != "truncate" else over & (rows["first_trained"] >= trunc - 1)
             out[at:at + rows.size] = np.where(drop, -1, cut)
             at += rows.size
         return out
@@ -274,7 +265,7 @@ class PackPlan:
         for name, arr, end in (("shard_starts", starts, split["packs"]), ("pack_offsets", offsets, ids.size)):
             if arr[0] != 0 or arr[-1] != end or (np.diff(arr) <= 0).any():
                 raise self._fail(i, name, f"must rise strictly from 0 to {end}")
-        pack_size = self.metadata["settings"]["pack_size"]
+        pack_size = self.settings.pack_size
         if loads.min() < 1 or loads.max() > pack_size:
             raise self._fail(i, "pack_loads", f"every load must be in [1, {pack_size}]",
                              actual=[int(loads.min()), int(loads.max())])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import resource
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Dict, List, Optional
@@ -25,6 +26,7 @@ class PackResult:
     engine: dict = field(default_factory=dict)                # the engine's description
     kept_store: Optional[str] = None    # the --store directory (kept for repack-sft), if any
     orders: List[str] = field(default_factory=list)      # balanced pack orders written (--balance-for)
+    orders_not_written: Dict[str, str] = field(default_factory=dict)   # split -> why it has no order
 
 
 def peak_rss_mib(receipts: List[dict]) -> Dict[str, float]:
@@ -95,6 +97,11 @@ def build_summary(store: SequenceStore, job: PackJob, result: PackResult) -> dic
     }
     if result.orders:   # (summaries of runs without --balance-for are unchanged)
         out["orders"] = list(result.orders)
+    if result.orders_not_written:
+        out["orders_not_written"] = dict(result.orders_not_written)
+    if store.tokenizer_path:   # where the tokenizer was found: inspect-idx --pack looks there first
+        path = store.tokenizer_path
+        out["tokenizer_path"] = path if "://" in path else os.path.abspath(path)
     return out
 
 
@@ -155,6 +162,8 @@ def check_summary(doc) -> None:
         shards = split.list("shards")
         if not shards or not all(isinstance(x, str) for x in shards):
             raise split.fail("must be a non-empty list of strings", "shards")
+    doc.str("tokenizer_path", default=None)
+    doc.strs("orders_not_written", default={})
     for key in ("empty_splits", "manifests", "orders"):
         if not all(isinstance(x, str) for x in doc.list(key, default=None) or []):
             raise doc.fail("must be a list of strings", key)
@@ -232,6 +241,8 @@ def format_summary(s: dict) -> str:
         lines.append(f"manifests           {', '.join(s['manifests'])}")
     if s.get("orders"):
         lines.append(f"balanced orders     {', '.join(s['orders'])}")
+    for split, why in (s.get("orders_not_written") or {}).items():
+        lines.append(f"no order for {split:<6} {why} (train this split without one)")
     if s.get("store"):
         lines.append(f"sequence store      {s['store']} (repack with repack-sft --store)")
     resumed = {k: v for k, v in (s.get("resumed_units") or {}).items() if v}

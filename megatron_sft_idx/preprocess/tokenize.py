@@ -75,14 +75,8 @@ def resolve_inputs(cfg: Config) -> Inputs:
             or (tk.input_format == "auto" and pad is None)):
         _no_template(tok, pad is None)
     pad_id = check_pad_id(pad, vocab)
-    options = EncodeOptions(tokenizer_path=tok.path if tok else None, vocab_size=vocab, loss_on=tk.loss_on,
-                            input_format=tk.input_format, prompt_key=tk.prompt_key,
-                            completion_key=tk.completion_key, skip_bad=cfg.pack.skip_bad,
-                            tokenizer_backend=tk.tokenizer_backend, span_method=tk.span_method,
-                            chat_template=template, tool_call_loss=tk.tool_call_loss,
-                            reasoning_loss=tk.reasoning_loss, empty_reasoning_loss=tk.empty_reasoning_loss,
-                            reasoning_tags=tuple(tk.reasoning_tags), prompt_format=tk.prompt_format,
-                            ignore_fields=tuple(tk.ignore_fields))
+    options = tk.encode_options(tokenizer_path=tok.path if tok else None, vocab_size=vocab,
+                                skip_bad=cfg.pack.skip_bad, chat_template_text=template)
     identity = {k: v for k, v in tok.identity().items() if k != "path"} if tok else None
     return Inputs(names, [os.path.abspath(n) for n in names], options, identity, pad_id)
 

@@ -69,18 +69,18 @@ class VirtualPackedDataset:
             raise ShardError(f"split {self.split} has {starts.size - 1} shards", path=plan, field="shard", actual=shard)
         self._first = 0 if shard is None else int(starts[shard])
         self._n = int(starts[-1] if shard is None else starts[shard + 1]) - self._first
-        settings = self.plan.metadata["settings"]
-        self.pack_size = settings["pack_size"]
-        self.pad_seq_to_mult = settings["pad_multiple"]
+        settings = self.plan.settings
+        self.pack_size = settings.pack_size
+        self.pad_seq_to_mult = settings.pad_multiple
         self.vocab_size = self.store.vocab_size
         if pad_id is None:
             pad_id = (self.store.tokenizer or {}).get("pad_id")
         if pad_id is None:
             raise ShardError("no pad id: the store has no tokenizer", field="pad_id", hint="pass pad_id=")
         self.dtype = choose_token_dtype(None if self.vocab_size is None else self.vocab_size - 1).numpy
-        self.pad_layout = settings.get("pad_layout", "stored")
+        self.pad_layout = settings.pad_layout
         self._gather = Gatherer(self.store, self.pack_size, self.pad_seq_to_mult, int(pad_id), self.pad_layout,
-                                settings.get("truncated_turn_loss", "keep"))
+                                settings.truncated_turn_loss)
 
     def __len__(self) -> int:
         return self._n

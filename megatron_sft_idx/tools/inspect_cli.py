@@ -36,12 +36,14 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--order", nargs="?", const="auto", default=None, metavar="FILE|auto",
                       help="report a balanced pack order for this data next to the shuffled order (default "
                            "auto: PREFIX.order beside a shard or manifest)")
+    p.add_argument("--balance-for", default=None, metavar="DP,MBS,GBS",
+                   help="with --order: the topology to report for (default: the order's)")
     p.add_argument("--dp", type=int, default=None, metavar="N",
-                   help="with --order: data-parallel size to report for (default: the order's)")
+                   help="alias: DP of --balance-for (the others the order's)")
     p.add_argument("--micro-batch-size", type=int, default=None, metavar="N",
-                   help="with --order: packs per micro-batch (default: the order's)")
+                   help="alias: MBS of --balance-for (the others the order's)")
     p.add_argument("--global-batch-size", type=int, default=None, metavar="N",
-                   help="with --order: packs per step (default: the order's)")
+                   help="alias: GBS of --balance-for (the others the order's)")
     p.add_argument("--seq", type=int, default=None, metavar="K", help="with --pack: show only sequence K's text")
     p.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="with --pack: detokenize with this tokenizer directory or tokenizer.json "
@@ -63,8 +65,20 @@ def _usage_problem(args) -> Optional[str]:
     if args.plot and (args.pack is not None or args.sql):
         return "--plot draws the summary (or with --order the order's report): use it without --pack/--sql"
     topology = (args.dp, args.micro_batch_size, args.global_batch_size)
+    if args.balance_for is not None:
+        if any(v is not None for v in topology):
+            return "--dp, --micro-batch-size and --global-batch-size are the parts of --balance-for: give one"
+        from ..batching.layout import Topology
+        from ..errors import ShardError
+
+        try:
+            t = Topology.parse(args.balance_for)
+        except ShardError as exc:
+            return f"--balance-for: {exc}"
+        args.dp, args.micro_batch_size, args.global_batch_size = topology = (
+            t.data_parallel_size, t.micro_batch_size, t.global_batch_size)
     if args.order is None and any(v is not None for v in topology):
-        return "--dp, --micro-batch-size and --global-batch-size go with --order"
+        return "--balance-for (or --dp, --micro-batch-size, --global-batch-size) goes with --order"
     if any(v is not None and v <= 0 for v in topology):
         return "--dp, --micro-batch-size and --global-batch-size must be positive"
     for flag in ("max_chars", "max_rows", "bins"):

@@ -4,8 +4,9 @@ detokenized when the shard's recorded tokenizer is on this machine.
 Label alignment (FORMAT.md): ``loss_mask[j] == 1`` trains predicting token ``j+1``, so the
 *trained tokens* of a sequence are the positions ``j+1`` after each 1; spans are reported
 as ``[start, end)`` in pack positions. The tokenizer is found by
-:func:`find_tokenizer` (the recorded path, ``$MEGATRON_SFT_IDX_TOKENIZER_PATH``, the Hugging
-Face cache by name) and used only if its files hash to the recorded
+:func:`find_tokenizer` (where the run that wrote the shard found it -- its record beside the
+shard says --, ``$MEGATRON_SFT_IDX_TOKENIZER_PATH``, the Hugging Face cache by name) and used
+only if its files hash to the recorded
 ``tokenizer.files_sha256``; ``tokenizer_path`` overrides it (a mismatch is then a warning).
 """
 
@@ -60,9 +61,40 @@ EXAMPLE_TOKENIZER = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname
                                  "examples", "tokenizer")
 
 
-def searched(recorded: dict) -> str:
+def run_recorded(prefix: Optional[str]) -> List[str]:
+    """Where the runs that published the shard ``prefix`` found their tokenizer: the
+    ``tokenizer_path`` of each finished run's record beside it (``preprocess-sft`` /
+    ``repack-sft`` keep ``.<name>.preprocess/receipts/done/000000.json`` next to their outputs,
+    its summary listing them). A record that does not read or does not list the shard is passed
+    over; a path is a candidate only, used if its files hash to the shard's record."""
+    if not prefix or "://" in prefix:
+        return []
+    import glob
+
+    from ..jsondoc import load_json
+    from ..preprocess.workdir import RECORD
+
+    parent, name = os.path.split(os.path.abspath(prefix))
+    out = []
+    for record in sorted(glob.glob(os.path.join(glob.escape(parent), ".*.preprocess", RECORD))):
+        try:
+            summary = load_json(record).get("summary")
+        except (OSError, ShardError, AttributeError):
+            continue
+        if not isinstance(summary, dict):
+            continue
+        path, outputs = summary.get("tokenizer_path"), summary.get("outputs")
+        if (isinstance(path, str) and path and isinstance(outputs, list)
+                and any(isinstance(o, str) and os.path.basename(o) == name for o in outputs)):
+            out.append(path)
+    return out
+
+
+def searched(recorded: dict, run_paths: Sequence[str] = ()) -> str:
     """The places :func:`find_tokenizer` looks, in words, for a message."""
-    places = (["its recorded path"] if recorded.get("path") else [])
+    places = [f"the path its run recorded, {p} ({'its files hash otherwise' if os.path.exists(p) else 'not there'})"
+              for p in run_paths]
+    places += (["its recorded path"] if recorded.get("path") else [])
     places.append(f"${TOKENIZER_PATH_ENV}" + ("" if os.environ.get(TOKENIZER_PATH_ENV) else " (unset)"))
     if recorded.get("name"):
         places.append(f"the Hugging Face cache under the name {recorded['name']}")
@@ -71,12 +103,13 @@ def searched(recorded: dict) -> str:
     return ", ".join(places)
 
 
-def _candidates(recorded: dict) -> List[str]:
-    """Where the tokenizer a shard records may be on this machine, most specific first: its
-    recorded path (preprocess records none: a path is not part of a tokenizer's identity),
+def _candidates(recorded: dict, run_paths: Sequence[str] = ()) -> List[str]:
+    """Where the tokenizer a shard records may be on this machine, most specific first: where
+    the run that wrote it found it (``run_paths``, :func:`run_recorded`: a path is not part of a
+    tokenizer's identity, so the shard holds none), a path in the metadata (other producers'),
     ``$MEGATRON_SFT_IDX_TOKENIZER_PATH``, the Hugging Face cache by name, then the example
     tokenizer of a checkout (the demo's). Each is used only if its files hash to the record."""
-    out = [recorded["path"]] if recorded.get("path") else []
+    out = list(run_paths) + ([recorded["path"]] if recorded.get("path") else [])
     for root in filter(None, os.environ.get(TOKENIZER_PATH_ENV, "").split(os.pathsep)):
         out.append(root)
         if os.path.isdir(root):
@@ -92,24 +125,26 @@ def _candidates(recorded: dict) -> List[str]:
     return [p for p in out if os.path.isfile(os.path.join(p, "tokenizer.json") if os.path.isdir(p) else p)]
 
 
-def find_tokenizer(recorded: Optional[dict]) -> Optional[str]:
-    """The first candidate whose files hash to the recorded ``files_sha256`` (None if none does)."""
+def find_tokenizer(recorded: Optional[dict], run_paths: Sequence[str] = ()) -> Optional[str]:
+    """The first candidate (:func:`_candidates`) whose files hash to the recorded
+    ``files_sha256`` (None if none does)."""
     from ..preprocess.records.chat import tokenizer_files_sha256
 
     expected = (recorded or {}).get("files_sha256")
     if not expected:
         return None
-    for path in _candidates(recorded):
+    for path in _candidates(recorded, run_paths):
         if tokenizer_files_sha256(path)[0] == expected:
             return path
     return None
 
 
-def load_tokenizer(recorded: Optional[dict], override: Optional[str] = None):
+def load_tokenizer(recorded: Optional[dict], override: Optional[str] = None, prefix: Optional[str] = None):
     """``(tokenizer or None, note)``: a ``tokenizers.Tokenizer`` for detokenizing, and why not if None.
 
     ``override`` (``--tokenizer``) is used even if it is not the recorded one (with a warning);
-    otherwise only a local copy whose files hash to the recorded ``files_sha256`` is used.
+    otherwise only a local copy whose files hash to the recorded ``files_sha256`` is used, looked
+    for first where the run that wrote the shard ``prefix`` found it (:func:`run_recorded`).
     """
     note = None
     if override:
@@ -126,10 +161,11 @@ def load_tokenizer(recorded: Optional[dict], override: Optional[str] = None):
     else:
         if not recorded:
             return None, "no tokenizer recorded in the metadata (pass --tokenizer PATH to detokenize)"
-        path = find_tokenizer(recorded)
+        run_paths = run_recorded(prefix)
+        path = find_tokenizer(recorded, run_paths)
         if path is None:
             return None, (f"tokenizer {recorded.get('name', '?')} not found on this machine (searched "
-                          f"{searched(recorded)}; put its directory in ${TOKENIZER_PATH_ENV} or pass "
+                          f"{searched(recorded, run_paths)}; put its directory in ${TOKENIZER_PATH_ENV} or pass "
                           "--tokenizer PATH)")
         file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
     try:
@@ -148,7 +184,8 @@ def describe_pack(prefixes: Sequence[str], index: int, tokenizer_path: Optional[
     shard, local = locate(prefixes, index)
     pack = shard[local]
     bounds = pack.seq_boundaries.tolist()
-    tokenizer, note = load_tokenizer(shard.metadata.tokenizer, tokenizer_path) if detokenize else (None, None)
+    tokenizer, note = (load_tokenizer(shard.metadata.tokenizer, tokenizer_path, shard.prefix) if detokenize
+                       else (None, None))
     sequences = []
     for k in range(len(bounds) - 1):
         begin, end = bounds[k], bounds[k + 1]

@@ -1,4 +1,4 @@
-"""``plan-batches SHARD... --dp N --global-batch-size G [...]``: balance packed data for a topology.
+"""``plan-batches SHARD... --balance-for DP,MBS,GBS [...]``: balance packed data for a topology.
 
 Reads the shards' sequence boundaries (``.idx``, ``.seq.idx``, ``.seq.bin``; never tokens),
 prices every pack with the cost model, and plans balanced per-epoch pack orders for Megatron's
@@ -48,22 +48,30 @@ def build_parser() -> argparse.ArgumentParser:
     dyn.add_argument("--sequence-length-round", type=int, default=1, metavar="N",
                      help="with --dynamic: round widths up to a multiple of N (default: 1)")
     topo = p.add_argument_group("topology")
-    topo.add_argument("--dp", type=int, required=True, help="data-parallel size")
-    topo.add_argument("--global-batch-size", type=int, required=True, help="packs per optimizer step")
-    topo.add_argument("--micro-batch-size", type=int, default=1, help="packs per micro-batch (default: 1)")
+    topo.add_argument("--balance-for", metavar="DP,MBS,GBS",
+                      help="the training topology: data-parallel size, packs per micro-batch, packs per optimizer "
+                           "step (required; with --dynamic MBS is 1: the token budget forms the micro-batches)")
+    topo.add_argument("--dp", type=int, metavar="N", help="alias: DP of --balance-for")
+    topo.add_argument("--micro-batch-size", type=int, metavar="N", help="alias: MBS of --balance-for (default: 1)")
+    topo.add_argument("--global-batch-size", type=int, metavar="N", help="alias: GBS of --balance-for")
     cost = p.add_argument_group("cost model")
-    cost.add_argument("--model", default="llama3-8b", choices=sorted(PRESETS),
-                      help="model whose FLOP count prices a pack (default: llama3-8b)")
-    cost.add_argument("--linear", type=float, help="FLOPs per token, instead of --model (with --attention)")
-    cost.add_argument("--attention", type=float, help="FLOPs per token squared, instead of --model")
-    cost.add_argument("--recompute", action="store_true", help="full activation recomputation")
-    cost.add_argument("--pad-multiple", type=int, default=1,
-                      help="the CP/SP multiple the kernel pads each sequence to (default: 1)")
+    cost.add_argument("--cost-model", "--model", dest="cost_model", default="llama3-8b",
+                      metavar="PRESET|LINEAR,ATTENTION",
+                      help=f"price of a pack: a model preset ({', '.join(sorted(PRESETS))}) or FLOPs per token and "
+                           "per token squared (default: llama3-8b; --model is another name of it)")
+    cost.add_argument("--linear", type=float, help="alias: LINEAR of --cost-model LINEAR,ATTENTION (with --attention)")
+    cost.add_argument("--attention", type=float, help="alias: ATTENTION of --cost-model LINEAR,ATTENTION")
+    cost.add_argument("--recompute", action="store_true", help="full activation recomputation (with a preset)")
+    cost.add_argument("--pad-seq-to-mult", "--pad-multiple", dest="pad_seq_to_mult", type=int, default=1, metavar="N",
+                      help="the multiple the kernel pads each sequence to: the shards' pad_seq_to_mult, the CP/SP "
+                           "multiple (default: 1; --pad-multiple is another name of it)")
     cost.add_argument("--pad-layout", default=PAD_LAYOUT_STORED, choices=list(PAD_LAYOUTS),
                       help="stored: the kernel sees L (Megatron-LM); runtime: L-1 (Bridge)")
     plan = p.add_argument_group("order")
-    plan.add_argument("--seed", type=int, default=1234, help="the training run's data seed (default: 1234)")
-    plan.add_argument("--epochs", type=int, default=1, help="epochs to plan (default: 1)")
+    plan.add_argument("--balance-seed", "--seed", dest="balance_seed", type=int, default=1234, metavar="SEED",
+                      help="the training run's data seed (default: 1234; --seed is another name of it)")
+    plan.add_argument("--balance-epochs", "--epochs", dest="balance_epochs", type=int, default=1, metavar="N",
+                      help="epochs to plan (default: 1; --epochs is another name of it)")
     plan.add_argument("--algorithm", default="kk", choices=list(ALGORITHMS),
                       help="kk (Karmarkar-Karp), lpt, or shuffle (no balancing) (default: kk)")
     plan.add_argument("--exchange-window", type=int, default=1,
@@ -79,10 +87,32 @@ def _cost_model(args, parser):
 
     if (args.linear is None) != (args.attention is None):
         parser.error("--linear and --attention go together")
+    spec = args.cost_model
     if args.linear is not None:
-        return CostModel(args.linear, args.attention, pad_multiple=args.pad_multiple, pad_layout=args.pad_layout)
-    return CostModel.from_preset(args.model, pad_multiple=args.pad_multiple, pad_layout=args.pad_layout,
-                                 recompute=args.recompute)
+        if spec != parser.get_default("cost_model"):
+            parser.error("--linear/--attention are another spelling of --cost-model LINEAR,ATTENTION: give one")
+        spec = f"{args.linear!r},{args.attention!r}"
+    return CostModel.parse(spec, pad_multiple=args.pad_seq_to_mult, pad_layout=args.pad_layout,
+                           recompute=args.recompute)
+
+
+def _topology(args, parser):
+    """``--balance-for``, or its parts given as ``--dp``/``--micro-batch-size``/``--global-batch-size``."""
+    from ..batching.layout import Topology
+
+    parts = (args.dp, args.micro_batch_size, args.global_batch_size)
+    if args.balance_for is not None:
+        if any(v is not None for v in parts):
+            parser.error("--dp, --micro-batch-size and --global-batch-size are the parts of --balance-for: give one")
+        text = args.balance_for
+    elif args.dp is None or args.global_batch_size is None:
+        parser.error("give the topology: --balance-for DP,MBS,GBS")
+    else:
+        text = f"{args.dp},{1 if args.micro_batch_size is None else args.micro_batch_size},{args.global_batch_size}"
+    topology = Topology.parse(text)   # (a ShardError: main reports it, exit 2)
+    if args.dynamic and topology.micro_batch_size != 1:
+        parser.error("--dynamic forms micro-batches by --max-tokens-per-microbatch: --balance-for DP,1,GBS")
+    return topology
 
 
 def _usage(args, parser) -> None:
@@ -112,10 +142,13 @@ def _dynamic(args) -> int:
 
             source = MultiShardDataset.open(args.shards if len(args.shards) > 1 else args.shards[0])
         lengths = sequence_lengths(source)
-        epochs = [plan_dynamic(lengths, global_batch_size=args.global_batch_size, data_parallel_size=args.dp,
+        topology = args.topology
+        epochs = [plan_dynamic(lengths, global_batch_size=topology.global_batch_size,
+                               data_parallel_size=topology.data_parallel_size,
                                max_tokens_per_microbatch=args.max_tokens_per_microbatch,
-                               sequence_length_round=args.sequence_length_round, seed=args.seed, epoch=e).stats()
-                  for e in range(args.epochs)]
+                               sequence_length_round=args.sequence_length_round, seed=args.balance_seed,
+                               epoch=e).stats()
+                  for e in range(args.balance_epochs)]
     except ShardNotFoundError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
@@ -125,7 +158,8 @@ def _dynamic(args) -> int:
     if args.json:
         print(json.dumps({"sequences": int(lengths.shape[0]), "epochs": epochs}))
         return 0
-    print(f"{lengths.shape[0]:,} sequences, DP {args.dp}, global batch {args.global_batch_size}, budget "
+    print(f"{lengths.shape[0]:,} sequences, DP {args.topology.data_parallel_size}, global batch "
+          f"{args.topology.global_batch_size}, budget "
           f"{args.max_tokens_per_microbatch:,} tokens, widths rounded to {args.sequence_length_round}:")
     for e, s in enumerate(epochs):
         print(f"epoch {e}: {s['steps']:,} steps, {s['microbatches']:,} micro-batches per rank "
@@ -138,6 +172,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _usage(args, parser)
+    try:
+        args.topology = _topology(args, parser)
+    except ShardError as exc:
+        print(f"{PROG}: error: --balance-for: {exc}", file=sys.stderr)
+        return 2
     from ..storage._url import local_only
 
     refusal = local_only([("--plot", args.plot), ("--store", args.store)])
@@ -148,11 +187,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     from ..multi import MultiShardDataset
     from ..batching.balance import plan_order
     from ..batching.cost import shard_pack_costs
-    from ..batching.layout import Topology
     from ..batching.report import format_report, order_reports, plot_report
 
+    topology = args.topology
     try:
-        topology = Topology(args.dp, args.micro_batch_size, args.global_batch_size)
         model = _cost_model(args, parser)
         source = MultiShardDataset.open(args.shards if len(args.shards) > 1 else args.shards[0])
     except ShardNotFoundError as exc:
@@ -161,9 +199,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ShardError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 1 if exc.path else 2
+    if args.out and len(source) < topology.global_batch_size:   # an order with no step: nothing to write
+        print(f"{PROG}: error: {len(source):,} packs, fewer than one global batch of {topology.global_batch_size:,} "
+              f"({topology.describe()}): an order would hold no step; no order written (train this data "
+              "without one, or balance for a smaller global batch)", file=sys.stderr)
+        return 2
     try:
         costs = shard_pack_costs(source, model)
-        order = plan_order(costs, topology, model, seed=args.seed, epochs=args.epochs, algorithm=args.algorithm,
+        order = plan_order(costs, topology, model, seed=args.balance_seed, epochs=args.balance_epochs,
+                           algorithm=args.algorithm,
                            exchange_window=args.exchange_window,
                            source={"shards": list(source.prefixes), "packs": [int(c) for c in source.counts]})
         if args.out:   # whole: a rename locally, one PUT to object storage (as a manifest is written)

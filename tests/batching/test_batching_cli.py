@@ -57,6 +57,41 @@ def test_usage_errors_exit_2(shards, tmp_path, capsys, argv, code, message):
     assert message in capsys.readouterr().err
 
 
+def test_one_spelling_per_setting_and_the_old_ones_as_aliases(shards, tmp_path, capsys):
+    """--balance-for DP,MBS,GBS, --cost-model, --balance-seed, --balance-epochs and
+    --pad-seq-to-mult (the spellings of preprocess-sft and repack-sft) plan the same order as
+    their other names --dp/--micro-batch-size/--global-batch-size, --model or --linear/--attention,
+    --seed, --epochs and --pad-multiple; a setting given both ways is a usage error."""
+    a = str(shards / "a")
+    one = ["--balance-for", "2,2,8", "--cost-model", "1,0.5", "--balance-seed", "9", "--balance-epochs", "2",
+           "--pad-seq-to-mult", "4"]
+    other = ["--dp", "2", "--micro-batch-size", "2", "--global-batch-size", "8", "--linear", "1", "--attention",
+             "0.5", "--seed", "9", "--epochs", "2", "--pad-multiple", "4"]
+    for k, argv in enumerate((one, other)):
+        assert main([a, *argv, "--out", str(tmp_path / f"{k}.order"), "--json"]) == 0
+    assert (tmp_path / "0.order").read_bytes() == (tmp_path / "1.order").read_bytes()
+    report = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert report["topology"] == Topology(2, 2, 8).to_dict() and report["cost_model"]["pad_multiple"] == 4
+    assert main([a, "--balance-for", "2,1,4", "--model", "qwen2.5-7b", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cost_model"]["name"] == "qwen2.5-7b"
+    for argv in (["--balance-for", "2,1,4", "--dp", "2"], [],
+                 ["--balance-for", "2,1,4", "--cost-model", "llama3-70b", "--linear", "1", "--attention", "1"]):
+        with pytest.raises(SystemExit) as exc:
+            main([a, *argv])
+        assert exc.value.code == 2
+    assert main([a, "--balance-for", "2,x,4"]) == 2
+    assert "DP,MBS,GBS" in capsys.readouterr().err
+
+
+def test_an_order_with_no_step_is_not_written(shards, tmp_path, capsys):
+    """70 packs and a global batch of 128: the report says 0 steps; --out writes nothing, saying why."""
+    out = tmp_path / "none.order"
+    assert main([str(shards / "a"), "--balance-for", "2,1,128", "--out", str(out)]) == 2
+    assert "70 packs, fewer than one global batch of 128" in capsys.readouterr().err and not out.exists()
+    assert main([str(shards / "a"), "--balance-for", "2,1,128", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["balanced"]["steps"] == 0
+
+
 def test_linear_without_attention_is_a_usage_error(shards):
     with pytest.raises(SystemExit) as exc:
         main([str(shards / "a"), "--dp", "2", "--global-batch-size", "4", "--linear", "1"])

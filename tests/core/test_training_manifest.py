@@ -213,3 +213,34 @@ def test_fuzzed_manifests_give_a_dataset_or_a_shard_error(written, data):
             ds[i]
         except ShardError:
             break
+
+
+RECORD = M.OrderRecord(file="ds.order", size=4096, crc32=123, seed=1234, epochs=1, first_epoch=0,
+                       topology={"data_parallel_size": 2, "micro_batch_size": 1, "global_batch_size": 4},
+                       cost_model={"linear": 1.0, "attention": 0.5}, exchange_window=1)
+
+
+def test_the_order_record_is_written_and_read_back_typed(written):
+    """A set's balanced order record is an OrderRecord on both sides: manifest_document writes
+    its fields under "order", parse_manifest gives it back equal; no order, None."""
+    from megatron_sft_idx.reader import MMapIndexedDataset
+
+    d = written[0].parent
+    members = [(str(d / f"ds_{i:06d}"), MMapIndexedDataset(str(d / f"ds_{i:06d}"))) for i in range(3)]
+    document = M.manifest_document(str(d / "ds.json"), members, order=RECORD)
+    assert document["order"] == RECORD.to_dict()
+    path = _write(written, raw=M.encode_manifest(document))
+    assert M.load_manifest(str(path)).order == RECORD
+    assert M.load_manifest(str(written[0])).order is None
+
+
+@pytest.mark.parametrize("where, value, field", [
+    ("order", [], "order"), ("order.size", "4096", "order.size"), ("order.size", 0, "order.size"),
+    ("order.crc32", 1 << 32, "order.crc32"), ("order.file", "../x.order", "order.file"),
+    ("order.file", ..., "order.file"), ("order.epochs", 0, "order.epochs"), ("order.topology", 2, "order.topology"),
+    ("order.exchange_window", True, "order.exchange_window")])
+def test_a_malformed_order_record_is_one_named_error(written, where, value, field):
+    doc = edit(dict(written[1], order=RECORD.to_dict()), where, value)
+    with pytest.raises(ShardError) as info:
+        M.load_manifest(str(_write(written, doc)))
+    assert info.value.field == field

@@ -131,9 +131,33 @@ def test_the_balance_flags_fill_the_same_settings_for_both_commands():
     assert RepackConfig("/s", "/o", balance_for=(2, 1, 4)).balance == BalanceSettings(balance_for=(2, 1, 4))
 
 
-def test_fewer_packs_than_a_global_batch_still_write_a_valid_order(tmp_path):
-    prefix = str(tmp_path / "tiny")
-    assert pre(tmp_path, prefix, "--balance-for", "64,1,4096") == 0
-    order = Order.load(prefix + ".order")
-    assert order.stats["balanced"] == {"steps": 0, "packs_per_rank": 64}
-    assert sorted(order.permutation(0).tolist()) == list(range(len(MMapIndexedDataset(prefix))))
+def test_a_split_smaller_than_a_global_batch_gets_no_order_and_the_summary_says_why(tmp_path, capsys):
+    """issue 33, item 3: an order with no step is not written. The summary names the split and
+    the sizes; the split's manifest records no order; "auto" on that split refuses, naming the
+    file it looked for (both training doors serve an order through resolve_order, and only for
+    their train split)."""
+    prefix = str(tmp_path / "sp")
+    flags = ("--split", "90,5,5", "--balance-for", "2,1,16", "--max-packs-per-shard", "40")
+    assert pre(tmp_path, prefix, *flags, "--json") == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["orders"] == [prefix + "_train.order"]
+    packs = {name: sp["packs"] for name, sp in summary["splits"].items()}
+    assert packs["train"] >= 16 and packs["valid"] < 16 and packs["test"] < 16
+    assert summary["orders_not_written"] == {
+        name: f"{packs[name]} packs, fewer than one global batch of 16 ({Topology(2, 1, 16).describe()}): "
+              "no step to balance" for name in ("valid", "test")}
+    assert sorted(n for n in os.listdir(tmp_path) if n.endswith(".order")) == ["sp_train.order"]
+    assert "order" in json.load(open(prefix + "_train.json"))
+    checked_order(resolve_order("auto", prefix + "_train.json"), open_packed(prefix + "_train.json"), seed=1234)
+    for name in ("valid", "test"):
+        data = prefix + f"_{name}" + (".json" if os.path.exists(prefix + f"_{name}.json") else "")
+        if data.endswith(".json"):
+            assert "order" not in json.load(open(data))
+        with pytest.raises(ShardError, match="no balanced order beside the data") as e:
+            resolve_order("auto", data)
+        assert "smaller than one global batch" in e.value.hint
+    # the table says it too, with the sizes
+    from megatron_sft_idx.preprocess.summary import format_summary
+
+    text = format_summary(summary)
+    assert f"no order for valid  {packs['valid']} packs, fewer than one global batch of 16" in text

@@ -69,8 +69,7 @@ _ENCODERS = {}
 def encoder(path, loss_on):
     key = (path, loss_on)
     if key not in _ENCODERS:
-        _ENCODERS[key] = RecordEncoder(EncodeOptions(path, None, loss_on, "auto", "prompt", "completion", True,
-                                                     1 << 20, 1, "truncate", 1 << 20))
+        _ENCODERS[key] = RecordEncoder(EncodeOptions(tokenizer_path=path, loss_on=loss_on, skip_bad=True))
     return _ENCODERS[key]
 
 
@@ -101,13 +100,11 @@ def test_fast_paths_are_taken_where_provable(tok_dirs):
     conversations = [json.loads(line) for line in open(tokenizer_dir.__globals__["EXAMPLE_INPUTS"][0])][:50]
     records = [(i + 1, json.dumps(c)) for i, c in enumerate(conversations)]
     for name in ("markers", "no_markers", "default_system", "folded_system"):
-        enc = RecordEncoder(EncodeOptions(tok_dirs[name], None, "assistant", "auto", "prompt", "completion",
-                                          False, 4096, 1, "truncate", 4096))
+        enc = RecordEncoder(EncodeOptions(tokenizer_path=tok_dirs[name]))
         enc.encode_batch(records, "x.jsonl")
         assert enc.stats == {"one_render": 50, "prefix_render": 0, "fast_tokens": 50, "reference_tokens": 0}, name
     for name in HOSTILE:
-        enc = RecordEncoder(EncodeOptions(tok_dirs[name], None, "assistant", "auto", "prompt", "completion",
-                                          True, 4096, 1, "truncate", 4096))
+        enc = RecordEncoder(EncodeOptions(tokenizer_path=tok_dirs[name], skip_bad=True))
         assert enc.locator is None, name   # disqualified by the probes: the reference renders prefixes
 
 
@@ -117,8 +114,7 @@ def test_gigatoken_agrees_on_probes_and_disagreement_stops_the_run(tok_dirs, mon
     assert fast is not None and fast.byte_positions
     assert _spec_ok(backend_spec(tok.backend)) == (True, False, False)
     assert _spec_ok(backend_spec(ChatTokenizer(tok_dirs["space_prompt_trim"]).backend))[2] is True
-    enc = RecordEncoder(EncodeOptions(tok_dirs["markers"], None, "assistant", "auto", "prompt", "completion",
-                                      False, 4096, 1, "truncate", 4096))
+    enc = RecordEncoder(EncodeOptions(tokenizer_path=tok_dirs["markers"]))
     real = enc.fast.trained_flags
 
     def corrupt(*args):  # a fast path that claims proof but differs: the sampled check must catch it
@@ -160,11 +156,9 @@ def test_errors_surface_in_record_order_as_the_reference_raises_them(tmp_path):
     (d / "tokenizer_config.json").write_text(json.dumps(cfg))
     good = json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})
     records = [(1, b"{not json"), (2, good)]
-    opts = dict(input_format="auto", prompt_key="prompt", completion_key="completion", pack_size=4096,
-                pad_multiple=1, overlong="truncate", truncate_to=4096)
-    strict = RecordEncoder(EncodeOptions(str(d), None, "assistant", skip_bad=False, **opts))
+    strict = RecordEncoder(EncodeOptions(tokenizer_path=str(d), skip_bad=False))
     with pytest.raises(InputError, match="x.jsonl:1: malformed JSON"):
         strict.encode_batch(records, "x.jsonl")
-    lenient = RecordEncoder(EncodeOptions(str(d), None, "assistant", skip_bad=True, **opts))
+    lenient = RecordEncoder(EncodeOptions(tokenizer_path=str(d), skip_bad=True))
     with pytest.raises(ShardError, match="no chat template"):   # not a bad record: never skipped
         lenient.encode_batch(records, "x.jsonl")

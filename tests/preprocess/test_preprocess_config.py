@@ -92,6 +92,53 @@ def test_the_plan_settings_and_the_job_are_resolved_from_the_pack_settings():
         PackJob.resolve("/o/ds", pack, RunSettings(), vocab_size=100, default_pad_id=100)
 
 
+def test_a_plan_files_settings_are_parsed_once_into_plan_settings():
+    """What a plan file records reads back as the PlanSettings that wrote it; a key an older plan
+    lacks is the given settings' default; a bad value is a HeaderError naming the field."""
+    from megatron_sft_idx.errors import HeaderError
+    from megatron_sft_idx.jsondoc import Doc, normal_json
+
+    plan = PackSettings(pack_size=1024, cp=2, split=[98, 1, 1], truncated_turn_loss="drop").plan_settings(70000)
+    assert PlanSettings.from_doc(Doc(normal_json(plan.to_dict()), "x.plan", "settings")) == plan
+    old = normal_json(dataclasses.replace(plan, truncated_turn_loss="keep").to_dict())
+    del old["pad_layout"]
+    assert "truncated_turn_loss" not in old
+    back = PlanSettings.from_doc(Doc(old, "x.plan", "settings"))
+    assert (back.pad_layout, back.truncated_turn_loss) == (PackSettings().pad_layout, PackSettings().truncated_turn_loss)
+    for key, value, field in (("split", [98, 0, 1], "settings.split[1]"), ("split", [1, 1, 1, 1], "settings.split"),
+                              ("pad_multiple", 2048, "settings.pad_multiple"), ("skip_bad", 0, "settings.skip_bad"),
+                              ("max_shard_bytes", 0, "settings.max_shard_bytes"),
+                              ("truncated_turn_loss", "cut", "settings.truncated_turn_loss")):
+        with pytest.raises(HeaderError) as e:
+            PlanSettings.from_doc(Doc({**normal_json(plan.to_dict()), key: value}, "x.plan", "settings", HeaderError))
+        assert e.value.field == field and e.value.path == "x.plan"
+
+
+def test_the_encoding_settings_are_defined_once_and_the_workers_options_built_from_them():
+    """TokenizeSettings and EncodeOptions both extend EncodeSettings (records/encode.py): no field
+    of either restates one of it, and the options the run gives its workers carry every
+    encoding setting as given, with the resolved tokenizer, vocabulary and template."""
+    from megatron_sft_idx.preprocess.records.encode import EncodeOptions, EncodeSettings
+
+    def own(cls):
+        return {f.name for f in dataclasses.fields(cls)} - {f.name for f in dataclasses.fields(EncodeSettings)}
+
+    assert issubclass(TokenizeSettings, EncodeSettings) and issubclass(EncodeOptions, EncodeSettings)
+    assert own(TokenizeSettings) == {"tokenizer", "chat_template", "batch_size", "partition_bytes", "max_record_bytes"}
+    assert own(EncodeOptions) == {"tokenizer_path", "skip_bad", "chat_template_text"}
+    args = build_parser().parse_args(PRE + ["--loss-on", "last-turn", "--ignore-field", "id", "--prompt-format", "raw",
+                                            "--reasoning-loss", "mask", "--span-method", "prefix"])
+    tk = _config(args).tokenize
+    opts = tk.encode_options(tokenizer_path="/abs/tok", vocab_size=777, skip_bad=True, chat_template_text="{{x}}")
+    for f in dataclasses.fields(EncodeSettings):
+        if f.name != "vocab_size":
+            assert getattr(opts, f.name) == getattr(tk, f.name), f.name
+    assert (opts.vocab_size, opts.tokenizer_path, opts.skip_bad, opts.chat_template_text) == (777, "/abs/tok", True,
+                                                                                              "{{x}}")
+    assert opts.ignore_fields == ("id",) and hash(opts)   # a dict key of the workers' encoders
+    assert TokenizeSettings(ignore_fields=["id"]).ignore_fields == ("id",)
+
+
 def test_the_modules_of_before_keep_their_names():
     from megatron_sft_idx.preprocess import cli, config, driver, pipeline, plan, repack
 

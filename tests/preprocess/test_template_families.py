@@ -57,7 +57,7 @@ _ENCODERS = {}
 def encoder(path, loss_on):
     key = (path, loss_on)
     if key not in _ENCODERS:
-        _ENCODERS[key] = RecordEncoder(EncodeOptions(path, None, loss_on, "auto", "prompt", "completion", True))
+        _ENCODERS[key] = RecordEncoder(EncodeOptions(tokenizer_path=path, loss_on=loss_on, skip_bad=True))
     return _ENCODERS[key]
 
 

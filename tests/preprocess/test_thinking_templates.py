@@ -151,8 +151,7 @@ def test_per_turn_batched_equals_reference(tokenizers, turns, name):
     for user, thought, answer in turns:
         messages += [{"role": "user", "content": user},
                      {"role": "assistant", "content": f"<think>{thought}</think>{answer}"}]
-    opts = EncodeOptions(tokenizers[name], None, "per-turn", "auto", "prompt", "completion", True, 4096, 1,
-                         "truncate", 4096)
+    opts = EncodeOptions(tokenizer_path=tokenizers[name], loss_on="per-turn", skip_bad=True)
     got = RecordEncoder(opts).encode_batch([(1, json.dumps({"messages": messages}))], "h.jsonl")
     tok = ChatTokenizer(tokenizers[name])
     want_ids, want_masks = [], []

@@ -83,8 +83,8 @@ def test_batched_encoder_equals_reference_on_tool_data(families, family):
         records += [glaive(i) for i in range(4)] + [toolace(i) for i in range(4)] + [xlam(i) for i in range(4)]
     raws = [(i + 1, json.dumps(r)) for i, r in enumerate(records)]
     for backend, method in (("auto", "auto"), ("hf", "prefix")):
-        enc = RecordEncoder(EncodeOptions(families[family], None, "assistant", "auto", "prompt", "completion", False,
-                                          tokenizer_backend=backend, span_method=method))
+        enc = RecordEncoder(EncodeOptions(tokenizer_path=families[family], tokenizer_backend=backend,
+                                          span_method=method))
         got = enc.encode_batch(raws, "t.jsonl")
         want = [enc.tok.encode_chat(conversation(r), "assistant", "t.jsonl", i) for i, r in enumerate(records)]
         assert np.array_equal(got.ids, np.concatenate([w[0] for w in want]))

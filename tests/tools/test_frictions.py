@@ -78,12 +78,17 @@ def test_inspect_finds_the_demo_tokenizer_on_its_own(shards, capsys, monkeypatch
 
 
 def test_inspect_says_where_it_searched(shards, tmp_path, capsys, monkeypatch):
-    """With the example tokenizer out of reach, the note lists exactly the places searched."""
+    """With the example tokenizer out of reach (the shard on another machine: where its run found
+    the tokenizer is not there), the note lists exactly the places searched."""
+    gone = str(tmp_path / "elsewhere" / "tokenizer")
+    assert pack_view.run_recorded(shards["train"]) == [os.path.abspath(TOKENIZER)]   # the run's record says so
+    monkeypatch.setattr(pack_view, "run_recorded", lambda prefix: [gone])
     monkeypatch.setattr(pack_view, "EXAMPLE_TOKENIZER", str(tmp_path / "no-checkout"))
     monkeypatch.setenv(pack_view.TOKENIZER_PATH_ENV, str(tmp_path / "tokenizers"))
     status, out, _ = tool("inspect-idx", [shards["train"], "--pack", "0"], capsys)
     assert status == 0
     assert ("tokenizer megatron_sft_idx-example-bpe-1k not found on this machine (searched "
+            f"the path its run recorded, {gone} (not there), "
             "$MEGATRON_SFT_IDX_TOKENIZER_PATH, the Hugging Face cache under the name "
             "megatron_sft_idx-example-bpe-1k; put its directory in $MEGATRON_SFT_IDX_TOKENIZER_PATH or pass "
             "--tokenizer PATH)") in out

@@ -172,3 +172,33 @@ def test_the_demo_shard_detokenizes_with_the_bundled_tokenizer(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "<|im_start|>assistant" in proc.stdout and "[[" in proc.stdout and "warning" not in proc.stdout
+
+
+def test_inspect_finds_the_tokenizer_where_the_run_recorded_it(tmp_path, monkeypatch, capsys):
+    """issue 33, item 5: a shard's metadata names its tokenizer by hash, not by path (a path is
+    no part of its identity); the run that wrote it records where it found it (its summary,
+    kept beside the outputs), and inspect-idx --pack looks there first -- used only while the
+    files there still hash to the shard's record, else it says what it found there."""
+    from megatron_sft_idx.preprocess.pipeline import Config, run
+    from megatron_sft_idx.tools.inspect_cli import main as inspect_main
+
+    tok = tmp_path / "models" / "qwen3"
+    shutil.copytree(EXAMPLE_TOKENIZER, tok)
+    out = tmp_path / "out"
+    s = run(Config(inputs=[os.path.join(ROOT, "examples", "conversations.jsonl")], output_prefix=str(out / "ds"),
+                   tokenizer=str(tok), pack_size=1024, split=[90, 10], progress=False))
+    assert s["tokenizer_path"] == str(tok)
+    monkeypatch.setattr(pack_view, "EXAMPLE_TOKENIZER", str(tmp_path / "no-checkout"))
+    monkeypatch.delenv(pack_view.TOKENIZER_PATH_ENV, raising=False)
+    shard = s["splits"]["valid"]["shards"][0]
+    assert pack_view.run_recorded(shard) == [str(tok)]
+    assert inspect_main([shard, "--pack", "0", "--seq", "0"]) == 0
+    text = capsys.readouterr().out
+    assert "[[" in text and "not found" not in text
+    with open(tok / "tokenizer_config.json", "a") as f:    # the files changed since: not that tokenizer
+        f.write("\n")
+    view = describe_pack([shard], 0)
+    assert "text" not in view["sequences"][0]
+    assert f"the path its run recorded, {tok} (its files hash otherwise)" in view["tokenizer_note"]
+    shutil.rmtree(tok)
+    assert f"{tok} (not there)" in describe_pack([shard], 0)["tokenizer_note"]

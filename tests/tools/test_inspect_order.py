@@ -50,6 +50,12 @@ def test_another_topology_is_reported_with_a_note(data, capsys, tmp_path):
     assert "re-plan the order" in view["notes"][0]
     assert view["balanced"] == order_reports(order, topology=Topology(2, 1, 8))["balanced"].summary
     assert open(plot, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    # --balance-for, the name of the setting in every command, reports the same
+    assert main([prefix, "--order", prefix + ".order", "--balance-for", "2,1,8", "--json"]) == 0
+    same = json.loads(capsys.readouterr().out)
+    assert (same["topology"], same["balanced"]) == (view["topology"], view["balanced"])
+    assert main([prefix, "--order", "--balance-for", "2,1,8", "--dp", "2"]) == 2
+    assert "the parts of --balance-for" in capsys.readouterr().err
 
 
 def test_an_order_of_other_data_and_a_missing_one_are_refused(data, capsys):
@@ -62,4 +68,4 @@ def test_an_order_of_other_data_and_a_missing_one_are_refused(data, capsys):
 
 def test_topology_flags_need_order(data, capsys):
     assert main([data[0], "--dp", "2"]) == 2
-    assert "go with --order" in capsys.readouterr().err
+    assert "goes with --order" in capsys.readouterr().err

@@ -10,12 +10,11 @@ records fail and with which error, but does the work in bulk:
 * every text of the batch is tokenized in one call (:mod:`.fast_tokenizer`, gigatoken),
   trained flags come from one numba pass, and texts it cannot prove go through
   ``tokenizers`` with offsets as the reference does;
-* label alignment, the all-zero check and the overlong rules are vectorised.
+* label alignment and the all-zero check are vectorised.
 
-The staged pipeline's tokenize step calls it with :class:`EncodeOptions` that carry no pack
-size: what a conversation *is* does not depend on the packing, so the overlong rules are
-applied later, by the plan stage, from the sequence store's lengths (one store serves every
-pack size).
+The staged pipeline's tokenize step calls it with :class:`EncodeOptions`, which carry no pack
+size: what a conversation *is* does not depend on the packing, so the overlong rules are the
+plan stage's, applied from the sequence store's lengths (one store serves every pack size).
 
 A deterministic sample of conversations (every ``SAMPLE_EVERY``-th of a batch) is
 also encoded the reference way and compared; a difference stops the run with
@@ -24,13 +23,12 @@ also encoded the reference way and compared; a difference stops the run with
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 from ...errors import ShardError
-from ...packing.padding import padded_length
 from .chat import (ChatTokenizer, encode_tokens, load_chat_tokenizer, reasoning_turns, template_rejected,
                    trained_from_offsets)
 from .errors import InputError, input_error
@@ -38,42 +36,56 @@ from .fast_tokenizer import FastTokenizer
 from .inputs import parse_record
 from .policy import LossPolicy, trained_turns
 from .rendering import check_rendered
-from .shapes import REASONING_TAGS, SchemaOptions
+from .shapes import SchemaOptions
 from .spans import SpanLocator
 
 SAMPLE_EVERY = 256
 SPAN_METHODS = ("auto", "prefix")
 
 
-@dataclass(frozen=True)
-class EncodeOptions:
-    """What a worker needs to turn raw records into (ids, label-aligned mask).
+@dataclass(frozen=True, kw_only=True)
+class EncodeSettings:
+    """How records become token ids and a loss mask, as a user chooses it: the one definition of
+    these settings (their defaults are ``preprocess-sft``'s). The run's
+    :class:`~megatron_sft_idx.preprocess.config.TokenizeSettings` extends them with its own;
+    :meth:`encode_options` adds what the run resolved, for the workers."""
 
-    ``pack_size`` and the overlong fields are None for the tokenize stage (the plan stage
-    decides overlong sequences); a caller that sets them gets the rules applied per record.
-    """
-
-    tokenizer_path: Optional[str]
-    vocab_size: Optional[int]
-    loss_on: str
-    input_format: str
-    prompt_key: str
-    completion_key: str
-    skip_bad: bool
-    pack_size: Optional[int] = None   # None: no overlong rules here (the tokenize stage)
-    pad_multiple: int = 1
-    overlong: str = "truncate"
-    truncate_to: Optional[int] = None
-    pad_layout: str = "stored"
+    vocab_size: Optional[int] = None      # None: the tokenizer's (EncodeOptions: the resolved size)
+    loss_on: str = "assistant"
+    input_format: str = "auto"
+    prompt_key: str = "prompt"
+    completion_key: str = "completion"
+    prompt_format: str = "chat"           # chat | raw: prompt/completion strings (shapes.py)
+    ignore_fields: Tuple[str, ...] = ()   # message fields that carry nothing the model should see
+    tool_call_loss: str = LossPolicy.tool_calls         # the loss policies (policy.py), its defaults
+    reasoning_loss: str = LossPolicy.reasoning
+    empty_reasoning_loss: str = LossPolicy.empty_reasoning
+    reasoning_tags: Tuple[str, str] = LossPolicy.tags
     tokenizer_backend: str = "auto"   # auto | gigatoken | hf (fast_tokenizer): the same bytes either way
     span_method: str = "auto"         # auto (one render, proven) | prefix (reference): the same bytes
-    chat_template: Optional[str] = None   # --chat-template's text, instead of the tokenizer's own
-    tool_call_loss: str = "train"         # the loss policies (policy.py)
-    reasoning_loss: str = "train"
-    empty_reasoning_loss: str = "mask"
-    reasoning_tags: Tuple[str, str] = REASONING_TAGS
-    prompt_format: str = "chat"           # chat | raw: prompt/completion strings (schemas.py)
-    ignore_fields: Tuple[str, ...] = ()   # message fields that carry nothing the model should see
+
+    def __post_init__(self) -> None:   # (lists from the API: the options are a dict key of the workers)
+        object.__setattr__(self, "ignore_fields", tuple(self.ignore_fields))
+        object.__setattr__(self, "reasoning_tags", tuple(self.reasoning_tags))
+
+    def encode_options(self, *, tokenizer_path: Optional[str], vocab_size: Optional[int], skip_bad: bool,
+                       chat_template_text: Optional[str] = None) -> "EncodeOptions":
+        """These settings (only these, whatever subclass holds them) with what the run resolved."""
+        mine = {f.name: getattr(self, f.name) for f in fields(EncodeSettings)}
+        mine["vocab_size"] = vocab_size
+        return EncodeOptions(tokenizer_path=tokenizer_path, skip_bad=skip_bad, chat_template_text=chat_template_text,
+                             **mine)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EncodeOptions(EncodeSettings):
+    """What a worker needs to turn raw records into (ids, label-aligned mask): the settings, and
+    the tokenizer, vocabulary and template the run resolved. Nothing here depends on the
+    packing: the overlong rules are the plan stage's, from the store's lengths."""
+
+    tokenizer_path: Optional[str] = None
+    skip_bad: bool = False
+    chat_template_text: Optional[str] = None   # --chat-template's text, instead of the tokenizer's own
 
     @property
     def policy(self) -> LossPolicy:
@@ -92,12 +104,12 @@ class EncodeOptions:
         out = {"vocab_size": self.vocab_size, "loss_on": self.loss_on, "input_format": self.input_format,
                "prompt_key": self.prompt_key, "completion_key": self.completion_key,
                "skip_bad": self.skip_bad}
-        if self.chat_template is not None:  # (absent: stores as before the flag)
-            out["chat_template"] = self.chat_template
+        if self.chat_template_text is not None:  # (absent: stores as before the flag)
+            out["chat_template"] = self.chat_template_text
         policy = self.policy.to_dict()
         if policy:
             out["loss_policy"] = policy
-        if self.prompt_format != "chat":
+        if self.prompt_format != EncodeSettings.prompt_format:
             out["prompt_format"] = self.prompt_format
         if self.ignore_fields:
             out["ignore_fields"] = sorted(self.ignore_fields)
@@ -107,11 +119,13 @@ class EncodeOptions:
 def encoding_of(encode: dict) -> Tuple[SchemaOptions, LossPolicy]:
     """The schema options and loss policy a store's ``identity["encode"]`` records (defaults absent)."""
     policy = encode.get("loss_policy") or {}
-    tags = tuple(policy.get("reasoning_tags", REASONING_TAGS))
-    schema = SchemaOptions(encode["prompt_key"], encode["completion_key"], encode.get("prompt_format", "chat"),
-                           tuple(encode.get("ignore_fields", ())), tags)
-    return schema, LossPolicy(policy.get("tool_calls", "train"), policy.get("reasoning", "train"),
-                              policy.get("empty_reasoning", "mask"), tags)
+    tags = tuple(policy.get("reasoning_tags", LossPolicy.tags))
+    schema = SchemaOptions(encode["prompt_key"], encode["completion_key"],
+                           encode.get("prompt_format", EncodeSettings.prompt_format),
+                           tuple(encode.get("ignore_fields", EncodeSettings.ignore_fields)), tags)
+    return schema, LossPolicy(policy.get("tool_calls", LossPolicy.tool_calls),
+                              policy.get("reasoning", LossPolicy.reasoning),
+                              policy.get("empty_reasoning", LossPolicy.empty_reasoning), tags)
 
 
 @dataclass
@@ -153,8 +167,8 @@ def preload(options) -> None:
     """Load the tokenizers once in the parent, so forked workers start with them (a 128k-token
     tokenizer takes seconds to load); gigatoken then encodes on each worker's own thread."""
     if options.tokenizer_path:
-        fast = _load_fast(load_chat_tokenizer(options.tokenizer_path, getattr(options, "chat_template", None)),
-                          getattr(options, "tokenizer_backend", "auto"))
+        fast = _load_fast(load_chat_tokenizer(options.tokenizer_path, options.chat_template_text),
+                          options.tokenizer_backend)
         if fast is not None:  # load the numba kernel from its cache here, not once per worker
             ids, off = fast.encode(["warm up"])
             fast.trained_flags(["warm up"], [[(0, 4)]], ids, off)
@@ -164,24 +178,21 @@ class RecordEncoder:
     """Encodes batches of raw records for one worker (tokenizer loaded once).
 
     Args:
-        options: an ``EncodeOptions`` (``tokenizer_path``, ``loss_on``, ``skip_bad``, the
-            overlong rules, ``tokenizer_backend``, ``span_method``, ...).
+        options: the :class:`EncodeOptions` (``tokenizer_path``, ``loss_on``, ``skip_bad``,
+            ``tokenizer_backend``, ``span_method``, ...).
     """
 
-    def __init__(self, options) -> None:
+    def __init__(self, options: EncodeOptions) -> None:
         self.options = options
-        self.tok = (load_chat_tokenizer(options.tokenizer_path, getattr(options, "chat_template", None))
+        self.tok = (load_chat_tokenizer(options.tokenizer_path, options.chat_template_text)
                     if options.tokenizer_path else None)
-        backend = getattr(options, "tokenizer_backend", "auto")
-        method = getattr(options, "span_method", "auto")
-        self.fast = _load_fast(self.tok, backend) if self.tok else None
+        self.fast = _load_fast(self.tok, options.tokenizer_backend) if self.tok else None
         # how each text was handled (tests and --verbose read these)
         self.stats = {"one_render": 0, "prefix_render": 0, "fast_tokens": 0, "reference_tokens": 0}
-        self.policy = options.policy if isinstance(options, EncodeOptions) else LossPolicy()
-        self.schema = (options.schema if isinstance(options, EncodeOptions)
-                       else SchemaOptions(options.prompt_key, options.completion_key))
+        self.policy = options.policy
+        self.schema = options.schema
         self.locator = None
-        if (self.tok is not None and self.tok.chat_template is not None and method == "auto"
+        if (self.tok is not None and self.tok.chat_template is not None and options.span_method == "auto"
                 and options.loss_on in ("assistant", "last-turn")):
             self.locator = SpanLocator(self.tok)
             if not self.locator.enabled:
@@ -193,8 +204,7 @@ class RecordEncoder:
         """Encode ``records`` (``[(line, raw)]`` from one file).
 
         Raises:
-            InputError: the first bad record, unless ``skip_bad`` (overlong drops are
-                always counted, never raised).
+            InputError: the first bad record, unless ``skip_bad`` (then counted by reason).
             ShardError: the fast path disagrees with the reference on a sampled record.
         """
         results: List[list] = [[] for _ in records]   # per record: (ids, mask) or InputError items
@@ -314,7 +324,7 @@ class RecordEncoder:
         return out
 
     def _collect(self, records, results, path) -> EncodedBatch:
-        """Apply the overlong rules and the skip policy, in record order (the reference's order)."""
+        """Apply the skip policy, in record order (the reference's order)."""
         o = self.options
         ids, masks, lengths, lines = [], [], [], []
         skipped: Dict[str, int] = {}
@@ -323,15 +333,9 @@ class RecordEncoder:
             for item in items:
                 if isinstance(item, ShardError) and not isinstance(item, InputError):
                     raise item  # not a bad record: e.g. the tokenizer has no chat template
-                if not isinstance(item, InputError):
-                    try:
-                        self._fit(item[0], item[1], path, line)
-                    except InputError as err:
-                        item = err
                 if isinstance(item, InputError):
                     reason = getattr(item, "reason", "bad_record")
-                    dropping = reason == "overlong_dropped" or reason.startswith("overlong_untrainable")
-                    if not (o.skip_bad or dropping):
+                    if not o.skip_bad:
                         raise item
                     skipped[reason] = skipped.get(reason, 0) + 1
                     first.setdefault(reason, str(item))
@@ -342,23 +346,6 @@ class RecordEncoder:
                 lines.append(line)
         return EncodedBatch(_cat(ids, np.int64), _cat(masks, np.uint8), np.asarray(lengths, dtype=np.int64),
                             np.asarray(lines, dtype=np.int64), skipped, first)
-
-    def _fit(self, ids, mask, path, line) -> None:
-        o = self.options
-        if o.pack_size is None:  # the tokenize stage: the plan stage applies the overlong rules
-            return
-        padded = int(padded_length([ids.size], o.pad_multiple, getattr(o, "pad_layout", "stored"))[0])
-        if padded <= o.pack_size:
-            return
-        if o.overlong == "error":
-            raise input_error(f"sequence of {ids.size} tokens (padded {padded}) exceeds --pack-size "
-                              f"{o.pack_size}", path, line, field="input_ids", reason="overlong",
-                              hint="use --overlong truncate or drop, or a larger --pack-size")
-        if o.overlong == "drop":
-            raise input_error("overlong sequence dropped", path, line, reason="overlong_dropped")
-        if not mask[:o.truncate_to - 1].any():
-            raise input_error("nothing trained within the first --pack-size tokens", path, line,
-                              reason="overlong_untrainable_after_truncation")
 
 
 def _cat(parts, dtype) -> np.ndarray:
