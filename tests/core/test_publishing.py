@@ -5,6 +5,7 @@ interruption at every point, a set's manifests around its shards, one refusal fo
 
 import json
 import os
+import zlib
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from support.shardgen import random_packs, write_shard
 from megatron_sft_idx import MMapIndexedDataset, publishing
 from megatron_sft_idx.errors import IncompleteDestinationError, IncompleteShardError, ShardError, ShardExistsError, ShardNotFoundError
 from megatron_sft_idx.format import ALL_SUFFIXES, IDX_SUFFIX, PUBLISH_ORDER
-from megatron_sft_idx.manifest import load_manifest
+from megatron_sft_idx.manifest import OrderRecord, load_manifest
 from megatron_sft_idx.publishing import StagedSet, StagedShard
 from megatron_sft_idx.storage.destination import LocalDestination
 
@@ -212,8 +213,10 @@ def staged_set(tmp_path, rng, n=3, order=True):
     for k, f in enumerate(finals):
         write_shard(str(stage / os.path.basename(f)), random_packs(rng, 2 + k),
                     metadata={"set": {"id": "z" * 32, "index": k, "count": n}})
-    record = {"file": "ds.order"}
-    orders = (publishing.StagedOrder(str(out / "ds.order"), b"order bytes", str(out / "ds.json"), record),) if order else ()
+    data = b"order bytes"
+    record = OrderRecord(file="ds.order", size=len(data), crc32=zlib.crc32(data), seed=0, epochs=1, first_epoch=0,
+                         topology={}, cost_model={}, exchange_window=1)
+    orders = (publishing.StagedOrder(str(out / "ds.order"), data, str(out / "ds.json"), record),) if order else ()
     return StagedSet(tuple(StagedShard(str(stage / os.path.basename(f)), f) for f in finals),
                      ((str(out / "ds.json"), tuple(finals)),), orders), out
 
@@ -227,7 +230,7 @@ def test_one_set_commit_withdraws_the_manifest_then_shards_then_order_then_manif
     assert dest.log[0] == ("remove", "ds.json")
     puts = [name for op, name in dest.log if op == "put"]
     assert puts[-2:] == ["ds.order", "ds.json"] and puts[-3] == "ds_000002.idx", puts
-    assert json.loads((out / "ds.json").read_bytes())["order"] == {"file": "ds.order"}
+    assert json.loads((out / "ds.json").read_bytes())["order"] == staged.orders[0].record.to_dict()
 
 
 def test_read_back_finds_a_write_the_destination_lost(tmp_path, rng):
