@@ -27,6 +27,7 @@ from typing import Optional, Union
 
 from ..errors import ShardError
 from ..format import ORDER_SUFFIX
+from ..jsondoc import parse_json
 from ..manifest import MAX_MANIFEST_BYTES
 from .layout import Topology
 from .order import MAX_ORDER_BYTES, Order, read_file
@@ -62,12 +63,10 @@ def order_record(order: Order, name: str, size: int) -> dict:
 
 
 def _manifest_record(manifest: str) -> Optional[dict]:
-    import json
-
     try:
         data = read_file(manifest, MAX_MANIFEST_BYTES, "manifest")
-        doc = json.loads(data.decode("utf-8")) if data is not None else None
-    except (ShardError, UnicodeDecodeError, ValueError):
+        doc = parse_json(data, manifest, max_length=MAX_MANIFEST_BYTES, what="manifest") if data is not None else None
+    except ShardError:
         return None   # the reader of the data refuses a bad manifest, naming it
     record = doc.get(MANIFEST_KEY) if isinstance(doc, dict) else None
     return record if isinstance(record, dict) else None

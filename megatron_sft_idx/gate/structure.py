@@ -39,7 +39,8 @@ from ..format import (
     IdxHeader,
     SeqIdxHeader,
 )
-from ..metadata import ShardMetadata, parse_json
+from ..jsondoc import parse_json
+from ..metadata import ShardMetadata
 from ._context import ShardContext
 
 IDX_FIELDS = ("magic", "version", "dtype_code", "sequence_count", "document_count")

@@ -25,7 +25,6 @@ shards in its directory: it might list them.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
@@ -33,6 +32,7 @@ from typing import Dict, List, Optional, Sequence
 from .. import publishing
 from ..errors import RemoteStorageError, ShardError
 from ..format import IDX_SUFFIX, ORDER_SUFFIX
+from ..jsondoc import parse_json
 from ..manifest import MANIFEST_SUFFIX, MAX_MANIFEST_BYTES, MANIFEST_FORMAT, parse_manifest
 from ..storage._url import ObjectURL, is_remote
 from .report import Report, ShardReport
@@ -91,7 +91,7 @@ def _read(path: str):
     except OSError as exc:
         raise ShardError(f"cannot read the manifest beside the shard ({exc.strerror or exc})", path=path) from None
     m = parse_manifest(raw, os.path.abspath(path), named=path)
-    record = json.loads(raw.decode("utf-8")).get("order")   # parsed above: valid JSON, an object
+    record = parse_json(raw, path, max_length=MAX_MANIFEST_BYTES, what="manifest").get("order")   # parsed above
     return [p if is_remote(p) else _key(p) for p in m.prefixes], record if isinstance(record, dict) else None
 
 

@@ -25,9 +25,9 @@ from .. import _atomic
 from .._container import ALIGN as _ALIGN
 from .._container import HEADER, HEADER_SIZE, Kind  # (HEADER: the container's layout, named here too)
 from ..errors import HeaderError, ShardError
-from ..metadata import PAD_LAYOUTS, parse_json
+from ..jsondoc import HEX, Doc, check_int, parse_json
+from ..metadata import PAD_LAYOUTS
 from ..packing import ALGORITHMS
-from ..jsondoc import HEX, Doc, check_int
 
 PLAN_MAGIC = b"MSFTPLN\x00"
 PLAN_VERSION = (1, 0)
