@@ -117,6 +117,9 @@ def parse_json(raw: Union[bytes, bytearray, memoryview, str], path: Optional[str
     ``path`` the file; ``error`` is raised for bytes that are not JSON and ``limit_error``
     (``error`` when None) for a limit exceeded.
 
+    Every error carries ``detail`` (the reason alone, for a caller that words its own message);
+    a limit error also ``limit``: ``"bytes"``, ``"depth"`` or ``"number"``.
+
     Raises:
         MetadataError (or ``error``): not UTF-8, or not JSON.
         MetadataLimitError (or ``limit_error``): a limit is exceeded.
@@ -124,7 +127,7 @@ def parse_json(raw: Union[bytes, bytearray, memoryview, str], path: Optional[str
     def limit(why: str, kind: str = "number") -> ShardError:
         whose = "the format's limits" if int64 else "its limits"
         err = (limit_error or error)(f"{what} exceeds {whose}: {why}", path=path, field=what, hint=hint)
-        err.limit = kind   # which: "bytes", "depth" or "number"
+        err.limit, err.detail = kind, why   # which limit ("bytes", "depth" or "number"), and how
         return err
 
     if not isinstance(raw, (str, bytes, bytearray, memoryview)):
@@ -166,8 +169,8 @@ def parse_record_json(raw: Union[bytes, str], what: str = "record", max_length: 
     ids are checked against the vocabulary later; a literal beyond Python's digit limit is not
     JSON), every other number finite.
 
-    The caller names the record (``file:line``) in its own error; a MetadataError's ``detail``
-    holds the decoder's words.
+    The caller names the record (``file:line``) in its own error, from the error's ``detail``
+    and ``limit`` (:func:`parse_json`).
 
     Raises:
         MetadataLimitError: beyond the limits (catch it before MetadataError).
@@ -181,7 +184,7 @@ def parse_record_json(raw: Union[bytes, str], what: str = "record", max_length: 
         if len(raw) > max_length:
             err = MetadataLimitError(f"{what} exceeds its limits: {len(raw)} bytes, more than {max_length}",
                                      field=what, hint=hint)
-            err.limit = "bytes"
+            err.limit, err.detail = "bytes", f"{len(raw)} bytes, more than {max_length}"
             raise err
         try:
             raw = raw.decode(json.detect_encoding(raw), "surrogatepass")

@@ -320,9 +320,9 @@ def parse_receipt(path: str) -> dict:
 
     try:
         doc = load_json(path, max_length=RECEIPT_MAX_BYTES, what="index cache receipt",
-                        hint="the cache entry is downloaded again")
+                        limit_error=MetadataLimitError)
     except MetadataLimitError as exc:
-        raise bad("json" if exc.limit != "bytes" else "size", exc.message.partition(": ")[2]) from None
+        raise bad("json" if exc.limit != "bytes" else "size", exc.detail) from None
     except MetadataError as exc:
         raise bad("json", f"not UTF-8 JSON ({exc.detail})") from None
     _exact_keys(doc, {"format", "version", "url", "generation", "objects", "files"}, "", bad)

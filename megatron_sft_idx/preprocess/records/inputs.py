@@ -171,9 +171,9 @@ def parse_record(raw, path: str, line: int, input_format: str, prompt_key: str, 
             record = parse_record_json(raw, max_length=sys.maxsize)
         except MetadataLimitError as exc:
             if exc.limit != "depth":
-                raise input_error(f"malformed JSON ({exc.message.partition(': ')[2]})", path, line,
+                raise input_error(f"malformed JSON ({exc.detail})", path, line,
                                   reason="malformed_json") from None
-            raise input_error(f"JSON nested too deeply to parse ({exc.message.partition(': ')[2]})", path, line,
+            raise input_error(f"JSON nested too deeply to parse ({exc.detail})", path, line,
                               reason="json_too_deep",
                               hint="no conversation needs this nesting; fix the record or pass --skip-bad") from None
         except MetadataError as exc:

@@ -211,7 +211,7 @@ class _Mapper:
         try:
             return parse_record_json(text, what=where)
         except MetadataLimitError as exc:
-            raise self.error(f"'{where}' holds JSON beyond the record limits ({exc.message.partition(': ')[2]})",
+            raise self.error(f"'{where}' holds JSON beyond the record limits ({exc.detail})",
                              where, "json_too_deep" if exc.limit == "depth" else "bad_tool_call") from None
         except MetadataError:
             raise self.error(not_json, where, "bad_tool_call") from None
