@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from .._atomic import clear_stale_temporaries
 from ..format import PUBLISH_ORDER
 from ..publishing import StagedSet, StagedShard, publish_set
 from .receipts import ReceiptBook
@@ -44,6 +45,9 @@ def publish(staged: StagedSet, replaced: Sequence[str], book: ReceiptBook, on_sh
         ShardError: a staged file is missing (the staging directory was tampered with).
         OSError: the filesystem refused a rename or write (the caller names it).
     """
+    # An order write an earlier attempt was killed in leaves its temporary beside the final name
+    # (manifests' are cleared by publish_set): a resumed publish removes it before writing again.
+    clear_stale_temporaries([order.final for order in staged.orders])
     publish_set(staged, replaced, done=book.completed(range(len(staged.shards))),
                 on_commit=lambda i, files: book.write(i, {"final": staged.shards[i].final}, files),
                 on_shard=on_shard, on_error=on_error)
