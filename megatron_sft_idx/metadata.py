@@ -48,7 +48,7 @@ from .format import (
     PAD_LAYOUTS,
     TOKEN_DTYPES,
 )
-from .jsondoc import parse_json
+from . import jsondoc
 
 FORMAT_NAME = "megatron_sft_idx"
 #: Keys the builder owns; a caller's ``metadata=`` may not set them.
@@ -246,13 +246,14 @@ class ShardMetadata:
 
     @classmethod
     def decode(cls, raw: bytes, path: Optional[str] = None) -> "ShardMetadata":
-        """Parse the metadata bytes of a ``.seq.idx`` (see :func:`parse_json` and :meth:`from_dict`).
+        """Parse the metadata bytes of a ``.seq.idx`` (see :func:`~megatron_sft_idx.jsondoc.parse_json`
+        and :meth:`from_dict`).
 
         Raises:
             MetadataError: not UTF-8 JSON, a required key missing or of the wrong type or range;
             MetadataLimitError (a MetadataError): beyond the format's limits.
         """
-        return cls.from_dict(parse_json(raw, path), path=path)
+        return cls.from_dict(jsondoc.parse_json(raw, path), path=path)
 
     @classmethod
     def from_dict(cls, obj: Any, path: Optional[str] = None) -> "ShardMetadata":
@@ -389,4 +390,4 @@ def check_user_limits(known: Mapping[str, Any]) -> None:
     except (TypeError, ValueError, RecursionError) as exc:
         raise MetadataError(f"metadata is not JSON-serialisable: {exc}", field="metadata",
                             hint="pass only str/int/float/bool/None/list/dict values, finite floats") from None
-    parse_json(raw)
+    jsondoc.parse_json(raw)
