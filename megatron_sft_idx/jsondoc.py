@@ -11,15 +11,13 @@ A value beyond the limits is the caller's error class naming the file, never a
 
 The limits, by use (docs/FORMAT.md "Limits", docs/INPUTS.md "Limits"):
 
-========================  =====================  =====================  ==============
-document                  bytes                  depth                  integers
-========================  =====================  =====================  ==============
-metadata and artifacts    MAX_METADATA_LENGTH    MAX_METADATA_DEPTH     int64
-manifests                 MAX_MANIFEST_BYTES     MAX_METADATA_DEPTH     int64
-an input record, and the  ``--max-record-bytes`` :data:`RECORD_MAX_DEPTH`  any (ids are
-JSON strings inside it                                                  checked later)
-a tokenizer's own JSON    :data:`TOKENIZER_MAX_BYTES`  MAX_METADATA_DEPTH  any
-========================  =====================  =====================  ==============
+* metadata and the artifacts a run reads back: ``MAX_METADATA_LENGTH`` bytes,
+  ``MAX_METADATA_DEPTH`` deep, every integer within int64 (manifests: ``MAX_MANIFEST_BYTES``;
+  the index cache's receipt: ``RECEIPT_MAX_BYTES``);
+* an input record: its size bounded by the reader (``--max-record-bytes``), at most
+  :data:`RECORD_MAX_DEPTH` deep, integers of any size (token ids are checked later);
+* a JSON string inside a record: :data:`RECORD_JSON_MAX_BYTES`, :data:`RECORD_MAX_DEPTH` deep;
+* a tokenizer's own serialised configuration: :data:`TOKENIZER_MAX_BYTES`.
 
 :class:`Doc` wraps one JSON object of one file; each accessor returns a value only when it has
 the expected type and range, and otherwise raises one :class:`~megatron_sft_idx.errors.ShardError`
