@@ -227,8 +227,8 @@ class Order:
     def from_bytes(cls, data: bytes, path: Optional[str] = None) -> "Order":
         """Parse and verify an order file's bytes (``path`` names it in errors); see :meth:`load`."""
         meta_off, meta_len = _parse_header(data, path)
-        meta = parse_json(data[meta_off:meta_off + meta_len], path, what="order metadata", error=HeaderError, limit_error=None,
-                          hint="the order file is corrupt or cut short; plan it again (plan-batches)")
+        meta = parse_json(data[meta_off:meta_off + meta_len], path, what="order metadata", error=HeaderError,
+                          limit_error=None, hint="the order file is corrupt or cut short; plan it again (plan-batches)")
         if not isinstance(meta, dict) or meta.get("format") != ORDER_FORMAT:
             raise HeaderError("order metadata names another format", path=path, field="format", expected=ORDER_FORMAT)
         fields = _fields(meta, path)
