@@ -90,6 +90,11 @@ namespace detail {
 // ---------------------------------------------------------------- helpers
 
 std::string to_str(uint64_t v) { return std::to_string(v); }
+std::string hex32(uint32_t v) {
+  char buf[16];
+  std::snprintf(buf, sizeof buf, "0x%08x", v);
+  return buf;
+}
 std::string to_str_i(int64_t v) { return std::to_string(v); }
 
 std::string detail_text(std::string_view message, std::string_view field, std::string_view expected,
@@ -101,6 +106,15 @@ std::string detail_text(std::string_view message, std::string_view field, std::s
   if (!expected.empty()) out += (field.empty() ? "" : ": ") + std::string("expected ") + std::string(expected);
   if (!actual.empty()) out += (field.empty() && expected.empty() ? "" : ", ") + std::string("found ") + std::string(actual);
   return out + ")";
+}
+
+Finding make_recorded_finding(std::string code, const Context& ctx, int file_id, std::string message,
+                              std::string field, std::string recorded, std::string found, int64_t offset) {
+  Finding f = make_finding(std::move(code), ctx, file_id, message, {}, offset);
+  f.field = std::move(field);
+  f.expected = std::move(recorded);
+  f.actual = std::move(found);
+  return f;
 }
 
 Finding make_finding(std::string code, const Context& ctx, int file_id, std::string_view what, Detail detail,

@@ -221,6 +221,13 @@ struct Detail {
 Finding make_finding(std::string code, const Context& ctx, int file_id, std::string_view what,
                      Detail detail = {}, int64_t offset = -1, int64_t pack = -1,
                      Severity severity = Severity::error);
+// A value the file holds against the one a record holds (a CRC, a size, a statistic), in the
+// Python gate's words: `message` says both ("CRC-32 is F, the metadata records R"); the finding's
+// expected is the recorded value and actual the one found, as everywhere else in a report.
+Finding make_recorded_finding(std::string code, const Context& ctx, int file_id, std::string message,
+                              std::string field, std::string recorded, std::string found, int64_t offset = -1);
+// "0x0000abcd", as Python's f"{v:#010x}".
+std::string hex32(uint32_t v);
 uint32_t crc32_bytes(const uint8_t* data, uint64_t size) noexcept;
 
 }  // namespace detail

@@ -16,12 +16,6 @@ namespace sft_idx {
 namespace detail {
 namespace {
 
-std::string hex32(uint32_t v) {
-  char buf[16];
-  std::snprintf(buf, sizeof buf, "0x%08x", v);
-  return buf;
-}
-
 uint64_t align64(uint64_t n) { return (n + kAlignment - 1) / kAlignment * kAlignment; }
 
 bool is_token_code(uint8_t code) { return code == uint8_t(DType::uint16) || code == uint8_t(DType::int32); }
@@ -254,9 +248,9 @@ void check_seq_idx_body(Context& ctx, Sink& sink, const SeqIdxHeader& h, bool bo
   if (body_crc) {
     const uint32_t crc = crc32_bytes(p + kSeqIdxHeaderSize, size - kSeqIdxHeaderSize);
     if (crc != h.body_crc32) {
-      sink.add(make_finding("SEQ_IDX_BODY_CRC", ctx, kSeqIdx, "body (metadata + CSR offsets) CRC-32 mismatch",
-                            {"body_crc32", hex32(h.body_crc32) + " (recorded)", hex32(crc) + " (computed)"},
-                            kSeqOffBodyCrc));
+      sink.add(make_recorded_finding("SEQ_IDX_BODY_CRC", ctx, kSeqIdx, "body CRC-32 is " + hex32(crc) +
+                                     ", the header records " + hex32(h.body_crc32), "body_crc32",
+                                     hex32(h.body_crc32), hex32(crc), kSeqOffBodyCrc));
     }
   }
 }
@@ -288,9 +282,10 @@ void check_seq_idx_header(Context& ctx, Sink& sink, bool body_crc) {
   const uint32_t header_crc = crc32_bytes(p, kSeqOffHeaderCrc);
   if (header_crc != h.header_crc32) {
     // Carry on: the fields below still say which one is wrong.
-    sink.add(make_finding("SEQ_IDX_HEADER_CRC", ctx, kSeqIdx, "header CRC-32 mismatch: the header bytes were modified",
-                          {"header_crc32", hex32(h.header_crc32) + " (recorded)", hex32(header_crc) + " (computed)"},
-                          kSeqOffHeaderCrc));
+    sink.add(make_recorded_finding("SEQ_IDX_HEADER_CRC", ctx, kSeqIdx, "header CRC-32 is " + hex32(header_crc) +
+                                   ", the header records " + hex32(h.header_crc32) +
+                                   ": the header bytes were modified", "header_crc32", hex32(h.header_crc32),
+                                   hex32(header_crc), kSeqOffHeaderCrc));
   }
   if (!seq_fields_valid(ctx, h, sink)) return;
   ctx.seq = h;
@@ -353,8 +348,9 @@ void against_metadata(const Context& ctx, Sink& sink, const Metadata& meta) {
         {"stats.token_count", sh->token_count, meta.stats.token_count, kSeqOffTokenCount}};
     for (const auto& c : counts) {
       if (c.recorded < 0 || uint64_t(c.recorded) != c.header) {
-        sink.add(make_finding("METADATA_STATS_MISMATCH", ctx, kSeqIdx, "metadata statistic disagrees with the "
-                              "header", {c.name, to_str(c.header), to_str_i(c.recorded)}, int64_t(c.off)));
+        sink.add(make_recorded_finding("METADATA_STATS_MISMATCH", ctx, kSeqIdx, std::string(c.name) + " is " +
+                                       to_str_i(c.recorded) + ", the header says " + to_str(c.header), c.name,
+                                       to_str(c.header), to_str_i(c.recorded), int64_t(c.off)));
       }
     }
   }
@@ -362,10 +358,10 @@ void against_metadata(const Context& ctx, Sink& sink, const Metadata& meta) {
     const FileId id = kChecksummedIds[k];
     const uint64_t recorded = meta.files[k].size, have = ctx.f(id).size();
     if (recorded != have) {
-      sink.add(make_finding(have < recorded ? "FILE_TRUNCATED" : "FILE_SIZE_MISMATCH", ctx, id,
-                            "file size differs from the size recorded in the metadata",
-                            {std::string("files.") + kSuffix[id] + ".size", to_str(recorded), to_str(have)},
-                            int64_t(have < recorded ? have : recorded)));
+      sink.add(make_recorded_finding(have < recorded ? "FILE_TRUNCATED" : "FILE_SIZE_MISMATCH", ctx, id,
+                                     to_str(have) + " bytes; the metadata records " + to_str(recorded),
+                                     std::string("files.") + kSuffix[id] + ".size", to_str(recorded), to_str(have),
+                                     int64_t(have < recorded ? have : recorded)));
     }
   }
 }

@@ -141,11 +141,10 @@ void check_checksums(const Context& ctx, Sink& sink) {
     if (ctx.f(id).size() != rec.size) continue;  // a size finding already says more
     const uint32_t crc = crc32_bytes(ctx.f(id).data(), ctx.f(id).size());
     if (crc != rec.crc32) {
-      char buf[96];
-      std::snprintf(buf, sizeof buf, "0x%08llx (recorded) / 0x%08x (computed)", (unsigned long long)rec.crc32, crc);
-      sink.add(make_finding("CHECKSUM_MISMATCH", ctx, id, std::string("CRC-32 differs from the one recorded in the "
-                            "metadata: ") + buf, {std::string("files.") + kSuffix[id] + ".crc32",
-                            to_str(rec.crc32), to_str(crc)}));
+      sink.add(make_recorded_finding("CHECKSUM_MISMATCH", ctx, id, "CRC-32 is " + hex32(crc) +
+                                     ", the metadata records " + hex32(uint32_t(rec.crc32)),
+                                     std::string("files.") + kSuffix[id] + ".crc32", hex32(uint32_t(rec.crc32)),
+                                     hex32(crc)));
     }
   }
 }
@@ -334,8 +333,8 @@ void compare_stats(const Context& ctx, Sink& sink, const Totals& t) {
       {"dataset_max_seqlen", s.dataset_max_seqlen, t.max_seqlen}, {"min_seqlen", s.min_seqlen, t.min_seqlen},
       {"min_packed_seqlen", s.min_packed_seqlen, t.min_packed}, {"max_packed_seqlen", s.max_packed_seqlen, t.max_packed}};
   auto mismatch = [&](const std::string& name, const std::string& rec, const std::string& act) {
-    sink.add(make_finding("METADATA_STATS_MISMATCH", ctx, kSeqIdx, "stats." + name + " disagrees with the data",
-                          {"stats." + name, act, rec}, int64_t(kMetadataOffset)));
+    sink.add(make_recorded_finding("METADATA_STATS_MISMATCH", ctx, kSeqIdx, "stats." + name + " records " + rec +
+                                   ", the data gives " + act, "stats." + name, rec, act, int64_t(kMetadataOffset)));
   };
   for (const auto& f : ints)
     if (f.recorded != f.actual) mismatch(f.name, to_str_i(f.recorded), to_str_i(f.actual));

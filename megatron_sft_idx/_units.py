@@ -10,10 +10,15 @@ does not matter, a fraction is allowed (``1.5G``), ``B`` alone or no suffix is b
 from __future__ import annotations
 
 import argparse
+import math
 import re
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
 _POWER = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
+#: The largest byte count a flag takes (an exbibyte): past it a size is a typo, not a plan.
+MAX_SIZE = 1 << 60
+#: The longest duration a flag takes, in seconds (30 days).
+MAX_SECONDS = 30 * 86400
 
 
 def parse_size(text: str) -> int:
@@ -27,7 +32,10 @@ def parse_size(text: str) -> int:
         raise ValueError(f"expected a size like 65536, 512K, 64M, 1G or 1.5GiB, got {text!r}")
     number, prefix, tail = m.groups()
     base = 1000 if tail.lower() == "b" and prefix else 1024
-    return int(round(float(number) * base ** _POWER[prefix.lower()]))
+    value = float(number) * base ** _POWER[prefix.lower()]
+    if not math.isfinite(value) or value > MAX_SIZE:
+        raise ValueError(f"expected a size of at most {MAX_SIZE} bytes (1 EiB), got {text!r}")
+    return int(round(value))
 
 
 def size_arg(text: str) -> int:
@@ -38,6 +46,17 @@ def size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
+    return value
+
+
+def seconds_arg(text: str) -> float:
+    """argparse ``type=`` for a positive, finite duration in seconds, at most :data:`MAX_SECONDS`."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds like 30 or 0.5, got {text!r}") from None
+    if not (math.isfinite(value) and 0 < value <= MAX_SECONDS):
+        raise argparse.ArgumentTypeError(f"must be more than 0 and at most {MAX_SECONDS} seconds, got {text!r}")
     return value
 
 

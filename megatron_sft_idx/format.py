@@ -60,7 +60,7 @@ are the members of :class:`Rule`.
 
 The format's limits (metadata length, nesting depth, integer ranges) are the constants
 under "limits" below, stated in docs/FORMAT.md "Limits" and enforced by
-``metadata.parse_json`` / ``ShardMetadata.from_dict`` and by csrc/ alike.
+``jsondoc.parse_json`` / ``ShardMetadata.from_dict`` and by csrc/ alike.
 
 Checksums are CRC-32 (zlib / IEEE 802.3 polynomial, as ``zlib.crc32``) of whole
 files; the metadata records the size and CRC-32 of P.bin, P.idx, P.loss.bin and

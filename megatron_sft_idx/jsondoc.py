@@ -1,11 +1,29 @@
-"""Strict reading of the JSON artifacts the pipeline reads back: ``store.json``, receipts, plan metadata.
+"""The one JSON reader of the project, and strict reading of the artifacts it reads back.
 
-A run trusts nothing it reads back. :class:`Doc` wraps one JSON object of one file; each
-accessor returns a value only when it has the expected type and range, and otherwise raises
-one :class:`~megatron_sft_idx.errors.ShardError` subclass naming the file and the field (a
-dotted path such as ``partitions[3]`` or ``splits[0].arrays.pack_loads``). A ``bool`` is never
-taken for an integer, nor an integer for a string. The JSON itself is parsed within the
-format's limits (:func:`megatron_sft_idx.metadata.parse_json`: size, nesting depth, int64).
+Every JSON the package parses -- shard metadata, ``store.json``, receipts, plan and order
+metadata, manifests, caches, sidecars, a saved dataset's ``state.json``, and the JSON inside
+input records (a JSON Lines line, tool-call ``arguments``, xLAM ``answers``/``tools``) -- becomes
+a value in :func:`parse_json`, within named limits: a size, a nesting depth and strict types
+(RFC 8259: no ``NaN``/``Infinity``; every number finite as a double; for artifacts, every
+integer within int64). Nothing else calls ``json.loads`` (tests/project/test_json_reader.py).
+A value beyond the limits is the caller's error class naming the file, never a
+``RecursionError``.
+
+The limits, by use (docs/FORMAT.md "Limits", docs/INPUTS.md "Limits"):
+
+* metadata and the artifacts a run reads back: ``MAX_METADATA_LENGTH`` bytes,
+  ``MAX_METADATA_DEPTH`` deep, every integer within int64 (manifests: ``MAX_MANIFEST_BYTES``;
+  the index cache's receipt: ``RECEIPT_MAX_BYTES``);
+* an input record: its size bounded by the reader (``--max-record-bytes``), at most
+  :data:`RECORD_MAX_DEPTH` deep, integers of any size (token ids are checked later);
+* a JSON string inside a record: :data:`RECORD_JSON_MAX_BYTES`, :data:`RECORD_MAX_DEPTH` deep;
+* a tokenizer's own serialised configuration: :data:`TOKENIZER_MAX_BYTES`.
+
+:class:`Doc` wraps one JSON object of one file; each accessor returns a value only when it has
+the expected type and range, and otherwise raises one :class:`~megatron_sft_idx.errors.ShardError`
+subclass naming the file and the field (a dotted path such as ``partitions[3]`` or
+``splits[0].arrays.pack_loads``). A ``bool`` is never taken for an integer, nor an integer for
+a string.
 
 Example::
 
@@ -16,30 +34,181 @@ Example::
 from __future__ import annotations
 
 import json
+import math
+import os
 import re
-from typing import Any, Callable, Dict, List, Optional, Sequence, Type
+from typing import Any, Callable, Dict, List, Optional, Sequence, Type, Union
 
-from .errors import MetadataError, ShardError
-from .format import MAX_METADATA_LENGTH
-from .metadata import parse_json
+from .errors import MetadataError, MetadataLimitError, ShardError
+from .format import MAX_METADATA_DEPTH, MAX_METADATA_LENGTH, METADATA_INT_RANGE
 
 _MISSING = object()
 HEX = {32: re.compile(r"[0-9a-f]{32}"), 64: re.compile(r"[0-9a-f]{64}")}
 
+#: Containers nested at most this deep in one input record, and in each JSON string a record
+#: holds (tool-call ``arguments``, ``tools``, xLAM ``answers``): a chat record with tool calls
+#: nests about 7 deep before the arguments begin. Rendering and checking walk a value
+#: recursively, so the bound stays well below Python's recursion limit (1000).
+RECORD_MAX_DEPTH = 256
+#: Bytes of one JSON string inside an input record. A JSON Lines record is itself bounded by
+#: ``--max-record-bytes`` (the reader never buffers a longer line); a Parquet or Arrow row is not
+#: read line by line, so its JSON strings are bounded here.
+RECORD_JSON_MAX_BYTES = 64 << 20
+#: A tokenizer's serialised configuration (``tokenizer.json``-sized, vocabulary included).
+TOKENIZER_MAX_BYTES = 1 << 30
 
-def load_json(path: str, error: Type[ShardError] = MetadataError) -> Any:
-    """The JSON value in the file ``path``, within the metadata limits.
+
+# --------------------------------------------------------------------------- JSON within limits
+
+#: Longest integer literal that can hold an int64 ("-9223372036854775808"): longer ones are
+#: refused by their length, never converted (int() of a long digit string is quadratic).
+_MAX_INT_LITERAL = len(str(METADATA_INT_RANGE[0]))
+
+
+class _OverLimit(Exception):
+    """Raised from inside json's number hooks; not a ValueError, so it is never taken for a syntax error."""
+
+
+def _parse_int(text: str) -> int:
+    if len(text) > _MAX_INT_LITERAL:
+        raise _OverLimit(f"an integer of {len(text.lstrip('-'))} digits is outside int64")
+    value = int(text)
+    if not METADATA_INT_RANGE[0] <= value <= METADATA_INT_RANGE[1]:
+        raise _OverLimit(f"the integer {value} is outside int64")
+    return value
+
+
+def _parse_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise _OverLimit(f"the number {text[:40]}{'...' if len(text) > 40 else ''} overflows a double")
+    return value
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not JSON (RFC 8259)")
+
+
+def _too_deep(obj: Any, limit: int) -> bool:
+    """Whether containers nest deeper than ``limit`` (the top-level container is depth 1)."""
+    stack = [(obj, 1)] if isinstance(obj, (dict, list)) else []
+    while stack:
+        value, depth = stack.pop()
+        if depth > limit:
+            return True
+        for child in (value.values() if isinstance(value, dict) else value):
+            if isinstance(child, (dict, list)):
+                stack.append((child, depth + 1))
+    return False
+
+
+def parse_json(raw: Union[bytes, bytearray, memoryview, str], path: Optional[str] = None, *,
+               max_length: int = MAX_METADATA_LENGTH, max_depth: int = MAX_METADATA_DEPTH,
+               int64: bool = True, what: str = "metadata", error: Type[ShardError] = MetadataError,
+               limit_error: Optional[Type[ShardError]] = MetadataLimitError, hint: Optional[str] = None) -> Any:
+    """``raw`` (UTF-8 bytes, or text) as a JSON value, within the limits (module doc).
+
+    Strict UTF-8 and RFC 8259 JSON (no ``NaN``/``Infinity``); at most ``max_length`` bytes;
+    containers nested at most ``max_depth`` deep (a deeper document is refused, however deep:
+    never a ``RecursionError``); every number finite as a double and, with ``int64``, every
+    integer within int64 -- anywhere in the document. ``what`` names the document in messages,
+    ``path`` the file; ``error`` is raised for bytes that are not JSON and ``limit_error``
+    (``error`` when None) for a limit exceeded.
+
+    Every error carries ``detail`` (the reason alone, for a caller that words its own message);
+    a limit error also ``limit``: ``"bytes"``, ``"depth"`` or ``"number"``.
+
+    Raises:
+        MetadataError (or ``error``): not UTF-8, or not JSON.
+        MetadataLimitError (or ``limit_error``): a limit is exceeded.
+    """
+    def limit(why: str, kind: str = "number") -> ShardError:
+        whose = "the format's limits" if int64 else "its limits"
+        err = (limit_error or error)(f"{what} exceeds {whose}: {why}", path=path, field=what, hint=hint)
+        err.limit, err.detail = kind, why   # which limit ("bytes", "depth" or "number"), and how
+        return err
+
+    if not isinstance(raw, (str, bytes, bytearray, memoryview)):
+        raise TypeError(f"JSON text must be str or bytes, not {type(raw).__name__}")
+    if isinstance(raw, str):
+        size = len(raw) if len(raw) * 4 <= max_length else len(raw.encode("utf-8", "surrogatepass"))
+        text, brackets = raw, raw.count("[") + raw.count("{")
+    elif isinstance(raw, (bytes, bytearray, memoryview)):
+        raw = bytes(raw)
+        size, text, brackets = len(raw), None, raw.count(b"[") + raw.count(b"{")
+    if size > max_length:
+        raise limit(f"{size} bytes, more than {max_length}", "bytes")
+    try:
+        if text is None:
+            text = raw.decode("utf-8")
+        obj = json.loads(text, parse_int=_parse_int if int64 else None, parse_float=_parse_float,
+                         parse_constant=_refuse_constant)
+    except _OverLimit as exc:
+        raise limit(str(exc)) from None
+    except RecursionError:
+        raise limit(f"containers nested deeper than {max_depth}", "depth") from None
+    except (UnicodeDecodeError, ValueError) as exc:
+        if hint is None:
+            hint = "the .seq.idx metadata block is corrupt or cut short; rebuild the shard" if what == "metadata" \
+                else f"the {what} is corrupt or cut short; rewrite it"
+        err = error(f"{what} is not valid UTF-8 JSON ({exc.__class__.__name__}: {exc})", path=path, field=what,
+                    hint=hint)
+        err.detail = str(exc)   # the decoder's own words, for a caller that words its own message
+        raise err from None
+    # Fast path: fewer brackets in the text than the limit cannot nest deeper than it.
+    if brackets > max_depth and _too_deep(obj, max_depth):
+        raise limit(f"containers nested deeper than {max_depth}", "depth")
+    return obj
+
+
+def parse_record_json(raw: Union[bytes, str], what: str = "record", max_length: int = RECORD_JSON_MAX_BYTES) -> Any:
+    """An input record, or a JSON string inside one, as a value within the record limits:
+    at most ``max_length`` bytes and :data:`RECORD_MAX_DEPTH` deep; integers of any size (token
+    ids are checked against the vocabulary later; a literal beyond Python's digit limit is not
+    JSON), every other number finite.
+
+    The caller names the record (``file:line``) in its own error, from the error's ``detail``
+    and ``limit`` (:func:`parse_json`).
+
+    Raises:
+        MetadataLimitError: beyond the limits (catch it before MetadataError).
+        MetadataError: not UTF-8 JSON.
+    """
+    hint = "fix the record, or pass --skip-bad"
+    if not isinstance(raw, str) and isinstance(raw, (bytes, bytearray, memoryview)):
+        # Bytes decode as json.loads decodes them (a BOM, UTF-16/32; lone surrogates kept), so the
+        # record mapping, not the decoder, names a lone surrogate by its field.
+        raw = bytes(raw)
+        if len(raw) > max_length:
+            err = MetadataLimitError(f"{what} exceeds its limits: {len(raw)} bytes, more than {max_length}",
+                                     field=what, hint=hint)
+            err.limit, err.detail = "bytes", f"{len(raw)} bytes, more than {max_length}"
+            raise err
+        try:
+            raw = raw.decode(json.detect_encoding(raw), "surrogatepass")
+        except UnicodeDecodeError as exc:
+            err = MetadataError(f"{what} is not valid UTF-8 JSON ({exc})", field=what, hint=hint)
+            err.detail = str(exc)
+            raise err from None
+    return parse_json(raw, None, max_length=max_length, max_depth=RECORD_MAX_DEPTH, int64=False, what=what,
+                      hint=hint)
+
+
+def load_json(path: str, error: Type[ShardError] = MetadataError, *, max_length: int = MAX_METADATA_LENGTH,
+              what: Optional[str] = None, limit_error: Optional[Type[ShardError]] = None,
+              hint: Optional[str] = None) -> Any:
+    """The JSON value in the file ``path``, within the metadata limits (or ``max_length`` bytes);
+    ``what`` (the file's name by default) and ``hint`` as :func:`parse_json` takes them.
 
     Raises:
         OSError: the file cannot be read (the caller decides what a missing file means);
-        ``error`` (a ShardError): not UTF-8 JSON, or beyond the limits.
+        ``error`` (a ShardError): not UTF-8 JSON, or beyond the limits (``limit_error`` for
+            those, when given).
     """
     with open(path, "rb") as f:
-        raw = f.read(MAX_METADATA_LENGTH + 1)
-    try:
-        return parse_json(raw, path)
-    except ShardError as exc:
-        raise error(exc.message, path=path, field=exc.field or "json") from None
+        raw = f.read(max_length + 1)
+    return parse_json(raw, path, max_length=max_length, what=what or os.path.basename(path), error=error,
+                      limit_error=limit_error, hint=hint)
 
 
 def normal_json(obj) -> Any:

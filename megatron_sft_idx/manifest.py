@@ -54,7 +54,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .errors import MetadataError, ShardError, ShardNotFoundError
-from .metadata import parse_json
+from .jsondoc import parse_json
 from .packed import PackSummary, summarize
 from .sets import ShardIdentity, require_compatible, require_whole_sets
 from .storage._url import ObjectURL, is_remote, join_url

@@ -28,30 +28,27 @@ extra                  no        anything the producer wants to keep
 Readers ignore keys they do not know (a newer minor version may add some);
 they refuse a missing required key or a value of the wrong type. The whole document,
 known keys or not, stays within the format's limits (``format.py``, docs/FORMAT.md
-"Limits"): :func:`parse_json` is the one place the bytes become a JSON value, for the
-reader, the gate and the builder alike.
+"Limits"): :func:`megatron_sft_idx.jsondoc.parse_json`, the project's one JSON reader, is where
+the bytes become a JSON value, for the reader, the gate and the builder alike.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Mapping, Optional
 
-from .errors import MetadataError, MetadataLimitError
+from .errors import MetadataError
 from .format import (
     CHECKSUMMED_SUFFIXES,
     LOSS_MASK_CONVENTION,
-    MAX_METADATA_DEPTH,
-    MAX_METADATA_LENGTH,
     MAX_SET_TEXT,
     METADATA_FIELD_RANGES,
-    METADATA_INT_RANGE,
     PAD_LAYOUT_STORED,
     PAD_LAYOUTS,
     TOKEN_DTYPES,
 )
+from . import jsondoc
 
 FORMAT_NAME = "megatron_sft_idx"
 #: Keys the builder owns; a caller's ``metadata=`` may not set them.
@@ -249,13 +246,14 @@ class ShardMetadata:
 
     @classmethod
     def decode(cls, raw: bytes, path: Optional[str] = None) -> "ShardMetadata":
-        """Parse the metadata bytes of a ``.seq.idx`` (see :func:`parse_json` and :meth:`from_dict`).
+        """Parse the metadata bytes of a ``.seq.idx`` (see :func:`~megatron_sft_idx.jsondoc.parse_json`
+        and :meth:`from_dict`).
 
         Raises:
             MetadataError: not UTF-8 JSON, a required key missing or of the wrong type or range;
             MetadataLimitError (a MetadataError): beyond the format's limits.
         """
-        return cls.from_dict(parse_json(raw, path), path=path)
+        return cls.from_dict(jsondoc.parse_json(raw, path), path=path)
 
     @classmethod
     def from_dict(cls, obj: Any, path: Optional[str] = None) -> "ShardMetadata":
@@ -330,87 +328,6 @@ def _check_range(value: int, rule: str, key: str, path: Optional[str]) -> None:
                             expected=f"{low}..{high}", actual=value)
 
 
-# --------------------------------------------------------------------------- JSON within the limits
-
-#: Longest integer literal that can hold an int64 ("-9223372036854775808"): longer ones are
-#: refused by their length, never converted (int() of a long digit string is quadratic).
-_MAX_INT_LITERAL = len(str(METADATA_INT_RANGE[0]))
-
-
-class _OverLimit(Exception):
-    """Raised from inside json's number hooks; not a ValueError, so it is never taken for a syntax error."""
-
-
-def _parse_int(text: str) -> int:
-    if len(text) > _MAX_INT_LITERAL:
-        raise _OverLimit(f"an integer of {len(text.lstrip('-'))} digits is outside int64")
-    value = int(text)
-    if not METADATA_INT_RANGE[0] <= value <= METADATA_INT_RANGE[1]:
-        raise _OverLimit(f"the integer {value} is outside int64")
-    return value
-
-
-def _parse_float(text: str) -> float:
-    value = float(text)
-    if math.isinf(value):
-        raise _OverLimit(f"the number {text[:40]}{'...' if len(text) > 40 else ''} overflows a double")
-    return value
-
-
-def _refuse_constant(name: str):
-    raise ValueError(f"{name} is not JSON (RFC 8259)")
-
-
-def _too_deep(obj: Any, limit: int) -> bool:
-    """Whether containers nest deeper than ``limit`` (the top-level container is depth 1)."""
-    stack = [(obj, 1)] if isinstance(obj, (dict, list)) else []
-    while stack:
-        value, depth = stack.pop()
-        if depth > limit:
-            return True
-        for child in (value.values() if isinstance(value, dict) else value):
-            if isinstance(child, (dict, list)):
-                stack.append((child, depth + 1))
-    return False
-
-
-def parse_json(raw: bytes, path: Optional[str] = None, *, max_length: int = MAX_METADATA_LENGTH,
-               what: str = "metadata") -> Any:
-    """The metadata bytes as a JSON value, within the format's limits (docs/FORMAT.md "Limits").
-
-    Strict UTF-8 and RFC 8259 JSON (no ``NaN``/``Infinity``); at most ``max_length`` bytes
-    (``MAX_METADATA_LENGTH`` for metadata); containers nested at most ``MAX_METADATA_DEPTH``
-    deep; every integer within int64 and every other number finite as a double -- anywhere
-    in the document. ``what`` names the document in messages (manifests use this parser too).
-
-    Raises:
-        MetadataError: not UTF-8, or not JSON.
-        MetadataLimitError: a limit is exceeded.
-    """
-    def limit(why: str) -> MetadataLimitError:
-        return MetadataLimitError(f"{what} exceeds the format's limits: {why}", path=path, field=what)
-
-    raw = bytes(raw)
-    if len(raw) > max_length:
-        raise limit(f"{len(raw)} bytes, more than {max_length}")
-    try:
-        obj = json.loads(raw.decode("utf-8"), parse_int=_parse_int, parse_float=_parse_float,
-                         parse_constant=_refuse_constant)
-    except _OverLimit as exc:
-        raise limit(str(exc)) from None
-    except RecursionError:
-        raise limit(f"containers nested deeper than {MAX_METADATA_DEPTH}") from None
-    except (UnicodeDecodeError, ValueError) as exc:
-        hint = "the .seq.idx metadata block is corrupt or cut short; rebuild the shard" if what == "metadata" \
-            else f"the {what} is corrupt or cut short; rewrite it"
-        raise MetadataError(f"{what} is not valid UTF-8 JSON ({exc.__class__.__name__}: {exc})",
-                            path=path, field=what, hint=hint) from None
-    # Fast path: fewer brackets in the bytes than the limit cannot nest deeper than it.
-    if raw.count(b"[") + raw.count(b"{") > MAX_METADATA_DEPTH and _too_deep(obj, MAX_METADATA_DEPTH):
-        raise limit(f"containers nested deeper than {MAX_METADATA_DEPTH}")
-    return obj
-
-
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -473,4 +390,4 @@ def check_user_limits(known: Mapping[str, Any]) -> None:
     except (TypeError, ValueError, RecursionError) as exc:
         raise MetadataError(f"metadata is not JSON-serialisable: {exc}", field="metadata",
                             hint="pass only str/int/float/bool/None/list/dict values, finite floats") from None
-    parse_json(raw)
+    jsondoc.parse_json(raw)

@@ -24,7 +24,6 @@ finding code it reports. ctypes releases the GIL for every native call.
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import threading
 from typing import Dict, List, NamedTuple, Optional, Tuple
@@ -45,6 +44,7 @@ from .errors import (
     VersionError,
 )
 from .format import INT32_MAX
+from .jsondoc import parse_json
 
 ENV_VAR = "MEGATRON_SFT_IDX_NATIVE_LIB"
 ENABLE_VAR = "MEGATRON_SFT_IDX_NATIVE"
@@ -361,7 +361,7 @@ class NativeShard:
         """The metadata JSON as a dict."""
         data, size = ctypes.c_void_p(), ctypes.c_uint64()
         self._lib.sft_idx_metadata_json(self._live(), ctypes.byref(data), ctypes.byref(size))
-        return json.loads(ctypes.string_at(data.value, size.value).decode("utf-8")) if size.value else {}
+        return parse_json(ctypes.string_at(data.value, size.value)) if size.value else {}
 
     @property
     def pack_size(self) -> Optional[int]:

@@ -30,6 +30,7 @@ from .._atomic import write_file_atomically
 from .._container import ALIGN as _ALIGN
 from .._container import HEADER, HEADER_SIZE, Kind  # (HEADER: the container's layout, named here too)
 from ..errors import HeaderError, ShardError
+from ..jsondoc import parse_json
 from ..storage._url import is_remote
 from . import _kernels
 from .cost import CostModel
@@ -226,10 +227,8 @@ class Order:
     def from_bytes(cls, data: bytes, path: Optional[str] = None) -> "Order":
         """Parse and verify an order file's bytes (``path`` names it in errors); see :meth:`load`."""
         meta_off, meta_len = _parse_header(data, path)
-        try:
-            meta = json.loads(data[meta_off:meta_off + meta_len].decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise HeaderError(f"order metadata is not JSON ({exc})", path=path, field="metadata") from None
+        meta = parse_json(data[meta_off:meta_off + meta_len], path, what="order metadata", error=HeaderError,
+                          limit_error=None, hint="the order file is corrupt or cut short; plan it again (plan-batches)")
         if not isinstance(meta, dict) or meta.get("format") != ORDER_FORMAT:
             raise HeaderError("order metadata names another format", path=path, field="format", expected=ORDER_FORMAT)
         fields = _fields(meta, path)

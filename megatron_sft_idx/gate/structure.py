@@ -39,7 +39,8 @@ from ..format import (
     IdxHeader,
     SeqIdxHeader,
 )
-from ..metadata import ShardMetadata, parse_json
+from ..jsondoc import parse_json
+from ..metadata import ShardMetadata
 from ._context import ShardContext
 
 IDX_FIELDS = ("magic", "version", "dtype_code", "sequence_count", "document_count")
@@ -205,7 +206,10 @@ def parse_seq_idx(ctx: ShardContext) -> None:
             header = SeqIdxHeader.parse(raw, ctx.paths.seq_idx, assumed_size)
         except ShardError as exc:
             code = _seq_code(exc)
-            ctx.add(code, _describe(exc), SEQ_IDX_SUFFIX, offset=_offset(SEQ_IDX_OFFSETS, exc.field))
+            text = _describe(exc) if code != "SEQ_IDX_HEADER_CRC" else (  # a CRC against a record: "records"
+                f"header CRC-32 is {exc.actual:#010x}, the header records {exc.expected:#010x}: the header "
+                "bytes were modified")
+            ctx.add(code, text, SEQ_IDX_SUFFIX, offset=_offset(SEQ_IDX_OFFSETS, exc.field))
             if code == "SEQ_IDX_HEADER_CRC":
                 # Read the fields as if the CRC were right, to say which one is wrong too.
                 span = raw[:SEQ_IDX_HEADER_CRC_SPAN]

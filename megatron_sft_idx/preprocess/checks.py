@@ -16,13 +16,14 @@ sample ``--check`` takes, :func:`verify_count`) checks N written conversations t
 
 from __future__ import annotations
 
-import json
 import logging
+import sys
 from typing import Dict, List
 
 import numpy as np
 
 from ..errors import ShardError
+from ..jsondoc import parse_record_json
 from ..reader import MMapIndexedDataset
 from .records.chat import load_chat_tokenizer, trained_from_offsets
 from .records.encode import encoding_of
@@ -66,7 +67,7 @@ class _Checker:
     def check(self, raw, ids, mask, name: str, line: int, ordinal: int) -> str:
         """'' when the sequence is right, else why not."""
         try:
-            record = json.loads(raw) if isinstance(raw, (bytes, str)) else raw
+            record = parse_record_json(raw, max_length=sys.maxsize) if isinstance(raw, (bytes, str)) else raw
             shape = sc.shape_of(record, self.encode["input_format"], self.encode["prompt_key"])
             if shape == "tokens":
                 want_ids, want_mask = sc.token_record_mask(record)

@@ -25,7 +25,7 @@ import os
 import sys
 
 from .._progress import DEFAULT_LOG_INTERVAL, Progress, add_verbosity_arguments, configure_logging
-from .._units import positive_int, size_arg
+from .._units import positive_int, seconds_arg, size_arg
 from ..errors import ShardError
 from ..packing import ALGORITHMS, DEFAULT_ALGORITHM
 from .records.chat import LOSS_MODES
@@ -80,16 +80,6 @@ def _percent(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a percentage like 1 or 0.5%, got {text!r}") from None
     if not 0 <= value <= 100:
         raise argparse.ArgumentTypeError(f"must be between 0 and 100, got {text!r}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds like 30 or 0.5, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
     return value
 
 
@@ -194,7 +184,7 @@ def add_run_arguments(p: argparse.ArgumentParser, workers_help: str) -> None:
     rp = p.add_argument_group("reporting")
     rp.add_argument("--summary-json", metavar="PATH", help="also write the summary as JSON to PATH")
     rp.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
-    rp.add_argument("--log-interval", type=_seconds, default=DEFAULT_LOG_INTERVAL, metavar="SECONDS",
+    rp.add_argument("--log-interval", type=seconds_arg, default=DEFAULT_LOG_INTERVAL, metavar="SECONDS",
                     help="when stderr is not a terminal: seconds between progress lines, instead of bars "
                          f"(default: {DEFAULT_LOG_INTERVAL:g})")
     add_verbosity_arguments(p, group=rp,

@@ -278,7 +278,8 @@ class _Run:
     def tokenize(self, cfg: Config, inputs: Inputs) -> SequenceStore:
         """Index the inputs and tokenize every partition not yet in the store: the run's own, or
         the ``--store`` directory (``kept_store``, locked meanwhile)."""
-        lock = lock_user_store(self.kept_store, self.job.run.resume) if self.kept_store else None
+        lock = lock_user_store(self.kept_store, self.job.run.resume, self.job.run.overwrite) \
+            if self.kept_store else None
         try:
             directory = self.kept_store or self.work.store
             index = self._index(inputs, cfg.tokenize.partition_bytes, directory)
@@ -320,7 +321,8 @@ class _Run:
         parts = [Partition.from_list(p) for i in range(len(infos)) for p in index[i]["partitions"]]
         identity = {"tokenizer": inputs.tokenizer, "encode": inputs.options.to_dict(),
                     "max_record_bytes": tk.max_record_bytes}
-        store_id = describe_store(directory, identity, infos, parts, inputs, owned=self.kept_store is None)
+        store_id = describe_store(directory, identity, infos, parts, inputs, owned=self.kept_store is None,
+                                  overwrite=self.job.run.overwrite)
         t_verify = time.perf_counter()
         done = verified_partitions(directory)
         self.times["verify_store"] = time.perf_counter() - t_verify

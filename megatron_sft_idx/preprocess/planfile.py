@@ -25,8 +25,7 @@ from .. import _atomic
 from .._container import ALIGN as _ALIGN
 from .._container import HEADER, HEADER_SIZE, Kind  # (HEADER: the container's layout, named here too)
 from ..errors import HeaderError, ShardError
-from ..jsondoc import HEX, Doc, check_int
-from ..metadata import parse_json
+from ..jsondoc import HEX, Doc, check_int, parse_json
 from .config import PlanSettings
 
 PLAN_MAGIC = b"MSFTPLN\x00"

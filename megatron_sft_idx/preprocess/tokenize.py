@@ -278,29 +278,38 @@ def part_metadata(inputs: Inputs, info: dict, input_format: str) -> dict:
 
 
 def describe_store(directory: str, identity: dict, infos: List[dict], parts: List[Partition],
-                   inputs: Inputs, owned: bool) -> str:
+                   inputs: Inputs, owned: bool, overwrite: bool = False) -> str:
     """Write ``store.json``, or check that an existing one (``--resume``) describes the same store;
-    returns the store id. An ``owned`` store (the run's own) that does not, or does not parse, is
-    emptied and started again; another is refused.
+    returns the store id. A store that does not, or does not parse, is emptied and started again
+    when nothing else can use it -- the run's own (``owned``), or a ``--store`` an earlier run left
+    unfinished (a failed run's: ``repack-sft`` refuses an incomplete store) -- or when
+    ``overwrite`` asks for it; a complete ``--store`` is refused.
 
     Raises:
-        ShardError: a ``--store`` made from other inputs or settings (naming what differs).
+        ShardError: a complete ``--store`` made from other inputs or settings (naming what
+            differs), or one whose ``store.json`` does not parse, without ``overwrite``.
     """
     path = os.path.join(directory, STORE_FILE)
     if os.path.exists(path):
+        unfinished = owned or overwrite
         try:
             existing = SequenceStore(directory, require_complete=False)
             differs = _store_difference(existing, identity, infos, parts)
+            unfinished = unfinished or bool(existing.missing)
         except ShardError as exc:
-            if not owned:
-                raise
+            if not unfinished:
+                raise ShardError(f"the --store holds no store this run can read ({exc.message})", path=directory,
+                                 hint="pass --overwrite to replace it (every partition is tokenized again), or "
+                                      "give an empty --store") from None
             differs = str(exc)
         if differs is None:
             return existing.store_id
-        if not owned:
-            raise ShardError(f"the sequence store was made with other {differs}", path=directory,
-                             hint="restore them, or give an empty --store (this run cannot reuse that one)")
-        log.warning("the run's sequence store was made with other %s; tokenizing again", differs)
+        if not unfinished:
+            raise ShardError(f"the sequence store is complete and was made with other {differs}", path=directory,
+                             hint="restore them, pass --overwrite to replace the store (every partition is "
+                                  "tokenized again), or give an empty --store")
+        log.warning("the %s sequence store was made with other %s; tokenizing again",
+                    "run's" if owned else ("replaced" if overwrite else "unfinished"), differs)
         _empty_store(directory)
     return write_store_file(directory, identity, infos, parts, inputs.options.tokenizer_path, inputs.paths)
 
@@ -335,20 +344,27 @@ def _empty_store(directory: str) -> None:
     shutil.rmtree(os.path.join(directory, "receipts", "tokenize"), ignore_errors=True)
 
 
-def lock_user_store(directory: str, resume: bool) -> Lock:
-    """Take the lock of a ``--store`` directory; refuse a non-empty one without ``--resume``.
+def lock_user_store(directory: str, resume: bool, overwrite: bool = False) -> Lock:
+    """Take the lock of a ``--store`` directory. A non-empty one is continued under ``--resume``
+    (:func:`describe_store` says what of it is kept), emptied under ``--overwrite`` alone, and
+    refused without either.
 
     Raises:
-        ShardExistsError: the directory holds something and ``resume`` is false.
+        ShardExistsError: the directory holds something, without ``resume`` or ``overwrite``.
         ShardError: another live process holds its lock.
     """
-    if os.path.isdir(directory) and [n for n in os.listdir(directory) if n != "lock"] and not resume:
+    if os.path.isdir(directory) and [n for n in os.listdir(directory) if n != "lock"] \
+            and not (resume or overwrite):
         raise ShardExistsError("the --store directory is not empty", path=directory,
-                               hint="pass --resume to reuse it (only missing partitions are tokenized), "
-                                    "pack it again with repack-sft, or choose an empty directory")
+                               hint="pass --resume to continue it (partitions made with the same inputs and "
+                                    "settings are kept; a store a failed run left unfinished is started again), "
+                                    "--overwrite to replace it, repack-sft to pack it again, or choose an empty "
+                                    "directory")
     os.makedirs(directory, exist_ok=True)
     lock = Lock(os.path.join(directory, "lock"), f"sequence store {directory}")
     lock.acquire()
+    if overwrite and not resume:
+        _empty_store(directory)
     return lock
 
 

@@ -54,14 +54,73 @@ def default_cache_dir() -> str:
     return os.path.join(base, "megatron_sft_idx")
 
 
+#: What each setting may be, by field: ``(kind, least, most)``; kind ``size`` (bytes, K/M/G
+#: suffixes), ``count`` (a whole number) or ``seconds`` (a positive finite number). A value
+#: outside the range -- ``inf``, ``nan``, ``1e999``, a negative or absurd number -- is refused in
+#: one line naming the variable (or the argument), never an ``OverflowError``.
+RANGES = {
+    "block_size": ("size", 4096, 1 << 30),
+    "seq_bin_limit": ("size", 0, 1 << 50),
+    "part_size": ("size", 5 * MIB, 5 << 30),          # S3's bounds on a multipart part
+    "min_throughput": ("size", 1, 1 << 40),
+    "cache_blocks": ("count", 1, 1 << 20),
+    "retries": ("count", 1, 1000),
+    "concurrency": ("count", 1, 1024),
+    "max_list_pages": ("count", 1, 1 << 30),
+    "request_timeout": ("seconds", 0, 30 * 86400),
+    "operation_timeout": ("seconds", 0, 30 * 86400),
+}
+#: The environment variable of each setting (module doc).
+ENV_VARS = {"BLOCK_SIZE": "block_size", "SEQ_BIN_LIMIT": "seq_bin_limit", "PART_SIZE": "part_size",
+            "MIN_THROUGHPUT": "min_throughput", "CACHE_BLOCKS": "cache_blocks", "RETRIES": "retries",
+            "CONCURRENCY": "concurrency", "MAX_LIST_PAGES": "max_list_pages",
+            "REQUEST_TIMEOUT": "request_timeout", "OPERATION_TIMEOUT": "operation_timeout"}
+_EXAMPLES = {"size": "e.g. 4194304, 4M, 512K", "count": "a whole number, e.g. 8", "seconds": "e.g. 20 or 2.5"}
+
+
 def parse_size(text, name: str = "size") -> int:
-    """Bytes from ``"4194304"``, ``"4M"``, ``"512K"``, ``"1G"``, ``"4MiB"``. Raises ShardError."""
+    """Bytes from ``"4194304"``, ``"4M"``, ``"512K"``, ``"1G"``, ``"4MiB"``.
+
+    Raises:
+        ShardError: naming ``name``: not a finite, non-negative number of bytes.
+    """
     raw = str(text).strip().upper().removesuffix("IB").removesuffix("B")
     unit = raw[-1:] if raw[-1:] in _UNITS and raw[-1:] else ""
     try:
-        value = int(float(raw[: len(raw) - len(unit)]) * _UNITS[unit])
+        number = float(raw[: len(raw) - len(unit)])
     except ValueError:
-        raise ShardError("not a size", field=name, actual=text, expected="e.g. 4194304, 4M, 512K") from None
+        number = math.nan
+    if not math.isfinite(number) or number < 0 or number * _UNITS[unit] >= 1 << 62:
+        raise ShardError(f"{name} is not a size in bytes", field=name, actual=text,
+                         expected=_EXAMPLES["size"]) from None
+    return int(number * _UNITS[unit])
+
+
+def _setting(name: str, value, field: str):
+    """``value`` of the setting ``name`` when it is of its kind and in its range (:data:`RANGES`).
+
+    Raises:
+        ShardError: naming ``field`` (the variable or the argument), in one line.
+    """
+    kind, least, most = RANGES[name]
+    if isinstance(value, str):
+        text = value
+        if kind == "size":
+            value = parse_size(text, field)
+        else:
+            try:
+                value = int(text) if kind == "count" else float(text)
+            except ValueError:
+                raise ShardError(f"{field} is not {'a whole number' if kind == 'count' else 'a number of seconds'}",
+                                 field=field, actual=text, expected=_EXAMPLES[kind]) from None
+    ok = not isinstance(value, bool) and (isinstance(value, int) or (kind == "seconds" and isinstance(value, float)
+                                                                    and math.isfinite(value))) \
+        and least <= value <= most and (kind != "seconds" or value > least)
+    if not ok:
+        bound = f"a positive number of seconds, at most {most}" if kind == "seconds" \
+            else f"at least {least} and at most {most}"
+        raise ShardError(f"{field} must be {bound}", field=field, actual=value,
+                         expected=f"{least}..{most}", hint=f"{_EXAMPLES[kind]}; see docs/STORAGE.md")
     return value
 
 
@@ -129,20 +188,11 @@ class StorageConfig:
         return self.operation_timeout + max(0, nbytes) / self.min_throughput
 
     def _validate(self) -> None:
-        if self.block_size < 4096 or self.block_size % 4096:
+        for name in RANGES:
+            _setting(name, getattr(self, name), name)
+        if self.block_size % 4096:
             raise ShardError("block size must be a positive multiple of 4096 bytes", field="block_size",
                              actual=self.block_size, hint="e.g. MEGATRON_SFT_IDX_BLOCK_SIZE=4M")
-        for name in ("cache_blocks", "retries", "concurrency", "max_list_pages", "min_throughput"):
-            if getattr(self, name) < 1:
-                raise ShardError(f"{name} must be at least 1", field=name, actual=getattr(self, name))
-        for name in ("request_timeout", "operation_timeout"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ShardError(f"{name} must be a positive number of seconds", field=name, actual=value,
-                                 hint=f"e.g. {ENV_PREFIX}{name.upper()}=30")
-        if self.part_size < 5 * MIB:
-            raise ShardError("multipart part size must be at least 5 MiB (the S3 minimum)",
-                             field="part_size", actual=self.part_size)
 
 
 def _from_env(base: StorageConfig) -> dict:
@@ -150,27 +200,10 @@ def _from_env(base: StorageConfig) -> dict:
     env = os.environ
     if env.get(ENV_PREFIX + "CACHE") and base.cache_dir is None:
         out["cache_dir"] = env[ENV_PREFIX + "CACHE"]
-    sizes = {"BLOCK_SIZE": "block_size", "SEQ_BIN_LIMIT": "seq_bin_limit", "PART_SIZE": "part_size",
-             "MIN_THROUGHPUT": "min_throughput"}
-    for var, name in sizes.items():
+    for var, name in ENV_VARS.items():
         if env.get(ENV_PREFIX + var):
-            out[name] = parse_size(env[ENV_PREFIX + var], ENV_PREFIX + var)
-    counts = {"CACHE_BLOCKS": "cache_blocks", "RETRIES": "retries", "CONCURRENCY": "concurrency",
-              "MAX_LIST_PAGES": "max_list_pages"}
-    for var, name in counts.items():
-        if env.get(ENV_PREFIX + var):
-            try:
-                out[name] = int(env[ENV_PREFIX + var])
-            except ValueError:
-                raise ShardError("not an integer", field=ENV_PREFIX + var, actual=env[ENV_PREFIX + var]) from None
-    for var, name in {"REQUEST_TIMEOUT": "request_timeout", "OPERATION_TIMEOUT": "operation_timeout"}.items():
-        if env.get(ENV_PREFIX + var):
-            try:
-                out[name] = float(env[ENV_PREFIX + var])
-            except ValueError:
-                raise ShardError("not a number of seconds", field=ENV_PREFIX + var,
-                                 actual=env[ENV_PREFIX + var], expected="e.g. 20 or 2.5") from None
+            out[name] = _setting(name, env[ENV_PREFIX + var], ENV_PREFIX + var)
     return out
 
 
-__all__ = ["StorageConfig", "default_cache_dir", "parse_size", "MIB"]
+__all__ = ["StorageConfig", "default_cache_dir", "parse_size", "MIB", "RANGES", "ENV_VARS"]

@@ -263,6 +263,9 @@ class LocalDestination(Destination):
         os.makedirs(directory, exist_ok=True)
 
     def write_bytes(self, path: str, data: bytes) -> None:
+        """``data`` at ``path``, atomically; a killed earlier write's temporaries of ``path``
+        (an order or manifest of a publish that was interrupted) are cleared first."""
+        _atomic.clear_stale_temporaries([path])
         _atomic.write_file_atomically(path, lambda f: f.write(data))
 
     def stamp(self, path: str):

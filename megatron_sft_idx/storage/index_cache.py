@@ -44,9 +44,10 @@ from typing import Dict, Iterable, Optional, Tuple
 
 from .. import _atomic
 from .._crc import crc32, crc32_combine
-from ..errors import ChecksumError, MetadataError, ShardError, SizeMismatchError
+from ..errors import ChecksumError, MetadataError, MetadataLimitError, ShardError, SizeMismatchError
 from ..format import (ALL_SUFFIXES, IDX_SUFFIX, METADATA_OFFSET, SEQ_IDX_HEADER_SIZE, SEQ_IDX_SUFFIX,
                       SeqIdxHeader)
+from ..jsondoc import load_json
 from ..metadata import ShardMetadata
 from ._stores import ObjectInfo, ObjectStore
 from ._url import ObjectURL
@@ -317,14 +318,13 @@ def parse_receipt(path: str) -> dict:
         return MetadataError(f"index cache receipt: {message}", path=path, field=field, actual=actual,
                              hint="the cache entry is downloaded again")
 
-    with open(path, "rb") as f:
-        raw = f.read(RECEIPT_MAX_BYTES + 1)
-    if len(raw) > RECEIPT_MAX_BYTES:
-        raise bad("size", f"larger than {RECEIPT_MAX_BYTES} bytes")
     try:
-        doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise bad("json", f"not UTF-8 JSON ({exc})") from None
+        doc = load_json(path, max_length=RECEIPT_MAX_BYTES, what="index cache receipt",
+                        limit_error=MetadataLimitError)
+    except MetadataLimitError as exc:
+        raise bad("json" if exc.limit != "bytes" else "size", exc.detail) from None
+    except MetadataError as exc:
+        raise bad("json", f"not UTF-8 JSON ({exc.detail})") from None
     _exact_keys(doc, {"format", "version", "url", "generation", "objects", "files"}, "", bad)
     if doc["format"] != RECEIPT_FORMAT:
         raise bad("format", f"not {RECEIPT_FORMAT!r}", doc["format"])

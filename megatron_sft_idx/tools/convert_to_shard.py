@@ -16,7 +16,6 @@ the builder. What each source keeps in memory:
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
 from typing import Any, Dict, Iterator, Optional, Sequence
@@ -28,6 +27,7 @@ from .._extras import require_extra
 from ..builder import IndexedDatasetBuilder
 from ..errors import FormatError, InvariantError, ShardError
 from ..format import Rule
+from ..jsondoc import load_json, parse_json
 from ..reader import MMapIndexedDataset
 
 #: Tokens handed to the builder per run of packs.
@@ -68,9 +68,8 @@ def read_option_a_manifest(directory: str) -> Dict[str, Any]:
     """
     path = os.path.join(directory, "manifest.json")
     try:
-        with open(path, encoding="utf-8") as f:
-            manifest = json.load(f)
-    except (OSError, ValueError) as exc:
+        manifest = load_json(path, FormatError, what="Option A manifest")
+    except OSError as exc:
         raise FormatError(f"cannot read the Option A manifest ({exc})", path=path, field="manifest.json") from None
     if not isinstance(manifest, dict) or manifest.get("format") != OPTION_A_FORMAT:
         raise FormatError("not an RFC Option A (padded memmap) directory", path=path, field="format",
@@ -223,7 +222,7 @@ def read_parquet_shard_metadata(path: str, key: bytes) -> Optional[dict]:
     if raw is None:
         return None
     try:
-        meta = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
+        meta = parse_json(raw, path, error=FormatError, limit_error=None)
+    except FormatError:
         raise FormatError("the file's megatron_sft_idx metadata is not JSON", path=path, field=key.decode()) from None
     return meta if isinstance(meta, dict) else None

@@ -35,6 +35,7 @@ import torch  # noqa: E402
 
 from ..errors import ShardError
 from ..format import PAD_LAYOUT_RUNTIME
+from ..jsondoc import load_json
 from ..sets import require_compatible
 from ._sources import PackSummary, runtime_min_packed, summarize
 from .collate import BridgePackingStats, PackedCollator
@@ -43,6 +44,9 @@ from .multi import identities_of
 
 __all__ = ["PackedSFTDataset", "build_samples_mapping", "bridge_datasets", "bridge_stats",
            "bridge_metadata_stats"]
+
+#: Bytes of a Megatron-Bridge packing-metadata JSON (a few entries per packed dataset).
+BRIDGE_METADATA_MAX_BYTES = 64 << 20
 
 
 def build_samples_mapping(num_packs: int, max_num_samples: int, seed: int, order=None,
@@ -195,12 +199,10 @@ def bridge_metadata_stats(path) -> BridgePackingStats:
     Raises:
         ShardError: the file cannot be read or is not Bridge's list of entries.
     """
-    import json
-
     try:
-        with open(path, "rb") as f:
-            entries = json.loads(f.read().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        entries = load_json(str(path), ShardError, max_length=BRIDGE_METADATA_MAX_BYTES,
+                            what="Bridge packing metadata")
+    except OSError as exc:
         raise ShardError(f"cannot read Bridge packing metadata ({exc})", path=str(path), field="metadata") from None
     return BridgePackingStats.from_bridge_metadata(entries, path=str(path))
 

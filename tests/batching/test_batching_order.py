@@ -71,7 +71,8 @@ def _rewrite(path, metadata=None, arrays=None):
     data = bytearray(path.read_bytes())
     _, major, minor, _, meta_off, meta_len, _, _, _, _ = HEADER.unpack(data[:HEADER_SIZE])
     body = bytes(data[HEADER_SIZE:meta_off]) if arrays is None else arrays
-    meta = data[meta_off:meta_off + meta_len] if metadata is None else json.dumps(metadata).encode()
+    meta = data[meta_off:meta_off + meta_len] if metadata is None else \
+        metadata if isinstance(metadata, bytes) else json.dumps(metadata).encode()
     meta_off = HEADER_SIZE + len(body)
     crc = zlib.crc32(meta, zlib.crc32(body))
     head = HEADER.pack(b"MSFTORD\x00", major, minor, 0, meta_off, len(meta), meta_off + len(meta), b"\0" * 16,
@@ -135,6 +136,21 @@ def test_metadata_is_parsed_strictly(order, tmp_path, edit, match):
     _rewrite(path, metadata=meta)
     with pytest.raises(ShardError, match=match):
         Order.load(path)
+
+
+@pytest.mark.parametrize("metadata", [
+    b"[" * 100_000 + b"]" * 100_000,                                     # past Python's recursion limit
+    b'{"format": "megatron_sft_idx.order", "stats": ' + b"[" * 65 + b"]" * 65 + b"}",  # past the format's depth
+    b'{"format": "megatron_sft_idx.order", "seed": NaN}',
+    b'{"format": "megatron_sft_idx.order", "seed": 1' + b"0" * 30 + b"}",
+], ids=["deep", "past the depth limit", "NaN", "beyond int64"])
+def test_metadata_beyond_the_limits_is_a_header_error_naming_the_file(order, tmp_path, metadata):
+    path = tmp_path / "x.order"
+    order.save(path)
+    _rewrite(path, metadata=metadata)
+    with pytest.raises(HeaderError) as info:
+        Order.load(path)
+    assert info.value.path == str(path) and info.value.field == "order metadata", info.value
 
 
 def test_unknown_metadata_keys_are_ignored(order, tmp_path):

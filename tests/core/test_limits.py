@@ -29,7 +29,7 @@ from megatron_sft_idx import format as fmt
 from megatron_sft_idx.errors import MetadataError, MetadataLimitError, ShardError
 from megatron_sft_idx.format import ALL_SUFFIXES, METADATA_OFFSET
 from megatron_sft_idx.gate import check
-from megatron_sft_idx.metadata import parse_json
+from megatron_sft_idx.jsondoc import parse_json
 from megatron_sft_idx.native import validate
 from support.shardgen import random_packs, write_shard
 

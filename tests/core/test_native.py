@@ -304,6 +304,47 @@ def test_corruption_fails_with_expected_code(native, base_shard, tmp_path, name,
             pass
 
 
+def _body_crc(p, d):
+    reseal(p)
+    raw = open(p + ".seq.idx", "rb").read()
+    crc = struct.unpack_from("<I", raw, 56)[0]
+    reseal(p, header={"body_crc32": crc ^ 0x10})
+
+
+#: Findings that compare a value the files hold with one a record holds: (case, corruption, code).
+RECORDED = [
+    ("checksum", _checksum_only, "CHECKSUM_MISMATCH"),
+    ("loss-token-count", lambda p, d: reseal(p, edit=lambda o: o["stats"].update(
+        loss_token_count=o["stats"]["loss_token_count"] + 3)), "METADATA_STATS_MISMATCH"),
+    ("pack-count-vs-header", lambda p, d: reseal(p, edit=lambda o: o["stats"].update(
+        pack_count=o["stats"]["pack_count"] + 1)), "METADATA_STATS_MISMATCH"),
+    ("size", lambda p, d: reseal(p, edit=lambda o: o["files"][".seq.bin"].update(size=4)), "FILE_SIZE_MISMATCH"),
+    ("size-short", lambda p, d: reseal(p, edit=lambda o: o["files"][".seq.bin"].update(size=1 << 20)),
+     "FILE_TRUNCATED"),
+    ("body-crc", _body_crc, "SEQ_IDX_BODY_CRC"),
+    ("header-crc", lambda p, d: flip(p + ".seq.idx", 62), "SEQ_IDX_HEADER_CRC"),
+]
+
+
+@pytest.mark.parametrize("name,corrupt,code", RECORDED, ids=[c[0] for c in RECORDED])
+def test_a_value_against_its_record_reads_as_the_python_gate_words_it(native, base_shard, tmp_path, name, corrupt,
+                                                                      code):
+    """One wording in both reports (issue 30, item 6): "<what> is F, the <record> records R" (or
+    "records R, the data gives F", "is F, the header says R"); never "expected"/"found", which meant
+    the record in one finding and the data in another."""
+    lib, cli = native
+    prefix = str(tmp_path / "s")
+    for suffix in ALL_SUFFIXES:
+        shutil.copyfile(base_shard + suffix, prefix + suffix)
+    corrupt(prefix, tmp_path)
+    mine = sorted(f.message for f in validate(prefix, lib_path=lib).findings if f.code == code)
+    gate = sorted(f.message.split(" -- ")[0] for s in check(prefix).shards for f in s.findings if f.code == code)
+    assert mine and set(mine) <= set(gate), (mine, gate)   # (the gate may check one statistic more)
+    assert all((" records " in m or " says " in m) and "expected" not in m and "found" not in m for m in mine), mine
+    proc = run_cli(cli, prefix)
+    assert all(m in proc.stdout for m in mine), proc.stdout
+
+
 def test_pack_findings_carry_rule_and_pack(native, base_shard, tmp_path):
     prefix = str(tmp_path / "s")
     for suffix in ALL_SUFFIXES:

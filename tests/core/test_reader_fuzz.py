@@ -20,6 +20,7 @@ import pytest
 from megatron_sft_idx import MMapIndexedDataset
 from megatron_sft_idx.errors import InvariantError, ShardError
 from megatron_sft_idx.format import ALL_SUFFIXES, IDX_HEADER, SEQ_IDX_HEADER
+from support.refusals import concerns
 from support.shardgen import random_packs, write_shard
 
 CASES = int(os.environ.get("FUZZ_CASES", 400))
@@ -159,10 +160,12 @@ def test_mutated_shards_raise_only_shard_errors(tmp_path, pristine):
                 exercise(prefix, check_packs)
                 outcomes["read"] += 1
                 read_unchecked = True
-            except InvariantError:
+            except InvariantError as exc:
+                concerns(exc, prefix, *(prefix + s for s in ALL_SUFFIXES))
                 outcomes["error"] += 1
                 outcomes["caught_by_check_packs"] += check_packs and read_unchecked
-            except ShardError:
+            except ShardError as exc:   # by its class and the file it concerns: one of the shard's
+                concerns(exc, prefix, *(prefix + s for s in ALL_SUFFIXES))
                 outcomes["error"] += 1
             except Exception as exc:  # anything else is a bug: report the case that made it
                 raise AssertionError(f"case {case} ({what}), check_packs={check_packs}: "

@@ -219,6 +219,20 @@ def test_a_saved_hugging_face_dataset_directory_is_read_with_pyarrow(tmp_path, f
         run(cfg(tmp_path, [tmp_path / "dd"], name="dd", tokenizer=tok))
 
 
+@pytest.mark.parametrize("state", [b"[" * 100_000 + b"]" * 100_000, b'{"_data_files": ' + b"[" * 70 + b"]" * 70 + b"}",
+                                   b'{"_data_files": NaN}', b"\xff{}", b'{"_data_files": "x"}'],
+                         ids=["deep", "past the depth limit", "NaN", "not utf-8", "no files"])
+def test_a_saved_dataset_whose_state_json_is_hostile_is_an_input_error_naming_it(tmp_path, state):
+    from megatron_sft_idx.preprocess.records.inputs import expand_inputs
+
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    (saved / "state.json").write_bytes(state)
+    with pytest.raises(InputError) as info:
+        expand_inputs([str(saved)])
+    assert info.value.path == str(saved / "state.json") and "\n" not in str(info.value), info.value
+
+
 def test_parquet_rows_with_null_fields_map_as_absent(tmp_path, families):
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -1,7 +1,8 @@
 """Hostile input records (issue 9, item 6): each family ends as a ``file:line`` InputError, or a
 counted skip under ``--skip-bad``; never a traceback, and never unbounded memory.
 
-Families: JSON nested deeper than Python can parse (anywhere in the record), text holding a
+Families: JSON nested deeper than Python can parse (anywhere in the record, or in a JSON string
+the record holds: tool-call arguments, xLAM answers and tools), text holding a
 lone UTF-16 surrogate (as an escape or as CESU-8 bytes, in every text field of every record
 kind), and records longer than ``--max-record-bytes`` (plain, gzip; blank or not), whose peak
 memory is measured in a child process.
@@ -16,6 +17,7 @@ import sys
 
 import pytest
 
+from megatron_sft_idx.jsondoc import RECORD_MAX_DEPTH
 from megatron_sft_idx.preprocess.cli import main
 from megatron_sft_idx.preprocess.records.errors import InputError
 from megatron_sft_idx.preprocess.pipeline import Config, run
@@ -80,6 +82,66 @@ def test_moderate_nesting_in_an_ignored_key_is_accepted(tmp_path):
     line = json.dumps({"meta": json.loads(deep("[", "]", 200)), **json.loads(GOOD)})
     s = run(cfg(tmp_path, write(tmp_path / "m.jsonl", [line])))
     assert s["conversations"] == 1
+
+
+def tool_call_line(arguments):
+    return json.dumps({"messages": [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": arguments}}]}]})
+
+
+#: JSON strings inside records (parsed by the record mapping, not the line reader), 100k deep.
+DEEP_STRINGS = {
+    "tool_call_arguments": tool_call_line(deep('{"a":', "}", 100_000)),
+    "xlam_answers": json.dumps({"query": "Q?", "answers": deep("[", "]", 100_000), "tools": "[]"}),
+    "xlam_tools": json.dumps({"query": "Q?", "answers": '[{"name": "f", "arguments": {}}]',
+                              "tools": deep("[", "]", 100_000)}),
+    "sharegpt_function_call": json.dumps({"conversations": [{"from": "human", "value": "Q?"},
+                                                            {"from": "function_call", "value": deep("[", "]", 100_000)},
+                                                            {"from": "observation", "value": "1"},
+                                                            {"from": "gpt", "value": "done"}]}),
+    # deeper than the record bound, shallow enough for Python's parser: refused all the same
+    "arguments_past_the_bound": tool_call_line(deep('{"a":', "}", RECORD_MAX_DEPTH + 1)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DEEP_STRINGS))
+def test_deep_json_inside_a_string_is_a_located_error_or_a_counted_skip(tmp_path, name):
+    path = write(tmp_path / "d.jsonl", [GOOD, DEEP_STRINGS[name], GOOD])
+    with pytest.raises(InputError, match=f"^{re.escape(path)}:2: .*nested deeper than {RECORD_MAX_DEPTH}") as e:
+        run(cfg(tmp_path, path))
+    assert e.value.reason == "json_too_deep"
+    s = run(cfg(tmp_path, path, skip_bad=True))
+    assert s["conversations"] == 2 and s["skipped"] == {"json_too_deep": 1}
+
+
+def test_arguments_at_the_bound_are_parsed(tmp_path):
+    inner = RECORD_MAX_DEPTH
+    line = tool_call_line(deep('{"a":', "}", inner))
+    path = write(tmp_path / "ok.jsonl", [line])
+    from megatron_sft_idx.preprocess.records.inputs import parse_record
+
+    kind, conv = parse_record(line.encode(), path, 1, "auto", "prompt", "completion")
+    args = conv.messages[-1]["tool_calls"][0]["function"]["arguments"]
+    depth = 0
+    while isinstance(args, dict):
+        args, depth = args["a"], depth + 1
+    assert kind == "chat" and depth == inner
+
+
+def test_the_cli_counts_100k_deep_arguments_under_skip_bad_and_names_the_line_without(tmp_path, capsys):
+    """The issue's case: one hostile row in a run; --skip-bad counts it, without it the run fails
+    in one line naming file:line (never RecursionError)."""
+    path = write(tmp_path / "a.jsonl", [GOOD, GOOD, DEEP_STRINGS["tool_call_arguments"], GOOD])
+    argv = ["--input", path, "--tokenizer", TOKENIZER, "--pack-size", "256", "--quiet"]
+    rc = main(argv + ["--output-prefix", str(tmp_path / "o" / "ds"), "--skip-bad", "--json"])
+    out = capsys.readouterr()
+    assert rc == 0 and "Traceback" not in out.err and "RecursionError" not in out.err
+    s = json.loads(out.out)
+    assert s["conversations"] == 3 and s["skipped"] == {"json_too_deep": 1}
+    assert s["skipped_examples"]["json_too_deep"].startswith(f"{path}:3: ")
+    rc = main(argv + ["--output-prefix", str(tmp_path / "p" / "ds")])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert rc == 1 and len(err) == 1 and f"{path}:3: " in err[0] and "RecursionError" not in err[0], err
 
 
 @pytest.mark.parametrize("name", sorted(SURROGATES))

@@ -157,17 +157,28 @@ def test_a_malformed_receipt_is_refused_by_field_and_the_entry_redone(s3, remote
     parse_receipt(path)  # and committed with a good receipt
 
 
-@pytest.mark.parametrize("case", ["not json", "not utf-8", "a list", "huge", "empty"])
+NOT_RECEIPTS = {"not json": b"{", "not utf-8": b"\xff\xfe{}", "a list": b"[]", "huge": b" " * (1 << 17) + b"{}",
+                "empty": b"", "NaN": b'{"version": NaN}',
+                # deeper than Python's parser can recurse (was a RecursionError on every later open)
+                "deep": b"[" * 30_000 + b"]" * 30_000,
+                "deep in a field": b'{"format": ' + b"{\"a\":" * 5_000 + b"1" + b"}" * 5_000 + b"}",
+                # deeper than the metadata limit, shallow enough to parse
+                "nested beyond the limit": b'{"objects": ' + b"[" * 70 + b"]" * 70 + b"}"}
+
+
+@pytest.mark.parametrize("case", sorted(NOT_RECEIPTS))
 def test_a_receipt_that_is_not_one(s3, remote, case):
     url, local, cached = remote
     path = os.path.join(os.path.dirname(cached), RECEIPT)
-    data = {"not json": b"{", "not utf-8": b"\xff\xfe{}", "a list": b"[]", "huge": b" " * (1 << 17) + b"{}",
-            "empty": b""}[case]
     with open(path, "wb") as f:
-        f.write(data)
-    with pytest.raises(MetadataError):
+        f.write(NOT_RECEIPTS[case])
+    with pytest.raises(MetadataError) as info:
         parse_receipt(path)
+    assert info.value.path == path and info.value.field in ("json", "size", "receipt"), info.value
+    s3.clear()
     assert same(MMapIndexedDataset(url), MMapIndexedDataset(local))
+    assert s3.count("GET", "/c/s.seq.idx") == 1  # a corrupt entry: downloaded again, not a traceback
+    parse_receipt(path)  # and committed with a good receipt
 
 
 @pytest.mark.parametrize("case", ["url", "generation", "objects", "crc32", "files"])

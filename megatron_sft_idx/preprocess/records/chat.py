@@ -30,7 +30,6 @@ ids and masks faster (one render, batched tokenization) and is pinned to it.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from typing import List, Optional, Tuple
 
@@ -38,6 +37,7 @@ import numpy as np
 
 from ..._extras import require_extra
 from ...errors import ShardError
+from ...jsondoc import load_json
 from .errors import input_error
 from .policy import DEFAULT_POLICY, LossPolicy, refine_spans, trained_turns
 from .rendering import TemplateTraits, adapt, check_rendered, probe
@@ -160,9 +160,8 @@ class ChatTokenizer:
     def _declared_name(self) -> str:
         config = os.path.join(self.directory, "tokenizer_config.json")
         try:
-            with open(config, encoding="utf-8") as f:
-                name = json.load(f).get("name_or_path")
-        except (OSError, ValueError):
+            name = load_json(config).get("name_or_path")
+        except (OSError, ValueError, AttributeError):   # (a ShardError is a ValueError)
             name = None
         return name if isinstance(name, str) and name else os.path.basename(os.path.normpath(self.directory))
 

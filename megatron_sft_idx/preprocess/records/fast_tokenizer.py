@@ -18,7 +18,6 @@ the run and names ``--tokenizer-backend hf``.
 
 from __future__ import annotations
 
-import json
 import os
 import unicodedata
 from typing import List, Optional, Sequence, Tuple
@@ -27,6 +26,7 @@ import numpy as np
 
 from ..._numba import numba
 from ...errors import ShardError
+from ...jsondoc import TOKENIZER_MAX_BYTES, parse_json
 
 BACKENDS = ("auto", "gigatoken", "hf")
 _SPLITTERS = {"Split", "ByteLevel", "Digits", "Punctuation"}
@@ -41,7 +41,8 @@ _PROBES = ("Hello, world!", "  two  spaces\n\nand\ttabs\r\n", "ünïcødé 日�
 
 
 def _component(obj) -> Optional[dict]:
-    return None if obj is None else json.loads(obj.__getstate__())
+    return None if obj is None else parse_json(obj.__getstate__(), max_length=TOKENIZER_MAX_BYTES, int64=False,
+                                               what="tokenizer component")
 
 
 def backend_spec(backend) -> dict:

@@ -5,11 +5,13 @@ or rows (Parquet); each keeps its 1-based line (row) number so that every
 error names ``file:line``. Parsing happens in the tokenizer workers, and refuses
 what would otherwise reach the tokenizer as a traceback or a memory blow-up: a
 line longer than ``--max-record-bytes`` (never buffered whole), JSON nested
-deeper than Python's recursion limit, and text holding a lone UTF-16 surrogate
+deeper than :data:`~megatron_sft_idx.jsondoc.RECORD_MAX_DEPTH` (the record, or a JSON string
+inside it: the project's one bounded reader, :func:`~megatron_sft_idx.jsondoc.parse_record_json`),
+and text holding a lone UTF-16 surrogate
 (``"\ud800"`` escapes, or CESU-8 bytes, which JSON decoding lets through).
 
 Record kinds (``--input-format auto`` tells them apart by their keys) and how each is mapped
-to the chat template's vocabulary: :mod:`.schemas`.
+to the chat template's vocabulary: :mod:`.shapes`.
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ import glob
 import gzip
 import hashlib
 import io
-import json
 import os
+import sys
 from typing import Iterator, List, NamedTuple, Optional, Sequence
 
 from ..._extras import require_extra
+from ...errors import MetadataError, MetadataLimitError
+from ...jsondoc import load_json, parse_record_json
 from .errors import InputError, input_error
 from .shapes import KINDS, SchemaOptions, detect, map_record
 
@@ -89,17 +93,18 @@ def hf_dataset_files(directory: str) -> List[str]:
         InputError: ``state.json`` is unreadable, or does not list existing ``.arrow`` files.
     """
     path = os.path.join(directory, "state.json")
+    hint = "give a directory written by datasets' save_to_disk"
     try:
-        with open(path, encoding="utf-8") as f:
-            files = json.load(f).get("_data_files")
-    except (OSError, ValueError, AttributeError) as exc:
+        state = load_json(path, InputError, hint=hint)   # within the metadata limits
+    except OSError as exc:
         raise InputError(f"cannot read a saved dataset's state ({exc.__class__.__name__}: {exc})", path=path,
-                         hint="give a directory written by datasets' save_to_disk") from None
+                         hint=hint) from None
+    files = state.get("_data_files") if isinstance(state, dict) else None
     names = [f.get("filename") for f in files] if isinstance(files, list) and all(isinstance(f, dict) for f in files) \
         else None
     if not names or not all(isinstance(n, str) and n.endswith(ARROW_SUFFIXES) and os.sep not in n for n in names):
         raise InputError("state.json does not list the dataset's Arrow files ('_data_files')", path=path,
-                         field="_data_files", hint="give a directory written by datasets' save_to_disk")
+                         field="_data_files", hint=hint)
     found = [os.path.join(directory, n) for n in names]
     missing = [p for p in found if not os.path.isfile(p)]
     if missing:
@@ -161,13 +166,18 @@ def parse_record(raw, path: str, line: int, input_format: str, prompt_key: str, 
                           reason="record_too_large",
                           hint="raise --max-record-bytes (a worker's memory grows with it), or --skip-bad")
     if isinstance(raw, (bytes, str)):
+        # The reader bounds the line's size (--max-record-bytes); the parser its depth.
         try:
-            record = json.loads(raw)
-        except ValueError as exc:
-            raise input_error(f"malformed JSON ({exc})", path, line, reason="malformed_json") from None
-        except RecursionError:
-            raise input_error("JSON nested too deeply to parse", path, line, reason="json_too_deep",
+            record = parse_record_json(raw, max_length=sys.maxsize)
+        except MetadataLimitError as exc:
+            if exc.limit != "depth":
+                raise input_error(f"malformed JSON ({exc.detail})", path, line,
+                                  reason="malformed_json") from None
+            raise input_error(f"JSON nested too deeply to parse ({exc.detail})", path, line,
+                              reason="json_too_deep",
                               hint="no conversation needs this nesting; fix the record or pass --skip-bad") from None
+        except MetadataError as exc:
+            raise input_error(f"malformed JSON ({exc.detail})", path, line, reason="malformed_json") from None
     else:
         record = raw
     if not isinstance(record, dict):

@@ -4,7 +4,7 @@ A compiled scanner (:func:`_scan`) follows the array's structure byte by byte --
 strings and escapes -- and reports where each top-level element starts and ends. The index pass
 uses it to cut an uncompressed array into partitions at element starts (as JSON Lines files are
 cut at line starts), so a multi-GB array is tokenized by every worker; the reader uses it to hand
-each element's bytes to the same ``json.loads`` the JSON Lines path uses. Nothing holds more than
+each element's bytes to the same bounded parser the JSON Lines path uses. Nothing holds more than
 one block plus ``--max-record-bytes``: a longer element is skipped to its end and reported as an
 :class:`~.inputs.OversizedRecord`. A record's number is its 1-based position in the array.
 

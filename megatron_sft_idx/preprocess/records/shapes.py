@@ -40,6 +40,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, List, Optional, Tuple
 
+from ...errors import MetadataError, MetadataLimitError
+from ...jsondoc import parse_record_json
 from .errors import input_error
 
 KINDS = ("chat", "sharegpt", "alpaca", "xlam", "prompt", "tokens")
@@ -198,6 +200,22 @@ class _Mapper:
         return input_error(message, self.path, self.line, field=where, reason=reason,
                            hint=hint or "fix the record, or pass --skip-bad to skip and count such records")
 
+    def json_value(self, text: str, where: str, not_json: str):
+        """The JSON value a string of the record holds (tool-call arguments, a tools list, xLAM
+        answers), within the record limits (:func:`~megatron_sft_idx.jsondoc.parse_record_json`).
+
+        Raises:
+            InputError: ``not_json`` (reason ``bad_tool_call``) for text that is not JSON;
+                reason ``json_too_deep`` for JSON beyond the limits.
+        """
+        try:
+            return parse_record_json(text, what=where)
+        except MetadataLimitError as exc:
+            raise self.error(f"'{where}' holds JSON beyond the record limits ({exc.detail})",
+                             where, "json_too_deep" if exc.limit == "depth" else "bad_tool_call") from None
+        except MetadataError:
+            raise self.error(not_json, where, "bad_tool_call") from None
+
     def done(self, tools) -> Conversation:
         if not self.messages:
             raise self.error("empty conversation", None, "empty_conversation")
@@ -316,11 +334,8 @@ class _Mapper:
         if value is None:
             return {}
         if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError:
-                raise self.error(f"'{where}' is a string that is not JSON; tool-call arguments must be a JSON "
-                                 "object", where, "bad_tool_call") from None
+            value = self.json_value(value, where, f"'{where}' is a string that is not JSON; tool-call arguments "
+                                                  "must be a JSON object")
         if not isinstance(value, dict):
             raise self.error(f"'{where}' must be a JSON object, got {type(value).__name__}", where, "bad_tool_call")
         check_json_texts(value, self.path, self.line, where)
@@ -331,10 +346,7 @@ class _Mapper:
         if not _present(value):
             return None
         if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError:
-                raise self.error(f"'{where}' is a string that is not JSON", where, "bad_tool_call") from None
+            value = self.json_value(value, where, f"'{where}' is a string that is not JSON")
         if isinstance(value, dict):
             value = [value]
         if not isinstance(value, list):
@@ -473,11 +485,8 @@ class _Mapper:
 
     def function_call_value(self, value: str, where: str) -> List[dict]:
         """LLaMA-Factory's ``function_call`` value: JSON ``{"name", "arguments"}`` or a list of them."""
-        try:
-            calls = json.loads(value)
-        except ValueError:
-            raise self.error(f"'{where}' is not JSON; a function_call turn holds {{\"name\", \"arguments\"}} "
-                             "or a list of them", where, "bad_tool_call") from None
+        calls = self.json_value(value, where, f"'{where}' is not JSON; a function_call turn holds {{\"name\", "
+                                              "\"arguments\"}} or a list of them")
         calls = calls if isinstance(calls, list) else [calls]
         if not calls:
             raise self.error(f"'{where}' holds no function call", where, "bad_tool_call")

@@ -33,6 +33,8 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from ...jsondoc import parse_record_json
+
 _SHAREGPT = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
              "model": "assistant", "function_call": "assistant", "observation": "tool", "tool": "tool",
              "function": "tool", "system": "system"}
@@ -143,7 +145,7 @@ class _Reader:
         name, arguments = fn.get("name"), fn.get("arguments")
         if isinstance(arguments, str):
             try:
-                arguments = json.loads(arguments)
+                arguments = parse_record_json(arguments)
             except ValueError:
                 raise Unverifiable(f"{where}: arguments are not JSON") from None
         t.calls = True
@@ -174,7 +176,7 @@ class _Reader:
             if source == "function_call":
                 value = self.thought(t, value, where)  # (a thought block may open the calls)
                 try:
-                    calls = json.loads(value)
+                    calls = parse_record_json(value)
                 except (TypeError, ValueError):
                     raise Unverifiable(f"{where}: a function_call value that is not JSON") from None
                 for j, c in enumerate(calls if isinstance(calls, list) else [calls]):
@@ -186,7 +188,7 @@ class _Reader:
 
     def tools(self, value) -> List[Text]:
         if isinstance(value, str) and value.strip():
-            value = json.loads(value)
+            value = parse_record_json(value)
         if isinstance(value, dict):
             value = [value]
         out = []
@@ -231,7 +233,7 @@ def read_source(record: dict, shape: str, settings: dict) -> SourceConversation:
         answers = record.get("answers")
         if isinstance(answers, str):
             try:
-                answers = json.loads(answers)
+                answers = parse_record_json(answers)
             except ValueError:
                 raise Unverifiable("answers: not JSON") from None
         for j, c in enumerate(answers if isinstance(answers, list) else [answers]):
