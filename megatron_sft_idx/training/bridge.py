@@ -11,7 +11,8 @@ turns a list of them into Bridge's packed batch (:mod:`.collate`). Example::
                         persistent_workers=True)
 
 Semantics kept from Bridge's ``GPTSFTPackedDataset`` (tested against the installed
-Megatron-Bridge 0.6.2 over its own ``.npy``/Parquet and over our shards of the same packs):
+Megatron-Bridge 0.6.2 over its own ``.npy``/Parquet and over our shards of the same packs;
+the collate follows the installed Bridge's version or ``bridge_semantics``, :mod:`.collate`):
 
 * a negative index is a *padding sample*: the pack at that (Python-negative)
   position, with an all-zero loss mask, so padding a global batch never adds loss;
@@ -97,6 +98,8 @@ class PackedSFTDataset(torch.utils.data.Dataset):
             ``seed``, its pack costs are this data's; ``topology`` (a
             :class:`~megatron_sft_idx.batching.Topology`), when given, warns on a mismatch. It
             reaches the ranks only through ``dataloader_type="single"``.
+        bridge_semantics: the Megatron-Bridge collate to reproduce: ``"0.6"`` or ``"next"``
+            (its main branch; :mod:`.collate`); default: the installed Bridge's.
 
     Raises:
         ShardError: the source does not open; options contradict its statistics; or it is
@@ -112,7 +115,7 @@ class PackedSFTDataset(torch.utils.data.Dataset):
                  pad_cu_seqlens: bool = False, pack_metadata_file_path: Optional[str] = None,
                  return_cu_seqlen: bool = True, answer_only_loss: bool = True,
                  stats: Optional[BridgePackingStats] = None, order=None, balanced_order=None,
-                 topology=None) -> None:
+                 topology=None, bridge_semantics: Optional[str] = None) -> None:
         eos = eos_id if eos_id is not None else (pad_id if pad_id is not None else 0)
         data_path = source if isinstance(source, str) else None
         if isinstance(source, (str, list, tuple)) or hasattr(source, "__fspath__"):
@@ -143,7 +146,7 @@ class PackedSFTDataset(torch.utils.data.Dataset):
             self.max_seq_length, eos_id=eos, pad_to_max_length=pad_to_max_length,
             pad_seq_length_to_mult=pad_seq_length_to_mult, pad_seq_to_mult=mult,
             pad_cu_seqlens=pad_cu_seqlens, stats=stats, return_cu_seqlen=return_cu_seqlen,
-            answer_only_loss=answer_only_loss)
+            answer_only_loss=answer_only_loss, bridge_semantics=bridge_semantics)
 
     def __len__(self) -> int:
         return len(self.samples_mapping) if self.samples_mapping is not None else len(self.source)
