@@ -38,12 +38,12 @@ from ..errors import ShardError
 from ..format import PAD_LAYOUT_RUNTIME
 from ..sets import require_compatible
 from ._sources import PackSummary, runtime_min_packed, summarize
-from .collate import BridgePackingStats, PackedCollator
+from .collate import BRIDGE_NEXT, BridgePackingStats, PackedCollator, resolve_bridge_semantics
 from .factory import open_packed
 from .multi import identities_of
 
 __all__ = ["PackedSFTDataset", "build_samples_mapping", "bridge_datasets", "bridge_stats",
-           "bridge_metadata_stats"]
+           "bridge_metadata_stats", "ConvertedLossWarning"]
 
 
 def build_samples_mapping(num_packs: int, max_num_samples: int, seed: int, order=None,
@@ -142,11 +142,14 @@ class PackedSFTDataset(torch.utils.data.Dataset):
             stats = (bridge_metadata_stats(pack_metadata_file_path) if pack_metadata_file_path
                      else bridge_stats(source))
         self.stats = stats
+        semantics = resolve_bridge_semantics(bridge_semantics)
+        if semantics == BRIDGE_NEXT:
+            _warn_if_normalised_for_06(source)
         self.collate_fn = PackedCollator(
             self.max_seq_length, eos_id=eos, pad_to_max_length=pad_to_max_length,
             pad_seq_length_to_mult=pad_seq_length_to_mult, pad_seq_to_mult=mult,
             pad_cu_seqlens=pad_cu_seqlens, stats=stats, return_cu_seqlen=return_cu_seqlen,
-            answer_only_loss=answer_only_loss, bridge_semantics=bridge_semantics)
+            answer_only_loss=answer_only_loss, bridge_semantics=semantics)
 
     def __len__(self) -> int:
         return len(self.samples_mapping) if self.samples_mapping is not None else len(self.source)
@@ -161,6 +164,34 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         if is_padding:
             loss = np.zeros_like(loss)
         return {"input_ids": pack.input_ids, "seq_boundaries": pack.seq_boundaries, "loss_mask": loss}
+
+
+class ConvertedLossWarning(UserWarning):
+    """A shard converted with Bridge 0.6's loss normalisation is trained under the next release's rules."""
+
+
+def _warn_if_normalised_for_06(source) -> None:
+    """Warn (once per call) for shards converted before conversions kept Bridge's stored mask."""
+    import warnings
+
+    from ..legacy import LOSS_BRIDGE_06, converted_loss_state
+
+    old = [prefix for prefix, _ in identities_of(source)
+           if converted_loss_state(_shard_metadata(source, prefix)) == LOSS_BRIDGE_06]
+    if old:
+        warnings.warn(f"{old[0]}{f' (and {len(old) - 1} more)' if len(old) > 1 else ''}: converted from "
+                      "Megatron-Bridge's .npy/Parquet with Bridge 0.6's loss normalisation (loss 0 at EOS inputs "
+                      "with --eos-id): under Bridge main's rules (bridge_semantics='next') it trains fewer positions "
+                      "than Bridge trains on the original file; re-convert from the original with this version, "
+                      "or pass bridge_semantics='0.6'", ConvertedLossWarning, stacklevel=3)
+
+
+def _shard_metadata(source, prefix):
+    from ..multi import MultiShardDataset
+
+    if isinstance(source, MultiShardDataset):
+        return source.shard(source.prefixes.index(prefix)).metadata
+    return getattr(source, "metadata", None)
 
 
 def _balanced_mapping(spec, source, data_path, max_num_samples, seed, order, topology) -> np.ndarray:

@@ -65,7 +65,7 @@ def test_the_fixture_names_its_bridge_commit(golden):
     assert all("padding_mask" in c["keys"][0] for c in doc["cells"])  # main's batches, not 0.6's
 
 
-@pytest.mark.parametrize("source", ["npy", "parquet"])
+@pytest.mark.parametrize("source", ["npy", "parquet", "shard"])
 def test_batches_identical_to_bridge_mains_collate(golden, packs, source):
     doc, arrays = golden
     tokenizer, arts, shards = packs
