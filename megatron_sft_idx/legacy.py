@@ -45,7 +45,7 @@ from .packed import FlatPackedSource
 
 __all__ = ["load_legacy_npy", "load_parquet", "RestrictedUnpickler", "normalise_bridge_loss", "parquet_files",
            "PARQUET_SUFFIXES", "CONSUMER_LOSS_RULES", "LOSS_AS_WRITTEN", "LOSS_BRIDGE_06", "conversion_record",
-           "converted_loss_state"]
+           "converted_loss_state", "converted_eos_id", "consumer_loss_counts"]
 
 #: ``source.converted_from.loss_mask`` of a shard converted from Bridge's ``.npy``/Parquet: the
 #: stored mask kept on every position a consumer reads.
@@ -416,3 +416,49 @@ def load_parquet(files: Union[str, Sequence[str]], *, path: Optional[str] = None
     loss = normalise_bridge_loss(loss.astype(np.int64), tokens, starts, id_off, seq_off, eos_id)
     return FlatPackedSource(tokens, loss, starts, id_off, seq_off, path=label,
                             pad_seq_to_mult=pad_seq_to_mult, pad_layout=pad_layout)
+
+
+def consumer_loss_counts(tokens, loss, seq_starts, seq_offsets, pack_lengths, *, eos_id: Optional[int] = None,
+                         pad_seq_to_mult: int = 1) -> dict:
+    """How many positions each consumer trains over a run of consecutive packs (flat arrays).
+
+    ``tokens``/``loss``: the packs' tokens and stored label-aligned mask, concatenated;
+    ``seq_starts``: every pack's sequence starts (pack-relative), ``seq_offsets`` their CSR
+    offsets (``len(pack_lengths) + 1``, from 0). Returns ``{consumer: count}`` for
+    :data:`CONSUMER_LOSS_RULES` (Bridge 0.6's is None without ``eos_id``), plus
+    ``eos_inputs_trained`` (stored 1 at a read EOS input: what Bridge 0.6 and main disagree on)
+    and ``alignment_padding_trained`` (of those, the ones in a sequence's EOS tail past its last
+    real input, with ``pad_seq_to_mult > 1``: context-parallel alignment padding) with
+    ``first_alignment_pack`` (run-relative, or None). Vectorised: no Python loop per sequence.
+    """
+    tokens, stored = np.asarray(tokens), np.asarray(loss) != 0
+    lengths = np.asarray(pack_lengths, dtype=np.int64)
+    counts = np.diff(np.asarray(seq_offsets, dtype=np.int64))
+    pack_base = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+    pack_of = np.repeat(np.arange(lengths.shape[0]), counts)
+    start = pack_base[pack_of] + np.asarray(seq_starts, dtype=np.int64)
+    is_last = np.zeros(start.shape[0], dtype=bool)
+    is_last[np.cumsum(counts)[counts > 0] - 1] = True
+    end = np.where(is_last, (pack_base + lengths)[pack_of], np.append(start[1:], 0))
+    seq_len = end - start
+    sid = np.repeat(np.arange(start.shape[0]), seq_len)
+    local = np.arange(sid.shape[0], dtype=np.int64) - start[sid]
+    read = local < seq_len[sid] - 1  # every consumer reads [start, end - 1)
+    trained = stored & read
+    out = {"megatron-lm": int(stored.sum()), "megatron-bridge-0.6": None,
+           "megatron-bridge-next": int(trained.sum()), "trl-padding-free": int(trained.sum()),
+           "eos_inputs_trained": None, "alignment_padding_trained": None, "first_alignment_pack": None}
+    if eos_id is None:
+        return out
+    eos = tokens == eos_id
+    out["megatron-bridge-0.6"] = int((trained & ~eos).sum())
+    out["eos_inputs_trained"] = int((trained & eos).sum())
+    aligned = 0
+    if pad_seq_to_mult > 1 and start.shape[0]:
+        last_real = np.maximum.reduceat(np.where(read & ~eos, local + 1, 0), start)
+        tail = trained & eos & (local >= last_real[sid])
+        aligned = int(tail.sum())
+        if aligned:
+            out["first_alignment_pack"] = int(pack_of[sid[int(np.argmax(tail))]])
+    out["alignment_padding_trained"] = aligned
+    return out

@@ -108,3 +108,34 @@ def test_0_6_semantics_differ_from_main_on_these_cells(golden, packs):
         assert "padding_mask" not in got
         diff += int((got["loss_mask"] != want["loss_mask"]).sum())
     assert diff > 0  # Bridge's packer stores loss 1 on EOS alignment padding; main trains it
+
+
+def test_the_audit_counts_what_each_bridge_version_trains(packs, golden):
+    """``inspect-idx --consumers`` on a converted shard: Bridge 0.6's count is what the installed
+    Bridge 0.6.2's own collate trains over every pack of the original file, Bridge main's what
+    main's collate trains (our 'next' collate, equal to it on the fixture's cells); and the gate
+    names trained EOS alignment padding where Bridge's prompt-template packer stored it."""
+    from megatron.bridge.data.builders.gpt_sft import build_gpt_sft_split
+
+    from megatron_sft_idx.gate import check
+    from megatron_sft_idx.tools.inspect_consumers import consumer_audit
+
+    tokenizer, arts, shards = packs
+    warned = []
+    for key, art in arts.items():
+        bridge = build_gpt_sft_split(art.npy, tokenizer=tokenizer, seq_length=PACK_SIZE, memmap_workers=1,
+                                     seed=1234, packed_sequence_size=PACK_SIZE, pack_metadata_path=art.metadata,
+                                     pad_cu_seqlens=False, pad_seq_to_mult=art.pad_seq_to_mult,
+                                     dataset_kwargs={"pad_to_max_length": False, "max_num_samples": None})
+        ours = PackedSFTDataset(shards[key], max_seq_length=PACK_SIZE, eos_id=tokenizer.eos_id,
+                                bridge_semantics="next")
+        trained_06 = sum(int(bridge.collate_fn([bridge[i]])["loss_mask"].sum()) for i in range(len(bridge)))
+        trained_next = sum(int(ours.collate_fn([ours[i]])["loss_mask"].sum()) for i in range(len(ours)))
+        total = consumer_audit([shards[key]])["total"]  # the EOS id is the one the conversion recorded
+        assert total["megatron-bridge-0.6"] == trained_06, key
+        assert total["megatron-bridge-next"] == trained_next == total["trl-padding-free"], key
+        codes = check(shards[key]).shards[0].codes()
+        assert ("BRIDGE_ALIGNMENT_PADDING_TRAINED" in codes) == bool(total["alignment_padding_trained"]), key
+        if total["alignment_padding_trained"]:
+            warned.append(key)
+    assert ("prompt", 4) in warned  # Bridge's prompt-template packer trains its CP padding
