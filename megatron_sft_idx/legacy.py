@@ -15,6 +15,17 @@ numpy globals that rebuild an array (``_reconstruct``, ``ndarray``, ``dtype``);
 everything else (``os.system``, ``builtins.eval``, any class) is refused with a
 :class:`ShardError` before it is called. Lists, dicts, ints and bools need no
 globals at all. The loaded object is then checked for exactly the expected shape.
+
+**Loss masks as Bridge wrote them.** Reading (and ``convert-packed``) keeps Bridge's stored
+mask on every position a consumer reads; only each sequence's last position, which no
+consumer reads (Bridge's collate reads ``[start, end - 1)``; the label-aligned format requires
+0 there), is set to 0. Which stored positions train is the consumer's rule, applied by its
+reader (:data:`CONSUMER_LOSS_RULES`): Bridge 0.6's collate zeroes the loss at EOS inputs,
+Bridge ``main``'s (the next release) keeps it, as do Megatron-LM's dataset and the TRL adapter.
+``eos_id`` applies Bridge 0.6's rule on read, for a reader that needs 0.6's positions baked in.
+A converted shard records all this in ``source.converted_from`` (:func:`conversion_record`);
+shards converted before this rule carry no ``loss_mask`` entry there and were normalised with
+Bridge 0.6's rule when ``--eos-id`` was given (:func:`converted_loss_state`).
 """
 
 from __future__ import annotations
@@ -33,7 +44,46 @@ from .format import PAD_LAYOUT_RUNTIME, Rule
 from .packed import FlatPackedSource
 
 __all__ = ["load_legacy_npy", "load_parquet", "RestrictedUnpickler", "normalise_bridge_loss", "parquet_files",
-           "PARQUET_SUFFIXES"]
+           "PARQUET_SUFFIXES", "CONSUMER_LOSS_RULES", "LOSS_AS_WRITTEN", "LOSS_BRIDGE_06", "conversion_record",
+           "converted_loss_state", "converted_eos_id", "consumer_loss_counts"]
+
+#: ``source.converted_from.loss_mask`` of a shard converted from Bridge's ``.npy``/Parquet: the
+#: stored mask kept on every position a consumer reads.
+LOSS_AS_WRITTEN = "as_written"
+#: What a converted shard without that entry holds: Bridge 0.6's normalisation applied at
+#: conversion (loss 0 at EOS inputs when ``--eos-id`` was given), positions Bridge ``main`` trains lost.
+LOSS_BRIDGE_06 = "bridge_0.6_normalised"
+#: The loss each consumer trains from a stored label-aligned mask (recorded in converted shards).
+CONSUMER_LOSS_RULES = {
+    "megatron-lm": "stored mask",
+    "megatron-bridge-0.6": "stored mask, 0 at EOS inputs",
+    "megatron-bridge-next": "stored mask (answer_only_loss); 0 at EOS inputs otherwise",
+    "trl-padding-free": "stored mask",
+}
+
+
+def conversion_record(eos_id: Optional[int]) -> dict:
+    """The entries a conversion from Bridge's files adds to ``source.converted_from``."""
+    return {"loss_mask": LOSS_AS_WRITTEN, "bridge_eos_id": None if eos_id is None else int(eos_id),
+            "consumer_loss_rules": dict(CONSUMER_LOSS_RULES)}
+
+
+def converted_loss_state(metadata) -> Optional[str]:
+    """:data:`LOSS_AS_WRITTEN` or :data:`LOSS_BRIDGE_06` for a shard converted from Bridge's
+    ``.npy``/Parquet (by its ``ShardMetadata`` or metadata dict), None for any other shard."""
+    source = metadata.get("source") if isinstance(metadata, dict) else getattr(metadata, "source", None)
+    record = source.get("converted_from") if isinstance(source, dict) else None
+    if not isinstance(record, dict) or record.get("format") not in ("npy", "parquet"):
+        return None
+    return LOSS_AS_WRITTEN if record.get("loss_mask") == LOSS_AS_WRITTEN else LOSS_BRIDGE_06
+
+
+def converted_eos_id(metadata) -> Optional[int]:
+    """The Bridge EOS id a conversion recorded (``--eos-id``), or None."""
+    source = metadata.get("source") if isinstance(metadata, dict) else getattr(metadata, "source", None)
+    record = source.get("converted_from") if isinstance(source, dict) else None
+    value = record.get("bridge_eos_id") if isinstance(record, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 _PACK_KEYS = ("input_ids", "loss_mask", "seq_start_id")
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -231,10 +281,9 @@ def _flat_from_lists(fields, path: str, pad_seq_to_mult: int, pad_layout: str,
 
 def normalise_bridge_loss(loss, tokens, seq_starts, token_offsets, seq_offsets,
                           eos_id: Optional[int] = None) -> np.ndarray:
-    """Bridge's loss mask with the positions Bridge never trains set to 0 (a copy).
-
-    Each sequence's last position (Bridge's collate reads ``[start, end - 1)``), and with
-    ``eos_id`` every position whose input token is EOS (Bridge's collate zeroes them).
+    """Bridge's loss mask with each sequence's last position set to 0 (a copy): no consumer
+    reads it (Bridge's collate reads ``[start, end - 1)``). With ``eos_id``, also Bridge 0.6's
+    rule: 0 at every EOS input (Bridge 0.6's collate zeroes them; ``main``'s trains them).
     Malformed sequence starts are left alone here; the invariant scan names them.
     """
     loss = np.array(loss, dtype=np.int64)
@@ -367,3 +416,49 @@ def load_parquet(files: Union[str, Sequence[str]], *, path: Optional[str] = None
     loss = normalise_bridge_loss(loss.astype(np.int64), tokens, starts, id_off, seq_off, eos_id)
     return FlatPackedSource(tokens, loss, starts, id_off, seq_off, path=label,
                             pad_seq_to_mult=pad_seq_to_mult, pad_layout=pad_layout)
+
+
+def consumer_loss_counts(tokens, loss, seq_starts, seq_offsets, pack_lengths, *, eos_id: Optional[int] = None,
+                         pad_seq_to_mult: int = 1) -> dict:
+    """How many positions each consumer trains over a run of consecutive packs (flat arrays).
+
+    ``tokens``/``loss``: the packs' tokens and stored label-aligned mask, concatenated;
+    ``seq_starts``: every pack's sequence starts (pack-relative), ``seq_offsets`` their CSR
+    offsets (``len(pack_lengths) + 1``, from 0). Returns ``{consumer: count}`` for
+    :data:`CONSUMER_LOSS_RULES` (Bridge 0.6's is None without ``eos_id``), plus
+    ``eos_inputs_trained`` (stored 1 at a read EOS input: what Bridge 0.6 and main disagree on)
+    and ``alignment_padding_trained`` (of those, the ones in a sequence's EOS tail past its last
+    real input, with ``pad_seq_to_mult > 1``: context-parallel alignment padding) with
+    ``first_alignment_pack`` (run-relative, or None). Vectorised: no Python loop per sequence.
+    """
+    tokens, stored = np.asarray(tokens), np.asarray(loss) != 0
+    lengths = np.asarray(pack_lengths, dtype=np.int64)
+    counts = np.diff(np.asarray(seq_offsets, dtype=np.int64))
+    pack_base = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+    pack_of = np.repeat(np.arange(lengths.shape[0]), counts)
+    start = pack_base[pack_of] + np.asarray(seq_starts, dtype=np.int64)
+    is_last = np.zeros(start.shape[0], dtype=bool)
+    is_last[np.cumsum(counts)[counts > 0] - 1] = True
+    end = np.where(is_last, (pack_base + lengths)[pack_of], np.append(start[1:], 0))
+    seq_len = end - start
+    sid = np.repeat(np.arange(start.shape[0]), seq_len)
+    local = np.arange(sid.shape[0], dtype=np.int64) - start[sid]
+    read = local < seq_len[sid] - 1  # every consumer reads [start, end - 1)
+    trained = stored & read
+    out = {"megatron-lm": int(stored.sum()), "megatron-bridge-0.6": None,
+           "megatron-bridge-next": int(trained.sum()), "trl-padding-free": int(trained.sum()),
+           "eos_inputs_trained": None, "alignment_padding_trained": None, "first_alignment_pack": None}
+    if eos_id is None:
+        return out
+    eos = tokens == eos_id
+    out["megatron-bridge-0.6"] = int((trained & ~eos).sum())
+    out["eos_inputs_trained"] = int((trained & eos).sum())
+    aligned = 0
+    if pad_seq_to_mult > 1 and start.shape[0]:
+        last_real = np.maximum.reduceat(np.where(read & ~eos, local + 1, 0), start)
+        tail = trained & eos & (local >= last_real[sid])
+        aligned = int(tail.sum())
+        if aligned:
+            out["first_alignment_pack"] = int(pack_of[sid[int(np.argmax(tail))]])
+    out["alignment_padding_trained"] = aligned
+    return out

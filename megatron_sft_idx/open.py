@@ -53,9 +53,10 @@ def open_packed(path, *, pad_seq_to_mult: Optional[int] = None, pad_layout: str 
         pad_seq_to_mult, pad_layout: for ``.npy``/Parquet, the multiple the producer padded
             sequences to and its layout (Megatron-Bridge's packer: ``"runtime"``); our
             shards record both themselves.
-        eos_id: for ``.npy``/Parquet, Bridge's EOS id: loss values at EOS inputs, which
-            Bridge never trains, are normalised to 0 (docs/FORMAT.md, "Data written by
-            Megatron-Bridge"). Each sequence's last position is always normalised to 0.
+        eos_id: for ``.npy``/Parquet, apply Bridge 0.6's loss rule on read: loss 0 at EOS
+            inputs (Bridge 0.6's collate never trains them; Bridge ``main``'s does: without
+            ``eos_id`` the mask is kept as Bridge wrote it; docs/FORMAT.md, "Data written by
+            Megatron-Bridge"). Each sequence's last position, read by no consumer, is always 0.
         check_packs: check each shard pack's invariants as it is read.
 
     Raises:

@@ -185,6 +185,8 @@ def _run_arrays(ctx: ShardContext, vocab: Optional[int], options: Options) -> No
     if ctx.pointers_ok and ctx.offsets_ok and ctx.sizes_ok:
         content.scan(ctx, vocab)
         report.checks.append("packs")
+        if _bridge_alignment_padding(ctx):
+            report.checks.append("bridge-alignment-padding")
         if ctx.headers_clean:
             read_back(ctx, options.sample, options.level == "deep")
             report.checks.append("read-back-all" if options.level == "deep" else "read-back-sample")
@@ -192,6 +194,48 @@ def _run_arrays(ctx: ShardContext, vocab: Optional[int], options: Options) -> No
             ctx.skip("read-back", "the reader refuses the header/metadata findings reported above")
     else:
         ctx.skip("pack scan and read-back", "an earlier structural finding makes the arrays untrustworthy")
+
+
+#: Tokens per chunk of the alignment-padding pass (whole packs, bounded memory).
+_ALIGN_CHUNK_TOKENS = 1 << 20
+
+
+def _bridge_alignment_padding(ctx: ShardContext) -> bool:
+    """``BRIDGE_ALIGNMENT_PADDING_TRAINED`` for a shard converted from Bridge's packer with CP
+    padding whose stored mask trains EOS alignment padding (the EOS id is the one the conversion
+    recorded). False when the pass does not apply (not such a shard, no EOS id, pack errors)."""
+    import numpy as np
+
+    from ..format import LOSS_SUFFIX
+    from ..legacy import consumer_loss_counts, converted_eos_id, converted_loss_state
+
+    meta = ctx.metadata
+    if meta is None or converted_loss_state(meta) is None or int(meta.pad_seq_to_mult or 1) <= 1:
+        return False
+    eos = converted_eos_id(meta)
+    if eos is None or any(f.severity == "error" for f in ctx.report.findings):
+        return False
+    lengths = np.asarray(ctx.lengths(), dtype=np.int64)
+    offsets = np.asarray(ctx.seq_offsets(), dtype=np.int64)
+    token_off = np.concatenate(([0], np.cumsum(lengths)))
+    tokens, loss, starts = ctx.tokens(), ctx.loss(), ctx.seq_starts()
+    total, first, a = 0, None, 0
+    while a < lengths.shape[0]:
+        b = min(lengths.shape[0], max(a + 1, int(np.searchsorted(token_off, token_off[a] + _ALIGN_CHUNK_TOKENS,
+                                                                  side="right")) - 1))
+        lo, hi = int(token_off[a]), int(token_off[b])
+        part = consumer_loss_counts(tokens[lo:hi], loss[lo:hi], starts[offsets[a]:offsets[b]],
+                                    offsets[a:b + 1] - offsets[a], lengths[a:b], eos_id=eos,
+                                    pad_seq_to_mult=int(meta.pad_seq_to_mult))
+        total += part["alignment_padding_trained"]
+        if first is None and part["first_alignment_pack"] is not None:
+            first = a + part["first_alignment_pack"]
+        ctx.release(LOSS_SUFFIX, lo, hi)
+        a = b
+    if total:
+        ctx.add("BRIDGE_ALIGNMENT_PADDING_TRAINED", f"{total:,} positions of EOS alignment padding (EOS id {eos}) "
+                f"carry loss 1, first in pack {first}", LOSS_SUFFIX, pack=first)
+    return True
 
 
 def _start_checksums(ctx: ShardContext, options: Options):

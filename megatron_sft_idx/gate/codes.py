@@ -167,6 +167,14 @@ CODES: Dict[str, Code] = {
                                    "a shard's file, an order or a manifest is missing or differs, or an old "
                                    "file the new generation does not bring is left; the sources were kept",
                                    "fix the cause (storage, permissions) and promote again with --replace"),
+    # ---- consumers (appended)
+    "BRIDGE_ALIGNMENT_PADDING_TRAINED": Code(WARNING, ".loss.bin", "a pack written by Megatron-Bridge's packer "
+                                             "(converted from its .npy/Parquet) stores loss 1 on EOS alignment "
+                                             "padding (context-parallel padding past a sequence's last real "
+                                             "token): Bridge 0.6 zeroed it at collate, Bridge main trains it",
+                                             "train with bridge_semantics='0.6' to keep 0.6's loss, or fix the "
+                                             "mask at the source (Bridge's prompt-template packer with "
+                                             "pad_seq_to_mult > 1) and re-pack; inspect-idx --consumers counts it"),
 }
 
 #: Each pack invariant's finding code.

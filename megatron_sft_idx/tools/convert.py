@@ -57,7 +57,7 @@ class ConvertOptions:
     vocab_size: Optional[int] = None
     pad_seq_to_mult: Optional[int] = None
     pad_layout: Optional[str] = None     # .npy/Parquet: default the factory's (Bridge's: runtime)
-    eos_id: Optional[int] = None         # .npy/Parquet: Bridge's EOS id, whose loss its collate zeroes
+    eos_id: Optional[int] = None         # .npy/Parquet: Bridge's EOS id, recorded (the mask is kept as written)
     algorithm: str = "first_fit_decreasing"
     seed: int = 0
     overlong: str = "error"
@@ -184,9 +184,11 @@ def _source_record(kind: str, path: str, **extra) -> dict:
 
 
 def _from_flat(kind: str, source: str, output: str, options: ConvertOptions) -> ConvertResult:
-    """Legacy ``.npy`` or packed Parquet, parsed and normalised by the factory one file at a time
-    (Bridge's quirks -- loss on positions it never trains, the runtime padding layout -- are
-    handled there, once, for training and conversion alike)."""
+    """Legacy ``.npy`` or packed Parquet, parsed by the factory one file at a time (the runtime
+    padding layout and each sequence's unread last position handled there, once, for training
+    and conversion alike). The loss mask is kept as Bridge wrote it and the conversion says so in
+    ``source.converted_from`` (:func:`~megatron_sft_idx.legacy.conversion_record`)."""
+    from ..legacy import conversion_record
     from ..open import open_packed
 
     files = [source] if kind == "npy" else list(to_shard.parquet_files(source))
@@ -194,8 +196,8 @@ def _from_flat(kind: str, source: str, output: str, options: ConvertOptions) -> 
     if restored is None and not options.pack_size and len(files) > 1:
         raise FormatError("several Parquet files are read one at a time: the pack size is needed up front",
                           path=source, field="pack_size", hint="pass --pack-size N")
-    parse = {"pad_seq_to_mult": options.pad_seq_to_mult or (restored or {}).get("pad_seq_to_mult"),
-             "eos_id": options.eos_id}
+    # The mask as Bridge wrote it: each consumer's reader applies its own loss rule (legacy.py).
+    parse = {"pad_seq_to_mult": options.pad_seq_to_mult or (restored or {}).get("pad_seq_to_mult")}
     layout = options.pad_layout or (restored or {}).get("pad_layout")
     if layout:
         parse["pad_layout"] = layout
@@ -212,7 +214,7 @@ def _from_flat(kind: str, source: str, output: str, options: ConvertOptions) -> 
         size = options.pack_size or first.summary.max_packed_seqlen
         if not options.pack_size:
             notes.append(f"pack size not given: using the longest pack of {files[0]} ({size}); set --pack-size")
-        meta = {"source": _source_record(kind, source, files=len(files)),
+        meta = {"source": _source_record(kind, source, files=len(files), **conversion_record(options.eos_id)),
                 "pad_seq_to_mult": first.summary.pad_seq_to_mult, "pad_layout": first.summary.pad_layout}
         builder = _builder(output, options, pack_size=size, metadata=meta)
     with builder:

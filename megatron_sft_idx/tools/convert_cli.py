@@ -44,8 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pad-layout", choices=PAD_LAYOUTS, default=None,
                    help=".npy/Parquet: which length the multiple applies to (default runtime, as Megatron-Bridge pads)")
     p.add_argument("--eos-id", type=int, default=None, metavar="ID",
-                   help=".npy/Parquet: Bridge's EOS id; the loss at EOS inputs, which Bridge's collate zeroes, "
-                        "is zeroed in the shard")
+                   help=".npy/Parquet: Bridge's EOS id, recorded in the shard's metadata (the loss mask is kept "
+                        "as Bridge wrote it; each consumer's reader applies its own rule at EOS inputs)")
     pre = p.add_argument_group("pretrain input (each document becomes one sequence, loss on all tokens)")
     pre.add_argument("--packing-algorithm", choices=ALGORITHMS, default=DEFAULT_ALGORITHM)
     pre.add_argument("--seed", type=int, default=0, help="seed of first_fit_shuffle (default 0)")

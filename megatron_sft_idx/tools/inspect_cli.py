@@ -4,7 +4,8 @@ Modes: a summary (default; ``--plot OUT.png`` also draws its histograms), ``--pa
 (one pack with its boundaries and trained spans, detokenized when the recorded tokenizer
 is available), ``--sql "SELECT ... FROM packs"`` (DuckDB over the shards, zero-copy),
 ``--order [FILE|auto]`` (a balanced order's straggler report next to the shuffle's:
-:mod:`.order_view`; ``--plot`` draws it).
+:mod:`.order_view`; ``--plot`` draws it), ``--consumers`` (positions each consumer trains:
+Megatron-LM, Megatron-Bridge 0.6 and next, TRL padding-free; :mod:`.inspect_consumers`).
 Exit status: 0 done; 1 a shard is corrupt or the query failed; 2 usage error, a missing
 shard or a missing optional dependency.
 """
@@ -38,6 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "auto: PREFIX.order beside a shard or manifest)")
     p.add_argument("--balance-for", default=None, metavar="DP,MBS,GBS",
                    help="with --order: the topology to report for (default: the order's)")
+    mode.add_argument("--consumers", action="store_true",
+                      help="count the positions each consumer trains (Megatron-LM, Megatron-Bridge 0.6 and "
+                           "next, TRL padding-free); reads .bin and .loss.bin")
+    p.add_argument("--eos-id", type=int, default=None, metavar="ID",
+                   help="with --consumers: the tokenizer's EOS id (default: the one a conversion recorded)")
     p.add_argument("--dp", type=int, default=None, metavar="N",
                    help="alias: DP of --balance-for (the others the order's)")
     p.add_argument("--micro-batch-size", type=int, default=None, metavar="N",
@@ -62,7 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _usage_problem(args) -> Optional[str]:
     if args.seq is not None and args.pack is None:
         return "--seq needs --pack"
-    if args.plot and (args.pack is not None or args.sql):
+    if args.eos_id is not None and not args.consumers:
+        return "--eos-id goes with --consumers"
+    if args.plot and (args.pack is not None or args.sql or args.consumers):
         return "--plot draws the summary (or with --order the order's report): use it without --pack/--sql"
     topology = (args.dp, args.micro_batch_size, args.global_batch_size)
     if args.balance_for is not None:
@@ -115,6 +123,12 @@ def _run(args) -> int:
         _cli.emit(json.dumps(view, indent=1) if args.json else format_order_view(dict(view, reports=reports)))
         return _cli.EXIT_OK
     prefixes = resolve_inputs(args.shards)
+    if args.consumers:
+        from .inspect_consumers import consumer_audit, format_consumer_audit
+
+        audit = consumer_audit(prefixes, args.eos_id)
+        _cli.emit(json.dumps(audit, indent=1) if args.json else format_consumer_audit(audit))
+        return _cli.EXIT_OK
     if args.pack is not None:
         from .pack_view import describe_pack, format_pack
 

@@ -5,7 +5,8 @@ Modules (imported on first use, so importing this package costs nothing):
 * :mod:`.megatron` — ``SFTIndexedDataset`` for megatron-core's blended builder,
   ``parse_data_path``, the Megatron-LM dataset provider (imports megatron-core);
 * :mod:`.bridge` — ``PackedSFTDataset`` with Bridge's packed interface;
-* :mod:`.collate` — ``PackedCollator``: Bridge's packed batch, vectorised.
+* :mod:`.collate` — ``PackedCollator``: Bridge's packed batch, vectorised;
+* :mod:`.hf` — ``PaddingFreeDataset``, ``PaddingFreeCollator``: TRL / transformers padding-free batches.
 
 The data sources they read are named here too, from the modules below training that own them:
 ``open_packed`` (:mod:`megatron_sft_idx.open`, the one dispatcher), ``MultiShardDataset``
@@ -29,6 +30,8 @@ _PUBLIC = {
     "bridge_datasets": ".bridge",
     "PackedCollator": ".collate",
     "collate_fn": ".collate",
+    "PaddingFreeDataset": ".hf",
+    "PaddingFreeCollator": ".hf",
     "PackSummary": "..packed",
     "summarize": "..packed",
     "FlatPackedSource": "..packed",

@@ -11,7 +11,8 @@ turns a list of them into Bridge's packed batch (:mod:`.collate`). Example::
                         persistent_workers=True)
 
 Semantics kept from Bridge's ``GPTSFTPackedDataset`` (tested against the installed
-Megatron-Bridge 0.6.2 over its own ``.npy``/Parquet and over our shards of the same packs):
+Megatron-Bridge 0.6.2 over its own ``.npy``/Parquet and over our shards of the same packs;
+the collate follows the installed Bridge's version or ``bridge_semantics``, :mod:`.collate`):
 
 * a negative index is a *padding sample*: the pack at that (Python-negative)
   position, with an all-zero loss mask, so padding a global batch never adds loss;
@@ -38,12 +39,12 @@ from ..format import PAD_LAYOUT_RUNTIME
 from ..jsondoc import load_json
 from ..sets import require_compatible
 from ._sources import PackSummary, runtime_min_packed, summarize
-from .collate import BridgePackingStats, PackedCollator
+from .collate import BRIDGE_NEXT, BridgePackingStats, PackedCollator, resolve_bridge_semantics
 from .factory import open_packed
 from .multi import identities_of
 
 __all__ = ["PackedSFTDataset", "build_samples_mapping", "bridge_datasets", "bridge_stats",
-           "bridge_metadata_stats"]
+           "bridge_metadata_stats", "ConvertedLossWarning"]
 
 #: Bytes of a Megatron-Bridge packing-metadata JSON (a few entries per packed dataset).
 BRIDGE_METADATA_MAX_BYTES = 64 << 20
@@ -101,6 +102,8 @@ class PackedSFTDataset(torch.utils.data.Dataset):
             ``seed``, its pack costs are this data's; ``topology`` (a
             :class:`~megatron_sft_idx.batching.Topology`), when given, warns on a mismatch. It
             reaches the ranks only through ``dataloader_type="single"``.
+        bridge_semantics: the Megatron-Bridge collate to reproduce: ``"0.6"`` or ``"next"``
+            (its main branch; :mod:`.collate`); default: the installed Bridge's.
 
     Raises:
         ShardError: the source does not open; options contradict its statistics; or it is
@@ -116,7 +119,7 @@ class PackedSFTDataset(torch.utils.data.Dataset):
                  pad_cu_seqlens: bool = False, pack_metadata_file_path: Optional[str] = None,
                  return_cu_seqlen: bool = True, answer_only_loss: bool = True,
                  stats: Optional[BridgePackingStats] = None, order=None, balanced_order=None,
-                 topology=None) -> None:
+                 topology=None, bridge_semantics: Optional[str] = None) -> None:
         eos = eos_id if eos_id is not None else (pad_id if pad_id is not None else 0)
         data_path = source if isinstance(source, str) else None
         if isinstance(source, (str, list, tuple)) or hasattr(source, "__fspath__"):
@@ -143,11 +146,14 @@ class PackedSFTDataset(torch.utils.data.Dataset):
             stats = (bridge_metadata_stats(pack_metadata_file_path) if pack_metadata_file_path
                      else bridge_stats(source))
         self.stats = stats
+        semantics = resolve_bridge_semantics(bridge_semantics)
+        if semantics == BRIDGE_NEXT:
+            _warn_if_normalised_for_06(source)
         self.collate_fn = PackedCollator(
             self.max_seq_length, eos_id=eos, pad_to_max_length=pad_to_max_length,
             pad_seq_length_to_mult=pad_seq_length_to_mult, pad_seq_to_mult=mult,
             pad_cu_seqlens=pad_cu_seqlens, stats=stats, return_cu_seqlen=return_cu_seqlen,
-            answer_only_loss=answer_only_loss)
+            answer_only_loss=answer_only_loss, bridge_semantics=semantics)
 
     def __len__(self) -> int:
         return len(self.samples_mapping) if self.samples_mapping is not None else len(self.source)
@@ -162,6 +168,34 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         if is_padding:
             loss = np.zeros_like(loss)
         return {"input_ids": pack.input_ids, "seq_boundaries": pack.seq_boundaries, "loss_mask": loss}
+
+
+class ConvertedLossWarning(UserWarning):
+    """A shard converted with Bridge 0.6's loss normalisation is trained under the next release's rules."""
+
+
+def _warn_if_normalised_for_06(source) -> None:
+    """Warn (once per call) for shards converted before conversions kept Bridge's stored mask."""
+    import warnings
+
+    from ..legacy import LOSS_BRIDGE_06, converted_loss_state
+
+    old = [prefix for prefix, _ in identities_of(source)
+           if converted_loss_state(_shard_metadata(source, prefix)) == LOSS_BRIDGE_06]
+    if old:
+        warnings.warn(f"{old[0]}{f' (and {len(old) - 1} more)' if len(old) > 1 else ''}: converted from "
+                      "Megatron-Bridge's .npy/Parquet with Bridge 0.6's loss normalisation (loss 0 at EOS inputs "
+                      "with --eos-id): under Bridge main's rules (bridge_semantics='next') it trains fewer positions "
+                      "than Bridge trains on the original file; re-convert from the original with this version, "
+                      "or pass bridge_semantics='0.6'", ConvertedLossWarning, stacklevel=3)
+
+
+def _shard_metadata(source, prefix):
+    from ..multi import MultiShardDataset
+
+    if isinstance(source, MultiShardDataset):
+        return source.shard(source.prefixes.index(prefix)).metadata
+    return getattr(source, "metadata", None)
 
 
 def _balanced_mapping(spec, source, data_path, max_num_samples, seed, order, topology) -> np.ndarray:

@@ -34,8 +34,20 @@ applies them:
 * ``return_cu_seqlen=False``: no boundaries, a dense causal ``attention_mask``
   ``(B, 1, L, L)`` (True = masked) instead.
 
-Bridge 0.6.2 returns no ``padding_mask`` (its main branch adds one) and no Bridge
-version returns ``pad_between_seqs``; neither is returned here.
+Two versions of these rules (``bridge_semantics``; default: the installed Megatron-Bridge's,
+:func:`installed_bridge_semantics`):
+
+* ``"0.6"``: Megatron-Bridge 0.6.x, as above (tested against the installed 0.6.2);
+* ``"next"``: Megatron-Bridge ``main`` (0.7.0 in the making; tested against the batches its
+  own ``collate_fn`` computed at commit ``067f987d``, ``tests/golden/bridge_next/``): under
+  ``answer_only_loss`` the stored mask is used **as is** (no zeroing at EOS inputs; PR
+  #5213; ``answer_only_loss=False`` still zeroes them), and every batch carries
+  ``padding_mask`` (bool ``(B, max_length)``, True on padding; PR #5470): positions past a
+  row's ``token_count``, or, with ``pad_seq_to_mult > 1``, each segment's physical tail past
+  its logical length (alignment padding and the trailing segment).
+
+Neither version returns ``pad_between_seqs`` (Bridge PR #5610, merged after that commit, adds
+it; it is not served here yet).
 """
 
 from __future__ import annotations
@@ -52,7 +64,46 @@ import torch  # noqa: E402
 
 from ..errors import ShardError
 
-__all__ = ["PackedCollator", "BridgePackingStats", "collate_fn"]
+__all__ = ["PackedCollator", "BridgePackingStats", "collate_fn", "BRIDGE_SEMANTICS", "installed_bridge_semantics",
+           "resolve_bridge_semantics"]
+
+#: The Megatron-Bridge collate versions served: 0.6.x, and ``main`` (the next release).
+BRIDGE_06, BRIDGE_NEXT = "0.6", "next"
+BRIDGE_SEMANTICS = (BRIDGE_06, BRIDGE_NEXT)
+#: The first Megatron-Bridge version whose packed collate follows ``"next"`` (main's package version).
+NEXT_FROM = "0.7.0.dev0"
+
+
+def installed_bridge_semantics() -> str:
+    """``"next"`` when the installed Megatron-Bridge is 0.7 or newer (or a pre-release of it),
+    else ``"0.6"`` (also when none is installed). Reads the package metadata; imports nothing."""
+    from importlib import metadata
+
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        version = metadata.version("megatron-bridge")
+    except metadata.PackageNotFoundError:
+        return BRIDGE_06
+    try:
+        return BRIDGE_NEXT if Version(version) >= Version(NEXT_FROM) else BRIDGE_06
+    except InvalidVersion:
+        return BRIDGE_06
+
+
+def resolve_bridge_semantics(value: Optional[str]) -> str:
+    """``value`` checked, or the installed Bridge's semantics for None.
+
+    Raises:
+        ShardError: a value other than ``"0.6"`` / ``"next"``.
+    """
+    if value is None:
+        return installed_bridge_semantics()
+    if value not in BRIDGE_SEMANTICS:
+        raise ShardError("unknown Megatron-Bridge collate semantics", field="bridge_semantics",
+                         expected=" or ".join(repr(v) for v in BRIDGE_SEMANTICS), actual=value,
+                         hint="pass \"0.6\" for Megatron-Bridge 0.6.x, \"next\" for its main branch")
+    return value
 
 
 @dataclass(frozen=True)
@@ -102,15 +153,18 @@ class PackedCollator:
         pad_to_max_length, pad_seq_length_to_mult, pad_seq_to_mult, pad_cu_seqlens,
         return_cu_seqlen, answer_only_loss: Bridge's options of the same names.
         stats: :class:`BridgePackingStats`, required with ``pad_cu_seqlens``.
+        bridge_semantics: ``"0.6"`` or ``"next"`` (module doc); None: the installed Bridge's.
 
     Raises:
-        ShardError: inconsistent options, or a row longer than ``max_seq_length``.
+        ShardError: inconsistent options, an unknown ``bridge_semantics``, or a row longer
+            than ``max_seq_length``.
     """
 
     def __init__(self, max_seq_length: int, *, eos_id: int, pad_to_max_length: bool = False,
                  pad_seq_length_to_mult: int = 16, pad_seq_to_mult: int = 1,
                  pad_cu_seqlens: bool = False, stats: Optional[BridgePackingStats] = None,
-                 return_cu_seqlen: bool = True, answer_only_loss: bool = True) -> None:
+                 return_cu_seqlen: bool = True, answer_only_loss: bool = True,
+                 bridge_semantics: Optional[str] = None) -> None:
         if pad_cu_seqlens and not pad_to_max_length:
             raise ShardError("pad_cu_seqlens requires pad_to_max_length=True (as in Megatron-Bridge)",
                              field="pad_cu_seqlens")
@@ -129,6 +183,7 @@ class PackedCollator:
         self.stats = stats
         self.return_cu_seqlen = bool(return_cu_seqlen)
         self.answer_only_loss = bool(answer_only_loss)
+        self.bridge_semantics = resolve_bridge_semantics(bridge_semantics)
 
     def static_max_seqlen(self, max_length: int) -> int:
         """Bridge's ``pad_cu_seqlens`` value: ``max(dataset_max_seqlen, max_length - min_packed_seqlen)``."""
@@ -179,7 +234,8 @@ class PackedCollator:
         tokens[flat] = ids[kept]
         labels[flat] = ids[kept + 1]
         loss_out[flat] = loss[kept] if self.answer_only_loss else 1
-        loss_out[tokens == self.eos_id] = 0  # Bridge: EOS (and padding) inputs carry no loss
+        if not self.answer_only_loss or self.bridge_semantics == BRIDGE_06:
+            loss_out[tokens == self.eos_id] = 0  # EOS (and padding) inputs carry no loss
         positions[flat] = local
 
         out = {
@@ -189,17 +245,33 @@ class PackedCollator:
             "position_ids": torch.from_numpy(positions.reshape(n_rows, max_length)),
             "token_count": [int(c) for c in row_count],
         }
-        if not self.return_cu_seqlen:
-            causal = torch.tril(torch.ones((1, max_length, max_length))) < 0.5
-            out["attention_mask"] = causal.unsqueeze(0).expand(n_rows, 1, max_length, max_length).clone()
-            return out
         logical = seg
         if self.pad_seq_to_mult > 1:
             # Logical length: up to the sequence's last non-EOS input token (alignment padding excluded).
             logical = np.zeros(seg.shape[0], dtype=np.int64)
             real = ids[kept] != self.eos_id
             np.maximum.at(logical, sid[real], local[real] + 1)
-        return self._add_boundaries(out, seg, logical, n_seqs, max_length)
+        rows = self._rows(seg, logical, n_seqs, max_length)
+        if self.bridge_semantics == BRIDGE_NEXT:
+            out["padding_mask"] = torch.from_numpy(self._padding_mask(rows, row_count, max_length))
+        if not self.return_cu_seqlen:
+            causal = torch.tril(torch.ones((1, max_length, max_length))) < 0.5
+            out["attention_mask"] = causal.unsqueeze(0).expand(n_rows, 1, max_length, max_length).clone()
+            return out
+        return self._add_boundaries(out, rows, n_seqs, max_length)
+
+    def _padding_mask(self, rows, row_count: np.ndarray, max_length: int) -> np.ndarray:
+        """Bridge main's ``padding_mask``: True past each row's tokens, or (context parallelism)
+        on each physical segment's tail past its logical length."""
+        mask = np.zeros((row_count.shape[0], max_length), dtype=bool)
+        if self.pad_seq_to_mult == 1:
+            mask[np.arange(max_length)[None, :] >= row_count[:, None]] = True
+            return mask
+        for b, (logical, phys) in enumerate(zip(*rows)):
+            tail_start = phys[:-1] + np.diff(logical)
+            for start, end in zip(tail_start.tolist(), phys[1:].tolist()):  # segments per row: few
+                mask[b, start:end] = True
+        return mask
 
     def _row_boundaries(self, phys: np.ndarray, logical: np.ndarray, max_length: int):
         """One row's (logical, physical-or-None) boundaries with Bridge's appending rules."""
@@ -220,7 +292,8 @@ class PackedCollator:
             phys = np.concatenate((phys, np.full(fill, max_length, np.int64)))
         return phys, None
 
-    def _add_boundaries(self, out: dict, seg, logical_len, n_seqs, max_length: int) -> dict:
+    def _rows(self, seg, logical_len, n_seqs, max_length: int):
+        """Each row's (logical, physical-or-None) boundaries, as two lists."""
         split_at = np.cumsum(n_seqs)[:-1]
         logical_rows: List[np.ndarray] = []
         phys_rows: List[np.ndarray] = []
@@ -231,6 +304,10 @@ class PackedCollator:
             logical_rows.append(logical)
             if phys is not None:
                 phys_rows.append(phys)
+        return logical_rows, phys_rows
+
+    def _add_boundaries(self, out: dict, rows, n_seqs, max_length: int) -> dict:
+        logical_rows, phys_rows = rows
         matrix = _stack_ragged(logical_rows + phys_rows)
         cu = torch.from_numpy(matrix[: len(logical_rows)].copy())
         cu_padded = torch.from_numpy(matrix[len(logical_rows):].copy()) if phys_rows else None

@@ -309,8 +309,10 @@ def test_the_script_runs_without_installation(tmp_path, rng):
 
 
 def test_bridge_quirks_are_normalised_by_the_factory(tmp_path):
-    """Bridge stores loss 1 on positions it never trains (each sequence's last) and pads for the
-    runtime layout; the factory normalises both on read, and the shard records the layout."""
+    """Bridge stores loss 1 on positions no consumer reads (each sequence's last) and pads for the
+    runtime layout; the factory sets those to 0 and records the layout. Every other stored loss
+    value is kept (EOS inputs included: Bridge main trains them, 0.6 does not), and the shard
+    records that and the EOS id."""
     ids = np.arange(1, 11)
     loss = np.ones(10, dtype=np.uint8)  # loss on every position, the sequences' last ones included
     starts = np.array([0, 5])           # lengths 5 and 5: runtime layout, multiple 2 ((5 - 1) % 2 == 0)
@@ -318,6 +320,14 @@ def test_bridge_quirks_are_normalised_by_the_factory(tmp_path):
     result = convert(str(tmp_path / "b.npy"), str(tmp_path / "s"), options=ConvertOptions(pad_seq_to_mult=2, eos_id=7))
     assert result.metadata.pad_layout == "runtime" and result.metadata.pad_seq_to_mult == 2
     expected = np.ones(10, dtype=np.uint8)
-    expected[[4, 9]] = 0                # the last position of each sequence
-    expected[ids == 7] = 0              # Bridge's collate zeroes the loss at EOS inputs
-    np.testing.assert_array_equal(MMapIndexedDataset(tmp_path / "s")[0].loss_mask, expected)
+    expected[[4, 9]] = 0                # the last position of each sequence (no consumer reads it)
+    np.testing.assert_array_equal(MMapIndexedDataset(tmp_path / "s")[0].loss_mask, expected)  # EOS (7) kept
+    record = result.metadata.source["converted_from"]
+    assert record["loss_mask"] == "as_written" and record["bridge_eos_id"] == 7
+    assert record["consumer_loss_rules"]["megatron-bridge-0.6"] == "stored mask, 0 at EOS inputs"
+    # 0.6's rule baked in on read, for a reader that asks for it
+    from megatron_sft_idx.open import open_packed
+
+    expected[ids == 7] = 0
+    np.testing.assert_array_equal(open_packed(str(tmp_path / "b.npy"), pad_seq_to_mult=2, eos_id=7)[0].loss_mask,
+                                  expected)

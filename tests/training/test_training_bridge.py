@@ -212,3 +212,46 @@ def test_collator_refuses_bad_options_and_long_packs(shard):
     longest = int(np.argmax([p.packed_len - len(p.seq_start_id) for p in ds.source[0:40]]))
     with pytest.raises(ShardError, match="longer than max_seq_length"):
         ds.collate_fn([ds[longest]])
+
+
+def test_bridge_semantics_is_checked_and_defaults_to_the_installed_bridge():
+    from megatron_sft_idx.training.collate import installed_bridge_semantics, resolve_bridge_semantics
+
+    with pytest.raises(ShardError, match="bridge_semantics"):
+        PackedCollator(64, eos_id=0, bridge_semantics="0.7")
+    assert resolve_bridge_semantics(None) == installed_bridge_semantics()
+    assert PackedCollator(64, eos_id=0, bridge_semantics="next").bridge_semantics == "next"
+
+
+def test_next_semantics_keep_the_stored_loss_at_eos_inputs(shard):
+    """Bridge main (#5213) trains a stored 1 at an EOS input under answer_only_loss; 0.6 zeroes it;
+    answer_only_loss=False zeroes it under both. padding_mask (#5470) marks the padding."""
+    ids = np.array([5, PAD, 6, 7, 8, 9])
+    loss = np.array([1, 1, 1, 0, 1, 0], dtype=np.uint8)
+    item = {"input_ids": ids, "loss_mask": loss, "seq_boundaries": np.array([0, 4, 6])}
+    old = PackedCollator(16, eos_id=PAD, bridge_semantics="0.6")([item])
+    new = PackedCollator(16, eos_id=PAD, bridge_semantics="next")([item])
+    assert old["loss_mask"][0, :4].tolist() == [1, 0, 1, 1]
+    assert new["loss_mask"][0, :4].tolist() == [1, 1, 1, 1]
+    assert "padding_mask" not in old
+    assert new["padding_mask"].dtype == torch.bool and new["padding_mask"][0].tolist() == [False] * 4 + [True] * 12
+    full = PackedCollator(16, eos_id=PAD, bridge_semantics="next", answer_only_loss=False)([item])
+    assert full["loss_mask"][0, :4].tolist() == [1, 0, 1, 1]
+
+
+def test_a_shard_converted_with_06_normalisation_warns_under_next(tmp_path):
+    from megatron_sft_idx.training.bridge import ConvertedLossWarning
+
+    packs = random_packs(np.random.default_rng(3), 4, pack_size=PACK)
+    old, new = str(tmp_path / "old"), str(tmp_path / "new")
+    write_shard(old, packs, metadata={"source": {"converted_from": {"format": "npy", "path": "/x.npy"}}})
+    write_shard(new, packs, metadata={"source": {"converted_from": {"format": "npy", "path": "/x.npy",
+                                                                    "loss_mask": "as_written"}}})
+    with pytest.warns(ConvertedLossWarning, match="re-convert"):
+        PackedSFTDataset(old, eos_id=PAD, bridge_semantics="next")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConvertedLossWarning)
+        PackedSFTDataset(old, eos_id=PAD, bridge_semantics="0.6")
+        PackedSFTDataset(new, eos_id=PAD, bridge_semantics="next")

@@ -1,0 +1,166 @@
+#!/usr/bin/env python3
+"""Regenerate tests/golden/bridge_next/: Megatron-Bridge ``main``'s packed collate on the compat packs.
+
+CI has no network, so the batches Bridge's next release builds are committed as data (never
+Bridge's code). To regenerate, with Bridge's repository fetched (e.g. by the session's fetch
+tool to /work/.mirror/NVIDIA-NeMo+Megatron-Bridge/repo) and the 0.6.2 stack installed
+(``make install-compat``)::
+
+    python3 tests/compat/make_bridge_next_golden.py --bridge-repo /path/to/Megatron-Bridge [--commit HEAD]
+
+What it does:
+
+1. builds a "next" stack in a temporary directory: the installed ``.deps/megatron-bridge-0.6.2``
+   copied, its ``megatron/bridge/data/packing/gpt_sft.py`` (``GPTSFTPackedDataset``, whose
+   ``collate_fn`` is the one that changed) replaced by the file at ``--commit`` of the repository
+   (``git show``); every other module stays 0.6.2's;
+2. runs itself in a subprocess with that stack first on PYTHONPATH: writes the compat packs with
+   Bridge's own packer (``bridge_data.write_bridge_artifacts``, as the parity tests do), builds
+   Bridge's readers (``build_gpt_sft_split`` over the ``.npy`` and over the Parquet) and records,
+   for every cell (prompt/chat x CP 1/4 x padding options x answer_only_loss x source), the
+   batches ``collate_fn`` returns for fixed index lists of sizes 1 and 3 (negative indices:
+   Bridge's padding samples);
+3. writes ``cells.json`` (the cells, their index lists, the non-tensor values, a SHA-256 of the
+   packs each cell read, the Bridge commit and file) and ``batches.npz`` (every tensor).
+
+``tests/compat/test_bridge_next.py`` rebuilds the same packs with the installed 0.6.2 packer,
+checks their digest, and compares ``PackedSFTDataset(bridge_semantics="next")`` with these
+batches, element by element.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+GOLDEN = os.path.join(ROOT, "tests", "golden", "bridge_next")
+STACK = "megatron-bridge-0.6.2"
+MODULE = "megatron/bridge/data/packing/gpt_sft.py"
+UPSTREAM_PATH = "src/" + MODULE
+OPTION_SETS = {"dyn": dict(pad_to_max_length=False, pad_cu_seqlens=False),
+               "max": dict(pad_to_max_length=True, pad_cu_seqlens=False),
+               "max+cu": dict(pad_to_max_length=True, pad_cu_seqlens=True)}
+KINDS = [("prompt", 1), ("prompt", 4), ("chat", 1), ("chat", 4)]
+
+
+def index_lists(n: int, seed: int):
+    """Index batches of sizes 1 and 3 over ``[-n, n)`` (negative: padding samples), fixed by ``seed``."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for size in (1, 3):
+        for _ in range(5):
+            out.append([int(i) for i in rng.choice(np.arange(-n, n), size=min(size, 2 * n), replace=False)])
+    return out
+
+
+def packs_digest(path: str, mult: int) -> str:
+    """SHA-256 over every pack's ids, loss mask and sequence starts, as our reader reads them."""
+    import numpy as np
+
+    from megatron_sft_idx.open import open_packed
+
+    src = open_packed(path, pad_seq_to_mult=mult)
+    h = hashlib.sha256()
+    for i in range(len(src)):
+        p = src[i]
+        for a in (p.input_ids, p.loss_mask, p.seq_start_id):
+            h.update(np.ascontiguousarray(a, dtype=np.int64).tobytes())
+    return h.hexdigest()
+
+
+def compute(out_dir: str, commit: str) -> None:
+    """Phase 2, inside the "next" stack."""
+    sys.path.insert(0, HERE)
+    sys.path.insert(0, os.path.dirname(HERE))
+    import megatron_cpu  # noqa: F401  (before any megatron import)
+    import numpy as np
+    import torch
+    from bridge_data import PACK_SIZE, bridge_tokenizer, write_bridge_artifacts
+    from megatron.bridge.data.builders.gpt_sft import build_gpt_sft_split
+    from megatron.bridge.data.packing import gpt_sft as packed_module
+
+    if not os.path.realpath(packed_module.__file__).startswith(os.path.realpath(os.environ["MEGATRON_SFT_IDX_DEPS"])):
+        raise SystemExit(f"{packed_module.__file__} is not the next stack's module")
+    tokenizer = bridge_tokenizer()
+    work = tempfile.mkdtemp(prefix="bridge_next_")
+    arts = write_bridge_artifacts(__import__("pathlib").Path(work), tokenizer)
+    cells, arrays = [], {}
+    for kind, mult in KINDS:
+        art = next(a for a in arts if (a.kind, a.pad_seq_to_mult) == (kind, mult))
+        digest = packs_digest(art.npy, mult)
+        for opt_name, opts in OPTION_SETS.items():
+            for answer_only in (True, False):
+                for source in ("npy", "parquet"):
+                    path = art.npy if source == "npy" else art.parquet
+                    ds = build_gpt_sft_split(
+                        path, tokenizer=tokenizer, seq_length=PACK_SIZE, memmap_workers=1, seed=1234,
+                        packed_sequence_size=PACK_SIZE, pack_metadata_path=art.metadata,
+                        pad_cu_seqlens=opts["pad_cu_seqlens"], pad_seq_to_mult=mult,
+                        dataset_kwargs={"pad_to_max_length": opts["pad_to_max_length"], "max_num_samples": None,
+                                        "answer_only_loss": answer_only})
+                    cid = len(cells)
+                    batches = index_lists(len(ds), seed=cid)
+                    values = []
+                    for b, idx in enumerate(batches):
+                        batch = ds.collate_fn([ds[i] for i in idx])
+                        plain = {}
+                        for key, value in batch.items():
+                            if isinstance(value, torch.Tensor):
+                                arrays[f"c{cid}_b{b}_{key}"] = value.numpy()
+                                plain[key] = {"tensor": str(value.dtype).replace("torch.", "")}
+                            else:
+                                plain[key] = {"value": value}
+                        values.append(plain)
+                    cells.append({"id": cid, "kind": kind, "pad_seq_to_mult": mult, "options": opt_name,
+                                  "answer_only_loss": answer_only, "source": source, "packs_sha256": digest,
+                                  "num_packs": len(ds), "batches": batches, "keys": values})
+    os.makedirs(out_dir, exist_ok=True)
+    np.savez_compressed(os.path.join(out_dir, "batches.npz"), **arrays)
+    doc = {"bridge_repository": "https://github.com/NVIDIA-NeMo/Megatron-Bridge", "bridge_commit": commit,
+           "bridge_file": UPSTREAM_PATH, "base_stack": STACK, "eos_id": int(tokenizer.eos_id),
+           "pack_size": PACK_SIZE, "generated_by": "tests/compat/make_bridge_next_golden.py", "cells": cells}
+    with open(os.path.join(out_dir, "cells.json"), "w") as f:
+        json.dump(doc, f, indent=1, sort_keys=True)
+        f.write("\n")
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--bridge-repo", help="a clone (or bare mirror) of NVIDIA-NeMo/Megatron-Bridge")
+    parser.add_argument("--commit", default="HEAD")
+    parser.add_argument("--out", default=GOLDEN)
+    parser.add_argument("--compute", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.compute:
+        compute(args.out, args.commit)
+        return 0
+    commit = subprocess.run(["git", "-C", args.bridge_repo, "rev-parse", args.commit], check=True,
+                            capture_output=True, text=True).stdout.strip()
+    source = subprocess.run(["git", "-C", args.bridge_repo, "show", f"{commit}:{UPSTREAM_PATH}"], check=True,
+                            capture_output=True).stdout
+    with tempfile.TemporaryDirectory(prefix="next_stack_") as deps:
+        stack = os.path.join(deps, STACK)
+        shutil.copytree(os.path.join(ROOT, ".deps", STACK), stack, symlinks=True)
+        with open(os.path.join(stack, MODULE), "wb") as f:
+            f.write(source)
+        env = dict(os.environ, MEGATRON_SFT_IDX_STACK=STACK, MEGATRON_SFT_IDX_DEPS=deps,
+                   PYTHONPATH=os.pathsep.join([stack, ROOT]), PYTHONWARNINGS="ignore")
+        subprocess.run([sys.executable, os.path.abspath(__file__), "--compute", "--out", args.out,
+                        "--commit", commit], check=True, env=env, cwd=ROOT)
+    print(f"wrote {args.out} from Megatron-Bridge {commit}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,141 @@
+"""``bridge_semantics="next"`` against Megatron-Bridge main's own collate, element by element.
+
+The reference is data: tests/golden/bridge_next/ holds the batches Bridge main's
+``GPTSFTPackedDataset.collate_fn`` (its file at the commit recorded there, in a copy of the
+installed 0.6.2 stack) returned over the packs Bridge's packer writes for the parity tests
+(``bridge_data``). Here the installed 0.6.2 packer writes the same packs again (their digest is
+checked first, so a changed packer is told apart from a changed collate), and our dataset over
+Bridge's ``.npy``, its Parquet and a shard converted from them must return those batches:
+every key, value, dtype and shape, and no other key. tests/compat/make_bridge_next_golden.py
+regenerates the fixture.
+"""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from bridge_data import PACK_SIZE, bridge_tokenizer, write_bridge_artifacts
+from make_bridge_next_golden import GOLDEN, OPTION_SETS, packs_digest
+from test_bridge_parity import assert_same_batch
+
+from megatron_sft_idx.training.bridge import PackedSFTDataset
+from megatron_sft_idx.training.collate import installed_bridge_semantics
+from megatron_sft_idx.tools.convert import ConvertOptions, convert
+
+
+@pytest.fixture(scope="module")
+def golden():
+    with open(os.path.join(GOLDEN, "cells.json")) as f:
+        doc = json.load(f)
+    return doc, np.load(os.path.join(GOLDEN, "batches.npz"))
+
+
+@pytest.fixture(scope="module")
+def packs(tmp_path_factory):
+    tokenizer = bridge_tokenizer()
+    out = tmp_path_factory.mktemp("bridge_next")
+    arts = {(a.kind, a.pad_seq_to_mult): a for a in write_bridge_artifacts(out, tokenizer)}
+    shards = {}
+    for key, art in arts.items():
+        prefix = str(out / f"{art.kind}_cp{art.pad_seq_to_mult}_shard")
+        convert(art.npy, prefix, options=ConvertOptions(pad_seq_to_mult=art.pad_seq_to_mult,
+                                                        eos_id=tokenizer.eos_id))
+        shards[key] = prefix
+    return tokenizer, arts, shards
+
+
+def expected_batch(cell, b, arrays):
+    out = {}
+    for key, spec in cell["keys"][b].items():
+        out[key] = torch.from_numpy(arrays[f"c{cell['id']}_b{b}_{key}"]) if "tensor" in spec else spec["value"]
+    return out
+
+
+def test_the_installed_stack_defaults_to_its_own_semantics():
+    assert installed_bridge_semantics() == "0.6"  # the 0.6.2 stack: today's parity tests keep running on it
+
+
+def test_the_fixture_names_its_bridge_commit(golden):
+    doc, arrays = golden
+    assert len(doc["bridge_commit"]) == 40 and doc["bridge_file"].endswith("packing/gpt_sft.py")
+    assert len(doc["cells"]) == 4 * 3 * 2 * 2
+    assert all("padding_mask" in c["keys"][0] for c in doc["cells"])  # main's batches, not 0.6's
+
+
+@pytest.mark.parametrize("source", ["npy", "parquet", "shard"])
+def test_batches_identical_to_bridge_mains_collate(golden, packs, source):
+    doc, arrays = golden
+    tokenizer, arts, shards = packs
+    assert doc["eos_id"] == tokenizer.eos_id and doc["pack_size"] == PACK_SIZE
+    checked = set()
+    for cell in doc["cells"]:
+        if cell["source"] != ("parquet" if source == "parquet" else "npy"):
+            continue
+        art = arts[(cell["kind"], cell["pad_seq_to_mult"])]
+        if art.npy not in checked:
+            assert packs_digest(art.npy, art.pad_seq_to_mult) == cell["packs_sha256"], \
+                "the installed packer wrote other packs than the fixture's: regenerate it"
+            checked.add(art.npy)
+        path = {"npy": art.npy, "parquet": art.parquet,
+                "shard": shards[(cell["kind"], cell["pad_seq_to_mult"])]}[source]
+        ds = PackedSFTDataset(path, max_seq_length=PACK_SIZE, eos_id=tokenizer.eos_id,
+                              pad_seq_to_mult=art.pad_seq_to_mult, pack_metadata_file_path=art.metadata,
+                              answer_only_loss=cell["answer_only_loss"], bridge_semantics="next",
+                              **OPTION_SETS[cell["options"]])
+        assert len(ds) == cell["num_packs"]
+        for b, idx in enumerate(cell["batches"]):
+            got = ds.collate_fn([ds[i] for i in idx])
+            assert_same_batch(expected_batch(cell, b, arrays), got,
+                              f"{source} cell {cell['id']} ({cell['kind']} cp{cell['pad_seq_to_mult']} "
+                              f"{cell['options']} answer_only={cell['answer_only_loss']}) batch {idx}")
+
+
+def test_0_6_semantics_differ_from_main_on_these_cells(golden, packs):
+    """The fixture tells the two apart: 0.6's batches (no padding_mask, EOS loss zeroed) are not main's."""
+    doc, arrays = golden
+    tokenizer, arts, _ = packs
+    cell = next(c for c in doc["cells"] if c["kind"] == "prompt" and c["pad_seq_to_mult"] == 4
+                and c["answer_only_loss"] and c["source"] == "npy" and c["options"] == "max")
+    art = arts[("prompt", 4)]
+    ds = PackedSFTDataset(art.npy, max_seq_length=PACK_SIZE, eos_id=tokenizer.eos_id, pad_seq_to_mult=4,
+                          pad_to_max_length=True, bridge_semantics="0.6")
+    diff = 0
+    for b, idx in enumerate(cell["batches"]):
+        got, want = ds.collate_fn([ds[i] for i in idx]), expected_batch(cell, b, arrays)
+        assert "padding_mask" not in got
+        diff += int((got["loss_mask"] != want["loss_mask"]).sum())
+    assert diff > 0  # Bridge's packer stores loss 1 on EOS alignment padding; main trains it
+
+
+def test_the_audit_counts_what_each_bridge_version_trains(packs, golden):
+    """``inspect-idx --consumers`` on a converted shard: Bridge 0.6's count is what the installed
+    Bridge 0.6.2's own collate trains over every pack of the original file, Bridge main's what
+    main's collate trains (our 'next' collate, equal to it on the fixture's cells); and the gate
+    names trained EOS alignment padding where Bridge's prompt-template packer stored it."""
+    from megatron.bridge.data.builders.gpt_sft import build_gpt_sft_split
+
+    from megatron_sft_idx.gate import check
+    from megatron_sft_idx.tools.inspect_consumers import consumer_audit
+
+    tokenizer, arts, shards = packs
+    warned = []
+    for key, art in arts.items():
+        bridge = build_gpt_sft_split(art.npy, tokenizer=tokenizer, seq_length=PACK_SIZE, memmap_workers=1,
+                                     seed=1234, packed_sequence_size=PACK_SIZE, pack_metadata_path=art.metadata,
+                                     pad_cu_seqlens=False, pad_seq_to_mult=art.pad_seq_to_mult,
+                                     dataset_kwargs={"pad_to_max_length": False, "max_num_samples": None})
+        ours = PackedSFTDataset(shards[key], max_seq_length=PACK_SIZE, eos_id=tokenizer.eos_id,
+                                bridge_semantics="next")
+        trained_06 = sum(int(bridge.collate_fn([bridge[i]])["loss_mask"].sum()) for i in range(len(bridge)))
+        trained_next = sum(int(ours.collate_fn([ours[i]])["loss_mask"].sum()) for i in range(len(ours)))
+        total = consumer_audit([shards[key]])["total"]  # the EOS id is the one the conversion recorded
+        assert total["megatron-bridge-0.6"] == trained_06, key
+        assert total["megatron-bridge-next"] == trained_next == total["trl-padding-free"], key
+        codes = check(shards[key]).shards[0].codes()
+        assert ("BRIDGE_ALIGNMENT_PADDING_TRAINED" in codes) == bool(total["alignment_padding_trained"]), key
+        if total["alignment_padding_trained"]:
+            warned.append(key)
+    assert ("prompt", 4) in warned  # Bridge's prompt-template packer trains its CP padding
