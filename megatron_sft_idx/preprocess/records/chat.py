@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from typing import List, Optional, Tuple
 
 import numpy as np
@@ -223,7 +224,7 @@ class ChatTokenizer:
         try:
             full = self.render_conversation(conv)
             spans = [] if loss_on == "all" else self.prefix_spans(conv, turns, full, path, line,
-                                                                  loss_on == "assistant")
+                                                                  loss_on == "assistant", policy)
         except ShardError:
             raise
         except Exception as exc:  # jinja2 TemplateError, raise_exception(), bad content types
@@ -281,8 +282,14 @@ class ChatTokenizer:
         return ids, self._label_aligned(trained, path, line)
 
     def prefix_spans(self, conv: Conversation, turns: List[int], full: str, path: str, line: int,
-                     every_turn: bool = True):
+                     every_turn: bool = True, policy: LossPolicy = DEFAULT_POLICY):
         """Reference spans of the assistant messages at ``turns`` (prefix renders).
+
+        One difference between a prefix and the full rendering is allowed, by rule: an empty
+        reasoning block opening turn k when it ends the prefix and absent once a turn follows it
+        (Qwen3's template renders ``<think>\n\n</think>\n\n`` in the final turn only). Under
+        ``--empty-reasoning-loss mask`` (the default) that block is never trained, so turn k is
+        the same trained text either way and its span is taken from the prefix without the block.
 
         Raises:
             InputError: a prefix does not render as a prefix of ``full`` (the hint names the loss
@@ -291,9 +298,14 @@ class ChatTokenizer:
         """
         spans = []
         messages = conv.template_messages
+        empty = _empty_block(policy) if policy.empty_reasoning == "mask" else None
         for k in turns:
             before = (self.render(messages[:k], True, conv.tools) if k else self.empty_prefix(conv.tools))
             after = self.render(messages[:k + 1], False, conv.tools)
+            if empty is not None and len(before) <= len(after) and not full.startswith(after):
+                block = empty.match(after, len(before))
+                if block is not None:  # (the final turn's empty block, gone from the history)
+                    after = after[:block.start()] + after[block.end():]
             if not (full.startswith(before) and full.startswith(after) and len(before) <= len(after)):
                 raise input_error("the chat template does not render conversation prefixes as prefixes "
                                   "of the full conversation (its output for earlier turns depends on later "
@@ -399,6 +411,12 @@ def reasoning_turns(conv: Conversation, loss_on: str, policy: LossPolicy, turns:
     """The assistant turns whose reasoning the rendering must hold: the trained ones (under ``all``,
     the final one; a template may drop earlier turns' reasoning from the history it renders)."""
     return trained_turns(conv, "last-turn", policy) if loss_on == "all" else turns
+
+
+def _empty_block(policy: LossPolicy):
+    """An empty reasoning block (and the whitespace around it) in the policy's tags."""
+    opening, closing = (re.escape(t) for t in policy.tags)
+    return re.compile(rf"\s*{opening}\s*{closing}\s*")
 
 
 def template_rejected(exc: BaseException, path: str, line: int):

@@ -183,7 +183,7 @@ class RecordEncoder:
         self.locator = None
         if (self.tok is not None and self.tok.chat_template is not None and method == "auto"
                 and options.loss_on in ("assistant", "last-turn")):
-            self.locator = SpanLocator(self.tok)
+            self.locator = SpanLocator(self.tok, self.policy)
             if not self.locator.enabled:
                 self.locator = None
 

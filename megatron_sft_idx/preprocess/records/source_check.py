@@ -81,6 +81,13 @@ def _forms(value) -> Tuple[str, ...]:
     return (json.dumps(value),)
 
 
+def _has_text(value) -> bool:
+    """A string or text parts with a non-blank text in them."""
+    if isinstance(value, list):
+        return any(_has_text(p.get("text") if isinstance(p, dict) else p) for p in value)
+    return isinstance(value, str) and bool(value.strip())
+
+
 def _leaves(value, out: list) -> None:
     if isinstance(value, dict):
         for key, item in value.items():
@@ -112,18 +119,18 @@ class _Reader:
             t.texts.append(Text(len(self.turns) - 1, kind, (value.strip(),), where))
 
     def reply(self, t: Turn, content, message: dict, where: str) -> None:
-        """An assistant reply: reasoning (a field, or inline tags opening the content), then content."""
-        opening, closing = self.tags
-        thought = next((message[k] for k in ("reasoning_content", "reasoning", "thinking")
-                        if isinstance(message.get(k), str)), None)
-        if thought is None and isinstance(content, str):
-            body = content.lstrip()
-            end = body.find(closing, len(opening)) if body.startswith(opening) else -1
-            if end >= 0:
-                thought, content = body[len(opening):end], body[end + len(closing):]
-        if thought is not None and thought.strip():
-            t.reasoning = True
-            self.text(t, "reasoning", thought, where + ".reasoning")
+        """An assistant reply: its reasoning, then its content.
+
+        No precedence between the places reasoning is written: a block opening the content is
+        reasoning whatever the fields hold, and so is every field that holds text (a blank field,
+        as columnar exports write an absent one, holds none). The mapping picks one place; a
+        mapping that picked wrong leaves a reasoning text trained or missing, which step 2 sees."""
+        content = self.thought(t, content, where)
+        for key in ("reasoning_content", "reasoning", "thinking"):
+            value = message.get(key)
+            if _has_text(value):
+                t.reasoning = True
+                self.text(t, "reasoning", value, f"{where}.{key}")
         self.text(t, "content", content, where + ".content")
 
     def thought(self, t: Turn, value: str, where: str) -> str:
