@@ -163,6 +163,7 @@ class TokenizeSettings:
     completion_key: str = "completion"
     prompt_format: str = "chat"          # chat | raw: prompt/completion strings (schemas.py)
     chat_template: Optional[str] = None  # a Jinja file, or a name of one of the tokenizer's templates
+    template_date: Optional[str] = None  # YYYY-MM-DD a clock-reading template renders (default: the run's start, UTC)
     ignore_fields: Sequence[str] = ()    # message fields that carry nothing the model should see
     tool_call_loss: str = "train"        # the loss policies (policy.py)
     reasoning_loss: str = "train"

@@ -23,12 +23,17 @@ are not prefix-stable: ``assistant`` refuses them, naming the modes that work
 (``last-turn``, ``per-turn``, ``all``), since a mask over one rendering cannot
 train every turn as the model saw it.
 
+Templates that read the clock (``strftime_now``, as Meta's Llama 3.1/3.2 templates print
+today's date) render a pinned date instead: ``template_date`` (``--template-date``; the run
+records the UTC date it started on), so the bytes do not depend on the time zone or the day.
+
 This module is the reference implementation: :mod:`.encode` produces the same
 ids and masks faster (one render, batched tokenization) and is pinned to it.
 """
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import os
@@ -86,12 +91,14 @@ class ChatTokenizer:
             or a ``tokenizer.json`` file (its directory's config is used when present).
         chat_template: the template text to use instead of the tokenizer's own
             (``--chat-template``, resolved by :func:`resolve_chat_template`).
+        template_date: ``YYYY-MM-DD``, the date a template that reads the clock renders
+            (:attr:`reads_clock`); default: today's UTC date, taken once here.
 
     Raises:
         ShardError: the path holds no loadable fast tokenizer.
     """
 
-    def __init__(self, path: str, chat_template: Optional[str] = None) -> None:
+    def __init__(self, path: str, chat_template: Optional[str] = None, template_date: Optional[str] = None) -> None:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -127,6 +134,11 @@ class ChatTokenizer:
         self.chat_template = chat_template if chat_template is not None else own
         self.compiled = self._compile(self.chat_template)
         self.template_kwargs = {k: v for k, v in self.hf.special_tokens_map.items() if isinstance(v, str)}
+        self.reads_clock = reads_clock(self.chat_template)
+        self.template_date = (check_template_date(template_date) if template_date else utc_today()) \
+            if self.reads_clock else None
+        self.clock = {"strftime_now": _pinned_clock(self.template_date)} if self.reads_clock else {}
+        self.template_kwargs.update(self.clock)
         self._traits: Optional[TemplateTraits] = None
 
     @staticmethod
@@ -177,7 +189,7 @@ class ChatTokenizer:
             return self.compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                         **extra, **self.template_kwargs)
         return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                           chat_template=self.chat_template, **extra)
+                                           chat_template=self.chat_template, **extra, **self.clock)
 
     def render_conversation(self, conv: Conversation, add_generation_prompt: bool = False) -> str:
         return self.render(conv.template_messages, add_generation_prompt, conv.tools)
@@ -361,14 +373,52 @@ class ChatTokenizer:
 _LOADED: dict = {}
 
 
-def load_chat_tokenizer(path: str, chat_template: Optional[str] = None) -> ChatTokenizer:
+def load_chat_tokenizer(path: str, chat_template: Optional[str] = None,
+                        template_date: Optional[str] = None) -> ChatTokenizer:
     """A ChatTokenizer shared within the process (and with workers forked after it loaded):
     a production tokenizer takes a second or more to load. Reloaded when its files change."""
-    key = (os.path.abspath(path), _files_state(path), chat_template)
+    key = (os.path.abspath(path), _files_state(path), chat_template, template_date)
     if key not in _LOADED:
         _LOADED.clear()
-        _LOADED[key] = ChatTokenizer(path, chat_template)
+        _LOADED[key] = ChatTokenizer(path, chat_template, template_date)
     return _LOADED[key]
+
+
+# --------------------------------------------------------------------------- the template's clock
+
+
+def reads_clock(template: Optional[str]) -> bool:
+    """True when the template can print the time (transformers gives templates ``strftime_now``)."""
+    return template is not None and "strftime_now" in template
+
+
+def utc_today() -> str:
+    """Today's date in UTC, ``YYYY-MM-DD`` (the default ``--template-date``)."""
+    return datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+
+
+def check_template_date(value: str) -> str:
+    """``value`` if it is a ``YYYY-MM-DD`` date.
+
+    Raises:
+        ShardError: it is not.
+    """
+    try:
+        if isinstance(value, str) and len(value) == 10:
+            return datetime.date.fromisoformat(value).isoformat()
+    except ValueError:
+        pass
+    raise ShardError(f"--template-date {value!r} is not a date", field="template_date", actual=value,
+                     hint="give it as YYYY-MM-DD, e.g. 2024-07-26")
+
+
+def _pinned_clock(date: str):
+    """``strftime_now`` for templates, at midnight of ``date`` whatever the time zone or the day."""
+    moment = datetime.datetime.combine(datetime.date.fromisoformat(date), datetime.time())
+
+    def strftime_now(fmt: str) -> str:
+        return moment.strftime(fmt)
+    return strftime_now
 
 
 def resolve_chat_template(value: str, tokenizer_path: str) -> str:

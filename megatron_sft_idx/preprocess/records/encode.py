@@ -74,6 +74,7 @@ class EncodeOptions:
     reasoning_tags: Tuple[str, str] = REASONING_TAGS
     prompt_format: str = "chat"           # chat | raw: prompt/completion strings (schemas.py)
     ignore_fields: Tuple[str, ...] = ()   # message fields that carry nothing the model should see
+    template_date: Optional[str] = None   # YYYY-MM-DD a clock-reading template renders; None: it reads none
 
     @property
     def policy(self) -> LossPolicy:
@@ -101,6 +102,8 @@ class EncodeOptions:
             out["prompt_format"] = self.prompt_format
         if self.ignore_fields:
             out["ignore_fields"] = sorted(self.ignore_fields)
+        if self.template_date is not None:  # (only a template that reads the clock has one)
+            out["template_date"] = self.template_date
         return out
 
 
@@ -153,7 +156,8 @@ def preload(options) -> None:
     """Load the tokenizers once in the parent, so forked workers start with them (a 128k-token
     tokenizer takes seconds to load); gigatoken then encodes on each worker's own thread."""
     if options.tokenizer_path:
-        fast = _load_fast(load_chat_tokenizer(options.tokenizer_path, getattr(options, "chat_template", None)),
+        fast = _load_fast(load_chat_tokenizer(options.tokenizer_path, getattr(options, "chat_template", None),
+                                              getattr(options, "template_date", None)),
                           getattr(options, "tokenizer_backend", "auto"))
         if fast is not None:  # load the numba kernel from its cache here, not once per worker
             ids, off = fast.encode(["warm up"])
@@ -170,7 +174,8 @@ class RecordEncoder:
 
     def __init__(self, options) -> None:
         self.options = options
-        self.tok = (load_chat_tokenizer(options.tokenizer_path, getattr(options, "chat_template", None))
+        self.tok = (load_chat_tokenizer(options.tokenizer_path, getattr(options, "chat_template", None),
+                                        getattr(options, "template_date", None))
                     if options.tokenizer_path else None)
         backend = getattr(options, "tokenizer_backend", "auto")
         method = getattr(options, "span_method", "auto")
