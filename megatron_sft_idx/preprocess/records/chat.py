@@ -21,7 +21,9 @@ Templates whose rendering of earlier turns depends on later ones (thinking
 templates that drop ``<think>`` from the history, Qwen3- and DeepSeek-R1-style)
 are not prefix-stable: ``assistant`` refuses them, naming the modes that work
 (``last-turn``, ``per-turn``, ``all``), since a mask over one rendering cannot
-train every turn as the model saw it.
+train every turn as the model saw it. One difference is allowed by rule: an empty
+reasoning block a template renders only in the final turn (Qwen3), never trained under
+the default ``--empty-reasoning-loss mask`` (:meth:`ChatTokenizer.prefix_spans`).
 
 Templates that read the clock (``strftime_now``, as Meta's Llama 3.1/3.2 templates print
 today's date) render a pinned date instead: ``template_date`` (``--template-date``; the run
