@@ -140,7 +140,7 @@ class _Checker:
         if not mask[:-1].all():
             return f"{int((mask[:-1] == 0).sum())} positions are not trained under --loss-on all"
         verdict = sc.check_sequence(source, [], text, np.zeros(0), ids, np.zeros_like(mask), self.settings,
-                                    self.special_ids, "")
+                                    self.special_ids, "", reasoned=trained[-1:])
         if verdict.problem:
             return verdict.problem
         self._count({"all": int(mask.sum())})

@@ -133,8 +133,12 @@ class _Reader:
                 self.text(t, "reasoning", value, f"{where}.{key}")
         self.text(t, "content", content, where + ".content")
 
-    def thought(self, t: Turn, value: str, where: str) -> str:
-        """``value`` without a reasoning block opening it; the block's text becomes ``t``'s reasoning."""
+    def thought(self, t: Turn, value, where: str):
+        """``value`` without a reasoning block opening it; the block's text becomes ``t``'s reasoning.
+        Text parts: a block opening the first part (the producer's parts, whatever the joiner)."""
+        if isinstance(value, list) and value and isinstance(value[0], dict) and isinstance(value[0].get("text"), str):
+            first = self.thought(t, value[0]["text"], f"{where}[0]")
+            return [dict(value[0], text=first)] + value[1:]
         opening, closing = self.tags
         body = value.lstrip() if isinstance(value, str) else ""
         end = body.find(closing, len(opening)) if body.startswith(opening) else -1
@@ -326,17 +330,20 @@ class _Rendering:
 
 
 def check_sequence(conv: SourceConversation, trained: List[int], text: str, starts: np.ndarray,
-                   ids: np.ndarray, mask: np.ndarray, settings: dict, special_ids, generation_prompt: str
-                   ) -> Verdict:
+                   ids: np.ndarray, mask: np.ndarray, settings: dict, special_ids, generation_prompt: str,
+                   reasoned: Optional[List[int]] = None) -> Verdict:
     """Check one written sequence (``ids``, label-aligned ``mask``) whose rendering is ``text``,
     token ``j`` starting at character ``starts[j]`` (``starts[-1] == len(text)``), against the
     source turns ``conv`` of which ``trained`` must be trained (see the module docstring);
-    ``special_ids`` are the tokenizer's special tokens (an end-of-turn is one)."""
+    ``special_ids`` are the tokenizer's special tokens (an end-of-turn is one). The reasoning of
+    the turns ``reasoned`` (default: ``trained``) must be rendered unless the settings drop it
+    (``--loss-on all`` trains no turn as such, yet its final reply is rendered with its reasoning)."""
     targets = np.flatnonzero(mask) + 1
     is_trained = np.zeros(ids.size, dtype=bool)
     is_trained[targets] = True
     r = _Rendering(text, starts[:ids.size] if starts.size else np.zeros(ids.size, np.int64), is_trained)
-    c = _Check(conv, set(trained), settings.get("reasoning", "train"))
+    c = _Check(conv, set(trained), settings.get("reasoning", "train"),
+               set(trained if reasoned is None else reasoned))
     problem = c.locate(r) or c.texts(r)
     if not problem:
         problem = c.runs(r, targets, ids, special_ids, generation_prompt.strip(),
@@ -347,27 +354,38 @@ def check_sequence(conv: SourceConversation, trained: List[int], text: str, star
 class _Check:
     """The three steps of :func:`check_sequence`; each returns '' or the first problem."""
 
-    def __init__(self, conv: SourceConversation, required: set, reasoning: str) -> None:
-        self.conv, self.required, self.reasoning = conv, required, reasoning
+    def __init__(self, conv: SourceConversation, required: set, reasoning: str, reasoned: set) -> None:
+        self.conv, self.required, self.reasoning, self.reasoned = conv, required, reasoning, reasoned
         self.counts: Dict[str, int] = {}
 
     def must(self, x: Text) -> bool:
         return x.turn in self.required and (x.kind != "reasoning" or self.reasoning == "train")
 
     def locate(self, r: _Rendering) -> str:
-        """1. Every text, in order (system texts and tool names anywhere)."""
+        """1. Every text, in order (system texts and tool names anywhere); under ``--reasoning-loss
+        drop``, no reasoning in its place (between the text before it and the text after it)."""
         conv, pos = self.conv, 0
+        dropped: List[Tuple[Text, int]] = []   # reasoning that must not be rendered, and where its place begins
         for i, t in enumerate(conv.turns):
             for x in t.texts:
                 anywhere = t.role == "system"
+                if x.kind == "reasoning" and self.reasoning == "drop":
+                    dropped.append((x, pos))
+                    continue
                 x.start, x.end = r.locate(x.forms, 0 if anywhere else pos, self.must(x))
                 if x.start < 0:
-                    if x.kind == "reasoning" and (i not in self.required or self.reasoning == "drop"):
+                    if x.kind == "reasoning" and (i not in self.reasoned or self.reasoning == "drop"):
                         continue  # a template may drop the history's reasoning
                     what = "out of order" if _occurrences(r.text, x.forms, 0) else "nowhere"
                     return f"{x.where} ({_label(conv, x)} {x.forms[0][:40]!r}) is {what} in the rendering"
                 if not anywhere:
-                    pos = x.end
+                    problem = _rendered(r.text, dropped, x.start)
+                    if problem:
+                        return problem
+                    dropped, pos = [], x.end
+        problem = _rendered(r.text, dropped, len(r.text))
+        if problem:
+            return problem
         for x in conv.tools:
             x.start, x.end = r.locate(x.forms, 0, False)
             if x.start < 0:
@@ -419,6 +437,14 @@ class _Check:
         if bare > 0:
             return f"{bare} trained turn(s) with no text have no trained end-of-turn"
         return ""
+
+
+def _rendered(text: str, dropped: List[Tuple[Text, int]], before: int) -> str:
+    """'' unless a dropped reasoning text is rendered in its place (from where it begins to ``before``)."""
+    for x, at in dropped:
+        if any(a < before for a, _ in _occurrences(text, x.forms, at)):
+            return f"{x.where} (reasoning {x.forms[0][:40]!r}) is rendered, but --reasoning-loss drop drops it"
+    return ""
 
 
 def _label(conv: SourceConversation, x: Text) -> str:
