@@ -79,6 +79,11 @@ def test_auto_equals_prefix_on_every_shape_and_family(families, nextitem, family
     for method, backend in (("auto", "auto"), ("auto", "hf"), ("prefix", "auto")):
         got, enc = encode(tok_dir, loss_on, method, backend, records)
         assert got == want, (family, loss_on, method, backend)
+        if backend == "auto":   # the batched tokenizer's own path, not a fallback to the reference
+            assert enc.stats["fast_tokens"] > 0
+        if method == "auto" and family in ("llama3", "qwen25", "example", "nextitem"):
+            assert enc.stats["one_render"] > 0   # (and the features not qualified went to prefix renders)
+            assert enc.stats["prefix_render"] > 0 or family == "example"
 
 
 def trained_texts(tok, ids, mask):

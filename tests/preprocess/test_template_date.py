@@ -158,3 +158,23 @@ def test_resume_across_midnight_keeps_the_interrupted_run_s_date(tmp_path, clock
 def test_a_bad_date_is_refused():
     with pytest.raises(ShardError, match="not a date"):
         ChatTokenizer(os.path.join(ROOT, "examples", "tokenizer"), CLOCK, template_date="26/07/2024")
+
+
+def test_a_check_on_another_date_names_both_dates(clock_tok):
+    from megatron_sft_idx.preprocess.checks import _Checker
+    from megatron_sft_idx.preprocess.records.encode import EncodeOptions
+
+    made = ChatTokenizer(clock_tok, template_date="2024-07-26")
+    ids, mask = made.encode_chat(conversation(), "assistant", "d.jsonl", 1)
+    encode = EncodeOptions(tokenizer_path=clock_tok, vocab_size=None, loss_on="assistant", input_format="auto",
+                           prompt_key="prompt", completion_key="completion", skip_bad=False,
+                           template_date="2024-07-26").to_dict()
+    raw = json.dumps({"messages": conversation()})
+    assert _Checker(made, encode).check(raw, ids, mask, "d.jsonl", 1, 0) == ""
+    why = _Checker(ChatTokenizer(clock_tok, template_date="2024-07-27"), encode).check(raw, ids, mask, "d.jsonl",
+                                                                                      1, 0)
+    assert "token ids differ" in why and "checked with template date 2024-07-27" in why
+    del encode["template_date"]   # a store made before dates were pinned
+    why = _Checker(ChatTokenizer(clock_tok, template_date="2024-07-27"), encode).check(raw, ids, mask, "d.jsonl",
+                                                                                      1, 0)
+    assert "records none" in why
