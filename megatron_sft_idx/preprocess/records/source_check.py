@@ -9,7 +9,11 @@ completion -- and decides from the record and the run's loss settings which turn
 trained. Then, on the tokens of one written sequence, it proves:
 
 1. every text appears in the rendering, in order (system texts and tool names anywhere; the
-   reasoning of an untrained turn may be missing, as templates drop it from the history);
+   reasoning of an untrained turn may be missing, as templates drop it from the history), and
+   under ``--reasoning-loss drop`` no reasoning is rendered in its place. Reasoning is read with
+   no precedence between the places it is written -- a block opening the content (or its first
+   text part) and every reasoning field holding text -- where the mapping picks one, so a
+   mapping that picks wrong (a blank ``reasoning_content: ""`` taken as "given") fails here;
 2. every token that starts inside a text of a trained turn is trained (reasoning: only under
    ``train``; under ``mask`` none is), and no token that starts inside a text of any other
    turn is -- user, system, tool result, tool definition or untrained assistant turn;

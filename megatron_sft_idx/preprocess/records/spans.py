@@ -333,7 +333,7 @@ def features(messages, tools, opening: str) -> FrozenSet[str]:
                 out.add("reasoning")
             elif not (role == "tool" and key in ("tool_call_id", "name")):
                 out.add("other")
-        if role == "assistant" and opening in m["content"]:
+        if role == "assistant" and isinstance(m.get("content"), str) and opening in m["content"]:
             out.add("reasoning")
     return frozenset(out)
 
