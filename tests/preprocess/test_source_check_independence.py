@@ -237,3 +237,28 @@ def test_a_defect_in_the_mapping_fails_the_check_wherever_it_changes_the_bytes(c
     assert not missed, f"{defect}: the check passed {len(missed)} of {len(affected)} changed cases, e.g. {missed[:3]}"
     for k in affected:   # the exact comparison shares the defect: only the source check catches it
         assert not any("reference" in v for v in got[k][1]), got[k][1]
+
+
+def test_a_parquet_export_s_blank_field_beside_inline_reasoning_end_to_end(tmp_path, families):
+    """The issue's case as it arrives: a Parquet column of structs, where an absent
+    ``reasoning_content`` is ``""`` (or null) in every message, and the reasoning inline."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from megatron_sft_idx.preprocess.pipeline import Config, run
+    from megatron_sft_idx.reader import MMapIndexedDataset
+
+    rows = [[{"role": "user", "content": f"Which city is warmer, {i}?", "reasoning_content": None},
+             {"role": "assistant", "content": INLINE, "reasoning_content": "" if i % 2 else " "}] for i in range(6)]
+    message = pa.struct([("role", pa.string()), ("content", pa.string()), ("reasoning_content", pa.string())])
+    path = str(tmp_path / "export.parquet")
+    pq.write_table(pa.table({"messages": pa.array(rows, pa.list_(message))}), path)
+    tok = ChatTokenizer(families["qwen25"])
+    for loss in ("drop", "train"):
+        s = run(Config(inputs=[path], output_prefix=str(tmp_path / loss / "ds"), tokenizer=families["qwen25"],
+                       pack_size=1024, progress=False, reasoning_loss=loss, verify_masks=6))
+        assert s["verify_masks"]["failures"] == 0 and s["conversations"] == 6
+        text = tok.decode(MMapIndexedDataset(s["outputs"][0])[0].input_ids)
+        assert (THOUGHT in text) == (loss == "train") and ANSWER in text
+        roles = s["verify_masks"]["trained_tokens_by_role"]
+        assert ("reasoning" in roles) == (loss == "train")
