@@ -157,10 +157,11 @@ def run_all(tok, tok_dir):
     return out
 
 
-@pytest.fixture(scope="module")
-def correct(families):
-    tok = ChatTokenizer(families["qwen25"])
-    return tok, families["qwen25"], run_all(tok, families["qwen25"])
+@pytest.fixture(scope="module", params=["qwen25", "qwen3"])
+def correct(families, request):
+    """Reasoning rendered inline (Qwen2.5) and from the ``reasoning_content`` field (Qwen3)."""
+    tok = ChatTokenizer(families[request.param])
+    return tok, families[request.param], run_all(tok, families[request.param])
 
 
 def test_the_mapping_and_the_check_agree_on_every_form_policy_and_shape(correct):

@@ -371,12 +371,18 @@ class _Check:
         conv, pos = self.conv, 0
         dropped: List[Tuple[Text, int]] = []   # reasoning that must not be rendered, and where its place begins
         for i, t in enumerate(conv.turns):
-            for x in t.texts:
+            for n, x in enumerate(t.texts):
                 anywhere = t.role == "system"
                 if x.kind == "reasoning" and self.reasoning == "drop":
                     dropped.append((x, pos))
                     continue
                 x.start, x.end = r.locate(x.forms, 0 if anywhere else pos, self.must(x))
+                if x.start >= 0 and x.kind == "reasoning" and i not in self.reasoned and n + 1 < len(t.texts):
+                    # the history's reasoning, which a template may drop, is in its place only before the
+                    # turn's next text (the same thought in a later turn is not this one's)
+                    after = _occurrences(r.text, t.texts[n + 1].forms, pos)
+                    if after and after[0][0] < x.start:
+                        x.start = x.end = -1
                 if x.start < 0:
                     if x.kind == "reasoning" and (i not in self.reasoned or self.reasoning == "drop"):
                         continue  # a template may drop the history's reasoning
