@@ -91,7 +91,10 @@ def run(cfg: Config) -> dict:
                                                                            job.run.staging_dir)).store)
         if recorded is not None and recorded != inputs.options.template_date:
             inputs = resolve_inputs(cfg, recorded)
-    key = settings_key({"job": _job_key(job), "tokenizer": inputs.tokenizer, "encode": inputs.options.to_dict(),
+    encode = inputs.options.to_dict()
+    if cfg.tokenize.template_date is None:  # a default date is the day the run started, not what the run is:
+        encode.pop("template_date", None)   # resumed the next day, it is the same run (its store keeps the date)
+    key = settings_key({"job": _job_key(job), "tokenizer": inputs.tokenizer, "encode": encode,
                         "inputs": inputs.paths, "partition_bytes": cfg.tokenize.partition_bytes,
                         "max_record_bytes": cfg.tokenize.max_record_bytes, "store": store_dir})
     times["inputs"] = time.perf_counter() - t

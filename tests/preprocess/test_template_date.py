@@ -153,6 +153,11 @@ def test_resume_across_midnight_keeps_the_interrupted_run_s_date(tmp_path, clock
     assert MMapIndexedDataset(s["outputs"][0]).metadata.extra["template_date"] == "2024-07-26"
     fresh = go(tmp_path, clock_tok, "fresh", store=None, template_date="2024-07-26")
     assert shard_bytes(fresh["outputs"][0]) == shard_bytes(s["outputs"][0])
+    # resumed once more, the day after: the finished run is done, not redone with that day's date
+    monkeypatch.setattr(tokenize_stage, "utc_today", lambda: "2024-07-28")
+    done = go(tmp_path, clock_tok, "own", store=None, resume=True)
+    assert done["resumed_units"] == {"done": 1} and done["outputs"] == s["outputs"]
+    assert MMapIndexedDataset(s["outputs"][0]).metadata.extra["template_date"] == "2024-07-26"
 
 
 def test_a_bad_date_is_refused():
