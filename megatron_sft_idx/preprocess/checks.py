@@ -123,16 +123,25 @@ class _Checker:
         want = np.zeros(trained.size, dtype=np.uint8)
         want[:-1] = trained[1:]
         if not np.array_equal(np.asarray(enc.ids, dtype=np.int64), ids):
-            return "token ids differ from the reference encoding", "", None
+            return "token ids differ from the reference encoding" + self._clock(), "", None
         if not np.array_equal(want, mask):
-            return "loss mask differs from the reference encoding", "", None
+            return "loss mask differs from the reference encoding" + self._clock(), "", None
         return "", text, np.append(starts, len(text))
+
+    def _clock(self) -> str:
+        """For a template that reads the clock: the date the check rendered, and the store's."""
+        if not self.tok.reads_clock:
+            return ""
+        recorded = self.encode.get("template_date")
+        return (f" (the chat template reads the clock: checked with template date {self.tok.template_date}, "
+                + (f"as the store records)" if recorded else "the store records none: made before dates were "
+                   "pinned, it cannot be checked on another day)"))
 
     def _all(self, source, trained, text, ids, mask) -> str:
         if not mask[:-1].all():
             return f"{int((mask[:-1] == 0).sum())} positions are not trained under --loss-on all"
         verdict = sc.check_sequence(source, [], text, np.zeros(0), ids, np.zeros_like(mask), self.settings,
-                                    self.special_ids, "")
+                                    self.special_ids, "", reasoned=trained[-1:])
         if verdict.problem:
             return verdict.problem
         self._count({"all": int(mask.sum())})
@@ -208,7 +217,8 @@ def verify_masks(store, plan_path: str, shards, job, count: int) -> dict:
         raise ShardError("--verify-masks needs the tokenizer to decode", field="verify_masks",
                          hint="pass --tokenizer (the one the store was tokenized with)")
     template = store.identity["encode"].get("chat_template")  # --chat-template, when the run had one
-    tok = load_chat_tokenizer(job.tokenizer_path, template) if store.tokenizer is not None else None
+    date = store.identity["encode"].get("template_date")      # the date a clock-reading template rendered
+    tok = load_chat_tokenizer(job.tokenizer_path, template, date) if store.tokenizer is not None else None
     if tok is not None and tok.identity()["files_sha256"] != store.tokenizer["files_sha256"]:
         raise ShardError("--verify-masks: this is not the tokenizer the store was tokenized with",
                          path=job.tokenizer_path, field="tokenizer",

@@ -243,6 +243,11 @@ def build_parser() -> argparse.ArgumentParser:
     tk.add_argument("--chat-template", metavar="FILE|NAME",
                     help="the chat template to render conversations with: a Jinja file, or the name of one of "
                          "the tokenizer's named templates (default: the tokenizer's own)")
+    tk.add_argument("--template-date", metavar="YYYY-MM-DD",
+                    help="the date a chat template that reads the clock (strftime_now, as Llama 3.1/3.2's print "
+                         "today's date) renders, so the bytes do not depend on the day or the time zone "
+                         "(default: the UTC date the run started, recorded in the store and shards and reused "
+                         "by --resume; templates that do not read the clock ignore it)")
     tk.add_argument("--vocab-size", type=positive_int,
                     help="vocabulary size (default: the tokenizer's; required for pre-tokenized input "
                          "without --tokenizer)")
@@ -298,7 +303,7 @@ def _config(args) -> Config:
     tokenize = TokenizeSettings(
         tokenizer=args.tokenizer, vocab_size=args.vocab_size, loss_on=args.loss_on, input_format=args.input_format,
         prompt_key=args.prompt_key, completion_key=args.completion_key, prompt_format=args.prompt_format,
-        chat_template=args.chat_template, ignore_fields=tuple(args.ignore_field),
+        chat_template=args.chat_template, template_date=args.template_date, ignore_fields=tuple(args.ignore_field),
         tool_call_loss=args.tool_call_loss, reasoning_loss=args.reasoning_loss,
         empty_reasoning_loss=args.empty_reasoning_loss, reasoning_tags=tuple(args.reasoning_tags),
         tokenizer_backend=args.tokenizer_backend, span_method=args.span_method, batch_size=args.batch_size,

@@ -65,7 +65,8 @@ from ..storage.destination import destination_for
 from .store import SequenceStore
 from .summary import PackResult, build_summary
 from .tokenize import (IndexStep, Inputs, TokenizeStep, describe_store, index_schema, lock_user_store,
-                       part_metadata, partition_sizes, resolve_inputs, verified_partitions)
+                       part_metadata, partition_sizes, recorded_template_date, resolve_inputs,
+                       verified_partitions)
 from .workdir import WorkDir, keep_only_record
 
 log = logging.getLogger("megatron_sft_idx.preprocess")
@@ -85,7 +86,16 @@ def run(cfg: Config) -> dict:
     job = PackJob.resolve(cfg.output_prefix, cfg.pack, cfg.run, inputs.options.vocab_size, inputs.pad_id,
                           inputs.options.tokenizer_path, cfg.balance)
     store_dir = os.path.abspath(cfg.store) if cfg.store else None
-    key = settings_key({"job": _job_key(job), "tokenizer": inputs.tokenizer, "encode": inputs.options.to_dict(),
+    if inputs.options.template_date is not None and cfg.tokenize.template_date is None and cfg.run.resume:
+        # the store being continued (--store, or the run's own) keeps the date it was rendered with
+        recorded = recorded_template_date(store_dir or WorkDir(work_prefix(job.output_prefix,
+                                                                           job.run.staging_dir)).store)
+        if recorded is not None and recorded != inputs.options.template_date:
+            inputs = resolve_inputs(cfg, recorded)
+    encode = inputs.options.to_dict()
+    if cfg.tokenize.template_date is None:  # a default date is the day the run started, not what the run is:
+        encode.pop("template_date", None)   # resumed the next day, it is the same run (its store keeps the date)
+    key = settings_key({"job": _job_key(job), "tokenizer": inputs.tokenizer, "encode": encode,
                         "inputs": inputs.paths, "partition_bytes": cfg.tokenize.partition_bytes,
                         "max_record_bytes": cfg.tokenize.max_record_bytes, "store": store_dir})
     times["inputs"] = time.perf_counter() - t

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -129,6 +130,7 @@ def _check_identity(identity: Doc) -> None:
     encode.int("vocab_size", lo=1, hi=1 << 31, none=True)
     encode.str("loss_on")
     encode.str("input_format")
+    encode.str("template_date", pattern=re.compile(r"\d{4}-\d{2}-\d{2}"), default=None)
     identity.int("max_record_bytes", lo=1)
 
 
@@ -318,5 +320,6 @@ class SequenceStore:
 def encoding_extra(encode: dict) -> dict:
     """What a shard's ``extra`` records of the store's encoding beyond ``loss_on``: the loss policy
     and the prompt format, when they differ from the defaults (absent means the defaults, so shards
-    made with them keep the bytes of earlier versions)."""
-    return {k: encode[k] for k in ("loss_policy", "prompt_format") if k in encode}
+    made with them keep the bytes of earlier versions), and the date a template that reads the
+    clock rendered (absent for every other template)."""
+    return {k: encode[k] for k in ("loss_policy", "prompt_format", "template_date") if k in encode}

@@ -25,7 +25,7 @@ from ..builder import IndexedDatasetBuilder
 from ..errors import InputError, ShardError, ShardExistsError
 from ..packing import exclusive_cumsum
 from ..jsondoc import HEX, normal_json
-from .records.chat import load_chat_tokenizer, resolve_chat_template
+from .records.chat import check_template_date, load_chat_tokenizer, resolve_chat_template, utc_today
 from .config import Config, check_pad_id
 from .records.encode import EncodedBatch, EncodeOptions, RecordEncoder, preload
 from .engines.base import report_progress
@@ -55,8 +55,11 @@ class Inputs:
         return [[n, os.path.getsize(p), os.stat(p).st_mtime_ns] for n, p in zip(self.names, self.paths)]
 
 
-def resolve_inputs(cfg: Config) -> Inputs:
+def resolve_inputs(cfg: Config, recorded_date: Optional[str] = None) -> Inputs:
     """Expand the inputs, load the tokenizer and its chat template, and fix the encoding options.
+
+    A template that reads the clock renders ``--template-date``, else ``recorded_date`` (the date
+    the store being continued records, :func:`recorded_template_date`), else today's UTC date.
 
     Raises:
         ShardError: no input, a tokenizer without the chat template the input needs, no usable pad id.
@@ -65,6 +68,10 @@ def resolve_inputs(cfg: Config) -> Inputs:
     names = expand_inputs(cfg.inputs)
     template = resolve_chat_template(tk.chat_template, tk.tokenizer) if tk.chat_template and tk.tokenizer else None
     tok = load_chat_tokenizer(tk.tokenizer, template) if tk.tokenizer else None
+    date = None
+    if tok is not None and tok.reads_clock:  # pinned: the bytes must not depend on the day or the time zone
+        date = check_template_date(tk.template_date) if tk.template_date else (recorded_date or utc_today())
+        tok = load_chat_tokenizer(tk.tokenizer, template, date)
     vocab = tk.vocab_size or (tok.vocab_size if tok else None)
     pad = cfg.pack.pad_id if cfg.pack.pad_id is not None else (tok.pad_id if tok else None)
     # chat input needs a template: say so before anything else fails (auto: when the run fails anyway;
@@ -76,9 +83,19 @@ def resolve_inputs(cfg: Config) -> Inputs:
         _no_template(tok, pad is None)
     pad_id = check_pad_id(pad, vocab)
     options = tk.encode_options(tokenizer_path=tok.path if tok else None, vocab_size=vocab,
-                                skip_bad=cfg.pack.skip_bad, chat_template_text=template)
+                                skip_bad=cfg.pack.skip_bad, chat_template_text=template, template_date=date)
     identity = {k: v for k, v in tok.identity().items() if k != "path"} if tok else None
     return Inputs(names, [os.path.abspath(n) for n in names], options, identity, pad_id)
+
+
+def recorded_template_date(directory: str) -> Optional[str]:
+    """The template date the store in ``directory`` records, if there is one that does."""
+    if not os.path.exists(os.path.join(directory, STORE_FILE)):
+        return None
+    try:
+        return SequenceStore(directory, require_complete=False).identity["encode"].get("template_date")
+    except ShardError:  # (a store that does not parse is rebuilt or refused by describe_store)
+        return None
 
 
 def _no_template(tok, no_pad: bool) -> None:
@@ -318,6 +335,12 @@ def _store_difference(existing: SequenceStore, identity: dict, infos: List[dict]
                       parts: List[Partition]) -> Optional[str]:
     """What differs between a store and the one this run would make (None: nothing)."""
     if normal_json(identity) != normal_json(existing.identity):
+        mine, theirs = identity["encode"].get("template_date"), existing.identity["encode"].get("template_date")
+        if mine != theirs and normal_json(dict(identity["encode"], template_date=None)) \
+                == normal_json(dict(existing.identity["encode"], template_date=None)):
+            return (f"template date: the chat template reads the clock; the store was rendered with "
+                    f"{theirs or 'no recorded date'}, this run renders {mine}"
+                    + (f" (pass --template-date {theirs} to continue it)" if theirs else ""))
         return "tokenizer and encoding settings"
     if len(infos) != len(existing.inputs):
         return "inputs"

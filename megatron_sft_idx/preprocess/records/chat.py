@@ -21,7 +21,13 @@ Templates whose rendering of earlier turns depends on later ones (thinking
 templates that drop ``<think>`` from the history, Qwen3- and DeepSeek-R1-style)
 are not prefix-stable: ``assistant`` refuses them, naming the modes that work
 (``last-turn``, ``per-turn``, ``all``), since a mask over one rendering cannot
-train every turn as the model saw it.
+train every turn as the model saw it. One difference is allowed by rule: an empty
+reasoning block a template renders only in the final turn (Qwen3), never trained under
+the default ``--empty-reasoning-loss mask`` (:meth:`ChatTokenizer.prefix_spans`).
+
+Templates that read the clock (``strftime_now``, as Meta's Llama 3.1/3.2 templates print
+today's date) render a pinned date instead: ``template_date`` (``--template-date``; the run
+records the UTC date it started on), so the bytes do not depend on the time zone or the day.
 
 This module is the reference implementation: :mod:`.encode` produces the same
 ids and masks faster (one render, batched tokenization) and is pinned to it.
@@ -29,8 +35,10 @@ ids and masks faster (one render, batched tokenization) and is pinned to it.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import os
+import re
 from typing import List, Optional, Tuple
 
 import numpy as np
@@ -85,12 +93,14 @@ class ChatTokenizer:
             or a ``tokenizer.json`` file (its directory's config is used when present).
         chat_template: the template text to use instead of the tokenizer's own
             (``--chat-template``, resolved by :func:`resolve_chat_template`).
+        template_date: ``YYYY-MM-DD``, the date a template that reads the clock renders
+            (:attr:`reads_clock`); default: today's UTC date, taken once here.
 
     Raises:
         ShardError: the path holds no loadable fast tokenizer.
     """
 
-    def __init__(self, path: str, chat_template: Optional[str] = None) -> None:
+    def __init__(self, path: str, chat_template: Optional[str] = None, template_date: Optional[str] = None) -> None:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -126,6 +136,11 @@ class ChatTokenizer:
         self.chat_template = chat_template if chat_template is not None else own
         self.compiled = self._compile(self.chat_template)
         self.template_kwargs = {k: v for k, v in self.hf.special_tokens_map.items() if isinstance(v, str)}
+        self.reads_clock = reads_clock(self.chat_template)
+        self.template_date = (check_template_date(template_date) if template_date else utc_today()) \
+            if self.reads_clock else None
+        self.clock = {"strftime_now": _pinned_clock(self.template_date)} if self.reads_clock else {}
+        self.template_kwargs.update(self.clock)
         self._traits: Optional[TemplateTraits] = None
 
     @staticmethod
@@ -175,7 +190,7 @@ class ChatTokenizer:
             return self.compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                         **extra, **self.template_kwargs)
         return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                           chat_template=self.chat_template, **extra)
+                                           chat_template=self.chat_template, **extra, **self.clock)
 
     def render_conversation(self, conv: Conversation, add_generation_prompt: bool = False) -> str:
         return self.render(conv.template_messages, add_generation_prompt, conv.tools)
@@ -222,7 +237,7 @@ class ChatTokenizer:
         try:
             full = self.render_conversation(conv)
             spans = [] if loss_on == "all" else self.prefix_spans(conv, turns, full, path, line,
-                                                                  loss_on == "assistant")
+                                                                  loss_on == "assistant", policy)
         except ShardError:
             raise
         except Exception as exc:  # jinja2 TemplateError, raise_exception(), bad content types
@@ -280,8 +295,14 @@ class ChatTokenizer:
         return ids, self._label_aligned(trained, path, line)
 
     def prefix_spans(self, conv: Conversation, turns: List[int], full: str, path: str, line: int,
-                     every_turn: bool = True):
+                     every_turn: bool = True, policy: LossPolicy = DEFAULT_POLICY):
         """Reference spans of the assistant messages at ``turns`` (prefix renders).
+
+        One difference between a prefix and the full rendering is allowed, by rule: an empty
+        reasoning block opening turn k when it ends the prefix and absent once a turn follows it
+        (Qwen3's template renders ``<think>\n\n</think>\n\n`` in the final turn only). Under
+        ``--empty-reasoning-loss mask`` (the default) that block is never trained, so turn k is
+        the same trained text either way and its span is taken from the prefix without the block.
 
         Raises:
             InputError: a prefix does not render as a prefix of ``full`` (the hint names the loss
@@ -290,9 +311,14 @@ class ChatTokenizer:
         """
         spans = []
         messages = conv.template_messages
+        empty = _empty_block(policy) if policy.empty_reasoning == "mask" else None
         for k in turns:
             before = (self.render(messages[:k], True, conv.tools) if k else self.empty_prefix(conv.tools))
             after = self.render(messages[:k + 1], False, conv.tools)
+            if empty is not None and len(before) <= len(after) and not full.startswith(after):
+                block = empty.match(after, len(before))
+                if block is not None:  # (the final turn's empty block, gone from the history)
+                    after = after[:block.start()] + after[block.end():]
             if not (full.startswith(before) and full.startswith(after) and len(before) <= len(after)):
                 raise input_error("the chat template does not render conversation prefixes as prefixes "
                                   "of the full conversation (its output for earlier turns depends on later "
@@ -348,14 +374,52 @@ class ChatTokenizer:
 _LOADED: dict = {}
 
 
-def load_chat_tokenizer(path: str, chat_template: Optional[str] = None) -> ChatTokenizer:
+def load_chat_tokenizer(path: str, chat_template: Optional[str] = None,
+                        template_date: Optional[str] = None) -> ChatTokenizer:
     """A ChatTokenizer shared within the process (and with workers forked after it loaded):
     a production tokenizer takes a second or more to load. Reloaded when its files change."""
-    key = (os.path.abspath(path), _files_state(path), chat_template)
+    key = (os.path.abspath(path), _files_state(path), chat_template, template_date)
     if key not in _LOADED:
         _LOADED.clear()
-        _LOADED[key] = ChatTokenizer(path, chat_template)
+        _LOADED[key] = ChatTokenizer(path, chat_template, template_date)
     return _LOADED[key]
+
+
+# --------------------------------------------------------------------------- the template's clock
+
+
+def reads_clock(template: Optional[str]) -> bool:
+    """True when the template can print the time (transformers gives templates ``strftime_now``)."""
+    return template is not None and "strftime_now" in template
+
+
+def utc_today() -> str:
+    """Today's date in UTC, ``YYYY-MM-DD`` (the default ``--template-date``)."""
+    return datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+
+
+def check_template_date(value: str) -> str:
+    """``value`` if it is a ``YYYY-MM-DD`` date.
+
+    Raises:
+        ShardError: it is not.
+    """
+    try:
+        if isinstance(value, str) and len(value) == 10:
+            return datetime.date.fromisoformat(value).isoformat()
+    except ValueError:
+        pass
+    raise ShardError(f"--template-date {value!r} is not a date", field="template_date", actual=value,
+                     hint="give it as YYYY-MM-DD, e.g. 2024-07-26")
+
+
+def _pinned_clock(date: str):
+    """``strftime_now`` for templates, at midnight of ``date`` whatever the time zone or the day."""
+    moment = datetime.datetime.combine(datetime.date.fromisoformat(date), datetime.time())
+
+    def strftime_now(fmt: str) -> str:
+        return moment.strftime(fmt)
+    return strftime_now
 
 
 def resolve_chat_template(value: str, tokenizer_path: str) -> str:
@@ -398,6 +462,12 @@ def reasoning_turns(conv: Conversation, loss_on: str, policy: LossPolicy, turns:
     """The assistant turns whose reasoning the rendering must hold: the trained ones (under ``all``,
     the final one; a template may drop earlier turns' reasoning from the history it renders)."""
     return trained_turns(conv, "last-turn", policy) if loss_on == "all" else turns
+
+
+def _empty_block(policy: LossPolicy):
+    """An empty reasoning block (and the whitespace around it) in the policy's tags."""
+    opening, closing = (re.escape(t) for t in policy.tags)
+    return re.compile(rf"\s*{opening}\s*{closing}\s*")
 
 
 def template_rejected(exc: BaseException, path: str, line: int):

@@ -63,16 +63,21 @@ class EncodeSettings:
     reasoning_tags: Tuple[str, str] = LossPolicy.tags
     tokenizer_backend: str = "auto"   # auto | gigatoken | hf (fast_tokenizer): the same bytes either way
     span_method: str = "auto"         # auto (one render, proven) | prefix (reference): the same bytes
+    # YYYY-MM-DD a clock-reading template renders. TokenizeSettings: --template-date (None: the
+    # run's start, UTC); EncodeOptions: the date resolved for this run (None: the template reads no clock)
+    template_date: Optional[str] = None
 
     def __post_init__(self) -> None:   # (lists from the API: the options are a dict key of the workers)
         object.__setattr__(self, "ignore_fields", tuple(self.ignore_fields))
         object.__setattr__(self, "reasoning_tags", tuple(self.reasoning_tags))
 
     def encode_options(self, *, tokenizer_path: Optional[str], vocab_size: Optional[int], skip_bad: bool,
-                       chat_template_text: Optional[str] = None) -> "EncodeOptions":
+                       chat_template_text: Optional[str] = None,
+                       template_date: Optional[str] = None) -> "EncodeOptions":
         """These settings (only these, whatever subclass holds them) with what the run resolved."""
         mine = {f.name: getattr(self, f.name) for f in fields(EncodeSettings)}
         mine["vocab_size"] = vocab_size
+        mine["template_date"] = template_date
         return EncodeOptions(tokenizer_path=tokenizer_path, skip_bad=skip_bad, chat_template_text=chat_template_text,
                              **mine)
 
@@ -113,6 +118,8 @@ class EncodeOptions(EncodeSettings):
             out["prompt_format"] = self.prompt_format
         if self.ignore_fields:
             out["ignore_fields"] = sorted(self.ignore_fields)
+        if self.template_date is not None:  # (only a template that reads the clock has one)
+            out["template_date"] = self.template_date
         return out
 
 
@@ -167,7 +174,8 @@ def preload(options) -> None:
     """Load the tokenizers once in the parent, so forked workers start with them (a 128k-token
     tokenizer takes seconds to load); gigatoken then encodes on each worker's own thread."""
     if options.tokenizer_path:
-        fast = _load_fast(load_chat_tokenizer(options.tokenizer_path, options.chat_template_text),
+        fast = _load_fast(load_chat_tokenizer(options.tokenizer_path, options.chat_template_text,
+                                              options.template_date),
                           options.tokenizer_backend)
         if fast is not None:  # load the numba kernel from its cache here, not once per worker
             ids, off = fast.encode(["warm up"])
@@ -184,7 +192,7 @@ class RecordEncoder:
 
     def __init__(self, options: EncodeOptions) -> None:
         self.options = options
-        self.tok = (load_chat_tokenizer(options.tokenizer_path, options.chat_template_text)
+        self.tok = (load_chat_tokenizer(options.tokenizer_path, options.chat_template_text, options.template_date)
                     if options.tokenizer_path else None)
         self.fast = _load_fast(self.tok, options.tokenizer_backend) if self.tok else None
         # how each text was handled (tests and --verbose read these)
@@ -194,7 +202,7 @@ class RecordEncoder:
         self.locator = None
         if (self.tok is not None and self.tok.chat_template is not None and options.span_method == "auto"
                 and options.loss_on in ("assistant", "last-turn")):
-            self.locator = SpanLocator(self.tok)
+            self.locator = SpanLocator(self.tok, self.policy)
             if not self.locator.enabled:
                 self.locator = None
 

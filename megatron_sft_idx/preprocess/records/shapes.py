@@ -282,7 +282,9 @@ class _Mapper:
     def reasoning(self, message: dict, content: str, where: str, out: dict) -> str:
         """Move the message's reasoning (a field, or inline tags) to ``out['reasoning_content']``;
         returns the content without it. Whitespace-only reasoning is no reasoning."""
-        given = [(k, message[k]) for k in _REASONING_FIELDS if message.get(k) is not None]
+        # a blank field is how columnar exports write an absent one: then inline tags are the reasoning
+        given = [(k, message[k]) for k in _REASONING_FIELDS if message.get(k) is not None
+                 and not (isinstance(message[k], str) and not message[k].strip())]
         if len(given) > 1:
             raise self.error(f"'{where}' gives its reasoning twice ('{given[0][0]}' and '{given[1][0]}')",
                              f"{where}.{given[1][0]}", "unknown_field")
@@ -296,7 +298,7 @@ class _Mapper:
                                  f"{where}.{key}", "unknown_field")
             if text.strip():
                 out["reasoning_content"] = text
-            return content
+                return content
         if split is not None:
             thought, answer = split
             if thought.strip():

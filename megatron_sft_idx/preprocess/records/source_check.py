@@ -9,7 +9,11 @@ completion -- and decides from the record and the run's loss settings which turn
 trained. Then, on the tokens of one written sequence, it proves:
 
 1. every text appears in the rendering, in order (system texts and tool names anywhere; the
-   reasoning of an untrained turn may be missing, as templates drop it from the history);
+   reasoning of an untrained turn may be missing, as templates drop it from the history), and
+   under ``--reasoning-loss drop`` no reasoning is rendered in its place. Reasoning is read with
+   no precedence between the places it is written -- a block opening the content (or its first
+   text part) and every reasoning field holding text -- where the mapping picks one, so a
+   mapping that picks wrong (a blank ``reasoning_content: ""`` taken as "given") fails here;
 2. every token that starts inside a text of a trained turn is trained (reasoning: only under
    ``train``; under ``mask`` none is), and no token that starts inside a text of any other
    turn is -- user, system, tool result, tool definition or untrained assistant turn;
@@ -83,6 +87,13 @@ def _forms(value) -> Tuple[str, ...]:
     return (json.dumps(value),)
 
 
+def _has_text(value) -> bool:
+    """A string or text parts with a non-blank text in them."""
+    if isinstance(value, list):
+        return any(_has_text(p.get("text") if isinstance(p, dict) else p) for p in value)
+    return isinstance(value, str) and bool(value.strip())
+
+
 def _leaves(value, out: list) -> None:
     if isinstance(value, dict):
         for key, item in value.items():
@@ -114,22 +125,26 @@ class _Reader:
             t.texts.append(Text(len(self.turns) - 1, kind, (value.strip(),), where))
 
     def reply(self, t: Turn, content, message: dict, where: str) -> None:
-        """An assistant reply: reasoning (a field, or inline tags opening the content), then content."""
-        opening, closing = self.tags
-        thought = next((message[k] for k in ("reasoning_content", "reasoning", "thinking")
-                        if isinstance(message.get(k), str)), None)
-        if thought is None and isinstance(content, str):
-            body = content.lstrip()
-            end = body.find(closing, len(opening)) if body.startswith(opening) else -1
-            if end >= 0:
-                thought, content = body[len(opening):end], body[end + len(closing):]
-        if thought is not None and thought.strip():
-            t.reasoning = True
-            self.text(t, "reasoning", thought, where + ".reasoning")
+        """An assistant reply: its reasoning, then its content.
+
+        No precedence between the places reasoning is written: a block opening the content is
+        reasoning whatever the fields hold, and so is every field that holds text (a blank field,
+        as columnar exports write an absent one, holds none). The mapping picks one place; a
+        mapping that picked wrong leaves a reasoning text trained or missing, which step 2 sees."""
+        content = self.thought(t, content, where)
+        for key in ("reasoning_content", "reasoning", "thinking"):
+            value = message.get(key)
+            if _has_text(value):
+                t.reasoning = True
+                self.text(t, "reasoning", value, f"{where}.{key}")
         self.text(t, "content", content, where + ".content")
 
-    def thought(self, t: Turn, value: str, where: str) -> str:
-        """``value`` without a reasoning block opening it; the block's text becomes ``t``'s reasoning."""
+    def thought(self, t: Turn, value, where: str):
+        """``value`` without a reasoning block opening it; the block's text becomes ``t``'s reasoning.
+        Text parts: a block opening the first part (the producer's parts, whatever the joiner)."""
+        if isinstance(value, list) and value and isinstance(value[0], dict) and isinstance(value[0].get("text"), str):
+            first = self.thought(t, value[0]["text"], f"{where}[0]")
+            return [dict(value[0], text=first)] + value[1:]
         opening, closing = self.tags
         body = value.lstrip() if isinstance(value, str) else ""
         end = body.find(closing, len(opening)) if body.startswith(opening) else -1
@@ -321,17 +336,20 @@ class _Rendering:
 
 
 def check_sequence(conv: SourceConversation, trained: List[int], text: str, starts: np.ndarray,
-                   ids: np.ndarray, mask: np.ndarray, settings: dict, special_ids, generation_prompt: str
-                   ) -> Verdict:
+                   ids: np.ndarray, mask: np.ndarray, settings: dict, special_ids, generation_prompt: str,
+                   reasoned: Optional[List[int]] = None) -> Verdict:
     """Check one written sequence (``ids``, label-aligned ``mask``) whose rendering is ``text``,
     token ``j`` starting at character ``starts[j]`` (``starts[-1] == len(text)``), against the
     source turns ``conv`` of which ``trained`` must be trained (see the module docstring);
-    ``special_ids`` are the tokenizer's special tokens (an end-of-turn is one)."""
+    ``special_ids`` are the tokenizer's special tokens (an end-of-turn is one). The reasoning of
+    the turns ``reasoned`` (default: ``trained``) must be rendered unless the settings drop it
+    (``--loss-on all`` trains no turn as such, yet its final reply is rendered with its reasoning)."""
     targets = np.flatnonzero(mask) + 1
     is_trained = np.zeros(ids.size, dtype=bool)
     is_trained[targets] = True
     r = _Rendering(text, starts[:ids.size] if starts.size else np.zeros(ids.size, np.int64), is_trained)
-    c = _Check(conv, set(trained), settings.get("reasoning", "train"))
+    c = _Check(conv, set(trained), settings.get("reasoning", "train"),
+               set(trained if reasoned is None else reasoned))
     problem = c.locate(r) or c.texts(r)
     if not problem:
         problem = c.runs(r, targets, ids, special_ids, generation_prompt.strip(),
@@ -342,27 +360,44 @@ def check_sequence(conv: SourceConversation, trained: List[int], text: str, star
 class _Check:
     """The three steps of :func:`check_sequence`; each returns '' or the first problem."""
 
-    def __init__(self, conv: SourceConversation, required: set, reasoning: str) -> None:
-        self.conv, self.required, self.reasoning = conv, required, reasoning
+    def __init__(self, conv: SourceConversation, required: set, reasoning: str, reasoned: set) -> None:
+        self.conv, self.required, self.reasoning, self.reasoned = conv, required, reasoning, reasoned
         self.counts: Dict[str, int] = {}
 
     def must(self, x: Text) -> bool:
         return x.turn in self.required and (x.kind != "reasoning" or self.reasoning == "train")
 
     def locate(self, r: _Rendering) -> str:
-        """1. Every text, in order (system texts and tool names anywhere)."""
+        """1. Every text, in order (system texts and tool names anywhere); under ``--reasoning-loss
+        drop``, no reasoning in its place (between the text before it and the text after it)."""
         conv, pos = self.conv, 0
+        dropped: List[Tuple[Text, int]] = []   # reasoning that must not be rendered, and where its place begins
         for i, t in enumerate(conv.turns):
-            for x in t.texts:
+            for n, x in enumerate(t.texts):
                 anywhere = t.role == "system"
+                if x.kind == "reasoning" and self.reasoning == "drop":
+                    dropped.append((x, pos))
+                    continue
                 x.start, x.end = r.locate(x.forms, 0 if anywhere else pos, self.must(x))
+                if x.start >= 0 and x.kind == "reasoning" and i not in self.reasoned and n + 1 < len(t.texts):
+                    # the history's reasoning, which a template may drop, is in its place only before the
+                    # turn's next text (the same thought in a later turn is not this one's)
+                    after = _occurrences(r.text, t.texts[n + 1].forms, pos)
+                    if after and after[0][0] < x.start:
+                        x.start = x.end = -1
                 if x.start < 0:
-                    if x.kind == "reasoning" and (i not in self.required or self.reasoning == "drop"):
+                    if x.kind == "reasoning" and (i not in self.reasoned or self.reasoning == "drop"):
                         continue  # a template may drop the history's reasoning
                     what = "out of order" if _occurrences(r.text, x.forms, 0) else "nowhere"
                     return f"{x.where} ({_label(conv, x)} {x.forms[0][:40]!r}) is {what} in the rendering"
                 if not anywhere:
-                    pos = x.end
+                    problem = _rendered(r.text, dropped, x.start)
+                    if problem:
+                        return problem
+                    dropped, pos = [], x.end
+        problem = _rendered(r.text, dropped, len(r.text))
+        if problem:
+            return problem
         for x in conv.tools:
             x.start, x.end = r.locate(x.forms, 0, False)
             if x.start < 0:
@@ -414,6 +449,14 @@ class _Check:
         if bare > 0:
             return f"{bare} trained turn(s) with no text have no trained end-of-turn"
         return ""
+
+
+def _rendered(text: str, dropped: List[Tuple[Text, int]], before: int) -> str:
+    """'' unless a dropped reasoning text is rendered in its place (from where it begins to ``before``)."""
+    for x, at in dropped:
+        if any(a < before for a, _ in _occurrences(text, x.forms, at)):
+            return f"{x.where} (reasoning {x.forms[0][:40]!r}) is rendered, but --reasoning-loss drop drops it"
+    return ""
 
 
 def _label(conv: SourceConversation, x: Text) -> str:

@@ -13,12 +13,19 @@ generator (a generator runs only when pulled, so that count is exact).
 The result is used only when it can vouch for itself:
 
 * per template, :func:`qualify` compares the method with the reference on fixed
-  probe conversations (roles, empty and whitespace contents, special tokens) and
-  also requires ``len(render(messages[:j])) == L_j`` for every j >= 1 and a generation
-  prompt that is one constant string; a template that fails uses the reference
-  for every conversation;
+  probe conversations (roles, system prompts, empty and whitespace contents, special
+  tokens) and also requires ``len(render(messages[:j])) == L_j`` for every j >= 1 and a
+  generation prompt that is one constant string; a template that fails uses the reference
+  for every conversation. Then each *feature* the data may hold beyond role and content --
+  tool definitions, tool calls, parallel tool calls, tool results, reasoning -- is
+  qualified on its own probes (adapted to the template as the data is, :func:`.rendering.adapt`):
+  a feature is trusted only when the method gave the reference's spans on at least one of its
+  probes and on none differed (a template that picks a tool-call turn's end token by looking
+  at the next message, ``loop.nextitem``, fails here);
 * per conversation, :meth:`SpanLocator.locate` returns None (so the caller uses
-  the reference) when the template asked for anything that depends on later
+  the reference) when the conversation holds a feature that is not qualified (or one
+  the probes do not know: an extra message key, an unknown role), when the template asked
+  for anything that depends on later
   messages (``len(messages)``, ``loop.last``/``loop.length``, negative indices,
   ``reversed``), looked at an earlier message again after a later one (a look back or
   a second pass: the earlier turn's output may not be finished), looked at messages out of order,
@@ -35,10 +42,16 @@ content checks, the probes and the sampled cross-check are what catch such templ
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import FrozenSet, List, Optional, Tuple
 
+from .errors import InputError
+from .policy import DEFAULT_POLICY, LossPolicy
+from .rendering import adapt
 from .shapes import Conversation
 
+#: the features qualified separately from the plain probes (see the module docstring)
+FEATURES = ("tools", "calls", "parallel", "results", "reasoning")
+_REASONING_KEYS = frozenset({"reasoning_content", "thinking", "reasoning"})
 _PROBE_TEXTS = ("Hello there.", "", "  padded  ", "line one\nline two\n", "<|im_end|>", "x", " ",
                 "\n\nlead", "trail\n\n", "ünïcødé 日本 😀", "user", "assistant", "{{ not jinja }}")
 
@@ -162,9 +175,11 @@ def _wrap(messages, rec: _Recorder) -> _Messages:
 class SpanLocator:
     """One-render span location for one tokenizer's template (see the module docstring)."""
 
-    def __init__(self, tok) -> None:
+    def __init__(self, tok, policy: LossPolicy = DEFAULT_POLICY) -> None:
         self.tok = tok
+        self.policy = policy
         self.generation_prompt: Optional[str] = None
+        self.qualified: FrozenSet[str] = frozenset()
         self.empty_prefix = tok.empty_prefix()
         self.enabled = tok.compiled is not None and self.qualify()
 
@@ -183,13 +198,17 @@ class SpanLocator:
             return text, None
         return text, first
 
-    def locate(self, messages, turns: List[int], tools=None) -> Tuple[str, Optional[List[Tuple[int, int]]]]:
+    def locate(self, messages, turns: List[int], tools=None, every_feature: bool = False
+               ) -> Tuple[str, Optional[List[Tuple[int, int]]]]:
         """``(full rendering, spans)`` of the assistant messages at ``turns``; spans None when the
-        one-render method cannot vouch for this conversation (use the reference).
+        one-render method cannot vouch for this conversation (use the reference); ``every_feature``
+        (the probes) skips the test that the conversation holds only qualified features.
 
         Raises:
             Exception: whatever the template raises (the caller reports it as the reference does).
         """
+        if not every_feature and not features(messages, tools, self.policy.tags[0]) <= self.qualified:
+            return "", None
         text, starts = self.render_recorded(messages, tools)
         if starts is None:
             return text, None
@@ -221,8 +240,9 @@ class SpanLocator:
     # ------------------------------------------------------------ per-template qualification
 
     def qualify(self) -> bool:
-        """True when the method gives the reference's spans on every probe conversation the
-        template accepts (at least three), with one constant generation prompt."""
+        """True when the method gives the reference's spans on every plain probe conversation the
+        template accepts (at least three), with one constant generation prompt; then sets
+        :attr:`qualified` to the features whose own probes it passes."""
         prompts, accepted = set(), 0
         for messages in _probe_conversations():
             try:
@@ -235,38 +255,87 @@ class SpanLocator:
         if accepted < 3 or len(prompts) != 1 or None in prompts:
             return False
         self.generation_prompt = prompts.pop()
-        return all(self._agrees(messages) for messages in _probe_conversations())
+        if any(self._agrees(messages) in ("differs", "declined") for messages in _probe_conversations()):
+            return False   # (declining a plain probe the reference renders: not a template it follows)
+        passed = set()
+        for feature in FEATURES:
+            verdicts = {self._agrees(m, t) for m, t in self._feature_probes(feature)}
+            if "agrees" in verdicts and "differs" not in verdicts:
+                passed.add(feature)
+        self.qualified = frozenset(passed)
+        return True
 
-    def _agrees(self, messages) -> bool:
-        """The method gives exactly the reference's spans, or -- where the reference refuses the
-        conversation -- declines to locate it too. Declining where the reference succeeds also
-        disqualifies: a template the method does not follow on plain probes is not trusted."""
+    def _feature_probes(self, feature: str):
+        """``(template messages, tools)`` of the probes of ``feature``, adapted to the template;
+        none when the template renders no such data (the data is refused then, not encoded)."""
+        out = []
+        for messages, tools in _feature_conversations(feature):
+            conv = Conversation(messages, tools, list(range(len(messages))))
+            try:
+                conv = adapt(conv, self.tok.traits, self.policy, "probe", 0)
+            except InputError:
+                continue
+            out.append((conv.template_messages, conv.tools))
+        return out
+
+    def _agrees(self, messages, tools=None) -> str:
+        """``agrees``: the method gives exactly the reference's spans (and each message's output
+        begins where the rendering of the messages before it ends); ``differs``: it gives other
+        spans, or raises; ``declined``: it returns None where the reference gives spans (that
+        conversation would go to the reference); ``rejected``: the template or the reference
+        refuses the conversation, and the method declines it too."""
         turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
         try:
-            text = self.tok.render(messages)
+            text = self.tok.render(messages, tools=tools)
         except Exception:
-            return True  # rejected by the template: both methods report the template's error
+            return "rejected"  # both methods report the template's error
         try:
-            want = self.tok.prefix_spans(Conversation(messages, rendered=messages), turns, text, "probe", 0)
+            want = self.tok.prefix_spans(Conversation(messages, tools, rendered=messages), turns, text, "probe", 0,
+                                         policy=self.policy)
         except Exception:
             want = None
         try:
-            got_text, got = self.locate(messages, turns)
-            _, starts = self.render_recorded(messages)
+            got_text, got = self.locate(messages, turns, tools, every_feature=True)
+            _, starts = self.render_recorded(messages, tools)
         except Exception:
-            return False
-        if got_text != text or got != want:
-            return False
+            return "differs"
+        if got_text != text or (got is not None and got != want):
+            return "differs"
         if got is None:
-            return True
+            return "rejected" if want is None else "declined"
         for j in range(1, len(messages)):
             try:
-                if len(self.tok.render(messages[:j])) != starts[j]:
-                    return False
+                if len(self.tok.render(messages[:j], tools=tools)) != starts[j]:
+                    return "differs"
             except Exception:
-                return False
-        return True
+                return "differs"
+        return "agrees"
 
+
+def features(messages, tools, opening: str) -> FrozenSet[str]:
+    """What a conversation (as the template is given it) holds beyond role and content: the
+    names of :data:`FEATURES`, and ``other`` for anything the probes do not know."""
+    out = set()
+    if tools:
+        out.add("tools")
+    for m in messages:
+        role = m["role"]
+        if role == "tool":
+            out.add("results")
+        elif role not in ("system", "user", "assistant"):
+            out.add("other")
+        for key in m:
+            if key in ("role", "content"):
+                continue
+            if key == "tool_calls":
+                out.add("parallel" if len(m[key]) > 1 else "calls")
+            elif key in _REASONING_KEYS:
+                out.add("reasoning")
+            elif not (role == "tool" and key in ("tool_call_id", "name")):
+                out.add("other")
+        if role == "assistant" and isinstance(m.get("content"), str) and opening in m["content"]:
+            out.add("reasoning")
+    return frozenset(out)
 
 def _probe_conversations():
     """Fixed conversations covering roles, orders and awkward contents."""
@@ -283,3 +352,39 @@ def _probe_conversations():
     out.append([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
                 {"role": "assistant", "content": "b"}, {"role": "user", "content": "end"}])
     return out
+
+
+_TOOL = {"type": "function", "function": {"name": "probe_lookup", "description": "Look a word up.",
+                                          "parameters": {"type": "object", "properties": {
+                                              "word": {"type": "string"}}, "required": ["word"]}}}
+
+
+def _call(i: int, name: str = "probe_lookup", arguments=None) -> dict:
+    # nine alphanumerics: Mistral's templates require exactly that
+    return {"type": "function", "id": f"pr0be{i:04d}",
+            "function": {"name": name, "arguments": {"word": "ünï x"} if arguments is None else arguments}}
+
+
+def _feature_conversations(feature: str):
+    """``(messages, tools)`` probes of one feature, in the mapping's vocabulary (before adapt)."""
+    u = {"role": "user", "content": "Look it up."}
+    a = {"role": "assistant", "content": "It means a greeting."}
+    if feature == "tools":
+        return [([u, a], [_TOOL]), ([{"role": "system", "content": "Be brief."}, u, a, dict(u, content="More?"),
+                                     dict(a, content="")], [_TOOL])]
+    if feature in ("calls", "parallel", "results"):
+        n = 2 if feature == "parallel" else 1
+        out = []
+        for content in ("", "Let me check."):
+            calls = [_call(i) for i in range(n)]
+            results = [{"role": "tool", "content": f"result {i}", "tool_call_id": c["id"]}
+                       for i, c in enumerate(calls)]
+            turn = {"role": "assistant", "content": content, "tool_calls": calls}
+            for tools in (None, [_TOOL]):
+                out.append(([u, turn] + results + [a], tools))
+                out.append(([u, turn] + results + [a, dict(u, content="Again."), dict(turn)] + results
+                            + [dict(a, content="")], tools))
+        return out
+    thought = {"role": "assistant", "content": "Hi.", "reasoning_content": "They greet me.\nSo I greet back."}
+    return [([u, thought], None), ([u, thought, dict(u, content="Again."), dict(thought, content="")], None),
+            ([{"role": "system", "content": "Think."}, u, dict(thought, reasoning_content="x"), u, thought], None)]
