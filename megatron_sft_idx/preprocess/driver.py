@@ -88,8 +88,8 @@ def run(cfg: Config) -> dict:
     store_dir = os.path.abspath(cfg.store) if cfg.store else None
     if inputs.options.template_date is not None and cfg.tokenize.template_date is None and cfg.run.resume:
         # the store being continued (--store, or the run's own) keeps the date it was rendered with
-        recorded = recorded_template_date(store_dir or WorkDir(work_prefix(job.output_prefix,
-                                                                           job.run.staging_dir)).store)
+        work = destination_for(job.output_prefix).work_prefix(job.output_prefix, job.run.staging_dir)
+        recorded = recorded_template_date(store_dir or WorkDir(work).store)
         if recorded is not None and recorded != inputs.options.template_date:
             inputs = resolve_inputs(cfg, recorded)
     encode = inputs.options.to_dict()
