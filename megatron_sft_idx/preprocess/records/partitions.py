@@ -102,9 +102,29 @@ def file_kind(path: str) -> str:
             if not block:
                 break
             first = block.lstrip()[:1]
+        if first == b"{":
+            _refuse_spread_object(block.lstrip() + stream.read(BLOCK))
     if first == b"[":
         return "array_stream" if compressed else "array"
     return "stream" if compressed else "lines"
+
+
+def _refuse_spread_object(head: bytes) -> None:
+    """Raise when ``head`` (a file's start, from its first ``{``) is one JSON object written over
+    several lines -- a pretty-printed record: read as JSON Lines, each of its lines would be a
+    malformed record. JSON Lines' first line closes its object; a pretty-printed one's does not
+    and its next line is indented.
+
+    Raises:
+        ValueError: the file is one object spread over lines (the caller names the file).
+    """
+    first, sep, rest = head.partition(b"\n")
+    if not sep or first.rstrip().endswith(b"}"):
+        return
+    second = rest.lstrip(b"\r\n")
+    if second[:1] in (b" ", b"\t", b'"', b"}"):
+        raise ValueError("the file holds one JSON object written over several lines, not JSON Lines (one object "
+                         "a line) or a JSON array: write each record on one line, or wrap the object in [ ]")
 
 
 #: Kinds read as one stream from the start: a compressed file is one partition ``[0, -1)``.
