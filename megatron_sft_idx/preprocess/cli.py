@@ -235,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     io.add_argument("--ignore-field", action="append", default=[], metavar="NAME",
                     help="a message field that carries nothing the model should see (e.g. id); other fields a "
                          "shape does not use are refused, never dropped silently (repeatable; default: none)")
+    io.add_argument("--skip-report", metavar="FILE",
+                    help="write every skipped record's file, line and reason to FILE, one JSON object a line "
+                         "(with --skip-bad; the summary counts them by file and reason) (default: none)")
     io.add_argument("--store", metavar="DIR",
                     help="keep the sequence store (every conversation tokenized once) in DIR, to repack it "
                          "later with repack-sft (default: a temporary store, removed after the run)")
@@ -312,7 +315,7 @@ def _config(args) -> Config:
         tool_call_loss=args.tool_call_loss, reasoning_loss=args.reasoning_loss,
         empty_reasoning_loss=args.empty_reasoning_loss, reasoning_tags=tuple(args.reasoning_tags),
         tokenizer_backend=args.tokenizer_backend, span_method=args.span_method, batch_size=args.batch_size,
-        partition_bytes=args.partition_bytes, max_record_bytes=args.max_record_bytes)
+        partition_bytes=args.partition_bytes, max_record_bytes=args.max_record_bytes, skip_report=args.skip_report)
     return Config(args.input, args.output_prefix, store=args.store, tokenize=tokenize, pack=pack_settings_of(args),
                   run=run_settings_of(PROG, args), balance=balance_settings_of(args))
 

@@ -173,6 +173,7 @@ class TokenizeSettings:
     batch_size: int = 256
     partition_bytes: int = DEFAULT_PARTITION_BYTES
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+    skip_report: Optional[str] = None    # write every skipped record's file, line and reason here (JSON Lines)
 
 
 def _compose(owner: str, groups: Dict[str, type], given: Dict[str, object], flat: Dict[str, object]) -> dict:

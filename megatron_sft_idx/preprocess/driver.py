@@ -62,7 +62,7 @@ from .receipts import ReceiptBook, settings_key
 from .done import check_outputs, owned_files, record_outputs, run_books
 from .remote_outputs import is_remote, job_output_key, publish_remote, work_prefix
 from .store import SequenceStore
-from .summary import PackResult, build_summary
+from .summary import PackResult, build_summary, write_skip_report
 from .tokenize import (IndexStep, Inputs, TokenizeStep, describe_store, index_schema, lock_user_store,
                        part_metadata, partition_sizes, resolve_inputs, verified_partitions)
 from .workdir import WorkDir, keep_only_record
@@ -93,7 +93,10 @@ def run(cfg: Config) -> dict:
     if summary is not None:
         return summary
     with stages.started():
-        stages.pack(stages.tokenize(cfg, inputs))
+        store = stages.tokenize(cfg, inputs)
+        if cfg.tokenize.skip_report:   # (before packing: a temporary store is gone after it)
+            write_skip_report(store, cfg.tokenize.skip_report)
+        stages.pack(store)
     return stages.summary
 
 
