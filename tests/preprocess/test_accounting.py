@@ -4,6 +4,7 @@ counted by name; a key holding text no rule covers refuses the record by name. N
 absent at every depth, so the columnar nulls of Parquet and Arrow never reach the template.
 Llama-Nemotron's post-training shape and record-level system prompt keys are read as such."""
 
+import copy
 import json
 
 import pytest
@@ -140,7 +141,7 @@ def test_drop_nulls_at_every_depth_keeps_order_and_identity():
 
 
 def test_columnar_nulls_in_tools_and_arguments_map_as_absent():
-    record = openai(1)
+    record = copy.deepcopy(openai(1))   # (the fixture's tool definitions are shared)
     record["tools"][0]["function"]["parameters"]["properties"]["altitude"] = None
     record["tools"][0]["function"]["strict"] = None
     call = record["messages"][2]["tool_calls"][0]["function"]
