@@ -35,7 +35,7 @@ from .engines import ENGINES
 from .records.fast_tokenizer import BACKENDS
 from .records.inputs import INPUT_FORMATS
 from .records.policy import EMPTY_REASONING_LOSS, REASONING_LOSS, TOOL_CALL_LOSS
-from .records.partitions import DEFAULT_MAX_RECORD_BYTES, DEFAULT_PARTITION_BYTES
+from .records.partitions import DEFAULT_MAX_RECORD_BYTES
 from .summary import decision_warnings, format_plan_summary, format_summary
 
 PROG = "preprocess-sft"
@@ -245,9 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="longest input record (JSONL line) accepted; longer ones are an error, or skipped "
                          "and counted with --skip-bad, never read into memory whole. Tokenizing a chat record "
                          "takes ~330x its size in memory, so this bounds a worker's peak (default: 2M)")
-    io.add_argument("--partition-bytes", type=size_arg, default=DEFAULT_PARTITION_BYTES, metavar="SIZE",
-                    help="input bytes per unit of tokenization work (a resumed run redoes at most one "
-                         "unit per worker) (default: 64M)")
+    io.add_argument("--partition-bytes", type=_partition_bytes, default=None, metavar="SIZE|auto",
+                    help="input bytes per unit of tokenization work (a resumed run redoes at most one unit per "
+                         "worker); auto: the inputs' size / 64, within 1M..64M, so every worker has units to "
+                         "take; never changes the output's bytes (default: auto)")
     add_staging_argument(io)
     tk = p.add_argument_group("tokenization")
     tk.add_argument("--tokenizer", metavar="PATH",
@@ -289,6 +290,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_arguments(p, "worker processes for tokenizing and writing (local engine) (default: 1)")
     return p
 
+
+
+def _partition_bytes(text: str):
+    """``--partition-bytes``: a size, or ``auto`` (None: :func:`.records.partitions.auto_partition_bytes`)."""
+    return None if text == "auto" else size_arg(text)
 
 def pack_settings_of(args) -> PackSettings:
     """The packing flags (:func:`add_packing_arguments`, and ``--skip-bad``) as settings."""

@@ -32,7 +32,7 @@ import numpy as np
 from ..errors import ShardError
 from ..packing import DEFAULT_ALGORITHM, pad_multiple_for, padded_length, truncation_length
 from . import outputs
-from .records.partitions import DEFAULT_MAX_RECORD_BYTES, DEFAULT_PARTITION_BYTES
+from .records.partitions import DEFAULT_MAX_RECORD_BYTES
 
 #: Output names of the splits of ``--split`` (one to three weights), in order.
 SPLIT_NAMES = ("train", "valid", "test")
@@ -171,7 +171,7 @@ class TokenizeSettings:
     tokenizer_backend: str = "auto"      # the same bytes either way (checked): not in the store's identity
     span_method: str = "auto"
     batch_size: int = 256
-    partition_bytes: int = DEFAULT_PARTITION_BYTES
+    partition_bytes: Optional[int] = None   # None: auto (records.partitions.auto_partition_bytes)
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
     skip_report: Optional[str] = None    # write every skipped record's file, line and reason here (JSON Lines)
 

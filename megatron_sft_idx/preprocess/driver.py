@@ -54,7 +54,7 @@ from .config import Config, PackJob, RepackConfig
 from .engines import make_engine
 from .records.errors import output_error
 from .materialize import MaterializeStep, OutputShard, materialize_schema, output_shards, resumed_shards
-from .records.partitions import Partition, sha256_file
+from .records.partitions import Partition, auto_partition_bytes, sha256_file
 from .plan import PlanStep, plan_schema, resumed_plan, write_plan
 from .planfile import PackPlan
 from .publish import StagedSet, StagedShard, publish
@@ -84,6 +84,9 @@ def run(cfg: Config) -> dict:
     job = PackJob.resolve(cfg.output_prefix, cfg.pack, cfg.run, inputs.options.vocab_size, inputs.pad_id,
                           inputs.options.tokenizer_path, cfg.balance)
     store_dir = os.path.abspath(cfg.store) if cfg.store else None
+    if cfg.tokenize.partition_bytes is None:   # auto: from the inputs' size (resolved once, recorded in the key)
+        cfg = replace(cfg, tokenize=replace(cfg.tokenize, partition_bytes=auto_partition_bytes(
+            sum(size for _, size, _ in inputs.stat()))))
     key = settings_key({"job": _job_key(job), "tokenizer": inputs.tokenizer, "encode": inputs.options.to_dict(),
                         "inputs": inputs.paths, "partition_bytes": cfg.tokenize.partition_bytes,
                         "max_record_bytes": cfg.tokenize.max_record_bytes, "store": store_dir})

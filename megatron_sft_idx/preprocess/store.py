@@ -144,6 +144,9 @@ def _tokenize_schema(doc: Doc) -> None:
     doc.ints("skipped", lo=0)
     doc.strs("first_skipped")
     doc.ints("ignored", lo=0, default={})   # (absent in stores made before record-level accounting)
+    seconds = doc.raw("seconds", 0.0)
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < float("inf"):
+        raise doc.fail("must be a number of seconds >= 0", "seconds", actual=seconds)
     rows = os.path.relpath(part_prefix("", doc.obj["unit"]) + ROWS_SUFFIX)
     if rows not in doc.obj["artifacts"]:
         raise doc.fail("the receipt does not commit the partition's rows", "artifacts", expected=rows)

@@ -92,6 +92,16 @@ def write_skip_report(store: SequenceStore, path: str) -> int:
     return len(lines)
 
 
+def workers_busy(store: SequenceStore, workers: int, result: PackResult) -> Dict[str, float]:
+    """The share of the tokenize stage's worker time spent in its units (1.0: every worker busy
+    throughout); absent when some units were done by an earlier attempt or timed by none."""
+    wall = result.times.get("tokenize", 0.0)
+    busy = sum(r.get("seconds", 0.0) for r in store.receipts)
+    if result.resumed.get("tokenize") or wall <= 0 or busy <= 0:
+        return {}
+    return {"tokenize": round(min(1.0, busy / (wall * max(1, workers))), 4)}
+
+
 def build_summary(store: SequenceStore, job: PackJob, result: PackResult) -> dict:
     """The summary of a run (``--json``; a finished run's record keeps it)."""
     s = job.settings
@@ -140,6 +150,8 @@ def build_summary(store: SequenceStore, job: PackJob, result: PackResult) -> dic
         "manifests": list(result.manifests),
         "store": result.kept_store,
         "resumed_units": result.resumed,
+        "units": {"index": len(store.inputs), "tokenize": len(store.partitions), "materialize": len(result.shards)},
+        "workers_busy": workers_busy(store, job.run.workers, result),
         "verify_masks": result.verify, "check": result.gate,
         "seconds": {k: round(v, 3) for k, v in result.times.items()},
         "peak_rss_mib": peak_rss_mib(store.receipts + result.shards),
@@ -198,6 +210,8 @@ def check_summary(doc) -> None:
     for key in ("records_skipped", "sequences_dropped", "ignored_keys"):   # (absent in earlier summaries)
         doc.ints(key, lo=0, default={})
     doc.int("sequences_stored", lo=0, default=None)
+    doc.ints("units", lo=0, default={})
+    doc.mapping("workers_busy", lambda v, f: _number(doc, v, f, 1.0), default={})
     for key in ("trainable_share", "packing_efficiency"):
         doc.number(key, 0.0, 1.0)
     splits = doc.doc("splits")
@@ -300,6 +314,11 @@ def format_summary(s: dict) -> str:
         lines.append(f"balanced orders     {', '.join(s['orders'])}")
     if s.get("store"):
         lines.append(f"sequence store      {s['store']} (repack with repack-sft --store)")
+    if s.get("units"):
+        busy = (s.get("workers_busy") or {}).get("tokenize")
+        lines.append("work units          " + ", ".join(f"{k} {v:,}" for k, v in s["units"].items())
+                     + f" ({plural(s.get('workers', 1), 'worker')}"
+                     + (f"; tokenize kept them {100 * busy:.0f}% busy)" if busy is not None else ")"))
     resumed = {k: v for k, v in (s.get("resumed_units") or {}).items() if v}
     if resumed:
         lines.append("resumed             " + ", ".join(f"{k} {plural(v, 'unit')}" for k, v in resumed.items())

@@ -14,6 +14,7 @@ import pytest
 
 from megatron_sft_idx.preprocess.cli import main
 from megatron_sft_idx.preprocess.records.errors import InputError
+from megatron_sft_idx.preprocess.records.inputs import expand_inputs
 from megatron_sft_idx.preprocess.pipeline import Config, run
 from megatron_sft_idx.preprocess.summary import decision_warnings, format_summary
 from support.sft_fixtures import openai, write_jsonl
@@ -76,7 +77,7 @@ def test_columnar_copies_give_the_bytes_of_the_json_lines_form(tmp_path, familie
         assert s["ignored_keys"] == {"metadata:id": 24}
 
 
-def test_a_directory_is_read_in_every_kind_and_each_file_reported(tmp_path, families, caplog):
+def test_a_directory_is_read_in_every_kind_and_each_file_reported(tmp_path, families):
     tok = families["qwen25"]
     data = tmp_path / "data"
     (data / "sub").mkdir(parents=True)
@@ -93,7 +94,9 @@ def test_a_directory_is_read_in_every_kind_and_each_file_reported(tmp_path, fami
     assert all(n.startswith(os.path.join("saved", "data-")) for n in names[3:-1])
     assert [f["records"] for f in s["inputs"]][:3] == [5, 2, 4] and s["records_read"] == 17
     assert sum(f["sequences"] for f in s["inputs"]) == s["sequences_stored"] == 17
-    assert "README.md" in caplog.text and "not read" in caplog.text
+    left = []
+    assert [n for n in expand_inputs([str(data)], left)] == [f["name"] for f in s["inputs"]]
+    assert left == [str(data / "README.md")]   # (what the run warns it did not read)
     text = format_summary(s)
     assert "a.json: 5 records -> 5 sequences, skipped none" in text
 
@@ -147,3 +150,23 @@ def test_per_turn_counts_records_and_sequences_apart(tmp_path, families):
     assert "sequences           18 from the records, 18 kept, dropped none" in text
     warning, = decision_warnings(s, 1.0)
     assert warning.startswith("1 of 10 records (10.0%) were skipped: ")
+
+
+def test_partitions_follow_the_input_size_and_never_change_the_bytes(tmp_path):
+    from megatron_sft_idx.preprocess.records.partitions import MIN_PARTITION_BYTES, auto_partition_bytes
+
+    assert auto_partition_bytes(0) == MIN_PARTITION_BYTES and auto_partition_bytes(1 << 40) == 64 << 20
+    assert auto_partition_bytes(int(47.5 * (1 << 20))) == MIN_PARTITION_BYTES   # 48 units, not one
+    filler = "word " * 400
+    records = [{"messages": [{"role": "user", "content": f"{i} {filler}"}, {"role": "assistant", "content": f"{i}"}]}
+               for i in range(1500)]
+    path = write_jsonl(tmp_path / "big.jsonl", records)
+    size = os.path.getsize(path)
+    assert 2 * MIN_PARTITION_BYTES < size < 64 << 20
+    auto = run(cfg(tmp_path, [path], name="auto", workers=2))
+    one = run(cfg(tmp_path, [path], name="one", partition_bytes=64 << 20))
+    assert auto["units"]["tokenize"] == -(-size // MIN_PARTITION_BYTES) and one["units"]["tokenize"] == 1
+    assert 0 < auto["workers_busy"]["tokenize"] <= 1
+    assert shard_bytes(auto["outputs"][0]) == shard_bytes(one["outputs"][0])   # source order, whatever the cut
+    assert "work units          index 1, tokenize 3, materialize 1 (2 workers; tokenize kept them" in \
+        format_summary(auto)

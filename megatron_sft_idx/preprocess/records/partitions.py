@@ -44,7 +44,20 @@ from . import json_array
 from .inputs import (ARROW_SUFFIXES, BLOCK, COMPRESSED_SUFFIXES, PARQUET_SUFFIXES, OversizedRecord, open_text_bytes,
                      read_blocks)
 
-DEFAULT_PARTITION_BYTES = 64 << 20
+DEFAULT_PARTITION_BYTES = 64 << 20   # the largest unit --partition-bytes auto cuts
+MIN_PARTITION_BYTES = 1 << 20        # the smallest (a unit costs a store shard and a receipt)
+AUTO_UNITS = 64                      # --partition-bytes auto aims at this many units of input
+
+
+def auto_partition_bytes(total_bytes: int) -> int:
+    """``--partition-bytes auto``: the inputs' bytes over :data:`AUTO_UNITS`, within
+    [:data:`MIN_PARTITION_BYTES`, :data:`DEFAULT_PARTITION_BYTES`] -- enough units to keep every
+    worker of a machine busy (a 47.5 MiB file gives 48 units, not one), large enough to amortise
+    each unit's store shard and receipt. It follows the input size alone, not ``--workers``: a
+    run resumed with another worker count cuts the same partitions, so its tokenized ones are
+    kept (the partitions never change the output's bytes, only how the work is shared).
+    """
+    return int(min(DEFAULT_PARTITION_BYTES, max(MIN_PARTITION_BYTES, -(-total_bytes // AUTO_UNITS))))
 DEFAULT_MAX_RECORD_BYTES = 2 << 20
 KINDS = ("lines", "array", "stream", "array_stream", "rows", "arrow")
 
