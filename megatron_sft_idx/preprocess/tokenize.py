@@ -13,9 +13,11 @@ The driver (:mod:`.driver`) runs them in that order.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -89,6 +91,10 @@ def resolve_inputs(cfg: Config) -> Inputs:
                             reasoning_tags=tuple(tk.reasoning_tags), prompt_format=tk.prompt_format,
                             ignore_fields=tuple(tk.ignore_fields))
     identity = {k: v for k, v in tok.identity().items() if k != "path"} if tok else None
+    if tok is not None and tk.tokenizer_backend == "auto" and importlib.util.find_spec("gigatoken") is None:
+        log.warning("gigatoken is not installed: tokenizing with tokenizers, the same bytes about 8x slower per "
+                    "core (docs/PREPROCESSING.md#speed-and-memory); the 'preprocess' extra brings it on Linux "
+                    "x86-64, the 'fast' extra elsewhere")
     return Inputs(names, [os.path.abspath(n) for n in names], options, identity, pad_id)
 
 
@@ -237,6 +243,7 @@ class TokenizeStep:
         meta = dict(self.shard_metadata[part.file])
         meta["extra"] = dict(meta.get("extra") or {}, store_id=self.store_id, partition=part.to_list())
         writer = PartWriter(self.directory, unit, self.options.vocab_size, meta)
+        started = time.perf_counter()
         records, sequences = 0, 0
         skipped: Dict[str, int] = {}
         first: Dict[str, str] = {}
@@ -260,7 +267,8 @@ class TokenizeStep:
             writer.abort()
             raise
         body = {"records": records, "sequences": sequences, "tokens": writer.tokens, "skipped": skipped,
-                "first_skipped": first, "ignored": dict(sorted(ignored.items()))}
+                "first_skipped": first, "ignored": dict(sorted(ignored.items())),
+                "seconds": round(time.perf_counter() - started, 6)}   # (how busy the workers were)
         pinned = [a for a in artifacts if a.endswith((".seq.idx", ROWS_SUFFIX))]  # small: verified on reuse
         return self.book.write(unit, body, artifacts, pinned)
 
