@@ -149,3 +149,14 @@ def test_columnar_nulls_in_tools_and_arguments_map_as_absent():
     conv = parse(record)[1]
     clean = parse(openai(1))[1]
     assert conv.tools == clean.tools and conv.messages == clean.messages
+
+
+def test_message_fields_ignored_by_flag_are_counted_by_where():
+    record = {"messages": [{"role": "user", "content": "q", "id": "m1"},
+                           {"role": "assistant", "content": "a", "id": "m2", "weight": 1}], "id": 9}
+    with pytest.raises(InputError) as e:
+        parse(record)
+    assert e.value.reason == "unknown_field" and e.value.field == "messages[0].id"
+    ignored = {}
+    parse(record, ignored=ignored, ignore_fields=("id",))
+    assert ignored == {"ignore-field:messages[].id": 2, "ignore-field:id": 1}

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, List, Optional, Tuple
 
@@ -62,6 +63,7 @@ _MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call
                              "weight"} | set(_REASONING_FIELDS))
 _TURN_FIELDS = frozenset({"from", "value", "weight"})
 _TEXT_PARTS = ("text", "input_text", "output_text")
+_INDEX = re.compile(r"\[\d+\]")
 _TOOL_CALL_FIELDS = frozenset({"id", "type", "function", "name", "arguments", "index"})
 #: the keys that mark the other shapes (each entry: keys that together mark one; the last one is
 #: named): a record holding them beside its own is ambiguous, not metadata
@@ -190,7 +192,7 @@ def map_record(kind: str, record: dict, path: str, line: int, opts: SchemaOption
     Raises:
         InputError: see the module docstring; ``reason`` is the skip-count key.
     """
-    m = _Mapper(path, line, opts)
+    m = _Mapper(path, line, opts, ignored)
     # (a kind named by --input-format is the user's choice; only a detected one can be ambiguous)
     if detected and kind in _SHAPE_KEYS and any(keys[-1] in record for keys in _SHAPE_KEYS[kind]):
         other = [keys[-1] for keys in _SHAPE_KEYS[kind] if all(_present(record.get(k)) for k in keys)]
@@ -288,8 +290,9 @@ def drop_nulls(value):
 class _Mapper:
     """The mapping of one record (keeps ``path:line`` for its errors)."""
 
-    def __init__(self, path: str, line: int, opts: SchemaOptions) -> None:
+    def __init__(self, path: str, line: int, opts: SchemaOptions, ignored: Optional[Dict[str, int]] = None) -> None:
         self.path, self.line, self.opts = path, line, opts
+        self.ignored = ignored   # counts of fields ignored by --ignore-field, as "ignore-field:messages[].id"
         self.maybe_reasoning = _maybe_reasoning(opts.reasoning_tags[0])
         self.messages: List[dict] = []
         self.fields: list = []
@@ -357,10 +360,16 @@ class _Mapper:
 
     def unknown(self, message: dict, known: FrozenSet[str], where: str) -> None:
         for key, value in message.items():
-            if key not in known and value is not None and key not in self.opts.ignore_fields:
-                raise self.error(f"'{where}' has field '{key}' the run does not use", f"{where}.{key}",
-                                 "unknown_field", f"if '{key}' carries nothing the model should see, pass "
-                                 f"--ignore-field {key}; else fix the record or pass --skip-bad")
+            if key in known or value is None:
+                continue
+            if key in self.opts.ignore_fields:
+                if self.ignored is not None:
+                    name = f"ignore-field:{_INDEX.sub('[]', where)}.{key}"
+                    self.ignored[name] = self.ignored.get(name, 0) + 1
+                continue
+            raise self.error(f"'{where}' has field '{key}' the run does not use", f"{where}.{key}",
+                             "unknown_field", f"if '{key}' carries nothing the model should see, pass "
+                             f"--ignore-field {key}; else fix the record or pass --skip-bad")
 
     # ------------------------------------------------------------------ reasoning
 
