@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from megatron_sft_idx.errors import ShardError
 from megatron_sft_idx.preprocess.records.errors import InputError
 from megatron_sft_idx.preprocess.records.inputs import parse_record
 from megatron_sft_idx.preprocess.records.shapes import METADATA_KEYS, SchemaOptions, drop_nulls
@@ -160,3 +161,51 @@ def test_message_fields_ignored_by_flag_are_counted_by_where():
     ignored = {}
     parse(record, ignored=ignored, ignore_fields=("id",))
     assert ignored == {"ignore-field:messages[].id": 2, "ignore-field:id": 1}
+
+
+# ---------------------------------------------------------------- nothing rendered the source does not hold
+
+def test_a_rendered_tool_definition_must_be_held_by_the_records_own():
+    from megatron_sft_idx.preprocess.records.accounting import check_rendered_tools
+
+    fn = {"name": "get_altitude", "description": "Altitude", "parameters": {
+        "type": "object", "properties": {"location": {"type": "string"}, "datum": None}}}
+    source = [{"type": "function", "function": fn}]
+    clean = {"name": "get_altitude", "description": "Altitude",
+             "parameters": {"type": "object", "properties": {"location": {"type": "string"}}}}
+    check_rendered_tools("<tools>\n" + json.dumps({"type": "function", "function": clean}) + "\n</tools>", source,
+                         "t.jsonl", 3)
+    check_rendered_tools(json.dumps([{"name": "get_altitude", "parameters": clean["parameters"]}]),
+                         json.dumps(source), "t.jsonl", 3)   # less than the source (Mistral's form), a JSON string
+    check_rendered_tools('{"name": "get_altitude", "parameters": {"location": "K2"}}', source, "t.jsonl", 3)  # a call
+    nulls = json.dumps({"type": "function", "function": dict(clean, parameters={
+        "type": "object", "properties": {"location": {"type": "string"}, "altitude": None}})}, indent=4)
+    with pytest.raises(InputError) as e:   # a columnar null the mapping let through
+        check_rendered_tools(nulls, source, "t.jsonl", 3)
+    assert e.value.reason == "rendered_not_in_source" and e.value.field == "tools.get_altitude.parameters"
+    assert str(e.value).startswith("t.jsonl:3: the rendering shows tool 'get_altitude' with 'parameters' as")
+    other = json.dumps({"name": "get_altitude", "description": "Altitude of somewhere else", "parameters": {}})
+    with pytest.raises(InputError, match="'description'"):
+        check_rendered_tools(other, source, "t.jsonl", 3)
+
+
+def test_the_check_catches_a_mapping_that_lets_nulls_through(tmp_path, families, monkeypatch):
+    """Injected defect: a mapping whose null removal does nothing renders Parquet's nulls; the
+    check (reading the record itself) refuses every such record by name instead of training it."""
+    from megatron_sft_idx.preprocess.pipeline import Config, run
+    from megatron_sft_idx.preprocess.records import shapes
+    from support.sft_fixtures import write_jsonl
+
+    record = copy.deepcopy(openai(1))
+    record["tools"][0]["function"]["parameters"]["properties"]["altitude"] = None
+    path = write_jsonl(tmp_path / "n.jsonl", [record] * 3)
+
+    def go(name):
+        return run(Config(inputs=[path], output_prefix=str(tmp_path / name / "ds"), tokenizer=families["qwen25"],
+                          pack_size=2048, progress=False, skip_bad=True, workers=1))
+
+    assert go("fixed")["skipped"] == {}
+    monkeypatch.setattr(shapes, "drop_nulls", lambda value: value)
+    with pytest.raises(ShardError, match=r"skipped: 3 \(3 rendered not in source\).*n\.jsonl:1: the rendering "
+                                         r"shows tool 'get_weather' with 'parameters' as the record does not hold"):
+        go("broken")

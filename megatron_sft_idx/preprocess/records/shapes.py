@@ -120,6 +120,7 @@ class Conversation:
     inline: Dict[int, str] = field(default_factory=dict)
     rendered: Optional[List[dict]] = None   # the messages as the template is given them (rendering.adapt)
     plain: bool = False                     # every message is {"role", "content"} as given: nothing to adapt
+    source_tools: object = None             # the record's tools value as given (accounting.check_rendered_tools)
 
     @property
     def template_messages(self) -> List[dict]:
@@ -135,7 +136,7 @@ class Conversation:
         return Conversation(self.messages[:k + 1], self.tools, self.fields[:k + 1],
                             frozenset(i for i in self.untrained if i <= k),
                             {i: c for i, c in self.inline.items() if i <= k},
-                            None if self.rendered is None else self.rendered[:k + 1], self.plain)
+                            None if self.rendered is None else self.rendered[:k + 1], self.plain, self.source_tools)
 
 
 @dataclass(frozen=True)
@@ -304,11 +305,14 @@ class _Mapper:
         return input_error(message, self.path, self.line, field=where, reason=reason,
                            hint=hint or "fix the record, or pass --skip-bad to skip and count such records")
 
-    def done(self, tools) -> Conversation:
+    def done(self, tools, source=None) -> Conversation:
+        """The conversation; ``source``: the record's tools value as given (checked against the
+        rendering by :mod:`.accounting`)."""
         if not self.messages:
             raise self.error("empty conversation", None, "empty_conversation")
         plain = self.plain and not tools and not self.inline and not self.untrained
-        return Conversation(self.messages, tools, self.fields, frozenset(self.untrained), self.inline, None, plain)
+        return Conversation(self.messages, tools, self.fields, frozenset(self.untrained), self.inline, None, plain,
+                            source if tools else None)
 
     def plain_text(self, role: str, content, where, text_field: str) -> bool:
         """The fast path of a ``{"role", "content"}`` message with a string content: True when taken
@@ -506,7 +510,7 @@ class _Mapper:
         legacy = self.tools(record.get("functions"), "functions")
         if tools and legacy:
             raise self.error("record has both 'tools' and 'functions': keep one", "functions", "ambiguous_record")
-        return self.done(tools or legacy)
+        return self.done(tools or legacy, record.get("tools") if tools else record.get("functions"))
 
     def chat_message(self, m, where: str) -> None:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
@@ -590,7 +594,7 @@ class _Mapper:
             else:
                 out["content"] = value
             self.add(out, where, t.get("weight"))
-        return self.done(self.tools(record.get("tools"), "tools"))
+        return self.done(self.tools(record.get("tools"), "tools"), record.get("tools"))
 
     def function_call_value(self, value: str, where: str) -> List[dict]:
         """LLaMA-Factory's ``function_call`` value: JSON ``{"name", "arguments"}`` or a list of them."""
@@ -619,7 +623,7 @@ class _Mapper:
             raise self.error("'answers' holds no function call (a JSON list of {\"name\", \"arguments\"})",
                              "answers", "bad_tool_call")
         self.add({"role": "assistant", "content": "", "tool_calls": calls}, "answers")
-        return self.done(self.tools(record.get("tools"), "tools"))
+        return self.done(self.tools(record.get("tools"), "tools"), record.get("tools"))
 
     def alpaca(self, record: dict) -> Conversation:
         """Stanford / LLaMA-Factory Alpaca: system, history pairs, then instruction and input joined by
@@ -653,7 +657,7 @@ class _Mapper:
         reply = {"role": "assistant"}
         reply["content"] = self.reasoning({}, output, "output", reply)
         self.add(reply, "output")
-        return self.done(self.tools(record.get("tools"), "tools"))
+        return self.done(self.tools(record.get("tools"), "tools"), record.get("tools"))
 
     def nemotron(self, record: dict) -> Conversation:
         """Llama-Nemotron's post-training rows: ``input`` the prompt's messages (``user`` /
@@ -673,7 +677,7 @@ class _Mapper:
         if not reply["content"].strip() and "reasoning_content" not in reply:
             raise self.error("empty output", "output", "empty_conversation")
         self.add(reply, "output")
-        return self.done(self.tools(record.get("tools"), "tools"))
+        return self.done(self.tools(record.get("tools"), "tools"), record.get("tools"))
 
     def prompt(self, record: dict):
         o = self.opts
