@@ -209,3 +209,20 @@ def test_the_check_catches_a_mapping_that_lets_nulls_through(tmp_path, families,
     with pytest.raises(ShardError, match=r"skipped: 3 \(3 rendered not in source\).*n\.jsonl:1: the rendering "
                                          r"shows tool 'get_weather' with 'parameters' as the record does not hold"):
         go("broken")
+
+
+def test_nemotron_rows_train_the_output_alone_and_pass_the_source_check(tmp_path, families):
+    from megatron_sft_idx.preprocess.pipeline import Config, run
+    from megatron_sft_idx.reader import MMapIndexedDataset
+    from support.sft_fixtures import write_jsonl
+
+    rows = [nemotron(i, reasoning=i % 2 == 0) for i in range(8)]
+    path = write_jsonl(tmp_path / "nemotron.jsonl", rows)
+    s = run(Config(inputs=[path], output_prefix=str(tmp_path / "o" / "ds"), tokenizer=families["qwen3"],
+                   pack_size=2048, progress=False, verify_masks=8, workers=1))
+    assert s["records_read"] == 8 and s["conversations"] == 8 and s["verify_masks"]["checked"] == 8
+    assert s["ignored_keys"]["metadata:generator"] == 8 and s["ignored_keys"]["metadata:reasoning"] == 8
+    trained = s["verify_masks"]["trained_tokens_by_role"]
+    assert set(trained) <= {"assistant", "reasoning"} and trained["reasoning"] > 0   # never the input or system
+    ds = MMapIndexedDataset(s["outputs"][0])
+    assert sum(int(ds[p][1].sum()) for p in range(len(ds))) == s["trainable_tokens"]
