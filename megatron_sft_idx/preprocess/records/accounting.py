@@ -18,9 +18,10 @@ to compare (no verdict), as the text check (:func:`.rendering.check_rendered`) c
 
 from __future__ import annotations
 
+import functools
 import json
 import re
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from .errors import input_error
 
@@ -39,18 +40,13 @@ def _without_nulls(value):
 def source_definitions(tools) -> Dict[str, List[dict]]:
     """``{name: [definition, ...]}`` of the record's ``tools`` value (a list, one object, or a
     JSON string of either; each bare or wrapped as ``{"type": "function", "function": ...}``),
-    nulls absent. Anything else gives nothing (the mapping refuses it)."""
+    as the record holds them (nulls kept: :func:`check_rendered_tools` removes them where it
+    must). Anything else gives nothing (the mapping refuses it)."""
     if isinstance(tools, str):
-        from ...metadata import parse_json   # (the bounded reader; jsondoc.py will take its place)
-
-        try:
-            tools = parse_json(tools.encode("utf-8"), what="tools")
-        except (ValueError, UnicodeEncodeError):
-            return {}
+        tools = _parsed(tools)
     tools = tools if isinstance(tools, list) else [tools]
     out: Dict[str, List[dict]] = {}
     for tool in tools:
-        tool = _without_nulls(tool)
         if isinstance(tool, dict) and isinstance(tool.get("function"), dict):
             tool = tool["function"]
         if isinstance(tool, dict) and isinstance(tool.get("name"), str):
@@ -58,10 +54,23 @@ def source_definitions(tools) -> Dict[str, List[dict]]:
     return out
 
 
+@functools.lru_cache(maxsize=256)
+def _parsed(text: str):
+    """A tools JSON string, parsed once per process (published sets repeat the same tools); None
+    when it is not JSON. The value is shared: never changed."""
+    from ...metadata import parse_json   # (the bounded reader; jsondoc.py will take its place)
+
+    try:
+        return parse_json(text.encode("utf-8"), what="tools")
+    except (ValueError, UnicodeEncodeError):
+        return None
+
+
 def held(shown, source) -> bool:
     """True when ``shown`` (from a rendering) is held by ``source``: an object's keys are the
-    source's, each value held; a list as long, element by element; a scalar equal (``1`` is
-    not ``true``)."""
+    source's, each value held; a list as long, element by element; a scalar equal and of the
+    same type (``1`` is not ``true``; the caller's fast path, plain equality of a whole
+    definition, lets Python's ``1 == 1.0 == True`` through)."""
     if isinstance(shown, dict):
         return isinstance(source, dict) and all(k in source and held(v, source[k]) for k, v in shown.items())
     if isinstance(shown, list):
@@ -70,21 +79,36 @@ def held(shown, source) -> bool:
     return type(shown) is type(source) and shown == source
 
 
-def _object_at(text: str, at: int) -> Optional[dict]:
-    """The JSON object that encloses position ``at`` of ``text``, trying the nearest object
-    starts before it; None when none decodes."""
+def _object_at(text: str, at: int) -> Tuple[Optional[dict], str]:
+    """The JSON object that encloses position ``at`` of ``text`` and its text, trying the nearest
+    object starts before it; ``(None, "")`` when none decodes."""
     start = at
     for _ in range(_TRIES):
         start = text.rfind("{", 0, start)
         if start < 0:
-            return None
+            break
         try:
             value, end = _DECODER.raw_decode(text, start)
         except ValueError:
             continue
         if end > at and isinstance(value, dict):
-            return value
-    return None
+            return value, text[start:end]
+    return None, ""
+
+
+_KEY = re.compile(r'"name"\s*:\s*$')
+
+
+def _name_positions(text: str, name: str):
+    """Where ``"name": NAME`` starts in ``text`` (any spacing; the name with non-ASCII kept or
+    escaped): each quoted name found, then the key before it (plain finds, no regex per name)."""
+    for quoted in {json.dumps(name, ensure_ascii=False), json.dumps(name)}:
+        at = text.find(quoted)
+        while at >= 0:
+            key = _KEY.search(text, max(0, at - 64), at)
+            if key is not None:
+                yield key.start()
+            at = text.find(quoted, at + 1)
 
 
 def _definition(shown, name: str) -> bool:
@@ -108,21 +132,18 @@ def check_rendered_tools(text: str, tools, path: str, line: int) -> None:
     if not tools:
         return
     for name, defs in source_definitions(tools).items():
-        pattern = re.compile(r'"name"\s*:\s*' + re.escape(json.dumps(name, ensure_ascii=False)))
-        forms = {pattern}
-        if not name.isascii():
-            forms.add(re.compile(r'"name"\s*:\s*' + re.escape(json.dumps(name))))
-        for form in forms:
-            for m in form.finditer(text):
-                shown = _object_at(text, m.start())
-                if not _definition(shown, name):
-                    continue   # not a definition (a call, or not JSON): nothing to compare
-                if not any(held(shown, d) for d in defs):
-                    extra = next((k for k in shown if all(k not in d or not held(shown[k], d[k]) for d in defs)),
-                                 None)
-                    raise input_error(f"the rendering shows tool '{name}' with "
-                                      f"{repr(extra) + ' as' if extra else 'what'} the record does not hold",
-                                      path, line, field=f"tools.{name}" + (f".{extra}" if extra else ""),
-                                      reason="rendered_not_in_source",
-                                      hint="the template (or the mapping) added to the tool definition; "
-                                           "report it, or pass --skip-bad to skip and count such records")
+        for at in _name_positions(text, name):
+            shown, written = _object_at(text, at)
+            if not _definition(shown, name):
+                continue   # not a definition (a call, or not JSON): nothing to compare
+            if "null" not in written and any(shown == d for d in defs):
+                continue   # the common case, in C: as the record holds it, and no null shown
+            if not any(held(shown, _without_nulls(d)) for d in defs):
+                clean = [_without_nulls(d) for d in defs]
+                extra = next((k for k in shown if all(k not in d or not held(shown[k], d[k]) for d in clean)), None)
+                raise input_error(f"the rendering shows tool '{name}' with "
+                                  f"{repr(extra) + ' as' if extra else 'what'} the record does not hold",
+                                  path, line, field=f"tools.{name}" + (f".{extra}" if extra else ""),
+                                  reason="rendered_not_in_source",
+                                  hint="the template (or the mapping) added to the tool definition; "
+                                       "report it, or pass --skip-bad to skip and count such records")

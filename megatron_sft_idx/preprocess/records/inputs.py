@@ -201,4 +201,6 @@ def parse_record(raw, path: str, line: int, input_format: str, prompt_key: str, 
         raise input_error(f"record has none of the keys 'messages', 'conversations', 'instruction', "
                           f"'input_ids', '{prompt_key}', 'query'+'answers', 'input'+'output'", path, line,
                           reason="missing_key", hint="set --input-format/--prompt-key to match the data, or --skip-bad")
-    return map_record(kind, record, path, line, schema, detected=input_format == "auto", ignored=ignored)
+    nulls = not isinstance(raw, (bytes, str)) or ("null" in raw if isinstance(raw, str) else b"null" in raw)
+    return map_record(kind, record, path, line, schema, detected=input_format == "auto", ignored=ignored,
+                      nulls=nulls)

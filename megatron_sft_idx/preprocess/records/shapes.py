@@ -183,17 +183,19 @@ def detect(record: dict, prompt_key: str) -> Optional[str]:
 
 
 def map_record(kind: str, record: dict, path: str, line: int, opts: SchemaOptions, detected: bool = False,
-               ignored: Optional[Dict[str, int]] = None):
+               ignored: Optional[Dict[str, int]] = None, nulls: bool = True):
     """``(kind, payload)``: ``("chat", Conversation)``, ``("prompt", (prompt, completion))`` for a
     raw prompt/completion, or ``("tokens", (input_ids, loss_mask, answer_start_idx))``. A ``detected``
     kind (``--input-format auto``) is refused when the record also holds another shape's keys.
     Every record-level key is accounted for (:func:`account_keys`); ``ignored`` counts, per
-    ``rule:key``, the keys ignored by a rule.
+    ``rule:key``, the keys ignored by a rule. ``nulls=False`` says the record holds no null
+    (its JSON text has no ``null``), so none is looked for.
 
     Raises:
         InputError: see the module docstring; ``reason`` is the skip-count key.
     """
     m = _Mapper(path, line, opts, ignored)
+    m.nulls = nulls
     # (a kind named by --input-format is the user's choice; only a detected one can be ambiguous)
     if detected and kind in _SHAPE_KEYS and any(keys[-1] in record for keys in _SHAPE_KEYS[kind]):
         other = [keys[-1] for keys in _SHAPE_KEYS[kind] if all(_present(record.get(k)) for k in keys)]
@@ -274,6 +276,15 @@ def account_keys(record: dict, used: FrozenSet[str], opts: SchemaOptions, path: 
             ignored[name] = ignored.get(name, 0) + 1
 
 
+def _may_hold_null(value) -> bool:
+    """False when ``value`` certainly holds no ``None`` (one C-level serialisation has no
+    ``null``), so :func:`drop_nulls` need not walk it."""
+    try:
+        return "null" in json.dumps(value, ensure_ascii=False, check_circular=False)
+    except (TypeError, ValueError):
+        return True
+
+
 def drop_nulls(value):
     """``value`` without the ``null`` entries of its objects, at every depth (null counts as absent:
     Parquet, Arrow and ``save_to_disk`` unify a column's struct type across rows, so every tool
@@ -294,6 +305,7 @@ class _Mapper:
     def __init__(self, path: str, line: int, opts: SchemaOptions, ignored: Optional[Dict[str, int]] = None) -> None:
         self.path, self.line, self.opts = path, line, opts
         self.ignored = ignored   # counts of fields ignored by --ignore-field, as "ignore-field:messages[].id"
+        self.nulls = True        # the record may hold a null (False: its JSON text has none)
         self.maybe_reasoning = _maybe_reasoning(opts.reasoning_tags[0])
         self.messages: List[dict] = []
         self.fields: list = []
@@ -439,7 +451,8 @@ class _Mapper:
                                  "object", where, "bad_tool_call") from None
         if not isinstance(value, dict):
             raise self.error(f"'{where}' must be a JSON object, got {type(value).__name__}", where, "bad_tool_call")
-        value = drop_nulls(value)
+        if self.nulls and _may_hold_null(value):
+            value = drop_nulls(value)
         check_json_texts(value, self.path, self.line, where)
         return value
 
@@ -459,7 +472,8 @@ class _Mapper:
         out = []
         for i, tool in enumerate(value):
             w = f"{where}[{i}]"
-            tool = drop_nulls(tool)
+            if self.nulls and _may_hold_null(tool):
+                tool = drop_nulls(tool)
             if isinstance(tool, dict) and tool.get("type") == "function" and isinstance(tool.get("function"), dict):
                 fn = tool["function"]
             elif isinstance(tool, dict) and "type" not in tool and isinstance(tool.get("name"), str):
