@@ -223,7 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     io.add_argument("--input-format", choices=INPUT_FORMATS, default="auto",
                     help="record shape (docs/INPUTS.md); auto detects per record: messages (chat), conversations "
                          "(sharegpt), input_ids (tokens), the prompt key (prompt), instruction (alpaca), query and "
-                         "answers (xlam) (default: auto)")
+                         "answers (xlam), input (a list) and output (nemotron: Llama-Nemotron's post-training rows) "
+                         "(default: auto)")
     io.add_argument("--prompt-key", default="prompt", help="prompt key of prompt/completion records (default: prompt)")
     io.add_argument("--completion-key", default="completion",
                     help="completion key of prompt/completion records (default: completion)")
@@ -233,8 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "separator inserted (the data carries its own, as in TRL's standard format) "
                          "(default: chat)")
     io.add_argument("--ignore-field", action="append", default=[], metavar="NAME",
-                    help="a message field that carries nothing the model should see (e.g. id); other fields a "
-                         "shape does not use are refused, never dropped silently (repeatable; default: none)")
+                    help="a record-level key or message field that carries nothing the model should see; other "
+                         "keys a shape does not use are refused when they hold text (documented metadata such as id "
+                         "excepted), never dropped silently; the summary counts what each rule ignored "
+                         "(repeatable; default: none)")
     io.add_argument("--skip-report", metavar="FILE",
                     help="write every skipped record's file, line and reason to FILE, one JSON object a line "
                          "(with --skip-bad; the summary counts them by file and reason) (default: none)")
