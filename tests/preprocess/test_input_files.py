@@ -17,8 +17,8 @@ from megatron_sft_idx.preprocess.records.errors import InputError
 from megatron_sft_idx.preprocess.records.inputs import expand_inputs
 from megatron_sft_idx.preprocess.pipeline import Config, run
 from megatron_sft_idx.preprocess.summary import decision_warnings, format_summary
+from support.saved_datasets import save_to_disk, shard_bytes
 from support.sft_fixtures import openai, write_jsonl
-from test_input_shapes import save_to_disk, shard_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOKENIZER = os.path.join(ROOT, "examples", "tokenizer")
@@ -86,7 +86,6 @@ def test_a_directory_is_read_in_every_kind_and_each_file_reported(tmp_path, fami
     write_jsonl(data / "c.jsonl", [tool_record(i) for i in range(8, 10)])
     pq.write_table(pa.Table.from_pylist([tool_record(i) for i in range(10, 14)]), data / "d.parquet")
     save_to_disk([tool_record(i) for i in range(14, 17)], str(data / "saved"))
-    os.remove(data / "saved.json")   # (the helper's source copy)
     (data / "README.md").write_text("not data")
     s = run(cfg(tmp_path, [data], tokenizer=tok))
     names = [os.path.relpath(f["name"], data) for f in s["inputs"]]
