@@ -38,8 +38,10 @@ from bench._common import ROOT, format_table, ratio, run_child, write_json
 BASELINE_REF = "126c196"
 
 
-def child_run(tree: str, path: str, tokenizer: str, workers: int, pack_size: int, out: str) -> dict:
-    """Run the pipeline from ``tree`` ('' = this tree); tokens per CPU-second and per wall-second."""
+def child_run(tree: str, path: str, tokenizer: str, workers: int, pack_size: int, out: str,
+              backend: str = "auto") -> dict:
+    """Run the pipeline from ``tree`` ('' = this tree); tokens per CPU-second and per wall-second.
+    ``backend`` (this tree only): ``hf`` is what an install without gigatoken runs."""
     if tree:
         sys.path.insert(0, tree)
     from megatron_sft_idx.preprocess import pipeline
@@ -48,8 +50,9 @@ def child_run(tree: str, path: str, tokenizer: str, workers: int, pack_size: int
         raise RuntimeError(f"imported {pipeline.__file__}, not the baseline under {tree}")
     cpu0 = _cpu_s()
     t = time.perf_counter()
+    extra = {} if backend == "auto" else {"tokenizer_backend": backend}
     s = pipeline.run(pipeline.Config(inputs=[path], output_prefix=out, tokenizer=tokenizer, pack_size=pack_size,
-                                     workers=workers, progress=False, overwrite=True))
+                                     workers=workers, progress=False, overwrite=True, **extra))
     wall = time.perf_counter() - t
     cpu = _cpu_s() - cpu0
     return {"wall_s": wall, "cpu_s": cpu, "tokens": s["tokens"], "conversations": s["conversations"],
@@ -100,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline-ref", default=BASELINE_REF, help=f"git ref of the baseline (default: {BASELINE_REF})")
     p.add_argument("--pack-size", type=int, default=4096, help="pack size (default: 4096)")
     p.add_argument("--no-two-workers", action="store_true", help="skip ours with 2 workers")
+    p.add_argument("--no-hf", action="store_true",
+                   help="skip ours through tokenizers alone (--tokenizer-backend hf: an install without gigatoken)")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up runs (smoke tests only)")
     return p
 
@@ -122,11 +127,17 @@ def main(argv=None) -> int:
                 run_child("bench.preprocess_speed:child_run", tree=tree, path=warm, tokenizer=tok, workers=1,
                           pack_size=args.pack_size, out=os.path.join(tmp, "warm"))
             runs = {}
-            for name, tree, workers in (("baseline", base, 1), ("ours", "", 1), ("ours_2w", "", 2)):
-                if (name == "ours_2w" and args.no_two_workers) or (name == "baseline" and not compare):
+            for name, tree, workers, backend in (("baseline", base, 1, "auto"), ("ours", "", 1, "auto"),
+                                                 ("ours_hf", "", 1, "hf"), ("ours_2w", "", 2, "auto")):
+                if ((name == "ours_2w" and args.no_two_workers) or (name == "baseline" and not compare)
+                        or (name == "ours_hf" and args.no_hf)):
                     continue
                 runs[name] = run_child("bench.preprocess_speed:child_run", tree=tree, path=path, tokenizer=tok,
-                                       workers=workers, pack_size=args.pack_size, out=os.path.join(tmp, name))
+                                       workers=workers, pack_size=args.pack_size, out=os.path.join(tmp, name),
+                                       backend=backend)
+            if "ours_hf" in runs:   # what the install without gigatoken gives, against the one with it
+                runs["gigatoken_over_hf_per_core"] = ratio(runs["ours"]["tokens_per_cpu_s"],
+                                                           runs["ours_hf"]["tokens_per_cpu_s"])
             if not compare:
                 runs["baseline"] = {"tokens": runs["ours"]["tokens"], "tokens_per_cpu_s": None, "tokens_per_s": None}
             elif runs["baseline"]["tokens"] != runs["ours"]["tokens"]:
@@ -141,10 +152,11 @@ def main(argv=None) -> int:
             results["corpora"][kind] = runs
             b, o = runs["baseline"], runs["ours"]
             rows.append([kind, b["tokens"], b["tokens_per_cpu_s"], o["tokens_per_cpu_s"], runs["speedup_per_core"],
-                         b["tokens_per_s"], o["tokens_per_s"], runs["speedup_wall"],
-                         runs.get("two_worker_wall_scaling")])
+                         runs.get("ours_hf", {}).get("tokens_per_cpu_s"), b["tokens_per_s"], o["tokens_per_s"],
+                         runs["speedup_wall"], runs.get("two_worker_wall_scaling")])
     print(format_table(["corpus", "tokens", "baseline tok/CPU-s", "ours tok/CPU-s", "per-core x",
-                        "baseline tok/s", "ours tok/s", "wall x", "2 workers x"], rows))
+                        "ours, tokenizers only, tok/CPU-s", "baseline tok/s", "ours tok/s", "wall x",
+                        "2 workers x"], rows))
     print("wrote", write_json("preprocess_speed", results))
     return 0
 

@@ -37,7 +37,7 @@ import json
 import math
 import os
 import re
-from typing import Any, Callable, Dict, List, Optional, Sequence, Type, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, Union
 
 from .errors import MetadataError, MetadataLimitError, ShardError
 from .format import MAX_METADATA_DEPTH, MAX_METADATA_LENGTH, METADATA_INT_RANGE
@@ -340,3 +340,21 @@ class Doc:
                 raise self.error("must be a string", path=self.path, field=field, actual=_show(value))
             return value
         return self.mapping(key, check, default)
+
+
+_RAW_DECODER = json.JSONDecoder()
+
+
+def raw_decode(text: str, start: int = 0) -> Tuple[Any, int]:
+    """The JSON value that starts at ``text[start]`` and the index where it ends, for JSON
+    embedded in other text (a template's rendering of tool definitions): RFC JSON as
+    :meth:`json.JSONDecoder.raw_decode` reads it, with nesting beyond the interpreter's limit
+    refused like any other text that is not JSON.
+
+    Raises:
+        ValueError: no JSON value starts at ``start``, or it nests too deep.
+    """
+    try:
+        return _RAW_DECODER.raw_decode(text, start)
+    except RecursionError:
+        raise ValueError(f"JSON at {start} nests too deep") from None

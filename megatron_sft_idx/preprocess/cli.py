@@ -35,7 +35,7 @@ from .engines import ENGINES
 from .records.fast_tokenizer import BACKENDS
 from .records.inputs import INPUT_FORMATS
 from .records.policy import EMPTY_REASONING_LOSS, REASONING_LOSS, TOOL_CALL_LOSS
-from .records.partitions import DEFAULT_MAX_RECORD_BYTES, DEFAULT_PARTITION_BYTES
+from .records.partitions import DEFAULT_MAX_RECORD_BYTES
 from .summary import decision_warnings, format_plan_summary, format_summary
 
 PROG = "preprocess-sft"
@@ -213,7 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     io.add_argument("--input-format", choices=INPUT_FORMATS, default="auto",
                     help="record shape (docs/INPUTS.md); auto detects per record: messages (chat), conversations "
                          "(sharegpt), input_ids (tokens), the prompt key (prompt), instruction (alpaca), query and "
-                         "answers (xlam) (default: auto)")
+                         "answers (xlam), input (a list) and output (nemotron: Llama-Nemotron's post-training rows) "
+                         "(default: auto)")
     io.add_argument("--prompt-key", default="prompt", help="prompt key of prompt/completion records (default: prompt)")
     io.add_argument("--completion-key", default="completion",
                     help="completion key of prompt/completion records (default: completion)")
@@ -223,8 +224,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "separator inserted (the data carries its own, as in TRL's standard format) "
                          "(default: chat)")
     io.add_argument("--ignore-field", action="append", default=[], metavar="NAME",
-                    help="a message field that carries nothing the model should see (e.g. id); other fields a "
-                         "shape does not use are refused, never dropped silently (repeatable; default: none)")
+                    help="a record-level key or message field that carries nothing the model should see; other "
+                         "keys a shape does not use are refused when they hold text (documented metadata such as id "
+                         "excepted), never dropped silently; the summary counts what each rule ignored "
+                         "(repeatable; default: none)")
+    io.add_argument("--skip-report", metavar="FILE",
+                    help="write every skipped record's file, line and reason to FILE, one JSON object a line "
+                         "(with --skip-bad; the summary counts them by file and reason) (default: none)")
     io.add_argument("--store", metavar="DIR",
                     help="keep the sequence store (every conversation tokenized once) in DIR, to repack it "
                          "later with repack-sft (default: a temporary store, removed after the run)")
@@ -232,9 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="longest input record (JSONL line) accepted; longer ones are an error, or skipped "
                          "and counted with --skip-bad, never read into memory whole. Tokenizing a chat record "
                          "takes ~330x its size in memory, so this bounds a worker's peak (default: 2M)")
-    io.add_argument("--partition-bytes", type=size_arg, default=DEFAULT_PARTITION_BYTES, metavar="SIZE",
-                    help="input bytes per unit of tokenization work (a resumed run redoes at most one "
-                         "unit per worker) (default: 64M)")
+    io.add_argument("--partition-bytes", type=_partition_bytes, default=None, metavar="SIZE|auto",
+                    help="input bytes per unit of tokenization work (a resumed run redoes at most one unit per "
+                         "worker); auto: the inputs' size / 64, within 1M..64M, so every worker has units to "
+                         "take; never changes the output's bytes (default: auto)")
     add_staging_argument(io)
     tk = p.add_argument_group("tokenization")
     tk.add_argument("--tokenizer", metavar="PATH",
@@ -282,6 +289,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+
+def _partition_bytes(text: str):
+    """``--partition-bytes``: a size, or ``auto`` (None: :func:`.records.partitions.auto_partition_bytes`)."""
+    return None if text == "auto" else size_arg(text)
+
 def pack_settings_of(args) -> PackSettings:
     """The packing flags (:func:`add_packing_arguments`, and ``--skip-bad``) as settings."""
     return PackSettings(
@@ -307,7 +319,7 @@ def _config(args) -> Config:
         tool_call_loss=args.tool_call_loss, reasoning_loss=args.reasoning_loss,
         empty_reasoning_loss=args.empty_reasoning_loss, reasoning_tags=tuple(args.reasoning_tags),
         tokenizer_backend=args.tokenizer_backend, span_method=args.span_method, batch_size=args.batch_size,
-        partition_bytes=args.partition_bytes, max_record_bytes=args.max_record_bytes)
+        partition_bytes=args.partition_bytes, max_record_bytes=args.max_record_bytes, skip_report=args.skip_report)
     return Config(args.input, args.output_prefix, store=args.store, tokenize=tokenize, pack=pack_settings_of(args),
                   run=run_settings_of(PROG, args), balance=balance_settings_of(args))
 

@@ -34,7 +34,7 @@ from ..format import PAD_LAYOUTS
 from ..packing import ALGORITHMS, DEFAULT_ALGORITHM, pad_multiple_for, padded_length, truncation_length
 from . import outputs
 from .records.encode import EncodeSettings
-from .records.partitions import DEFAULT_MAX_RECORD_BYTES, DEFAULT_PARTITION_BYTES
+from .records.partitions import DEFAULT_MAX_RECORD_BYTES
 
 #: Output names of the splits of ``--split`` (one to three weights), in order.
 SPLIT_NAMES = ("train", "valid", "test")
@@ -160,8 +160,9 @@ class TokenizeSettings(EncodeSettings):
     tokenizer: Optional[str] = None
     chat_template: Optional[str] = None  # a Jinja file, or a name of one of the tokenizer's templates
     batch_size: int = 256
-    partition_bytes: int = DEFAULT_PARTITION_BYTES
+    partition_bytes: Optional[int] = None   # None: auto (records.partitions.auto_partition_bytes)
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+    skip_report: Optional[str] = None    # write every skipped record's file, line and reason here (JSON Lines)
 
 
 def _compose(owner: str, groups: Dict[str, type], given: Dict[str, object], flat: Dict[str, object]) -> dict:

@@ -54,7 +54,7 @@ from .config import Config, PackJob, RepackConfig
 from .engines import make_engine
 from .records.errors import output_error
 from .materialize import MaterializeStep, OutputShard, materialize_schema, output_shards, resumed_shards
-from .records.partitions import Partition, sha256_file
+from .records.partitions import Partition, auto_partition_bytes, sha256_file
 from .plan import PlanStep, plan_schema, resumed_plan, write_plan
 from .planfile import PackPlan
 from .publish import StagedSet, StagedShard, publish
@@ -63,7 +63,7 @@ from .done import check_outputs, owned_files, record_outputs, run_books
 from ..storage._url import local_only
 from ..storage.destination import destination_for
 from .store import SequenceStore
-from .summary import PackResult, build_summary
+from .summary import PackResult, build_summary, write_skip_report
 from .tokenize import (IndexStep, Inputs, TokenizeStep, describe_store, index_schema, lock_user_store,
                        part_metadata, partition_sizes, recorded_template_date, resolve_inputs,
                        verified_partitions)
@@ -86,6 +86,9 @@ def run(cfg: Config) -> dict:
     job = PackJob.resolve(cfg.output_prefix, cfg.pack, cfg.run, inputs.options.vocab_size, inputs.pad_id,
                           inputs.options.tokenizer_path, cfg.balance)
     store_dir = os.path.abspath(cfg.store) if cfg.store else None
+    if cfg.tokenize.partition_bytes is None:   # auto: from the inputs' size (resolved once, recorded in the key)
+        cfg = replace(cfg, tokenize=replace(cfg.tokenize, partition_bytes=auto_partition_bytes(
+            sum(size for _, size, _ in inputs.stat()))))
     if inputs.options.template_date is not None and cfg.tokenize.template_date is None and cfg.run.resume:
         # the store being continued (--store, or the run's own) keeps the date it was rendered with
         work = destination_for(job.output_prefix).work_prefix(job.output_prefix, job.run.staging_dir)
@@ -104,7 +107,10 @@ def run(cfg: Config) -> dict:
     if summary is not None:
         return summary
     with stages.started():
-        stages.pack(stages.tokenize(cfg, inputs))
+        store = stages.tokenize(cfg, inputs)
+        if cfg.tokenize.skip_report:   # (before packing: a temporary store is gone after it)
+            write_skip_report(store, cfg.tokenize.skip_report)
+        stages.pack(store)
     return stages.summary
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -40,6 +40,8 @@ STORE_FORMAT = "megatron_sft_idx.store"
 STORE_VERSION = [1, 0]
 STORE_FILE = "store.json"
 ROWS_SUFFIX = ".rows"
+#: a partition's skipped records, one ``line<TAB>reason`` per line (written only when it skipped any)
+SKIPS_SUFFIX = ".skips"
 #: One record per conversation in ``part_NNNNNN.rows`` (little-endian, 16 bytes).
 ROW_DTYPE = np.dtype([("line", "<i8"), ("length", "<i4"), ("first_trained", "<i4")])
 #: What to do about a store whose bytes no longer verify.
@@ -143,6 +145,10 @@ def _tokenize_schema(doc: Doc) -> None:
     doc.int("tokens", lo=sequences)
     doc.ints("skipped", lo=0)
     doc.strs("first_skipped")
+    doc.ints("ignored", lo=0, default={})   # (absent in stores made before record-level accounting)
+    seconds = doc.raw("seconds", 0.0)
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < float("inf"):
+        raise doc.fail("must be a number of seconds >= 0", "seconds", actual=seconds)
     rows = os.path.relpath(part_prefix("", doc.obj["unit"]) + ROWS_SUFFIX)
     if rows not in doc.obj["artifacts"]:
         raise doc.fail("the receipt does not commit the partition's rows", "artifacts", expected=rows)
@@ -234,6 +240,35 @@ class SequenceStore:
             raise ShardError("store rows disagree with the partition's receipt", path=path, field="rows",
                              expected=expected, actual=rows.size, hint="rebuild the store")
         return rows
+
+    def skips(self, unit: int) -> List[Tuple[int, str]]:
+        """``(line, reason)`` of every record partition ``unit`` skipped, in input order.
+
+        Raises:
+            ShardError: the receipt commits a skips file that is missing, of another size, or malformed.
+        """
+        receipt = self._receipts[unit]
+        path = part_prefix(self.directory, unit) + SKIPS_SUFFIX
+        size = receipt["artifacts"].get(os.path.relpath(path, self.directory))
+        if size is None:
+            return []
+        try:
+            with open(path, "rb") as f:
+                data = f.read(size + 1)
+        except OSError as exc:
+            raise ShardError(f"cannot read the partition's skipped records ({exc.strerror})", path=path,
+                             hint="rebuild the store") from None
+        out = []
+        for n, item in enumerate(data.decode("utf-8", "replace").splitlines() if len(data) == size else [None]):
+            line, _, reason = (item or "").partition("\t")
+            if not line.isdigit() or not reason.replace("_", "").isalnum():
+                raise ShardError("the partition's skipped records are malformed", path=path, field=f"line {n + 1}",
+                                 hint="rebuild the store")
+            out.append((int(line), reason))
+        if sum(receipt["skipped"].values()) != len(out):
+            raise ShardError("the partition's skipped records disagree with its receipt's count", path=path,
+                             expected=sum(receipt["skipped"].values()), actual=len(out), hint="rebuild the store")
+        return out
 
     def part(self, unit: int) -> Optional[MMapIndexedDataset]:
         """Partition ``unit`` as a mapped shard (opened once per process), None when empty."""

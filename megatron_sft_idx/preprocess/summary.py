@@ -50,6 +50,60 @@ def merged_skips(store: SequenceStore, plan: dict):
     return dict(sorted(skipped.items())), dict(sorted(first.items()))
 
 
+def _add(into: Dict[str, int], counts: Dict[str, int]) -> None:
+    for key, n in counts.items():
+        into[key] = into.get(key, 0) + n
+
+
+def input_files(store: SequenceStore) -> List[dict]:
+    """Per input file, in input order: its records read, sequences stored and skips by reason
+    (the tokenize receipts of its partitions)."""
+    files = [{"name": i["name"], "records": 0, "sequences": 0, "skipped": {}} for i in store.inputs]
+    for part, r in zip(store.partitions, store.receipts):
+        f = files[part.file]
+        f["records"] += r["records"]
+        f["sequences"] += r["sequences"]
+        _add(f["skipped"], r["skipped"])
+    for f in files:
+        f["skipped"] = dict(sorted(f["skipped"].items()))
+    return files
+
+
+def ignored_keys(store: SequenceStore) -> Dict[str, int]:
+    """Record-level keys ignored by a rule, ``rule:key`` -> records (``records.shapes.account_keys``)."""
+    out: Dict[str, int] = {}
+    for r in store.receipts:
+        _add(out, r.get("ignored") or {})
+    return dict(sorted(out.items()))
+
+
+def write_skip_report(store: SequenceStore, path: str) -> int:
+    """``--skip-report FILE``: every record the run skipped, one JSON object a line
+    (``{"file", "line", "reason"}``), in input order; returns how many.
+
+    Raises:
+        ShardError: a partition's skips file does not verify; OSError: the report cannot be written.
+    """
+    import json
+
+    from .._atomic import write_file_atomically
+
+    lines = [json.dumps({"file": store.inputs[part.file]["name"], "line": line, "reason": reason}) + "\n"
+             for k, part in enumerate(store.partitions) for line, reason in store.skips(k)]
+    write_file_atomically(path, lambda f: f.write("".join(lines).encode("utf-8")))
+    return len(lines)
+
+
+def workers_busy(store: SequenceStore, workers: int, result: PackResult) -> Dict[str, float]:
+    """The share of the tokenize stage's worker time spent in its units (1.0: every worker busy
+    throughout); absent when some units were done by an earlier attempt or timed by none."""
+    wall = result.times.get("tokenize", 0.0)
+    busy = sum(r.get("seconds", 0.0) for r in store.receipts)
+    if result.resumed.get("tokenize") or wall <= 0 or busy <= 0:
+        return {}
+    return {"tokenize": round(min(1.0, busy / (wall * max(1, workers))), 4)}
+
+
 def build_summary(store: SequenceStore, job: PackJob, result: PackResult) -> dict:
     """The summary of a run (``--json``; a finished run's record keeps it)."""
     s = job.settings
@@ -66,10 +120,17 @@ def build_summary(store: SequenceStore, job: PackJob, result: PackResult) -> dic
             "shards": [r["final"] for r in result.shards if _split_of(r) == sp["name"]],
             "packing_efficiency": sp["packing_efficiency"], "bins_over_lower_bound": sp["bins_over_lower_bound"]}
     encode = store.identity["encode"]
+    records_skipped: Dict[str, int] = {}
+    for r in store.receipts:
+        _add(records_skipped, r["skipped"])
     out = {
-        "inputs": [{"name": i["name"]} for i in store.inputs],
+        "inputs": input_files(store),
         "records_read": sum(r["records"] for r in store.receipts),
-        "conversations": result.plan["conversations"],
+        "records_skipped": dict(sorted(records_skipped.items())),   # records, by reason (tokenize)
+        "sequences_stored": store.sequence_count,                   # sequences the records gave
+        "sequences_dropped": dict(sorted(result.plan["skipped"].items())),   # sequences, by reason (plan)
+        "ignored_keys": ignored_keys(store),
+        "conversations": result.plan["conversations"],   # sequences kept (per-turn: one per trained turn)
         "skipped": skipped,
         "skipped_examples": first,
         "truncated": result.plan["truncated"],
@@ -91,6 +152,8 @@ def build_summary(store: SequenceStore, job: PackJob, result: PackResult) -> dic
         "manifests": list(result.manifests),
         "store": result.kept_store,
         "resumed_units": result.resumed,
+        "units": {"index": len(store.inputs), "tokenize": len(store.partitions), "materialize": len(result.shards)},
+        "workers_busy": workers_busy(store, job.run.workers, result),
         "verify_masks": result.verify, "check": result.gate,
         "seconds": {k: round(v, 3) for k, v in result.times.items()},
         "peak_rss_mib": peak_rss_mib(store.receipts + result.shards),
@@ -151,6 +214,11 @@ def check_summary(doc) -> None:
     doc.str("truncated_turn_loss", default="keep")
     doc.str("algorithm")
     doc.ints("skipped", lo=0)
+    for key in ("records_skipped", "sequences_dropped", "ignored_keys"):   # (absent in earlier summaries)
+        doc.ints(key, lo=0, default={})
+    doc.int("sequences_stored", lo=0, default=None)
+    doc.ints("units", lo=0, default={})
+    doc.mapping("workers_busy", lambda v, f: _number(doc, v, f, 1.0), default={})
     for key in ("trainable_share", "packing_efficiency"):
         doc.number(key, 0.0, 1.0)
     splits = doc.doc("splits")
@@ -211,9 +279,21 @@ def format_summary(s: dict) -> str:
     from .._units import human_bytes, plural
 
     records = f", {plural(s['records_read'], 'record')}" if "records_read" in s else ""
-    lines = [
-        f"inputs              {plural(len(s['inputs']), 'file')}{records}",
-        f"conversations       {s['conversations']:,} kept, skipped {skipped_text(s['skipped'])}",
+    lines = [f"inputs              {plural(len(s['inputs']), 'file')}{records}"]
+    if "records_skipped" in s:   # records in, sequences out, each counted as what it is
+        files = [f for f in s["inputs"] if "records" in f]
+        for f in files if len(files) > 1 else ():
+            lines.append(f"  {f['name']}: {plural(f['records'], 'record')} -> "
+                         f"{plural(f['sequences'], 'sequence')}, skipped {skipped_text(f['skipped'])}")
+        lines += [f"records             {s['records_read']:,} read, skipped {skipped_text(s['records_skipped'])}",
+                  f"sequences           {s['sequences_stored']:,} from the records, {s['conversations']:,} kept, "
+                  f"dropped {skipped_text(s['sequences_dropped'])}"]
+        if s.get("ignored_keys"):
+            lines.append("ignored keys        " + ", ".join(f"{k.partition(':')[2]} ({k.partition(':')[0]}) {n:,}"
+                                                             for k, n in s["ignored_keys"].items()))
+    else:   # (a summary of an earlier version)
+        lines.append(f"conversations       {s['conversations']:,} kept, skipped {skipped_text(s['skipped'])}")
+    lines += [
         f"truncated           {_truncated_text(s)}",
         f"sequences / packs   {s['sequences']:,} / {s['packs']:,} (pack size {s['pack_size']:,}, "
         f"pad multiple {s['pad_seq_to_mult']}, {s['algorithm']})",
@@ -245,6 +325,11 @@ def format_summary(s: dict) -> str:
         lines.append(f"no order for {split:<6} {why} (train this split without one)")
     if s.get("store"):
         lines.append(f"sequence store      {s['store']} (repack with repack-sft --store)")
+    if s.get("units"):
+        busy = (s.get("workers_busy") or {}).get("tokenize")
+        lines.append("work units          " + ", ".join(f"{k} {v:,}" for k, v in s["units"].items())
+                     + f" ({plural(s.get('workers', 1), 'worker')}"
+                     + (f"; tokenize kept them {100 * busy:.0f}% busy)" if busy is not None else ")"))
     resumed = {k: v for k, v in (s.get("resumed_units") or {}).items() if v}
     if resumed:
         lines.append("resumed             " + ", ".join(f"{k} {plural(v, 'unit')}" for k, v in resumed.items())
@@ -324,8 +409,19 @@ def decision_warnings(s: dict, threshold_pct: float) -> List[str]:
         out.append(f"{truncated:,} of {kept:,} conversations ({100 * truncated / kept:.1f}%) were truncated to "
                    f"--pack-size {s.get('pack_size', '?')}{detail}; above the {threshold_pct:g}% threshold: "
                    f"raise --pack-size or pass --overlong drop (--warn-above sets the threshold)")
-    if skipped / seen > limit:
-        out.append(f"{skipped:,} of {seen:,} conversations ({100 * skipped / seen:.1f}%) were not written: "
-                   f"{skipped_text(s['skipped'])}; above the {threshold_pct:g}% threshold "
-                   f"(the summary's skipped_examples name the first of each; --warn-above sets the threshold)")
+    tail = (f"; above the {threshold_pct:g}% threshold (the summary's skipped_examples name the first of each; "
+            f"--warn-above sets the threshold)")
+    if "records_skipped" not in s:   # (a summary of an earlier version)
+        if skipped / seen > limit:
+            out.append(f"{skipped:,} of {seen:,} conversations ({100 * skipped / seen:.1f}%) were not written: "
+                       f"{skipped_text(s['skipped'])}{tail}")
+        return out
+    bad, read = sum(s["records_skipped"].values()), s["records_read"]
+    if read and bad / read > limit:
+        out.append(f"{bad:,} of {read:,} records ({100 * bad / read:.1f}%) were skipped: "
+                   f"{skipped_text(s['records_skipped'])}{tail}")
+    dropped, made = sum(s["sequences_dropped"].values()), s["sequences_stored"]
+    if made and dropped / made > limit:
+        out.append(f"{dropped:,} of {made:,} sequences ({100 * dropped / made:.1f}%) were dropped: "
+                   f"{skipped_text(s['sequences_dropped'])}{tail}")
     return out

@@ -13,9 +13,11 @@ The driver (:mod:`.driver`) runs them in that order.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -32,7 +34,7 @@ from .engines.base import report_progress
 from .records.inputs import expand_inputs
 from .records.partitions import Partition, index_file, read_batches
 from .receipts import ReceiptBook
-from .store import (ROW_DTYPE, ROWS_SUFFIX, STORE_FILE, SequenceStore, encoding_extra, part_prefix, tokenize_book,
+from .store import (ROW_DTYPE, ROWS_SUFFIX, SKIPS_SUFFIX, STORE_FILE, SequenceStore, encoding_extra, part_prefix, tokenize_book,
                     write_store_file)
 from .workdir import Lock
 
@@ -65,7 +67,12 @@ def resolve_inputs(cfg: Config, recorded_date: Optional[str] = None) -> Inputs:
         ShardError: no input, a tokenizer without the chat template the input needs, no usable pad id.
     """
     tk = cfg.tokenize
-    names = expand_inputs(cfg.inputs)
+    left: List[str] = []
+    names = expand_inputs(cfg.inputs, left)
+    if left:   # (what a directory holds that is not input is said, never passed over in silence)
+        log.warning("%d file(s) in the input directories are not of a kind the run reads (.jsonl, .json, "
+                    ".parquet, .arrow, [.gz|.zst]) and were not read: %s", len(left),
+                    ", ".join(left[:20]) + (" ..." if len(left) > 20 else ""))
     template = resolve_chat_template(tk.chat_template, tk.tokenizer) if tk.chat_template and tk.tokenizer else None
     tok = load_chat_tokenizer(tk.tokenizer, template) if tk.tokenizer else None
     date = None
@@ -85,6 +92,10 @@ def resolve_inputs(cfg: Config, recorded_date: Optional[str] = None) -> Inputs:
     options = tk.encode_options(tokenizer_path=tok.path if tok else None, vocab_size=vocab,
                                 skip_bad=cfg.pack.skip_bad, chat_template_text=template, template_date=date)
     identity = {k: v for k, v in tok.identity().items() if k != "path"} if tok else None
+    if tok is not None and tk.tokenizer_backend == "auto" and importlib.util.find_spec("gigatoken") is None:
+        log.warning("gigatoken is not installed: tokenizing with tokenizers, the same bytes about 8x slower per "
+                    "core (docs/PREPROCESSING.md#speed-and-memory); the 'preprocess' extra brings it on Linux "
+                    "x86-64, the 'fast' extra elsewhere")
     return Inputs(names, [os.path.abspath(n) for n in names], options, identity, pad_id)
 
 
@@ -161,6 +172,7 @@ class PartWriter:
                                              metadata=metadata, overwrite=True)
         self.rows = []
         self.tokens = 0
+        self.skips: List[str] = []   # "line<TAB>reason" of every skipped record (SKIPS_SUFFIX)
 
     def add(self, batch: EncodedBatch) -> None:
         ends = exclusive_cumsum(batch.lengths)
@@ -170,7 +182,8 @@ class PartWriter:
         rows["length"] = batch.lengths
         rows["first_trained"] = first_trained(batch.loss_mask, ends)
         self.rows.append(rows)
-        self.tokens += int(ends[-1])
+        self.tokens += int(ends[-1]) if ends.size else 0
+        self.skips.extend(f"{line}\t{reason}\n" for line, reason in batch.skipped_lines)
 
     def finish(self) -> list:
         """Publish the shard (when it holds anything) and the rows; returns the artifact paths."""
@@ -184,6 +197,9 @@ class PartWriter:
         else:
             self.builder.abort()
         write_file_atomically(self.prefix + ROWS_SUFFIX, lambda f: f.write(rows.tobytes()))
+        if self.skips:
+            write_file_atomically(self.prefix + SKIPS_SUFFIX, lambda f: f.write("".join(self.skips).encode()))
+            artifacts.append(self.prefix + SKIPS_SUFFIX)
         return artifacts + [self.prefix + ROWS_SUFFIX]
 
     def abort(self) -> None:
@@ -238,9 +254,11 @@ class TokenizeStep:
         meta = dict(self.shard_metadata[part.file])
         meta["extra"] = dict(meta.get("extra") or {}, store_id=self.store_id, partition=part.to_list())
         writer = PartWriter(self.directory, unit, self.options.vocab_size, meta)
+        started = time.perf_counter()
         records, sequences = 0, 0
         skipped: Dict[str, int] = {}
         first: Dict[str, str] = {}
+        ignored: Dict[str, int] = {}
         try:
             for batch in _read(path, name, part, self.batch_size, self.max_record_bytes):
                 records += len(batch)
@@ -253,12 +271,15 @@ class TokenizeStep:
                     skipped[reason] = skipped.get(reason, 0) + count
                 for reason, message in encoded.first_skipped.items():
                     first.setdefault(reason, message)
+                for key, count in encoded.ignored.items():
+                    ignored[key] = ignored.get(key, 0) + count
             artifacts = writer.finish()
         except BaseException:
             writer.abort()
             raise
         body = {"records": records, "sequences": sequences, "tokens": writer.tokens, "skipped": skipped,
-                "first_skipped": first}
+                "first_skipped": first, "ignored": dict(sorted(ignored.items())),
+                "seconds": round(time.perf_counter() - started, 6)}   # (how busy the workers were)
         pinned = [a for a in artifacts if a.endswith((".seq.idx", ROWS_SUFFIX))]  # small: verified on reuse
         return self.book.write(unit, body, artifacts, pinned)
 

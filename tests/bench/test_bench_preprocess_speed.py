@@ -19,6 +19,7 @@ def test_preprocess_speed_runs_baseline_and_ours(tmp_path, monkeypatch, capsys):
     runs = doc["corpora"]["example"]
     assert runs["baseline"]["tokens"] == runs["ours"]["tokens"] > 0
     assert runs["speedup_per_core"] > 0 and runs["speedup_wall"] > 0
+    assert runs["ours_hf"]["tokens"] == runs["ours"]["tokens"] and runs["gigatoken_over_hf_per_core"] > 0
     assert doc["baseline_ref"] == preprocess_speed.BASELINE_REF
 
 

@@ -108,14 +108,9 @@ def test_cli_flags_reach_the_shard(tmp_path, capsys):
 # ---------------------------------------------------------------- JSON arrays, saved datasets, Parquet
 
 import gzip  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 
+from support.saved_datasets import save_to_disk, shard_bytes  # noqa: E402
 from support.sft_fixtures import glaive, mixed, openai  # noqa: E402
-
-
-def shard_bytes(prefix):
-    return [open(prefix + s, "rb").read() for s in (".bin", ".loss.bin", ".seq.bin", ".idx")]
 
 
 def tool_tokenizer(families):
@@ -182,24 +177,6 @@ def test_an_oversized_array_element_is_never_held_and_is_counted(tmp_path, famil
     s = run(cfg(tmp_path, [path], tokenizer=tool_tokenizer(families), skip_bad=True, max_record_bytes=4096))
     assert s["conversations"] == 2 and s["skipped"] == {"record_too_large": 1}
     assert s["skipped_examples"]["record_too_large"].startswith(f"{path}:2: record of ")
-
-
-BRIDGE_STACK = os.path.join(ROOT, ".deps", "megatron-bridge-0.6.2")
-
-
-def save_to_disk(records, directory):
-    """A dataset saved by the real ``datasets`` (the Bridge stack's, in its own interpreter)."""
-    if not os.path.isdir(os.path.join(BRIDGE_STACK, "datasets")):
-        pytest.fail(f"{BRIDGE_STACK} has no datasets package: run `make install-compat`")
-    code = ("import datasets, json, sys; d = datasets.Dataset.from_list(json.load(open(sys.argv[1]))); "
-            "d.save_to_disk(sys.argv[2], num_shards=3)")
-    src = directory + ".json"
-    with open(src, "w") as f:
-        json.dump(records, f)
-    env = dict(os.environ, PYTHONPATH=BRIDGE_STACK, HF_DATASETS_OFFLINE="1")
-    subprocess.run([sys.executable, "-c", code, src, directory], check=True, env=env, capture_output=True,
-                   timeout=300)
-    return directory
 
 
 def test_a_saved_hugging_face_dataset_directory_is_read_with_pyarrow(tmp_path, families):

@@ -132,7 +132,9 @@ def test_top_level_system_is_prepended_once():
 def test_a_record_of_two_shapes_is_refused_under_auto():
     record = {"messages": [{"role": "user", "content": "q"}], "conversations": [{"from": "human", "value": "q"}]}
     refused(record, "ambiguous_record", "conversations")
-    assert parse(record, fmt="chat")[0] == "chat"  # named by --input-format: the user's choice
+    # named by --input-format, the other shape's text is still text: refused by name unless ignored
+    refused(record, "unknown_field", "conversations", fmt="chat", match="--ignore-field conversations")
+    assert parse(record, fmt="chat", ignore_fields=("conversations",))[0] == "chat"
 
 
 # ---------------------------------------------------------------- reasoning

@@ -145,6 +145,8 @@ class EncodedBatch:
     lines: np.ndarray          # int64, source line of each kept sequence
     skipped: Dict[str, int] = field(default_factory=dict)
     first_skipped: Dict[str, str] = field(default_factory=dict)
+    skipped_lines: List[Tuple[int, str]] = field(default_factory=list)   # (line, reason) of every skip
+    ignored: Dict[str, int] = field(default_factory=dict)   # record-level keys ignored, by "rule:key"
 
 
 @dataclass
@@ -199,6 +201,7 @@ class RecordEncoder:
         self.stats = {"one_render": 0, "prefix_render": 0, "fast_tokens": 0, "reference_tokens": 0}
         self.policy = options.policy
         self.schema = options.schema
+        self._ignored: Dict[str, int] = {}   # this batch's ignored record-level keys (account_keys)
         self.locator = None
         if (self.tok is not None and self.tok.chat_template is not None and options.span_method == "auto"
                 and options.loss_on in ("assistant", "last-turn")):
@@ -217,19 +220,23 @@ class RecordEncoder:
         """
         results: List[list] = [[] for _ in records]   # per record: (ids, mask) or InputError items
         units: List[_Unit] = []
+        self._ignored = {}
         for i, (line, raw) in enumerate(records):
             try:
                 self._prepare(i, line, raw, path, results, units)
             except ShardError as err:  # raised (or skipped) in record order by _collect, as the reference does
                 results[i] = [err]
         self._tokenize(units, records, path, results)
-        return self._collect(records, results, path)
+        batch = self._collect(records, results, path)
+        batch.ignored = self._ignored
+        return batch
 
     # ------------------------------------------------------------------ stages
 
     def _prepare(self, i, line, raw, path, results, units) -> None:
         o = self.options
-        kind, payload = parse_record(raw, path, line, o.input_format, o.prompt_key, o.completion_key, self.schema)
+        kind, payload = parse_record(raw, path, line, o.input_format, o.prompt_key, o.completion_key, self.schema,
+                                     self._ignored)
         if kind == "tokens":
             results[i].append(encode_tokens(*payload, o.vocab_size, path, line))
         elif self.tok is None:
@@ -337,6 +344,7 @@ class RecordEncoder:
         ids, masks, lengths, lines = [], [], [], []
         skipped: Dict[str, int] = {}
         first: Dict[str, str] = {}
+        skipped_lines: List[Tuple[int, str]] = []
         for (line, _), items in zip(records, results):
             for item in items:
                 if isinstance(item, ShardError) and not isinstance(item, InputError):
@@ -347,13 +355,14 @@ class RecordEncoder:
                         raise item
                     skipped[reason] = skipped.get(reason, 0) + 1
                     first.setdefault(reason, str(item))
+                    skipped_lines.append((int(line), reason))
                     continue
                 ids.append(item[0])
                 masks.append(item[1])
                 lengths.append(item[0].size)
                 lines.append(line)
         return EncodedBatch(_cat(ids, np.int64), _cat(masks, np.uint8), np.asarray(lengths, dtype=np.int64),
-                            np.asarray(lines, dtype=np.int64), skipped, first)
+                            np.asarray(lines, dtype=np.int64), skipped, first, skipped_lines)
 
 
 def _cat(parts, dtype) -> np.ndarray:

@@ -22,7 +22,7 @@ import hashlib
 import io
 import os
 import sys
-from typing import Iterator, List, NamedTuple, Optional, Sequence
+from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 from ..._extras import require_extra
 from ...errors import MetadataError, MetadataLimitError
@@ -45,15 +45,17 @@ class OversizedRecord(NamedTuple):
 
 
 def _is_input_file(path: str) -> bool:
-    return path.endswith(JSONL_SUFFIXES + PARQUET_SUFFIXES)
+    return path.endswith(JSONL_SUFFIXES + JSON_SUFFIXES + PARQUET_SUFFIXES + ARROW_SUFFIXES)
 
 
-def expand_inputs(specs: Sequence[str]) -> List[str]:
+def expand_inputs(specs: Sequence[str], left: Optional[List[str]] = None) -> List[str]:
     """Files named by ``specs`` (files, globs, directories searched recursively), sorted within
-    each glob or directory, first occurrence kept. Directories contribute only
-    ``.jsonl[.gz|.zst]`` and ``.parquet`` files -- except a dataset saved by Hugging Face
-    ``datasets.save_to_disk`` (``state.json`` beside its Arrow files), which contributes its data
-    files in its own order; a file named directly (``.json`` arrays too) may have any name.
+    each glob or directory, first occurrence kept. A directory contributes every file of a kind the
+    run reads -- ``.jsonl``, ``.json`` (a JSON array or JSON Lines), either ``.gz`` / ``.zst``,
+    ``.parquet``, ``.arrow`` -- and every dataset saved by Hugging Face ``datasets.save_to_disk``
+    under it (``state.json`` beside its Arrow files: its data files in its own order); a file named
+    directly may have any name. ``left`` (when given) receives the files a directory holds that
+    are not read, so the caller can say so.
 
     Raises:
         InputError: a spec matches no input file; a saved ``DatasetDict`` (which split?); a
@@ -62,14 +64,8 @@ def expand_inputs(specs: Sequence[str]) -> List[str]:
     out: List[str] = []
     seen = set()
     for spec in specs:
-        if os.path.isdir(spec) and os.path.isfile(os.path.join(spec, "dataset_dict.json")):
-            raise InputError("a saved Hugging Face DatasetDict holds several splits", path=spec,
-                             hint=f"give the directory of the split to train on, e.g. {os.path.join(spec, 'train')}")
-        if os.path.isdir(spec) and os.path.isfile(os.path.join(spec, "state.json")):
-            found = hf_dataset_files(spec)
-        elif os.path.isdir(spec):
-            found = sorted(p for p in glob.glob(os.path.join(spec, "**", "*"), recursive=True)
-                           if os.path.isfile(p) and _is_input_file(p))
+        if os.path.isdir(spec):
+            found = _directory_files(spec, left)
         elif os.path.isfile(spec):
             found = [spec]
         else:
@@ -77,13 +73,38 @@ def expand_inputs(specs: Sequence[str]) -> List[str]:
         if not found:
             raise InputError("no input files match", path=spec,
                              hint="give files (.jsonl, .json, .parquet, .arrow, [.gz|.zst]), globs, or directories "
-                                  "holding .jsonl[.gz|.zst] or .parquet or a saved Hugging Face dataset")
+                                  "holding them or a saved Hugging Face dataset")
         for path in found:
             key = os.path.abspath(path)
             if key not in seen:
                 seen.add(key)
                 out.append(path)
     return out
+
+
+def _directory_files(directory: str, left: Optional[List[str]]) -> List[str]:
+    """The input files under ``directory``, sorted by path; a saved dataset's in its own order.
+
+    Raises:
+        InputError: a saved ``DatasetDict`` (naming its splits), or a saved dataset's bad ``state.json``.
+    """
+    found: List[Tuple[str, List[str]]] = []
+    for root, dirs, files in os.walk(directory):
+        if "dataset_dict.json" in files:
+            raise InputError("a saved Hugging Face DatasetDict holds several splits", path=root,
+                             hint=f"give the directory of the split to train on, e.g. {os.path.join(root, 'train')}")
+        if "state.json" in files:
+            found.append((root, hf_dataset_files(root)))
+            dirs[:] = []
+            continue
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(files):
+            path = os.path.join(root, name)
+            if _is_input_file(path) and not name.startswith("."):
+                found.append((path, [path]))
+            elif left is not None:
+                left.append(path)
+    return [p for _, paths in sorted(found) for p in paths]
 
 
 def hf_dataset_files(directory: str) -> List[str]:
@@ -151,12 +172,13 @@ def open_text_bytes(path: str):
 
 
 def parse_record(raw, path: str, line: int, input_format: str, prompt_key: str, completion_key: str,
-                 schema: Optional[SchemaOptions] = None):
+                 schema: Optional[SchemaOptions] = None, ignored: Optional[Dict[str, int]] = None):
     """Decode one raw record into ``(kind, payload)`` (:func:`.schemas.map_record`).
 
     ``kind`` is ``chat`` (payload: a :class:`~.schemas.Conversation`), ``tokens``
     (payload: ``(input_ids, loss_mask or None, answer_start_idx or None)``) or
-    ``prompt`` (payload: ``(prompt, completion)``, under ``--prompt-format raw``).
+    ``prompt`` (payload: ``(prompt, completion)``, under ``--prompt-format raw``). ``ignored``
+    counts the record-level keys ignored by a rule, as ``rule:key`` (:func:`.shapes.account_keys`).
 
     Raises:
         InputError: malformed JSON, a record of no known shape, or what :mod:`.schemas` refuses.
@@ -187,6 +209,8 @@ def parse_record(raw, path: str, line: int, input_format: str, prompt_key: str, 
     kind = input_format if input_format != "auto" else detect(record, prompt_key)
     if kind is None:
         raise input_error(f"record has none of the keys 'messages', 'conversations', 'instruction', "
-                          f"'input_ids', '{prompt_key}', 'query'+'answers'", path, line, reason="missing_key",
-                          hint="set --input-format/--prompt-key to match the data, or --skip-bad")
-    return map_record(kind, record, path, line, schema, detected=input_format == "auto")
+                          f"'input_ids', '{prompt_key}', 'query'+'answers', 'input'+'output'", path, line,
+                          reason="missing_key", hint="set --input-format/--prompt-key to match the data, or --skip-bad")
+    nulls = not isinstance(raw, (bytes, str)) or ("null" in raw if isinstance(raw, str) else b"null" in raw)
+    return map_record(kind, record, path, line, schema, detected=input_format == "auto", ignored=ignored,
+                      nulls=nulls)

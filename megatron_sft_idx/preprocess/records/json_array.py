@@ -63,6 +63,9 @@ def _scan(block, base, state, starts, ends):
                 break
             depth, expect = 1, 1
             continue
+        if depth == 1 and c == 125:  # '}' closing nothing inside the array: '[{A}}', not one array
+            state[6] = base + i
+            break
         if depth == 1 and (c == 44 or c == 93):  # ',' or ']' between elements
             if inside:
                 ends[ne] = base + i

@@ -44,7 +44,20 @@ from . import json_array
 from .inputs import (ARROW_SUFFIXES, BLOCK, COMPRESSED_SUFFIXES, PARQUET_SUFFIXES, OversizedRecord, open_text_bytes,
                      read_blocks)
 
-DEFAULT_PARTITION_BYTES = 64 << 20
+DEFAULT_PARTITION_BYTES = 64 << 20   # the largest unit --partition-bytes auto cuts
+MIN_PARTITION_BYTES = 1 << 20        # the smallest (a unit costs a store shard and a receipt)
+AUTO_UNITS = 64                      # --partition-bytes auto aims at this many units of input
+
+
+def auto_partition_bytes(total_bytes: int) -> int:
+    """``--partition-bytes auto``: the inputs' bytes over :data:`AUTO_UNITS`, within
+    [:data:`MIN_PARTITION_BYTES`, :data:`DEFAULT_PARTITION_BYTES`] -- enough units to keep every
+    worker of a machine busy (a 47.5 MiB file gives 48 units, not one), large enough to amortise
+    each unit's store shard and receipt. It follows the input size alone, not ``--workers``: a
+    run resumed with another worker count cuts the same partitions, so its tokenized ones are
+    kept (the partitions never change the output's bytes, only how the work is shared).
+    """
+    return int(min(DEFAULT_PARTITION_BYTES, max(MIN_PARTITION_BYTES, -(-total_bytes // AUTO_UNITS))))
 DEFAULT_MAX_RECORD_BYTES = 2 << 20
 KINDS = ("lines", "array", "stream", "array_stream", "rows", "arrow")
 
@@ -102,9 +115,29 @@ def file_kind(path: str) -> str:
             if not block:
                 break
             first = block.lstrip()[:1]
+        if first == b"{":
+            _refuse_spread_object(block.lstrip() + stream.read(BLOCK))
     if first == b"[":
         return "array_stream" if compressed else "array"
     return "stream" if compressed else "lines"
+
+
+def _refuse_spread_object(head: bytes) -> None:
+    """Raise when ``head`` (a file's start, from its first ``{``) is one JSON object written over
+    several lines -- a pretty-printed record: read as JSON Lines, each of its lines would be a
+    malformed record. JSON Lines' first line closes its object; a pretty-printed one's does not
+    and its next line is indented.
+
+    Raises:
+        ValueError: the file is one object spread over lines (the caller names the file).
+    """
+    first, sep, rest = head.partition(b"\n")
+    if not sep or first.rstrip().endswith(b"}"):
+        return
+    second = rest.lstrip(b"\r\n")
+    if second[:1] in (b" ", b"\t", b'"', b"}"):
+        raise ValueError("the file holds one JSON object written over several lines, not JSON Lines (one object "
+                         "a line) or a JSON array: write each record on one line, or wrap the object in [ ]")
 
 
 #: Kinds read as one stream from the start: a compressed file is one partition ``[0, -1)``.

@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from json.encoder import encode_basestring, encode_basestring_ascii
 from typing import List, Optional, Sequence, Tuple
 
+from .accounting import check_rendered_tools
 from .errors import input_error
 from .policy import LossPolicy
 from .shapes import Conversation
@@ -194,6 +195,7 @@ def check_rendered(text: str, conv: Conversation, reasoning_required: Sequence[i
     for where, what, forms in anywhere:
         if _find(text, forms, 0) < 0:
             raise _dropped(where, what, False, path, line)
+    check_rendered_tools(text, conv.source_tools, path, line)   # and nothing the source does not hold
 
 
 def _plain_rendered(text: str, messages: List[dict]) -> bool:

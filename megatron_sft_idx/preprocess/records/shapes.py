@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, List, Optional, Tuple
 
@@ -44,7 +45,7 @@ from ...errors import MetadataError, MetadataLimitError
 from ...jsondoc import parse_record_json
 from .errors import input_error
 
-KINDS = ("chat", "sharegpt", "alpaca", "xlam", "prompt", "tokens")
+KINDS = ("chat", "sharegpt", "alpaca", "xlam", "nemotron", "prompt", "tokens")
 REASONING_TAGS = ("<think>", "</think>")
 
 #: OpenAI / Hugging Face roles -> template roles (``developer`` is OpenAI's newer ``system``;
@@ -64,6 +65,7 @@ _MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call
                              "weight"} | set(_REASONING_FIELDS))
 _TURN_FIELDS = frozenset({"from", "value", "weight"})
 _TEXT_PARTS = ("text", "input_text", "output_text")
+_INDEX = re.compile(r"\[\d+\]")
 _TOOL_CALL_FIELDS = frozenset({"id", "type", "function", "name", "arguments", "index"})
 #: the keys that mark the other shapes (each entry: keys that together mark one; the last one is
 #: named): a record holding them beside its own is ambiguous, not metadata
@@ -71,7 +73,34 @@ _XLAM_KEYS = ("query", "answers")
 _SHAPE_KEYS = {"chat": (("conversations",), ("instruction",), ("history",), _XLAM_KEYS),
                "sharegpt": (("messages",), ("instruction",), ("history",), _XLAM_KEYS),
                "alpaca": (("messages",), ("conversations",), _XLAM_KEYS),
-               "xlam": (("messages",), ("conversations",), ("instruction",))}
+               "xlam": (("messages",), ("conversations",), ("instruction",)),
+               "nemotron": (("messages",), ("conversations",), ("instruction",), _XLAM_KEYS)}
+#: record-level keys that hold a system prompt, in the order they are looked for (Llama-Nemotron's
+#: post-training data and OpenHermes name it ``system_prompt``); a record may give one of them
+SYSTEM_KEYS = ("system", "system_prompt")
+#: the record-level keys each shape reads (beside these, a key is metadata, ignored by a named rule,
+#: or refused: see :func:`account_keys`)
+SHAPE_FIELDS = {"chat": frozenset({"messages", "tools", "functions"} | set(SYSTEM_KEYS)),
+                "sharegpt": frozenset({"conversations", "tools"} | set(SYSTEM_KEYS)),
+                "alpaca": frozenset({"instruction", "input", "output", "history", "tools"} | set(SYSTEM_KEYS)),
+                "xlam": frozenset({"query", "answers", "tools"}),
+                "nemotron": frozenset({"input", "output", "tools"} | set(SYSTEM_KEYS)),
+                "tokens": frozenset({"input_ids", "loss_mask", "answer_start_idx"})}
+#: record-level keys documented as metadata (docs/INPUTS.md): ignored, and counted by name in the
+#: summary. Public SFT sets carry these beside the conversation (ids, provenance, licences,
+#: Llama-Nemotron's ``category``/``generator``/``used_in_training``/``version`` and its
+#: ``reasoning: "on" | "off"`` flag, which the system prompt states to the model).
+METADATA_KEYS = frozenset({
+    "id", "idx", "uuid", "conversation_id", "conv_id", "sample_id", "source", "sources", "dataset", "subset",
+    "split", "category", "categories", "task", "task_type", "tags", "license", "lang", "language", "generator",
+    "model", "models", "used_in_training", "version", "url", "hash", "timestamp", "created_at",
+    "score", "scores", "quality", "rating", "difficulty", "num_turns", "length", "domain", "topic",
+    "metadata", "meta"})
+#: record-level flags that are metadata only with one of these values (Llama-Nemotron's
+#: ``reasoning: "on" | "off"``); with other text they are refused like any unknown key
+METADATA_FLAGS = {"reasoning": frozenset({"on", "off"})}
+#: the rules a record-level key is ignored by (the summary counts ``rule:key``)
+IGNORE_RULES = ("metadata", "ignore-field", "no-text")
 
 
 @dataclass
@@ -93,6 +122,7 @@ class Conversation:
     inline: Dict[int, str] = field(default_factory=dict)
     rendered: Optional[List[dict]] = None   # the messages as the template is given them (rendering.adapt)
     plain: bool = False                     # every message is {"role", "content"} as given: nothing to adapt
+    source_tools: object = None             # the record's tools value as given (accounting.check_rendered_tools)
 
     @property
     def template_messages(self) -> List[dict]:
@@ -108,7 +138,7 @@ class Conversation:
         return Conversation(self.messages[:k + 1], self.tools, self.fields[:k + 1],
                             frozenset(i for i in self.untrained if i <= k),
                             {i: c for i, c in self.inline.items() if i <= k},
-                            None if self.rendered is None else self.rendered[:k + 1], self.plain)
+                            None if self.rendered is None else self.rendered[:k + 1], self.plain, self.source_tools)
 
 
 @dataclass(frozen=True)
@@ -149,24 +179,33 @@ def detect(record: dict, prompt_key: str) -> Optional[str]:
             return kind
     if all(k in record for k in _XLAM_KEYS):
         return "xlam"
+    if isinstance(record.get("input"), list) and "output" in record:
+        return "nemotron"
     return None
 
 
-def map_record(kind: str, record: dict, path: str, line: int, opts: SchemaOptions, detected: bool = False):
+def map_record(kind: str, record: dict, path: str, line: int, opts: SchemaOptions, detected: bool = False,
+               ignored: Optional[Dict[str, int]] = None, nulls: bool = True):
     """``(kind, payload)``: ``("chat", Conversation)``, ``("prompt", (prompt, completion))`` for a
     raw prompt/completion, or ``("tokens", (input_ids, loss_mask, answer_start_idx))``. A ``detected``
     kind (``--input-format auto``) is refused when the record also holds another shape's keys.
+    Every record-level key is accounted for (:func:`account_keys`); ``ignored`` counts, per
+    ``rule:key``, the keys ignored by a rule. ``nulls=False`` says the record holds no null
+    (its JSON text has no ``null``), so none is looked for.
 
     Raises:
         InputError: see the module docstring; ``reason`` is the skip-count key.
     """
-    m = _Mapper(path, line, opts)
+    m = _Mapper(path, line, opts, ignored)
+    m.nulls = nulls
     # (a kind named by --input-format is the user's choice; only a detected one can be ambiguous)
     if detected and kind in _SHAPE_KEYS and any(keys[-1] in record for keys in _SHAPE_KEYS[kind]):
         other = [keys[-1] for keys in _SHAPE_KEYS[kind] if all(_present(record.get(k)) for k in keys)]
         if other:
             raise m.error(f"record holds '{other[0]}' beside the {kind} shape's keys: which one is meant?",
                           other[0], "ambiguous_record", "give each record one shape (--input-format names it)")
+    if kind != "prompt":  # (a prompt record's keys are accounted for by Mapper.prompt, which names them)
+        account_keys(record, SHAPE_FIELDS[kind], opts, path, line, ignored)
     if kind == "chat":
         return "chat", m.chat(record)
     if kind == "sharegpt":
@@ -175,20 +214,100 @@ def map_record(kind: str, record: dict, path: str, line: int, opts: SchemaOption
         return "chat", m.alpaca(record)
     if kind == "xlam":
         return "chat", m.xlam(record)
+    if kind == "nemotron":
+        return "chat", m.nemotron(record)
     if kind == "tokens":
         return "tokens", token_record(record, path, line)
-    return m.prompt(record)
+    kind, payload = m.prompt(record)
+    account_keys(record, frozenset({opts.prompt_key, opts.completion_key}), opts, path, line, ignored)
+    return kind, payload
 
 
 def _present(value) -> bool:
     return value is not None and value != "" and value != [] and value != {}
 
 
+def _holds_text(value) -> bool:
+    """True when a non-empty string is anywhere in ``value`` (a key of a nested object too)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            if v:
+                return True
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return False
+
+
+def ignore_rule(key: str, value, opts: SchemaOptions) -> Optional[str]:
+    """The rule a record-level key outside its shape is ignored by (:data:`IGNORE_RULES`), or None
+    when none covers it: it holds text, and dropping it would lose what the producer wrote."""
+    if key in opts.ignore_fields:
+        return "ignore-field"
+    if key in METADATA_KEYS or (key in METADATA_FLAGS and isinstance(value, str)
+                                and value.lower() in METADATA_FLAGS[key]):
+        return "metadata"
+    return None if _holds_text(value) else "no-text"
+
+
+def account_keys(record: dict, used: FrozenSet[str], opts: SchemaOptions, path: str, line: int,
+                 ignored: Optional[Dict[str, int]]) -> None:
+    """Account for every record-level key: read by the shape (``used``), absent (``null``, empty),
+    or ignored by a named rule -- documented metadata, ``--ignore-field``, holding no text -- and
+    counted in ``ignored`` as ``rule:key``.
+
+    Raises:
+        InputError: a key holding text that no rule covers (``unknown_field``), naming it.
+    """
+    for key, value in record.items():
+        if key in used or not _present(value) or not _present(drop_nulls(value)):
+            continue
+        rule = ignore_rule(key, value, opts)
+        if rule is None:
+            raise input_error(f"record-level key '{key}' holds text the run does not use", path, line, field=key,
+                              reason="unknown_field",
+                              hint=f"if '{key}' carries nothing the model should see, pass --ignore-field {key} "
+                                   "(it is counted in the summary); else map it into the conversation, or pass "
+                                   "--skip-bad")
+        if ignored is not None:
+            name = f"{rule}:{key}"
+            ignored[name] = ignored.get(name, 0) + 1
+
+
+def _may_hold_null(value) -> bool:
+    """False when ``value`` certainly holds no ``None`` (one C-level serialisation has no
+    ``null``), so :func:`drop_nulls` need not walk it."""
+    try:
+        return "null" in json.dumps(value, ensure_ascii=False, check_circular=False)
+    except (TypeError, ValueError):
+        return True
+
+
+def drop_nulls(value):
+    """``value`` without the ``null`` entries of its objects, at every depth (null counts as absent:
+    Parquet, Arrow and ``save_to_disk`` unify a column's struct type across rows, so every tool
+    definition would arrive with every other tool's parameter names set to null). Returns ``value``
+    itself when it holds none."""
+    if isinstance(value, dict):
+        out = {k: drop_nulls(v) for k, v in value.items() if v is not None}
+        return value if len(out) == len(value) and all(out[k] is value[k] for k in out) else out
+    if isinstance(value, list):
+        out = [drop_nulls(v) for v in value]
+        return value if all(a is b for a, b in zip(out, value)) else out
+    return value
+
+
 class _Mapper:
     """The mapping of one record (keeps ``path:line`` for its errors)."""
 
-    def __init__(self, path: str, line: int, opts: SchemaOptions) -> None:
+    def __init__(self, path: str, line: int, opts: SchemaOptions, ignored: Optional[Dict[str, int]] = None) -> None:
         self.path, self.line, self.opts = path, line, opts
+        self.ignored = ignored   # counts of fields ignored by --ignore-field, as "ignore-field:messages[].id"
+        self.nulls = True        # the record may hold a null (False: its JSON text has none)
         self.maybe_reasoning = _maybe_reasoning(opts.reasoning_tags[0])
         self.messages: List[dict] = []
         self.fields: list = []
@@ -216,11 +335,14 @@ class _Mapper:
         except MetadataError:
             raise self.error(not_json, where, "bad_tool_call") from None
 
-    def done(self, tools) -> Conversation:
+    def done(self, tools, source=None) -> Conversation:
+        """The conversation; ``source``: the record's tools value as given (checked against the
+        rendering by :mod:`.accounting`)."""
         if not self.messages:
             raise self.error("empty conversation", None, "empty_conversation")
         plain = self.plain and not tools and not self.inline and not self.untrained
-        return Conversation(self.messages, tools, self.fields, frozenset(self.untrained), self.inline, None, plain)
+        return Conversation(self.messages, tools, self.fields, frozenset(self.untrained), self.inline, None, plain,
+                            source if tools else None)
 
     def plain_text(self, role: str, content, where, text_field: str) -> bool:
         """The fast path of a ``{"role", "content"}`` message with a string content: True when taken
@@ -272,10 +394,16 @@ class _Mapper:
 
     def unknown(self, message: dict, known: FrozenSet[str], where: str) -> None:
         for key, value in message.items():
-            if key not in known and value is not None and key not in self.opts.ignore_fields:
-                raise self.error(f"'{where}' has field '{key}' the run does not use", f"{where}.{key}",
-                                 "unknown_field", f"if '{key}' carries nothing the model should see, pass "
-                                 f"--ignore-field {key}; else fix the record or pass --skip-bad")
+            if key in known or value is None:
+                continue
+            if key in self.opts.ignore_fields:
+                if self.ignored is not None:
+                    name = f"ignore-field:{_INDEX.sub('[]', where)}.{key}"
+                    self.ignored[name] = self.ignored.get(name, 0) + 1
+                continue
+            raise self.error(f"'{where}' has field '{key}' the run does not use", f"{where}.{key}",
+                             "unknown_field", f"if '{key}' carries nothing the model should see, pass "
+                             f"--ignore-field {key}; else fix the record or pass --skip-bad")
 
     # ------------------------------------------------------------------ reasoning
 
@@ -340,6 +468,8 @@ class _Mapper:
                                                   "must be a JSON object")
         if not isinstance(value, dict):
             raise self.error(f"'{where}' must be a JSON object, got {type(value).__name__}", where, "bad_tool_call")
+        if self.nulls and _may_hold_null(value):
+            value = drop_nulls(value)
         check_json_texts(value, self.path, self.line, where)
         return value
 
@@ -356,6 +486,8 @@ class _Mapper:
         out = []
         for i, tool in enumerate(value):
             w = f"{where}[{i}]"
+            if self.nulls and _may_hold_null(tool):
+                tool = drop_nulls(tool)
             if isinstance(tool, dict) and tool.get("type") == "function" and isinstance(tool.get("function"), dict):
                 fn = tool["function"]
             elif isinstance(tool, dict) and "type" not in tool and isinstance(tool.get("name"), str):
@@ -372,13 +504,23 @@ class _Mapper:
 
     # ------------------------------------------------------------------ shapes
 
+    def system(self, record: dict, has_turn: bool) -> None:
+        """A record-level system prompt (:data:`SYSTEM_KEYS`) -> a first system message; refused
+        beside a system turn (``has_turn``) or another such key."""
+        given = [k for k in SYSTEM_KEYS if _present(record.get(k))]
+        if not given:
+            return
+        key = given[0]
+        if len(given) > 1:
+            raise self.error(f"record has '{given[0]}' and '{given[1]}': keep one system prompt", given[1],
+                             "ambiguous_record")
+        if has_turn:
+            raise self.error(f"record has a '{key}' field and a system turn: keep one", key, "ambiguous_record")
+        self.add({"role": "system", "content": self.text(record[key], key)}, key)
+
     def chat(self, record: dict) -> Conversation:
         messages = turns(record.get("messages"), self.path, self.line, "messages")
-        if _present(record.get("system")):
-            if any(isinstance(m, dict) and m.get("role") in ("system", "developer") for m in messages):
-                raise self.error("record has a 'system' field and a system message: keep one", "system",
-                                 "ambiguous_record")
-            self.add({"role": "system", "content": self.text(record["system"], "system")}, "system")
+        self.system(record, any(isinstance(m, dict) and m.get("role") in ("system", "developer") for m in messages))
         out, fields, maybe = self.messages, self.fields, self.maybe_reasoning
         for i, m in enumerate(messages):
             if type(m) is dict and len(m) == 2:  # the common case, taken fast
@@ -396,7 +538,7 @@ class _Mapper:
         legacy = self.tools(record.get("functions"), "functions")
         if tools and legacy:
             raise self.error("record has both 'tools' and 'functions': keep one", "functions", "ambiguous_record")
-        return self.done(tools or legacy)
+        return self.done(tools or legacy, record.get("tools") if tools else record.get("functions"))
 
     def chat_message(self, m, where: str) -> None:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
@@ -448,11 +590,8 @@ class _Mapper:
 
     def sharegpt(self, record: dict) -> Conversation:
         conversations = turns(record.get("conversations"), self.path, self.line, "conversations")
-        if _present(record.get("system")):
-            if any(isinstance(t, dict) and str(t.get("from", "")).lower() == "system" for t in conversations):
-                raise self.error("record has a 'system' field and a system turn: keep one", "system",
-                                 "ambiguous_record")
-            self.add({"role": "system", "content": self.text(record["system"], "system")}, "system")
+        self.system(record, any(isinstance(t, dict) and str(t.get("from", "")).lower() == "system"
+                                for t in conversations))
         for i, t in enumerate(conversations):
             if type(t) is dict and len(t) == 2 and type(t.get("from")) is str:  # the common case, taken fast
                 role = _PLAIN_SHAREGPT.get(t["from"])
@@ -483,7 +622,7 @@ class _Mapper:
             else:
                 out["content"] = value
             self.add(out, where, t.get("weight"))
-        return self.done(self.tools(record.get("tools"), "tools"))
+        return self.done(self.tools(record.get("tools"), "tools"), record.get("tools"))
 
     def function_call_value(self, value: str, where: str) -> List[dict]:
         """LLaMA-Factory's ``function_call`` value: JSON ``{"name", "arguments"}`` or a list of them."""
@@ -509,13 +648,12 @@ class _Mapper:
             raise self.error("'answers' holds no function call (a JSON list of {\"name\", \"arguments\"})",
                              "answers", "bad_tool_call")
         self.add({"role": "assistant", "content": "", "tool_calls": calls}, "answers")
-        return self.done(self.tools(record.get("tools"), "tools"))
+        return self.done(self.tools(record.get("tools"), "tools"), record.get("tools"))
 
     def alpaca(self, record: dict) -> Conversation:
         """Stanford / LLaMA-Factory Alpaca: system, history pairs, then instruction and input joined by
         a newline as the user turn (LLaMA-Factory's joiner), output as the assistant turn."""
-        if _present(record.get("system")):
-            self.add({"role": "system", "content": self.text(record["system"], "system")}, "system")
+        self.system(record, False)
         history = record.get("history")
         if _present(history):
             if not isinstance(history, list):
@@ -544,11 +682,31 @@ class _Mapper:
         reply = {"role": "assistant"}
         reply["content"] = self.reasoning({}, output, "output", reply)
         self.add(reply, "output")
-        return self.done(self.tools(record.get("tools"), "tools"))
+        return self.done(self.tools(record.get("tools"), "tools"), record.get("tools"))
+
+    def nemotron(self, record: dict) -> Conversation:
+        """Llama-Nemotron's post-training rows: ``input`` the prompt's messages (``user`` /
+        ``assistant``; never trained, as a conversational prompt/completion's prompt), ``output`` the
+        reply (its reasoning inline in ``<think>`` tags, trained by the reasoning policy), the system
+        prompt (``detailed thinking on``) in ``system_prompt``."""
+        messages = turns(record.get("input"), self.path, self.line, "input")
+        self.system(record, any(isinstance(m, dict) and m.get("role") in ("system", "developer") for m in messages))
+        for i, m in enumerate(messages):
+            self.chat_message(m, f"input[{i}]")
+        self.untrained.update(range(len(self.messages)))
+        if not isinstance(record.get("output"), str):
+            raise self.error("'output' must be a string (the reply)", "output", "missing_key")
+        output = self.text(record["output"], "output")
+        reply = {"role": "assistant"}
+        reply["content"] = self.reasoning({}, output, "output", reply)
+        if not reply["content"].strip() and "reasoning_content" not in reply:
+            raise self.error("empty output", "output", "empty_conversation")
+        self.add(reply, "output")
+        return self.done(self.tools(record.get("tools"), "tools"), record.get("tools"))
 
     def prompt(self, record: dict):
         o = self.opts
-        for key in ("input", "history", "system", "output"):
+        for key in ("input", "history", "system", "system_prompt", "output"):
             if key not in (o.prompt_key, o.completion_key) and _present(record.get(key)):
                 raise self.error(f"'{key}' has no place in a prompt/completion record and would be lost",
                                  key, "unknown_field", "for Alpaca records (instruction/input/output) pass "

@@ -97,6 +97,8 @@ def _has_text(value) -> bool:
 def _leaves(value, out: list) -> None:
     if isinstance(value, dict):
         for key, item in value.items():
+            if item is None:   # (null counts as absent, at every depth: columnar rows hold every field)
+                continue
             out.append(_forms(key))
             _leaves(item, out)
     elif isinstance(value, list):
@@ -221,19 +223,20 @@ def read_source(record: dict, shape: str, settings: dict) -> SourceConversation:
     """
     r = _Reader(tuple(settings.get("reasoning_tags") or ("<think>", "</think>")))
     tools = None
+    system = next((k for k in ("system", "system_prompt") if isinstance(record.get(k), str) and record[k]), None)
+    if system and shape in ("chat", "sharegpt", "alpaca", "nemotron"):
+        r.text(r.turn("system", system), "content", record[system], system)
     if shape == "chat":
-        if isinstance(record.get("system"), str) and record["system"]:
-            r.text(r.turn("system", "system"), "content", record["system"], "system")
         r.openai(record["messages"], "messages")
         tools = record.get("tools") or record.get("functions")
     elif shape == "sharegpt":
-        if isinstance(record.get("system"), str) and record["system"]:
-            r.text(r.turn("system", "system"), "content", record["system"], "system")
         r.sharegpt(record["conversations"])
         tools = record.get("tools")
+    elif shape == "nemotron":   # Llama-Nemotron: the input messages are the prompt, never trained
+        r.openai(record["input"], "input", excluded=True)
+        r.reply(r.turn("assistant", "output"), record.get("output"), {}, "output")
+        tools = record.get("tools")
     elif shape == "alpaca":
-        if record.get("system"):
-            r.text(r.turn("system", "system"), "content", record["system"], "system")
         for i, (question, answer) in enumerate(record.get("history") or ()):
             r.text(r.turn("user", f"history[{i}][0]"), "content", question, f"history[{i}][0]")
             r.reply(r.turn("assistant", f"history[{i}][1]"), answer, {}, f"history[{i}][1]")
@@ -276,6 +279,8 @@ def shape_of(record: dict, input_format: str, prompt_key: str) -> str:
             return shape
     if "query" in record and "answers" in record:
         return "xlam"
+    if isinstance(record.get("input"), list) and "output" in record:
+        return "nemotron"
     raise Unverifiable("a record of no known shape")
 
 

@@ -1,0 +1,148 @@
+"""Nothing rendered that the source does not hold: tool definitions in a rendering, compared
+structurally with the record's own (``docs/INPUTS.md``, "Every field accounted for").
+
+The mapping (:mod:`.shapes`) accounts for every key a record gives; this is the converse, run on
+every rendering of every record (:func:`.rendering.check_rendered` calls it), not on a sample.
+Each tool definition the template wrote as JSON -- an object holding ``"name": NAME`` and a
+``parameters`` or ``description`` -- must be held by the record's own definition of ``NAME``
+(its ``tools`` / ``functions`` as the record gives them, a JSON string parsed, ``null`` counting
+as absent at every depth): every key the rendering shows is one the source has, with the same
+value. A template may show less (Mistral's keeps ``name``, ``description``, ``parameters``), never
+more: Parquet's struct nulls rendered as ``"altitude": null`` fail here, naming the tool.
+
+The record's definitions are read here, independently of the mapping (its own null removal, its
+own unwrapping), so a mapping that let nulls or another tool's fields through is caught rather
+than agreed with. A template that renders definitions in a form that is not JSON gives nothing
+to compare (no verdict), as the text check (:func:`.rendering.check_rendered`) covers its names.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from typing import Dict, List, Optional, Tuple
+
+from ...errors import MetadataError
+from ...jsondoc import parse_record_json, raw_decode
+from .errors import input_error
+
+_TRIES = 4   # object starts tried backwards from a name (the nearest opens a definition)
+
+
+def _without_nulls(value):
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
+
+
+def source_definitions(tools) -> Dict[str, List[dict]]:
+    """``{name: [definition, ...]}`` of the record's ``tools`` value (a list, one object, or a
+    JSON string of either; each bare or wrapped as ``{"type": "function", "function": ...}``),
+    as the record holds them (nulls kept: :func:`check_rendered_tools` removes them where it
+    must). Anything else gives nothing (the mapping refuses it)."""
+    if isinstance(tools, str):
+        tools = _parsed(tools)
+    tools = tools if isinstance(tools, list) else [tools]
+    out: Dict[str, List[dict]] = {}
+    for tool in tools:
+        if isinstance(tool, dict) and isinstance(tool.get("function"), dict):
+            tool = tool["function"]
+        if isinstance(tool, dict) and isinstance(tool.get("name"), str):
+            out.setdefault(tool["name"], []).append(tool)
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed(text: str):
+    """A tools JSON string, parsed once per process (published sets repeat the same tools); None
+    when it is not JSON. The value is shared: never changed."""
+    try:
+        return parse_record_json(text, what="tools")
+    except MetadataError:   # (its limits' error too)
+        return None
+
+
+def held(shown, source) -> bool:
+    """True when ``shown`` (from a rendering) is held by ``source``: an object's keys are the
+    source's, each value held; a list as long, element by element; a scalar equal and of the
+    same type (``1`` is not ``true``; the caller's fast path, plain equality of a whole
+    definition, lets Python's ``1 == 1.0 == True`` through)."""
+    if isinstance(shown, dict):
+        return isinstance(source, dict) and all(k in source and held(v, source[k]) for k, v in shown.items())
+    if isinstance(shown, list):
+        return (isinstance(source, list) and len(shown) == len(source)
+                and all(held(a, b) for a, b in zip(shown, source)))
+    return type(shown) is type(source) and shown == source
+
+
+def _object_at(text: str, at: int) -> Tuple[Optional[dict], str]:
+    """The JSON object that encloses position ``at`` of ``text`` and its text, trying the nearest
+    object starts before it; ``(None, "")`` when none decodes."""
+    start = at
+    for _ in range(_TRIES):
+        start = text.rfind("{", 0, start)
+        if start < 0:
+            break
+        try:
+            value, end = raw_decode(text, start)
+        except ValueError:
+            continue
+        if end > at and isinstance(value, dict):
+            return value, text[start:end]
+    return None, ""
+
+
+_KEY = re.compile(r'"name"\s*:\s*$')
+
+
+def _name_positions(text: str, name: str):
+    """Where ``"name": NAME`` starts in ``text`` (any spacing; the name with non-ASCII kept or
+    escaped): each quoted name found, then the key before it (plain finds, no regex per name)."""
+    for quoted in {json.dumps(name, ensure_ascii=False), json.dumps(name)}:
+        at = text.find(quoted)
+        while at >= 0:
+            key = _KEY.search(text, max(0, at - 64), at)
+            if key is not None:
+                yield key.start()
+            at = text.find(quoted, at + 1)
+
+
+def _definition(shown, name: str) -> bool:
+    """True when ``shown`` is a tool definition of ``name``, not a call: a call holds ``arguments``,
+    or (Llama 3.1's form) ``parameters`` holding argument values rather than a schema."""
+    if not isinstance(shown, dict) or shown.get("name") != name or "arguments" in shown:
+        return False
+    parameters = shown.get("parameters")
+    return "description" in shown or (isinstance(parameters, dict) and ("properties" in parameters
+                                                                        or "type" in parameters))
+
+
+def check_rendered_tools(text: str, tools, path: str, line: int) -> None:
+    """Every tool definition ``text`` shows as JSON is held by the record's own (``tools``: the
+    record's value, as given).
+
+    Raises:
+        InputError: a definition with a key or value the record does not hold
+            (``rendered_not_in_source``), naming the tool and the key.
+    """
+    if not tools:
+        return
+    for name, defs in source_definitions(tools).items():
+        for at in _name_positions(text, name):
+            shown, written = _object_at(text, at)
+            if not _definition(shown, name):
+                continue   # not a definition (a call, or not JSON): nothing to compare
+            if "null" not in written and any(shown == d for d in defs):
+                continue   # the common case, in C: as the record holds it, and no null shown
+            if not any(held(shown, _without_nulls(d)) for d in defs):
+                clean = [_without_nulls(d) for d in defs]
+                extra = next((k for k in shown if all(k not in d or not held(shown[k], d[k]) for d in clean)), None)
+                raise input_error(f"the rendering shows tool '{name}' with "
+                                  f"{repr(extra) + ' as' if extra else 'what'} the record does not hold",
+                                  path, line, field=f"tools.{name}" + (f".{extra}" if extra else ""),
+                                  reason="rendered_not_in_source",
+                                  hint="the template (or the mapping) added to the tool definition; "
+                                       "report it, or pass --skip-bad to skip and count such records")

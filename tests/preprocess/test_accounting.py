@@ -1,0 +1,228 @@
+"""Every field accounted for (issue 29): each record-level key is read by the shape, absent (null),
+or ignored by a named rule -- documented metadata, ``--ignore-field``, holding no text -- and
+counted by name; a key holding text no rule covers refuses the record by name. Null counts as
+absent at every depth, so the columnar nulls of Parquet and Arrow never reach the template.
+Llama-Nemotron's post-training shape and record-level system prompt keys are read as such."""
+
+import copy
+import json
+
+import pytest
+
+from megatron_sft_idx.errors import ShardError
+from megatron_sft_idx.preprocess.records.errors import InputError
+from megatron_sft_idx.preprocess.records.inputs import parse_record
+from megatron_sft_idx.preprocess.records.shapes import METADATA_KEYS, SchemaOptions, drop_nulls
+from support.sft_fixtures import alpaca, glaive, openai, xlam
+
+CHAT = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+
+
+def parse(record, fmt="auto", ignored=None, **opts):
+    schema = SchemaOptions(**opts)
+    return parse_record(json.dumps(record), "d.jsonl", 7, fmt, schema.prompt_key, schema.completion_key, schema,
+                        ignored)
+
+
+def refused(record, field, fmt="auto", **opts):
+    with pytest.raises(InputError) as e:
+        parse(record, fmt, **opts)
+    assert e.value.reason == "unknown_field" and e.value.field == field, str(e.value)
+    assert str(e.value).startswith("d.jsonl:7: ") and f"--ignore-field {field}" in str(e.value)
+    return e.value
+
+
+# ---------------------------------------------------------------- record-level keys
+
+@pytest.mark.parametrize("make", [lambda: dict(CHAT), lambda: glaive(1), lambda: alpaca(2, True), lambda: xlam(3)],
+                         ids=["chat", "sharegpt", "alpaca", "xlam"])
+def test_a_record_level_key_holding_text_is_refused_by_name_in_every_shape(make):
+    record = make()
+    record["critique"] = "The answer is wrong."   # text no rule covers: it would be lost
+    refused(record, "critique")
+    ignored = {}
+    parse(record, ignored=ignored, ignore_fields=("critique",))   # --ignore-field says it carries nothing
+    assert ignored.get("ignore-field:critique") == 1
+
+
+def test_metadata_and_keys_without_text_are_ignored_and_counted_by_rule():
+    record = dict(CHAT, id="r-17", source="oasst", points=4.5, turns_rated=[1, 2], license="cc-by-4.0",
+                  empty="", absent=None, nested=[[1, 2.5, True]], struct={"a": None, "b": None})
+    ignored = {}
+    for _ in range(3):
+        parse(record, ignored=ignored)
+    assert ignored == {"metadata:id": 3, "metadata:source": 3, "metadata:license": 3, "no-text:points": 3,
+                       "no-text:turns_rated": 3, "no-text:nested": 3}   # (null and "" are absent: not counted)
+    refused(dict(CHAT, meta_notes={"k": [1, "text inside"]}), "meta_notes")   # text at any depth
+    refused(dict(CHAT, labels={"helpful": 1}), "labels")   # (an object's keys are text too)
+    assert {"id", "source", "category", "license", "generator", "version"} <= METADATA_KEYS
+
+
+def test_a_flag_is_metadata_only_with_its_documented_values():
+    ignored = {}
+    parse(dict(CHAT, reasoning="on"), ignored=ignored)
+    assert ignored == {"metadata:reasoning": 1}
+    refused(dict(CHAT, reasoning="First I think about it."), "reasoning")
+
+
+def test_a_prompt_record_accounts_for_its_keys():
+    ignored = {}
+    parse({"prompt": "q", "completion": "a", "id": 3}, ignored=ignored)
+    assert ignored == {"metadata:id": 1}
+    refused({"prompt": "q", "completion": "a", "rationale": "why"}, "rationale")
+
+
+def test_a_tokens_record_accounts_for_its_keys():
+    refused({"input_ids": [1, 2], "loss_mask": [0, 1], "text": "hello"}, "text")
+
+
+# ---------------------------------------------------------------- system prompt keys
+
+@pytest.mark.parametrize("key", ["system", "system_prompt"])
+@pytest.mark.parametrize("make", [lambda: dict(CHAT), lambda: glaive(1), lambda: alpaca(2, True)],
+                         ids=["chat", "sharegpt", "alpaca"])
+def test_a_record_level_system_prompt_becomes_the_first_system_message(make, key):
+    record = make()
+    record.pop("system", None)
+    record[key] = "Be brief."
+    conv = parse(record)[1]
+    assert conv.messages[0] == {"role": "system", "content": "Be brief."} and conv.where(0) == key
+
+
+def test_two_system_prompts_are_ambiguous():
+    with pytest.raises(InputError) as e:
+        parse(dict(CHAT, system="a", system_prompt="b"))
+    assert e.value.reason == "ambiguous_record" and e.value.field == "system_prompt"
+    with pytest.raises(InputError) as e:
+        parse({"messages": [{"role": "system", "content": "s"}] + CHAT["messages"], "system_prompt": "b"})
+    assert e.value.reason == "ambiguous_record" and e.value.field == "system_prompt"
+
+
+# ---------------------------------------------------------------- Llama-Nemotron
+
+def nemotron(i, reasoning=True):
+    thought = f"<think>\nAdd {i} and 1.\n</think>\n\n" if reasoning else "<think>\n</think>\n\n"
+    return {"input": [{"role": "user", "content": f"What is {i} plus 1?"}], "output": f"{thought}It is {i + 1}.",
+            "category": "math", "license": "cc-by-4.0", "reasoning": "on" if reasoning else "off",
+            "generator": "DeepSeek-R1", "used_in_training": "yes", "version": "v1.1",
+            "system_prompt": f"detailed thinking {'on' if reasoning else 'off'}"}
+
+
+def test_llama_nemotron_post_training_rows_are_read_directly():
+    ignored = {}
+    kind, conv = parse(nemotron(3), ignored=ignored)
+    assert kind == "chat"
+    assert conv.messages == [{"role": "system", "content": "detailed thinking on"},
+                             {"role": "user", "content": "What is 3 plus 1?"},
+                             {"role": "assistant", "content": "It is 4.", "reasoning_content": "\nAdd 3 and 1.\n"}]
+    assert conv.untrained == frozenset({0, 1}) and conv.where(2) == "output"
+    assert set(ignored) == {"metadata:category", "metadata:license", "metadata:reasoning", "metadata:generator",
+                            "metadata:used_in_training", "metadata:version"}
+    conv = parse(nemotron(4, reasoning=False))[1]
+    assert conv.messages[-1] == {"role": "assistant", "content": "It is 5."}   # an empty block is no reasoning
+    two = nemotron(5)
+    two["input"] = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                    {"role": "user", "content": "5 + 1?"}]
+    conv = parse(two)[1]
+    assert [m["role"] for m in conv.messages] == ["system", "user", "assistant", "user", "assistant"]
+    assert conv.untrained == frozenset({0, 1, 2, 3})   # the input is the prompt: never trained
+    with pytest.raises(InputError) as e:
+        parse(dict(nemotron(1), output=""))
+    assert e.value.reason == "empty_conversation"
+
+
+# ---------------------------------------------------------------- null as absent, at every depth
+
+def test_drop_nulls_at_every_depth_keeps_order_and_identity():
+    value = {"a": None, "b": {"c": None, "d": [1, None, {"e": None, "f": 2}]}, "g": 3}
+    assert drop_nulls(value) == {"b": {"d": [1, None, {"f": 2}]}, "g": 3}   # (a null list element is a value)
+    clean = {"x": {"y": [1, {"z": 2}]}}
+    assert drop_nulls(clean) is clean
+    assert list(drop_nulls({"z": 1, "n": None, "a": 2})) == ["z", "a"]
+
+
+def test_columnar_nulls_in_tools_and_arguments_map_as_absent():
+    record = copy.deepcopy(openai(1))   # (the fixture's tool definitions are shared)
+    record["tools"][0]["function"]["parameters"]["properties"]["altitude"] = None
+    record["tools"][0]["function"]["strict"] = None
+    call = record["messages"][2]["tool_calls"][0]["function"]
+    call["arguments"] = dict(json.loads(call["arguments"]), lat=None)
+    conv = parse(record)[1]
+    clean = parse(openai(1))[1]
+    assert conv.tools == clean.tools and conv.messages == clean.messages
+
+
+def test_message_fields_ignored_by_flag_are_counted_by_where():
+    record = {"messages": [{"role": "user", "content": "q", "id": "m1"},
+                           {"role": "assistant", "content": "a", "id": "m2", "weight": 1}], "id": 9}
+    with pytest.raises(InputError) as e:
+        parse(record)
+    assert e.value.reason == "unknown_field" and e.value.field == "messages[0].id"
+    ignored = {}
+    parse(record, ignored=ignored, ignore_fields=("id",))
+    assert ignored == {"ignore-field:messages[].id": 2, "ignore-field:id": 1}
+
+
+# ---------------------------------------------------------------- nothing rendered the source does not hold
+
+def test_a_rendered_tool_definition_must_be_held_by_the_records_own():
+    from megatron_sft_idx.preprocess.records.accounting import check_rendered_tools
+
+    fn = {"name": "get_altitude", "description": "Altitude", "parameters": {
+        "type": "object", "properties": {"location": {"type": "string"}, "datum": None}}}
+    source = [{"type": "function", "function": fn}]
+    clean = {"name": "get_altitude", "description": "Altitude",
+             "parameters": {"type": "object", "properties": {"location": {"type": "string"}}}}
+    check_rendered_tools("<tools>\n" + json.dumps({"type": "function", "function": clean}) + "\n</tools>", source,
+                         "t.jsonl", 3)
+    check_rendered_tools(json.dumps([{"name": "get_altitude", "parameters": clean["parameters"]}]),
+                         json.dumps(source), "t.jsonl", 3)   # less than the source (Mistral's form), a JSON string
+    check_rendered_tools('{"name": "get_altitude", "parameters": {"location": "K2"}}', source, "t.jsonl", 3)  # a call
+    nulls = json.dumps({"type": "function", "function": dict(clean, parameters={
+        "type": "object", "properties": {"location": {"type": "string"}, "altitude": None}})}, indent=4)
+    with pytest.raises(InputError) as e:   # a columnar null the mapping let through
+        check_rendered_tools(nulls, source, "t.jsonl", 3)
+    assert e.value.reason == "rendered_not_in_source" and e.value.field == "tools.get_altitude.parameters"
+    assert str(e.value).startswith("t.jsonl:3: the rendering shows tool 'get_altitude' with 'parameters' as")
+    other = json.dumps({"name": "get_altitude", "description": "Altitude of somewhere else", "parameters": {}})
+    with pytest.raises(InputError, match="'description'"):
+        check_rendered_tools(other, source, "t.jsonl", 3)
+
+
+def test_the_check_catches_a_mapping_that_lets_nulls_through(tmp_path, families, monkeypatch):
+    """Injected defect: a mapping whose null removal does nothing renders Parquet's nulls; the
+    check (reading the record itself) refuses every such record by name instead of training it."""
+    from megatron_sft_idx.preprocess.pipeline import Config, run
+    from megatron_sft_idx.preprocess.records import shapes
+    from support.sft_fixtures import write_jsonl
+
+    record = copy.deepcopy(openai(1))
+    record["tools"][0]["function"]["parameters"]["properties"]["altitude"] = None
+    path = write_jsonl(tmp_path / "n.jsonl", [record] * 3)
+
+    def go(name):
+        return run(Config(inputs=[path], output_prefix=str(tmp_path / name / "ds"), tokenizer=families["qwen25"],
+                          pack_size=2048, progress=False, skip_bad=True, workers=1))
+
+    assert go("fixed")["skipped"] == {}
+    monkeypatch.setattr(shapes, "drop_nulls", lambda value: value)
+    with pytest.raises(ShardError, match=r"skipped: 3 \(3 rendered not in source\).*n\.jsonl:1: the rendering "
+                                         r"shows tool 'get_weather' with 'parameters' as the record does not hold"):
+        go("broken")
+
+
+def test_nemotron_rows_train_the_output_alone_and_pass_the_source_check(tmp_path, families):
+    from megatron_sft_idx.preprocess.pipeline import Config, run
+    from megatron_sft_idx.reader import MMapIndexedDataset
+    from support.sft_fixtures import write_jsonl
+
+    rows = [nemotron(i, reasoning=i % 2 == 0) for i in range(8)]
+    path = write_jsonl(tmp_path / "nemotron.jsonl", rows)
+    s = run(Config(inputs=[path], output_prefix=str(tmp_path / "o" / "ds"), tokenizer=families["qwen3"],
+                   pack_size=2048, progress=False, verify_masks=8, workers=1))
+    assert s["records_read"] == 8 and s["conversations"] == 8 and s["verify_masks"]["checked"] == 8
+    assert s["ignored_keys"]["metadata:generator"] == 8 and s["ignored_keys"]["metadata:reasoning"] == 8
+    trained = s["verify_masks"]["trained_tokens_by_role"]
+    assert set(trained) <= {"assistant", "reasoning"} and trained["reasoning"] > 0   # never the input or system
+    ds = MMapIndexedDataset(s["outputs"][0])
+    assert sum(int(ds[p][1].sum()) for p in range(len(ds))) == s["trainable_tokens"]
