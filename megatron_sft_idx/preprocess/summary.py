@@ -206,7 +206,10 @@ def check_summary(doc) -> None:
     """
     inf = float("inf")
     doc.list("inputs")
-    doc.int("records_read", lo=0, default=None)
+    # A summary of this version counts records in, sequences out and skips apart: all of those
+    # keys or (a summary of an earlier version) none of them.
+    apart = {} if "records_skipped" in doc.obj else {"default": None}
+    doc.int("records_read", lo=0, **apart)
     for key in ("conversations", "truncated", "sequences", "packs", "pack_size", "pad_seq_to_mult", "tokens",
                 "padding_tokens", "trainable_tokens"):
         doc.int(key, lo=0)
@@ -214,9 +217,9 @@ def check_summary(doc) -> None:
     doc.str("truncated_turn_loss", default="keep")
     doc.str("algorithm")
     doc.ints("skipped", lo=0)
-    for key in ("records_skipped", "sequences_dropped", "ignored_keys"):   # (absent in earlier summaries)
-        doc.ints(key, lo=0, default={})
-    doc.int("sequences_stored", lo=0, default=None)
+    for key in ("records_skipped", "sequences_dropped", "ignored_keys"):
+        doc.ints(key, lo=0, **({} if not apart else {"default": {}}))
+    doc.int("sequences_stored", lo=0, **apart)
     doc.ints("units", lo=0, default={})
     doc.mapping("workers_busy", lambda v, f: _number(doc, v, f, 1.0), default={})
     for key in ("trainable_share", "packing_efficiency"):
@@ -416,12 +419,13 @@ def decision_warnings(s: dict, threshold_pct: float) -> List[str]:
             out.append(f"{skipped:,} of {seen:,} conversations ({100 * skipped / seen:.1f}%) were not written: "
                        f"{skipped_text(s['skipped'])}{tail}")
         return out
-    bad, read = sum(s["records_skipped"].values()), s["records_read"]
+    records_skipped, dropped_by = s.get("records_skipped") or {}, s.get("sequences_dropped") or {}
+    bad, read = sum(records_skipped.values()), s.get("records_read")   # (each may be absent: an earlier summary)
     if read and bad / read > limit:
         out.append(f"{bad:,} of {read:,} records ({100 * bad / read:.1f}%) were skipped: "
-                   f"{skipped_text(s['records_skipped'])}{tail}")
-    dropped, made = sum(s["sequences_dropped"].values()), s["sequences_stored"]
+                   f"{skipped_text(records_skipped)}{tail}")
+    dropped, made = sum(dropped_by.values()), s.get("sequences_stored")
     if made and dropped / made > limit:
         out.append(f"{dropped:,} of {made:,} sequences ({100 * dropped / made:.1f}%) were dropped: "
-                   f"{skipped_text(s['sequences_dropped'])}{tail}")
+                   f"{skipped_text(dropped_by)}{tail}")
     return out
