@@ -8,8 +8,8 @@ shard's objects, deletes, uploads (multipart above ``part_size``, parts in paral
 shard's data objects in parallel with each other), a small object put from bytes, and the
 sizes of the uploaded objects checked against the local files. It never opens a dataset.
 
-``upload_shard``, ``publish``, ``publish_shard`` and ``local_files`` are kept as names of
-:mod:`megatron_sft_idx.publishing`'s functions (looked up on first use).
+``upload_shard``, ``publish``, ``publish_shard`` and ``local_files`` live in
+:mod:`megatron_sft_idx.publishing`; their old names here warn and fail (:mod:`megatron_sft_idx._moved`).
 """
 
 from __future__ import annotations
@@ -18,16 +18,16 @@ import concurrent.futures as futures
 import contextlib
 import os
 import tempfile
-from importlib import import_module
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence
 
+from .._moved import moved_getattr
 from ..errors import SizeMismatchError
 from ..format import ALL_SUFFIXES
 from ._stores import ObjectStore, store_for
 from ._url import ObjectURL
 from .config import StorageConfig
 
-__all__ = ["ObjectDestination", "upload_shard", "publish", "publish_shard", "local_files"]
+__all__ = ["ObjectDestination"]
 
 
 class ObjectDestination:
@@ -112,13 +112,6 @@ class ObjectDestination:
         return {u: out[normal[u]] for u in urls if normal[u] in out}
 
 
-_PUBLISHING = {"upload_shard", "publish", "publish_shard", "local_files"}
-
-
-def __getattr__(name: str):
-    # The shard and set publishers live in megatron_sft_idx.publishing (the one commit rule); these
-    # names stay here for code that imported them from this module, looked up on first use so
-    # that storage never imports the publisher (which opens datasets).
-    if name in _PUBLISHING:
-        return getattr(import_module("..publishing", __package__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# The shard and set publishers live in megatron_sft_idx.publishing (the one commit rule): their
+# old names here name that home and fail; storage never imports the publisher.
+__getattr__ = moved_getattr(__name__)

@@ -27,7 +27,7 @@ from ..errors import ShardError, ShardNotFoundError
 from .._units import plural
 from ..publishing import write_manifest
 
-log = logging.getLogger("megatron_sft_idx.training.manifest")
+log = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:

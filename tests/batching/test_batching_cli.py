@@ -8,7 +8,7 @@ from support.shardgen import random_packs, write_shard
 
 from megatron_sft_idx.batching import CostModel, Order, Topology, plan_order, shard_pack_costs
 from megatron_sft_idx.tools.plan_batches_cli import main
-from megatron_sft_idx.training.multi import MultiShardDataset
+from megatron_sft_idx.multi import MultiShardDataset
 
 
 @pytest.fixture(scope="module")

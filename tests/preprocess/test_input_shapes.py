@@ -9,7 +9,7 @@ import pytest
 from megatron_sft_idx.errors import ShardError
 from megatron_sft_idx.preprocess.cli import main
 from megatron_sft_idx.preprocess.records.errors import InputError
-from megatron_sft_idx.preprocess.pipeline import Config, run
+from megatron_sft_idx.preprocess import Config, run
 from megatron_sft_idx.reader import MMapIndexedDataset
 from support.sft_fixtures import alpaca, write_jsonl
 

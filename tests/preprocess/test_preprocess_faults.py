@@ -31,7 +31,7 @@ import pytest
 
 from megatron_sft_idx.errors import ShardSetError
 from megatron_sft_idx.reader import MMapIndexedDataset
-from megatron_sft_idx.training.factory import open_packed
+from megatron_sft_idx.open import open_packed
 
 from support.faults import run_leftovers
 

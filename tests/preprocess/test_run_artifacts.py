@@ -27,9 +27,9 @@ from megatron_sft_idx.builder import IndexedDatasetBuilder
 from megatron_sft_idx.errors import ShardError
 from megatron_sft_idx.preprocess import driver
 from megatron_sft_idx.preprocess.materialize import MaterializeStep
-from megatron_sft_idx.preprocess.pipeline import Config, run
+from megatron_sft_idx.preprocess import Config, run
 from megatron_sft_idx.preprocess.planfile import HEADER, HEADER_SIZE, PackPlan
-from megatron_sft_idx.preprocess.repack import RepackConfig, repack
+from megatron_sft_idx.preprocess import RepackConfig, repack
 from megatron_sft_idx.preprocess.virtual import VirtualPackedDataset
 from megatron_sft_idx.reader import MMapIndexedDataset
 

@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from megatron_sft_idx.errors import ShardError
 from megatron_sft_idx.preprocess import driver
-from megatron_sft_idx.preprocess.pipeline import Config, run
+from megatron_sft_idx.preprocess import Config, run
 from megatron_sft_idx.preprocess.planfile import HEADER, HEADER_SIZE, PackPlan
-from megatron_sft_idx.preprocess.repack import RepackConfig, repack
+from megatron_sft_idx.preprocess import RepackConfig, repack
 from megatron_sft_idx.preprocess.store import SequenceStore
 from megatron_sft_idx.preprocess.virtual import VirtualPackedDataset
 

@@ -19,9 +19,10 @@ from megatron_sft_idx.errors import HeaderError, ShardError, ShardExistsError, V
 from megatron_sft_idx.preprocess.engines import LocalEngine, report_progress
 from megatron_sft_idx.preprocess.records.inputs import OversizedRecord
 from megatron_sft_idx.preprocess.records.partitions import Partition, index_file, read_batches
-from megatron_sft_idx.preprocess.pipeline import Config, run
+from megatron_sft_idx.preprocess import Config, run
 from megatron_sft_idx.preprocess.planfile import PackPlan
-from megatron_sft_idx.preprocess.repack import RepackConfig, main as repack_main, repack
+from megatron_sft_idx.preprocess import RepackConfig, repack
+from megatron_sft_idx.preprocess.cli import repack_main
 from megatron_sft_idx.preprocess.store import ROW_DTYPE, SequenceStore
 from megatron_sft_idx.preprocess.virtual import VirtualPackedDataset
 from megatron_sft_idx.reader import MMapIndexedDataset

@@ -95,7 +95,7 @@ def digest_outputs(out_dir: str) -> dict:
 
 def run_case(work: str, name: str, **overrides) -> dict:
     """Run case ``name`` with today's pipeline in ``work``; returns {digests, summary}."""
-    from megatron_sft_idx.preprocess.pipeline import Config, run
+    from megatron_sft_idx.preprocess import Config, run
 
     kw = dict(CASES[name])
     kw.update(overrides)

@@ -18,7 +18,7 @@ from megatron_sft_idx.tools.inspect import format_summary, summarize
 from megatron_sft_idx.tools.inspect_cli import main as inspect_main
 from megatron_sft_idx.tools.merge_plan import resolve_inputs
 from megatron_sft_idx.tools.pack_view import describe_pack, format_pack
-from megatron_sft_idx.training.multi import write_manifest
+from megatron_sft_idx.publishing import write_manifest
 from support.shardgen import random_packs, write_shard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -21,7 +21,7 @@ from megatron_sft_idx.gate import check
 from megatron_sft_idx.tools import _copy, merge
 from megatron_sft_idx.tools.merge import merge_shards
 from megatron_sft_idx.tools.merge_cli import main as merge_main
-from megatron_sft_idx.training.multi import write_manifest
+from megatron_sft_idx.publishing import write_manifest
 from support.shardgen import random_packs, write_shard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

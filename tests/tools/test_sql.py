@@ -13,7 +13,7 @@ from megatron_sft_idx.errors import InvariantError, QueryError
 from megatron_sft_idx.tools.arrow import COLUMNS, PackTable
 from megatron_sft_idx.tools.inspect_cli import main as inspect_main
 from megatron_sft_idx.tools.sql import columns_for_query, query
-from megatron_sft_idx.training.multi import write_manifest
+from megatron_sft_idx.publishing import write_manifest
 from support.shardgen import random_packs, write_shard
 
 

@@ -17,8 +17,9 @@ from megatron_sft_idx.errors import ShardError, SizeMismatchError
 from megatron_sft_idx.reader import MMapIndexedDataset
 from megatron_sft_idx.training.bridge import PackedSFTDataset
 from megatron_sft_idx.training.manifest_cli import main as manifest_main
-from megatron_sft_idx.training.multi import MultiShardDataset, read_manifest, write_manifest
-from megatron_sft_idx.training.factory import open_packed
+from megatron_sft_idx.multi import MultiShardDataset, read_manifest
+from megatron_sft_idx.open import open_packed
+from megatron_sft_idx.publishing import write_manifest
 
 COUNTS = [7, 1, 12, 5, 9, 3]
 
