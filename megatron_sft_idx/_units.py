@@ -1,6 +1,7 @@
 """Sizes and counts as people write and read them: the one size parser, and the summary helpers.
 
-Every command-line flag that takes a byte count uses :func:`size_arg` (``--max-shard-bytes 1G``,
+Every command-line flag that takes a byte count reads it with :func:`parse_size` (through
+:func:`megatron_sft_idx._cli.size_arg`: ``--max-shard-bytes 1G``,
 ``--partition-bytes 64M``, ``--max-record-bytes 512KiB``); every summary prints sizes with
 :func:`human_bytes` and counts with :func:`plural`. Suffixes follow rsync: ``K``/``M``/``G``/``T``
 (optionally with ``iB``) are powers of 1024, ``KB``/``MB``/``GB``/``TB`` powers of 1000; case
@@ -9,7 +10,6 @@ does not matter, a fraction is allowed (``1.5G``), ``B`` alone or no suffix is b
 
 from __future__ import annotations
 
-import argparse
 import re
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
@@ -28,28 +28,6 @@ def parse_size(text: str) -> int:
     number, prefix, tail = m.groups()
     base = 1000 if tail.lower() == "b" and prefix else 1024
     return int(round(float(number) * base ** _POWER[prefix.lower()]))
-
-
-def size_arg(text: str) -> int:
-    """argparse ``type=`` for a positive byte count (argparse names the flag in its error)."""
-    try:
-        value = parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    """argparse ``type=`` for an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def human_bytes(n: float) -> str:

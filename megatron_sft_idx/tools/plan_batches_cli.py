@@ -26,6 +26,7 @@ import json
 import sys
 from typing import List, Optional
 
+from .. import _cli
 from ..errors import ShardError, ShardNotFoundError
 from ..format import PAD_LAYOUTS, PAD_LAYOUT_STORED
 
@@ -74,29 +75,32 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _cost_model(args, parser):
+def _cost_model(args):
     from ..batching.cost import CostModel
 
-    if (args.linear is None) != (args.attention is None):
-        parser.error("--linear and --attention go together")
     if args.linear is not None:
         return CostModel(args.linear, args.attention, pad_multiple=args.pad_multiple, pad_layout=args.pad_layout)
     return CostModel.from_preset(args.model, pad_multiple=args.pad_multiple, pad_layout=args.pad_layout,
                                  recompute=args.recompute)
 
 
-def _usage(args, parser) -> None:
+def _usage_problem(args) -> Optional[str]:
     if args.dynamic:
         if bool(args.store) == bool(args.shards):
-            parser.error("--dynamic plans from a sequence store (--store DIR) or from shards: give one of them")
+            return "--dynamic plans from a sequence store (--store DIR) or from shards: give one of them"
         if args.max_tokens_per_microbatch is None:
-            parser.error("--dynamic needs --max-tokens-per-microbatch")
+            return "--dynamic needs --max-tokens-per-microbatch"
         if args.out or args.plot or args.exchange_window != 1 or args.algorithm != "kk":
-            parser.error("--out, --plot, --algorithm and --exchange-window are for balanced orders, not --dynamic")
+            return "--out, --plot, --algorithm and --exchange-window are for balanced orders, not --dynamic"
     elif args.store or args.max_tokens_per_microbatch is not None or args.sequence_length_round != 1:
-        parser.error("--store, --max-tokens-per-microbatch and --sequence-length-round go with --dynamic")
+        return "--store, --max-tokens-per-microbatch and --sequence-length-round go with --dynamic"
     elif not args.shards:
-        parser.error("give the shards to balance")
+        return "give the shards to balance"
+    if (args.linear is None) != (args.attention is None):
+        return "--linear and --attention go together"
+    from ..storage._url import local_only
+
+    return local_only([("--plot", args.plot), ("--store", args.store)])
 
 
 def _dynamic(args) -> int:
@@ -136,13 +140,14 @@ def _dynamic(args) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    _usage(args, parser)
-    from ..storage._url import is_remote, local_only
+    args = _cli.start(parser, argv)
+    if isinstance(args, int):
+        return args
+    problem = _usage_problem(args)
+    if problem:
+        return _cli.usage_error(parser, problem)
+    from ..storage._url import is_remote
 
-    refusal = local_only([("--plot", args.plot), ("--store", args.store)])
-    if refusal:
-        parser.error(refusal)
     if args.dynamic:
         return _dynamic(args)
     from ..multi import MultiShardDataset
@@ -153,7 +158,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     try:
         topology = Topology(args.dp, args.micro_batch_size, args.global_batch_size)
-        model = _cost_model(args, parser)
+        model = _cost_model(args)
         source = MultiShardDataset.open(args.shards if len(args.shards) > 1 else args.shards[0])
     except ShardNotFoundError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
