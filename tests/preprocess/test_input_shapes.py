@@ -202,6 +202,8 @@ def save_to_disk(records, directory):
     return directory
 
 
+@pytest.mark.compat  # the datasets package of the Bridge stack (make install-compat), in its own interpreter
+@pytest.mark.subprocess
 def test_a_saved_hugging_face_dataset_directory_is_read_with_pyarrow(tmp_path, families):
     records = [openai(i) for i in range(40)] + [{"messages": [{"role": "user", "content": f"q{i}"},
                                                               {"role": "assistant", "content": f"a{i}"}]}
