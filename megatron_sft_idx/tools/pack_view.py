@@ -94,7 +94,7 @@ def _candidates(recorded: dict) -> List[str]:
 
 def find_tokenizer(recorded: Optional[dict]) -> Optional[str]:
     """The first candidate whose files hash to the recorded ``files_sha256`` (None if none does)."""
-    from ..preprocess.chat import tokenizer_files_sha256
+    from ..preprocess.records.chat import tokenizer_files_sha256
 
     expected = (recorded or {}).get("files_sha256")
     if not expected:
@@ -119,7 +119,7 @@ def load_tokenizer(recorded: Optional[dict], override: Optional[str] = None):
             return None, f"no tokenizer.json at {path}"
         expected = (recorded or {}).get("files_sha256")
         if expected:
-            from ..preprocess.chat import tokenizer_files_sha256
+            from ..preprocess.records.chat import tokenizer_files_sha256
 
             if tokenizer_files_sha256(path)[0] != expected:
                 note = f"warning: {path} is not the tokenizer the shard records (its files hash differs)"
