@@ -211,6 +211,7 @@ def verdicts(prefix: str, lib: str):
 # --------------------------------------------------------------------------- the family
 
 
+@pytest.mark.slow
 @settings(max_examples=int(os.environ.get("LIMIT_CASES", 300)), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                  HealthCheck.data_too_large])

@@ -192,6 +192,7 @@ def _places(doc, prefix=""):
             yield from _places(v, prefix + str(i) + ".")
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(data=st.data())
 def test_fuzzed_manifests_give_a_dataset_or_a_shard_error(written, data):

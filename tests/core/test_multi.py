@@ -123,6 +123,7 @@ def test_manifest_format_errors(tmp_path):
         read_manifest(str(bad))
 
 
+@pytest.mark.subprocess
 def test_write_manifest_cli(shard_dir, tmp_path, capsys):
     out = str(tmp_path / "m.json")
     assert manifest_main([out, str(shard_dir / "part_0*"), "--json"]) == 0

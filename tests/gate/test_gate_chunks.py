@@ -102,6 +102,7 @@ print(json.dumps({"passed": report.passed, "growth_mb": status()["VmHWM"] - base
 """
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("level", ["standard", "deep"])
 def test_resident_memory_is_bounded_by_a_chunk(tmp_path, level):
     rng = np.random.default_rng(0)

@@ -424,6 +424,7 @@ def test_int32_overflowed_pointers_in_sparse_2gib_shard(tmp_path):
     assert finding.pack == 1024 and "2147483648" in finding.message
 
 
+@pytest.mark.slow
 def test_valid_sparse_2gib_shard_passes(tmp_path):
     prefix = str(tmp_path / "big")
     write_sparse_shard(prefix, wrap_int32=False)

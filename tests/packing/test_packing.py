@@ -171,6 +171,7 @@ def test_pad_helpers():
 from support.legacy.packing_126c196 import legacy_pack  # noqa: E402
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(1, 200), min_size=0, max_size=400), st.integers(200, 260), st.integers(0, 5),
        st.sampled_from(ALGORITHMS), st.sampled_from([np.int32, np.int64]))

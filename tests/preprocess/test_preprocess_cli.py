@@ -115,6 +115,7 @@ def _final_files(directory, name):
     return [n for n in os.listdir(directory) if n.startswith(name) and n.endswith(ALL_SUFFIXES)]
 
 
+@pytest.mark.subprocess
 def test_killed_run_leaves_no_shard_and_next_run_clears_temporaries(tmp_path):
     big = tmp_path / "big.jsonl"
     lines = open(CONVERSATIONS, encoding="utf-8").read()
@@ -149,6 +150,7 @@ def test_killed_run_leaves_no_shard_and_next_run_clears_temporaries(tmp_path):
     assert MMapIndexedDataset(out / "ds").metadata.stats.sequence_count == 30
 
 
+@pytest.mark.subprocess
 def test_console_entry_runs_as_a_script(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "preprocess_sft.py"), "--help"],
                        capture_output=True, text=True)

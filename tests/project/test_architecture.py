@@ -70,6 +70,7 @@ BACK_ARROWS = [
 ]
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("module,line,broken", BACK_ARROWS, ids=[f"{m}:{ln}" for m, ln, _ in BACK_ARROWS])
 def test_an_added_arrow_is_refused_by_its_contract(tmp_path, module, line, broken):
     shutil.copytree(PACKAGE, tmp_path / "megatron_sft_idx",

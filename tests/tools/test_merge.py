@@ -356,6 +356,7 @@ def test_cli_exit_codes_and_json(tmp_path, rng, capsys):
     assert "merged 2 shards" in capsys.readouterr().out
 
 
+@pytest.mark.subprocess
 def test_the_script_runs_without_installation(tmp_path, rng):
     prefixes, _ = _inputs(tmp_path, rng, [2, 2])
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "merge_shards.py"), str(tmp_path / "o"),
@@ -366,6 +367,7 @@ def test_the_script_runs_without_installation(tmp_path, rng):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and "already exists" in proc.stderr
 
 
+@pytest.mark.subprocess
 def test_sigterm_mid_merge_publishes_nothing_and_leaves_no_staging(tmp_path, rng):
     prefixes, _ = _inputs(tmp_path, rng, [5, 6, 7])
     marker = tmp_path / "copying"

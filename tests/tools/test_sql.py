@@ -160,6 +160,7 @@ def test_cli_sql(shards, capsys):
         query(prefixes[0], "SELECT no_such_column FROM packs")
 
 
+@pytest.mark.subprocess
 def test_missing_duckdb_names_the_extra(shards):
     prefixes, _ = shards
     code = ("import sys; sys.modules['duckdb'] = None\n"
