@@ -243,6 +243,7 @@ def test_hostile_value_in_every_field(base, native_lib, tmp_path_factory, field,
         assert not gate.passed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["zz_unknown", "extra.a", "tokenizer.a", "producer.a"])
 @pytest.mark.parametrize("kind", ["array", "object"])
 def test_depth_limit_is_exact_in_both(base, native_lib, tmp_path, where, kind):

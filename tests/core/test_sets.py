@@ -80,6 +80,7 @@ def selections(draw):
     return [members[i] for i in order], draw(st.sampled_from(["prefix", "directory", "glob", "manifest"]))
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None)
 @given(selections())
 def test_the_whole_set_rule_matches_its_model(case):

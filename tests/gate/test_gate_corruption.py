@@ -270,6 +270,7 @@ def test_matrix_is_large_and_distinct():
     assert len({c[2] for c in CASES}) >= 30  # distinct finding codes exercised
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,corrupt,code", CASES, ids=[c[0] for c in CASES])
 def test_corruption_is_caught(tmp_path, name, corrupt, code):
     prefix = build(tmp_path)

@@ -184,6 +184,7 @@ def test_every_algorithm_places_every_sequence_where_the_previous_kernels_did(le
     assert np.array_equal(a.items, items) and np.array_equal(a.loads, loads)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_many_bins_grow_the_trees_and_still_match(algorithm):
     # > 1024 bins (the initial tree and per-bin arrays) and a heavy tail of large items

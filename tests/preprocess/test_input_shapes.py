@@ -122,6 +122,7 @@ def tool_tokenizer(families):
     return families["qwen25"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("indent", [None, 2])
 def test_a_json_array_gives_the_bytes_of_the_same_jsonl_in_partitions(tmp_path, families, indent):
     records = mixed(120)

@@ -120,6 +120,7 @@ def work(tmp_path_factory):
     return d
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_outputs_are_byte_identical_to_the_pre_staged_pipeline(work, name):
     with open(GOLDEN, encoding="utf-8") as f:

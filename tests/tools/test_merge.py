@@ -279,6 +279,7 @@ def test_a_failure_midway_leaves_nothing_and_a_killed_runs_staging_is_cleared(tm
     _assert_packs(tmp_path / "out", packs)
 
 
+@pytest.mark.slow
 def test_memory_is_flat_in_packs_and_inputs(tmp_path, rng, monkeypatch):
     """Python-heap peak (numpy allocations included) of the merge writer: the same for 400 and
     for 40,000 packs, and for 2 and for 40 inputs, once chunks are smaller than an input."""
