@@ -106,7 +106,7 @@ def main(argv=None) -> int:
         loop.make_bucket(BUCKET)
         env = {**loop.env(), "MEGATRON_SFT_IDX_CACHE": str(work / "cache")}
         os.environ.update(env)
-        from megatron_sft_idx.storage import upload_shard
+        from megatron_sft_idx.publishing import upload_shard
 
         url = f"s3://{BUCKET}/big/shard"
         upload_shard(prefix, url)

@@ -37,7 +37,7 @@ def make_input(path: str, count: int, seed: int = 7) -> None:
 
 
 def child_ours(path: str, out: str, workers: int, pack_size: int) -> dict:
-    from megatron_sft_idx.preprocess.pipeline import Config, run
+    from megatron_sft_idx.preprocess import Config, run
 
     t = time.perf_counter()
     s = run(Config(inputs=[path], output_prefix=out, tokenizer=TOKENIZER, pack_size=pack_size,

@@ -3,7 +3,7 @@
 The baseline is the preprocessing code as it was before the batched encoder (commit
 ``126c196`` by default: per-conversation ``tokenizers`` encode, prefix renders, one
 builder call per conversation), exported with ``git archive`` and imported in its own
-child process. Each system runs the whole pipeline (``pipeline.run``: tokenize, pack,
+child process. Each system runs the whole pipeline (``run``: tokenize, pack,
 write) in a fresh interpreter, 1 worker, then ours again with 2 workers, after an unmeasured
 warm-up run of each tree on 300 conversations (numba compiles into each tree's cache).
 
@@ -42,17 +42,18 @@ def child_run(tree: str, path: str, tokenizer: str, workers: int, pack_size: int
               backend: str = "auto") -> dict:
     """Run the pipeline from ``tree`` ('' = this tree); tokens per CPU-second and per wall-second.
     ``backend`` (this tree only): ``hf`` is what an install without gigatoken runs."""
-    if tree:
+    if tree:  # the baseline's own module: 126c196 has no package face, only preprocess.pipeline
         sys.path.insert(0, tree)
-    from megatron_sft_idx.preprocess import pipeline
-
-    if tree and not pipeline.__file__.startswith(tree):
-        raise RuntimeError(f"imported {pipeline.__file__}, not the baseline under {tree}")
+        from megatron_sft_idx.preprocess import pipeline as entry
+    else:
+        import megatron_sft_idx.preprocess as entry
+    if tree and not entry.__file__.startswith(tree):
+        raise RuntimeError(f"imported {entry.__file__}, not the baseline under {tree}")
     cpu0 = _cpu_s()
     t = time.perf_counter()
     extra = {} if backend == "auto" else {"tokenizer_backend": backend}
-    s = pipeline.run(pipeline.Config(inputs=[path], output_prefix=out, tokenizer=tokenizer, pack_size=pack_size,
-                                     workers=workers, progress=False, overwrite=True, **extra))
+    s = entry.run(entry.Config(inputs=[path], output_prefix=out, tokenizer=tokenizer, pack_size=pack_size,
+                               workers=workers, progress=False, overwrite=True, **extra))
     wall = time.perf_counter() - t
     cpu = _cpu_s() - cpu0
     return {"wall_s": wall, "cpu_s": cpu, "tokens": s["tokens"], "conversations": s["conversations"],

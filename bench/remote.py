@@ -307,7 +307,7 @@ def _prepare(args, work: Path, endpoint: str) -> Corpus:
     """The corpus as our shards (+ manifest) and as Parquet files, written locally, uploaded."""
     import boto3
 
-    from megatron_sft_idx.storage import publish
+    from megatron_sft_idx.publishing import publish
 
     corpus = Corpus.generate(work / "corpus", args.packs, args.pack_size, args.vocab_size, args.seed)
     edges = np.linspace(0, len(corpus), args.shards + 1).astype(int)

@@ -1,6 +1,7 @@
 """Sizes and counts as people write and read them: the one size parser, and the summary helpers.
 
-Every command-line flag that takes a byte count uses :func:`size_arg` (``--max-shard-bytes 1G``,
+Every command-line flag that takes a byte count reads it with :func:`parse_size` (through
+:func:`megatron_sft_idx._cli.size_arg`: ``--max-shard-bytes 1G``,
 ``--partition-bytes 64M``, ``--max-record-bytes 512KiB``); every summary prints sizes with
 :func:`human_bytes` and counts with :func:`plural`. Suffixes follow rsync: ``K``/``M``/``G``/``T``
 (optionally with ``iB``) are powers of 1024, ``KB``/``MB``/``GB``/``TB`` powers of 1000; case
@@ -9,8 +10,6 @@ does not matter, a fraction is allowed (``1.5G``), ``B`` alone or no suffix is b
 
 from __future__ import annotations
 
-import argparse
-import math
 import re
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
@@ -36,39 +35,6 @@ def parse_size(text: str) -> int:
     if not math.isfinite(value) or value > MAX_SIZE:
         raise ValueError(f"expected a size of at most {MAX_SIZE} bytes (1 EiB), got {text!r}")
     return int(round(value))
-
-
-def size_arg(text: str) -> int:
-    """argparse ``type=`` for a positive byte count (argparse names the flag in its error)."""
-    try:
-        value = parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
-    return value
-
-
-def seconds_arg(text: str) -> float:
-    """argparse ``type=`` for a positive, finite duration in seconds, at most :data:`MAX_SECONDS`."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds like 30 or 0.5, got {text!r}") from None
-    if not (math.isfinite(value) and 0 < value <= MAX_SECONDS):
-        raise argparse.ArgumentTypeError(f"must be more than 0 and at most {MAX_SECONDS} seconds, got {text!r}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    """argparse ``type=`` for an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def human_bytes(n: float) -> str:

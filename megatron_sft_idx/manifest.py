@@ -42,7 +42,7 @@ file or an object (:func:`load_manifest` reads either, at most :data:`MAX_MANIFE
 written as bytes (:func:`encode_manifest`) from the shards it lists, opened; where those bytes go
 (a local file, atomically, or an object, last of its set) is :mod:`megatron_sft_idx.publishing`'s
 business, and :func:`megatron_sft_idx.publishing.write_manifest` writes one for a spec of shards.
-(``megatron_sft_idx.training.manifest`` is kept as another name of this module.)
+(Its old name ``megatron_sft_idx.training.manifest`` warns once: :mod:`megatron_sft_idx._moved`.)
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ shards its samples fall in. The dataset pickles as its prefixes, counts and iden
 (no open files, no manifest re-read). Opening a shard whose pack count or identity
 differs from its manifest entry raises (the manifest is stale: rewrite it).
 
-(``megatron_sft_idx.training.multi`` is kept as another name of this module.)
+(Its old name ``megatron_sft_idx.training.multi`` warns once: :mod:`megatron_sft_idx._moved`.)
 """
 
 from __future__ import annotations

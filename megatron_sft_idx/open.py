@@ -19,8 +19,8 @@ In this order:
 Every result has ``len()``, ``[i] -> Pack`` and a :class:`~megatron_sft_idx.packed.PackSummary`
 (``summarize(src)``), so training code does not change when the format does. Sets are
 checked before anything is read: the shards agree and form whole sets
-(:mod:`megatron_sft_idx.sets`). (``megatron_sft_idx.training.factory`` is kept as another name
-of this module and of the legacy readers.)
+(:mod:`megatron_sft_idx.sets`). (Its old name ``megatron_sft_idx.training.factory``
+warns once: :mod:`megatron_sft_idx._moved`.)
 """
 
 from __future__ import annotations

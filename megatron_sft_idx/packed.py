@@ -9,7 +9,7 @@ readers) all qualify, so the Megatron and Bridge datasets never look at formats.
 Summary units are *raw* token counts of the stored packs (a sequence's length
 includes its last token), as the shard metadata records them.
 
-(``megatron_sft_idx.training._sources`` is kept as another name of this module.)
+(Its old name ``megatron_sft_idx.training._sources`` warns once: :mod:`megatron_sft_idx._moved`.)
 """
 
 from __future__ import annotations

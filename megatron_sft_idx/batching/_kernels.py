@@ -118,17 +118,6 @@ def _sift_down(heap, size, pos, spread, top):
 
 
 @numba.njit(cache=True)
-def _sift_up(heap, pos, spread, top):
-    while pos > 0:
-        parent = (pos - 1) // 2
-        if _state_before(heap[pos], heap[parent], spread, top):
-            heap[pos], heap[parent] = heap[parent], heap[pos]
-            pos = parent
-        else:
-            return
-
-
-@numba.njit(cache=True)
 def _kk_equal(costs, nb, bin_of, loads):
     """Karmarkar-Karp's largest differencing method, equal-size variant (as verl's): items sorted
     ascending, each run of ``nb`` consecutive items a state of ``nb`` one-item sets; the two states

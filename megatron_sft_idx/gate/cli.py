@@ -9,12 +9,12 @@ its temporaries are removed and nothing that opens is left at the destination).
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 from typing import List, Optional
 
-from .._progress import configure_logging
+from .. import _cli
+from .._cli import EXIT_FAIL, EXIT_OK, EXIT_USAGE  # noqa: F401  (the exit codes, named here as before)
 from .._signals import Terminated  # noqa: F401  (re-exported: SIGTERM's exception, as before)
 from .._signals import INTERRUPTS, exit_code, raise_if_signalled, signal_name, signals_raise
 from ..errors import ShardError
@@ -23,7 +23,6 @@ from ..storage.destination import destination_for
 from .checks import check
 from .promote import promote_report
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 EXIT_SIGINT, EXIT_SIGTERM = 128 + signal.SIGINT, 128 + signal.SIGTERM
 
 
@@ -65,11 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse already printed the usage message
-        return EXIT_OK if exc.code == 0 else EXIT_USAGE
-    configure_logging(parser.prog, args.verbose, args.quiet)
+    args = _cli.start(parser, argv)
+    if isinstance(args, int):  # argparse already printed the usage message
+        return args
     problem = _usage_problem(args)
     if problem:  # one line naming the options (argparse's own errors print the usage too)
         print(f"check-idx: error: {problem}", file=sys.stderr)
@@ -95,10 +92,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         text = report.verdict_line()
     else:
         text = report.format_text(verbose=args.verbose)
-    try:
-        print(text, flush=True)
-    except BrokenPipeError:  # e.g. piped into `head`: the verdict is the exit status
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    _cli.emit(text)  # piped into `head`: the verdict is the exit status
     return report.exit_code
 
 

@@ -2,14 +2,14 @@
 
 The public face (imported on first use, so importing a submodule stays cheap)::
 
-    from megatron_sft_idx.preprocess import Config, RepackConfig, run
-    from megatron_sft_idx.preprocess.driver import repack
+    from megatron_sft_idx.preprocess import Config, RepackConfig, repack, run
 
     run(Config(["chat.jsonl"], "/data/sft/chat", tokenizer="tok/", pack_size=8192, workers=8, store="/data/sft/store"))
     repack(RepackConfig("/data/sft/store", "/data/sft/cp4/chat", pack_size=8192, cp=4))
 
-(``preprocess.repack`` is the module it always was, an alias now, whose ``repack`` is that
-function: a package attribute cannot be both.)
+(``preprocess.repack`` is the function; the module of that name, an alias of :mod:`.cli`,
+:mod:`.config` and :mod:`.driver`, is gone: a package attribute cannot be both. The old
+``preprocess.pipeline`` warns once: docs/CONTRIBUTING.md "Moved names".)
 
 Two wings. The run, here: :mod:`.cli` (both commands), :mod:`.config` (the settings, defined
 once), :mod:`.driver` (stage order, resume, commit), :mod:`.engines` (local and Ray), the steps
@@ -24,6 +24,7 @@ from .._lazy import lazy_getattr
 
 _PUBLIC = {
     "run": ".driver",
+    "repack": ".driver",
     "Config": ".config",
     "RepackConfig": ".config",
     "PackSettings": ".config",

@@ -24,8 +24,9 @@ import logging
 import os
 import sys
 
-from .._progress import DEFAULT_LOG_INTERVAL, Progress, add_verbosity_arguments, configure_logging
-from .._units import positive_int, seconds_arg, size_arg
+from .. import _cli
+from .._cli import percent, positive_int, seconds, size_arg
+from .._progress import DEFAULT_LOG_INTERVAL, Progress, add_verbosity_arguments
 from ..errors import ShardError
 from ..packing import ALGORITHMS, DEFAULT_ALGORITHM
 from .records.chat import LOSS_MODES
@@ -52,10 +53,6 @@ Exit status: 0 done, 1 bad input or a failed check (nothing published), 2 usage 
 130 / 143 interrupted (rerun with --resume to continue).
 """
 
-_positive = positive_int  # (kept for callers of the old name)
-_size = size_arg
-
-
 def _split(text: str):
     try:
         parts = [float(x) for x in text.split(",")]
@@ -71,16 +68,6 @@ def _tags(text: str):
     if len(parts) != 2 or not all(p.strip() for p in parts) or parts[0] == parts[1]:
         raise argparse.ArgumentTypeError(f"expected two different tags like <think>,</think>, got {text!r}")
     return parts[0].strip(), parts[1].strip()
-
-
-def _percent(text: str) -> float:
-    try:
-        value = float(text.rstrip("%"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a percentage like 1 or 0.5%, got {text!r}") from None
-    if not 0 <= value <= 100:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 100, got {text!r}")
-    return value
 
 
 def add_packing_arguments(p: argparse.ArgumentParser) -> None:
@@ -178,13 +165,13 @@ def add_run_arguments(p: argparse.ArgumentParser, workers_help: str) -> None:
                     help="decode N random conversations from the output and check their trained spans; "
                          "truncated ones are not sampled, so fewer may be checked (the summary says why) "
                          "(default: 0)")
-    qa.add_argument("--warn-above", type=_percent, default=1.0, metavar="PERCENT",
+    qa.add_argument("--warn-above", type=percent, default=1.0, metavar="PERCENT",
                     help="warn when more than this share of conversations is truncated, or dropped or "
                          "skipped (default: 1)")
     rp = p.add_argument_group("reporting")
     rp.add_argument("--summary-json", metavar="PATH", help="also write the summary as JSON to PATH")
     rp.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
-    rp.add_argument("--log-interval", type=seconds_arg, default=DEFAULT_LOG_INTERVAL, metavar="SECONDS",
+    rp.add_argument("--log-interval", type=seconds, default=DEFAULT_LOG_INTERVAL, metavar="SECONDS",
                     help="when stderr is not a terminal: seconds between progress lines, instead of bars "
                          f"(default: {DEFAULT_LOG_INTERVAL:g})")
     add_verbosity_arguments(p, group=rp,
@@ -394,15 +381,16 @@ def _report(prog: str, run, cfg, args, formatter) -> int:
 
 def main(argv=None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    configure_logging(PROG, args.verbose, args.quiet)
+    args = _cli.start(parser, argv)
+    if isinstance(args, int):
+        return args
     if not args.tokenizer and args.input_format not in ("tokens",) and args.vocab_size is None:
-        parser.error("--tokenizer is required (or --input-format tokens with --vocab-size)")
+        return _cli.usage_error(parser, "--tokenizer is required (or --input-format tokens with --vocab-size)")
     if args.chat_template and not args.tokenizer:
-        parser.error("--chat-template needs --tokenizer")
+        return _cli.usage_error(parser, "--chat-template needs --tokenizer")
     problem = usage_problem(args)
     if problem:
-        parser.error(problem)
+        return _cli.usage_error(parser, problem)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from .driver import run
 
@@ -455,13 +443,14 @@ def _repack_config(args) -> RepackConfig:
 
 def repack_main(argv=None) -> int:
     parser = build_repack_parser()
-    args = parser.parse_args(argv)
-    configure_logging(REPACK_PROG, args.verbose, args.quiet)
+    args = _cli.start(parser, argv)
+    if isinstance(args, int):
+        return args
     if not args.output_prefix and not args.plan_only:
-        parser.error("--output-prefix is required (or --plan-only PATH)")
+        return _cli.usage_error(parser, "--output-prefix is required (or --plan-only PATH)")
     problem = usage_problem(args)
     if problem:
-        parser.error(problem)
+        return _cli.usage_error(parser, problem)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from .driver import repack
 

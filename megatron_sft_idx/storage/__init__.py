@@ -8,16 +8,17 @@ node (:mod:`.index_cache`); ``.bin`` and ``.loss.bin`` are read by ranged GETs t
 in-memory block cache (:mod:`.blocks`). Writing: every writer holds a destination
 (:mod:`.destination`: a local directory or object storage, one interface: listing, sizes,
 names, staging, the publishing primitives, reading back), and :mod:`megatron_sft_idx.publishing`
-orders every publication through it (``.idx`` last, the commit point);
-:func:`upload_shard`, :func:`publish` and :func:`publish_shard`
-are kept here as names of publishing's functions, and ``RemoteIndexedDataset`` as a name of
-the reader. Settings: :class:`StorageConfig` (environment variables listed there).
+orders every publication through it (``.idx`` last, the commit point). (``upload_shard``,
+``publish``, ``publish_shard`` and ``RemoteIndexedDataset``, once named here, live in
+:mod:`megatron_sft_idx.publishing` and :mod:`megatron_sft_idx.reader`; the old names warn and
+fail.) Settings: :class:`StorageConfig` (environment variables listed there).
 
 This package's ``__init__`` imports nothing heavy: boto3 / multi-storage-client (extra
 ``[s3]``) are imported the first time a URL is used. Nothing in it imports the reader.
 """
 
 from .._lazy import lazy_getattr
+from .._moved import moved_getattr
 
 from ._url import ObjectURL, is_remote
 
@@ -27,15 +28,11 @@ _PUBLIC = {
     "LocalDestination": ".destination",
     "ObjectDestination": ".destination",
     "destination_for": ".destination",
-    "RemoteIndexedDataset": ".remote",    # the reader, looked up by name (storage/remote.py)
     "remote_shard_exists": ".remote",
-    "upload_shard": ".upload",            # megatron_sft_idx.publishing's, looked up by name
-    "publish": ".upload",
-    "publish_shard": ".upload",
     "request_counts": "._stores",
 }
 
 __all__ = ["ObjectURL", "is_remote", *_PUBLIC]
 
 
-__getattr__ = lazy_getattr(__name__, _PUBLIC, globals())
+__getattr__ = moved_getattr(__name__, lazy_getattr(__name__, _PUBLIC, globals()))

@@ -228,10 +228,6 @@ class RemoteArray:
         # Each block's entry runs to the end of the fetch (views of one buffer: no copy).
         return {k: view[(k - k0) * self.block_size:] for k in range(k0, k1 + 1)}
 
-    def cached_blocks(self) -> List[int]:
-        with self._lock:
-            return list(self._blocks)
-
     def clear(self) -> None:
         with self._lock:
             self._blocks.clear()

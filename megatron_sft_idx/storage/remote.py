@@ -11,16 +11,17 @@ ranged GET per data file on a cache miss and none on a hit; :meth:`RemoteShardFi
 fetches a whole batch's blocks with parallel GETs. A dataset over it pickles as its URL and
 :class:`StorageConfig`, so every DataLoader worker and rank reopens it (from the cache) itself.
 
-``RemoteIndexedDataset`` is kept as a name for :class:`~megatron_sft_idx.reader.MMapIndexedDataset`
-(which opens URLs itself); it is looked up on first use, so this module never imports the reader.
+``RemoteIndexedDataset`` was a name for :class:`~megatron_sft_idx.reader.MMapIndexedDataset` (which
+opens URLs itself); looking it up here warns and fails (:mod:`megatron_sft_idx._moved`): this module
+never imports the reader.
 """
 
 from __future__ import annotations
 
-from importlib import import_module
 from typing import Callable, Dict, Optional
 
 from .._files import ShardFiles
+from .._moved import moved_getattr
 from ..errors import IncompleteShardError, ShardError, ShardNotFoundError
 from ..format import ALL_SUFFIXES, BIN_SUFFIX, IDX_SUFFIX, LOSS_SUFFIX, SEQ_BIN_SUFFIX, SEQ_IDX_SUFFIX, \
     SFT_SUFFIXES, ShardPaths
@@ -30,7 +31,7 @@ from .blocks import RemoteArray, fetch_pool
 from .config import StorageConfig
 from .index_cache import open_cached
 
-__all__ = ["RemoteShardFiles", "RemoteIndexedDataset", "stat_shard", "remote_shard_exists", "storage_config"]
+__all__ = ["RemoteShardFiles", "stat_shard", "remote_shard_exists", "storage_config"]
 
 
 def stat_shard(store: ObjectStore, url: ObjectURL) -> Dict[str, ObjectInfo]:
@@ -152,9 +153,5 @@ class RemoteShardFiles(ShardFiles):
             arr.clear()
 
 
-def __getattr__(name: str):
-    # ``RemoteIndexedDataset`` (the name of the remote reader before the reader composed storage
-    # sources): the reader itself, looked up by name so that storage never imports it.
-    if name == "RemoteIndexedDataset":
-        return import_module("..reader", __package__).MMapIndexedDataset
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# RemoteIndexedDataset: the reader's old name here, which would be an import back up.
+__getattr__ = moved_getattr(__name__)

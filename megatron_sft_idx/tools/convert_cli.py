@@ -13,8 +13,7 @@ from typing import List, Optional
 
 from ..format import ALL_SUFFIXES, PAD_LAYOUTS
 from ..packing import ALGORITHMS, DEFAULT_ALGORITHM
-from .._progress import configure_logging
-from . import _cli
+from .. import _cli
 from .convert import OVERLONG, SOURCE_FORMATS, TARGETS, ConvertOptions, ConvertResult, convert, detect_source
 
 _LABELS = {"npy": "legacy .npy", "parquet": "packed Parquet", "option-a": "Option A directory",
@@ -81,10 +80,9 @@ def _usage_problem(args) -> Optional[str]:
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
-    args = _cli.parse(parser, argv)
+    args = _cli.start(parser, argv)
     if isinstance(args, int):
         return args
-    configure_logging(parser.prog, args.verbose, args.quiet)
     problem = _usage_problem(args)
     if problem:
         return _cli.usage_error(parser, problem)

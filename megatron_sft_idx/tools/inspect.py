@@ -19,7 +19,7 @@ from .. import _kernels
 from ..errors import FormatError
 from ..reader import MMapIndexedDataset
 from .._units import plural
-from ._cli import human_bytes
+from .._units import human_bytes
 
 CHUNK_PACKS = 1 << 20
 BINS = 12

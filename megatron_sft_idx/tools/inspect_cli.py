@@ -17,8 +17,7 @@ import json
 import sys
 from typing import List, Optional
 
-from .._progress import configure_logging
-from . import _cli
+from .. import _cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,13 +98,12 @@ def _usage_problem(args) -> Optional[str]:
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
-    args = _cli.parse(parser, argv)
+    args = _cli.start(parser, argv)
     if isinstance(args, int):
         return args
     problem = _usage_problem(args)
     if problem:
         return _cli.usage_error(parser, problem)
-    configure_logging(parser.prog, args.verbose)
     return _cli.run(parser.prog, lambda: _run(args))
 
 

@@ -14,10 +14,10 @@ import logging
 import sys
 from typing import List, Optional
 
-from .._progress import Progress, _isatty, configure_logging
-from .._units import plural
+from .. import _cli
+from .._progress import Progress, _isatty
+from .._units import human_bytes, plural
 from ..format import ALL_SUFFIXES
-from . import _cli
 from .merge import MergeResult, merge_shards
 
 log = logging.getLogger("megatron_sft_idx.tools.merge")
@@ -58,10 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
-    args = _cli.parse(parser, argv)
+    args = _cli.start(parser, argv)
     if isinstance(args, int):
         return args
-    configure_logging(parser.prog, args.verbose, args.quiet)
     if args.pack_size is not None and args.pack_size <= 0:
         return _cli.usage_error(parser, "--pack-size must be positive")
     if args.output.endswith(ALL_SUFFIXES):
@@ -114,7 +113,7 @@ def format_result(result: MergeResult) -> str:
     lines = [f"merged {plural(result.inputs, 'shard')} -> {result.prefix}",
              f"  packs       {s.pack_count:,} ({s.sequence_count:,} sequences, {s.token_count:,} tokens, "
              f"{result.metadata.token_dtype})",
-             f"  size        {_cli.human_bytes(size)} (data copied by {methods or 'nothing'})",
+             f"  size        {human_bytes(size)} (data copied by {methods or 'nothing'})",
              f"  gate        passed in {result.gate_seconds:.2f} s; published atomically (.idx last)",
              f"  time        {result.seconds:.2f} s"]
     lines += [f"  note        {note}" for note in result.notes]

@@ -26,6 +26,7 @@ import json
 import sys
 from typing import List, Optional
 
+from .. import _cli
 from ..errors import ShardError, ShardNotFoundError
 from ..format import PAD_LAYOUTS, PAD_LAYOUT_STORED
 
@@ -82,15 +83,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class _Usage(Exception):
+    """A usage problem found after parsing: reported as argparse reports its own (exit 2)."""
+
+
 def _cost_model(args, parser):
     from ..batching.cost import CostModel
 
-    if (args.linear is None) != (args.attention is None):
-        parser.error("--linear and --attention go together")
     spec = args.cost_model
     if args.linear is not None:
         if spec != parser.get_default("cost_model"):
-            parser.error("--linear/--attention are another spelling of --cost-model LINEAR,ATTENTION: give one")
+            raise _Usage("--linear/--attention are another spelling of --cost-model LINEAR,ATTENTION: give one")
         spec = f"{args.linear!r},{args.attention!r}"
     return CostModel.parse(spec, pad_multiple=args.pad_seq_to_mult, pad_layout=args.pad_layout,
                            recompute=args.recompute)
@@ -103,30 +106,38 @@ def _topology(args, parser):
     parts = (args.dp, args.micro_batch_size, args.global_batch_size)
     if args.balance_for is not None:
         if any(v is not None for v in parts):
-            parser.error("--dp, --micro-batch-size and --global-batch-size are the parts of --balance-for: give one")
+            raise _Usage("--dp, --micro-batch-size and --global-batch-size are the parts of --balance-for: give one")
         text = args.balance_for
     elif args.dp is None or args.global_batch_size is None:
-        parser.error("give the topology: --balance-for DP,MBS,GBS")
+        raise _Usage("give the topology: --balance-for DP,MBS,GBS")
     else:
         text = f"{args.dp},{1 if args.micro_batch_size is None else args.micro_batch_size},{args.global_batch_size}"
-    topology = Topology.parse(text)   # (a ShardError: main reports it, exit 2)
+    try:
+        topology = Topology.parse(text)
+    except ShardError as exc:
+        raise _Usage(f"--balance-for: {exc}") from None
     if args.dynamic and topology.micro_batch_size != 1:
-        parser.error("--dynamic forms micro-batches by --max-tokens-per-microbatch: --balance-for DP,1,GBS")
+        raise _Usage("--dynamic forms micro-batches by --max-tokens-per-microbatch: --balance-for DP,1,GBS")
     return topology
 
 
-def _usage(args, parser) -> None:
+def _usage_problem(args) -> Optional[str]:
     if args.dynamic:
         if bool(args.store) == bool(args.shards):
-            parser.error("--dynamic plans from a sequence store (--store DIR) or from shards: give one of them")
+            return "--dynamic plans from a sequence store (--store DIR) or from shards: give one of them"
         if args.max_tokens_per_microbatch is None:
-            parser.error("--dynamic needs --max-tokens-per-microbatch")
+            return "--dynamic needs --max-tokens-per-microbatch"
         if args.out or args.plot or args.exchange_window != 1 or args.algorithm != "kk":
-            parser.error("--out, --plot, --algorithm and --exchange-window are for balanced orders, not --dynamic")
+            return "--out, --plot, --algorithm and --exchange-window are for balanced orders, not --dynamic"
     elif args.store or args.max_tokens_per_microbatch is not None or args.sequence_length_round != 1:
-        parser.error("--store, --max-tokens-per-microbatch and --sequence-length-round go with --dynamic")
+        return "--store, --max-tokens-per-microbatch and --sequence-length-round go with --dynamic"
     elif not args.shards:
-        parser.error("give the shards to balance")
+        return "give the shards to balance"
+    if (args.linear is None) != (args.attention is None):
+        return "--linear and --attention go together"
+    from ..storage._url import local_only
+
+    return local_only([("--plot", args.plot), ("--store", args.store)])
 
 
 def _dynamic(args) -> int:
@@ -170,18 +181,21 @@ def _dynamic(args) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    _usage(args, parser)
+    args = _cli.start(parser, argv)
+    if isinstance(args, int):
+        return args
     try:
+        problem = _usage_problem(args)
+        if problem:
+            raise _Usage(problem)
         args.topology = _topology(args, parser)
+        model = None if args.dynamic else _cost_model(args, parser)
+    except _Usage as exc:
+        return _cli.usage_error(parser, str(exc))
     except ShardError as exc:
-        print(f"{PROG}: error: --balance-for: {exc}", file=sys.stderr)
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
-    from ..storage._url import local_only
 
-    refusal = local_only([("--plot", args.plot), ("--store", args.store)])
-    if refusal:
-        parser.error(refusal)
     if args.dynamic:
         return _dynamic(args)
     from ..multi import MultiShardDataset
@@ -191,7 +205,6 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     topology = args.topology
     try:
-        model = _cost_model(args, parser)
         source = MultiShardDataset.open(args.shards if len(args.shards) > 1 else args.shards[0])
     except ShardNotFoundError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)

@@ -11,8 +11,9 @@ Modules (imported on first use, so importing this package costs nothing):
 The data sources they read are named here too, from the modules below training that own them:
 ``open_packed`` (:mod:`megatron_sft_idx.open`, the one dispatcher), ``MultiShardDataset``
 (:mod:`megatron_sft_idx.multi`), ``write_manifest`` (:mod:`megatron_sft_idx.publishing`), ``PackSummary`` (:mod:`megatron_sft_idx.packed`),
-the legacy ``.npy`` / Parquet readers (:mod:`megatron_sft_idx.legacy`); ``.factory``, ``.multi``,
-``.manifest`` and ``._sources`` remain as other names of those modules.
+the legacy ``.npy`` / Parquet readers (:mod:`megatron_sft_idx.legacy`). The old modules
+``.factory``, ``.multi``, ``.manifest`` and ``._sources`` warn once on import and go in 0.2.0
+(:mod:`megatron_sft_idx._moved`).
 """
 
 from .._lazy import lazy_getattr

@@ -1,6 +1,11 @@
-"""Another name of :mod:`megatron_sft_idx.packed` (``PackSummary``, ``summarize``,
-``FlatPackedSource``), kept so that code importing them from here keeps working."""
+"""Deprecated: the old name of :mod:`megatron_sft_idx.packed` (``PackSummary``, ``summarize``,
+``FlatPackedSource``). Importing this module warns once (``FutureWarning``,
+:mod:`megatron_sft_idx._moved`); the names below keep working until the version that table names."""
 
-from ..packed import MIXED_LAYOUT, FlatPackedSource, PackSummary, runtime_min_packed, summarize
+from .._moved import warn_moved
+
+warn_moved(__name__)
+
+from ..packed import MIXED_LAYOUT, FlatPackedSource, PackSummary, runtime_min_packed, summarize  # noqa: E402
 
 __all__ = ["PackSummary", "summarize", "runtime_min_packed", "FlatPackedSource", "MIXED_LAYOUT"]

@@ -37,11 +37,11 @@ import torch  # noqa: E402
 from ..errors import ShardError
 from ..format import PAD_LAYOUT_RUNTIME
 from ..jsondoc import load_json
+from ..multi import identities_of
+from ..open import open_packed
+from ..packed import PackSummary, runtime_min_packed, summarize
 from ..sets import require_compatible
-from ._sources import PackSummary, runtime_min_packed, summarize
 from .collate import BRIDGE_NEXT, BridgePackingStats, PackedCollator, resolve_bridge_semantics
-from .factory import open_packed
-from .multi import identities_of
 
 __all__ = ["PackedSFTDataset", "build_samples_mapping", "bridge_datasets", "bridge_stats",
            "bridge_metadata_stats", "ConvertedLossWarning"]

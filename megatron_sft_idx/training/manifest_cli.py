@@ -23,11 +23,12 @@ import logging
 import sys
 from typing import List, Optional
 
+from .. import _cli
 from ..errors import ShardError, ShardNotFoundError
 from .._units import plural
 from ..publishing import write_manifest
 
-log = logging.getLogger("megatron_sft_idx.training.manifest")
+log = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,10 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    from .._progress import configure_logging
-
-    configure_logging(parser.prog, args.verbose, args.quiet)
+    args = _cli.start(parser, argv)
+    if isinstance(args, int):
+        return args
     if not args.out.endswith(".json"):
         print("write-sft-manifest: error: the manifest path must end in .json", file=sys.stderr)
         return 2

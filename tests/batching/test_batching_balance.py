@@ -88,6 +88,7 @@ def test_topology_refuses_impossible_batches(kwargs):
 # ------------------------------------------------------------------ properties of the balanced order
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 260), st.integers(1, 4), st.integers(1, 3), st.integers(1, 3), st.integers(0, 3),
        st.integers(1, 3), st.sampled_from(["lpt", "kk"]), st.integers(0, 2**31 - 1))

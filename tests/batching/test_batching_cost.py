@@ -8,7 +8,7 @@ from megatron_sft_idx import MMapIndexedDataset
 from megatron_sft_idx.batching.cost import (PRESETS, CostModel, ModelShape, kernel_lengths, microbatch_cost,
                                             pack_costs, shard_pack_costs)
 from megatron_sft_idx.errors import ShardError
-from megatron_sft_idx.training.multi import MultiShardDataset
+from megatron_sft_idx.multi import MultiShardDataset
 
 TINY = ModelShape(hidden_size=8, ffn_hidden_size=16, num_layers=2, num_attention_heads=2, num_query_groups=1,
                   vocab_size=10)

@@ -47,6 +47,7 @@ def nemo_rl_reference(order, lengths, gbs, dp, budget, rnd, width_mult=1):
     return served, steps
 
 
+@pytest.mark.slow
 @settings(max_examples=80, deadline=None)
 @given(st.integers(1, 400), st.integers(1, 4), st.integers(1, 6), st.sampled_from([1, 8, 64]),
        st.sampled_from([1, 16]), st.integers(0, 3), st.integers(0, 2**31 - 1))

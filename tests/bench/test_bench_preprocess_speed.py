@@ -7,7 +7,7 @@ import pytest
 
 from bench import preprocess_speed
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 def test_preprocess_speed_runs_baseline_and_ours(tmp_path, monkeypatch, capsys):

@@ -7,7 +7,7 @@ import pytest
 
 from bench import hotpath, remote
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 def test_remote_bench_entry_point(tmp_path):

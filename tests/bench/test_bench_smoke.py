@@ -15,7 +15,7 @@ from bench import builder_rss, compare, offsets, peers, scale
 from bench.compare import METRICS
 from bench.corpus import Corpus
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None

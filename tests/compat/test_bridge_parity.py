@@ -102,7 +102,7 @@ def test_packing_statistics_equal_bridges_metadata_file(artifacts, tokenizer):
     from the metadata JSON its packer wrote; ours derive them from the shard (format 1.1
     min_packed_runtime_len) or the data, and must be the same numbers."""
     from megatron_sft_idx.training.bridge import bridge_metadata_stats, bridge_stats
-    from megatron_sft_idx.training.factory import open_packed
+    from megatron_sft_idx.open import open_packed
 
     arts, shards = artifacts
     for art in arts:

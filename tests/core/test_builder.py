@@ -351,6 +351,7 @@ def test_same_packs_give_byte_identical_files(tmp_path, rng):
 # ----------------------------------------------------------------------------- bounded memory
 
 
+@pytest.mark.slow
 def test_heap_grows_by_a_few_bytes_per_pack(tmp_path):
     """Per-pack bookkeeping is compact int32 blocks (8 bytes per pack), never Python objects.
 

@@ -8,7 +8,7 @@ from support.shardgen import random_packs, write_shard
 
 from megatron_sft_idx import MMapIndexedDataset
 from megatron_sft_idx.errors import InvariantError
-from megatron_sft_idx.training.multi import MultiShardDataset
+from megatron_sft_idx.multi import MultiShardDataset
 
 
 @pytest.fixture(scope="module")

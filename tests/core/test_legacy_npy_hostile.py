@@ -114,7 +114,7 @@ def test_hostile_pickle_is_refused_at_bounded_memory(tmp_path, name):
 
 
 def test_a_legit_bridge_pickle_still_loads(tmp_path):
-    from megatron_sft_idx.training.factory import load_legacy_npy
+    from megatron_sft_idx.legacy import load_legacy_npy
 
     packs = [{"input_ids": list(range(1, 9)), "loss_mask": [0, 1, 1, 1, 0, 1, 1, 1], "seq_start_id": [0, 4]},
              {"input_ids": np.arange(1, 6), "loss_mask": np.array([True, True, True, True, False]),

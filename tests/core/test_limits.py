@@ -211,6 +211,7 @@ def verdicts(prefix: str, lib: str):
 # --------------------------------------------------------------------------- the family
 
 
+@pytest.mark.slow
 @settings(max_examples=int(os.environ.get("LIMIT_CASES", 300)), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                  HealthCheck.data_too_large])
@@ -242,6 +243,7 @@ def test_hostile_value_in_every_field(base, native_lib, tmp_path_factory, field,
         assert not gate.passed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["zz_unknown", "extra.a", "tokenizer.a", "producer.a"])
 @pytest.mark.parametrize("kind", ["array", "object"])
 def test_depth_limit_is_exact_in_both(base, native_lib, tmp_path, where, kind):

@@ -267,6 +267,7 @@ def base_shard(tmp_path_factory):
     return make_shard(directory, seed=0, n=24)
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("name,corrupt,code", CORRUPTIONS, ids=[c[0] for c in CORRUPTIONS])
 def test_corruption_fails_with_expected_code(native, base_shard, tmp_path, name, corrupt, code):
     lib, cli = native
@@ -491,6 +492,7 @@ def fuzz_bases(tmp_path_factory):
             make_shard(directory, "pad4", seed=3, n=30, pad=4)]
 
 
+@pytest.mark.subprocess
 def test_fuzz_never_crashes_and_always_fails(native, fuzz_bases, tmp_path):
     lib, cli = native
     rng = np.random.default_rng(20240601)

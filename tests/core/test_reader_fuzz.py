@@ -141,6 +141,7 @@ def exercise(prefix, check_packs):
     pickle.loads(pickle.dumps(ds))
 
 
+@pytest.mark.slow
 def test_mutated_shards_raise_only_shard_errors(tmp_path, pristine):
     files, others = pristine
     rng = np.random.default_rng(20240611)

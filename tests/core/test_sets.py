@@ -20,8 +20,9 @@ from megatron_sft_idx.format import ALL_SUFFIXES
 from megatron_sft_idx.metadata import ShardSet
 from megatron_sft_idx.reader import MMapIndexedDataset
 from megatron_sft_idx.sets import ShardIdentity, require_compatible, require_whole_sets
-from megatron_sft_idx.training.factory import open_packed
-from megatron_sft_idx.training.multi import MultiShardDataset, write_manifest
+from megatron_sft_idx.multi import MultiShardDataset
+from megatron_sft_idx.open import open_packed
+from megatron_sft_idx.publishing import write_manifest
 
 LLAMA = {"name": "meta-llama/Llama-3.1-8B-Instruct", "files_sha256": "a" * 64, "chat_template_sha256": "c" * 64}
 DEEPSEEK = {"name": "deepseek-ai/DeepSeek-V3", "files_sha256": "d" * 64, "chat_template_sha256": "e" * 64}
@@ -79,6 +80,7 @@ def selections(draw):
     return [members[i] for i in order], draw(st.sampled_from(["prefix", "directory", "glob", "manifest"]))
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None)
 @given(selections())
 def test_the_whole_set_rule_matches_its_model(case):
@@ -443,7 +445,7 @@ def test_merge_of_a_whole_set_is_one_shard_of_no_set(generations, tmp_path):
 
 
 def test_remote_directories_globs_and_manifests_follow_the_same_rules(s3, bucket, tmp_path):
-    from megatron_sft_idx.storage import publish, upload_shard
+    from megatron_sft_idx.publishing import publish, upload_shard
     from megatron_sft_idx.tools.merge import merge_shards
 
     whole = _situation(tmp_path, "two_sets")

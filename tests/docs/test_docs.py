@@ -112,6 +112,7 @@ def test_every_command_is_in_the_readme_table():
         assert "](docs/" in docs, f"{command}: no docs link"
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("command", sorted(FLAG_PAGES))
 def test_every_flag_is_documented_on_its_page(command):
     pages = "\n".join(read(os.path.join(DOCS, page)) for page in FLAG_PAGES[command])

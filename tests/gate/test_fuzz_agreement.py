@@ -130,6 +130,7 @@ def verdict_of_gate(report) -> str:
     return "unreadable" if report.exit_code == 2 else ("pass" if report.passed else "fail")
 
 
+@pytest.mark.slow
 def test_gate_and_native_agree_on_mutated_shards(bases, native_lib, tmp_path):
     rng = np.random.default_rng(77)
     prefix = str(tmp_path / "s")

@@ -34,6 +34,7 @@ def tiny_chunks(monkeypatch, packs=5, tokens=40):
     monkeypatch.setattr(structure, "_BODY_CHUNK", 4096)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,corrupt,code", CASES, ids=[c[0] for c in CASES])
 def test_findings_do_not_depend_on_the_chunks(tmp_path, monkeypatch, name, corrupt, code):
     prefix = build(tmp_path)  # 24 packs: chunks of 5 packs / 40 tokens split it into many
@@ -102,6 +103,7 @@ print(json.dumps({"passed": report.passed, "growth_mb": status()["VmHWM"] - base
 """
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("level", ["standard", "deep"])
 def test_resident_memory_is_bounded_by_a_chunk(tmp_path, level):
     rng = np.random.default_rng(0)

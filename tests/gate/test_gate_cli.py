@@ -131,6 +131,7 @@ def test_promote_from_the_command_line(tmp_path, capsys):
     assert code == 0 and json.loads(out)["shards"][0]["promoted"][".bin"] == str(tmp_path / "train2" / "good.bin")
 
 
+@pytest.mark.subprocess
 def test_tool_script_runs_as_a_subprocess(tmp_path):
     prefix = make(tmp_path)
     proc = subprocess.run([sys.executable, TOOL, prefix, "--json"], capture_output=True, text=True, timeout=600)

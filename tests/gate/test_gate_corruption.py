@@ -270,6 +270,7 @@ def test_matrix_is_large_and_distinct():
     assert len({c[2] for c in CASES}) >= 30  # distinct finding codes exercised
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,corrupt,code", CASES, ids=[c[0] for c in CASES])
 def test_corruption_is_caught(tmp_path, name, corrupt, code):
     prefix = build(tmp_path)
@@ -424,6 +425,7 @@ def test_int32_overflowed_pointers_in_sparse_2gib_shard(tmp_path):
     assert finding.pack == 1024 and "2147483648" in finding.message
 
 
+@pytest.mark.slow
 def test_valid_sparse_2gib_shard_passes(tmp_path):
     prefix = str(tmp_path / "big")
     write_sparse_shard(prefix, wrap_int32=False)

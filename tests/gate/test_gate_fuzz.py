@@ -48,6 +48,7 @@ def _alarm(signum, frame):
     raise TimeoutError("hang guard: a check took far too long")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("block", [0, 1])
 def test_fuzz(bases, tmp_path, shape, block):

@@ -23,7 +23,7 @@ import pytest
 from megatron_sft_idx._console import TOOLS
 from megatron_sft_idx._extras import MissingExtraError, install_command, require_extra
 
-pytestmark = [pytest.mark.packaging, pytest.mark.subprocess]
+pytestmark = [pytest.mark.packaging, pytest.mark.subprocess, pytest.mark.timeout(1800)]
 
 try:
     import tomllib

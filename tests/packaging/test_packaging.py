@@ -21,7 +21,7 @@ import zipfile
 
 import pytest
 
-pytestmark = [pytest.mark.packaging, pytest.mark.subprocess]
+pytestmark = [pytest.mark.packaging, pytest.mark.subprocess, pytest.mark.timeout(1800)]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GOLDEN = os.path.join(ROOT, "tests", "golden", "v1_0", "tiny")

@@ -171,6 +171,7 @@ def test_pad_helpers():
 from support.legacy.packing_126c196 import legacy_pack  # noqa: E402
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(1, 200), min_size=0, max_size=400), st.integers(200, 260), st.integers(0, 5),
        st.sampled_from(ALGORITHMS), st.sampled_from([np.int32, np.int64]))
@@ -183,6 +184,7 @@ def test_every_algorithm_places_every_sequence_where_the_previous_kernels_did(le
     assert np.array_equal(a.items, items) and np.array_equal(a.loads, loads)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_many_bins_grow_the_trees_and_still_match(algorithm):
     # > 1024 bins (the initial tree and per-bin arrays) and a heavy tail of large items

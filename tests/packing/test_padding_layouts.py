@@ -65,6 +65,7 @@ def test_gate_reports_a_sequence_off_the_recorded_layout(tmp_path):
     assert not report.passed and "SEQ_NOT_PAD_MULTIPLE" in {f.code for f in report.findings()}
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("layout", ["stored", "runtime"])
 def test_preprocess_pads_for_the_chosen_stack(tmp_path, layout):
     prefix = str(tmp_path / layout)

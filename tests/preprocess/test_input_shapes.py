@@ -9,7 +9,7 @@ import pytest
 from megatron_sft_idx.errors import ShardError
 from megatron_sft_idx.preprocess.cli import main
 from megatron_sft_idx.preprocess.records.errors import InputError
-from megatron_sft_idx.preprocess.pipeline import Config, run
+from megatron_sft_idx.preprocess import Config, run
 from megatron_sft_idx.reader import MMapIndexedDataset
 from support.sft_fixtures import alpaca, write_jsonl
 
@@ -117,6 +117,7 @@ def tool_tokenizer(families):
     return families["qwen25"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("indent", [None, 2])
 def test_a_json_array_gives_the_bytes_of_the_same_jsonl_in_partitions(tmp_path, families, indent):
     records = mixed(120)
@@ -179,6 +180,8 @@ def test_an_oversized_array_element_is_never_held_and_is_counted(tmp_path, famil
     assert s["skipped_examples"]["record_too_large"].startswith(f"{path}:2: record of ")
 
 
+@pytest.mark.compat  # the datasets package of the Bridge stack (make install-compat), in its own interpreter
+@pytest.mark.subprocess
 def test_a_saved_hugging_face_dataset_directory_is_read_with_pyarrow(tmp_path, families):
     records = [openai(i) for i in range(40)] + [{"messages": [{"role": "user", "content": f"q{i}"},
                                                               {"role": "assistant", "content": f"a{i}"}]}

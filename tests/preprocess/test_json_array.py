@@ -29,6 +29,7 @@ def read_all(data: bytes, partition_bytes: int, max_bytes: int = 1 << 20):
     return cuts, out
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(st.lists(_json, max_size=12), st.sampled_from([None, 0, 2]), st.integers(1, 64))
 def test_any_array_cut_anywhere_reads_back_element_for_element(values, indent, partition_bytes):

@@ -17,9 +17,9 @@ import pytest
 
 from megatron_sft_idx.errors import ShardError
 from megatron_sft_idx.preprocess.records.errors import InputError
-from megatron_sft_idx.preprocess.pipeline import Config, run
+from megatron_sft_idx.preprocess import Config, run
 from megatron_sft_idx.tools.convert_cli import main as convert_main
-from megatron_sft_idx.training.factory import open_packed
+from megatron_sft_idx.open import open_packed
 
 GOOD = {"input_ids": [5, 6, 7, 8], "loss_mask": [0, 1, 1, 0], "seq_start_id": [0, 2]}
 TYPES = {"input_ids": pa.int64(), "loss_mask": pa.int64(), "seq_start_id": pa.int64()}

@@ -12,7 +12,8 @@ import zstandard
 
 from megatron_sft_idx.errors import ShardError, ShardExistsError
 from megatron_sft_idx.preprocess.records.errors import InputError
-from megatron_sft_idx.preprocess.pipeline import Config, plan_shards, run, split_conversations
+from megatron_sft_idx.preprocess import Config, run
+from megatron_sft_idx.preprocess.plan import plan_shards, split_conversations
 from megatron_sft_idx.reader import MMapIndexedDataset
 
 from support.faults import run_leftovers

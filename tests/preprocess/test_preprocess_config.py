@@ -140,8 +140,10 @@ def test_the_encoding_settings_are_defined_once_and_the_workers_options_built_fr
     assert TokenizeSettings(ignore_fields=["id"]).ignore_fields == ("id",)
 
 
-def test_the_modules_of_before_keep_their_names():
-    from megatron_sft_idx.preprocess import cli, config, driver, pipeline, plan, repack
+def test_the_package_face_names_the_run_and_the_repack_function():
+    import megatron_sft_idx.preprocess as face
+    from megatron_sft_idx.preprocess import config, driver
 
-    assert (pipeline.Config, pipeline.run, plan.PlanSettings) == (config.Config, driver.run, config.PlanSettings)
-    assert (repack.RepackConfig, repack.repack, repack.main) == (config.RepackConfig, driver.repack, cli.repack_main)
+    assert (face.Config, face.RepackConfig, face.run, face.repack) == (config.Config, config.RepackConfig,
+                                                                      driver.run, driver.repack)
+    assert callable(face.repack) and "repack" in dir(face)

@@ -31,11 +31,11 @@ import pytest
 
 from megatron_sft_idx.errors import ShardSetError
 from megatron_sft_idx.reader import MMapIndexedDataset
-from megatron_sft_idx.training.factory import open_packed
+from megatron_sft_idx.open import open_packed
 
 from support.faults import run_leftovers
 
-pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
+pytestmark = [pytest.mark.subprocess, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOKENIZER = os.path.join(ROOT, "examples", "tokenizer")

@@ -20,7 +20,7 @@ import pytest
 from megatron_sft_idx.jsondoc import RECORD_MAX_DEPTH
 from megatron_sft_idx.preprocess.cli import main
 from megatron_sft_idx.preprocess.records.errors import InputError
-from megatron_sft_idx.preprocess.pipeline import Config, run
+from megatron_sft_idx.preprocess import Config, run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOKENIZER = os.path.join(ROOT, "examples", "tokenizer")
@@ -181,7 +181,7 @@ def test_every_hostile_family_in_one_file_is_counted_under_skip_bad(tmp_path, ca
 
 PROBE = r"""
 import json, resource, sys
-from megatron_sft_idx.preprocess.pipeline import Config, run
+from megatron_sft_idx.preprocess import Config, run
 from megatron_sft_idx.errors import ShardError
 args = json.loads(sys.argv[1])
 try:

@@ -16,6 +16,7 @@ def base(tmp_path_factory):
     return str(tmp_path_factory.mktemp("identity"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend,method", [("auto", "auto"), ("hf", "prefix")])
 @pytest.mark.parametrize("inputs,template,loss", CASES)
 def test_shards_match_the_reference_digests(base, inputs, template, loss, backend, method):

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from megatron_sft_idx.preprocess.cli import main as preprocess_main
-from megatron_sft_idx.preprocess.repack import main as repack_main
-from megatron_sft_idx.training.factory import open_packed
-from megatron_sft_idx.training.multi import MultiShardDataset
+from megatron_sft_idx.multi import MultiShardDataset
+from megatron_sft_idx.open import open_packed
+from megatron_sft_idx.preprocess.cli import repack_main
 
 from support.faults import run_leftovers
 

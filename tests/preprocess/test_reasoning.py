@@ -12,7 +12,7 @@ from megatron_sft_idx.errors import ShardError
 from megatron_sft_idx.preprocess.records.chat import ChatTokenizer
 from megatron_sft_idx.preprocess.records.errors import InputError
 from megatron_sft_idx.preprocess.records.inputs import parse_record
-from megatron_sft_idx.preprocess.pipeline import Config, run
+from megatron_sft_idx.preprocess import Config, run
 from megatron_sft_idx.preprocess.records.policy import LossPolicy
 from megatron_sft_idx.reader import MMapIndexedDataset
 from support.sft_fixtures import openai, reasoning, write_jsonl, xlam

@@ -27,9 +27,8 @@ from megatron_sft_idx.builder import IndexedDatasetBuilder
 from megatron_sft_idx.errors import ShardError
 from megatron_sft_idx.preprocess import driver
 from megatron_sft_idx.preprocess.materialize import MaterializeStep
-from megatron_sft_idx.preprocess.pipeline import Config, run
+from megatron_sft_idx.preprocess import Config, RepackConfig, repack, run
 from megatron_sft_idx.preprocess.planfile import HEADER, HEADER_SIZE, PackPlan
-from megatron_sft_idx.preprocess.repack import RepackConfig, repack
 from megatron_sft_idx.preprocess.virtual import VirtualPackedDataset
 from megatron_sft_idx.reader import MMapIndexedDataset
 
@@ -251,6 +250,7 @@ def _named(exc: ShardError, *where) -> None:
 # --------------------------------------------------------------------------- preprocess-sft --resume
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(STORE_CASES))
 def test_resume_over_a_tampered_store_of_its_own_redoes_it(here, reference, monkeypatch, case):
     interrupted(monkeypatch, here / "out", "materialize")
@@ -260,6 +260,7 @@ def test_resume_over_a_tampered_store_of_its_own_redoes_it(here, reference, monk
     assert run_leftovers(here / "out") == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(STORE_CASES))
 def test_resume_over_a_tampered_kept_store_redoes_it_or_names_it(here, reference, monkeypatch, case):
     interrupted(monkeypatch, here / "out", "materialize", store=str(here / "store"))
@@ -282,6 +283,7 @@ def test_resume_over_a_tampered_plan_redoes_it(here, reference, monkeypatch, cas
     assert files_of(here / "out") == files_of(reference / "out")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(STAGED_CASES))
 def test_resume_over_tampered_staged_shards_and_receipts_redoes_them(here, reference, monkeypatch, case):
     interrupted(monkeypatch, here / "out", "publish", check=True)

@@ -21,13 +21,15 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from megatron_sft_idx.errors import ShardError
 from megatron_sft_idx.preprocess import driver
-from megatron_sft_idx.preprocess.pipeline import Config, run
+from megatron_sft_idx.preprocess import Config, RepackConfig, repack, run
 from megatron_sft_idx.preprocess.planfile import HEADER, HEADER_SIZE, PackPlan
-from megatron_sft_idx.preprocess.repack import RepackConfig, repack
 from megatron_sft_idx.preprocess.store import SequenceStore
 from megatron_sft_idx.preprocess.virtual import VirtualPackedDataset
 
 from support.refusals import concerns
+
+# mutation sweeps over every run artifact (the fuzz of test_run_artifacts.py's cases): long, not the edit loop
+pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOKENIZER = os.path.join(ROOT, "examples", "tokenizer")

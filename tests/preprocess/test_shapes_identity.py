@@ -16,6 +16,7 @@ def base(tmp_path_factory):
     return str(tmp_path_factory.mktemp("shapes"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend,method", [("auto", "auto"), ("hf", "prefix")])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_shapes_match_the_pinned_digests(base, name, backend, method):

@@ -19,9 +19,9 @@ from megatron_sft_idx.errors import HeaderError, ShardError, ShardExistsError, V
 from megatron_sft_idx.preprocess.engines import LocalEngine, report_progress
 from megatron_sft_idx.preprocess.records.inputs import OversizedRecord
 from megatron_sft_idx.preprocess.records.partitions import Partition, index_file, read_batches
-from megatron_sft_idx.preprocess.pipeline import Config, run
+from megatron_sft_idx.preprocess import Config, RepackConfig, repack, run
 from megatron_sft_idx.preprocess.planfile import PackPlan
-from megatron_sft_idx.preprocess.repack import RepackConfig, main as repack_main, repack
+from megatron_sft_idx.preprocess.cli import repack_main
 from megatron_sft_idx.preprocess.store import ROW_DTYPE, SequenceStore
 from megatron_sft_idx.preprocess.virtual import VirtualPackedDataset
 from megatron_sft_idx.reader import MMapIndexedDataset
@@ -133,6 +133,7 @@ def test_incomplete_or_missing_store_is_refused_by_repack(tmp_path, capsys):
 # ---------------------------------------------------------------- byte identity across ways of running
 
 
+@pytest.mark.slow
 def test_same_bytes_whatever_workers_partitions_and_batches(tmp_path):
     kw = dict(split=[90, 10], max_packs_per_shard=9, cp=2, verify_masks=20)
     ref = preprocess(str(tmp_path / "ref"), **kw)

@@ -95,7 +95,7 @@ def digest_outputs(out_dir: str) -> dict:
 
 def run_case(work: str, name: str, **overrides) -> dict:
     """Run case ``name`` with today's pipeline in ``work``; returns {digests, summary}."""
-    from megatron_sft_idx.preprocess.pipeline import Config, run
+    from megatron_sft_idx.preprocess import Config, run
 
     kw = dict(CASES[name])
     kw.update(overrides)
@@ -120,6 +120,7 @@ def work(tmp_path_factory):
     return d
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_outputs_are_byte_identical_to_the_pre_staged_pipeline(work, name):
     with open(GOLDEN, encoding="utf-8") as f:

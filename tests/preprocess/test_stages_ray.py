@@ -16,8 +16,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 
 ray = pytest.importorskip("ray", reason="the [ray] extra is not installed")
 
-from megatron_sft_idx.preprocess.pipeline import Config, run  # noqa: E402
-from megatron_sft_idx.preprocess.repack import RepackConfig, repack  # noqa: E402
+from megatron_sft_idx.preprocess import Config, RepackConfig, repack, run  # noqa: E402
 from support.stages import files_of, preprocess  # noqa: E402  (the local engine's helpers, shared)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -15,7 +15,7 @@ from megatron_sft_idx.preprocess.records.chat import ChatTokenizer
 from megatron_sft_idx.preprocess.records.encode import EncodeOptions, RecordEncoder
 from megatron_sft_idx.preprocess.records.errors import InputError
 from megatron_sft_idx.preprocess.records.inputs import parse_record
-from megatron_sft_idx.preprocess.pipeline import Config, run
+from megatron_sft_idx.preprocess import Config, run
 from support.sft_fixtures import glaive, openai, reasoning, toolace, write_jsonl, xlam
 
 PIECES = ["Paris", " ", "\n", "é", "😀", "<think>", "</think>", "{", "\"", "ok", "42", "<|im_end|>", "\n\n", "a"]

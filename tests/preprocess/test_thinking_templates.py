@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from megatron_sft_idx.preprocess.records.chat import ChatTokenizer
 from megatron_sft_idx.preprocess.records.encode import RecordEncoder
 from megatron_sft_idx.preprocess.records.errors import InputError
-from megatron_sft_idx.preprocess.pipeline import Config, run
+from megatron_sft_idx.preprocess import Config, run
 from megatron_sft_idx.preprocess.records.encode import EncodeOptions
 from megatron_sft_idx.reader import MMapIndexedDataset
 

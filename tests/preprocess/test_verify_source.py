@@ -15,7 +15,7 @@ import pytest
 from support.chat_families import with_template
 from megatron_sft_idx.errors import ShardError
 from megatron_sft_idx.preprocess.records import chat, encode, shapes as schemas
-from megatron_sft_idx.preprocess.pipeline import Config, run
+from megatron_sft_idx.preprocess import Config, run
 from support.sft_fixtures import alpaca, glaive, openai, reasoning, toolace, write_jsonl, xlam, xlam_raw
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -18,7 +18,8 @@ from support.shardgen import random_packs, write_shard
 
 from megatron_sft_idx import MMapIndexedDataset
 from megatron_sft_idx.errors import MetadataError
-from megatron_sft_idx.storage import index_cache, upload_shard
+from megatron_sft_idx.publishing import upload_shard
+from megatron_sft_idx.storage import index_cache
 from megatron_sft_idx.storage.index_cache import RECEIPT, parse_receipt
 
 

@@ -18,8 +18,8 @@ from megatron_sft_idx import MMapIndexedDataset, open_packed
 from megatron_sft_idx.errors import ShardError
 from megatron_sft_idx.errors import (ChecksumError, IncompleteShardError, ObjectChangedError, RemoteStorageError,
                                      ShardExistsError, ShardNotFoundError)
-from megatron_sft_idx.storage import publish, upload_shard
-from megatron_sft_idx.storage.remote import RemoteIndexedDataset
+from megatron_sft_idx.publishing import publish, upload_shard
+from megatron_sft_idx.reader import MMapIndexedDataset as RemoteIndexedDataset
 
 PACK = 256
 BLOCK = S3_BLOCK_SIZE  # the `s3` fixture's block size (tests/conftest.py)
@@ -125,7 +125,7 @@ def test_open_packed_directories_globs_and_manifests(s3, bucket, tmp_path):
         ds = open_packed(spec)
         assert len(ds) == 90 and all(same(ds[i], want[i]) for i in (0, 31, 89)), spec
     local_manifest = tmp_path / "remote_set.json"
-    from megatron_sft_idx.training.multi import write_manifest
+    from megatron_sft_idx.publishing import write_manifest
     write_manifest(str(local_manifest), published)  # a local manifest listing URLs
     ds = open_packed(str(local_manifest))
     assert ds.prefixes == published and same(ds[60], want[60])
@@ -167,7 +167,7 @@ def test_adapters_train_from_s3(s3, bucket, local, tmp_path):
 
 
 def test_publish_to_exact_prefixes_and_directories(s3, bucket, local, tmp_path):
-    from megatron_sft_idx.storage import publish_shard
+    from megatron_sft_idx.publishing import publish_shard
 
     ref = MMapIndexedDataset(local)
     for dest in (f"s3://{bucket}/exact/name_a", str(tmp_path / "pub" / "name_b")):

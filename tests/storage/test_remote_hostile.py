@@ -193,7 +193,7 @@ def test_a_changed_object_served_despite_if_match_is_refused(hostile, shards, tm
 
 
 def test_open_packed_manifest_directory_and_glob(hostile, shards, tmp_path):
-    from megatron_sft_idx.storage import publish
+    from megatron_sft_idx.publishing import publish
 
     local = []
     for k in range(2):

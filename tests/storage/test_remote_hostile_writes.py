@@ -22,7 +22,7 @@ from support.shardgen import random_packs, write_shard
 from megatron_sft_idx import MMapIndexedDataset, open_packed
 from megatron_sft_idx.errors import (IncompleteShardError, RemoteTimeoutError, ResponseMismatchError,
                                      ShardNotFoundError)
-from megatron_sft_idx.storage import publish, upload_shard
+from megatron_sft_idx.publishing import publish, upload_shard
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -131,7 +131,7 @@ def shard_digest(prefix: str) -> str:
 
 
 def run_case(base: str, inputs: str, template: str, loss: str, **extra) -> dict:
-    from megatron_sft_idx.preprocess.pipeline import Config, run
+    from megatron_sft_idx.preprocess import Config, run
 
     files = EXAMPLE_INPUTS if inputs == "example" else [write_adversarial(os.path.join(base, "adv.jsonl"))]
     out = os.path.join(base, "out", f"{inputs}_{template}_{loss}")

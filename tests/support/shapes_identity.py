@@ -39,7 +39,7 @@ CASES = {"qwen25": dict(loss_on="assistant"), "qwen3": dict(loss_on="per-turn"),
 
 
 def run_case(base: str, name: str, **extra) -> dict:
-    from megatron_sft_idx.preprocess.pipeline import Config, run
+    from megatron_sft_idx.preprocess import Config, run
 
     family = name.split("_")[0]
     tok = with_template(os.path.join(base, f"tok_{family}"), EXAMPLE_TOKENIZER, FAMILIES[family]["template"],

@@ -4,7 +4,7 @@ files as bytes (outputs of differently-run pipelines are compared byte for byte)
 
 import os
 
-from megatron_sft_idx.preprocess.pipeline import Config, run
+from megatron_sft_idx.preprocess import Config, run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = os.path.join(ROOT, "examples")

@@ -301,6 +301,7 @@ def test_cli(tmp_path, rng, capsys):
     assert "Traceback" not in err and "already a shard" in err
 
 
+@pytest.mark.subprocess
 def test_the_script_runs_without_installation(tmp_path, rng):
     write_shard(tmp_path / "s", random_packs(rng, 3))
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_packed.py"), str(tmp_path / "s"),

@@ -18,7 +18,7 @@ from megatron_sft_idx.tools.inspect import format_summary, summarize
 from megatron_sft_idx.tools.inspect_cli import main as inspect_main
 from megatron_sft_idx.tools.merge_plan import resolve_inputs
 from megatron_sft_idx.tools.pack_view import describe_pack, format_pack
-from megatron_sft_idx.training.multi import write_manifest
+from megatron_sft_idx.publishing import write_manifest
 from support.shardgen import random_packs, write_shard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -150,6 +150,7 @@ def test_cli_summary_json_pack_and_plot(two_shards, tmp_path, capsys):
     assert "Traceback" not in capsys.readouterr().err
 
 
+@pytest.mark.subprocess
 def test_missing_matplotlib_names_the_extra(two_shards, tmp_path):
     prefixes, _ = two_shards
     code = ("import sys; sys.modules['matplotlib'] = None\n"
@@ -160,6 +161,7 @@ def test_missing_matplotlib_names_the_extra(two_shards, tmp_path):
         and "pip install 'megatron_sft_idx[tools]'" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.subprocess
 def test_the_demo_shard_detokenizes_with_the_bundled_tokenizer(tmp_path):
     out = tmp_path / "demo"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "preprocess_sft.py"),

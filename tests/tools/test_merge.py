@@ -21,7 +21,7 @@ from megatron_sft_idx.gate import check
 from megatron_sft_idx.tools import _copy, merge
 from megatron_sft_idx.tools.merge import merge_shards
 from megatron_sft_idx.tools.merge_cli import main as merge_main
-from megatron_sft_idx.training.multi import write_manifest
+from megatron_sft_idx.publishing import write_manifest
 from support.shardgen import random_packs, write_shard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -279,6 +279,7 @@ def test_a_failure_midway_leaves_nothing_and_a_killed_runs_staging_is_cleared(tm
     _assert_packs(tmp_path / "out", packs)
 
 
+@pytest.mark.slow
 def test_memory_is_flat_in_packs_and_inputs(tmp_path, rng, monkeypatch):
     """Python-heap peak (numpy allocations included) of the merge writer: the same for 400 and
     for 40,000 packs, and for 2 and for 40 inputs, once chunks are smaller than an input."""
@@ -356,6 +357,7 @@ def test_cli_exit_codes_and_json(tmp_path, rng, capsys):
     assert "merged 2 shards" in capsys.readouterr().out
 
 
+@pytest.mark.subprocess
 def test_the_script_runs_without_installation(tmp_path, rng):
     prefixes, _ = _inputs(tmp_path, rng, [2, 2])
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "merge_shards.py"), str(tmp_path / "o"),
@@ -366,6 +368,7 @@ def test_the_script_runs_without_installation(tmp_path, rng):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and "already exists" in proc.stderr
 
 
+@pytest.mark.subprocess
 def test_sigterm_mid_merge_publishes_nothing_and_leaves_no_staging(tmp_path, rng):
     prefixes, _ = _inputs(tmp_path, rng, [5, 6, 7])
     marker = tmp_path / "copying"

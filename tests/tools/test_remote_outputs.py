@@ -13,10 +13,10 @@ import pytest
 from support.faults import leftovers
 from megatron_sft_idx import MMapIndexedDataset
 from megatron_sft_idx.errors import IncompleteShardError, ShardNotFoundError
-from megatron_sft_idx.storage import upload_shard
+from megatron_sft_idx.publishing import upload_shard
 from megatron_sft_idx.tools.convert_cli import main as convert_main
 from megatron_sft_idx.tools.merge_cli import main as merge_main
-from megatron_sft_idx.training.multi import write_manifest
+from megatron_sft_idx.publishing import write_manifest
 from support.shardgen import random_packs, write_shard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -13,7 +13,7 @@ from megatron_sft_idx.errors import InvariantError, QueryError
 from megatron_sft_idx.tools.arrow import COLUMNS, PackTable
 from megatron_sft_idx.tools.inspect_cli import main as inspect_main
 from megatron_sft_idx.tools.sql import columns_for_query, query
-from megatron_sft_idx.training.multi import write_manifest
+from megatron_sft_idx.publishing import write_manifest
 from support.shardgen import random_packs, write_shard
 
 
@@ -160,6 +160,7 @@ def test_cli_sql(shards, capsys):
         query(prefixes[0], "SELECT no_such_column FROM packs")
 
 
+@pytest.mark.subprocess
 def test_missing_duckdb_names_the_extra(shards):
     prefixes, _ = shards
     code = ("import sys; sys.modules['duckdb'] = None\n"

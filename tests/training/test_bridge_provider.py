@@ -108,6 +108,7 @@ def demo_root(shard):
     return os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(shard))))  # out/demo/training/example
 
 
+@pytest.mark.subprocess
 def test_the_docs_provider_example_runs_as_written(shard):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-c", doc_provider_snippet()], cwd=demo_root(shard), env=env,
@@ -123,6 +124,7 @@ def run_example(cwd, *args, env_extra=None):
                           timeout=600)
 
 
+@pytest.mark.subprocess
 def test_example_runs_as_written_after_the_demo(shard):
     proc = run_example(demo_root(shard), "--seq-length", "256")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -138,6 +140,7 @@ def test_example_runs_as_written_after_the_demo(shard):
     assert lines[-1].startswith("first batch: ")
 
 
+@pytest.mark.subprocess
 def test_a_bridge_that_does_not_import_is_named_and_the_example_still_runs(shard, tmp_path):
     """Megatron-Bridge installed but failing on import, as on a CPU machine (its package imports
     every model; megatron-core 0.19 imports Triton kernels): a warning with the reason, then

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-pytestmark = [pytest.mark.compat, pytest.mark.slow]
+pytestmark = [pytest.mark.compat, pytest.mark.slow, pytest.mark.timeout(1800)]  # one stack's suite: up to 1500 s
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: compat/ lives there
 ROOT = os.path.dirname(HERE)

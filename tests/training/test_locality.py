@@ -59,7 +59,7 @@ def test_blocks_follow_the_bin_layout_and_shards(shard):
     ds = MMapIndexedDataset(shard)
     blocks = pack_blocks(ds, 4096)
     assert np.array_equal(blocks, ds.sequence_pointers // 4096)
-    from megatron_sft_idx.training.multi import MultiShardDataset
+    from megatron_sft_idx.multi import MultiShardDataset
 
     multi = MultiShardDataset.open([shard, shard])
     both = pack_blocks(multi, 4096)

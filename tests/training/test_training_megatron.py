@@ -19,7 +19,7 @@ mc_builder = pytest.importorskip("megatron.core.datasets.blended_megatron_datase
 from megatron.core.datasets.blended_dataset import BlendedDataset  # noqa: E402
 
 from megatron_sft_idx.training import megatron as M  # noqa: E402
-from megatron_sft_idx.training.multi import write_manifest  # noqa: E402
+from megatron_sft_idx.publishing import write_manifest  # noqa: E402
 
 SEQ = 64
 

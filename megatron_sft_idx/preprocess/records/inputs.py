@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import glob
 import gzip
-import hashlib
 import io
 import os
 import sys
@@ -148,15 +147,6 @@ def read_blocks(stream, limit: int) -> Iterator[bytes]:
         if limit > 0:
             limit -= len(block)
         yield block
-
-
-def file_digest(path: str) -> str:
-    """sha256 of the file's bytes as stored (compressed files are hashed compressed)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def open_text_bytes(path: str):

@@ -17,8 +17,9 @@ from megatron_sft_idx.errors import ShardError, SizeMismatchError
 from megatron_sft_idx.reader import MMapIndexedDataset
 from megatron_sft_idx.training.bridge import PackedSFTDataset
 from megatron_sft_idx.training.manifest_cli import main as manifest_main
-from megatron_sft_idx.training.multi import MultiShardDataset, read_manifest, write_manifest
-from megatron_sft_idx.training.factory import open_packed
+from megatron_sft_idx.multi import MultiShardDataset, read_manifest
+from megatron_sft_idx.open import open_packed
+from megatron_sft_idx.publishing import write_manifest
 
 COUNTS = [7, 1, 12, 5, 9, 3]
 
@@ -122,6 +123,7 @@ def test_manifest_format_errors(tmp_path):
         read_manifest(str(bad))
 
 
+@pytest.mark.subprocess
 def test_write_manifest_cli(shard_dir, tmp_path, capsys):
     out = str(tmp_path / "m.json")
     assert manifest_main([out, str(shard_dir / "part_0*"), "--json"]) == 0

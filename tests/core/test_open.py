@@ -14,9 +14,10 @@ from support.shardgen import random_packs, write_shard
 from megatron_sft_idx.errors import InvariantError, ShardError, ShardNotFoundError
 from megatron_sft_idx.reader import MMapIndexedDataset
 from megatron_sft_idx.training.bridge import PackedSFTDataset
-from megatron_sft_idx.training.factory import load_legacy_npy, open_packed
-from megatron_sft_idx.training.multi import MultiShardDataset
-from megatron_sft_idx.training._sources import FlatPackedSource, summarize
+from megatron_sft_idx.legacy import load_legacy_npy
+from megatron_sft_idx.multi import MultiShardDataset
+from megatron_sft_idx.open import open_packed
+from megatron_sft_idx.packed import FlatPackedSource, summarize
 
 PACK = 64
 

@@ -1,4 +1,7 @@
-"""What the three tool command lines share: exit codes, error reporting, signals, output.
+"""What every command line shares (``check-idx``, ``preprocess-sft`` / ``repack-sft``,
+``write-sft-manifest`` and the shard tools): the prologue, the argparse types, exit codes, error
+reporting, signals, output. One copy: a command's CLI module builds its parser and calls
+:func:`start`, which parses (argparse's exits become exit codes) and configures logging.
 
 Exit status: 0 success; 1 the tool refused or failed on readable input (incompatible
 shards, a corrupt shard, an output that failed the gate); 2 usage error or input it
@@ -11,13 +14,16 @@ what to do, never a traceback.
 from __future__ import annotations
 
 import argparse
+import math
 import contextlib
 import os
 import sys
 from typing import Callable, Iterator, List, Optional, Union
 
-from .._signals import INTERRUPTS, exit_code, signal_name, signals_raise
-from ..errors import ShardError, ShardExistsError, ShardNotFoundError
+from ._progress import configure_logging
+from ._signals import INTERRUPTS, exit_code, signal_name, signals_raise
+from ._units import MAX_SECONDS, parse_size
+from .errors import ShardError, ShardExistsError, ShardNotFoundError
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 _USAGE_ERRORS = (ShardNotFoundError, ShardExistsError)
@@ -31,7 +37,17 @@ def parse(parser: argparse.ArgumentParser, argv: Optional[List[str]]) -> Union[a
         return EXIT_OK if exc.code == 0 else EXIT_USAGE
 
 
+def start(parser: argparse.ArgumentParser, argv: Optional[List[str]]) -> Union[argparse.Namespace, int]:
+    """The prologue of every command: parsed arguments with logging configured for them
+    (``-q``/``-v`` where the parser has them), or the exit code when argparse exited."""
+    args = parse(parser, argv)
+    if not isinstance(args, int):
+        configure_logging(parser.prog, getattr(args, "verbose", False), getattr(args, "quiet", False))
+    return args
+
+
 def usage_error(parser: argparse.ArgumentParser, message: str) -> int:
+    """Print the usage and one line naming the problem, as argparse does; the usage exit code."""
     parser.print_usage(sys.stderr)
     print(f"{parser.prog}: error: {message}", file=sys.stderr)
     return EXIT_USAGE
@@ -82,4 +98,51 @@ def emit(text: str) -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
-from .._units import human_bytes  # noqa: E402,F401  (one formatter for every summary)
+
+# --------------------------------------------------------------------------- argparse types
+# (``type=``: argparse names the flag and the value in its error, exit 2)
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def size_arg(text: str) -> int:
+    """A positive byte count, as :func:`megatron_sft_idx._units.parse_size` reads it (``64M``, ``1.5GiB``)."""
+    try:
+        value = parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
+    return value
+
+
+def percent(text: str) -> float:
+    """A percentage 0..100 (``1``, ``0.5%``)."""
+    try:
+        value = float(text.rstrip("%"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a percentage like 1 or 0.5%, got {text!r}") from None
+    if not 0 <= value <= 100:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 100, got {text!r}")
+    return value
+
+
+def seconds(text: str) -> float:
+    """A finite duration in seconds, more than 0 and at most :data:`~megatron_sft_idx._units.MAX_SECONDS`
+    (``30``, ``0.5``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds like 30 or 0.5, got {text!r}") from None
+    if not (math.isfinite(value) and 0 < value <= MAX_SECONDS):
+        raise argparse.ArgumentTypeError(f"must be more than 0 and at most {MAX_SECONDS} seconds, got {text!r}")
+    return value

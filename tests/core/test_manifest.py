@@ -20,8 +20,9 @@ from support.shardgen import random_packs, write_shard
 
 from megatron_sft_idx.errors import ShardError
 from megatron_sft_idx import manifest as M  # the format module (training.manifest is another name of it)
-from megatron_sft_idx.training.factory import open_packed
-from megatron_sft_idx.training.multi import MultiShardDataset, read_manifest, write_manifest
+from megatron_sft_idx.multi import MultiShardDataset, read_manifest
+from megatron_sft_idx.open import open_packed
+from megatron_sft_idx.publishing import write_manifest
 
 
 @pytest.fixture(scope="module")
@@ -193,6 +194,7 @@ def _places(doc, prefix=""):
             yield from _places(v, prefix + str(i) + ".")
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(data=st.data())
 def test_fuzzed_manifests_give_a_dataset_or_a_shard_error(written, data):
