@@ -10,6 +10,7 @@ does not matter, a fraction is allowed (``1.5G``), ``B`` alone or no suffix is b
 
 from __future__ import annotations
 
+import math
 import re
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
