@@ -1,7 +1,7 @@
 """Publishing: the one commit rule for a shard and for a set, on local disk or in object storage.
 
 Every writer publishes through here: the builder, preprocess and repack, the promotion gate,
-the shard tools (merge, convert) and uploads (``storage.upload_shard`` / ``publish``).
+the shard tools (merge, convert) and uploads (:func:`upload_shard` / :func:`publish`, here).
 
 **A shard** (:func:`commit_shard`) -- its files complete and durable first, ``.idx`` last:
 

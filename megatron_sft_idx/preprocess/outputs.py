@@ -1,13 +1,10 @@
-"""Output names and what exists under them.
+"""Output names and what exists under them: the final names a run publishes (split prefixes,
+shards, orders, manifests), found through the output's destination, and the refusal of outputs
+that exist (unless ``--overwrite``).
 
-Shards are built under a work directory (``.<name>.preprocess`` beside a local output; in a
-staging directory keyed by the URL for an ``s3://`` / ``msc://`` one: the destination's
-:meth:`~megatron_sft_idx.storage.destination.Destination.work_prefix`) and published to their
-final names only after every shard (and ``--check``) succeeded (:mod:`.publish`, by the rule
-of :mod:`megatron_sft_idx.publishing`). The work directory holds the run's lock (its pid), its
-receipts, the pack plan, the staged shards and, without ``--store``, the sequence store. A run
-that is killed leaves only its work directory: the next run clears it, or continues from it
-with ``--resume``.
+The work directory the shards are staged in is :mod:`.workdir`'s (its place: the destination's
+:meth:`~megatron_sft_idx.storage.destination.Destination.work_prefix`); publishing them to these
+names is :mod:`.publish`'s, by the rule of :mod:`megatron_sft_idx.publishing`.
 """
 
 from __future__ import annotations

@@ -192,7 +192,7 @@ def test_a_rendered_tool_definition_must_be_held_by_the_records_own():
 def test_the_check_catches_a_mapping_that_lets_nulls_through(tmp_path, families, monkeypatch):
     """Injected defect: a mapping whose null removal does nothing renders Parquet's nulls; the
     check (reading the record itself) refuses every such record by name instead of training it."""
-    from megatron_sft_idx.preprocess.pipeline import Config, run
+    from megatron_sft_idx.preprocess import Config, run
     from megatron_sft_idx.preprocess.records import shapes
     from support.sft_fixtures import write_jsonl
 
@@ -212,7 +212,7 @@ def test_the_check_catches_a_mapping_that_lets_nulls_through(tmp_path, families,
 
 
 def test_nemotron_rows_train_the_output_alone_and_pass_the_source_check(tmp_path, families):
-    from megatron_sft_idx.preprocess.pipeline import Config, run
+    from megatron_sft_idx.preprocess import Config, run
     from megatron_sft_idx.reader import MMapIndexedDataset
     from support.sft_fixtures import write_jsonl
 

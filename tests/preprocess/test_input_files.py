@@ -15,7 +15,7 @@ import pytest
 from megatron_sft_idx.preprocess.cli import main
 from megatron_sft_idx.preprocess.records.errors import InputError
 from megatron_sft_idx.preprocess.records.inputs import expand_inputs
-from megatron_sft_idx.preprocess.pipeline import Config, run
+from megatron_sft_idx.preprocess import Config, run
 from megatron_sft_idx.preprocess.summary import decision_warnings, format_summary
 from support.saved_datasets import save_to_disk, shard_bytes
 from support.sft_fixtures import openai, write_jsonl

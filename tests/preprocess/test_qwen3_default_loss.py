@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from support.sft_fixtures import reasoning, write_jsonl
-from megatron_sft_idx.preprocess.pipeline import Config, run
+from megatron_sft_idx.preprocess import Config, run
 from megatron_sft_idx.preprocess.records.chat import ChatTokenizer
 from megatron_sft_idx.preprocess.records.errors import InputError
 from megatron_sft_idx.preprocess.records.policy import LossPolicy

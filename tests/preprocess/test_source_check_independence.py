@@ -246,7 +246,7 @@ def test_a_parquet_export_s_blank_field_beside_inline_reasoning_end_to_end(tmp_p
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from megatron_sft_idx.preprocess.pipeline import Config, run
+    from megatron_sft_idx.preprocess import Config, run
     from megatron_sft_idx.reader import MMapIndexedDataset
 
     rows = [[{"role": "user", "content": f"Which city is warmer, {i}?", "reasoning_content": None},

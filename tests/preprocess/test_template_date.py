@@ -21,7 +21,7 @@ from megatron_sft_idx.errors import ShardError
 from megatron_sft_idx.preprocess import RepackConfig
 from megatron_sft_idx.preprocess import tokenize as tokenize_stage
 from megatron_sft_idx.preprocess.driver import repack
-from megatron_sft_idx.preprocess.pipeline import Config, run
+from megatron_sft_idx.preprocess import Config, run
 from megatron_sft_idx.preprocess.records.chat import ChatTokenizer, utc_today
 from megatron_sft_idx.reader import MMapIndexedDataset
 

@@ -12,7 +12,8 @@ import pytest
 from support.shardgen import random_packs, write_shard
 
 from megatron_sft_idx.errors import ShardError
-from megatron_sft_idx.storage import StorageConfig, upload_shard
+from megatron_sft_idx.publishing import upload_shard
+from megatron_sft_idx.storage import StorageConfig
 from megatron_sft_idx.storage.config import ENV_PREFIX, ENV_VARS, RANGES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -181,7 +181,7 @@ def test_inspect_finds_the_tokenizer_where_the_run_recorded_it(tmp_path, monkeyp
     no part of its identity); the run that wrote it records where it found it (its summary,
     kept beside the outputs), and inspect-idx --pack looks there first -- used only while the
     files there still hash to the shard's record, else it says what it found there."""
-    from megatron_sft_idx.preprocess.pipeline import Config, run
+    from megatron_sft_idx.preprocess import Config, run
     from megatron_sft_idx.tools.inspect_cli import main as inspect_main
 
     tok = tmp_path / "models" / "qwen3"

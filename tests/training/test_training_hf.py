@@ -160,7 +160,7 @@ def test_the_example_trains_a_tiny_model(shard, tmp_path, trainer):
 
 
 def test_an_s3_shard_serves_the_same_rows(shard, bucket):
-    from megatron_sft_idx.storage import upload_shard
+    from megatron_sft_idx.publishing import upload_shard
 
     upload_shard(shard, f"s3://{bucket}/sft/train_000")
     remote, local = PaddingFreeDataset(f"s3://{bucket}/sft/train_000"), PaddingFreeDataset(shard)
