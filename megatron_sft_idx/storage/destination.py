@@ -186,8 +186,8 @@ class LocalDestination(Destination):
         out: Dict[str, int] = {}
         try:
             entries = list(os.scandir(directory))
-        except FileNotFoundError:
-            return out
+        except (FileNotFoundError, NotADirectoryError):
+            return out   # nothing there (a file in the way of the directory is for the writer to name)
         base = os.path.dirname(prefix)
         for entry in entries:
             if entry.name.startswith(start) and _atomic._TMP_TAG not in entry.name:

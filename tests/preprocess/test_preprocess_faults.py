@@ -224,8 +224,8 @@ import os, signal, sys
 from megatron_sft_idx import publishing
 from megatron_sft_idx.preprocess.cli import main
 moved, original = [0], publishing.commit_staged
-def move_then_die(staged, final):
-    original(staged, final)
+def move_then_die(staged, final, *rest, **options):
+    original(staged, final, *rest, **options)
     moved[0] += 1
     if moved[0] == int(os.environ["DIE_AFTER"]):
         os.kill(os.getpid(), int(os.environ["SIG"]))
