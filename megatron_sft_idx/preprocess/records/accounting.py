@@ -120,29 +120,92 @@ def _definition(shown, name: str) -> bool:
                                                                         or "type" in parameters))
 
 
-def check_rendered_tools(text: str, tools, path: str, line: int) -> None:
+def source_arguments(calls) -> Dict[str, List[dict]]:
+    """``{name: [arguments, ...]}`` of the record's tool calls as it gives them (OpenAI's
+    ``{"function": {"name", "arguments"}}``, ShareGPT's ``function_call`` and xLAM's ``answers``
+    entries ``{"name", "arguments"}``; arguments an object or its JSON string), ``null`` removed
+    at every depth. A call the mapping refuses gives nothing here."""
+    out: Dict[str, List[dict]] = {}
+    for call in calls:
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            continue
+        arguments = fn.get("arguments")
+        if isinstance(arguments, str):
+            arguments = _parsed(arguments)
+        out.setdefault(fn["name"], []).append(_without_nulls(arguments) if arguments is not None else {})
+    return out
+
+
+_NO_CALL = object()
+
+
+def _call_values(shown, name: str):
+    """The argument values of ``shown`` when it is a call of ``name`` (``arguments``, or Llama
+    3.1's ``parameters``; arguments written as a JSON string parsed), else ``_NO_CALL``."""
+    if not isinstance(shown, dict) or shown.get("name") != name:
+        return _NO_CALL
+    values = shown["arguments"] if "arguments" in shown else shown.get("parameters", _NO_CALL)
+    if isinstance(values, str):   # a JSON string (a template that tojson's the string form)
+        try:
+            parsed, end = raw_decode(values, 0)
+        except ValueError:
+            return _NO_CALL   # not JSON: the text check covers its keys and values
+        return parsed if end == len(values) else _NO_CALL
+    return values
+
+
+def check_rendered_tools(text: str, tools, path: str, line: int, calls=()) -> None:
     """Every tool definition ``text`` shows as JSON is held by the record's own (``tools``: the
-    record's value, as given).
+    record's value, as given), and the n-th call of a tool it shows as JSON has arguments held by
+    the record's n-th call of that tool (``calls``: each as the record gives it), so a call the
+    record does not make, a key or value it does not hold, or two calls' arguments swapped is
+    refused.
 
     Raises:
-        InputError: a definition with a key or value the record does not hold
+        InputError: a definition or call arguments with a key or value the record does not hold
             (``rendered_not_in_source``), naming the tool and the key.
     """
-    if not tools:
+    if not tools and not calls:
         return
-    for name, defs in source_definitions(tools).items():
-        for at in _name_positions(text, name):
+    definitions = source_definitions(tools) if tools else {}
+    arguments = source_arguments(calls) if calls else {}
+    for name in definitions.keys() | arguments.keys():
+        defs, args = definitions.get(name), arguments.get(name)
+        n = 0   # calls of ``name`` shown so far
+        for at in sorted(set(_name_positions(text, name))):
             shown, written = _object_at(text, at)
-            if not _definition(shown, name):
-                continue   # not a definition (a call, or not JSON): nothing to compare
-            if "null" not in written and any(shown == d for d in defs):
-                continue   # the common case, in C: as the record holds it, and no null shown
-            if not any(held(shown, _without_nulls(d)) for d in defs):
-                clean = [_without_nulls(d) for d in defs]
-                extra = next((k for k in shown if all(k not in d or not held(shown[k], d[k]) for d in clean)), None)
-                raise input_error(f"the rendering shows tool '{name}' with "
-                                  f"{repr(extra) + ' as' if extra else 'what'} the record does not hold",
-                                  path, line, field=f"tools.{name}" + (f".{extra}" if extra else ""),
+            if _definition(shown, name) and ("description" in shown or not args or (
+                    defs and any(held(shown, _without_nulls(d)) for d in defs))):   # (else Llama's call form)
+                if defs:
+                    _check_definition(shown, written, defs, name, path, line)
+                continue
+            values = _call_values(shown, name) if args is not None else _NO_CALL
+            if values is _NO_CALL:
+                continue   # not a call as JSON (or the record makes none of it: the text check's)
+            source = args[n] if n < len(args) else None
+            n += 1
+            if source is None or not held(values, source):
+                extra = (next((k for k in values if source is None or k not in source
+                               or not held(values[k], source[k])), None) if isinstance(values, dict) else None)
+                raise input_error(f"the rendering shows call {n} of tool '{name}' with "
+                                  f"{'argument ' + repr(extra) + ' as' if extra else 'arguments'} the record's "
+                                  "call does not hold", path, line,
+                                  field=f"tool_calls.{name}.arguments" + (f".{extra}" if extra else ""),
                                   reason="rendered_not_in_source",
-                                  hint="the template (or the mapping) added to the tool definition; "
-                                       "report it, or pass --skip-bad to skip and count such records")
+                                  hint="the template (or the mapping) changed the call's arguments; report "
+                                       "it, or pass --skip-bad to skip and count such records")
+
+
+def _check_definition(shown: dict, written: str, defs: List[dict], name: str, path: str, line: int) -> None:
+    if "null" not in written and any(shown == d for d in defs):
+        return   # the common case, in C: as the record holds it, and no null shown
+    if not any(held(shown, _without_nulls(d)) for d in defs):
+        clean = [_without_nulls(d) for d in defs]
+        extra = next((k for k in shown if all(k not in d or not held(shown[k], d[k]) for d in clean)), None)
+        raise input_error(f"the rendering shows tool '{name}' with "
+                          f"{repr(extra) + ' as' if extra else 'what'} the record does not hold",
+                          path, line, field=f"tools.{name}" + (f".{extra}" if extra else ""),
+                          reason="rendered_not_in_source",
+                          hint="the template (or the mapping) added to the tool definition; "
+                               "report it, or pass --skip-bad to skip and count such records")
