@@ -357,3 +357,20 @@ def test_a_mapping_that_changes_arguments_is_refused_on_every_record_it_changes(
     s = _run(tmp_path, families, family, "broken", records)
     refused_by_name = len(changed & _rendered(family))
     assert _kept_and_refused(s) == (len(_rendered(family)) + 1 - refused_by_name, refused_by_name), s["skipped"]
+
+
+def test_a_source_system_prompt_must_be_in_the_rendering_a_template_default_need_not_be(tmp_path, families):
+    """Qwen2.5 inserts its own system prompt when the record gives none (template text, not
+    source: nothing to hold); when the record gives one, the rendering must hold it. A template
+    that renders the source's system prompt nowhere is refused by the field, never trained
+    without it."""
+    from support.chat_families import with_template
+
+    with_system = [dict(CHAT, system=f"Answer in {n} words.") for n in range(3)]
+    s = _run(tmp_path, families, "qwen25", "qwen", [dict(CHAT) for _ in range(3)] + with_system)
+    assert s["skipped"] == {} and s["records_read"] == 7
+    no_system = with_template(str(tmp_path / "nosys"), families["qwen25"], (
+        "{% for m in messages %}{% if m.role != 'system' %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+        "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"))
+    s = _run(tmp_path, {"nosys": no_system}, "nosys", "nosys", with_system)
+    assert s["skipped"] == {"template_dropped_content": 3} and s["records_read"] == 4

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+from json.encoder import encode_basestring, encode_basestring_ascii
 from typing import Dict, List, Optional, Tuple
 
 from ...errors import MetadataError
@@ -57,8 +58,8 @@ def source_definitions(tools) -> Dict[str, List[dict]]:
 
 @functools.lru_cache(maxsize=256)
 def _parsed(text: str):
-    """A tools JSON string, parsed once per process (published sets repeat the same tools); None
-    when it is not JSON. The value is shared: never changed."""
+    """A tools (or arguments) JSON string, parsed once per process (published sets repeat the
+    same tools); None when it is not JSON. The value is shared: never changed."""
     try:
         return parse_record_json(text, what="tools")
     except MetadataError:   # (its limits' error too)
@@ -98,10 +99,17 @@ def _object_at(text: str, at: int) -> Tuple[Optional[dict], str]:
 _KEY = re.compile(r'"name"\s*:\s*$')
 
 
+@functools.lru_cache(maxsize=1024)
+def _quoted(name: str) -> Tuple[str, ...]:
+    """A tool name as JSON writes it, non-ASCII kept and escaped (one form when they agree)."""
+    kept, escaped = encode_basestring(name), encode_basestring_ascii(name)
+    return (kept,) if kept == escaped else (kept, escaped)
+
+
 def _name_positions(text: str, name: str):
     """Where ``"name": NAME`` starts in ``text`` (any spacing; the name with non-ASCII kept or
     escaped): each quoted name found, then the key before it (plain finds, no regex per name)."""
-    for quoted in {json.dumps(name, ensure_ascii=False), json.dumps(name)}:
+    for quoted in _quoted(name):
         at = text.find(quoted)
         while at >= 0:
             key = _KEY.search(text, max(0, at - 64), at)
@@ -120,21 +128,38 @@ def _definition(shown, name: str) -> bool:
                                                                         or "type" in parameters))
 
 
-def source_arguments(calls) -> Dict[str, List[dict]]:
+def source_arguments(calls) -> Dict[str, list]:
     """``{name: [arguments, ...]}`` of the record's tool calls as it gives them (OpenAI's
     ``{"function": {"name", "arguments"}}``, ShareGPT's ``function_call`` and xLAM's ``answers``
-    entries ``{"name", "arguments"}``; arguments an object or its JSON string), ``null`` removed
-    at every depth. A call the mapping refuses gives nothing here."""
-    out: Dict[str, List[dict]] = {}
+    entries ``{"name", "arguments"}``): each an object, its JSON string, or None, unparsed
+    (:func:`_arguments_held` reads them). A call the mapping refuses gives nothing here."""
+    out: Dict[str, list] = {}
     for call in calls:
         fn = call.get("function", call) if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            continue
-        arguments = fn.get("arguments")
-        if isinstance(arguments, str):
-            arguments = _parsed(arguments)
-        out.setdefault(fn["name"], []).append(_without_nulls(arguments) if arguments is not None else {})
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            out.setdefault(fn["name"], []).append(fn.get("arguments"))
     return out
+
+
+_ENCODE = json.JSONEncoder(ensure_ascii=False).encode
+_ENCODE_ASCII = json.JSONEncoder().encode
+
+
+def _arguments_held(values, source, written: str) -> bool:
+    """True when the argument values a rendering shows (``values``, decoded from ``written``)
+    are held by the record's (``source``: an object, its JSON string, or None), ``null``
+    counting as absent at every depth. Fast paths, each exact: the source string is the
+    rendering's values encoded (as producers and ``tojson`` write them) and holds no null; or no
+    null is shown, so the source's own nulls cannot matter."""
+    if isinstance(source, str):
+        if "null" not in source and (_ENCODE(values) == source or _ENCODE_ASCII(values) == source):
+            return True
+        source = _parsed(source)
+    if source is None:
+        source = {}
+    if "null" not in written:   # nothing shown is null: the source's nulls are never compared
+        return held(values, source)
+    return held(values, _without_nulls(source))
 
 
 _NO_CALL = object()
@@ -183,10 +208,11 @@ def check_rendered_tools(text: str, tools, path: str, line: int, calls=()) -> No
             values = _call_values(shown, name) if args is not None else _NO_CALL
             if values is _NO_CALL:
                 continue   # not a call as JSON (or the record makes none of it: the text check's)
-            source = args[n] if n < len(args) else None
             n += 1
-            if source is None or not held(values, source):
-                extra = (next((k for k in values if source is None or k not in source
+            if n > len(args) or not _arguments_held(values, args[n - 1], written):
+                source = _without_nulls(_parsed(args[n - 1]) if isinstance(args[n - 1], str) else args[n - 1]) \
+                    if n <= len(args) else None
+                extra = (next((k for k in values if not isinstance(source, dict) or k not in source
                                or not held(values[k], source[k])), None) if isinstance(values, dict) else None)
                 raise input_error(f"the rendering shows call {n} of tool '{name}' with "
                                   f"{'argument ' + repr(extra) + ' as' if extra else 'arguments'} the record's "
