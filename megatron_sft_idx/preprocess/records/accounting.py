@@ -1,5 +1,5 @@
-"""Nothing rendered that the source does not hold: tool definitions in a rendering, compared
-structurally with the record's own (``docs/INPUTS.md``, "Every field accounted for").
+"""Nothing rendered that the source does not hold: tool definitions and tool-call arguments in a
+rendering, compared structurally with the record's own (``docs/INPUTS.md``, "Every field accounted for").
 
 The mapping (:mod:`.shapes`) accounts for every key a record gives; this is the converse, run on
 every rendering of every record (:func:`.rendering.check_rendered` calls it), not on a sample.
@@ -9,6 +9,11 @@ Each tool definition the template wrote as JSON -- an object holding ``"name": N
 as absent at every depth): every key the rendering shows is one the source has, with the same
 value. A template may show less (Mistral's keeps ``name``, ``description``, ``parameters``), never
 more: Parquet's struct nulls rendered as ``"altitude": null`` fail here, naming the tool.
+Each tool call written as JSON (the call's ``name`` with ``arguments``, or Llama 3.1's
+``parameters`` holding values) is compared in order: the n-th call of ``NAME`` shown must have
+arguments held by the record's n-th call of ``NAME`` (as the mapping received it, before any
+of its work: :attr:`.shapes.Conversation.source_calls`), so kept nulls, an added key, swapped
+arguments or a call the record does not make fail here, naming the tool and the argument.
 
 The record's definitions are read here, independently of the mapping (its own null removal, its
 own unwrapping), so a mapping that let nulls or another tool's fields through is caught rather
