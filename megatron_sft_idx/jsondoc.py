@@ -102,6 +102,11 @@ def _too_deep(obj: Any, limit: int) -> bool:
     return False
 
 
+#: the decoders :func:`parse_json` reads with, built once (``json.loads`` with hooks builds one a call)
+_DECODERS = {int64: json.JSONDecoder(parse_int=_parse_int if int64 else None, parse_float=_parse_float,
+                                     parse_constant=_refuse_constant) for int64 in (True, False)}
+
+
 def parse_json(raw: Union[bytes, bytearray, memoryview, str], path: Optional[str] = None, *,
                max_length: int = MAX_METADATA_LENGTH, max_depth: int = MAX_METADATA_DEPTH,
                int64: bool = True, what: str = "metadata", error: Type[ShardError] = MetadataError,
@@ -141,8 +146,9 @@ def parse_json(raw: Union[bytes, bytearray, memoryview, str], path: Optional[str
     try:
         if text is None:
             text = raw.decode("utf-8")
-        obj = json.loads(text, parse_int=_parse_int if int64 else None, parse_float=_parse_float,
-                         parse_constant=_refuse_constant)
+        if text.startswith("\ufeff"):   # (as json.loads refuses it)
+            raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)
+        obj = _DECODERS[int64].decode(text)
     except _OverLimit as exc:
         raise limit(str(exc)) from None
     except RecursionError:

@@ -226,3 +226,151 @@ def test_nemotron_rows_train_the_output_alone_and_pass_the_source_check(tmp_path
     assert set(trained) <= {"assistant", "reasoning"} and trained["reasoning"] > 0   # never the input or system
     ds = MMapIndexedDataset(s["outputs"][0])
     assert sum(int(ds[p][1].sum()) for p in range(len(ds))) == s["trainable_tokens"]
+
+
+# ---------------------------------------------------------------- tool-call arguments, compared structurally
+
+def _tool_records():
+    """OpenAI (string arguments), ShareGPT function_call (one, then two turns of calls), xLAM (a
+    JSON string of two calls), each with a columnar null in the first call's arguments."""
+    from support.sft_fixtures import glaive, openai, toolace, xlam_raw
+
+    out = []
+    for i in range(2):
+        r = copy.deepcopy(openai(i, with_system=False))
+        fn = r["messages"][1]["tool_calls"][0]["function"]
+        fn["arguments"] = json.dumps(dict(json.loads(fn["arguments"]), lat=None))
+        out.append(r)
+        r = glaive(i)
+        r.pop("system")
+        turn = r["conversations"][1]
+        turn["value"] = json.dumps({"name": "get_weather", "arguments": dict(json.loads(turn["value"])["arguments"],
+                                                                             lat=None)})
+        out.append(r)
+        r = toolace(i)
+        r.pop("system")
+        out.append(r)
+        r = xlam_raw(i)
+        r.pop("id")
+        out.append(r)
+    return out
+
+
+def _run(tmp_path, families, family, name, records):
+    from megatron_sft_idx.preprocess import Config, run
+    from support.sft_fixtures import write_jsonl
+
+    path = write_jsonl(tmp_path / f"{name}.jsonl", records + [dict(CHAT)])   # (one record always kept)
+    return run(Config(inputs=[path], output_prefix=str(tmp_path / name / "ds"), tokenizer=families[family],
+                      pack_size=4096, progress=False, skip_bad=True, workers=1))
+
+
+def _kept_and_refused(s):
+    return s["records_read"] - sum(s["skipped"].values()), s["skipped"].get("rendered_not_in_source", 0)
+
+
+def test_a_rendered_call_must_be_held_by_one_of_the_records_calls():
+    from megatron_sft_idx.preprocess.records.accounting import check_rendered_tools
+
+    calls = ({"id": "c1", "type": "function", "function": {"name": "get_weather",
+                                                           "arguments": '{"city": "Oslo", "lat": null}'}},
+             {"name": "get_weather", "arguments": {"city": "Rome", "unit": "c"}})
+    oslo, rome = '"city": "Oslo"', '"city": "Rome", "unit": "c"'
+    for ok in (f'<tool_call>\n{{"name": "get_weather", "arguments": {{{oslo}}}}}\n</tool_call>',
+               f'{{"name": "get_weather", "parameters": {{{oslo}}}}}<|eom_id|>'   # Llama 3.1's form
+               f'{{"name": "get_weather", "parameters": {{"unit": "c", "city": "Rome"}}}}',
+               f'[TOOL_CALLS][{{"name": "get_weather", "arguments": {{{oslo}}}}}, '
+               '{"name": "get_weather", "arguments": {"city": "Rome"}, "id": "c1"}]',   # less than the source
+               '{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}',   # a JSON string, parsed
+               'get_weather\n```json\n{"city": "Oslo"}\n```'):   # not a JSON call: no verdict
+        check_rendered_tools(ok, None, "t.jsonl", 3, calls)
+    for bad, n, field in ((f'{{"name": "get_weather", "arguments": {{{oslo}, "lat": null}}}}', 1,
+                           "tool_calls.get_weather.arguments.lat"),   # a null the mapping kept
+                          (f'{{"name": "get_weather", "arguments": {{{rome}}}}} '
+                           f'{{"name": "get_weather", "arguments": {{{oslo}}}}}', 1,
+                           "tool_calls.get_weather.arguments.city"),   # two calls' arguments swapped
+                          (f'{{"name": "get_weather", "parameters": {{{oslo}}}}}'
+                           f'{{"name": "get_weather", "parameters": {{{rome}}}}}'
+                           f'{{"name": "get_weather", "parameters": {{{rome}}}}}', 3,
+                           "tool_calls.get_weather.arguments.city")):   # a call the record does not make
+        with pytest.raises(InputError) as e:
+            check_rendered_tools(bad, None, "t.jsonl", 3, calls)
+        assert e.value.reason == "rendered_not_in_source" and e.value.field == field, str(e.value)
+        assert str(e.value).startswith(f"t.jsonl:3: the rendering shows call {n} of tool 'get_weather' with ")
+
+
+@pytest.mark.parametrize("family", ["qwen25", "llama3", "deepseek", "mistral", "qwen3"])
+def test_real_templates_render_tool_calls_the_source_holds(tmp_path, families, family):
+    records = _tool_records()
+    s = _run(tmp_path, families, family, "clean", records)
+    kept, refused_ = _kept_and_refused(s)
+    assert refused_ == 0, s["skipped"]
+    assert kept == len(_rendered(family)) + 1, s["skipped"]
+
+
+def _rendered(family):
+    """The tool records the family's template renders (Llama 3.1's one call a turn, Mistral's calls
+    with ids)."""
+    return {"llama3": {0, 1, 2, 4, 5, 6}, "mistral": {0, 4}}.get(family, set(range(8)))   # (Mistral's: ids)
+
+
+def _defect_keep_nulls(monkeypatch):
+    from megatron_sft_idx.preprocess.records import shapes
+
+    monkeypatch.setattr(shapes, "drop_nulls", lambda value: value)
+    monkeypatch.setattr(shapes, "_may_hold_null", lambda value: True)
+
+
+def _defect_add_key(monkeypatch):
+    from megatron_sft_idx.preprocess.records import shapes
+
+    original = shapes._Mapper.arguments
+    monkeypatch.setattr(shapes._Mapper, "arguments", lambda self, value, where: dict(original(self, value, where),
+                                                                                      verbose=True))
+
+
+def _defect_swap(monkeypatch):
+    from megatron_sft_idx.preprocess.records import shapes
+
+    original = shapes._Mapper.done
+
+    def done(self, tools, source=None):
+        calls = [c["function"] for m in self.messages for c in m.get("tool_calls") or ()]
+        if len(calls) > 1 and calls[0]["arguments"] != calls[-1]["arguments"]:
+            calls[0]["arguments"], calls[-1]["arguments"] = calls[-1]["arguments"], calls[0]["arguments"]
+        return original(self, tools, source)
+
+    monkeypatch.setattr(shapes._Mapper, "done", done)
+
+
+@pytest.mark.parametrize("family", ["qwen25", "llama3", "mistral", "qwen3"])
+@pytest.mark.parametrize("defect, changed", [(_defect_keep_nulls, {0, 1, 4, 5}),
+                                             (_defect_add_key, set(range(8))),
+                                             (_defect_swap, {2, 3, 6, 7})], ids=["nulls", "added", "swapped"])
+def test_a_mapping_that_changes_arguments_is_refused_on_every_record_it_changes(tmp_path, families, family, defect,
+                                                                               changed, monkeypatch):
+    """Injected defects: the mapping keeps the arguments' nulls, adds a key, or swaps two calls'
+    arguments. The text check agrees with the mapping (it renders what it was given); the
+    accounting reads the record itself and refuses every record the defect changed."""
+    records = _tool_records()
+    defect(monkeypatch)
+    s = _run(tmp_path, families, family, "broken", records)
+    refused_by_name = len(changed & _rendered(family))
+    assert _kept_and_refused(s) == (len(_rendered(family)) + 1 - refused_by_name, refused_by_name), s["skipped"]
+
+
+def test_a_source_system_prompt_must_be_in_the_rendering_a_template_default_need_not_be(tmp_path, families):
+    """Qwen2.5 inserts its own system prompt when the record gives none (template text, not
+    source: nothing to hold); when the record gives one, the rendering must hold it. A template
+    that renders the source's system prompt nowhere is refused by the field, never trained
+    without it."""
+    from support.chat_families import with_template
+
+    with_system = [dict(CHAT, system=f"Answer in {n} words.") for n in range(3)]
+    s = _run(tmp_path, families, "qwen25", "qwen", [dict(CHAT) for _ in range(3)] + with_system)
+    assert s["skipped"] == {} and s["records_read"] == 7
+    no_system = with_template(str(tmp_path / "nosys"), families["qwen25"], (
+        "{% for m in messages %}{% if m.role != 'system' %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+        "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"))
+    s = _run(tmp_path, {"nosys": no_system}, "nosys", "nosys", with_system)
+    assert s["skipped"] == {"template_dropped_content": 3} and s["records_read"] == 4

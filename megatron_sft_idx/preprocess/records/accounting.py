@@ -1,5 +1,5 @@
-"""Nothing rendered that the source does not hold: tool definitions in a rendering, compared
-structurally with the record's own (``docs/INPUTS.md``, "Every field accounted for").
+"""Nothing rendered that the source does not hold: tool definitions and tool-call arguments in a
+rendering, compared structurally with the record's own (``docs/INPUTS.md``, "Every field accounted for").
 
 The mapping (:mod:`.shapes`) accounts for every key a record gives; this is the converse, run on
 every rendering of every record (:func:`.rendering.check_rendered` calls it), not on a sample.
@@ -9,6 +9,11 @@ Each tool definition the template wrote as JSON -- an object holding ``"name": N
 as absent at every depth): every key the rendering shows is one the source has, with the same
 value. A template may show less (Mistral's keeps ``name``, ``description``, ``parameters``), never
 more: Parquet's struct nulls rendered as ``"altitude": null`` fail here, naming the tool.
+Each tool call written as JSON (the call's ``name`` with ``arguments``, or Llama 3.1's
+``parameters`` holding values) is compared in order: the n-th call of ``NAME`` shown must have
+arguments held by the record's n-th call of ``NAME`` (as the mapping received it, before any
+of its work: :attr:`.shapes.Conversation.source_calls`), so kept nulls, an added key, swapped
+arguments or a call the record does not make fail here, naming the tool and the argument.
 
 The record's definitions are read here, independently of the mapping (its own null removal, its
 own unwrapping), so a mapping that let nulls or another tool's fields through is caught rather
@@ -21,6 +26,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+from json.encoder import encode_basestring, encode_basestring_ascii
 from typing import Dict, List, Optional, Tuple
 
 from ...errors import MetadataError
@@ -57,8 +63,8 @@ def source_definitions(tools) -> Dict[str, List[dict]]:
 
 @functools.lru_cache(maxsize=256)
 def _parsed(text: str):
-    """A tools JSON string, parsed once per process (published sets repeat the same tools); None
-    when it is not JSON. The value is shared: never changed."""
+    """A tools (or arguments) JSON string, parsed once per process (published sets repeat the
+    same tools); None when it is not JSON. The value is shared: never changed."""
     try:
         return parse_record_json(text, what="tools")
     except MetadataError:   # (its limits' error too)
@@ -98,10 +104,17 @@ def _object_at(text: str, at: int) -> Tuple[Optional[dict], str]:
 _KEY = re.compile(r'"name"\s*:\s*$')
 
 
+@functools.lru_cache(maxsize=1024)
+def _quoted(name: str) -> Tuple[str, ...]:
+    """A tool name as JSON writes it, non-ASCII kept and escaped (one form when they agree)."""
+    kept, escaped = encode_basestring(name), encode_basestring_ascii(name)
+    return (kept,) if kept == escaped else (kept, escaped)
+
+
 def _name_positions(text: str, name: str):
     """Where ``"name": NAME`` starts in ``text`` (any spacing; the name with non-ASCII kept or
     escaped): each quoted name found, then the key before it (plain finds, no regex per name)."""
-    for quoted in {json.dumps(name, ensure_ascii=False), json.dumps(name)}:
+    for quoted in _quoted(name):
         at = text.find(quoted)
         while at >= 0:
             key = _KEY.search(text, max(0, at - 64), at)
@@ -120,29 +133,110 @@ def _definition(shown, name: str) -> bool:
                                                                         or "type" in parameters))
 
 
-def check_rendered_tools(text: str, tools, path: str, line: int) -> None:
+def source_arguments(calls) -> Dict[str, list]:
+    """``{name: [arguments, ...]}`` of the record's tool calls as it gives them (OpenAI's
+    ``{"function": {"name", "arguments"}}``, ShareGPT's ``function_call`` and xLAM's ``answers``
+    entries ``{"name", "arguments"}``): each an object, its JSON string, or None, unparsed
+    (:func:`_arguments_held` reads them). A call the mapping refuses gives nothing here."""
+    out: Dict[str, list] = {}
+    for call in calls:
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            out.setdefault(fn["name"], []).append(fn.get("arguments"))
+    return out
+
+
+_ENCODE = json.JSONEncoder(ensure_ascii=False).encode
+_ENCODE_ASCII = json.JSONEncoder().encode
+
+
+def _arguments_held(values, source, written: str) -> bool:
+    """True when the argument values a rendering shows (``values``, decoded from ``written``)
+    are held by the record's (``source``: an object, its JSON string, or None), ``null``
+    counting as absent at every depth. Fast paths, each exact: the source string is the
+    rendering's values encoded (as producers and ``tojson`` write them) and holds no null; or no
+    null is shown, so the source's own nulls cannot matter."""
+    if isinstance(source, str):
+        if "null" not in source and (_ENCODE(values) == source or _ENCODE_ASCII(values) == source):
+            return True
+        source = _parsed(source)
+    if source is None:
+        source = {}
+    if "null" not in written:   # nothing shown is null: the source's nulls are never compared
+        return held(values, source)
+    return held(values, _without_nulls(source))
+
+
+_NO_CALL = object()
+
+
+def _call_values(shown, name: str):
+    """The argument values of ``shown`` when it is a call of ``name`` (``arguments``, or Llama
+    3.1's ``parameters``; arguments written as a JSON string parsed), else ``_NO_CALL``."""
+    if not isinstance(shown, dict) or shown.get("name") != name:
+        return _NO_CALL
+    values = shown["arguments"] if "arguments" in shown else shown.get("parameters", _NO_CALL)
+    if isinstance(values, str):   # a JSON string (a template that tojson's the string form)
+        try:
+            parsed, end = raw_decode(values, 0)
+        except ValueError:
+            return _NO_CALL   # not JSON: the text check covers its keys and values
+        return parsed if end == len(values) else _NO_CALL
+    return values
+
+
+def check_rendered_tools(text: str, tools, path: str, line: int, calls=()) -> None:
     """Every tool definition ``text`` shows as JSON is held by the record's own (``tools``: the
-    record's value, as given).
+    record's value, as given), and the n-th call of a tool it shows as JSON has arguments held by
+    the record's n-th call of that tool (``calls``: each as the record gives it), so a call the
+    record does not make, a key or value it does not hold, or two calls' arguments swapped is
+    refused.
 
     Raises:
-        InputError: a definition with a key or value the record does not hold
+        InputError: a definition or call arguments with a key or value the record does not hold
             (``rendered_not_in_source``), naming the tool and the key.
     """
-    if not tools:
+    if not tools and not calls:
         return
-    for name, defs in source_definitions(tools).items():
-        for at in _name_positions(text, name):
+    definitions = source_definitions(tools) if tools else {}
+    arguments = source_arguments(calls) if calls else {}
+    for name in definitions.keys() | arguments.keys():
+        defs, args = definitions.get(name), arguments.get(name)
+        n = 0   # calls of ``name`` shown so far
+        for at in sorted(set(_name_positions(text, name))):
             shown, written = _object_at(text, at)
-            if not _definition(shown, name):
-                continue   # not a definition (a call, or not JSON): nothing to compare
-            if "null" not in written and any(shown == d for d in defs):
-                continue   # the common case, in C: as the record holds it, and no null shown
-            if not any(held(shown, _without_nulls(d)) for d in defs):
-                clean = [_without_nulls(d) for d in defs]
-                extra = next((k for k in shown if all(k not in d or not held(shown[k], d[k]) for d in clean)), None)
-                raise input_error(f"the rendering shows tool '{name}' with "
-                                  f"{repr(extra) + ' as' if extra else 'what'} the record does not hold",
-                                  path, line, field=f"tools.{name}" + (f".{extra}" if extra else ""),
+            if _definition(shown, name) and ("description" in shown or not args or (
+                    defs and any(held(shown, _without_nulls(d)) for d in defs))):   # (else Llama's call form)
+                if defs:
+                    _check_definition(shown, written, defs, name, path, line)
+                continue
+            values = _call_values(shown, name) if args is not None else _NO_CALL
+            if values is _NO_CALL:
+                continue   # not a call as JSON (or the record makes none of it: the text check's)
+            n += 1
+            if n > len(args) or not _arguments_held(values, args[n - 1], written):
+                source = _without_nulls(_parsed(args[n - 1]) if isinstance(args[n - 1], str) else args[n - 1]) \
+                    if n <= len(args) else None
+                extra = (next((k for k in values if not isinstance(source, dict) or k not in source
+                               or not held(values[k], source[k])), None) if isinstance(values, dict) else None)
+                raise input_error(f"the rendering shows call {n} of tool '{name}' with "
+                                  f"{'argument ' + repr(extra) + ' as' if extra else 'arguments'} the record's "
+                                  "call does not hold", path, line,
+                                  field=f"tool_calls.{name}.arguments" + (f".{extra}" if extra else ""),
                                   reason="rendered_not_in_source",
-                                  hint="the template (or the mapping) added to the tool definition; "
-                                       "report it, or pass --skip-bad to skip and count such records")
+                                  hint="the template (or the mapping) changed the call's arguments; report "
+                                       "it, or pass --skip-bad to skip and count such records")
+
+
+def _check_definition(shown: dict, written: str, defs: List[dict], name: str, path: str, line: int) -> None:
+    if "null" not in written and any(shown == d for d in defs):
+        return   # the common case, in C: as the record holds it, and no null shown
+    if not any(held(shown, _without_nulls(d)) for d in defs):
+        clean = [_without_nulls(d) for d in defs]
+        extra = next((k for k in shown if all(k not in d or not held(shown[k], d[k]) for d in clean)), None)
+        raise input_error(f"the rendering shows tool '{name}' with "
+                          f"{repr(extra) + ' as' if extra else 'what'} the record does not hold",
+                          path, line, field=f"tools.{name}" + (f".{extra}" if extra else ""),
+                          reason="rendered_not_in_source",
+                          hint="the template (or the mapping) added to the tool definition; "
+                               "report it, or pass --skip-bad to skip and count such records")

@@ -195,7 +195,7 @@ def check_rendered(text: str, conv: Conversation, reasoning_required: Sequence[i
     for where, what, forms in anywhere:
         if _find(text, forms, 0) < 0:
             raise _dropped(where, what, False, path, line)
-    check_rendered_tools(text, conv.source_tools, path, line)   # and nothing the source does not hold
+    check_rendered_tools(text, conv.source_tools, path, line, conv.source_calls)   # and nothing the source does not hold
 
 
 def _plain_rendered(text: str, messages: List[dict]) -> bool:

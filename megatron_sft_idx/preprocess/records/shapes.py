@@ -123,6 +123,7 @@ class Conversation:
     rendered: Optional[List[dict]] = None   # the messages as the template is given them (rendering.adapt)
     plain: bool = False                     # every message is {"role", "content"} as given: nothing to adapt
     source_tools: object = None             # the record's tools value as given (accounting.check_rendered_tools)
+    source_calls: tuple = ()                # each tool call as the record gives it (accounting.check_rendered_tools)
 
     @property
     def template_messages(self) -> List[dict]:
@@ -138,7 +139,8 @@ class Conversation:
         return Conversation(self.messages[:k + 1], self.tools, self.fields[:k + 1],
                             frozenset(i for i in self.untrained if i <= k),
                             {i: c for i, c in self.inline.items() if i <= k},
-                            None if self.rendered is None else self.rendered[:k + 1], self.plain, self.source_tools)
+                            None if self.rendered is None else self.rendered[:k + 1], self.plain, self.source_tools,
+                            self.source_calls)
 
 
 @dataclass(frozen=True)
@@ -314,6 +316,7 @@ class _Mapper:
         self.untrained: set = set()
         self.inline: Dict[int, str] = {}
         self.plain = True   # every message so far was taken by a fast path as {"role", "content"}
+        self.calls: list = []   # each tool call as the record gives it, before any mapping
 
     def error(self, message: str, where: Optional[str], reason: str, hint: Optional[str] = None):
         return input_error(message, self.path, self.line, field=where, reason=reason,
@@ -342,7 +345,7 @@ class _Mapper:
             raise self.error("empty conversation", None, "empty_conversation")
         plain = self.plain and not tools and not self.inline and not self.untrained
         return Conversation(self.messages, tools, self.fields, frozenset(self.untrained), self.inline, None, plain,
-                            source if tools else None)
+                            source if tools else None, tuple(self.calls))
 
     def plain_text(self, role: str, content, where, text_field: str) -> bool:
         """The fast path of a ``{"role", "content"}`` message with a string content: True when taken
@@ -438,6 +441,7 @@ class _Mapper:
     # ------------------------------------------------------------------ tool calls and tools
 
     def tool_call(self, call, where: str) -> dict:
+        self.calls.append(call)   # as given: the accounting reads its arguments itself
         if not isinstance(call, dict):
             raise self.error(f"'{where}' must be an object", where, "bad_tool_call")
         self.unknown(call, _TOOL_CALL_FIELDS, where)
