@@ -21,7 +21,7 @@ from megatron_sft_idx.format import ALL_SUFFIXES
 from megatron_sft_idx.gate.cli import main as check_idx
 from megatron_sft_idx.publishing import write_manifest
 from support.shardgen import random_packs, write_shard
-from support.stages import files_of, preprocess
+from support.stages import files_of, preprocess, visible
 
 TRAIN = [f"ds_train_{i:06d}" for i in range(3)]
 VALID = ["ds_valid_000000"]
@@ -50,10 +50,6 @@ def packs_of(spec):
     ds = open_packed(spec)
     return [tuple(np.asarray(a).tobytes() for a in ds[i]) for i in range(len(ds))]
 
-
-def visible(directory):
-    """The names in ``directory`` but the run's hidden record (``.ds.preprocess``), which stays."""
-    return sorted(n for n in os.listdir(directory) if not n.startswith("."))
 
 
 def listed(manifest):

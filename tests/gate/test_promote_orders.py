@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import pytest
 
@@ -19,7 +18,7 @@ from megatron_sft_idx.batching import Order
 from megatron_sft_idx.batching.serve import checked_order, resolve_order
 from megatron_sft_idx.errors import ShardError
 from megatron_sft_idx.gate.cli import main as check_idx
-from support.stages import files_of, preprocess
+from support.stages import copy_runs, files_of, preprocess, visible
 
 TOPOLOGY = (2, 1, 4)
 
@@ -39,16 +38,8 @@ def runs(tmp_path_factory):
 
 @pytest.fixture
 def run(runs, tmp_path):
-    copies = []
-    for src in runs:
-        copy = str(tmp_path / os.path.basename(src))
-        shutil.copytree(src, copy)
-        copies.append(copy)
-    return copies
+    return copy_runs(runs, tmp_path)
 
-
-def visible(directory):
-    return sorted(n for n in os.listdir(directory) if not n.startswith("."))
 
 
 def record(manifest):

@@ -13,14 +13,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 
 import pytest
 
 from megatron_sft_idx import open_packed
 from megatron_sft_idx.batching.serve import resolve_order
 from megatron_sft_idx.gate.cli import main as check_idx
-from support.stages import preprocess
+from support.stages import copy_runs, preprocess, visible
 
 TOPOLOGY = (2, 1, 4)
 
@@ -41,16 +40,8 @@ def runs(tmp_path_factory):
 
 @pytest.fixture
 def run(runs, tmp_path):
-    copies = []
-    for src in runs:
-        copy = str(tmp_path / os.path.basename(src))
-        shutil.copytree(src, copy)
-        copies.append(copy)
-    return copies
+    return copy_runs(runs, tmp_path)
 
-
-def visible(directory):
-    return sorted(n for n in os.listdir(directory) if not n.startswith("."))
 
 
 def promote(capsys, *args):

@@ -3,6 +3,7 @@ the set readers' tests: a default preprocess-sft run on the bundled examples, an
 files as bytes (outputs of differently-run pipelines are compared byte for byte)."""
 
 import os
+import shutil
 
 from megatron_sft_idx.preprocess import Config, run
 
@@ -22,3 +23,18 @@ def preprocess(out_dir, **kw):
     kw.setdefault("tokenizer", TOKENIZER)
     kw.setdefault("pack_size", 1024)
     return run(Config(inputs=kw.pop("inputs", CHAT), output_prefix=os.path.join(out_dir, "ds"), progress=False, **kw))
+
+
+def copy_runs(runs, tmp_path):
+    """Each run directory of ``runs`` copied under ``tmp_path`` (a test may move or damage its copy)."""
+    copies = []
+    for src in runs:
+        copy = str(tmp_path / os.path.basename(src))
+        shutil.copytree(src, copy)
+        copies.append(copy)
+    return copies
+
+
+def visible(directory):
+    """The names in ``directory`` but the run's hidden record (``.ds.preprocess``), which stays."""
+    return sorted(n for n in os.listdir(directory) if not n.startswith("."))
