@@ -424,8 +424,14 @@ class ObjectDestination(Destination):
         """Nothing to do: keys need no directories."""
 
     def put(self, source: str, final: str) -> None:
+        """Upload the local file ``source`` to ``final``; a ``source`` in the same store (an
+        ``s3://`` / ``msc://`` URL: a shard staged in a bucket) is copied server-side, never
+        through this machine's disk."""
         url = ObjectURL.parse(final)
-        self._store(url).upload(source, url)
+        if is_remote(source):
+            self._store(url).copy(ObjectURL.parse(source), url)
+        else:
+            self._store(url).upload(source, url)
 
     def put_many(self, pairs: Sequence[Tuple[str, str]]) -> None:
         """Upload each ``(local file, URL)``, in parallel (``config.concurrency`` at most)."""
@@ -443,7 +449,7 @@ class ObjectDestination(Destination):
         url = ObjectURL.parse(prefix)
         listed = self._store(url).stat_files(url, ALL_SUFFIXES)
         for suffix, path in files.items():
-            want = os.path.getsize(path)
+            want = self._size(path)
             got = listed.get(suffix)
             if got is None or got.size != want:
                 raise SizeMismatchError("uploaded object differs in size from the local file",
@@ -451,13 +457,24 @@ class ObjectDestination(Destination):
                                         actual=None if got is None else got.size,
                                         hint="upload the shard again (replace=True)")
 
-    def write_bytes(self, path: str, data: bytes) -> None:
-        """One PUT of ``data`` (a manifest: its set's commit point)."""
-        with tempfile.TemporaryDirectory(prefix="msi-put-") as tmp:
-            local = os.path.join(tmp, "object")
-            with open(local, "wb") as f:
-                f.write(data)
-            self.put(local, path)
+    def _size(self, source: str) -> int:
+        """The size of a source: a local file's, or (a URL) the object's."""
+        if not is_remote(source):
+            return os.path.getsize(source)
+        url = ObjectURL.parse(source)
+        info = self._store(url).head(url)
+        if info is None:
+            raise SizeMismatchError("the source object is gone", path=source, field="size")
+        return info.size
+
+    def write_bytes(self, path: str, data: bytes, create_only: bool = False, if_match: str = "") -> str:
+        """One PUT of ``data`` (a manifest: its set's commit point; a receipt, a lock); returns
+        its ETag. ``create_only`` / ``if_match``: a conditional write (:meth:`.ObjectStore.put_bytes`).
+
+        Raises:
+            PreconditionError: the condition does not hold."""
+        url = ObjectURL.parse(path)
+        return self._store(url).put_bytes(url, data, create_only=create_only, if_match=if_match)
 
     def stamp(self, path: str):
         """Which object ``path`` is now (its ETag and size), or None."""
