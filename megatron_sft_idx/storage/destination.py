@@ -473,8 +473,15 @@ class ObjectDestination(Destination):
 
         Raises:
             PreconditionError: the condition does not hold."""
-        url = ObjectURL.parse(path)
-        return self._store(url).put_bytes(url, data, create_only=create_only, if_match=if_match)
+        if create_only or if_match:
+            url = ObjectURL.parse(path)
+            return self._store(url).put_bytes(url, data, create_only=create_only, if_match=if_match)
+        with tempfile.TemporaryDirectory(prefix="msi-put-") as tmp:
+            local = os.path.join(tmp, "object")
+            with open(local, "wb") as f:
+                f.write(data)
+            self.put(local, path)
+        return ""
 
     def stamp(self, path: str):
         """Which object ``path`` is now (its ETag and size), or None."""

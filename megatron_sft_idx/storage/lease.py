@@ -104,7 +104,8 @@ class ObjectLock:
     def describe(holder: dict) -> str:
         return f"pid {holder['pid']} on {holder['host']}"
 
-    def _live(self, holder: dict) -> bool:
+    def live(self, holder: dict) -> bool:
+        """Whether ``holder``'s lease still runs (a dead process of this host holds none)."""
         if holder["host"] == socket.gethostname() and not _alive(holder["pid"]):
             return False   # a dead process of this host: its lease is over now
         return holder["expires"] > time.time()
@@ -125,7 +126,7 @@ class ObjectLock:
             if holder["nonce"] == self.nonce:   # our own PUT landed, its answer was lost
                 self.etag = etag
                 break
-            if self._live(holder):
+            if self.live(holder):
                 raise ShardError(f"another process ({self.describe(holder)}) is writing {self.what}",
                                  path=str(self.url), field="lock",
                                  hint=f"wait for it to finish, or stop it; a lock whose holder stopped renewing "

@@ -137,7 +137,7 @@ def _usage_problem(args) -> Optional[str]:
         return "--linear and --attention go together"
     from ..storage._url import local_only
 
-    return local_only([("--plot", args.plot), ("--store", args.store)])
+    return local_only([("--plot", args.plot)])
 
 
 def _dynamic(args) -> int:
