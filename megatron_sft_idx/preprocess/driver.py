@@ -61,7 +61,7 @@ from .publish import StagedSet, StagedShard, publish
 from .receipts import ReceiptBook, settings_key
 from .done import check_outputs, owned_files, record_outputs, run_books
 from ..storage._url import is_remote, local_only
-from ..storage.destination import destination_for
+from ..storage.destination import ObjectDestination, destination_for
 from .store import SequenceStore
 from .summary import PackResult, build_summary, write_skip_report
 from .tokenize import (IndexStep, Inputs, TokenizeStep, describe_store, index_schema, lock_user_store,
@@ -222,6 +222,8 @@ class _Run:
         self.destination = destination_for(job.output_prefix)
         self.store_area = store_area
         self.work_area = _work_area(job, self.destination)
+        if self.work_area is not None:   # staged shards are published by server-side copies
+            self.destination = ObjectDestination(copies=self.work_area.object_of)
         if self.work_area is not None:   # in the bucket beside the output, mirrored here
             self.work = WorkDir(os.path.join(os.path.dirname(self.work_area.local), self.destination.name(
                 job.output_prefix)))

@@ -78,8 +78,8 @@ class Area:
         self._etags = os.path.join(os.path.dirname(self.local), _ETAGS)
         self.config = StorageConfig.resolve(config)
 
-    def __reduce__(self):   # a node makes its own local root (module doc)
-        return (Area, (self.url,))
+    def __reduce__(self):   # (the driver's root travels: a task rebases the step's paths from it to its own)
+        return (Area, (self.url, self.local, self.config))
 
     def __repr__(self) -> str:
         return f"Area({self.url!r} -> {self.local!r})"
@@ -245,6 +245,17 @@ class Area:
         shutil.rmtree(self.local, ignore_errors=True)
         shutil.rmtree(self._etags, ignore_errors=True)
 
+    def object_of(self, path: str) -> Optional[str]:
+        """The URL of the object the local file ``path`` is an unchanged copy of (pulled or
+        pushed as that ETag, and the object still that ETag), else None: a publish copies it
+        server-side (``ObjectDestination(copies=...)``) instead of uploading it from here."""
+        rel = self.rel(path)
+        etag = None if rel is None else self._unchanged(rel)
+        if not etag:
+            return None
+        info = self.store.head(self.url_of(rel))
+        return str(self.url_of(rel)) if info is not None and info.etag == etag else None
+
     def lock(self, what: str) -> ObjectLock:
         return ObjectLock(str(self.url_of("lock")), what, self.config)
 
@@ -302,6 +313,7 @@ class Mirrored:
     step: object
     areas: Tuple[Area, ...]
     pulls: Tuple[str, ...] = ()
+    skeleton: Tuple[Tuple[str, ...], ...] = ()   # per area: its directories on the driver (made on every node)
 
     @property
     def name(self) -> str:
@@ -325,8 +337,10 @@ class Mirrored:
             for area in here:
                 if url == area.url or url.startswith(area.url + "/"):
                     area.pull(url[len(area.url) + 1:])
-        for area in here:
+        for k, area in enumerate(here):
             os.makedirs(area.local, exist_ok=True)
+            for rel in (self.skeleton[k] if k < len(self.skeleton) else ()):
+                os.makedirs(area.child(rel), exist_ok=True)
         receipt = step.run(unit)
         book = step.book
         files = [os.path.join(book.base, *rel.split("/")) for rel in receipt["artifacts"]]
@@ -350,7 +364,9 @@ class AreaEngine:
 
     def map(self, step, units, on_done, on_progress=None) -> None:
         self.sync()
-        self.engine.map(Mirrored(step, self.areas, self.pulls.get(step.name, ())), units, on_done, on_progress)
+        skeleton = tuple(tuple(_directories(a.local)) for a in self.areas)
+        self.engine.map(Mirrored(step, self.areas, self.pulls.get(step.name, ()), skeleton), units, on_done,
+                        on_progress)
         self.pull()
 
     def sync(self) -> None:
@@ -366,6 +382,14 @@ class AreaEngine:
 
     def close(self) -> None:
         self.engine.close()
+
+
+def _directories(root: str) -> List[str]:
+    """The directories under ``root`` (``/``-separated, relative), parents first."""
+    out = []
+    for directory, names, _ in os.walk(root):
+        out.extend(os.path.relpath(os.path.join(directory, n), root).replace(os.sep, "/") for n in sorted(names))
+    return out
 
 
 def lock_store_area(area: Area, resume: bool, overwrite: bool = False) -> ObjectLock:

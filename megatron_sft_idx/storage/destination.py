@@ -41,7 +41,7 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from .. import _atomic
 from .._crc import crc32
@@ -309,8 +309,13 @@ class ObjectDestination(Destination):
     moves = False
     cheap_reads = False
 
-    def __init__(self, config: Optional[StorageConfig] = None) -> None:
+    def __init__(self, config: Optional[StorageConfig] = None,
+                 copies: Optional[Callable[[str], Optional[str]]] = None) -> None:
         self.config = StorageConfig.resolve(config)
+        #: ``copies(local path)``: the URL of an object in this store the local file is a
+        #: verified copy of (a work directory mirrored from a bucket), or None. :meth:`put` then
+        #: copies that object server-side instead of uploading the file.
+        self.copies = copies
 
     def _store(self, url: ObjectURL):
         from ._stores import store_for
@@ -428,6 +433,8 @@ class ObjectDestination(Destination):
         ``s3://`` / ``msc://`` URL: a shard staged in a bucket) is copied server-side, never
         through this machine's disk."""
         url = ObjectURL.parse(final)
+        if not is_remote(source) and self.copies is not None:
+            source = self.copies(source) or source
         if is_remote(source):
             self._store(url).copy(ObjectURL.parse(source), url)
         else:

@@ -1,0 +1,130 @@
+"""``--engine ray`` with the store and the work directory in object storage, on a REAL one-node Ray
+cluster whose workers have a temporary directory of their own (so each task mirrors the areas on
+"its node" and everything it makes reaches the driver through the bucket), and moto behind the
+counting proxy. The runs publish the bytes of the local engine; a driver killed mid-tokenize is
+``--resume``d from the bucket's receipts, redoing only the missing partitions."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
+
+ray = pytest.importorskip("ray", reason="the [ray] extra is not installed")
+
+from megatron_sft_idx.preprocess.cli import main as preprocess_main, repack_main  # noqa: E402
+from megatron_sft_idx.storage._stores import request_counts  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXAMPLES = os.path.join(ROOT, "examples")
+SETTINGS = ["--input", os.path.join(EXAMPLES, "conversations.jsonl"), os.path.join(EXAMPLES, "conversations_sharegpt.jsonl"),
+            "--tokenizer", os.path.join(EXAMPLES, "tokenizer"), "--pack-size", "256", "--max-packs-per-shard", "200",
+            "--split", "90,10", "--partition-bytes", "30000", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def workers_tmp(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("workers-tmp"))
+
+
+@pytest.fixture(scope="module")
+def cluster(loop, workers_tmp):
+    """A one-node cluster started here: workers see the S3 server and a TMPDIR not the driver's."""
+    env = dict(loop.env(), PYTHONPATH=ROOT, TMPDIR=workers_tmp)
+    ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False, runtime_env={"env_vars": env})
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("local")
+    assert preprocess_main(SETTINGS + ["--output-prefix", str(root / "out" / "ds"), "--store", str(root / "store")]) == 0
+    assert repack_main(["--store", str(root / "store"), "--output-prefix", str(root / "rp" / "ds"), "--pack-size", "512",
+                        "--quiet"]) == 0
+    return root
+
+
+def local_files(directory):
+    return {n: open(os.path.join(directory, n), "rb").read() for n in sorted(os.listdir(directory))
+            if not n.startswith(".")}
+
+
+def bucket_files(s3, bucket, prefix, hidden=False):
+    client = s3.client()
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])]
+    return {k[len(prefix):]: client.get_object(Bucket=bucket, Key=k)["Body"].read() for k in sorted(keys)
+            if hidden or not k[len(prefix):].startswith(".")}
+
+
+def test_store_and_work_directory_in_the_bucket_give_the_local_bytes(cluster, workers_tmp, s3, bucket, local_run,
+                                                                     tmp_path, capsys):
+    store, out = f"s3://{bucket}/store", f"s3://{bucket}/out/ds"
+    copies = request_counts().get("copy", 0)
+    assert preprocess_main(SETTINGS + ["--engine", "ray", "--ray-address", cluster, "--store", store,
+                                       "--output-prefix", out, "--check", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["engine"]["kind"] == "ray" and summary["engine"]["bucket_areas"] == [
+        store, f"s3://{bucket}/out/.ds.preprocess"]
+    published = bucket_files(s3, bucket, "out/")
+    assert published == local_files(local_run / "out") and len(published) > 6
+    # the shards were copied from the staged objects server-side, not uploaded by the driver
+    shards = [n for n in published if not n.endswith(".json")]
+    assert request_counts().get("copy", 0) - copies == len(shards)
+    # the work directory in the bucket is reduced to the run's record; the store's lock released
+    assert list(bucket_files(s3, bucket, "out/.ds.preprocess/", hidden=True)) == ["receipts/done/000000.json"]
+    assert "lock" not in bucket_files(s3, bucket, "store/")
+    # the tasks mirrored the areas under their own temporary directory, never the driver's paths
+    assert [n for n in os.listdir(workers_tmp) if n.startswith("msi-area-")]
+    # repack-sft on the cluster from the store URL to an output URL: the bytes of a local repack
+    assert repack_main(["--engine", "ray", "--ray-address", cluster, "--store", store, "--output-prefix",
+                        f"s3://{bucket}/out2/ds", "--pack-size", "512", "--quiet"]) == 0
+    assert bucket_files(s3, bucket, "out2/") == local_files(local_run / "rp")
+
+
+KILLED = """
+import os, signal, sys
+from megatron_sft_idx.preprocess import workarea
+real = workarea.AreaEngine.map
+def map(self, step, units, on_done, on_progress=None):
+    seen = [0]
+    def done(receipt):
+        on_done(receipt)
+        if step.name == "tokenize":
+            seen[0] += 1
+            if seen[0] == 3:
+                os.kill(os.getpid(), signal.SIGKILL)   # the driver dies, its lock and work stay
+    return real(self, step, units, done, on_progress)
+workarea.AreaEngine.map = map
+import ray   # joined with the workers' environment (the S3 server, their own TMPDIR), as a user's job would
+ray.init(address={address!r}, runtime_env={{"env_vars": {env!r}}})
+from megatron_sft_idx.preprocess.cli import main
+sys.exit(main({args!r}))
+"""
+
+
+def test_a_driver_killed_mid_tokenize_resumes_from_the_bucket(cluster, workers_tmp, loop, s3, bucket, local_run,
+                                                              tmp_path, capsys):
+    store, out = f"s3://{bucket}/store", f"s3://{bucket}/out/ds"
+    args = SETTINGS + ["--engine", "ray", "--ray-address", cluster, "--store", store, "--output-prefix", out]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    script = KILLED.format(args=args, address=cluster, env=dict(loop.env(), PYTHONPATH=ROOT, TMPDIR=workers_tmp))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    time.sleep(2)   # (tasks of the dead driver end with it)
+    done = bucket_files(s3, bucket, "store/receipts/tokenize/")
+    partitions = len(json.loads(bucket_files(s3, bucket, "store/store.json")[""])["partitions"])
+    assert 3 <= len(done) < partitions
+    assert "lock" in bucket_files(s3, bucket, "store/")          # the dead driver's lock is left
+    assert preprocess_main(args + ["--resume", "--json"]) == 0   # its holder is dead: taken over at once
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["resumed_units"]["tokenize"] == len(done)     # only the missing partitions redone
+    assert bucket_files(s3, bucket, "out/") == local_files(local_run / "out")
+    assert len(bucket_files(s3, bucket, "store/receipts/tokenize/")) == partitions
