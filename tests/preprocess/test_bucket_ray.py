@@ -128,3 +128,24 @@ def test_a_driver_killed_mid_tokenize_resumes_from_the_bucket(cluster, workers_t
     assert summary["resumed_units"]["tokenize"] == len(done)     # only the missing partitions redone
     assert bucket_files(s3, bucket, "out/") == local_files(local_run / "out")
     assert len(bucket_files(s3, bucket, "store/receipts/tokenize/")) == partitions
+
+
+def test_a_second_run_on_the_work_directory_is_refused_and_an_expired_lease_taken_over(
+        cluster, s3, bucket, local_run, tmp_path, capsys, monkeypatch):
+    """The run's lock in the bucket (.ds.preprocess/lock) held by a run on another host refuses this
+    one, naming its holder; once that holder's lease runs out (it stopped renewing), it is taken over."""
+    monkeypatch.setenv("MEGATRON_SFT_IDX_LEASE_SECONDS", "2")
+    out = f"s3://{bucket}/out/ds"
+    code = ("import socket,sys; socket.gethostname=lambda: 'elsewhere';"
+            "from megatron_sft_idx.storage.lease import ObjectLock; ObjectLock(sys.argv[1], 'w').acquire();"
+            "import os; os._exit(0)")   # (killed: it never renews)
+    subprocess.run([sys.executable, "-c", code, f"s3://{bucket}/out/.ds.preprocess/lock"], check=True,
+                   env=dict(os.environ, PYTHONPATH=ROOT))
+    args = SETTINGS + ["--engine", "ray", "--ray-address", cluster, "--output-prefix", out]
+    assert preprocess_main(args) == 1
+    err = capsys.readouterr().err
+    assert "another process (pid " in err and " on elsewhere) is writing output " + out in err, err
+    assert bucket_files(s3, bucket, "out/") == {}                 # nothing written
+    time.sleep(2.1)
+    assert preprocess_main(args + ["--resume"]) == 0
+    assert bucket_files(s3, bucket, "out/") == local_files(local_run / "out")
