@@ -231,6 +231,7 @@ class _Run:
             self.work = WorkDir(self.destination.work_prefix(job.output_prefix, job.run.staging_dir))  # a URL's: staged
         self.areas = tuple(a for a in (self.store_area, self.work_area) if a is not None)
         self.work_lock = None
+        self.store_lock = None   # (a store in object storage, while the run tokenizes into it)
         self.progress = Progress.of(job.run.progress)
         self.resumed: Dict[str, int] = {}
         self.engine = None
@@ -302,7 +303,8 @@ class _Run:
                 if self.engine.name == "ray":  # joining or starting the cluster: seconds, part of the run
                     self.times["ray_start"] = time.perf_counter() - t
                 if self.areas:
-                    self.engine = AreaEngine(self.engine, self.areas, self._pulls())
+                    self.engine = AreaEngine(self.engine, self.areas, self._pulls(),
+                                             lambda: [k for k in (self.work_lock, self.store_lock) if k is not None])
                 yield self
             except (OutputError, IncompleteDestinationError):
                 raise
@@ -348,6 +350,7 @@ class _Run:
         finally:
             self.work_lock.release()
             self.work_lock = None
+        self.store_lock = None   # (a store in object storage, while the run tokenizes into it)
 
     # ------------------------------------------------------------------ the store
 
@@ -355,7 +358,7 @@ class _Run:
         """Index the inputs and tokenize every partition not yet in the store: the run's own, or
         the ``--store`` directory (``kept_store``, locked meanwhile)."""
         if self.store_area is not None:
-            lock = lock_store_area(self.store_area, self.job.run.resume, self.job.run.overwrite)
+            lock = self.store_lock = lock_store_area(self.store_area, self.job.run.resume, self.job.run.overwrite)
         else:
             lock = lock_user_store(self.kept_store, self.job.run.resume, self.job.run.overwrite) \
                 if self.kept_store else None

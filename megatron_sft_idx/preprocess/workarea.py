@@ -24,7 +24,9 @@ reduced to its record) is seen by the next :meth:`~Area.sync`.
 :class:`Mirrored` runs a step's unit on any node: it *rebases* the step's paths from the
 driver's local root to the node's (:func:`rebase`, over the step's dataclass fields and its
 :class:`~.receipts.ReceiptBook`), pulls what the unit reads, runs it, and pushes the unit's
-artifacts (its receipt lists them) and then its receipt. :class:`AreaEngine` wraps an engine
+artifacts (its receipt lists them) and then its receipt -- only while the run that started it
+still holds its locks (checked before the artifacts and again before the receipt), so a task
+a killed driver left running never commits into the run that took over. :class:`AreaEngine` wraps an engine
 so that every step it maps runs :class:`Mirrored` (the local engine and the Ray engine alike),
 with the driver's own changes synced before and the tasks' results pulled after.
 
@@ -42,7 +44,7 @@ import os
 import shutil
 import tempfile
 import uuid
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ..errors import ShardError, ShardExistsError
 from ..format import IDX_SUFFIX
@@ -314,6 +316,7 @@ class Mirrored:
     areas: Tuple[Area, ...]
     pulls: Tuple[str, ...] = ()
     skeleton: Tuple[Tuple[str, ...], ...] = ()   # per area: its directories on the driver (made on every node)
+    held: Tuple[Tuple[str, str], ...] = ()        # (lock URL, nonce) of the locks the run holds
 
     @property
     def name(self) -> str:
@@ -344,12 +347,28 @@ class Mirrored:
         receipt = step.run(unit)
         book = step.book
         files = [os.path.join(book.base, *rel.split("/")) for rel in receipt["artifacts"]]
+        self._still_held(unit)
         for area in here:
-            mine = [p for p in commit_points_last(files) if area.rel(p) is not None]
+            area.push([p for p in commit_points_last(files) if area.rel(p) is not None])
+        self._still_held(unit)   # (again, just before the commit point)
+        for area in here:
             if area.rel(book.path(unit)) is not None:
-                mine.append(book.path(unit))
-            area.push(mine)
+                area.push([book.path(unit)])
         return receipt
+
+    def _still_held(self, unit: int) -> None:
+        """Refuse to push for a run that no longer holds its locks: a task left running by a
+        killed driver must not commit into the area of the run that took the lock over.
+
+        Raises:
+            ShardError: a lock is gone or another run's, naming it."""
+        for url, nonce in self.held:
+            holder = ObjectLock(url, "").owner()
+            if holder is None or holder["nonce"] != nonce:
+                raise ShardError(f"{self.name} unit {unit}: the run that started it no longer holds its lock; "
+                                 "nothing of the unit was committed", path=url, field="lock",
+                                 expected=nonce, actual=None if holder is None else holder["nonce"],
+                                 hint="another run took the work over (its driver was killed); nothing to do")
 
 
 class AreaEngine:
@@ -358,14 +377,16 @@ class AreaEngine:
     reads the results locally, as with a local work directory). ``pulls``: step name -> the
     URLs its units read."""
 
-    def __init__(self, engine, areas: Sequence[Area], pulls: Dict[str, Tuple[str, ...]]) -> None:
-        self.engine, self.areas, self.pulls = engine, tuple(areas), dict(pulls)
+    def __init__(self, engine, areas: Sequence[Area], pulls: Dict[str, Tuple[str, ...]],
+                 locks: Callable[[], Sequence[ObjectLock]] = tuple) -> None:
+        self.engine, self.areas, self.pulls, self.locks = engine, tuple(areas), dict(pulls), locks
         self.name = engine.name
 
     def map(self, step, units, on_done, on_progress=None) -> None:
         self.sync()
         skeleton = tuple(tuple(_directories(a.local)) for a in self.areas)
-        self.engine.map(Mirrored(step, self.areas, self.pulls.get(step.name, ()), skeleton), units, on_done,
+        held = tuple((str(lock.url), lock.nonce) for lock in self.locks() if lock.held)
+        self.engine.map(Mirrored(step, self.areas, self.pulls.get(step.name, ()), skeleton, held), units, on_done,
                         on_progress)
         self.pull()
 

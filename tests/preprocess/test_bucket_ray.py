@@ -81,6 +81,10 @@ def test_store_and_work_directory_in_the_bucket_give_the_local_bytes(cluster, wo
     # the work directory in the bucket is reduced to the run's record; the store's lock released
     assert list(bucket_files(s3, bucket, "out/.ds.preprocess/", hidden=True)) == ["receipts/done/000000.json"]
     assert "lock" not in bucket_files(s3, bucket, "store/")
+    # --resume of the finished run: the bucket's record says done, nothing is run again
+    assert preprocess_main(SETTINGS + ["--engine", "ray", "--ray-address", cluster, "--store", store,
+                                       "--output-prefix", out, "--check", "--json", "--resume"]) == 0
+    assert json.loads(capsys.readouterr().out)["resumed_units"] == {"done": 1}
     # the tasks mirrored the areas under their own temporary directory, never the driver's paths
     assert [n for n in os.listdir(workers_tmp) if n.startswith("msi-area-")]
     # repack-sft on the cluster from the store URL to an output URL: the bytes of a local repack

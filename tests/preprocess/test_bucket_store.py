@@ -84,7 +84,8 @@ def test_resume_from_the_bucket_redoes_a_damaged_partition(s3, bucket, local_run
     data[100] ^= 0xFF
     client.put_object(Bucket=bucket, Key=key, Body=bytes(data))              # damaged in the bucket
     forget_mirror(store)                                                      # a fresh node
-    again = SETTINGS + ["--store", store, "--output-prefix", str(tmp_path / "again" / "ds"), "--resume", "--json"]
+    again = SETTINGS + ["--store", store, "--output-prefix", str(tmp_path / "again" / "ds"), "--resume", "--json",
+                        "--workers", "2"]   # (forked workers push what they make themselves)
     assert preprocess_main(again) == 0
     summary = json.loads(capsys.readouterr().out)
     partitions = len(bucket_files(s3, bucket, "stores/s2/receipts/tokenize/"))
@@ -136,3 +137,46 @@ def test_repack_plan_batches_and_virtual_packs_from_a_store_url(s3, bucket, loca
     for i in range(len(a)):
         x, y = a[i], b[i]
         assert (x.input_ids.tolist(), x.loss_mask.tolist()) == (y.input_ids.tolist(), y.loss_mask.tolist())
+
+
+def test_a_unit_commits_data_then_receipt_and_only_while_its_run_holds_the_lock(s3, bucket, tmp_path):
+    """Mirrored: a unit's artifacts reach the bucket before its receipt; a task of a run that lost
+    its lock (its driver was killed and another run took over) commits nothing."""
+    from dataclasses import dataclass
+
+    from megatron_sft_idx.errors import ShardError
+    from megatron_sft_idx.preprocess.receipts import ReceiptBook
+    from megatron_sft_idx.preprocess.workarea import Mirrored
+    from megatron_sft_idx.storage.lease import ObjectLock
+
+    @dataclass(frozen=True)
+    class WriteOne:   # a step of the engines' contract: writes one artifact, then its receipt
+        directory: str
+        book: ReceiptBook
+        name: str = "write"
+
+        def run(self, unit):
+            path = os.path.join(self.directory, "data", f"d_{unit}.bin")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(bytes([unit]) * 100)
+            return self.book.write(unit, {}, [path])
+
+    area = Area(f"s3://{bucket}/area")
+    lock = area.lock("w")
+    lock.acquire()
+    step = WriteOne(area.local, ReceiptBook(area.child("receipts"), "write", "k", area.local))
+    unit = Mirrored(step, (area,), held=((str(lock.url), lock.nonce),))
+    s3.clear()
+    assert unit.run(0)["artifacts"] == {"data/d_0.bin": 100}
+    puts = [k for m, k, _, _ in s3.requests if m == "PUT"]
+    assert [k.split("/area/")[1] for k in puts] == ["data/d_0.bin", "receipts/write/000000.json"]
+    lock.release()
+    other = ObjectLock(str(lock.url), "w")
+    other.acquire()                                   # another run holds the area now
+    try:
+        with pytest.raises(ShardError, match="no longer holds its lock"):
+            unit.run(1)
+        assert sorted(bucket_files(s3, bucket, "area/")) == ["data/d_0.bin", "lock", "receipts/write/000000.json"]
+    finally:
+        other.release()
