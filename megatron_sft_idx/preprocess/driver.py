@@ -67,7 +67,7 @@ from .summary import PackResult, build_summary, write_skip_report
 from .tokenize import (IndexStep, Inputs, TokenizeStep, describe_store, index_schema, lock_user_store,
                        part_metadata, partition_sizes, recorded_template_date, resolve_inputs,
                        verified_partitions)
-from .workarea import Area, AreaEngine, lock_store_area
+from .workarea import Area, RunAreas
 from .workdir import WorkDir, keep_only_record
 
 log = logging.getLogger("megatron_sft_idx.preprocess")
@@ -93,9 +93,12 @@ def run(cfg: Config) -> dict:
             sum(size for _, size, _ in inputs.stat()))))
     if inputs.options.template_date is not None and cfg.tokenize.template_date is None and cfg.run.resume:
         # the store being continued (--store, or the run's own) keeps the date it was rendered with
-        work = destination_for(job.output_prefix).work_prefix(job.output_prefix, job.run.staging_dir)
-        if store_area is not None:
-            store_area.pull("store.json")
+        areas = RunAreas(job.output_prefix, job.run.engine, job.run.staging_dir, store_area)
+        work = areas.work_prefix(destination_for(job.output_prefix).work_prefix(job.output_prefix,
+                                                                                job.run.staging_dir))
+        for area, rel in ((store_area, "store.json"), (None if store_area else areas.work, "store/store.json")):
+            if area is not None:   # (a store in object storage: its description, mirrored here)
+                area.pull(rel)
         recorded = recorded_template_date(store_dir or WorkDir(work).store)
         if recorded is not None and recorded != inputs.options.template_date:
             inputs = resolve_inputs(cfg, recorded)
@@ -220,18 +223,11 @@ class _Run:
                  store_area: Optional[Area] = None) -> None:
         self.job, self.key, self.times, self.kept_store = job, key, times, kept_store
         self.destination = destination_for(job.output_prefix)
-        self.store_area = store_area
-        self.work_area = _work_area(job, self.destination)
-        if self.work_area is not None:   # staged shards are published by server-side copies
-            self.destination = ObjectDestination(copies=self.work_area.object_of)
-        if self.work_area is not None:   # in the bucket beside the output, mirrored here
-            self.work = WorkDir(os.path.join(os.path.dirname(self.work_area.local), self.destination.name(
-                job.output_prefix)))
-        else:
-            self.work = WorkDir(self.destination.work_prefix(job.output_prefix, job.run.staging_dir))  # a URL's: staged
-        self.areas = tuple(a for a in (self.store_area, self.work_area) if a is not None)
-        self.work_lock = None
-        self.store_lock = None   # (a store in object storage, while the run tokenizes into it)
+        self.areas = RunAreas(job.output_prefix, job.run.engine, job.run.staging_dir, store_area)
+        if self.areas.work is not None:   # staged shards are published by server-side copies
+            self.destination = ObjectDestination(copies=self.areas.work.object_of)
+        self.work = WorkDir(self.areas.work_prefix(self.destination.work_prefix(job.output_prefix,
+                                                                                 job.run.staging_dir)))
         self.progress = Progress.of(job.run.progress)
         self.resumed: Dict[str, int] = {}
         self.engine = None
@@ -247,12 +243,8 @@ class _Run:
         otherwise (logged: the run is done again, its outputs replaced as its own)."""
         if not self.job.run.resume:
             return None
-        if self.work_area is not None:
-            lock = self.work_area.lock(f"output {self.job.output_prefix}")
-            holder = lock.owner()
-            if holder is not None and lock.live(holder):   # a run holds it: not finished
-                return None
-            self.work_area.pull()
+        if self.areas.busy():   # (a work directory in the bucket that a run holds: not finished)
+            return None
         done = run_books(self.work, self.key)["done"].read(0)
         owner = self.work.lock.owner()
         if done is None or (owner is not None and owner != os.getpid() and _alive(owner)):
@@ -281,14 +273,7 @@ class _Run:
                 reached a final name); whatever a stage raises.
         """
         work, settings = self.work, self.job.run
-        if self.work_area is not None:
-            self.work_lock = self.work_area.lock(f"output {self.job.output_prefix}")
-            self.work_lock.acquire()   # raises, naming the run that holds it
-            try:
-                self.work_area.pull() if settings.resume else self.work_area.clear()
-            except BaseException:
-                self.work_lock.release()
-                raise
+        self.areas.open(settings.resume)   # (in the bucket: its lock, naming a run that holds it)
         self.owned = sorted(owned_files(work, self.key)) if settings.resume else []
         self.replaced = outputs.refuse_existing(self.job.bases, settings.overwrite, self.destination, set(self.owned))
         with terminate_as_exception():
@@ -302,9 +287,7 @@ class _Run:
                 self.engine = make_engine(settings.engine, settings.workers, settings.ray_address)
                 if self.engine.name == "ray":  # joining or starting the cluster: seconds, part of the run
                     self.times["ray_start"] = time.perf_counter() - t
-                if self.areas:
-                    self.engine = AreaEngine(self.engine, self.areas, self._pulls(),
-                                             lambda: [k for k in (self.work_lock, self.store_lock) if k is not None])
+                self.engine = self.areas.engine(self.engine, own_store=self.kept_store is None)
                 yield self
             except (OutputError, IncompleteDestinationError):
                 raise
@@ -323,42 +306,15 @@ class _Run:
                     self.engine.close()
                 if not work.closed:
                     work.close(remove)
-                self._release_area()
-
-    def _pulls(self) -> Dict[str, tuple]:
-        """What the units of each step read from the areas (AreaEngine): the store, the plan."""
-        store = self.store_area.url if self.store_area else (
-            self.work_area.url + "/store" if self.work_area and self.kept_store is None else None)
-        plan = self.work_area.url + "/plan" if self.work_area else None
-        return {"plan": tuple(u for u in (store,) if u), "materialize": tuple(u for u in (store, plan) if u)}
-
-    def _sync(self) -> None:
-        """The driver's own writes (receipts, removals) to the bucket, when the work directory is there."""
-        if self.work_area is not None:
-            if self.work_lock is not None:
-                self.work_lock.check()
-            self.work_area.sync()
-
-    def _release_area(self) -> None:
-        """Bring the bucket's work directory up to the local one and release its lock."""
-        if self.work_area is None or self.work_lock is None:
-            return
-        try:
-            self.work_area.sync()
-        except ShardError as exc:
-            log.warning("could not bring the work directory in object storage up to date: %s", exc)
-        finally:
-            self.work_lock.release()
-            self.work_lock = None
-        self.store_lock = None   # (a store in object storage, while the run tokenizes into it)
+                self.areas.release()
 
     # ------------------------------------------------------------------ the store
 
     def tokenize(self, cfg: Config, inputs: Inputs) -> SequenceStore:
         """Index the inputs and tokenize every partition not yet in the store: the run's own, or
         the ``--store`` directory (``kept_store``, locked meanwhile)."""
-        if self.store_area is not None:
-            lock = self.store_lock = lock_store_area(self.store_area, self.job.run.resume, self.job.run.overwrite)
+        if self.areas.store is not None:
+            lock = self.areas.lock_store(self.job.run.resume, self.job.run.overwrite)
         else:
             lock = lock_user_store(self.kept_store, self.job.run.resume, self.job.run.overwrite) \
                 if self.kept_store else None
@@ -456,7 +412,7 @@ class _Run:
         staged = _staged_set(shards, plan, self.job)
         result = PackResult(plan, [done[u] for u in range(len(shards))], manifests=[p for p, _ in staged.manifests],
                             times=self.times, resumed=self.resumed, engine=self.engine.describe(),
-                            kept_store=self.store_area.url if self.store_area else self.kept_store)
+                            kept_store=self.areas.store.url if self.areas.store else self.kept_store)
         moved = published if self.destination.moves else set()   # (where a publish moves the staged files)
         located = [replace(s, staged=s.final) if u in moved else s for u, s in enumerate(shards)]
         checked = books["checks"].read(0)
@@ -561,7 +517,7 @@ class _Run:
         finals = ({s.final + x for s in staged.shards for x in PUBLISH_ORDER} | {path for path, _ in staged.manifests}
                   | {o.final for o in staged.orders})
         books["intent"].write(0, {"files": sorted(finals | set(self.owned))})
-        self._sync()   # (the intent is in the bucket before any final name is touched)
+        self.areas.sync()   # (the intent is in the bucket before any final name is touched)
         normal = self.destination.normal
         ours = {normal(p) for p in finals}
         mine = {normal(p) for p in self.owned}
@@ -570,7 +526,7 @@ class _Run:
         with self.progress.phase("publish", len(staged.shards), unit="shards") as bar:
             written = publish(staged, list(self.replaced) + stale, books["publish"], self.destination,
                               on_shard=lambda: bar.update(1))
-        self._sync()
+        self.areas.sync()
         self.times["publish"] = time.perf_counter() - t
         return written
 
@@ -581,23 +537,13 @@ class _Run:
         run_books(self.work, self.key)["done"].write(0, {
             "summary": summary, "outputs": record_outputs(staged, receipts, self.work, written),
             "inputs": [{"name": i["name"], "sha256": i["sha256"]} for i in store.inputs]})
-        self._sync()   # (the record is in the bucket before the rest of the work directory goes)
+        self.areas.sync()   # (the record is in the bucket before the rest of the work directory goes)
         self.summary = summary
         committed()  # (a signal from here on is ignored by the tool, or caught by started())
         with signals_deferred():  # committed: finish the cleanup whatever arrives now
             self.engine.close()
             self.engine = None
             self.work.retire()
-
-
-def _work_area(job: PackJob, destination) -> Optional[Area]:
-    """The run's work directory in object storage, beside an ``s3://`` / ``msc://`` output, when
-    the Ray engine runs the stages and no ``--staging-dir`` (a shared filesystem) is given; None:
-    a local work directory (a local output's, or the local engine's staging of a URL's)."""
-    if not is_remote(job.output_prefix) or job.run.engine != "ray" or job.run.staging_dir:
-        return None
-    parent = destination.parent(job.output_prefix)
-    return Area(destination.join(parent, f".{destination.name(job.output_prefix)}.preprocess"))
 
 
 def _staged_set(shards: Sequence[OutputShard], plan: dict, job: PackJob) -> StagedSet:

@@ -48,7 +48,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ..errors import ShardError, ShardExistsError
 from ..format import IDX_SUFFIX
-from ..storage._url import ObjectURL
+from ..storage._url import ObjectURL, is_remote
 from ..storage.config import StorageConfig
 from ..storage.lease import ObjectLock
 from .receipts import ReceiptBook
@@ -449,5 +449,107 @@ def mirrored_store(url: str) -> str:
     return area.local
 
 
-__all__ = ["Area", "Mirrored", "AreaEngine", "rebase", "lock_store_area", "mirrored_store",
-           "commit_points_last", "commit_points_first"]
+
+# --------------------------------------------------------------------------- one run's areas
+
+
+def work_area_for(output_prefix: str, engine: str, staging_dir: Optional[str]) -> Optional[Area]:
+    """The run's work directory in object storage, beside an ``s3://`` / ``msc://`` output
+    (``.NAME.preprocess/``, as beside a local one), when the Ray engine runs the stages and no
+    ``--staging-dir`` (a shared filesystem) is given; None: a local work directory (a local
+    output's, or the local engine's staging of a URL's)."""
+    if not is_remote(output_prefix) or engine != "ray" or staging_dir:
+        return None
+    url = ObjectURL.parse(output_prefix)
+    return Area(str(url.parent.join(f".{url.name}.preprocess")))
+
+
+class RunAreas:
+    """The areas of one run -- a ``--store`` in object storage, a work directory in the bucket --
+    with their locks, as the driver uses them (see the module doc).
+
+    Args:
+        output_prefix, engine, staging_dir: the run's (they decide :func:`work_area_for`).
+        store: the ``--store`` URL's area, or None.
+    """
+
+    def __init__(self, output_prefix: str, engine: str, staging_dir: Optional[str], store: Optional[Area]) -> None:
+        self.output_prefix = output_prefix
+        self.store, self.work = store, work_area_for(output_prefix, engine, staging_dir)
+        self.all = tuple(a for a in (self.store, self.work) if a is not None)
+        self.work_lock: Optional[ObjectLock] = None
+        self.store_lock: Optional[ObjectLock] = None
+
+    def work_prefix(self, fallback: str) -> str:
+        """The prefix the run's local ``WorkDir`` is made from: the mirror of the work area, or ``fallback``."""
+        if self.work is None:
+            return fallback
+        return os.path.join(os.path.dirname(self.work.local), ObjectURL.parse(self.output_prefix).name)
+
+    def _work_lock(self) -> ObjectLock:
+        return self.work.lock(f"output {self.output_prefix}")
+
+    def busy(self) -> bool:
+        """Whether a run holds the work area now (its lease running); else the area is pulled here."""
+        if self.work is None:
+            return False
+        lock = self._work_lock()
+        holder = lock.owner()
+        if holder is not None and lock.live(holder):
+            return True
+        self.work.pull()
+        return False
+
+    def open(self, resume: bool) -> None:
+        """Take the work area's lock (raises, naming its holder), then pull it (``resume``) or clear it."""
+        if self.work is None:
+            return
+        self.work_lock = self._work_lock()
+        self.work_lock.acquire()
+        try:
+            self.work.pull() if resume else self.work.clear()
+        except BaseException:
+            self.release()
+            raise
+
+    def lock_store(self, resume: bool, overwrite: bool) -> ObjectLock:
+        """:func:`lock_store_area` of the store area; the lock is also held by every unit run meanwhile."""
+        self.store_lock = lock_store_area(self.store, resume, overwrite)
+        return self.store_lock
+
+    def engine(self, engine, own_store: bool):
+        """``engine`` wrapped to run every step's units mirrored (:class:`AreaEngine`), or as it is
+        when there is no area. ``own_store``: the store is the work directory's ``store/``."""
+        if not self.all:
+            return engine
+        store = self.store.url if self.store else (self.work.url + "/store" if own_store else None)
+        plan = self.work.url + "/plan" if self.work else None
+        pulls = {"plan": tuple(u for u in (store,) if u), "materialize": tuple(u for u in (store, plan) if u)}
+        return AreaEngine(engine, self.all, pulls,
+                          lambda: [k for k in (self.work_lock, self.store_lock) if k is not None])
+
+    def sync(self) -> None:
+        """The driver's own writes (receipts, removals) to the bucket's work directory.
+
+        Raises:
+            ShardError: the run lost the work directory's lock."""
+        if self.work is not None:
+            if self.work_lock is not None:
+                self.work_lock.check()
+            self.work.sync()
+
+    def release(self) -> None:
+        """Bring the bucket's work directory up to the local one and release its lock."""
+        if self.work is None or self.work_lock is None:
+            return
+        try:
+            self.work.sync()
+        except ShardError as exc:
+            log.warning("could not bring the work directory in object storage up to date: %s", exc)
+        finally:
+            self.work_lock.release()
+            self.work_lock = None
+
+
+__all__ = ["Area", "Mirrored", "AreaEngine", "RunAreas", "rebase", "lock_store_area", "mirrored_store",
+           "work_area_for", "commit_points_last", "commit_points_first"]
