@@ -180,3 +180,46 @@ def test_a_unit_commits_data_then_receipt_and_only_while_its_run_holds_the_lock(
         assert sorted(bucket_files(s3, bucket, "area/")) == ["data/d_0.bin", "lock", "receipts/write/000000.json"]
     finally:
         other.release()
+
+
+KILLED = """
+import os, signal, sys
+from megatron_sft_idx.preprocess import workarea
+real = workarea.AreaEngine.map
+def map(self, step, units, on_done, on_progress=None):
+    seen = [0]
+    def done(receipt):
+        on_done(receipt)
+        if step.name == "tokenize":
+            seen[0] += 1
+            if seen[0] == 3:
+                os.kill(os.getpid(), signal.SIGKILL)   # no cleanup at all: the store's lock stays
+    return real(self, step, units, done, on_progress)
+workarea.AreaEngine.map = map
+from megatron_sft_idx.preprocess.cli import main
+sys.exit(main({args!r}))
+"""
+
+
+def test_a_run_killed_mid_tokenize_resumes_from_the_buckets_receipts(s3, bucket, local_run, tmp_path, capsys):
+    """SIGKILL after the third partition; the store's mirror lost with the machine; --resume elsewhere
+    keeps exactly the partitions whose receipts reached the bucket and gives the local bytes."""
+    import signal
+    import subprocess
+    import sys
+
+    store = f"s3://{bucket}/stores/s5"
+    args = SETTINGS + ["--store", store, "--output-prefix", str(tmp_path / "out" / "ds")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", KILLED.format(args=args)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    done = bucket_files(s3, bucket, "stores/s5/receipts/tokenize/")
+    partitions = len(json.loads(bucket_files(s3, bucket, "stores/s5/store.json")[""])["partitions"])
+    assert len(done) == 3 < partitions and "lock" in bucket_files(s3, bucket, "stores/s5/")
+    forget_mirror(store)
+    assert preprocess_main(args + ["--resume", "--json"]) == 0   # the dead holder's lock is taken over
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["resumed_units"]["tokenize"] == 3
+    assert local_files(tmp_path / "out") == local_files(local_run / "out")
+    assert len(bucket_files(s3, bucket, "stores/s5/receipts/tokenize/")) == partitions
