@@ -23,6 +23,10 @@ after the last one is published, the *done* record (summary, outputs with sizes 
 inputs by digest) makes the run committed, and the work directory is reduced to that record,
 so ``--resume`` of a finished run is a no-op while its outputs and inputs are unchanged.
 
+A store or work directory in object storage (:mod:`.workarea`): every engine's units run
+mirrored (pull what they read, push what they make, the receipt last), the driver syncs its own
+writes and pulls the results, both areas are locked by objects written conditionally.
+
 Memory of the driver: receipts, plus (local engine, in-process plan) ~16-24 bytes per
 conversation for the planner. Same inputs and settings give byte-identical shards whatever
 ``--workers``, ``--engine``, ``--partition-bytes`` or ``--batch-size``, whichever command wrote
