@@ -340,6 +340,14 @@ def usage_problem(args) -> str:
             return f"--balance-for/--cost-model: {exc}"
     from ..storage._url import local_only
 
+    store, output = getattr(args, "store", None) or "", getattr(args, "output_prefix", None) or ""
+    if store.startswith("msc://") and getattr(args, "input", None):
+        return (f"--store {store}: a store written in object storage is locked by conditional writes, which "
+                "msc:// does not offer; give its s3:// URL (repack-sft reads an msc:// store)")
+    if output.startswith("msc://") and args.engine == "ray" and not args.staging_dir:
+        return (f"--output-prefix {output}: with --engine ray the work directory goes beside it, locked by "
+                "conditional writes, which msc:// does not offer; give its s3:// URL, or --staging-dir DIR "
+                "on a filesystem every node mounts")
     return local_only((flag, getattr(args, flag[2:].replace("-", "_"), None)) for flag in
                       ("--input", "--staging-dir", "--summary-json", "--tokenizer", "--plan-only"))
 

@@ -223,3 +223,13 @@ def test_a_run_killed_mid_tokenize_resumes_from_the_buckets_receipts(s3, bucket,
     assert summary["resumed_units"]["tokenize"] == 3
     assert local_files(tmp_path / "out") == local_files(local_run / "out")
     assert len(bucket_files(s3, bucket, "stores/s5/receipts/tokenize/")) == partitions
+
+
+def test_msc_cannot_hold_a_store_being_written_or_a_ray_work_directory(tmp_path, capsys):
+    """msc:// offers no conditional writes, so no lock: refused in one line before any work, saying why."""
+    assert preprocess_main(SETTINGS + ["--store", "msc://p/store", "--output-prefix", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "--store msc://p/store: a store written in object storage is locked by conditional writes" in err, err
+    assert repack_main(["--store", str(tmp_path / "s"), "--output-prefix", "msc://p/out/ds", "--engine", "ray"]) == 2
+    err = capsys.readouterr().err
+    assert "--output-prefix msc://p/out/ds: with --engine ray the work directory goes beside it" in err, err
