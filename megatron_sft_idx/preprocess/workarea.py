@@ -87,7 +87,8 @@ class Area:
         return f"Area({self.url!r} -> {self.local!r})"
 
     @property
-    def store(self):
+    def objects(self):
+        """This process's client of the area's object store (``storage._stores``)."""
         return _stores()(self.root, self.config)
 
     def child(self, rel: str) -> str:
@@ -163,7 +164,7 @@ class Area:
         base = self.root.key.rstrip("/") + "/"
         url = ObjectURL(self.root.scheme, self.root.bucket, base + prefix)
         out = {}
-        for obj, info in self.store.list(url, recursive=True):
+        for obj, info in self.objects.list(url, recursive=True):
             rel = obj.key[len(base):]
             if rel and rel not in _NOT_MIRRORED:
                 out[rel] = info
@@ -174,7 +175,7 @@ class Area:
         number of objects downloaded."""
         listed = self.listing(prefix)
         todo = [(rel, info) for rel, info in sorted(listed.items()) if self._unchanged(rel) != info.etag]
-        store = self.store
+        store = self.objects
 
         def fetch(item) -> None:
             rel, info = item
@@ -204,7 +205,7 @@ class Area:
     def push(self, paths: Sequence[str]) -> None:
         """Upload the local files ``paths`` (under the local root), one after another in this
         order (the caller puts the commit points last)."""
-        store = self.store
+        store = self.objects
         for path in paths:
             rel = self.rel(path)
             if rel is None:
@@ -236,14 +237,14 @@ class Area:
             if not os.path.exists(self.child(rel)):
                 removed.append(rel)
         for rel in commit_points_first(removed):
-            self.store.delete(self.url_of(rel))
+            self.objects.delete(self.url_of(rel))
             self._forget(rel)
         self.push(commit_points_last(changed, self.local))
 
     def clear(self) -> None:
         """Delete every object of the area (receipts first) and the local mirror."""
         for rel in commit_points_first(list(self.listing())):
-            self.store.delete(self.url_of(rel))
+            self.objects.delete(self.url_of(rel))
         shutil.rmtree(self.local, ignore_errors=True)
         shutil.rmtree(self._etags, ignore_errors=True)
 
@@ -255,7 +256,7 @@ class Area:
         etag = None if rel is None else self._unchanged(rel)
         if not etag:
             return None
-        info = self.store.head(self.url_of(rel))
+        info = self.objects.head(self.url_of(rel))
         return str(self.url_of(rel)) if info is not None and info.etag == etag else None
 
     def lock(self, what: str) -> ObjectLock:
