@@ -153,3 +153,44 @@ def test_a_second_run_on_the_work_directory_is_refused_and_an_expired_lease_take
     time.sleep(2.1)
     assert preprocess_main(args + ["--resume"]) == 0
     assert bucket_files(s3, bucket, "out/") == local_files(local_run / "out")
+
+
+KILLED_PUBLISHING = """
+import os, signal, sys
+from megatron_sft_idx.storage import _stores
+real, seen = _stores.ObjectStore.copy, [0]
+def copy(self, source, url):
+    seen[0] += 1
+    if seen[0] == 3:
+        os.kill(os.getpid(), signal.SIGKILL)   # mid-publish: two shards copied, the third not
+    return real(self, source, url)
+_stores.ObjectStore.copy = copy
+import ray
+ray.init(address={address!r}, runtime_env={{"env_vars": {env!r}}})
+from megatron_sft_idx.preprocess.cli import main
+sys.exit(main({args!r}))
+"""
+
+
+def test_a_driver_killed_mid_publish_is_finished_by_another_driver(cluster, workers_tmp, loop, s3, bucket, local_run,
+                                                                  tmp_path, capsys):
+    """The driver dies while copying the staged shards to their final names; a driver on "another
+    machine" (its mirrors gone) finishes the publish from the bucket's intent and receipts."""
+    import shutil
+
+    from megatron_sft_idx.preprocess.workarea import Area
+
+    out = f"s3://{bucket}/out/ds"
+    args = SETTINGS + ["--engine", "ray", "--ray-address", cluster, "--output-prefix", out]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    script = KILLED_PUBLISHING.format(args=args, address=cluster,
+                                      env=dict(loop.env(), PYTHONPATH=ROOT, TMPDIR=workers_tmp))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert "receipts/intent/000000.json" in bucket_files(s3, bucket, "out/.ds.preprocess/", hidden=True)
+    shutil.rmtree(os.path.dirname(Area(f"s3://{bucket}/out/.ds.preprocess").local))   # another driver machine
+    assert preprocess_main(args + ["--resume", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["resumed_units"]["materialize"] == len([n for n in local_files(local_run / "out")
+                                                           if n.endswith(".seq.idx")])
+    assert bucket_files(s3, bucket, "out/") == local_files(local_run / "out")
