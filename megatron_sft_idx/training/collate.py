@@ -46,8 +46,9 @@ Two versions of these rules (``bridge_semantics``; default: the installed Megatr
   row's ``token_count``, or, with ``pad_seq_to_mult > 1``, each segment's physical tail past
   its logical length (alignment padding and the trailing segment).
 
-Neither version returns ``pad_between_seqs`` (Bridge PR #5610, merged after that commit, adds
-it; it is not served here yet).
+Neither version follows Bridge PR #5610 (merged after ``067f987d``): it adds
+``pad_between_seqs`` and, with ``pad_seq_to_mult > 1``, keeps a supervised terminal EOS inside
+the logical length. Its merged form could not be read, so it is not served (docs/TRAINING.md).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from bridge_data import PACK_SIZE, bridge_tokenizer, write_bridge_artifacts
-from make_bridge_next_golden import GOLDEN, OPTION_SETS, packs_digest
+from make_bridge_next_golden import GOLDEN, OPTION_SETS, compare, packs_digest
 from test_bridge_parity import assert_same_batch
 
 from megatron_sft_idx.training.bridge import PackedSFTDataset
@@ -61,6 +61,7 @@ def test_the_installed_stack_defaults_to_its_own_semantics():
 def test_the_fixture_names_its_bridge_commit(golden):
     doc, arrays = golden
     assert len(doc["bridge_commit"]) == 40 and doc["bridge_file"].endswith("packing/gpt_sft.py")
+    assert doc["bridge_ref"] and len(bytes.fromhex(doc["bridge_file_sha256"])) == 32  # the file the batches came from
     assert len(doc["cells"]) == 4 * 3 * 2 * 2
     assert all("padding_mask" in c["keys"][0] for c in doc["cells"])  # main's batches, not 0.6's
 
@@ -91,6 +92,30 @@ def test_batches_identical_to_bridge_mains_collate(golden, packs, source):
             assert_same_batch(expected_batch(cell, b, arrays), got,
                               f"{source} cell {cell['id']} ({cell['kind']} cp{cell['pad_seq_to_mult']} "
                               f"{cell['options']} answer_only={cell['answer_only_loss']}) batch {idx}")
+
+
+def test_compare_names_what_another_bridge_commit_changes(golden, tmp_path, capsys):
+    """The generator's --compare (how the figures for PR #5610's head in docs/TRAINING.md were
+    measured): nothing against itself; a changed tensor and a new key, counted per batch."""
+    doc, arrays = golden
+    assert compare(GOLDEN, GOLDEN) == {}
+    other = dict(arrays)
+    cell = next(c for c in doc["cells"] if c["pad_seq_to_mult"] == 4)
+    name = f"c{cell['id']}_b0_cu_seqlens_q"
+    other[name] = other[name].copy()
+    other[name][0, 1] += 1
+    changed = json.loads(json.dumps(doc))
+    for c in changed["cells"]:
+        for keys in c["keys"]:
+            keys["pad_between_seqs"] = {"value": c["pad_seq_to_mult"] > 1}
+    np.savez_compressed(tmp_path / "batches.npz", **other)
+    with open(tmp_path / "cells.json", "w") as f:
+        json.dump(changed, f)
+    counts = compare(str(tmp_path), GOLDEN)
+    batches = {m: sum(len(c["batches"]) for c in doc["cells"] if c["pad_seq_to_mult"] == m) for m in (1, 4)}
+    assert counts == {("cu_seqlens_q", 4, "differs"): 1, ("pad_between_seqs", 1, "only in new"): batches[1],
+                      ("pad_between_seqs", 4, "only in new"): batches[4]}
+    assert f"pad_between_seqs = true in {batches[4]} of them (pad_seq_to_mult=4)" in capsys.readouterr().out
 
 
 def test_0_6_semantics_differ_from_main_on_these_cells(golden, packs):
