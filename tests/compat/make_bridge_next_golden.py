@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Regenerate tests/golden/bridge_next/: Megatron-Bridge ``main``'s packed collate on the compat packs.
+"""Regenerate tests/golden/bridge_next/ (or bridge_pr5610/): Megatron-Bridge's packed collate on the compat packs.
 
 CI has no network, so the batches Bridge's next release builds are committed as data (never
 Bridge's code). To regenerate, with Bridge's repository fetched (e.g. by the session's fetch
@@ -33,9 +33,12 @@ in the fetched mirror) against the committed fixture::
     python3 tests/compat/make_bridge_next_golden.py --bridge-repo /path/to/Megatron-Bridge \
         --commit refs/pull/5610/head --out /tmp/pr5610 --compare tests/golden/bridge_next
 
+The second fixture, ``tests/golden/bridge_pr5610/``, was written by exactly that command with
+``--out tests/golden/bridge_pr5610`` (commit ``8d95ff4c``; running it again writes the same bytes).
+
 ``tests/compat/test_bridge_next.py`` rebuilds the same packs with the installed 0.6.2 packer,
-checks their digest, and compares ``PackedSFTDataset(bridge_semantics="next")`` with these
-batches, element by element.
+checks their digest, and compares ``PackedSFTDataset(bridge_semantics="next")`` with the first
+fixture's batches and ``bridge_semantics="pr5610"`` with the second's, element by element.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 GOLDEN = os.path.join(ROOT, "tests", "golden", "bridge_next")
+#: The same cells at the head of Bridge PR #5610 (``--commit refs/pull/5610/head --out`` this).
+GOLDEN_PR5610 = os.path.join(ROOT, "tests", "golden", "bridge_pr5610")
 STACK = "megatron-bridge-0.6.2"
 MODULE = "megatron/bridge/data/packing/gpt_sft.py"
 UPSTREAM_PATH = "src/" + MODULE
