@@ -338,7 +338,7 @@ def usage_problem(args) -> str:
     from ..storage._url import local_only
 
     return local_only((flag, getattr(args, flag[2:].replace("-", "_"), None)) for flag in
-                      ("--input", "--store", "--staging-dir", "--summary-json", "--tokenizer", "--plan-only"))
+                      ("--store", "--staging-dir", "--summary-json", "--tokenizer", "--plan-only"))
 
 
 def run_and_report(prog: str, run, cfg, args, formatter=None) -> int:
