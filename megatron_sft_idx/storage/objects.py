@@ -10,8 +10,9 @@ while it is read, or since that pass, fails with
 :class:`~megatron_sft_idx.errors.ObjectChangedError` instead of mixing two generations.
 
 Memory: one read-ahead buffer (:data:`READ_AHEAD` bytes, the size of most GETs) per open
-file; a read larger than the buffer is fetched straight into the caller's buffer, in GETs of
-at most :data:`MAX_GET` bytes. :func:`list_objects` and :func:`stat_object` are the listing
+file (:data:`SEEKING_READ_AHEAD` for a reader that asks for exact ranges), never past the end
+of the byte range being read; a read larger than the buffer is fetched straight into the
+caller's buffer, in GETs of at most :data:`MAX_GET` bytes. :func:`list_objects` and :func:`stat_object` are the listing
 and the HEAD an input expansion needs. Nothing here knows what the bytes hold.
 """
 
@@ -25,10 +26,13 @@ from ._stores import ObjectInfo, store_for
 from ._url import ObjectURL
 from .config import StorageConfig
 
-__all__ = ["ObjectInfo", "open_object", "stat_object", "list_objects", "READ_AHEAD", "MAX_GET"]
+__all__ = ["ObjectInfo", "open_object", "stat_object", "list_objects", "READ_AHEAD", "SEEKING_READ_AHEAD",
+           "MAX_GET"]
 
 #: Bytes a buffered object file fetches ahead of its reader (one GET each when read sequentially).
 READ_AHEAD = 8 << 20
+#: The buffer of a reader that seeks to the exact ranges it needs (Parquet column chunks, Arrow batches).
+SEEKING_READ_AHEAD = 256 << 10
 #: The most bytes one GET of a large read asks for.
 MAX_GET = 64 << 20
 
@@ -51,7 +55,7 @@ class ObjectFile(io.RawIOBase):
     """The unbuffered file over one object version (use :func:`open_object`): each ``readinto``
     is one ranged GET (``If-Match`` the pinned ETag) of at most :data:`MAX_GET` bytes."""
 
-    def __init__(self, url: str, info: ObjectInfo, config: StorageConfig) -> None:
+    def __init__(self, url: str, info: ObjectInfo, config: StorageConfig, stop: Optional[int] = None) -> None:
         super().__init__()
         self.url = ObjectURL.parse(url)
         self.name = str(self.url)
@@ -59,6 +63,7 @@ class ObjectFile(io.RawIOBase):
         self.size = info.size
         self.config = config
         self._pos = 0
+        self.stop = stop   # no GET runs on past this offset from before it (reads after it still work)
 
     def readable(self) -> bool:
         return True
@@ -81,6 +86,8 @@ class ObjectFile(io.RawIOBase):
             raise ValueError("I/O operation on a closed object file")
         view = memoryview(buffer).cast("B")
         length = min(len(view), MAX_GET, max(0, self.size - self._pos))
+        if self.stop is not None and self._pos < self.stop:
+            length = min(length, self.stop - self._pos)   # (a short read: the buffer asks again past it)
         if length <= 0:
             return 0
         store = store_for(self.url, self.config)   # (this process's: a forked worker has its own)
@@ -91,11 +98,14 @@ class ObjectFile(io.RawIOBase):
 
 
 def open_object(url: str, etag: str = "", config: Optional[StorageConfig] = None,
-                info: Optional[ObjectInfo] = None, read_ahead: int = READ_AHEAD) -> io.BufferedReader:
+                info: Optional[ObjectInfo] = None, read_ahead: int = READ_AHEAD,
+                stop: Optional[int] = None) -> io.BufferedReader:
     """A buffered, seekable, read-only binary file over the object at ``url``, pinned to one
     version: ``etag`` when given (the version the caller read before), else the one the HEAD
     at open sees (``info``: what a listing already said, saving that HEAD when no ``etag``
-    is asked for).
+    is asked for). ``read_ahead``: the buffer's size (the usual GET of sequential reads; a
+    reader that seeks to exact ranges, as pyarrow does, wants a small one); ``stop``: where
+    the caller's reads end (a byte range's end), so reading ahead fetches nothing after it.
 
     Raises:
         FileNotFoundError: there is no such object (as ``open`` says it of a local file).
@@ -115,4 +125,4 @@ def open_object(url: str, etag: str = "", config: Optional[StorageConfig] = None
         raise ObjectChangedError("the object was replaced since it was read before (its ETag changed)", path=url,
                                  field="etag", expected=etag, actual=info.etag)
     pinned = ObjectInfo(info.size, etag or info.etag)
-    return io.BufferedReader(ObjectFile(url, pinned, cfg), buffer_size=read_ahead)
+    return io.BufferedReader(ObjectFile(url, pinned, cfg, stop), buffer_size=read_ahead)

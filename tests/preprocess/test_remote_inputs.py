@@ -15,15 +15,12 @@ JSON Lines streamed in bounded GETs, the tokenizer from the bucket, and the Ray 
 import gzip
 import json
 import os
-import shutil
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from megatron_sft_idx.errors import InputError, ObjectChangedError
-from megatron_sft_idx.metadata import ShardMetadata
 from megatron_sft_idx.preprocess import driver
 from megatron_sft_idx.preprocess.cli import main as preprocess_main
 from megatron_sft_idx.preprocess.config import Config
@@ -94,8 +91,9 @@ def upload_tree(s3, bucket, local, prefix):
 
 
 def run(inputs, out, store, *extra):
+    settings = [s for s in SETTINGS if s != "--quiet"] if "--no-quiet" in extra else SETTINGS
     assert preprocess_main(["--input", *inputs, "--tokenizer", TOKENIZER, "--output-prefix", str(out),
-                            "--store", str(store), *SETTINGS, *extra]) == 0
+                            "--store", str(store), *settings, *[e for e in extra if e != "--no-quiet"]]) == 0
 
 
 def output_prefixes(directory):
@@ -169,3 +167,179 @@ def test_every_kind_from_the_bucket_is_the_run_on_a_local_copy(tmp_path, s3, buc
     parts = store_body(tmp_path / "remote" / "store")["partitions"]
     if kind in ("jsonl", "array", "parquet", "arrow", "arrow_stream", "saved"):
         assert len(parts) > 1   # cut into several byte ranges / row groups / batches, as locally
+
+
+# --------------------------------------------------------------------------- expansion
+
+
+def make_tree(root):
+    """A directory of several kinds, a file no run reads, a hidden directory, a nested level."""
+    write_kind(root, "jsonl", RECORDS[:30])
+    write_kind(root / "sub", "array", RECORDS[30:60])
+    write_kind(root / "sub" / "deeper", "parquet", RECORDS[60:90])
+    open(root / "notes.txt", "w").write("not an input\n")
+    open(root / ".hidden.jsonl", "wb").write(jsonl_bytes(RECORDS[:2]))
+    write_kind(root / ".cache", "jsonl", RECORDS[:2])
+
+
+def test_a_prefix_and_globs_expand_as_the_local_directory_and_globs(tmp_path, s3, bucket):
+    from megatron_sft_idx.preprocess.records.inputs import expand_inputs
+
+    make_tree(tmp_path / "data")
+    upload_tree(s3, bucket, tmp_path / "data", "data")
+    base, url = str(tmp_path / "data"), f"s3://{bucket}/data"
+
+    def relative(names, prefix):
+        assert all(n.startswith(prefix) for n in names)
+        return [n[len(prefix):] for n in names]
+
+    for local_spec, remote_spec in ((base, url), (base + "/", url + "/"), (base + "/*.jsonl", url + "/*.jsonl"),
+                                    (base + "/**/*.json", url + "/**/*.json"), (base + "/s*/*", url + "/s*/*"),
+                                    (base + "/**", url + "/**")):
+        left_local, left_remote, sizes = [], [], {}
+        local = expand_inputs([local_spec], left_local)
+        remote = expand_inputs([remote_spec], left_remote, sizes)
+        assert relative(remote, url) == relative(local, base), remote_spec
+        assert relative(left_remote, url) == relative(left_local, base), remote_spec
+        assert sizes == {n: os.path.getsize(base + n[len(url):]) for n in remote}
+    left = []
+    assert relative(expand_inputs([url], left), url) == ["/a.jsonl", "/sub/a.json", "/sub/deeper/a.parquet"]
+    assert relative(left, url) == ["/.hidden.jsonl", "/notes.txt"]   # said, never read; .cache/ is not walked
+
+
+def warnings_said(capsys) -> list:
+    return [line for line in capsys.readouterr().err.splitlines() if ": warning: " in line]
+
+
+def test_a_run_from_a_prefix_is_the_run_on_the_local_directory(tmp_path, s3, bucket, capsys):
+    make_tree(tmp_path / "data")
+    upload_tree(s3, bucket, tmp_path / "data", "data")
+    base, url = str(tmp_path / "data"), f"s3://{bucket}/data/"
+    run([base + "/"], tmp_path / "local" / "out" / "ds", tmp_path / "local" / "store", "--no-quiet")
+    local_said = warnings_said(capsys)
+    run([url], tmp_path / "remote" / "out" / "ds", tmp_path / "remote" / "store", "--no-quiet")
+    said = [w for w in warnings_said(capsys) if "not of a kind the run reads" in w]
+    assert len(said) == 1 and f"{url}notes.txt" in said[0] and f"{url}.hidden.jsonl" in said[0]
+    assert said == [w.replace(base + "/", url) for w in local_said if "not of a kind" in w]   # said the same way
+    names = ["a.jsonl", "sub/a.json", "sub/deeper/a.parquet"]
+    assert_same_run(tmp_path / "local", tmp_path / "remote", [base + "/" + n for n in names], [url + n for n in names])
+
+
+def test_a_missing_object_is_one_line_naming_it(tmp_path, s3, bucket, capsys):
+    url = f"s3://{bucket}/nothing/here.jsonl"
+    assert preprocess_main(["--input", url, "--tokenizer", TOKENIZER, "--output-prefix", str(tmp_path / "o"),
+                            "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{url}: no input files match" in err and "Traceback" not in err
+    with pytest.raises(InputError, match="no input files match"):
+        driver.run(config([f"s3://{bucket}/nothing/*.jsonl"], tmp_path / "o"))
+
+
+def test_a_saved_dataset_missing_a_data_file_is_refused_by_name(tmp_path, s3, bucket):
+    write_kind(tmp_path / "data", "saved", RECORDS[:30])
+    upload_tree(s3, bucket, tmp_path / "data", "in")
+    first = sorted(n for n in os.listdir(tmp_path / "data" / "saved") if n.endswith(".arrow"))[0]
+    s3.client().delete_object(Bucket=bucket, Key=f"in/saved/{first}")
+    with pytest.raises(InputError, match="a data file state.json lists is missing") as info:
+        driver.run(config([f"s3://{bucket}/in/saved"], tmp_path / "o"))
+    assert info.value.path == f"s3://{bucket}/in/saved/{first}"
+
+
+# --------------------------------------------------------------------------- versions and identity
+
+
+def config(inputs, out, **kw):
+    return Config([str(i) for i in inputs], str(out), tokenizer=TOKENIZER, pack_size=1024, workers=1,
+                  progress="off", **kw)
+
+
+def test_an_object_replaced_between_index_and_tokenize_fails_by_name(tmp_path, s3, bucket, monkeypatch):
+    client = s3.client()
+    client.put_object(Bucket=bucket, Key="in/a.jsonl", Body=jsonl_bytes(RECORDS))
+    url = f"s3://{bucket}/in/a.jsonl"
+    real = driver._Run._index
+
+    def index_then_replace(self, *args, **kwargs):
+        index = real(self, *args, **kwargs)
+        client.put_object(Bucket=bucket, Key="in/a.jsonl", Body=jsonl_bytes(RECORDS[::-1]))  # same size, other bytes
+        return index
+
+    monkeypatch.setattr(driver._Run, "_index", index_then_replace)
+    with pytest.raises(ObjectChangedError) as info:
+        driver.run(config([url], tmp_path / "out" / "ds"))
+    message = str(info.value)
+    assert message.startswith(f"{url}: input {url} was replaced after it was indexed (its ETag changed)")
+    assert "--resume" in message
+    assert not os.path.exists(tmp_path / "out" / "ds.idx") and not [
+        n for n in os.listdir(tmp_path / "out") if n.endswith(".idx")]
+    monkeypatch.setattr(driver._Run, "_index", real)
+    # a rerun with --resume indexes the new bytes and gives the run of the new object
+    fresh = tmp_path / "fresh"
+    write_kind(fresh, "jsonl", RECORDS[::-1])
+    driver.run(config([url], tmp_path / "out" / "ds", resume=True))
+    driver.run(config([fresh / "a.jsonl"], tmp_path / "ref" / "ds"))
+    for a, b in zip(output_prefixes(tmp_path / "ref"), output_prefixes(tmp_path / "out")):
+        for suffix in SHARD_FILES:
+            assert open(a + suffix, "rb").read() == open(b + suffix, "rb").read()
+
+
+def test_a_replaced_object_is_never_read_as_a_mix_of_versions(tmp_path, s3, bucket):
+    """At the reader: a read pinned to the indexed version, of an object replaced since, fails."""
+    from megatron_sft_idx.preprocess.records.inputs import open_input, stat_input
+
+    client = s3.client()
+    client.put_object(Bucket=bucket, Key="x.jsonl", Body=b"a" * (9 << 20))
+    url = f"s3://{bucket}/x.jsonl"
+    size, version = stat_input(url)
+    with open_input(url, version) as f:
+        assert f.read(10) == b"a" * 10
+        client.put_object(Bucket=bucket, Key="x.jsonl", Body=b"b" * (9 << 20))
+        f.seek(size - 10)
+        with pytest.raises(ObjectChangedError):
+            f.read(10)   # (past its buffer: a GET of the version it opened, which is gone)
+    with pytest.raises(ObjectChangedError, match="replaced since it was read before"):
+        open_input(url, version)
+
+
+def test_resume_proves_the_inputs_by_content(tmp_path, s3, bucket, capsys):
+    from megatron_sft_idx._progress import configure_logging
+
+    configure_logging("preprocess-sft")
+    client = s3.client()
+    client.put_object(Bucket=bucket, Key="in/a.jsonl", Body=jsonl_bytes(RECORDS))
+    url = f"s3://{bucket}/in/a.jsonl"
+    out = tmp_path / "out" / "ds"
+    first = driver.run(config([url], out))
+    s3.clear()
+    again = driver.run(config([url], out, resume=True))
+    assert again["resumed_units"] == {"done": 1}
+    read = sum(n for _, _, n in object_gets(s3, bucket, ranged=True))
+    assert read == len(jsonl_bytes(RECORDS))   # every byte hashed again, from the object
+    before = {p: open(p + ".bin", "rb").read() for p in output_prefixes(tmp_path / "out")}
+    client.put_object(Bucket=bucket, Key="in/a.jsonl", Body=jsonl_bytes(RECORDS[::-1]))  # same size
+    capsys.readouterr()
+    third = driver.run(config([url], out, resume=True))
+    assert third.get("resumed_units") != {"done": 1}
+    assert any(f"{url}: input changed since the run finished" in w for w in warnings_said(capsys))
+    after = {p: open(p + ".bin", "rb").read() for p in output_prefixes(tmp_path / "out")}
+    assert after != before and first["conversations"] == third["conversations"]
+
+
+def test_a_large_json_lines_object_is_streamed_in_bounded_gets(tmp_path, s3, bucket):
+    """24 MiB of input (records between long blank lines): every GET of it is at most the
+    read-ahead, the index reads it in a few GETs, and each partition reads only its own range."""
+    from megatron_sft_idx.storage.objects import READ_AHEAD
+
+    pad = b" " * (200 << 10) + b"\n"
+    body = b"".join(json.dumps(r).encode() + b"\n" + pad for r in RECORDS)
+    s3.client().put_object(Bucket=bucket, Key="big.jsonl", Body=body)
+    url = f"s3://{bucket}/big.jsonl"
+    s3.clear()
+    summary = driver.run(config([url], tmp_path / "out" / "ds", partition_bytes=4 << 20))
+    assert summary["conversations"] == len(RECORDS)
+    gets = [(r, n) for k, r, n in object_gets(s3, bucket, ranged=True) if k == f"/{bucket}/big.jsonl"]
+    assert max(n for _, n in gets) <= READ_AHEAD
+    total = sum(n for _, n in gets)
+    # the index's pass (the whole object) + the tokenize stage's (each range once) + the kind sniff
+    assert 2 * len(body) <= total <= 2 * len(body) + (2 << 20)
+    assert len(gets) <= 2 * (len(body) // READ_AHEAD + 1) + len(body) // (4 << 20) + 4

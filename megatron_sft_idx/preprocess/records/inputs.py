@@ -251,7 +251,7 @@ def _remote_directory(directory: str, listed, left: Optional[List[str]], sizes: 
             tree.setdefault(parent, (set(), []))[0].add(levels[i])
             tree.setdefault("/".join(levels[: i + 1]), (set(), []))
         tree["/".join(levels[:-1])][1].append(levels[-1])
-        sizes[name] = present[name] = info.size
+        present[name] = info.size
     found: List[Tuple[str, List[str]]] = []
     top = directory.rstrip("/")
 
@@ -266,7 +266,9 @@ def _remote_directory(directory: str, listed, left: Optional[List[str]], sizes: 
             walk(f"{rel}/{sub}" if rel else sub)
 
     walk("")
-    return [p for _, paths in sorted(found) for p in paths]
+    out = [p for _, paths in sorted(found) for p in paths]
+    sizes.update((p, present[p]) for p in out)
+    return out
 
 
 def _read_small(url: str, limit: int) -> bytes:
@@ -281,19 +283,21 @@ def _read_small(url: str, limit: int) -> bytes:
         return f.read()
 
 
-def open_input(path: str, version: str = ""):
+def open_input(path: str, version: str = "", seeking: bool = False, stop: Optional[int] = None):
     """A binary, seekable file object over input ``path``: a local file, or an object read by
     ranged GETs (:func:`megatron_sft_idx.storage.objects.open_object`), pinned to ``version``
-    (the ETag an earlier pass read; ``""``: the one seen at open).
+    (the ETag an earlier pass read; ``""``: the one seen at open). For an object: ``seeking``
+    for a reader that seeks to the exact ranges it needs (a small read-ahead), ``stop`` where
+    the byte range being read ends (nothing after it is fetched ahead).
 
     Raises:
         OSError (FileNotFoundError: no such file or object); ObjectChangedError: the object
         is not ``version``; RemoteStorageError, RemoteTimeoutError: the store failed.
     """
     if is_remote(path):
-        from ...storage.objects import open_object
+        from ...storage.objects import READ_AHEAD, SEEKING_READ_AHEAD, open_object
 
-        return open_object(path, version)
+        return open_object(path, version, read_ahead=SEEKING_READ_AHEAD if seeking else READ_AHEAD, stop=stop)
     return open(path, "rb")
 
 
@@ -330,16 +334,18 @@ def read_blocks(stream, limit: int) -> Iterator[bytes]:
         yield block
 
 
-def open_text_bytes(path: str, version: str = ""):
-    """A binary stream of the file's (decompressed) bytes (``version``: see :func:`open_input`)."""
+def open_text_bytes(path: str, version: str = "", stop: Optional[int] = None):
+    """A binary stream of the file's (decompressed) bytes (``version``, ``stop``: see :func:`open_input`;
+    a compressed file's ``stop`` is in its compressed bytes)."""
     if path.endswith(".gz"):
-        return _OwningGzipFile(open_input(path, version))
+        return _OwningGzipFile(open_input(path, version, stop=stop))
     if path.endswith(".zst"):
         require_extra("preprocess", "zstandard")
         import zstandard
 
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open_input(path, version), closefd=True))
-    return open_input(path, version)
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open_input(path, version, stop=stop),
+                                                                              closefd=True))
+    return open_input(path, version, stop=stop)
 
 
 class _OwningGzipFile(gzip.GzipFile):

@@ -116,7 +116,7 @@ def file_kind(path: str, version: str = "") -> str:
     if path.endswith(ARROW_SUFFIXES):
         return "arrow"
     compressed = path.endswith(COMPRESSED_SUFFIXES)
-    with open_text_bytes(path, version) as stream:
+    with open_text_bytes(path, version, stop=_SNIFF_BYTES) as stream:
         first = b""
         while not first:
             block = stream.read(4096)
@@ -128,6 +128,10 @@ def file_kind(path: str, version: str = "") -> str:
     if first == b"[":
         return "array_stream" if compressed else "array"
     return "stream" if compressed else "lines"
+
+
+#: About what :func:`file_kind` reads of a file's start (an object's read-ahead stops there).
+_SNIFF_BYTES = BLOCK + 8192
 
 
 def _refuse_spread_object(head: bytes) -> None:
@@ -322,7 +326,7 @@ def _arrow_source(path: str, version: str = ""):
     import pyarrow as pa
 
     if is_remote(path):
-        return pa.PythonFile(open_input(path, version), mode="r")
+        return pa.PythonFile(open_input(path, version, seeking=True), mode="r")
     return pa.memory_map(path)
 
 
@@ -369,7 +373,7 @@ def read_batches(path: str, part: Partition, batch_size: int, max_record_bytes: 
         yield from _arrow_batches(path, part, batch_size, version)
         return
     batch: list = []
-    with open_text_bytes(path, version) as stream:
+    with open_text_bytes(path, version, stop=part.end if part.kind in ("lines", "array") else None) as stream:
         if part.kind in ("lines", "array"):
             stream.seek(part.start)
         if part.kind in ("array", "array_stream"):
@@ -433,7 +437,7 @@ def _bounded_lines(stream, limit: int, first_line: int, max_bytes: int) -> Itera
 def _parquet_source(path: str, version: str = ""):
     """What ``pyarrow.parquet.ParquetFile`` opens: a local path (pyarrow's own file reader), an
     object as a Python file (ranged GETs through the read-ahead buffer)."""
-    return open_input(path, version) if is_remote(path) else contextlib.nullcontext(path)
+    return open_input(path, version, seeking=True) if is_remote(path) else contextlib.nullcontext(path)
 
 
 def _parquet_batches(path: str, part: Partition, batch_size: int, version: str = "") -> Iterator[list]:
