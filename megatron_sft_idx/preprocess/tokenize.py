@@ -34,6 +34,7 @@ from .records.encode import EncodedBatch, EncodeOptions, RecordEncoder, preload
 from .engines.base import report_progress
 from .records.inputs import expand_inputs, stat_input
 from .records.partitions import Partition, index_file, read_batches
+from .records.tokenizer_source import is_tokenizer_reference, resolve_tokenizer
 from .receipts import ReceiptBook
 from .store import (ROW_DTYPE, ROWS_SUFFIX, SKIPS_SUFFIX, STORE_FILE, SequenceStore, encoding_extra, part_prefix, tokenize_book,
                     write_store_file)
@@ -64,6 +65,8 @@ class Inputs:
 
 def resolve_inputs(cfg: Config, recorded_date: Optional[str] = None) -> Inputs:
     """Expand the inputs, load the tokenizer and its chat template, and fix the encoding options.
+    A tokenizer given as a URL or a Hugging Face name is read here, once, and its files travel
+    with the encoding options to every task (:mod:`.records.tokenizer_source`).
 
     A template that reads the clock renders ``--template-date``, else ``recorded_date`` (the date
     the store being continued records, :func:`recorded_template_date`), else today's UTC date.
@@ -95,8 +98,10 @@ def resolve_inputs(cfg: Config, recorded_date: Optional[str] = None) -> Inputs:
             or (tk.input_format == "auto" and pad is None)):
         _no_template(tok, pad is None)
     pad_id = check_pad_id(pad, vocab)
-    options = tk.encode_options(tokenizer_path=tok.path if tok else None, vocab_size=vocab,
-                                skip_bad=cfg.pack.skip_bad, chat_template_text=template, template_date=date)
+    shipped = resolve_tokenizer(tk.tokenizer) if is_tokenizer_reference(tk.tokenizer) else None
+    options = tk.encode_options(tokenizer_path=(tk.tokenizer if shipped else tok.path) if tok else None,
+                                vocab_size=vocab, skip_bad=cfg.pack.skip_bad, chat_template_text=template,
+                                template_date=date, tokenizer_files=shipped)
     identity = {k: v for k, v in tok.identity().items() if k != "path"} if tok else None
     if tok is not None and tk.tokenizer_backend == "auto" and importlib.util.find_spec("gigatoken") is None:
         log.warning("gigatoken is not installed: tokenizing with tokenizers, the same bytes about 8x slower per "

@@ -15,6 +15,7 @@ JSON Lines streamed in bounded GETs, the tokenizer from the bucket, and the Ray 
 import gzip
 import json
 import os
+import shutil
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -343,3 +344,74 @@ def test_a_large_json_lines_object_is_streamed_in_bounded_gets(tmp_path, s3, buc
     # the index's pass (the whole object) + the tokenize stage's (each range once) + the kind sniff
     assert 2 * len(body) <= total <= 2 * len(body) + (2 << 20)
     assert len(gets) <= 2 * (len(body) // READ_AHEAD + 1) + len(body) // (4 << 20) + 4
+
+
+# --------------------------------------------------------------------------- the tokenizer
+
+
+def shard_files(directory):
+    return {os.path.basename(p) + s: open(p + s, "rb").read() for p in output_prefixes(directory)
+            for s in SHARD_FILES + (".seq.idx",)}
+
+
+def test_a_tokenizer_from_the_bucket_gives_the_bytes_of_the_local_directory(tmp_path, s3, bucket):
+    import tempfile
+
+    from megatron_sft_idx.preprocess.records.tokenizer_source import resolve_tokenizer
+
+    upload_tree(s3, bucket, TOKENIZER, "models/tokenizer")
+    s3.client().put_object(Bucket=bucket, Key="models/tokenizer/model.safetensors", Body=b"\0" * 4096)  # not shipped
+    write_kind(tmp_path / "data", "jsonl")
+    data = str(tmp_path / "data" / "a.jsonl")
+    run([data], tmp_path / "local" / "out" / "ds", tmp_path / "local" / "store")
+    url = f"s3://{bucket}/models/tokenizer/"
+    assert preprocess_main(["--input", data, "--tokenizer", url, "--output-prefix", str(tmp_path / "remote" / "out" / "ds"),
+                            "--store", str(tmp_path / "remote" / "store"), *SETTINGS]) == 0
+    assert shard_files(tmp_path / "remote" / "out") == shard_files(tmp_path / "local" / "out")   # every byte
+    local, remote = store_body(tmp_path / "local" / "store"), store_body(tmp_path / "remote" / "store")
+    assert remote["store_id"] == local["store_id"] and remote["identity"] == local["identity"]
+    assert remote["tokenizer_path"] == url and local["tokenizer_path"] == TOKENIZER   # where it was found
+    shipped = resolve_tokenizer(url)
+    assert [n for n, _ in shipped.files] == sorted(os.listdir(TOKENIZER))   # the tokenizer's files, not the weights
+    copy = os.path.join(tempfile.gettempdir(), "megatron_sft_idx-tokenizers", shipped.digest[:32], "tokenizer")
+    assert sorted(os.listdir(copy)) == sorted(os.listdir(TOKENIZER))   # this node's copy, in its own tmp
+    for name in os.listdir(TOKENIZER):
+        assert open(os.path.join(copy, name), "rb").read() == open(os.path.join(TOKENIZER, name), "rb").read()
+
+
+def test_a_tokenizer_url_without_tokenizer_json_or_too_large_is_refused(tmp_path, s3, bucket, monkeypatch, capsys):
+    from megatron_sft_idx.preprocess.records import tokenizer_source
+
+    write_kind(tmp_path / "data", "jsonl", RECORDS[:5])
+    data = str(tmp_path / "data" / "a.jsonl")
+    s3.client().put_object(Bucket=bucket, Key="empty/tokenizer_config.json", Body=b"{}")
+    args = ["--input", data, "--output-prefix", str(tmp_path / "o"), "--quiet"]
+    assert preprocess_main(args + ["--tokenizer", f"s3://{bucket}/empty/"]) == 1
+    assert f"s3://{bucket}/empty/: no tokenizer.json under this URL" in capsys.readouterr().err
+    upload_tree(s3, bucket, TOKENIZER, "tok")
+    monkeypatch.setattr(tokenizer_source, "MAX_TOKENIZER_BYTES", 50_000)   # (the example's files hold ~56 kB)
+    assert preprocess_main(args + ["--tokenizer", f"s3://{bucket}/tok"]) == 1
+    err = capsys.readouterr().err
+    assert f"s3://{bucket}/tok: the tokenizer's files hold" in err and "more than the 50000" in err
+
+
+def test_a_hugging_face_name_is_taken_from_the_local_cache_offline(tmp_path, monkeypatch):
+    """``--tokenizer org/name`` with the hub unreachable (HF_HUB_OFFLINE=1): the snapshot in the
+    Hugging Face cache, laid out as huggingface_hub lays it out, gives the local directory's bytes."""
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--acme--tiny-chat"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(revision)
+    shutil.copytree(TOKENIZER, repo / "snapshots" / revision)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    write_kind(tmp_path / "data", "jsonl", RECORDS[:40])
+    data = str(tmp_path / "data" / "a.jsonl")
+    run([data], tmp_path / "local" / "out" / "ds", tmp_path / "local" / "store")
+    assert preprocess_main(["--input", data, "--tokenizer", "acme/tiny-chat", "--output-prefix",
+                            str(tmp_path / "hf" / "out" / "ds"), "--store", str(tmp_path / "hf" / "store"),
+                            *SETTINGS]) == 0
+    assert shard_files(tmp_path / "hf" / "out") == shard_files(tmp_path / "local" / "out")
+    assert store_body(tmp_path / "hf" / "store")["tokenizer_path"] == "acme/tiny-chat"
+    with pytest.raises(Exception, match="neither a local path nor a Hugging Face tokenizer"):
+        driver.run(Config([data], str(tmp_path / "x"), tokenizer="acme/not-cached", progress="off"))
