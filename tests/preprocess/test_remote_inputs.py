@@ -415,3 +415,49 @@ def test_a_hugging_face_name_is_taken_from_the_local_cache_offline(tmp_path, mon
     assert store_body(tmp_path / "hf" / "store")["tokenizer_path"] == "acme/tiny-chat"
     with pytest.raises(Exception, match="neither a local path nor a Hugging Face tokenizer"):
         driver.run(Config([data], str(tmp_path / "x"), tokenizer="acme/not-cached", progress="off"))
+
+
+# --------------------------------------------------------------------------- the Ray engine
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_ray_tasks_read_the_inputs_and_the_shipped_tokenizer_themselves(tmp_path, s3, bucket):
+    """A one-node Ray cluster whose workers have their own temporary directory: the index and
+    tokenize tasks GET the input object (the driver reads only the tokenizer's files, once),
+    each worker materializes the shipped tokenizer in its own tmp, and the shards are the local
+    engine's on the local copy."""
+    ray = pytest.importorskip("ray", reason="the [ray] extra is not installed")
+    from megatron_sft_idx.storage import request_counts
+
+    write_kind(tmp_path / "data", "jsonl")
+    upload_tree(s3, bucket, tmp_path / "data", "in")
+    upload_tree(s3, bucket, TOKENIZER, "tok")
+    size = os.path.getsize(tmp_path / "data" / "a.jsonl")
+    worker_tmp = tmp_path / "worker-tmp"
+    worker_tmp.mkdir()
+    env = dict(s3.env(), PYTHONPATH=ROOT, TMPDIR=str(worker_tmp), MEGATRON_SFT_IDX_RETRIES="4")
+    ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False, runtime_env={"env_vars": env})
+    try:
+        s3.clear()
+        before = request_counts()
+        summary = driver.run(Config([f"s3://{bucket}/in/a.jsonl"], str(tmp_path / "ray" / "ds"),
+                                    tokenizer=f"s3://{bucket}/tok/", pack_size=1024, engine="ray",
+                                    partition_bytes=50_000, progress="off"))
+        mine = {k: v - before.get(k, 0) for k, v in request_counts().items()}
+    finally:
+        ray.shutdown()
+    assert summary["engine"]["kind"] == "ray"
+    tokenizer_bytes = sum(os.path.getsize(os.path.join(TOKENIZER, n)) for n in os.listdir(TOKENIZER))
+    assert mine.get("get_bytes", 0) == tokenizer_bytes          # the driver: the tokenizer's files only
+    input_bytes = sum(n for k, _, n in object_gets(s3, bucket, ranged=True) if k == f"/{bucket}/in/a.jsonl")
+    assert input_bytes >= 2 * size                               # the tasks: the index's and the partitions' reads
+    copies = os.listdir(worker_tmp / "megatron_sft_idx-tokenizers")
+    assert len(copies) == 1 and sorted(os.listdir(worker_tmp / "megatron_sft_idx-tokenizers" / copies[0] /
+                                                  "tok")) == sorted(os.listdir(TOKENIZER))   # named as the URL's level
+    driver.run(config([tmp_path / "data" / "a.jsonl"], tmp_path / "local" / "ds", partition_bytes=50_000))
+    data_files = lambda d: {k: v for k, v in shard_files(d).items() if not k.endswith(".seq.idx")}  # noqa: E731
+    assert data_files(tmp_path / "ray") == data_files(tmp_path / "local") and data_files(tmp_path / "ray")
+    names = {f"s3://{bucket}/in/a.jsonl": str(tmp_path / "data" / "a.jsonl")}
+    for a, b in zip(output_prefixes(tmp_path / "local"), output_prefixes(tmp_path / "ray")):
+        assert renamed_metadata(b, names, {}) == renamed_metadata(a, {}, {})
