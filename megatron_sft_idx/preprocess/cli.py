@@ -235,8 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     tk = p.add_argument_group("tokenization")
     tk.add_argument("--tokenizer", metavar="PATH|URL|NAME",
                     help="Hugging Face tokenizer: a local directory or tokenizer.json, an s3:// / msc:// URL of a "
-                         "directory holding tokenizer.json, or a hub name (org/name: the hub, else the local HF "
-                         "cache); a URL or name is read once and shipped to the workers (required unless every "
+                         "directory holding tokenizer.json, or a hub name (org/name: the local HF cache; the hub "
+                         "with HF_HUB_OFFLINE=0); a URL or name is read once and shipped to the workers (required unless every "
                          "record is pre-tokenized)")
     tk.add_argument("--chat-template", metavar="FILE|NAME",
                     help="the chat template to render conversations with: a Jinja file, or the name of one of "

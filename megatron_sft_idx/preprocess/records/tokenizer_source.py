@@ -2,8 +2,9 @@
 
 A local directory (or ``tokenizer.json``) is loaded where it is. A URL (``s3://bucket/tok/``,
 ``msc://profile/tok/``: the tokenizer's files directly under that prefix) or a Hugging Face hub
-name (``org/name``: downloaded when the hub is reachable, else taken from the local Hugging Face
-cache; ``HF_HUB_OFFLINE=1``: the cache only) is *resolved once* by the driver into
+name (``org/name``: from the local Hugging Face cache -- the commands set ``HF_HUB_OFFLINE=1``
+unless it is set, so nothing is downloaded unasked; with ``HF_HUB_OFFLINE=0`` from the hub when
+it is reachable, else the cache) is *resolved once* by the driver into
 :class:`TokenizerFiles` -- the bytes of the tokenizer's files (those of :data:`TOKENIZER_FILES`
 that exist; ``tokenizer.json`` must), at most :data:`MAX_TOKENIZER_BYTES` in all -- which the
 run ships to its tasks with the step (Ray's object store holds the step; forked workers inherit
