@@ -461,3 +461,12 @@ def test_ray_tasks_read_the_inputs_and_the_shipped_tokenizer_themselves(tmp_path
     names = {f"s3://{bucket}/in/a.jsonl": str(tmp_path / "data" / "a.jsonl")}
     for a, b in zip(output_prefixes(tmp_path / "local"), output_prefixes(tmp_path / "ray")):
         assert renamed_metadata(b, names, {}) == renamed_metadata(a, {}, {})
+
+
+def test_a_bad_record_in_an_object_is_named_by_its_url_and_line(tmp_path, s3, bucket):
+    body = jsonl_bytes(RECORDS[:2]) + b'{"messages": [\n' + jsonl_bytes(RECORDS[2:4])
+    s3.client().put_object(Bucket=bucket, Key="in/bad.jsonl", Body=body)
+    url = f"s3://{bucket}/in/bad.jsonl"
+    with pytest.raises(InputError) as info:
+        driver.run(config([url], tmp_path / "o" / "ds"))
+    assert str(info.value).startswith(f"{url}:3: malformed JSON")
