@@ -470,3 +470,35 @@ def test_a_bad_record_in_an_object_is_named_by_its_url_and_line(tmp_path, s3, bu
     with pytest.raises(InputError) as info:
         driver.run(config([url], tmp_path / "o" / "ds"))
     assert str(info.value).startswith(f"{url}:3: malformed JSON")
+
+
+@pytest.mark.parametrize("writer", ["stream", "file"])
+def test_an_arrow_partition_reads_its_own_batches_only(tmp_path, s3, bucket, writer):
+    """8 MiB of Arrow in 20 record batches: the index reads the object once, and each of its
+    partitions reads its own batches (a stream's earlier batches are skipped by their framing,
+    a file's by its footer), giving the rows a local read gives."""
+    from megatron_sft_idx.preprocess.records.partitions import Partition, index_file, read_batches
+    from megatron_sft_idx.storage.objects import SEEKING_READ_AHEAD
+
+    table = pa.Table.from_pylist([{"id": i, "pad": "x" * 4000} for i in range(2000)])
+    path = tmp_path / "a.arrow"
+    new = pa.ipc.new_stream if writer == "stream" else pa.ipc.new_file
+    with pa.OSFile(str(path), "wb") as sink, new(sink, table.schema) as w:
+        for lo in range(0, 2000, 100):
+            w.write_table(table.slice(lo, 100))
+    s3.client().put_object(Bucket=bucket, Key="a.arrow", Body=path.read_bytes())
+    url, size = f"s3://{bucket}/a.arrow", path.stat().st_size
+    s3.clear()
+    remote = index_file(url, 0, 1 << 20)
+    index_read = sum(n for _, _, n in object_gets(s3, bucket, ranged=True))
+    local = index_file(str(path), 0, 1 << 20)
+    assert remote["partitions"] == local["partitions"] and remote["sha256"] == local["sha256"]
+    assert len(remote["partitions"]) >= 8 and index_read <= 2 * size + (1 << 20)
+    for item in remote["partitions"]:
+        part = Partition.from_list(item)
+        s3.clear()
+        got = [r for b in read_batches(url, part, 64, 1 << 20, remote["etag"]) for r in b]
+        assert got == [r for b in read_batches(str(path), part, 64, 1 << 20) for r in b]
+        own = (part.end - part.start) * 100 * 4000
+        read = sum(n for _, _, n in object_gets(s3, bucket, ranged=True))
+        assert own <= read <= own * 1.1 + 2 * SEEKING_READ_AHEAD + (64 << 10), (item, read, own)

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from typing import Iterator, List, Optional, Tuple
 
 from ..._extras import require_extra
-from . import json_array
+from . import arrow_stream, json_array
 from ...storage import is_remote
 from .inputs import (ARROW_SUFFIXES, BLOCK, COMPRESSED_SUFFIXES, PARQUET_SUFFIXES, OversizedRecord, open_input,
                      open_text_bytes, read_blocks, stat_input)
@@ -315,7 +315,7 @@ def _grouped(sizes: List[Tuple[int, int]], kind: str, file_index: int, partition
 
 def _arrow_partitions(path: str, file_index: int, partition_bytes: int, version: str = "") -> List[Partition]:
     with _arrow_source(path, version) as source:
-        sizes = [(b.num_rows, b.nbytes) for b in _arrow_reader(source)]
+        sizes = [(b.num_rows, b.nbytes) for _, b in _arrow_reader(source)]
     return _grouped(sizes, "arrow", file_index, partition_bytes)
 
 
@@ -330,16 +330,33 @@ def _arrow_source(path: str, version: str = ""):
     return pa.memory_map(path)
 
 
-def _arrow_reader(source):
-    """Record batches of an Arrow IPC stream (what ``datasets.save_to_disk`` writes) or file."""
+def _arrow_reader(source, start: int = 0, end: Optional[int] = None) -> Iterator[tuple]:
+    """``(g, batch)`` for the record batches ``[start, end)`` (``end`` None: to the last) of an
+    Arrow IPC stream (what ``datasets.save_to_disk`` writes: read in order, batch ``end`` never
+    read) or file (told by its magic, as a stream reader would take it for a length and read on;
+    its batches read by its footer, only those asked for)."""
     import pyarrow as pa
 
-    try:
-        return iter(pa.ipc.open_stream(source))
-    except pa.ArrowInvalid:
-        source.seek(0)
-        reader = pa.ipc.open_file(source)
-        return (reader.get_batch(i) for i in range(reader.num_record_batches))
+    magic = source.read(6)
+    source.seek(0)
+    if magic != b"ARROW1":
+        try:
+            stream = iter(pa.ipc.open_stream(source))
+        except pa.ArrowInvalid:
+            source.seek(0)
+        else:
+            g = 0
+            while end is None or g < end:
+                batch = next(stream, None)
+                if batch is None:
+                    return
+                if g >= start:
+                    yield g, batch
+                g += 1
+            return
+    reader = pa.ipc.open_file(source)
+    for g in range(start, reader.num_record_batches if end is None else min(end, reader.num_record_batches)):
+        yield g, reader.get_batch(g)
 
 
 def _row_partitions(path: str, file_index: int, partition_bytes: int, version: str = "") -> List[Partition]:
@@ -454,14 +471,34 @@ def _parquet_batches(path: str, part: Partition, batch_size: int, version: str =
 
 
 def _arrow_batches(path: str, part: Partition, batch_size: int, version: str = "") -> Iterator[list]:
-    row = part.first_line
+    if is_remote(path):   # an object: a stream's batches before the partition are skipped, not read
+        with open_input(path, version, seeking=True) as f:
+            reader = arrow_stream.stream_from(f.raw, part.start)
+            if reader is not None:
+                yield from _arrow_rows(_numbered(reader, part), part, batch_size)
+                return
     with _arrow_source(path, version) as source:
-        for g, batch in enumerate(_arrow_reader(source)):
-            if g >= part.end:
-                break
-            if g < part.start:
-                continue
-            for lo in range(0, batch.num_rows, batch_size):
-                rows = batch.slice(lo, batch_size).to_pylist()
-                yield [(row + i, r) for i, r in enumerate(rows)]
-                row += len(rows)
+        yield from _arrow_rows(_arrow_reader(source, part.start, part.end), part, batch_size)
+
+
+def _numbered(reader, part: Partition) -> Iterator[tuple]:
+    """``(g, batch)`` for batches ``[part.start, part.end)`` of a reader starting at ``part.start``."""
+    for g in range(part.start, part.end):
+        try:
+            yield g, reader.read_next_batch()
+        except StopIteration:
+            raise ValueError(f"the Arrow stream ends before its record batch {g}") from None
+
+
+def _arrow_rows(numbered, part: Partition, batch_size: int) -> Iterator[list]:
+    """The rows of batches ``[part.start, part.end)`` of ``numbered`` (``(g, batch)`` in order)."""
+    row = part.first_line
+    for g, batch in numbered:
+        if g >= part.end:
+            break
+        if g < part.start:
+            continue
+        for lo in range(0, batch.num_rows, batch_size):
+            rows = batch.slice(lo, batch_size).to_pylist()
+            yield [(row + i, r) for i, r in enumerate(rows)]
+            row += len(rows)
