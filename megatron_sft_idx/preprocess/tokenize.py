@@ -321,7 +321,8 @@ def replaced_input(name: str, exc: ObjectChangedError, when: str) -> ObjectChang
     """The error of an input object replaced ``when`` (its ETag changed): never read as a mix of
     two versions, and a rerun indexes it again."""
     return ObjectChangedError(f"input {name} was replaced {when} (its ETag changed): the run would mix two "
-                              f"versions of it ({exc.message})", path=name, field="etag",
+                              "versions of it", path=name, field="etag", expected=getattr(exc, "expected", None),
+                              actual=getattr(exc, "actual", None),
                               hint="do not rewrite inputs during a run; run again with --resume (the input "
                                    "is indexed again, and partitions of its old bytes are tokenized again)")
 
