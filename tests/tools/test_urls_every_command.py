@@ -119,7 +119,7 @@ CASES = [
      lambda r, t: [r["url"] + "/ds.json", "--sql", "SELECT shard, count(*) AS n FROM packs GROUP BY 1"], "works"),
     ("inspect-idx", "--plot URL", lambda r, t: [shard0(r), "--plot", f"{r['url']}/p.png"], "refused"),
     ("inspect-idx", "--tokenizer URL", lambda r, t: [shard0(r), "--pack", "0", "--tokenizer", f"{r['url']}/tok"],
-     "refused"),
+     "works"),
     ("plan-batches", "SHARD URL",
      lambda r, t: [r["url"] + "/ds.json", "--dp", "2", "--global-batch-size", "8", "--out", t + "/o.order"], "works"),
     ("plan-batches", "--out URL",
@@ -173,6 +173,9 @@ def test_command_with_a_url(remote, tmp_path, capsys, name, case, argv, outcome)
                                  else os.path.getsize(tmp_path / "o.order") > 0),
     }
     assert checks[name](), (out, err)
+    if (name, case) == ("inspect-idx", "--tokenizer URL"):   # detokenized as with the local directory
+        local = invoke(name, args[:-1] + [TOKENIZER], capsys)
+        assert (status, out, err) == local and "<|im_start|>" in out, (out, local[1])
 
 
 MSC_CASES = [c for c in CASES if (c[0], c[1]) in {
