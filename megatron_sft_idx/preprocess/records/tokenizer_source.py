@@ -133,8 +133,12 @@ def _write_directory(parent: str, target: str, files) -> None:
             if _holds(target, files):
                 return
             shutil.rmtree(target, ignore_errors=True)
-        os.rename(staging, target)
-        staging = None
+        try:
+            os.rename(staging, target)
+            staging = None
+        except OSError:   # another process of this node renamed its copy first: use it if whole
+            if not _holds(target, files):
+                raise
     finally:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
