@@ -502,3 +502,38 @@ def test_an_arrow_partition_reads_its_own_batches_only(tmp_path, s3, bucket, wri
         own = (part.end - part.start) * 100 * 4000
         read = sum(n for _, _, n in object_gets(s3, bucket, ranged=True))
         assert own <= read <= own * 1.1 + 2 * SEEKING_READ_AHEAD + (64 << 10), (item, read, own)
+
+
+@pytest.mark.parametrize("action", ["stall", "ignore-if-match"])
+def test_a_hostile_store_ends_the_run_in_a_named_error(tmp_path, hostile, monkeypatch, action):
+    """A stalled GET of an input ends the run within the storage deadlines (RemoteTimeoutError
+    naming the object); a server that ignores If-Match serves the replaced object's bytes to the
+    tokenize stage, and the response checks (the ETag of every answer) refuse them: the run
+    never tokenizes a mix of two versions."""
+    import uuid
+
+    from megatron_sft_idx.errors import RemoteStorageError, RemoteTimeoutError, ResponseMismatchError
+
+    name = f"in-{uuid.uuid4().hex[:8]}"
+    hostile.make_bucket(name)
+    client = hostile.client()
+    client.put_object(Bucket=name, Key="a.jsonl", Body=jsonl_bytes(RECORDS))
+    url = f"s3://{name}/a.jsonl"
+    if action == "stall":
+        hostile.inject(action, method="GET", suffix="/a.jsonl", times=1000)
+    else:
+        real = driver._Run._index
+
+        def index_then_replace(self, *args, **kwargs):
+            index = real(self, *args, **kwargs)
+            client.put_object(Bucket=name, Key="a.jsonl", Body=jsonl_bytes(RECORDS[::-1]))
+            hostile.inject(action, method="GET", suffix="/a.jsonl", times=1000)
+            return index
+
+        monkeypatch.setattr(driver._Run, "_index", index_then_replace)
+    expected = RemoteTimeoutError if action == "stall" else (ResponseMismatchError, ObjectChangedError)
+    with pytest.raises(RemoteStorageError) as info:
+        driver.run(config([url], tmp_path / "o" / "ds"))
+    assert isinstance(info.value, expected) and url in str(info.value), info.value
+    assert not [n for n in os.listdir(tmp_path / "o") if n.endswith(".idx")]
+    hostile.clear()
