@@ -537,3 +537,23 @@ def test_a_hostile_store_ends_the_run_in_a_named_error(tmp_path, hostile, monkey
     assert isinstance(info.value, expected) and url in str(info.value), info.value
     assert not [n for n in os.listdir(tmp_path / "o") if n.endswith(".idx")]
     hostile.clear()
+
+
+def test_msc_urls_expand_as_s3_urls_of_the_same_bucket(tmp_path, s3, bucket, monkeypatch):
+    """An MSC profile on the same bucket (msc://loop/... is s3://BUCKET/...): the same inputs,
+    in the same order, left-out files said the same way, the same bytes read."""
+    from megatron_sft_idx.preprocess.records.inputs import expand_inputs
+    from megatron_sft_idx.preprocess.records.partitions import index_file
+
+    monkeypatch.setenv("MSC_CONFIG", s3.msc_config(str(tmp_path / "msc.json"), "loop", bucket))
+    make_tree(tmp_path / "data")
+    upload_tree(s3, bucket, tmp_path / "data", "data")
+    for suffix in ("/data/", "/data", "/data/*.jsonl", "/data/**/*.json", "/data/**"):
+        left_s3, left_msc = [], []
+        names = expand_inputs([f"s3://{bucket}{suffix}"], left_s3)
+        assert expand_inputs([f"msc://loop{suffix}"], left_msc) == [n.replace(f"s3://{bucket}", "msc://loop")
+                                                                      for n in names], suffix
+        assert left_msc == [n.replace(f"s3://{bucket}", "msc://loop") for n in left_s3], suffix
+    for name in expand_inputs([f"msc://loop/data/"]):
+        mine, theirs = index_file(name, 0, 1 << 12), index_file(name.replace("msc://loop", f"s3://{bucket}"), 0, 1 << 12)
+        assert (mine["sha256"], mine["partitions"]) == (theirs["sha256"], theirs["partitions"])
