@@ -554,6 +554,6 @@ def test_msc_urls_expand_as_s3_urls_of_the_same_bucket(tmp_path, s3, bucket, mon
         assert expand_inputs([f"msc://loop{suffix}"], left_msc) == [n.replace(f"s3://{bucket}", "msc://loop")
                                                                       for n in names], suffix
         assert left_msc == [n.replace(f"s3://{bucket}", "msc://loop") for n in left_s3], suffix
-    for name in expand_inputs([f"msc://loop/data/"]):
+    for name in expand_inputs(["msc://loop/data/"]):
         mine, theirs = index_file(name, 0, 1 << 12), index_file(name.replace("msc://loop", f"s3://{bucket}"), 0, 1 << 12)
         assert (mine["sha256"], mine["partitions"]) == (theirs["sha256"], theirs["partitions"])
