@@ -194,7 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     io = p.add_argument_group("input and output")
     io.add_argument("--input", nargs="+", required=True, metavar="PATH",
-                    help="input files, globs or directories: .jsonl, .jsonl.gz, .jsonl.zst, .parquet")
+                    help="input files, globs or directories: .jsonl, .json, .parquet, .arrow [.gz|.zst], saved "
+                         "datasets; or s3:// / msc:// URLs of objects, prefixes (s3://b/data/) or globs "
+                         "(s3://b/data/*.jsonl), read with ranged GETs")
     io.add_argument("--output-prefix", required=True,
                     help="output shard prefix; shards are PREFIX[_train|_valid|_test][_000000...]; "
                          "s3://bucket/dir/NAME or msc://profile/dir/NAME uploads them (see --staging-dir)")
@@ -234,8 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "take; never changes the output's bytes (default: auto)")
     add_staging_argument(io)
     tk = p.add_argument_group("tokenization")
-    tk.add_argument("--tokenizer", metavar="PATH",
-                    help="local Hugging Face tokenizer directory or tokenizer.json (required unless every "
+    tk.add_argument("--tokenizer", metavar="PATH|URL|NAME",
+                    help="Hugging Face tokenizer: a local directory or tokenizer.json, an s3:// / msc:// URL of a "
+                         "directory holding tokenizer.json, or a hub name (org/name: the local HF cache; the hub "
+                         "with HF_HUB_OFFLINE=0); a URL or name is read once and shipped to the workers (required unless every "
                          "record is pre-tokenized)")
     tk.add_argument("--chat-template", metavar="FILE|NAME",
                     help="the chat template to render conversations with: a Jinja file, or the name of one of "
@@ -349,7 +353,7 @@ def usage_problem(args) -> str:
                 "conditional writes, which msc:// does not offer; give its s3:// URL, or --staging-dir DIR "
                 "on a filesystem every node mounts")
     return local_only((flag, getattr(args, flag[2:].replace("-", "_"), None)) for flag in
-                      ("--input", "--staging-dir", "--summary-json", "--tokenizer", "--plan-only"))
+                      ("--staging-dir", "--summary-json", "--plan-only"))
 
 
 def run_and_report(prog: str, run, cfg, args, formatter=None) -> int:
@@ -438,8 +442,9 @@ def build_repack_parser() -> argparse.ArgumentParser:
                                             "--plan-only)")
     io.add_argument("--plan-only", metavar="PATH",
                     help="write only the pack plan to PATH (for VirtualPackedDataset); no shards")
-    io.add_argument("--tokenizer", metavar="PATH",
-                    help="tokenizer for --verify-masks (default: where the store found it)")
+    io.add_argument("--tokenizer", metavar="PATH|URL|NAME",
+                    help="tokenizer for --verify-masks, as preprocess-sft takes it (default: where the store "
+                         "found it)")
     add_staging_argument(io)
     add_packing_arguments(p)
     add_balance_arguments(p)

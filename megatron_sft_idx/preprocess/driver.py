@@ -371,7 +371,8 @@ class _Run:
         self.resumed["tokenize"] = len(done)
         meta = tuple(part_metadata(inputs, info, tk.input_format) for info in infos)
         step = TokenizeStep(directory, store_id, tuple(inputs.paths), tuple(inputs.names), tuple(parts),
-                            inputs.options, tk.batch_size, tk.max_record_bytes, meta)
+                            inputs.options, tk.batch_size, tk.max_record_bytes, meta,
+                            versions=tuple(index[i].get("etag", "") for i in range(len(infos))))
         todo = [k for k in range(len(parts)) if k not in done]
         size, byte_unit = partition_sizes(parts)
         log.info("tokenize: %s to do (%d done before), %s of input", plural(len(todo), "partition"), len(done),

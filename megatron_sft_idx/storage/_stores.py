@@ -536,6 +536,8 @@ class MscStore(ObjectStore):
     def _head(self, url):
         _count("head")
         meta = _unwrapped(lambda: self._client(url).info(url.key))
+        if getattr(meta, "type", "file") != "file":   # MSC answers for a "directory" too; S3 has no such object
+            raise FileNotFoundError(2, "not an object (a directory)", str(url))
         return ObjectInfo(int(meta.content_length), meta.etag or "")
 
     def list(self, url, recursive=False):
