@@ -194,3 +194,22 @@ def test_a_driver_killed_mid_publish_is_finished_by_another_driver(cluster, work
     assert summary["resumed_units"]["materialize"] == len([n for n in local_files(local_run / "out")
                                                            if n.endswith(".seq.idx")])
     assert bucket_files(s3, bucket, "out/") == local_files(local_run / "out")
+
+
+def test_nothing_but_the_bucket(cluster, s3, bucket, tmp_path, capsys):
+    """Inputs, tokenizer, store and output all URLs: the Ray engine publishes the bytes the local
+    engine publishes from the same URLs."""
+    from megatron_sft_idx.storage.destination import destination_for
+
+    dest = destination_for(f"s3://{bucket}/in/")
+    for path in SETTINGS[1:3]:
+        dest.put(path, f"s3://{bucket}/in/{os.path.basename(path)}")
+    tokenizer = SETTINGS[4]
+    for name in os.listdir(tokenizer):
+        dest.put(os.path.join(tokenizer, name), f"s3://{bucket}/tok/{name}")
+    urls = ["--input", f"s3://{bucket}/in/*.jsonl", "--tokenizer", f"s3://{bucket}/tok"] + SETTINGS[5:]
+    assert preprocess_main(urls + ["--engine", "ray", "--ray-address", cluster, "--store", f"s3://{bucket}/store",
+                                   "--output-prefix", f"s3://{bucket}/ray/ds"]) == 0
+    assert preprocess_main(urls + ["--output-prefix", f"s3://{bucket}/local/ds"]) == 0
+    ray_files = bucket_files(s3, bucket, "ray/")
+    assert len(ray_files) > 6 and ray_files == bucket_files(s3, bucket, "local/")
