@@ -185,7 +185,8 @@ def add_staging_argument(group) -> None:
                        help="s3:// and msc:// output prefixes: the local directory where the run works and "
                             "stages the shards before uploading them (needs room for the output; give the same "
                             "one to --resume; with --engine ray, one every node mounts at the same path) "
-                            "(default: the system's temporary directory)")
+                            "(default: the system's temporary directory; with --engine ray, the bucket: the work "
+                            "directory is .NAME.preprocess/ beside the output, written by the tasks)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -220,9 +221,11 @@ def build_parser() -> argparse.ArgumentParser:
     io.add_argument("--skip-report", metavar="FILE",
                     help="write every skipped record's file, line and reason to FILE, one JSON object a line "
                          "(with --skip-bad; the summary counts them by file and reason) (default: none)")
-    io.add_argument("--store", metavar="DIR",
+    io.add_argument("--store", metavar="DIR|URL",
                     help="keep the sequence store (every conversation tokenized once) in DIR, to repack it "
-                         "later with repack-sft (default: a temporary store, removed after the run)")
+                         "later with repack-sft; an s3:// URL keeps it in the bucket, locked while the run "
+                         "writes it, its partitions written by the tasks (default: a temporary store, removed "
+                         "after the run)")
     io.add_argument("--max-record-bytes", type=size_arg, default=DEFAULT_MAX_RECORD_BYTES, metavar="SIZE",
                     help="longest input record (JSONL line) accepted; longer ones are an error, or skipped "
                          "and counted with --skip-bad, never read into memory whole. Tokenizing a chat record "
@@ -341,8 +344,16 @@ def usage_problem(args) -> str:
             return f"--balance-for/--cost-model: {exc}"
     from ..storage._url import local_only
 
+    store, output = getattr(args, "store", None) or "", getattr(args, "output_prefix", None) or ""
+    if store.startswith("msc://") and getattr(args, "input", None):
+        return (f"--store {store}: a store written in object storage is locked by conditional writes, which "
+                "msc:// does not offer; give its s3:// URL (repack-sft reads an msc:// store)")
+    if output.startswith("msc://") and args.engine == "ray" and not args.staging_dir:
+        return (f"--output-prefix {output}: with --engine ray the work directory goes beside it, locked by "
+                "conditional writes, which msc:// does not offer; give its s3:// URL, or --staging-dir DIR "
+                "on a filesystem every node mounts")
     return local_only((flag, getattr(args, flag[2:].replace("-", "_"), None)) for flag in
-                      ("--store", "--staging-dir", "--summary-json", "--plan-only"))
+                      ("--staging-dir", "--summary-json", "--plan-only"))
 
 
 def run_and_report(prog: str, run, cfg, args, formatter=None) -> int:
@@ -424,8 +435,9 @@ def build_repack_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=REPACK_PROG, description=REPACK_DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     io = p.add_argument_group("input and output")
-    io.add_argument("--store", required=True, metavar="DIR",
-                    help="a sequence store kept by preprocess-sft --store DIR (complete)")
+    io.add_argument("--store", required=True, metavar="DIR|URL",
+                    help="a sequence store kept by preprocess-sft --store DIR|URL (complete); a URL's is "
+                         "mirrored on each node's disk and verified")
     io.add_argument("--output-prefix", help="output shard prefix, as preprocess-sft's (required unless "
                                             "--plan-only)")
     io.add_argument("--plan-only", metavar="PATH",
