@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Dict, List
+from dataclasses import dataclass
+from typing import Dict, List, Tuple
 
 import numpy as np
 
 from ..errors import ShardError
+from ..format import PUBLISH_ORDER
 from ..jsondoc import parse_record_json
 from ..reader import MMapIndexedDataset
 from .records.chat import load_chat_tokenizer, trained_from_offsets
@@ -301,3 +303,54 @@ def run_gate(prefixes, on_shard=None) -> dict:
         raise ShardError("the gate rejected the output; nothing was published:\n" + report.format_text(),
                          field="check")
     return {"passed": True, "shards": len(prefixes)}
+
+
+@dataclass(frozen=True)
+class GateStep:
+    """Unit ``u``: the promotion gate on staged shard ``u`` where the unit runs (a work directory
+    in object storage: the task pulls that shard alone); raises as :func:`run_gate`."""
+
+    prefixes: Tuple[str, ...]
+    name: str = "check"
+
+    @property
+    def writes_to(self) -> str:
+        return self.prefixes[0]
+
+    def reads(self, unit: int) -> List[str]:
+        return [self.prefixes[unit] + s for s in PUBLISH_ORDER]
+
+    def run(self, unit: int) -> dict:
+        return dict(run_gate([self.prefixes[unit]]), unit=unit)
+
+
+@dataclass(frozen=True)
+class VerifyMasksStep:
+    """Unit 0: :func:`verify_masks` where the unit runs (a work directory in object storage: the
+    task pulls the plan, the store and the staged shards -- the sample is drawn from all of
+    them); returns ``{"unit": 0, "verify": <its report>}``, raises as it does."""
+
+    store_dir: str
+    plan_path: str
+    shards: tuple
+    job: object
+    count: int
+    name: str = "verify-masks"
+
+    @property
+    def writes_to(self) -> str:
+        return self.plan_path
+
+    def reads(self, unit: int) -> List[str]:
+        from .store import PART_SUFFIXES, SequenceStore, part_prefix
+
+        store = SequenceStore(self.store_dir)
+        return ([self.plan_path] + [part_prefix(self.store_dir, k) + s for k in range(len(store.partitions))
+                                    for s in PART_SUFFIXES]
+                + [shard.staged + s for shard in self.shards for s in PUBLISH_ORDER])
+
+    def run(self, unit: int) -> dict:
+        from .store import SequenceStore
+
+        return {"unit": unit, "verify": verify_masks(SequenceStore(self.store_dir), self.plan_path, self.shards,
+                                                     self.job, self.count)}
