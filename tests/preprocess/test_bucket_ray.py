@@ -213,3 +213,69 @@ def test_nothing_but_the_bucket(cluster, s3, bucket, tmp_path, capsys):
     assert preprocess_main(urls + ["--output-prefix", f"s3://{bucket}/local/ds"]) == 0
     ray_files = bucket_files(s3, bucket, "ray/")
     assert len(ray_files) > 6 and ray_files == bucket_files(s3, bucket, "local/")
+
+
+def _mirror_files(urls):
+    """Every file under the driver's mirrors of ``urls`` (their ``msi-area-*`` homes), relative."""
+    from megatron_sft_idx.preprocess.workarea import Area
+
+    out = []
+    for url in urls:
+        home = os.path.dirname(Area(url).local)
+        for directory, _, names in os.walk(home):
+            for name in names:
+                rel = os.path.relpath(os.path.join(directory, name), home).replace(os.sep, "/")
+                if not rel.startswith(".etags/"):
+                    out.append(f"{url} {rel}")
+    return out
+
+
+def test_the_driver_holds_receipts_only(cluster, s3, bucket, local_run, monkeypatch, capsys):
+    """A run whose store and work directory are in the bucket, with --check and --verify-masks:
+    store verification, the plan and its checks, the shards, the gate and the mask check run in
+    the tasks; the driver's mirrors (listed after every step, and every object it downloaded)
+    hold receipts and store.json only -- no partition, .rows, plan body or shard -- and the
+    published bytes are the local engine's."""
+    from megatron_sft_idx.preprocess import workarea
+    from megatron_sft_idx.storage import _stores
+
+    store, out = f"s3://{bucket}/store", f"s3://{bucket}/out/ds"
+    areas = [store, f"s3://{bucket}/out/.ds.preprocess"]
+    seen, downloaded, steps = set(), [], []
+    real_map, real_download = workarea.AreaEngine.map, _stores.ObjectStore.download
+
+    def listing_map(self, step, units, on_done, on_progress=None):
+        real_map(self, step, units, on_done, on_progress)
+        steps.append(step.name)
+        seen.update(_mirror_files(areas))
+
+    def download(self, url, path, *args, **kwargs):   # (into a mirror: the published output's read-back is not)
+        if any(str(url).startswith(a + "/") for a in areas):
+            downloaded.append(str(url))
+        return real_download(self, url, path, *args, **kwargs)
+
+    monkeypatch.setattr(workarea.AreaEngine, "map", listing_map)
+    monkeypatch.setattr(_stores.ObjectStore, "download", download)
+    args = SETTINGS + ["--engine", "ray", "--ray-address", cluster, "--store", store, "--output-prefix", out,
+                       "--check", "--verify-masks", "8", "--json"]
+    assert preprocess_main(args) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["verify_masks"]["checked"] == 8 and summary["check"]["passed"]
+    assert bucket_files(s3, bucket, "out/") == local_files(local_run / "out")
+    assert {"plan", "materialize", "verify-masks", "check"} <= set(steps)
+    # the store's partitions, .rows, the plan body and the staged shards are in the bucket ...
+    held = bucket_files(s3, bucket, "store/")
+    assert any(n.endswith(".rows") for n in held) and any(n.endswith(".seq.bin") for n in held)
+    # ... and never on the driver's disk
+    assert seen and downloaded
+    for entry in sorted(seen) + downloaded:
+        name = entry.rsplit("/", 1)[-1]
+        assert "/receipts/" in entry.replace(" ", "/") and name.endswith(".json") or name == "store.json", entry
+    # a resumed run whose store is complete verifies it again, in the tasks: still receipts only here
+    seen.clear(), downloaded.clear(), steps.clear()
+    assert preprocess_main(args[:-1] + ["--output-prefix", f"s3://{bucket}/again/ds", "--resume"]) == 0
+    assert "verify-store" in steps
+    for entry in sorted(seen) + downloaded:
+        name = entry.rsplit("/", 1)[-1]
+        assert "/receipts/" in entry.replace(" ", "/") and name.endswith(".json") or name == "store.json", entry
+    assert bucket_files(s3, bucket, "again/") == local_files(local_run / "out")
