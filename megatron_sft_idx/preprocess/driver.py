@@ -264,7 +264,6 @@ class _Run:
             log.warning("the finished run cannot be taken as done; running it again: %s", exc)
             return None
         keep_only_record(self.work.path)   # (leftovers of a cleanup that was cut short)
-        self.areas.keep_only_record(RECORD.replace(os.sep, "/"))
         return dict(done["summary"], resumed_units={"done": 1})
 
     @contextlib.contextmanager
