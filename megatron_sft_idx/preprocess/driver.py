@@ -25,10 +25,16 @@ so ``--resume`` of a finished run is a no-op while its outputs and inputs are un
 
 A store or work directory in object storage (:mod:`.workarea`): every engine's units run
 mirrored (pull what they read, push what they make, the receipt last), the driver syncs its own
-writes and pulls the results, both areas are locked by objects written conditionally.
+writes and pulls the receipts alone, both areas are locked by objects written conditionally.
+What reads the data runs as units whose verdicts the driver collects: the store's verification
+(:class:`.store.VerifyStoreStep`), a resumed plan's and shards' (:class:`.plan.VerifyPlanStep`,
+:class:`.materialize.VerifyShardStep`), ``--check`` and ``--verify-masks``
+(:class:`.checks.GateStep`, :class:`.checks.VerifyMasksStep`); the plan's bug guard runs in the
+plan unit; the staged objects are published by server-side copies.
 
 Memory of the driver: receipts, plus (local engine, in-process plan) ~16-24 bytes per
-conversation for the planner. Same inputs and settings give byte-identical shards whatever
+conversation for the planner; with the Ray engine and the work directory in object storage,
+receipts only (``bench/driver_memory.py``: flat from 5k to 80k conversations). Same inputs and settings give byte-identical shards whatever
 ``--workers``, ``--engine``, ``--partition-bytes`` or ``--batch-size``, whichever command wrote
 them, and whether or not the run was interrupted and resumed.
 """

@@ -27,9 +27,12 @@ driver's local root to the node's (:func:`rebase`, over the step's dataclass fie
 :class:`~.receipts.ReceiptBook`), pulls what the unit reads, runs it, and pushes the unit's
 artifacts (its receipt lists them) and then its receipt -- only while the run that started it
 still holds its locks (checked before the artifacts and again before the receipt), so a task
-a killed driver left running never commits into the run that took over. :class:`AreaEngine` wraps an engine
-so that every step it maps runs :class:`Mirrored` (the local engine and the Ray engine alike),
-with the driver's own changes synced before and the tasks' results pulled after.
+a killed driver left running never commits into the run that took over. A step that names what
+a unit reads (``reads(unit)``: local paths) gets the areas' metadata and those files alone; a
+step without a ``book`` is a check whose unit returns a verdict and pushes nothing.
+:class:`AreaEngine` wraps an engine so that every step it maps runs :class:`Mirrored` (the local
+engine and the Ray engine alike), with the driver's own changes synced before and the tasks'
+receipts pulled after: the driver holds receipts and ``store.json`` only (:func:`is_metadata`).
 
 Locks are objects created by a conditional write (:class:`~..storage.lease.ObjectLock`).
 """
@@ -258,6 +261,7 @@ class Area:
         """Delete every object of the area (receipts first) and the local mirror."""
         for rel in commit_points_first(list(self.listing())):
             self.objects.delete(self.url_of(rel))
+        mirror_sizes(self.local, {})
         shutil.rmtree(self.local, ignore_errors=True)
         shutil.rmtree(self._etags, ignore_errors=True)
 

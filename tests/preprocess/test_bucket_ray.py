@@ -2,7 +2,8 @@
 cluster whose workers have a temporary directory of their own (so each task mirrors the areas on
 "its node" and everything it makes reaches the driver through the bucket), and moto behind the
 counting proxy. The runs publish the bytes of the local engine; a driver killed mid-tokenize is
-``--resume``d from the bucket's receipts, redoing only the missing partitions."""
+``--resume``d from the bucket's receipts, redoing only the missing partitions; the driver's mirrors
+hold receipts and store.json only, the data being verified and checked in the tasks."""
 
 import json
 import os
@@ -278,4 +279,40 @@ def test_the_driver_holds_receipts_only(cluster, s3, bucket, local_run, monkeypa
     for entry in sorted(seen) + downloaded:
         name = entry.rsplit("/", 1)[-1]
         assert "/receipts/" in entry.replace(" ", "/") and name.endswith(".json") or name == "store.json", entry
+    assert bucket_files(s3, bucket, "again/") == local_files(local_run / "out")
+    # repack-sft from the store URL: the store verified in the tasks, the driver's store mirror untouched
+    seen.clear(), downloaded.clear(), steps.clear()
+    assert repack_main(["--engine", "ray", "--ray-address", cluster, "--store", store, "--output-prefix",
+                        f"s3://{bucket}/rp/ds", "--pack-size", "512", "--check", "--quiet"]) == 0
+    assert {"verify-store", "plan", "materialize", "check"} <= set(steps)
+    assert bucket_files(s3, bucket, "rp/") == local_files(local_run / "rp")
+    areas[1] = f"s3://{bucket}/rp/.ds.preprocess"
+    seen.update(_mirror_files(areas))
+    for entry in sorted(seen) + downloaded:
+        name = entry.rsplit("/", 1)[-1]
+        assert "/receipts/" in entry.replace(" ", "/") and name.endswith(".json") or name == "store.json", entry
+
+
+def test_a_partition_damaged_in_the_bucket_is_found_by_the_tasks(cluster, s3, bucket, local_run, capsys):
+    """The store's verification runs in the tasks (one per partition): a partition damaged in the
+    bucket stops a repack, named, and a --resume on the cluster tokenizes it (and only it) again."""
+    store = f"s3://{bucket}/store"
+    args = SETTINGS + ["--engine", "ray", "--ray-address", cluster, "--store", store]
+    assert preprocess_main(args + ["--output-prefix", f"s3://{bucket}/out/ds"]) == 0
+    client = s3.client()
+    key = "store/parts/part_000001.bin"
+    data = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    data[100] ^= 0xFF
+    client.put_object(Bucket=bucket, Key=key, Body=bytes(data))              # damaged in the bucket
+    capsys.readouterr()
+    assert repack_main(["--engine", "ray", "--ray-address", cluster, "--store", store, "--output-prefix",
+                        f"s3://{bucket}/rp/ds", "--pack-size", "512", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "store partition 1 does not verify" in err and "part_000001.bin" in err, err
+    assert bucket_files(s3, bucket, "rp/") == {}
+    assert preprocess_main(args + ["--output-prefix", f"s3://{bucket}/again/ds", "--resume", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    partitions = len(bucket_files(s3, bucket, "store/receipts/tokenize/"))
+    assert partitions > 2 and summary["resumed_units"]["tokenize"] == partitions - 1   # all but the damaged one
+    assert bucket_files(s3, bucket, key)[""] == open(str(local_run / "store" / "parts" / "part_000001.bin"), "rb").read()
     assert bucket_files(s3, bucket, "again/") == local_files(local_run / "out")
