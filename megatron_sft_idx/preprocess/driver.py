@@ -58,7 +58,7 @@ from .._units import human_bytes, plural
 from ..errors import IncompleteDestinationError, OutputError, ShardError
 from ..format import PUBLISH_ORDER
 from . import outputs
-from .balance import stage_orders
+from .balance import BalanceStep, stage_orders
 from .checks import GateStep, VerifyMasksStep, checks_schema, run_gate, verify_count, verify_masks
 from .config import Config, PackJob, RepackConfig
 from .engines import make_engine
@@ -569,8 +569,13 @@ class _Run:
         if self.job.balance.balance_for is None:
             return staged
         t = time.perf_counter()
-        self.areas.pull(s.staged + x for s in located for x in PUBLISH_ORDER)   # (it reads the shards' headers)
-        orders, self.orders_not_written = stage_orders(self.job, shards, located, staged.manifests)
+        if self.areas.work is None:
+            orders, self.orders_not_written = stage_orders(self.job, shards, located, staged.manifests)
+        else:   # (in a task, which pulls the staged shards: the driver gets the orders)
+            got: List[dict] = []
+            self.engine.map(BalanceStep(self.job, tuple(shards), tuple(located), tuple(staged.manifests)), [0],
+                            got.append)
+            orders, self.orders_not_written = got[0]["orders"], got[0]["not_written"]
         self.times["balance"] = time.perf_counter() - t
         for split, why in self.orders_not_written.items():
             log.warning("balance: no order for split %s: %s", split, why)

@@ -316,3 +316,29 @@ def test_a_partition_damaged_in_the_bucket_is_found_by_the_tasks(cluster, s3, bu
     assert partitions > 2 and summary["resumed_units"]["tokenize"] == partitions - 1   # all but the damaged one
     assert bucket_files(s3, bucket, key)[""] == open(str(local_run / "store" / "parts" / "part_000001.bin"), "rb").read()
     assert bucket_files(s3, bucket, "again/") == local_files(local_run / "out")
+
+
+def test_balanced_orders_are_planned_in_a_task(cluster, s3, bucket, tmp_path, monkeypatch, capsys):
+    """--balance-for with the work directory in the bucket: the orders are planned by a task from the
+    staged shards (the driver pulls none of them) and published with the bytes of a local run's."""
+    from megatron_sft_idx.storage import _stores
+
+    balanced = SETTINGS[:-1] + ["--balance-for", "2,1,4", "--cost-model", "llama3.2-1b", "--quiet"]
+    assert preprocess_main(balanced + ["--output-prefix", str(tmp_path / "local" / "ds")]) == 0
+    work = f"s3://{bucket}/bal/.ds.preprocess/"
+    downloaded = []
+    real = _stores.ObjectStore.download
+
+    def download(self, url, path, *args, **kwargs):
+        if str(url).startswith(work):
+            downloaded.append(str(url))
+        return real(self, url, path, *args, **kwargs)
+
+    monkeypatch.setattr(_stores.ObjectStore, "download", download)
+    assert preprocess_main(balanced + ["--engine", "ray", "--ray-address", cluster, "--output-prefix",
+                                       f"s3://{bucket}/bal/ds", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["orders"] and all(o.endswith(".order") for o in summary["orders"])
+    published = bucket_files(s3, bucket, "bal/")
+    assert published == local_files(tmp_path / "local") and any(n.endswith(".order") for n in published)
+    assert downloaded and all("/receipts/" in u and u.endswith(".json") for u in downloaded), downloaded
