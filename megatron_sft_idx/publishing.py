@@ -193,7 +193,7 @@ def _source_files(prefix: str, config=None) -> Dict[str, str]:
     source = destination_for(prefix, config)
     if source.moves:
         return local_files(prefix)
-    listed = source.sizes([prefix + s for s in PUBLISH_ORDER])
+    listed = _shard_sizes(source, prefix)
     for suffix in PUBLISH_ORDER:
         if prefix + suffix not in listed:
             raise ShardError("a staged object is missing", path=prefix + suffix,
@@ -493,6 +493,16 @@ def _names(paths: Sequence[str], limit: int = 3) -> str:
 # --------------------------------------------------------------------------- reading back
 
 
+def _shard_sizes(source: Destination, prefix: str) -> Dict[str, int]:
+    """``{path: size}`` of the files of the shard ``prefix`` that exist: each file's where files are
+    moved (local), one listing of the prefix where they are objects."""
+    paths = [prefix + s for s in PUBLISH_ORDER]
+    if source.moves:
+        return source.sizes(paths)
+    listed = source.listing(prefix)
+    return {p: listed[p] for p in paths if p in listed}
+
+
 def expect_shard(local: str, final: str) -> List[Expect]:
     """What the shard at ``final`` must be once the local shard ``local`` is published there:
     every file's size, the ``.idx`` header, and the ``.seq.idx`` header with the metadata
@@ -505,7 +515,7 @@ def expect_shard(local: str, final: str) -> List[Expect]:
     Raises:
         ShardError: the ``.seq.idx`` header does not parse (the shard was gated: a bug)."""
     source = destination_for(local)
-    sizes = source.sizes([local + s for s in PUBLISH_ORDER])
+    sizes = _shard_sizes(source, local)
     out = []
     for suffix in PUBLISH_ORDER:
         path = local + suffix
