@@ -342,3 +342,44 @@ def test_balanced_orders_are_planned_in_a_task(cluster, s3, bucket, tmp_path, mo
     published = bucket_files(s3, bucket, "bal/")
     assert published == local_files(tmp_path / "local") and any(n.endswith(".order") for n in published)
     assert downloaded and all("/receipts/" in u and u.endswith(".json") for u in downloaded), downloaded
+
+
+KILLED_AFTER_MATERIALIZE = """
+import os, signal, sys
+from megatron_sft_idx.preprocess import workarea
+real = workarea.AreaEngine.map
+def map(self, step, units, on_done, on_progress=None):
+    real(self, step, units, on_done, on_progress)
+    if step.name == "materialize":
+        os.kill(os.getpid(), signal.SIGKILL)   # every shard staged in the bucket, nothing checked or published
+workarea.AreaEngine.map = map
+import ray
+ray.init(address={address!r}, runtime_env={{"env_vars": {env!r}}})
+from megatron_sft_idx.preprocess.cli import main
+sys.exit(main({args!r}))
+"""
+
+
+def test_a_staged_shard_damaged_in_the_bucket_is_found_by_a_task_and_written_again(
+        cluster, workers_tmp, loop, s3, bucket, local_run, capsys):
+    """--resume checks the staged shards of the killed attempt in the tasks (one per shard, each
+    pulling its shard): the one damaged in the bucket is written again, the others kept."""
+    out = f"s3://{bucket}/out/ds"
+    args = SETTINGS + ["--engine", "ray", "--ray-address", cluster, "--output-prefix", out, "--check"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    script = KILLED_AFTER_MATERIALIZE.format(args=args, address=cluster,
+                                             env=dict(loop.env(), PYTHONPATH=ROOT, TMPDIR=workers_tmp))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    staged = bucket_files(s3, bucket, "out/.ds.preprocess/staged/", hidden=True)
+    shards = sorted(n[:-len(".seq.idx")] for n in staged if n.endswith(".seq.idx"))
+    assert len(shards) > 2 and bucket_files(s3, bucket, "out/") == {}
+    client = s3.client()
+    key = f"out/.ds.preprocess/staged/{shards[1]}.seq.idx"
+    data = bytearray(staged[f"{shards[1]}.seq.idx"])
+    data[-1] ^= 0xFF
+    client.put_object(Bucket=bucket, Key=key, Body=bytes(data))               # damaged in the bucket
+    assert preprocess_main(args + ["--resume", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["resumed_units"]["materialize"] == len(shards) - 1         # all but the damaged one
+    assert bucket_files(s3, bucket, "out/") == local_files(local_run / "out")
