@@ -40,6 +40,7 @@ Locks are objects created by a conditional write (:class:`~..storage.lease.Objec
 from __future__ import annotations
 
 import concurrent.futures as futures
+import contextvars
 import copy
 import dataclasses
 import hashlib
@@ -309,6 +310,18 @@ def commit_points_first(rels: Iterable[str]) -> List[str]:
 
 # --------------------------------------------------------------------------- a step on any node
 
+#: Inside a mirrored unit: pulls local paths from the areas it runs on (:func:`pull_here`).
+_PULL_HERE: contextvars.ContextVar = contextvars.ContextVar("msi_pull_here", default=None)
+
+
+def pull_here(paths: Iterable[str]) -> None:
+    """Pull the local ``paths`` from the areas the current mirrored unit runs on: for a unit that
+    learns what it reads as it goes (``--verify-masks``: the partitions and shards its sample
+    lands in). Nothing to do outside a mirrored unit (the files are local)."""
+    pull = _PULL_HERE.get()
+    if pull is not None:
+        pull(list(paths))
+
 
 def rebase(obj, roots: Dict[str, str]):
     """``obj`` with every path under a key of ``roots`` moved under its value: strings, tuples,
@@ -378,7 +391,12 @@ class Mirrored:
             os.makedirs(area.local, exist_ok=True)
             for rel in (self.skeleton[k] if k < len(self.skeleton) else ()):
                 os.makedirs(area.child(rel), exist_ok=True)
-        receipt = step.run(unit)
+        token = _PULL_HERE.set(lambda paths: [area.fetch(r for r in (area.rel(p) for p in paths) if r is not None)
+                                              for area in here])
+        try:
+            receipt = step.run(unit)
+        finally:
+            _PULL_HERE.reset(token)
         book = getattr(step, "book", None)
         if book is None:   # a unit that checks (a verdict) and writes nothing
             return receipt
@@ -606,4 +624,4 @@ class RunAreas:
 
 
 __all__ = ["Area", "Mirrored", "AreaEngine", "RunAreas", "rebase", "lock_store_area", "mirrored_store", "is_metadata",
-           "work_area_for", "commit_points_last", "commit_points_first"]
+           "work_area_for", "commit_points_last", "commit_points_first", "pull_here"]

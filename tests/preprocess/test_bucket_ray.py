@@ -383,3 +383,37 @@ def test_a_staged_shard_damaged_in_the_bucket_is_found_by_a_task_and_written_aga
     summary = json.loads(capsys.readouterr().out)
     assert summary["resumed_units"]["materialize"] == len(shards) - 1         # all but the damaged one
     assert bucket_files(s3, bucket, "out/") == local_files(local_run / "out")
+
+
+def test_verify_masks_pulls_what_its_sample_reads(cluster, workers_tmp, s3, bucket, local_run, monkeypatch, capsys):
+    """The --verify-masks task, on a node whose mirrors are empty, pulls the plan and the store's
+    rows, then only the partitions and staged shards its sample lands in."""
+    import shutil
+
+    from megatron_sft_idx.preprocess import workarea
+
+    real = workarea.AreaEngine.map
+    held = {}
+
+    def map(self, step, units, on_done, on_progress=None):
+        if step.name == "verify-masks":   # a node that holds nothing yet
+            for name in os.listdir(workers_tmp):
+                if name.startswith("msi-area-"):
+                    shutil.rmtree(os.path.join(workers_tmp, name))
+        real(self, step, units, on_done, on_progress)
+        if step.name == "verify-masks":
+            held.update((name, os.path.join(directory, name)) for directory, _, names in os.walk(workers_tmp)
+                        for name in names if "/.etags" not in directory and "msi-area-" in directory)
+
+    monkeypatch.setattr(workarea.AreaEngine, "map", map)
+    args = SETTINGS + ["--engine", "ray", "--ray-address", cluster, "--store", f"s3://{bucket}/store",
+                       "--output-prefix", f"s3://{bucket}/out/ds", "--verify-masks", "2", "--json"]
+    assert preprocess_main(args) == 0
+    assert json.loads(capsys.readouterr().out)["verify_masks"]["checked"] == 2
+    partitions = len(json.loads(bucket_files(s3, bucket, "store/store.json")[""])["partitions"])
+    rows = [n for n in held if n.endswith(".rows")]
+    parts = [n for n in held if n.startswith("part_") and n.endswith(".seq.idx")]
+    shards = [n for n in held if n.startswith("ds_") and n.endswith(".seq.idx")]
+    assert partitions > 2 and len(rows) == partitions and "out.plan" in held
+    assert 1 <= len(parts) <= 2 and 1 <= len(shards) <= 2, sorted(held)
+    assert bucket_files(s3, bucket, "out/") == local_files(local_run / "out")
