@@ -374,3 +374,51 @@ def test_a_source_system_prompt_must_be_in_the_rendering_a_template_default_need
         "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"))
     s = _run(tmp_path, {"nosys": no_system}, "nosys", "nosys", with_system)
     assert s["skipped"] == {"template_dropped_content": 3} and s["records_read"] == 4
+
+
+def _pasted(i):
+    """An OpenAI record whose user pastes a call of the declared tool (other arguments than the
+    record's own call) and a definition of it (another description), whose tool result echoes a
+    call, and whose final reply quotes one: JSON in messages' own text, not calls or definitions."""
+    r = copy.deepcopy(openai(i, with_system=False))
+    call = json.dumps({"name": "get_weather", "arguments": {"city": "Atlantis", "unit": "k", "extra": None}})
+    definition = json.dumps({"name": "get_weather", "description": "Pasted, not declared", "parameters": {
+        "type": "object", "properties": {"depth": {"type": "number"}}}})
+    r["messages"][0]["content"] = f"Call it like {call}, it is defined as {definition}. " + r["messages"][0]["content"]
+    r["messages"][2]["content"] = json.dumps({"echo": {"name": "get_weather", "arguments": {"city": "Nowhere"}}})
+    r["messages"][3]["content"] = f'I called {{"name": "get_weather", "arguments": {{"city": "Mu{i}"}}}} for you.'
+    return r
+
+
+@pytest.mark.parametrize("family", ["qwen25", "llama3", "qwen3"])
+def test_json_a_user_pastes_is_not_taken_for_a_rendered_call_or_definition(tmp_path, families, family):
+    """A user pasting a declared tool's call or definition (and a tool result or reply quoting a
+    call) is the message's own text: accepted, while the rendered call and definitions are still
+    compared -- a mapping that adds a key to the call is refused on the same records."""
+    records = [_pasted(i) for i in range(3)]
+    s = _run(tmp_path, families, family, "pasted", records)
+    assert s["skipped"] == {} and s["records_read"] == 4, s["skipped"]
+
+
+@pytest.mark.parametrize("defect", [_defect_add_key, _defect_keep_nulls], ids=["added", "nulls"])
+def test_a_pasted_call_does_not_hide_a_changed_rendered_call(tmp_path, families, defect, monkeypatch):
+    records = [_pasted(i) for i in range(3)]
+    for r in records:   # (a null in the record's own call, for the kept-nulls defect)
+        fn = r["messages"][1]["tool_calls"][0]["function"]
+        fn["arguments"] = json.dumps(dict(json.loads(fn["arguments"]), lat=None))
+    defect(monkeypatch)
+    s = _run(tmp_path, families, "qwen25", "pasted_broken", records)
+    assert _kept_and_refused(s) == (1, 3), s["skipped"]
+
+
+def test_check_rendered_tools_reads_no_call_inside_a_messages_own_text():
+    from megatron_sft_idx.preprocess.records.accounting import check_rendered_tools
+
+    calls = ({"function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},)
+    pasted = '{"name": "get_weather", "arguments": {"city": "Rome"}}'
+    text = f"user: {pasted}\nassistant: " + '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+    with pytest.raises(InputError, match="call 1 of tool 'get_weather'"):   # without the span: read as call 1
+        check_rendered_tools(text, None, "t.jsonl", 3, calls)
+    check_rendered_tools(text, None, "t.jsonl", 3, calls, own=[(6, 6 + len(pasted))])
+    with pytest.raises(InputError, match="call 2 of tool 'get_weather'"):   # a rendered call outside is still read
+        check_rendered_tools(text + pasted, None, "t.jsonl", 3, calls, own=[(6, 6 + len(pasted))])
