@@ -69,11 +69,16 @@ def input_files(store: SequenceStore) -> List[dict]:
     return files
 
 
-def ignored_keys(store: SequenceStore) -> Dict[str, int]:
-    """Record-level keys ignored by a rule, ``rule:key`` -> records (``records.shapes.account_keys``)."""
+def ignored_keys(store: SequenceStore, applied: bool = False) -> Dict[str, int]:
+    """Keys ignored by a rule, ``rule:key`` -> records (``records.shapes.account_keys``); with
+    ``applied``, the fields read by a rule instead (``records.shapes.APPLIED_RULES``: arguments
+    decoded twice), which the tokenize receipts count the same way."""
+    from .records.shapes import APPLIED_RULES
+
     out: Dict[str, int] = {}
     for r in store.receipts:
-        _add(out, r.get("ignored") or {})
+        _add(out, {k: n for k, n in (r.get("ignored") or {}).items()
+                   if (k.partition(":")[0] in APPLIED_RULES) == applied})
     return dict(sorted(out.items()))
 
 
@@ -130,6 +135,7 @@ def build_summary(store: SequenceStore, job: PackJob, result: PackResult) -> dic
         "sequences_stored": store.sequence_count,                   # sequences the records gave
         "sequences_dropped": dict(sorted(result.plan["skipped"].items())),   # sequences, by reason (plan)
         "ignored_keys": ignored_keys(store),
+        "rules_applied": ignored_keys(store, applied=True),   # fields read by a rule, "rule:field" -> records
         "conversations": result.plan["conversations"],   # sequences kept (per-turn: one per trained turn)
         "skipped": skipped,
         "skipped_examples": first,
@@ -219,6 +225,7 @@ def check_summary(doc) -> None:
     doc.ints("skipped", lo=0)
     for key in ("records_skipped", "sequences_dropped", "ignored_keys"):
         doc.ints(key, lo=0, **({} if not apart else {"default": {}}))
+    doc.ints("rules_applied", lo=0, default={})
     doc.int("sequences_stored", lo=0, **apart)
     doc.ints("units", lo=0, default={})
     doc.mapping("workers_busy", lambda v, f: _number(doc, v, f, 1.0), default={})
@@ -294,6 +301,9 @@ def format_summary(s: dict) -> str:
         if s.get("ignored_keys"):
             lines.append("ignored keys        " + ", ".join(f"{k.partition(':')[2]} ({k.partition(':')[0]}) {n:,}"
                                                              for k, n in s["ignored_keys"].items()))
+        if s.get("rules_applied"):
+            lines.append("rules applied       " + ", ".join(f"{k.partition(':')[2]} ({k.partition(':')[0].replace('-', ' ')}) "
+                                                             f"{n:,}" for k, n in s["rules_applied"].items()))
     else:   # (a summary of an earlier version)
         lines.append(f"conversations       {s['conversations']:,} kept, skipped {skipped_text(s['skipped'])}")
     lines += [

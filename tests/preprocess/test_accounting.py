@@ -422,3 +422,60 @@ def test_check_rendered_tools_reads_no_call_inside_a_messages_own_text():
     check_rendered_tools(text, None, "t.jsonl", 3, calls, own=[(6, 6 + len(pasted))])
     with pytest.raises(InputError, match="call 2 of tool 'get_weather'"):   # a rendered call outside is still read
         check_rendered_tools(text + pasted, None, "t.jsonl", 3, calls, own=[(6, 6 + len(pasted))])
+
+
+# ---------------------------------------------------------------- arguments encoded twice
+
+def _twice(i, inner=None):
+    """An OpenAI record whose call's arguments are a JSON string of the arguments' JSON text, and a
+    ShareGPT one whose function_call value does the same (public function-calling samples)."""
+    r = copy.deepcopy(openai(i, with_system=False))
+    fn = r["messages"][1]["tool_calls"][0]["function"]
+    fn["arguments"] = json.dumps(fn["arguments"] if inner is None else inner)
+    g = glaive(i)
+    turn = g["conversations"][1]
+    call = json.loads(turn["value"])
+    turn["value"] = json.dumps(dict(call, arguments=json.dumps(json.dumps(call["arguments"]) if inner is None
+                                                               else inner)))
+    return [r, g]
+
+
+def test_arguments_encoded_twice_are_decoded_once_more_when_they_hold_an_object():
+    ignored = {}
+    for record in _twice(1):
+        _, conv = parse(record, ignored=ignored)
+        calls = [c for m in conv.messages for c in m.get("tool_calls") or ()]
+        assert calls[0]["function"]["arguments"] == {"city": "Lagos", "unit": "c"}
+    assert ignored == {"decoded-twice:messages[].tool_calls[].function.arguments": 1,
+                       "decoded-twice:conversations[].value[].arguments": 1}, ignored
+    for inner, what in (("not json", "a string that is not JSON"), (json.dumps([1, 2]), "a JSON list"),
+                        (json.dumps("{}x"), "a JSON str")):   # (three levels: refused, not decoded on)
+        for record in _twice(1, inner):
+            with pytest.raises(InputError) as e:
+                parse(record)
+            assert e.value.reason == "bad_tool_call" and what in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("family", ["qwen25", "llama3"])
+def test_arguments_encoded_twice_train_as_the_object_and_are_counted(tmp_path, families, family):
+    """End to end: the same records with arguments encoded once and twice give the same bytes;
+    the summary counts the rule by field, and both checks (accounting, --verify-masks) pass."""
+    from megatron_sft_idx.preprocess import Config, run
+    from megatron_sft_idx.preprocess.summary import format_summary
+    from support.sft_fixtures import write_jsonl
+
+    def go(name, records):
+        path = write_jsonl(tmp_path / f"{name}.jsonl", records)
+        return run(Config(inputs=[path], output_prefix=str(tmp_path / name / "ds"), tokenizer=families[family],
+                          pack_size=4096, progress=False, verify_masks=8, workers=1))
+
+    once = [r for i in range(3) for r in (copy.deepcopy(openai(i, with_system=False)), glaive(i))]
+    twice = [r for i in range(3) for r in _twice(i)]
+    a, b = go("once", once), go("twice", twice)
+    assert a["rules_applied"] == {} and b["skipped"] == {} and b["conversations"] == 6
+    assert b["rules_applied"] == {"decoded-twice:conversations[].value[].arguments": 3,
+                                  "decoded-twice:messages[].tool_calls[].function.arguments": 3}
+    assert "rules applied       conversations[].value[].arguments (decoded twice) 3" in format_summary(b)
+    for x, y in zip(a["outputs"], b["outputs"]):
+        for ext in (".bin", ".idx"):
+            assert open(x + ext, "rb").read() == open(y + ext, "rb").read()

@@ -70,6 +70,17 @@ def _parsed(text: str):
         return None
 
 
+def _decoded(text: str):
+    """A call's arguments string, parsed; parsed once more when it holds a JSON string of an
+    object (arguments encoded twice, which the mapping accepts: docs/INPUTS.md)."""
+    value = _parsed(text)
+    if isinstance(value, str):
+        inner = _parsed(value)
+        if isinstance(inner, dict):
+            return inner
+    return value
+
+
 def held(shown, source) -> bool:
     """True when ``shown`` (from a rendering) is held by ``source``: an object's keys are the
     source's, each value held; a list as long, element by element; a scalar equal and of the
@@ -156,7 +167,7 @@ def _arguments_held(values, source, nulls: bool) -> bool:
     if isinstance(source, str):
         if "null" not in source and (_ENCODE(values) == source or _ENCODE_ASCII(values) == source):
             return True
-        source = _parsed(source)
+        source = _decoded(source)
     if source is None:
         source = {}
     if not nulls:   # nothing shown is null: the source's nulls are never compared
@@ -215,7 +226,7 @@ def check_rendered_tools(text: str, tools, path: str, line: int, calls=(),
             continue   # not a call as JSON (or the record makes none of it: the text check's)
         n = shown_calls[name] = shown_calls.get(name, 0) + 1
         if n > len(args) or not _arguments_held(values, args[n - 1], nulls):
-            source = _without_nulls(_parsed(args[n - 1]) if isinstance(args[n - 1], str) else args[n - 1]) \
+            source = _without_nulls(_decoded(args[n - 1]) if isinstance(args[n - 1], str) else args[n - 1]) \
                 if n <= len(args) else None
             extra = (next((k for k in values if not isinstance(source, dict) or k not in source
                            or not held(values[k], source[k])), None) if isinstance(values, dict) else None)

@@ -101,6 +101,12 @@ METADATA_KEYS = frozenset({
 METADATA_FLAGS = {"reasoning": frozenset({"on", "off"})}
 #: the rules a record-level key is ignored by (the summary counts ``rule:key``)
 IGNORE_RULES = ("metadata", "ignore-field", "no-text")
+#: rules that read a value in a second documented form, counted like the ignore rules (as
+#: ``rule:field``) and reported apart (the summary's ``rules_applied``): tool-call arguments given
+#: as a JSON string of a JSON string of an object, as public function-calling samples ship them,
+#: decoded one level more (docs/INPUTS.md)
+DECODED_TWICE = "decoded-twice"
+APPLIED_RULES = (DECODED_TWICE,)
 
 
 @dataclass
@@ -470,11 +476,31 @@ class _Mapper:
         if isinstance(value, str):
             value = self.json_value(value, where, f"'{where}' is a string that is not JSON; tool-call arguments "
                                                   "must be a JSON object")
+            if isinstance(value, str):
+                value = self.decoded_twice(value, where)
         if not isinstance(value, dict):
             raise self.error(f"'{where}' must be a JSON object, got {type(value).__name__}", where, "bad_tool_call")
         if self.nulls and _may_hold_null(value):
             value = drop_nulls(value)
         check_json_texts(value, self.path, self.line, where)
+        return value
+
+    def decoded_twice(self, text: str, where: str) -> dict:
+        """Arguments given as a JSON string whose value is itself a JSON string: the producer
+        encoded the object twice (public function-calling samples do). Decoded once more when
+        that gives an object, counted by rule and field; anything else is refused.
+
+        Raises:
+            InputError: the inner string is not JSON, or not an object (``bad_tool_call``).
+        """
+        value = self.json_value(text, where, f"'{where}' is a JSON string holding a string that is not JSON; "
+                                             "tool-call arguments must be a JSON object")
+        if not isinstance(value, dict):
+            raise self.error(f"'{where}' is a JSON string holding a JSON {type(value).__name__}, not an object; "
+                             "tool-call arguments must be a JSON object", where, "bad_tool_call")
+        if self.ignored is not None:
+            name = f"{DECODED_TWICE}:{_INDEX.sub('[]', where)}"
+            self.ignored[name] = self.ignored.get(name, 0) + 1
         return value
 
     def tools(self, value, where: str) -> Optional[List[dict]]:
