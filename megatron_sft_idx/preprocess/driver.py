@@ -108,8 +108,8 @@ def run(cfg: Config) -> dict:
         return summary
     with stages.started():
         store = stages.tokenize(cfg, inputs)
-        if cfg.tokenize.skip_report:   # (before packing: a temporary store is gone after it)
-            write_skip_report(store, cfg.tokenize.skip_report)
+        if cfg.tokenize.skip_report:   # (before packing: a temporary store is gone after it; the plan's drops
+            write_skip_report(store, cfg.tokenize.skip_report, job.settings)   # found by the plan's rule)
         stages.pack(store)
     return stages.summary
 

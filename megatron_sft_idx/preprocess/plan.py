@@ -157,7 +157,7 @@ class Kept:
 
 
 #: Skip reason of an overlong conversation that is not kept, by --overlong mode.
-_OVERLONG_REASON = {"drop": "overlong_dropped", "truncate": "overlong_untrainable_after_truncation",
+OVERLONG_REASON = {"drop": "overlong_dropped", "truncate": "overlong_untrainable_after_truncation",
                     "error": "overlong"}
 
 
@@ -206,7 +206,7 @@ def load_kept(store: SequenceStore, s: PlanSettings) -> Kept:
                 name, line, length = store.inputs[part.file]["name"], int(rows["line"][bad[0]]), int(full[bad[0]])
                 if s.overlong == "error" and not s.skip_bad:
                     raise _overlong_error(s, name, line, length)
-                reason = _OVERLONG_REASON[s.overlong]
+                reason = OVERLONG_REASON[s.overlong]
                 skipped[reason] = skipped.get(reason, 0) + int(bad.size)
                 first.setdefault(reason, str(_overlong_error(s, name, line, length)))
         keep = ~drop

@@ -82,9 +82,15 @@ def ignored_keys(store: SequenceStore, applied: bool = False) -> Dict[str, int]:
     return dict(sorted(out.items()))
 
 
-def write_skip_report(store: SequenceStore, path: str) -> int:
-    """``--skip-report FILE``: every record the run skipped, one JSON object a line
-    (``{"file", "line", "reason"}``), in input order; returns how many.
+def write_skip_report(store: SequenceStore, path: str, settings=None) -> int:
+    """``--skip-report FILE``: every record the run skipped, one JSON object a line, in input
+    order (file, then line); returns how many lines. A record the tokenize stage skipped is
+    ``{"file", "line", "reason"}``; with ``settings`` (the job's
+    :class:`~megatron_sft_idx.preprocess.plan.PlanSettings`), every sequence the plan stage drops
+    (``--overlong drop``, or nothing trained after ``--overlong truncate``) too, as
+    ``{"file", "line", "reason", "length", "stage": "plan"}`` with the reason and the count the
+    summary's ``sequences_dropped`` gives, found by the plan's own rule
+    (:func:`~megatron_sft_idx.preprocess.plan.load_kept`, lengths only).
 
     Raises:
         ShardError: a partition's skips file does not verify; OSError: the report cannot be written.
@@ -93,10 +99,34 @@ def write_skip_report(store: SequenceStore, path: str) -> int:
 
     from .._atomic import write_file_atomically
 
-    lines = [json.dumps({"file": store.inputs[part.file]["name"], "line": line, "reason": reason}) + "\n"
-             for k, part in enumerate(store.partitions) for line, reason in store.skips(k)]
+    entries = [(part.file, line, {"file": store.inputs[part.file]["name"], "line": line, "reason": reason})
+               for k, part in enumerate(store.partitions) for line, reason in store.skips(k)]
+    if settings is not None and not (settings.overlong == "error" and not settings.skip_bad):
+        entries += _plan_drops(store, settings)   # (under --overlong error alone the plan refuses, drops none)
+    entries.sort(key=lambda e: (e[0], e[1]))   # (stable: a record's skips stay in stage order)
+    lines = [json.dumps(e) + "\n" for _, _, e in entries]
     write_file_atomically(path, lambda f: f.write("".join(lines).encode("utf-8")))
     return len(lines)
+
+
+def _plan_drops(store: SequenceStore, settings) -> list:
+    """``(file, line, entry)`` of every sequence the plan stage drops (see :func:`write_skip_report`)."""
+    from .plan import OVERLONG_REASON, load_kept
+
+    dropped = load_kept(store, settings).dropped
+    if not dropped.size:
+        return []
+    reason = OVERLONG_REASON[settings.overlong]
+    out, base = [], 0
+    for k, part in enumerate(store.partitions):
+        rows = store.rows(k)
+        mine = dropped[(dropped >= base) & (dropped < base + rows.size)] - base
+        name = store.inputs[part.file]["name"]
+        out += [(part.file, int(rows["line"][i]), {"file": name, "line": int(rows["line"][i]), "reason": reason,
+                                                   "length": int(rows["length"][i]), "stage": "plan"})
+                for i in mine]
+        base += rows.size
+    return out
 
 
 def workers_busy(store: SequenceStore, workers: int, result: PackResult) -> Dict[str, float]:
