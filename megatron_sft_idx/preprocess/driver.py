@@ -63,7 +63,7 @@ from .done import check_outputs, owned_files, record_outputs, run_books
 from ..storage._url import local_only
 from ..storage.destination import destination_for
 from .store import SequenceStore
-from .summary import PackResult, build_summary, write_skip_report
+from .summary import PackResult, build_summary, inputs_left, write_skip_report
 from .tokenize import (IndexStep, Inputs, TokenizeStep, describe_store, index_schema, lock_user_store,
                        part_metadata, partition_sizes, recorded_template_date, resolve_inputs,
                        verified_partitions)
@@ -105,13 +105,13 @@ def run(cfg: Config) -> dict:
     stages = _Run(job, key, times, kept_store=store_dir)
     summary = stages.finished(prove_inputs(inputs, cfg.run.workers))
     if summary is not None:
-        return summary
+        return dict(summary, inputs_left=inputs_left(cfg.inputs))   # (said on every run)
     with stages.started():
         store = stages.tokenize(cfg, inputs)
         if cfg.tokenize.skip_report:   # (before packing: a temporary store is gone after it; the plan's drops
             write_skip_report(store, cfg.tokenize.skip_report, job.settings)   # found by the plan's rule)
         stages.pack(store)
-    return stages.summary
+    return dict(stages.summary, inputs_left=inputs_left(cfg.inputs))
 
 
 def repack(cfg: RepackConfig) -> dict:

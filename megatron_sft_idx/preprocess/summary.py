@@ -82,6 +82,16 @@ def ignored_keys(store: SequenceStore, applied: bool = False) -> Dict[str, int]:
     return dict(sorted(out.items()))
 
 
+def inputs_left(specs) -> List[dict]:
+    """What the input directories hold and the run did not read, each ``{"name", "reason"}``
+    (the summary's ``inputs_left``; the files read are its ``inputs``)."""
+    from .records.inputs import expand_inputs, left_reason
+
+    left: List[str] = []
+    expand_inputs([str(s) for s in specs], left)
+    return [{"name": p, "reason": left_reason(p)} for p in left]
+
+
 def write_skip_report(store: SequenceStore, path: str, settings=None) -> int:
     """``--skip-report FILE``: every record the run skipped, one JSON object a line, in input
     order (file, then line); returns how many lines. A record the tokenize stage skipped is
@@ -320,6 +330,10 @@ def format_summary(s: dict) -> str:
 
     records = f", {plural(s['records_read'], 'record')}" if "records_read" in s else ""
     lines = [f"inputs              {plural(len(s['inputs']), 'file')}{records}"]
+    left = s.get("inputs_left") or []
+    if left:
+        lines.append(f"  left out {plural(len(left), 'path')}: " + ", ".join(
+            f"{f['name']} ({f['reason']})" for f in left[:20]) + (" ..." if len(left) > 20 else ""))
     if "records_skipped" in s:   # records in, sequences out, each counted as what it is
         files = [f for f in s["inputs"] if "records" in f]
         for f in files if len(files) > 1 else ():

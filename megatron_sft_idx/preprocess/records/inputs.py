@@ -47,6 +47,17 @@ def _is_input_file(path: str) -> bool:
     return path.endswith(JSONL_SUFFIXES + JSON_SUFFIXES + PARQUET_SUFFIXES + ARROW_SUFFIXES)
 
 
+def left_reason(path: str) -> str:
+    """Why a directory's ``path`` (one :func:`expand_inputs` left) was not read."""
+    name = os.path.basename(path)
+    if os.path.isdir(path):
+        return "hidden directory, not searched"
+    if name.startswith("."):
+        return "hidden file"
+    ext = os.path.splitext(name)[1]
+    return f"not a kind the run reads ({ext or 'no extension'})"
+
+
 def expand_inputs(specs: Sequence[str], left: Optional[List[str]] = None) -> List[str]:
     """Files named by ``specs`` (files, globs, directories searched recursively), sorted within
     each glob or directory, first occurrence kept. A directory contributes every file of a kind the
@@ -54,7 +65,8 @@ def expand_inputs(specs: Sequence[str], left: Optional[List[str]] = None) -> Lis
     ``.parquet``, ``.arrow`` -- and every dataset saved by Hugging Face ``datasets.save_to_disk``
     under it (``state.json`` beside its Arrow files: its data files in its own order); a file named
     directly may have any name. ``left`` (when given) receives the files a directory holds that
-    are not read, so the caller can say so.
+    are not read, and the hidden directories it does not search, so the caller can say so
+    (:func:`left_reason` says why).
 
     Raises:
         InputError: a spec matches no input file; a saved ``DatasetDict`` (which split?); a
@@ -96,6 +108,8 @@ def _directory_files(directory: str, left: Optional[List[str]]) -> List[str]:
             found.append((root, hf_dataset_files(root)))
             dirs[:] = []
             continue
+        if left is not None:   # (a hidden directory is not searched: said, with the files it holds)
+            left.extend(os.path.join(root, d) for d in sorted(dirs) if d.startswith("."))
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         for name in sorted(files):
             path = os.path.join(root, name)
