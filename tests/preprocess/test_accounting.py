@@ -318,7 +318,7 @@ def _defect_keep_nulls(monkeypatch):
     from megatron_sft_idx.preprocess.records import shapes
 
     monkeypatch.setattr(shapes, "drop_nulls", lambda value: value)
-    monkeypatch.setattr(shapes, "_may_hold_null", lambda value: True)
+    monkeypatch.setattr(shapes, "_may_hold_null", lambda value: (True, None))
 
 
 def _defect_add_key(monkeypatch):

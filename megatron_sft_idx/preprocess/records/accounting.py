@@ -127,8 +127,10 @@ def _named_objects(text: str, names, own: Sequence[Tuple[int, int]]):
                 name = raw_decode(text, m.start(1) - 1)[0]
             except ValueError:
                 continue
-        if name in names and not any(a <= m.start() < b for a, b in own):
-            yield name, m.start()
+        if name in names:
+            at = m.start()
+            if not own or not any(a <= at < b for a, b in own):
+                yield name, at
 
 
 def _definition(shown, name: str) -> bool:
@@ -216,11 +218,13 @@ def check_rendered_tools(text: str, tools, path: str, line: int, calls=(),
         defs, args = definitions.get(name), arguments.get(name)
         shown, start, end = _object_at(text, at)
         nulls = text.find("null", start, end) >= 0
-        if _definition(shown, name) and ("description" in shown or not args or (
-                defs and any(held(shown, _without_nulls(d)) for d in defs))):   # (else Llama's call form)
-            if defs:
-                _check_definition(shown, nulls, defs, name, path, line)
-            continue
+        if _definition(shown, name):
+            if defs and not nulls and shown in defs:
+                continue   # the common case, compared in C: as the record holds it, and no null shown
+            if "description" in shown or not args or (defs and any(held(shown, _without_nulls(d)) for d in defs)):
+                if defs:   # (else Llama's call form, below)
+                    _check_definition(shown, nulls, defs, name, path, line)
+                continue
         values = _call_values(shown, name) if args is not None else _NO_CALL
         if values is _NO_CALL:
             continue   # not a call as JSON (or the record makes none of it: the text check's)

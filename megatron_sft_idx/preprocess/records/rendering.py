@@ -152,7 +152,14 @@ def _forms(v) -> Tuple[str, ...]:
     if isinstance(v, str):
         a, b = encode_basestring(v), encode_basestring_ascii(v)
         return (a,) if a == b else (a, b)
+    if v is None or v is True or v is False:
+        return _CONSTANTS[v]
+    if type(v) is int:   # (json.dumps writes an int as repr does: no serialiser per leaf)
+        return (repr(v),)
     return (json.dumps(v),)
+
+
+_CONSTANTS = {None: ("null",), True: ("true",), False: ("false",)}
 
 
 def items_of(conv: Conversation, reasoning_required: Sequence[int], policy: LossPolicy):

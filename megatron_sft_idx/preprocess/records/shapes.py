@@ -286,13 +286,16 @@ def account_keys(record: dict, used: FrozenSet[str], opts: SchemaOptions, path: 
             ignored[name] = ignored.get(name, 0) + 1
 
 
-def _may_hold_null(value) -> bool:
-    """False when ``value`` certainly holds no ``None`` (one C-level serialisation has no
-    ``null``), so :func:`drop_nulls` need not walk it."""
+def _may_hold_null(value) -> Tuple[bool, Optional[str]]:
+    """``(may hold null, serialisation)``: False when ``value`` certainly holds no ``None`` (its
+    one C-level serialisation has no ``null``), so :func:`drop_nulls` need not walk it; the
+    serialisation (None when there is none) is handed to :func:`check_json_texts`, which needs
+    the same one."""
     try:
-        return "null" in json.dumps(value, ensure_ascii=False, check_circular=False)
+        text = json.dumps(value, ensure_ascii=False, check_circular=False)
     except (TypeError, ValueError):
-        return True
+        return True, None
+    return "null" in text, text
 
 
 def drop_nulls(value):
@@ -480,9 +483,12 @@ class _Mapper:
                 value = self.decoded_twice(value, where)
         if not isinstance(value, dict):
             raise self.error(f"'{where}' must be a JSON object, got {type(value).__name__}", where, "bad_tool_call")
-        if self.nulls and _may_hold_null(value):
-            value = drop_nulls(value)
-        check_json_texts(value, self.path, self.line, where)
+        text = None
+        if self.nulls:
+            nulls, text = _may_hold_null(value)
+            if nulls:
+                value = drop_nulls(value)
+        check_json_texts(value, self.path, self.line, where, text)
         return value
 
     def decoded_twice(self, text: str, where: str) -> dict:
@@ -516,8 +522,11 @@ class _Mapper:
         out = []
         for i, tool in enumerate(value):
             w = f"{where}[{i}]"
-            if self.nulls and _may_hold_null(tool):
-                tool = drop_nulls(tool)
+            text = None
+            if self.nulls:
+                nulls, text = _may_hold_null(tool)
+                if nulls:
+                    tool = drop_nulls(tool)
             if isinstance(tool, dict) and tool.get("type") == "function" and isinstance(tool.get("function"), dict):
                 fn = tool["function"]
             elif isinstance(tool, dict) and "type" not in tool and isinstance(tool.get("name"), str):
@@ -528,7 +537,7 @@ class _Mapper:
                                  "'function')", w, "bad_tool_call")
             if not isinstance(fn.get("name"), str) or not fn["name"]:
                 raise self.error(f"'{w}' needs a function name", w + ".name", "bad_tool_call")
-            check_json_texts(tool, self.path, self.line, w)
+            check_json_texts(tool, self.path, self.line, w, text)   # (the wrapper added only ASCII keys)
             out.append(tool)
         return out or None
 
@@ -812,11 +821,13 @@ def check_text(value: str, path: str, line: int, where: str) -> str:
     return value
 
 
-def check_json_texts(value, path: str, line: int, where: str) -> None:
+def check_json_texts(value, path: str, line: int, where: str, text: Optional[str] = None) -> None:
     """Every string (key or value) inside a JSON value passes :func:`check_text` (one C-level
-    serialisation proves it for the whole value; only a failure walks it to name the text)."""
+    serialisation proves it for the whole value; only a failure walks it to name the text).
+    ``text``: that serialisation when the caller has it, of ``value`` or of a value ``value``
+    was made from by removing entries (what holds for it holds for ``value``)."""
     try:
-        json.dumps(value, ensure_ascii=False).encode("utf-8")
+        (json.dumps(value, ensure_ascii=False) if text is None else text).encode("utf-8")
         return
     except (UnicodeEncodeError, TypeError, ValueError):
         pass
