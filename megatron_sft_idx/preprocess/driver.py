@@ -55,7 +55,7 @@ from .engines import make_engine
 from .records.errors import output_error
 from .materialize import MaterializeStep, OutputShard, materialize_schema, output_shards, resumed_shards
 from .records.partitions import Partition, auto_partition_bytes, sha256_file
-from .plan import PlanStep, plan_schema, resumed_plan, write_plan
+from .plan import PlanStep, plan_drops, plan_schema, resumed_plan, write_plan
 from .planfile import PackPlan
 from .publish import StagedSet, StagedShard, publish
 from .receipts import ReceiptBook, settings_key
@@ -108,8 +108,8 @@ def run(cfg: Config) -> dict:
         return dict(summary, inputs_left=inputs_left(cfg.inputs))   # (said on every run)
     with stages.started():
         store = stages.tokenize(cfg, inputs)
-        if cfg.tokenize.skip_report:   # (before packing: a temporary store is gone after it; the plan's drops
-            write_skip_report(store, cfg.tokenize.skip_report, job.settings)   # found by the plan's rule)
+        if cfg.tokenize.skip_report:   # (before packing: a temporary store is gone after it; the plan's
+            write_skip_report(store, cfg.tokenize.skip_report, plan_drops(store, job.settings))   # drops by its rule)
         stages.pack(store)
     return dict(stages.summary, inputs_left=inputs_left(cfg.inputs))
 

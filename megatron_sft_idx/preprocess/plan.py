@@ -268,6 +268,31 @@ def _cut_turns(store: SequenceStore, k: int, rows: np.ndarray, truncated: np.nda
     return cut, untrainable
 
 
+def plan_drops(store: SequenceStore, s: PlanSettings) -> list:
+    """``(file, line, entry)`` of every sequence the plan drops (``--overlong drop``, or nothing
+    trained after ``--overlong truncate``), in store order, found by the plan's own rule
+    (:func:`load_kept`, lengths only): ``--skip-report``'s lines, ``entry`` being ``{"file",
+    "line", "reason", "length", "stage": "plan"}`` with the reason the summary's
+    ``sequences_dropped`` counts. None under ``--overlong error`` alone (the plan refuses instead)."""
+    if s.overlong == "error" and not s.skip_bad:
+        return []
+    dropped = load_kept(store, s).dropped
+    out: list = []
+    base = 0
+    for k, part in enumerate(store.partitions):
+        if not dropped.size:
+            break
+        rows = store.rows(k)
+        mine = dropped[(dropped >= base) & (dropped < base + rows.size)] - base
+        name = store.inputs[part.file]["name"]
+        out += [(part.file, int(rows["line"][i]), {"file": name, "line": int(rows["line"][i]),
+                                                   "reason": OVERLONG_REASON[s.overlong],
+                                                   "length": int(rows["length"][i]), "stage": "plan"})
+                for i in mine]
+        base += rows.size
+    return out
+
+
 def store_ids(kept: np.ndarray, dropped: np.ndarray) -> np.ndarray:
     """Store ids of kept-conversation indices: kept ``k`` is store id ``k`` plus the number of
     dropped ids before it (8 bytes per dropped conversation instead of a map of all of them)."""

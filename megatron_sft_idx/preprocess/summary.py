@@ -92,15 +92,12 @@ def inputs_left(specs) -> List[dict]:
     return [{"name": p, "reason": left_reason(p)} for p in left]
 
 
-def write_skip_report(store: SequenceStore, path: str, settings=None) -> int:
+def write_skip_report(store: SequenceStore, path: str, plan_drops=()) -> int:
     """``--skip-report FILE``: every record the run skipped, one JSON object a line, in input
     order (file, then line); returns how many lines. A record the tokenize stage skipped is
-    ``{"file", "line", "reason"}``; with ``settings`` (the job's
-    :class:`~megatron_sft_idx.preprocess.plan.PlanSettings`), every sequence the plan stage drops
-    (``--overlong drop``, or nothing trained after ``--overlong truncate``) too, as
-    ``{"file", "line", "reason", "length", "stage": "plan"}`` with the reason and the count the
-    summary's ``sequences_dropped`` gives, found by the plan's own rule
-    (:func:`~megatron_sft_idx.preprocess.plan.load_kept`, lengths only).
+    ``{"file", "line", "reason"}``; ``plan_drops`` adds the sequences the plan stage drops
+    (``(file, line, entry)`` from :func:`~megatron_sft_idx.preprocess.plan.plan_drops`: entries
+    ``{"file", "line", "reason", "length", "stage": "plan"}``).
 
     Raises:
         ShardError: a partition's skips file does not verify; OSError: the report cannot be written.
@@ -111,32 +108,11 @@ def write_skip_report(store: SequenceStore, path: str, settings=None) -> int:
 
     entries = [(part.file, line, {"file": store.inputs[part.file]["name"], "line": line, "reason": reason})
                for k, part in enumerate(store.partitions) for line, reason in store.skips(k)]
-    if settings is not None and not (settings.overlong == "error" and not settings.skip_bad):
-        entries += _plan_drops(store, settings)   # (under --overlong error alone the plan refuses, drops none)
+    entries += plan_drops
     entries.sort(key=lambda e: (e[0], e[1]))   # (stable: a record's skips stay in stage order)
     lines = [json.dumps(e) + "\n" for _, _, e in entries]
     write_file_atomically(path, lambda f: f.write("".join(lines).encode("utf-8")))
     return len(lines)
-
-
-def _plan_drops(store: SequenceStore, settings) -> list:
-    """``(file, line, entry)`` of every sequence the plan stage drops (see :func:`write_skip_report`)."""
-    from .plan import OVERLONG_REASON, load_kept
-
-    dropped = load_kept(store, settings).dropped
-    if not dropped.size:
-        return []
-    reason = OVERLONG_REASON[settings.overlong]
-    out, base = [], 0
-    for k, part in enumerate(store.partitions):
-        rows = store.rows(k)
-        mine = dropped[(dropped >= base) & (dropped < base + rows.size)] - base
-        name = store.inputs[part.file]["name"]
-        out += [(part.file, int(rows["line"][i]), {"file": name, "line": int(rows["line"][i]), "reason": reason,
-                                                   "length": int(rows["length"][i]), "stage": "plan"})
-                for i in mine]
-        base += rows.size
-    return out
 
 
 def workers_busy(store: SequenceStore, workers: int, result: PackResult) -> Dict[str, float]:
@@ -346,8 +322,9 @@ def format_summary(s: dict) -> str:
             lines.append("ignored keys        " + ", ".join(f"{k.partition(':')[2]} ({k.partition(':')[0]}) {n:,}"
                                                              for k, n in s["ignored_keys"].items()))
         if s.get("rules_applied"):
-            lines.append("rules applied       " + ", ".join(f"{k.partition(':')[2]} ({k.partition(':')[0].replace('-', ' ')}) "
-                                                             f"{n:,}" for k, n in s["rules_applied"].items()))
+            lines.append("rules applied       " + ", ".join(
+                f"{k.partition(':')[2]} ({k.partition(':')[0].replace('-', ' ')}) {n:,}"
+                for k, n in s["rules_applied"].items()))
     else:   # (a summary of an earlier version)
         lines.append(f"conversations       {s['conversations']:,} kept, skipped {skipped_text(s['skipped'])}")
     lines += [

@@ -479,3 +479,22 @@ def test_arguments_encoded_twice_train_as_the_object_and_are_counted(tmp_path, f
     for x, y in zip(a["outputs"], b["outputs"]):
         for ext in (".bin", ".idx"):
             assert open(x + ext, "rb").read() == open(y + ext, "rb").read()
+
+
+def test_a_call_compared_by_its_exact_text_still_counts_in_order():
+    """The read-back's fast path (the rendered call is the record's n-th call of the tool
+    character for character) gives the verdict the decoding does: swapped or changed
+    arguments, or one call too many, are refused all the same."""
+    from megatron_sft_idx.preprocess.records.accounting import check_rendered_tools
+
+    oslo, rome = '{"city": "Oslo"}', '{"city": "Rome", "n": 2}'
+    calls = ({"function": {"name": "f", "arguments": oslo}}, {"function": {"name": "f", "arguments": json.loads(rome)}})
+
+    def call(args):
+        return '{"name": "f", "arguments": ' + args + '}'
+
+    check_rendered_tools(call(oslo) + call(rome), None, "t.jsonl", 3, calls)
+    for bad, n in ((call(rome) + call(oslo), 1), (call(oslo) + call('{"city": "Rome", "n": 3}'), 2),
+                   (call(oslo) + call(rome) + call(rome), 3), (call('{"city": "Oslo", "n": null}') + call(rome), 1)):
+        with pytest.raises(InputError, match=f"call {n} of tool 'f'"):
+            check_rendered_tools(bad, None, "t.jsonl", 3, calls)

@@ -117,7 +117,7 @@ _NAME_KEY = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
 
 
 def _named_objects(text: str, names, own: Sequence[Tuple[int, int]]):
-    """``(name, start)`` of each ``"name": NAME`` key in ``text``, in order, for ``NAME`` in
+    """``(name, start, end)`` of each ``"name": NAME`` key in ``text``, in order, for ``NAME`` in
     ``names`` (written with non-ASCII kept or escaped alike), but not where ``own`` says a
     message's own text was rendered (``(start, end)`` spans: JSON a user pastes is not a call)."""
     for m in _NAME_KEY.finditer(text):
@@ -130,7 +130,7 @@ def _named_objects(text: str, names, own: Sequence[Tuple[int, int]]):
         if name in names:
             at = m.start()
             if not own or not any(a <= at < b for a, b in own):
-                yield name, at
+                yield name, at, m.end()
 
 
 def _definition(shown, name: str) -> bool:
@@ -214,8 +214,12 @@ def check_rendered_tools(text: str, tools, path: str, line: int, calls=(),
     definitions = source_definitions(tools) if tools else {}
     arguments = source_arguments(calls) if calls else {}
     shown_calls: Dict[str, int] = {}   # calls of each tool shown so far
-    for name, at in _named_objects(text, definitions.keys() | arguments.keys(), own):
+    for name, at, after in _named_objects(text, definitions.keys() | arguments.keys(), own):
         defs, args = definitions.get(name), arguments.get(name)
+        if at and text.startswith("{", at - 1):   # a call's exact text first: no decoding, no walk (_call_as_written)
+            if args and _call_as_written(text, after, args, shown_calls.get(name, 0)):
+                shown_calls[name] = shown_calls.get(name, 0) + 1
+                continue
         shown, start, end = _object_at(text, at)
         nulls = text.find("null", start, end) >= 0
         if _definition(shown, name):
@@ -241,6 +245,22 @@ def check_rendered_tools(text: str, tools, path: str, line: int, calls=(),
                               reason="rendered_not_in_source",
                               hint="the template (or the mapping) changed the call's arguments; report "
                                    "it, or pass --skip-bad to skip and count such records")
+
+
+def _call_as_written(text: str, after: int, args: list, shown: int) -> bool:
+    """True when the call whose ``"name": NAME`` ends at ``after`` goes on, character for
+    character, as ``, "arguments": A}`` with ``A`` the record's next call of ``NAME``'s arguments
+    as given (its JSON string, or its object as JSON writes it) holding no null: the object
+    decodes to that name and those arguments, so they are held."""
+    if shown >= len(args) or not text.startswith(', "arguments": ', after):
+        return False
+    source = args[shown]
+    if isinstance(source, dict):
+        source = _ENCODE(source)
+    elif not isinstance(source, str):
+        return False
+    at = after + 15
+    return "null" not in source and text.startswith(source, at) and text.startswith("}", at + len(source))
 
 
 def _check_definition(shown: dict, nulls: bool, defs: List[dict], name: str, path: str, line: int) -> None:
