@@ -78,9 +78,10 @@ def main(argv=None) -> int:
         path = write_tool_corpus(os.path.join(tmp, "tools.jsonl"), args.count)
         tok, desc = tool_tokenizer(os.path.join(tmp, "tok"))
         runs = {f"{name}_{on}": [] for name, _ in systems for on in ("on", "off")}
-        for _ in range(args.rounds + 1):   # the first round warms numba's caches: not counted
-            for name, tree in systems:
-                for on in ("on", "off"):
+        for round_ in range(args.rounds + 1):   # the first round warms numba's caches: not counted
+            flip = round_ % 2 == 0   # (each order as often: no bias by position)
+            for name, tree in systems[::-1] if flip else systems:
+                for on in ("off", "on") if flip else ("on", "off"):
                     r = run_child("bench.accounting_cost:child_run", tree=base if tree else "", path=path,
                                   tokenizer=tok, out=os.path.join(tmp, f"{name}_{on}"), accounting=on == "on")
                     runs[f"{name}_{on}"].append(r)
