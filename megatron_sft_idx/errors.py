@@ -40,6 +40,7 @@ __all__ = [
     "QueryError",
     "RemoteStorageError",
     "ObjectChangedError",
+    "PreconditionError",
     "RemoteTimeoutError",
     "ResponseMismatchError",
     "OutputError",
@@ -244,6 +245,14 @@ class ObjectChangedError(RemoteStorageError):
     reading on would mix two generations of the shard."""
 
     default_hint = "the shard was re-uploaded while it was being read; reopen it"
+
+
+class PreconditionError(ObjectChangedError):
+    """A conditional write to object storage was refused (``412 PreconditionFailed``): an object
+    written create-only (``If-None-Match: *``) already exists, or one replaced with ``If-Match``
+    is no longer the version read. ``expected`` is the condition."""
+
+    default_hint = "another writer got there first; read the object again before deciding"
 
 
 class RemoteTimeoutError(RemoteStorageError):

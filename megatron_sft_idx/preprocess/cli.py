@@ -185,7 +185,8 @@ def add_staging_argument(group) -> None:
                        help="s3:// and msc:// output prefixes: the local directory where the run works and "
                             "stages the shards before uploading them (needs room for the output; give the same "
                             "one to --resume; with --engine ray, one every node mounts at the same path) "
-                            "(default: the system's temporary directory)")
+                            "(default: the system's temporary directory; with --engine ray, the bucket: the work "
+                            "directory is .NAME.preprocess/ beside the output, written by the tasks)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -193,7 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     io = p.add_argument_group("input and output")
     io.add_argument("--input", nargs="+", required=True, metavar="PATH",
-                    help="input files, globs or directories: .jsonl, .jsonl.gz, .jsonl.zst, .parquet")
+                    help="input files, globs or directories: .jsonl, .json, .parquet, .arrow [.gz|.zst], saved "
+                         "datasets; or s3:// / msc:// URLs of objects, prefixes (s3://b/data/) or globs "
+                         "(s3://b/data/*.jsonl), read with ranged GETs")
     io.add_argument("--output-prefix", required=True,
                     help="output shard prefix; shards are PREFIX[_train|_valid|_test][_000000...]; "
                          "s3://bucket/dir/NAME or msc://profile/dir/NAME uploads them (see --staging-dir)")
@@ -219,9 +222,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="write every skipped record's file, line and reason to FILE, one JSON object a line, "
                          "and every conversation the plan drops as overlong, with its length (with --skip-bad; "
                          "the summary counts them by file and reason) (default: none)")
-    io.add_argument("--store", metavar="DIR",
+    io.add_argument("--store", metavar="DIR|URL",
                     help="keep the sequence store (every conversation tokenized once) in DIR, to repack it "
-                         "later with repack-sft (default: a temporary store, removed after the run)")
+                         "later with repack-sft; an s3:// URL keeps it in the bucket, locked while the run "
+                         "writes it, its partitions written by the tasks (default: a temporary store, removed "
+                         "after the run)")
     io.add_argument("--max-record-bytes", type=size_arg, default=DEFAULT_MAX_RECORD_BYTES, metavar="SIZE",
                     help="longest input record (JSONL line) accepted; longer ones are an error, or skipped "
                          "and counted with --skip-bad, never read into memory whole. Tokenizing a chat record "
@@ -232,8 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "take; never changes the output's bytes (default: auto)")
     add_staging_argument(io)
     tk = p.add_argument_group("tokenization")
-    tk.add_argument("--tokenizer", metavar="PATH",
-                    help="local Hugging Face tokenizer directory or tokenizer.json (required unless every "
+    tk.add_argument("--tokenizer", metavar="PATH|URL|NAME",
+                    help="Hugging Face tokenizer: a local directory or tokenizer.json, an s3:// / msc:// URL of a "
+                         "directory holding tokenizer.json, or a hub name (org/name: the local HF cache; the hub "
+                         "with HF_HUB_OFFLINE=0); a URL or name is read once and shipped to the workers (required unless every "
                          "record is pre-tokenized)")
     tk.add_argument("--chat-template", metavar="FILE|NAME",
                     help="the chat template to render conversations with: a Jinja file, or the name of one of "
@@ -338,8 +345,16 @@ def usage_problem(args) -> str:
             return f"--balance-for/--cost-model: {exc}"
     from ..storage._url import local_only
 
+    store, output = getattr(args, "store", None) or "", getattr(args, "output_prefix", None) or ""
+    if store.startswith("msc://") and getattr(args, "input", None):
+        return (f"--store {store}: a store written in object storage is locked by conditional writes, which "
+                "msc:// does not offer; give its s3:// URL (repack-sft reads an msc:// store)")
+    if output.startswith("msc://") and args.engine == "ray" and not args.staging_dir:
+        return (f"--output-prefix {output}: with --engine ray the work directory goes beside it, locked by "
+                "conditional writes, which msc:// does not offer; give its s3:// URL, or --staging-dir DIR "
+                "on a filesystem every node mounts")
     return local_only((flag, getattr(args, flag[2:].replace("-", "_"), None)) for flag in
-                      ("--input", "--store", "--staging-dir", "--summary-json", "--tokenizer", "--plan-only"))
+                      ("--staging-dir", "--summary-json", "--plan-only"))
 
 
 def run_and_report(prog: str, run, cfg, args, formatter=None) -> int:
@@ -421,14 +436,16 @@ def build_repack_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=REPACK_PROG, description=REPACK_DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     io = p.add_argument_group("input and output")
-    io.add_argument("--store", required=True, metavar="DIR",
-                    help="a sequence store kept by preprocess-sft --store DIR (complete)")
+    io.add_argument("--store", required=True, metavar="DIR|URL",
+                    help="a sequence store kept by preprocess-sft --store DIR|URL (complete); a URL's is "
+                         "mirrored on each node's disk and verified")
     io.add_argument("--output-prefix", help="output shard prefix, as preprocess-sft's (required unless "
                                             "--plan-only)")
     io.add_argument("--plan-only", metavar="PATH",
                     help="write only the pack plan to PATH (for VirtualPackedDataset); no shards")
-    io.add_argument("--tokenizer", metavar="PATH",
-                    help="tokenizer for --verify-masks (default: where the store found it)")
+    io.add_argument("--tokenizer", metavar="PATH|URL|NAME",
+                    help="tokenizer for --verify-masks, as preprocess-sft takes it (default: where the store "
+                         "found it)")
     add_staging_argument(io)
     add_packing_arguments(p)
     add_balance_arguments(p)

@@ -23,6 +23,10 @@ after the last one is published, the *done* record (summary, outputs with sizes 
 inputs by digest) makes the run committed, and the work directory is reduced to that record,
 so ``--resume`` of a finished run is a no-op while its outputs and inputs are unchanged.
 
+A store or work directory in object storage (:mod:`.workarea`): every engine's units run
+mirrored (pull what they read, push what they make, the receipt last), the driver syncs its own
+writes and pulls the results, both areas are locked by objects written conditionally.
+
 Memory of the driver: receipts, plus (local engine, in-process plan) ~16-24 bytes per
 conversation for the planner. Same inputs and settings give byte-identical shards whatever
 ``--workers``, ``--engine``, ``--partition-bytes`` or ``--batch-size``, whichever command wrote
@@ -60,13 +64,14 @@ from .planfile import PackPlan
 from .publish import StagedSet, StagedShard, publish
 from .receipts import ReceiptBook, settings_key
 from .done import check_outputs, owned_files, record_outputs, run_books
-from ..storage._url import local_only
-from ..storage.destination import destination_for
+from ..storage._url import is_remote, local_only
+from ..storage.destination import ObjectDestination, destination_for
 from .store import SequenceStore
 from .summary import PackResult, build_summary, inputs_left, write_skip_report
 from .tokenize import (IndexStep, Inputs, TokenizeStep, describe_store, index_schema, lock_user_store,
                        part_metadata, partition_sizes, recorded_template_date, resolve_inputs,
                        verified_partitions)
+from .workarea import Area, RunAreas
 from .workdir import WorkDir, keep_only_record
 
 log = logging.getLogger("megatron_sft_idx.preprocess")
@@ -85,13 +90,19 @@ def run(cfg: Config) -> dict:
     inputs = resolve_inputs(cfg)
     job = PackJob.resolve(cfg.output_prefix, cfg.pack, cfg.run, inputs.options.vocab_size, inputs.pad_id,
                           inputs.options.tokenizer_path, cfg.balance)
-    store_dir = os.path.abspath(cfg.store) if cfg.store else None
+    store_area = Area(cfg.store) if cfg.store and is_remote(cfg.store) else None   # mirrored here
+    store_dir = store_area.local if store_area else (os.path.abspath(cfg.store) if cfg.store else None)
     if cfg.tokenize.partition_bytes is None:   # auto: from the inputs' size (resolved once, recorded in the key)
         cfg = replace(cfg, tokenize=replace(cfg.tokenize, partition_bytes=auto_partition_bytes(
             sum(size for _, size, _ in inputs.stat()))))
     if inputs.options.template_date is not None and cfg.tokenize.template_date is None and cfg.run.resume:
         # the store being continued (--store, or the run's own) keeps the date it was rendered with
-        work = destination_for(job.output_prefix).work_prefix(job.output_prefix, job.run.staging_dir)
+        areas = RunAreas(job.output_prefix, job.run.engine, job.run.staging_dir, store_area)
+        work = areas.work_prefix(destination_for(job.output_prefix).work_prefix(job.output_prefix,
+                                                                                job.run.staging_dir))
+        for area, rel in ((store_area, "store.json"), (None if store_area else areas.work, "store/store.json")):
+            if area is not None:   # (a store in object storage: its description, mirrored here)
+                area.pull(rel)
         recorded = recorded_template_date(store_dir or WorkDir(work).store)
         if recorded is not None and recorded != inputs.options.template_date:
             inputs = resolve_inputs(cfg, recorded)
@@ -100,18 +111,19 @@ def run(cfg: Config) -> dict:
         encode.pop("template_date", None)   # resumed the next day, it is the same run (its store keeps the date)
     key = settings_key({"job": _job_key(job), "tokenizer": inputs.tokenizer, "encode": encode,
                         "inputs": inputs.paths, "partition_bytes": cfg.tokenize.partition_bytes,
-                        "max_record_bytes": cfg.tokenize.max_record_bytes, "store": store_dir})
+                        "max_record_bytes": cfg.tokenize.max_record_bytes,
+                        "store": store_area.url if store_area else store_dir})
     times["inputs"] = time.perf_counter() - t
-    stages = _Run(job, key, times, kept_store=store_dir)
+    stages = _Run(job, key, times, kept_store=store_dir, store_area=store_area)
     summary = stages.finished(prove_inputs(inputs, cfg.run.workers))
     if summary is not None:
-        return dict(summary, inputs_left=inputs_left(cfg.inputs))   # (said on every run)
+        return dict(summary, inputs_left=inputs_left(inputs.left))   # (said on every run)
     with stages.started():
         store = stages.tokenize(cfg, inputs)
         if cfg.tokenize.skip_report:   # (before packing: a temporary store is gone after it; the plan's
             write_skip_report(store, cfg.tokenize.skip_report, plan_drops(store, job.settings))   # drops by its rule)
         stages.pack(store)
-    return dict(stages.summary, inputs_left=inputs_left(cfg.inputs))
+    return dict(stages.summary, inputs_left=inputs_left(inputs.left))
 
 
 def repack(cfg: RepackConfig) -> dict:
@@ -125,14 +137,15 @@ def repack(cfg: RepackConfig) -> dict:
     """
     times: Dict[str, float] = {}
     t = time.perf_counter()
-    store = SequenceStore(cfg.store)
+    store_area = Area(cfg.store) if is_remote(cfg.store) else None
+    store = SequenceStore(cfg.store)   # (a URL's: mirrored here)
     job = PackJob.resolve(cfg.output_prefix, cfg.pack, cfg.run, store.vocab_size,
                           (store.tokenizer or {}).get("pad_id"), cfg.tokenizer or store.tokenizer_path, cfg.balance)
     if cfg.plan_only:
         return plan_only(store, job, cfg.plan_only)
     key = settings_key({"store_id": store.store_id, "job": _job_key(job)})
     times["inputs"] = time.perf_counter() - t
-    stages = _Run(job, key, times, kept_store=store.directory)
+    stages = _Run(job, key, times, kept_store=store.directory, store_area=store_area)
     summary = stages.finished()
     if summary is not None:
         return summary
@@ -210,10 +223,15 @@ class _Run:
     :attr:`summary` is the run's summary once committed.
     """
 
-    def __init__(self, job: PackJob, key: str, times: Dict[str, float], kept_store: Optional[str]) -> None:
+    def __init__(self, job: PackJob, key: str, times: Dict[str, float], kept_store: Optional[str],
+                 store_area: Optional[Area] = None) -> None:
         self.job, self.key, self.times, self.kept_store = job, key, times, kept_store
         self.destination = destination_for(job.output_prefix)
-        self.work = WorkDir(self.destination.work_prefix(job.output_prefix, job.run.staging_dir))  # a URL's: staged
+        self.areas = RunAreas(job.output_prefix, job.run.engine, job.run.staging_dir, store_area)
+        if self.areas.work is not None:   # staged shards are published by server-side copies
+            self.destination = ObjectDestination(copies=self.areas.work.object_of)
+        self.work = WorkDir(self.areas.work_prefix(self.destination.work_prefix(job.output_prefix,
+                                                                                 job.run.staging_dir)))
         self.progress = Progress.of(job.run.progress)
         self.resumed: Dict[str, int] = {}
         self.engine = None
@@ -228,6 +246,8 @@ class _Run:
         CRC-32s), and ``prove`` accepts the record (the inputs are the bytes it read). None
         otherwise (logged: the run is done again, its outputs replaced as its own)."""
         if not self.job.run.resume:
+            return None
+        if self.areas.busy():   # (a work directory in the bucket that a run holds: not finished)
             return None
         done = run_books(self.work, self.key)["done"].read(0)
         owner = self.work.lock.owner()
@@ -257,6 +277,7 @@ class _Run:
                 reached a final name); whatever a stage raises.
         """
         work, settings = self.work, self.job.run
+        self.areas.open(settings.resume)   # (in the bucket: its lock, naming a run that holds it)
         self.owned = sorted(owned_files(work, self.key)) if settings.resume else []
         self.replaced = outputs.refuse_existing(self.job.bases, settings.overwrite, self.destination, set(self.owned))
         with terminate_as_exception():
@@ -270,6 +291,7 @@ class _Run:
                 self.engine = make_engine(settings.engine, settings.workers, settings.ray_address)
                 if self.engine.name == "ray":  # joining or starting the cluster: seconds, part of the run
                     self.times["ray_start"] = time.perf_counter() - t
+                self.engine = self.areas.engine(self.engine, own_store=self.kept_store is None)
                 yield self
             except (OutputError, IncompleteDestinationError):
                 raise
@@ -288,14 +310,18 @@ class _Run:
                     self.engine.close()
                 if not work.closed:
                     work.close(remove)
+                self.areas.release()
 
     # ------------------------------------------------------------------ the store
 
     def tokenize(self, cfg: Config, inputs: Inputs) -> SequenceStore:
         """Index the inputs and tokenize every partition not yet in the store: the run's own, or
         the ``--store`` directory (``kept_store``, locked meanwhile)."""
-        lock = lock_user_store(self.kept_store, self.job.run.resume, self.job.run.overwrite) \
-            if self.kept_store else None
+        if self.areas.store is not None:
+            lock = self.areas.lock_store(self.job.run.resume, self.job.run.overwrite)
+        else:
+            lock = lock_user_store(self.kept_store, self.job.run.resume, self.job.run.overwrite) \
+                if self.kept_store else None
         try:
             directory = self.kept_store or self.work.store
             index = self._index(inputs, cfg.tokenize.partition_bytes, directory)
@@ -345,7 +371,8 @@ class _Run:
         self.resumed["tokenize"] = len(done)
         meta = tuple(part_metadata(inputs, info, tk.input_format) for info in infos)
         step = TokenizeStep(directory, store_id, tuple(inputs.paths), tuple(inputs.names), tuple(parts),
-                            inputs.options, tk.batch_size, tk.max_record_bytes, meta)
+                            inputs.options, tk.batch_size, tk.max_record_bytes, meta,
+                            versions=tuple(index[i].get("etag", "") for i in range(len(infos))))
         todo = [k for k in range(len(parts)) if k not in done]
         size, byte_unit = partition_sizes(parts)
         log.info("tokenize: %s to do (%d done before), %s of input", plural(len(todo), "partition"), len(done),
@@ -390,7 +417,7 @@ class _Run:
         staged = _staged_set(shards, plan, self.job)
         result = PackResult(plan, [done[u] for u in range(len(shards))], manifests=[p for p, _ in staged.manifests],
                             times=self.times, resumed=self.resumed, engine=self.engine.describe(),
-                            kept_store=self.kept_store)
+                            kept_store=self.areas.store.url if self.areas.store else self.kept_store)
         moved = published if self.destination.moves else set()   # (where a publish moves the staged files)
         located = [replace(s, staged=s.final) if u in moved else s for u, s in enumerate(shards)]
         checked = books["checks"].read(0)
@@ -495,6 +522,7 @@ class _Run:
         finals = ({s.final + x for s in staged.shards for x in PUBLISH_ORDER} | {path for path, _ in staged.manifests}
                   | {o.final for o in staged.orders})
         books["intent"].write(0, {"files": sorted(finals | set(self.owned))})
+        self.areas.sync()   # (the intent is in the bucket before any final name is touched)
         normal = self.destination.normal
         ours = {normal(p) for p in finals}
         mine = {normal(p) for p in self.owned}
@@ -503,6 +531,7 @@ class _Run:
         with self.progress.phase("publish", len(staged.shards), unit="shards") as bar:
             written = publish(staged, list(self.replaced) + stale, books["publish"], self.destination,
                               on_shard=lambda: bar.update(1))
+        self.areas.sync()
         self.times["publish"] = time.perf_counter() - t
         return written
 
@@ -513,6 +542,7 @@ class _Run:
         run_books(self.work, self.key)["done"].write(0, {
             "summary": summary, "outputs": record_outputs(staged, receipts, self.work, written),
             "inputs": [{"name": i["name"], "sha256": i["sha256"]} for i in store.inputs]})
+        self.areas.sync()   # (the record is in the bucket before the rest of the work directory goes)
         self.summary = summary
         committed()  # (a signal from here on is ignored by the tool, or caught by started())
         with signals_deferred():  # committed: finish the cleanup whatever arrives now

@@ -32,6 +32,7 @@ from .._atomic import write_file_atomically
 from ..errors import InvariantError, MetadataError, ShardError
 from ..reader import MMapIndexedDataset
 from ..jsondoc import HEX, Doc, load_json
+from ..storage._url import is_remote
 from .integrity import verify_shard
 from .records.partitions import Partition, check_cover
 from .receipts import ReceiptBook, settings_key
@@ -162,7 +163,9 @@ def tokenize_book(directory: str, store_id: str) -> ReceiptBook:
 
 
 class SequenceStore:
-    """A store opened for reading (planning, materializing, virtual packs).
+    """A store opened for reading (planning, materializing, virtual packs). ``directory`` may be
+    an ``s3://`` / ``msc://`` URL: the store is then mirrored on this node's disk first
+    (:func:`.workarea.mirrored_store`) and read there, every partition verified as a local one.
 
     ``store.json`` and every receipt are parsed strictly at open; the partitions' bytes are
     verified by :meth:`verify` (once per run, by whoever makes new data from them).
@@ -173,6 +176,10 @@ class SequenceStore:
     """
 
     def __init__(self, directory: str, *, require_complete: bool = True) -> None:
+        if is_remote(directory):   # a store in object storage: its mirror on this node, pulled now
+            from .workarea import mirrored_store
+
+            directory = mirrored_store(directory)
         self.directory = os.path.abspath(directory)
         self.body = body = read_store_file(os.path.join(self.directory, STORE_FILE))
         self.store_id: str = body["store_id"]

@@ -82,13 +82,12 @@ def ignored_keys(store: SequenceStore, applied: bool = False) -> Dict[str, int]:
     return dict(sorted(out.items()))
 
 
-def inputs_left(specs) -> List[dict]:
-    """What the input directories hold and the run did not read, each ``{"name", "reason"}``
-    (the summary's ``inputs_left``; the files read are its ``inputs``)."""
-    from .records.inputs import expand_inputs, left_reason
+def inputs_left(left) -> List[dict]:
+    """What the input directories hold and the run did not read (``left``: as
+    :func:`~megatron_sft_idx.preprocess.records.inputs.expand_inputs` gave it), each
+    ``{"name", "reason"}``: the summary's ``inputs_left`` (the files read are its ``inputs``)."""
+    from .records.inputs import left_reason
 
-    left: List[str] = []
-    expand_inputs([str(s) for s in specs], left)
     return [{"name": p, "reason": left_reason(p)} for p in left]
 
 

@@ -24,15 +24,17 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from ..builder import IndexedDatasetBuilder
-from ..errors import InputError, ShardError, ShardExistsError
+from ..errors import InputError, ObjectChangedError, RemoteStorageError, ShardError, ShardExistsError
 from ..packing import exclusive_cumsum
+from ..storage import is_remote
 from ..jsondoc import HEX, normal_json
 from .records.chat import check_template_date, load_chat_tokenizer, resolve_chat_template, utc_today
 from .config import Config, check_pad_id
 from .records.encode import EncodedBatch, EncodeOptions, RecordEncoder, preload
 from .engines.base import report_progress
-from .records.inputs import expand_inputs
+from .records.inputs import expand_inputs, stat_input
 from .records.partitions import Partition, index_file, read_batches
+from .records.tokenizer_source import is_tokenizer_reference, resolve_tokenizer
 from .receipts import ReceiptBook
 from .store import (ROW_DTYPE, ROWS_SUFFIX, SKIPS_SUFFIX, STORE_FILE, SequenceStore, encoding_extra, part_prefix, tokenize_book,
                     write_store_file)
@@ -48,17 +50,24 @@ class Inputs:
     """What the driver resolves once: the input files and the tokenizer's identity."""
 
     names: List[str]                 # as given (expanded): recorded in metadata and messages
-    paths: List[str]                 # absolute: what the workers open
+    paths: List[str]                 # absolute (or the URL): what the workers open
     options: EncodeOptions
     tokenizer: Optional[dict]        # identity without its path, or None
     pad_id: int
+    sizes: Optional[List[int]] = None   # bytes of each input, as expansion found them
+    left: Tuple[str, ...] = ()          # what the input directories hold and the run does not read
 
     def stat(self) -> list:
-        return [[n, os.path.getsize(p), os.stat(p).st_mtime_ns] for n, p in zip(self.names, self.paths)]
+        """``[name, bytes, mtime_ns]`` per input (an object's mtime: 0; its bytes as listed)."""
+        sizes = self.sizes or [stat_input(p)[0] for p in self.paths]
+        return [[n, size, 0 if is_remote(p) else os.stat(p).st_mtime_ns]
+                for n, p, size in zip(self.names, self.paths, sizes)]
 
 
 def resolve_inputs(cfg: Config, recorded_date: Optional[str] = None) -> Inputs:
     """Expand the inputs, load the tokenizer and its chat template, and fix the encoding options.
+    A tokenizer given as a URL or a Hugging Face name is read here, once, and its files travel
+    with the encoding options to every task (:mod:`.records.tokenizer_source`).
 
     A template that reads the clock renders ``--template-date``, else ``recorded_date`` (the date
     the store being continued records, :func:`recorded_template_date`), else today's UTC date.
@@ -68,7 +77,8 @@ def resolve_inputs(cfg: Config, recorded_date: Optional[str] = None) -> Inputs:
     """
     tk = cfg.tokenize
     left: List[str] = []
-    names = expand_inputs(cfg.inputs, left)
+    listed: Dict[str, int] = {}
+    names = expand_inputs(cfg.inputs, left, listed)
     if left:   # (what a directory holds that is not input is said, never passed over in silence)
         log.warning("%d file(s) in the input directories are not of a kind the run reads (.jsonl, .json, "
                     ".parquet, .arrow, [.gz|.zst]) and were not read: %s", len(left),
@@ -89,14 +99,18 @@ def resolve_inputs(cfg: Config, recorded_date: Optional[str] = None) -> Inputs:
             or (tk.input_format == "auto" and pad is None)):
         _no_template(tok, pad is None)
     pad_id = check_pad_id(pad, vocab)
-    options = tk.encode_options(tokenizer_path=tok.path if tok else None, vocab_size=vocab,
-                                skip_bad=cfg.pack.skip_bad, chat_template_text=template, template_date=date)
+    shipped = resolve_tokenizer(tk.tokenizer) if is_tokenizer_reference(tk.tokenizer) else None
+    options = tk.encode_options(tokenizer_path=(tk.tokenizer if shipped else tok.path) if tok else None,
+                                vocab_size=vocab, skip_bad=cfg.pack.skip_bad, chat_template_text=template,
+                                template_date=date, tokenizer_files=shipped)
     identity = {k: v for k, v in tok.identity().items() if k != "path"} if tok else None
     if tok is not None and tk.tokenizer_backend == "auto" and importlib.util.find_spec("gigatoken") is None:
         log.warning("gigatoken is not installed: tokenizing with tokenizers, the same bytes about 8x slower per "
                     "core (docs/PREPROCESSING.md#speed-and-memory); the 'preprocess' extra brings it on Linux "
                     "x86-64, the 'fast' extra elsewhere")
-    return Inputs(names, [os.path.abspath(n) for n in names], options, identity, pad_id)
+    sizes = [listed[n] if n in listed else os.path.getsize(n) for n in names]
+    return Inputs(names, [n if is_remote(n) else os.path.abspath(n) for n in names], options, identity, pad_id,
+                  sizes, tuple(left))
 
 
 def recorded_template_date(directory: str) -> Optional[str]:
@@ -150,6 +164,10 @@ class IndexStep:
     def run(self, unit: int) -> dict:
         try:
             info = index_file(self.paths[unit], unit, self.partition_bytes)
+        except ObjectChangedError as exc:
+            raise replaced_input(self.paths[unit], exc, "while it was indexed") from None
+        except RemoteStorageError:
+            raise
         except (OSError, ValueError) as exc:
             raise InputError(f"cannot read input ({exc.__class__.__name__}: {exc})", path=self.paths[unit],
                              hint="check the file is complete and its format matches its suffix") from None
@@ -233,6 +251,7 @@ class TokenizeStep:
     max_record_bytes: int
     shard_metadata: Tuple[dict, ...]   # per input file: metadata of its partitions' shards
     name: str = "tokenize"
+    versions: Tuple[str, ...] = ()     # per input: the object version (ETag) the index read, "" if local
 
     @property
     def writes_to(self) -> str:
@@ -250,6 +269,7 @@ class TokenizeStep:
     def run(self, unit: int) -> dict:
         part = self.partitions[unit]
         path, name = self.paths[part.file], self.names[part.file]
+        version = self.versions[part.file] if self.versions else ""
         encoder = encoder_for(self.options)
         meta = dict(self.shard_metadata[part.file])
         meta["extra"] = dict(meta.get("extra") or {}, store_id=self.store_id, partition=part.to_list())
@@ -260,7 +280,7 @@ class TokenizeStep:
         first: Dict[str, str] = {}
         ignored: Dict[str, int] = {}
         try:
-            for batch in _read(path, name, part, self.batch_size, self.max_record_bytes):
+            for batch in _read(path, name, part, self.batch_size, self.max_record_bytes, version):
                 records += len(batch)
                 encoded = encoder.encode_batch(batch, name)
                 if part.kind in ("lines", "array"):  # the driver sized this partition in bytes
@@ -284,14 +304,28 @@ class TokenizeStep:
         return self.book.write(unit, body, artifacts, pinned)
 
 
-def _read(path: str, name: str, part: Partition, batch_size: int, max_record_bytes: int):
+def _read(path: str, name: str, part: Partition, batch_size: int, max_record_bytes: int, version: str = ""):
     try:
-        yield from read_batches(path, part, batch_size, max_record_bytes)
+        yield from read_batches(path, part, batch_size, max_record_bytes, version)
     except InputError:
+        raise
+    except ObjectChangedError as exc:
+        raise replaced_input(name, exc, "after it was indexed") from None
+    except RemoteStorageError:
         raise
     except (OSError, EOFError, ValueError) as exc:
         raise InputError(f"cannot read input ({exc.__class__.__name__}: {exc})", path=name,
                          hint="check the file is complete and its compression matches its suffix") from None
+
+
+def replaced_input(name: str, exc: ObjectChangedError, when: str) -> ObjectChangedError:
+    """The error of an input object replaced ``when`` (its ETag changed): never read as a mix of
+    two versions, and a rerun indexes it again."""
+    return ObjectChangedError(f"input {name} was replaced {when} (its ETag changed): the run would mix two "
+                              "versions of it", path=name, field="etag", expected=getattr(exc, "expected", None),
+                              actual=getattr(exc, "actual", None),
+                              hint="do not rewrite inputs during a run; run again with --resume (the input "
+                                   "is indexed again, and partitions of its old bytes are tokenized again)")
 
 
 # --------------------------------------------------------------------------- the store's description

@@ -11,7 +11,9 @@ names, staging, the publishing primitives, reading back), and :mod:`megatron_sft
 orders every publication through it (``.idx`` last, the commit point). (``upload_shard``,
 ``publish``, ``publish_shard`` and ``RemoteIndexedDataset``, once named here, live in
 :mod:`megatron_sft_idx.publishing` and :mod:`megatron_sft_idx.reader`; the old names warn and
-fail.) Settings: :class:`StorageConfig` (environment variables listed there).
+fail.) Single objects as read-only, seekable files (``open_object``: what ``preprocess-sft
+--input s3://...`` reads through), with the listing and HEAD an input expansion needs:
+:mod:`.objects`. Settings: :class:`StorageConfig` (environment variables listed there).
 
 This package's ``__init__`` imports nothing heavy: boto3 / multi-storage-client (extra
 ``[s3]``) are imported the first time a URL is used. Nothing in it imports the reader.
@@ -30,6 +32,9 @@ _PUBLIC = {
     "destination_for": ".destination",
     "remote_shard_exists": ".remote",
     "request_counts": "._stores",
+    "open_object": ".objects",
+    "stat_object": ".objects",
+    "list_objects": ".objects",
 }
 
 __all__ = ["ObjectURL", "is_remote", *_PUBLIC]

@@ -162,6 +162,9 @@ class ObjectStore:
     def _get(self, url: ObjectURL, start: int, length: int, etag: str): raise NotImplementedError
     def _put(self, url: ObjectURL, path: str, size: int) -> None: raise NotImplementedError
     def _delete(self, url: ObjectURL) -> None: raise NotImplementedError
+    def _put_data(self, url: ObjectURL, data: bytes, create_only: bool, if_match: str) -> str:
+        raise NotImplementedError
+    def _copy(self, source: ObjectURL, url: ObjectURL, info: ObjectInfo) -> None: raise NotImplementedError
 
     # ------------------------------------------------------------------ public, retried
 
@@ -229,6 +232,47 @@ class ObjectStore:
     multipart = False
 
     def _multipart(self, url: ObjectURL, path: str, size: int) -> None: raise NotImplementedError
+
+    def put_bytes(self, url: ObjectURL, data: bytes, create_only: bool = False, if_match: str = "") -> str:
+        """One PUT of ``data`` (a small object: a receipt, a lock); returns its new ETag.
+        ``create_only``: only if no object is there (``If-None-Match: *``); ``if_match``: only if
+        the object there is still that ETag (``If-Match``). A retried conditional PUT whose first
+        attempt landed fails its condition: the caller reads the object back to tell (a lock does).
+
+        Raises:
+            PreconditionError: the condition does not hold (naming the URL and the condition).
+        """
+        from ..errors import ObjectChangedError, PreconditionError
+
+        try:
+            return self._retry(lambda: self._put_data(url, bytes(data), create_only, if_match), "PUT", url,
+                               len(data))
+        except ObjectChangedError:
+            rule = "If-None-Match: * (create only)" if create_only else f"If-Match: {if_match}"
+            raise PreconditionError("the object is not as this write requires: another writer created or "
+                                    "replaced it", path=str(url), field="precondition", expected=rule) from None
+
+    def copy(self, source: ObjectURL, url: ObjectURL) -> ObjectInfo:
+        """Copy ``source`` to ``url`` inside the store (server-side: no byte passes through this
+        process): one request up to ``config.copy_limit``, else part by part. The copy's size is
+        checked against the source's after; returns the source's ObjectInfo.
+
+        Raises:
+            ShardNotFoundError: no ``source``; SizeMismatchError: the copy is not the source's size;
+            ObjectChangedError: the source was replaced during the copy.
+        """
+        from ..errors import ShardNotFoundError, SizeMismatchError
+
+        info = self.head(source)
+        if info is None:
+            raise ShardNotFoundError("no object to copy", path=str(source), hint="check the URL")
+        self._copy(source, url, info)
+        got = self.head(url)
+        if got is None or got.size != info.size:
+            raise SizeMismatchError("the server-side copy differs in size from its source", path=str(url),
+                                    field="size", expected=info.size, actual=None if got is None else got.size,
+                                    hint=f"copy {source} again")
+        return info
 
     def delete(self, url: ObjectURL) -> None:
         from ..errors import ShardNotFoundError
@@ -377,6 +421,67 @@ class S3Store(ObjectStore):
         _count("delete")
         self.client.delete_object(Bucket=url.bucket, Key=url.key)
 
+    def _put_data(self, url, data, create_only, if_match):
+        _count("put")
+        kwargs = {"Bucket": url.bucket, "Key": url.key, "Body": _Body(data)}
+        if create_only:
+            kwargs["IfNoneMatch"] = "*"
+        if if_match:
+            kwargs["IfMatch"] = if_match
+        return self.client.put_object(**kwargs).get("ETag", "")
+
+    def _copy(self, source, url, info):
+        """CopyObject pinned to the source's ETag; above ``copy_limit`` UploadPartCopy in
+        ``part_size`` ranges (each pinned too), in parallel, aborted on any failure."""
+        pin = {"CopySourceIfMatch": info.etag} if info.etag else {}
+        where = {"Bucket": source.bucket, "Key": source.key}
+        if info.size <= self.config.copy_limit:
+            def one():
+                _count("copy", info.size)
+                self.client.copy_object(Bucket=url.bucket, Key=url.key, CopySource=where, **pin)
+
+            return self._retry(one, f"COPY from {source}", url, deadline=Deadline(self.config.operation_seconds()))
+        deadline = Deadline(self.config.operation_seconds())
+
+        def create():
+            _count("put")
+            return self.client.create_multipart_upload(Bucket=url.bucket, Key=url.key)["UploadId"]
+
+        upload_id = self._retry(create, "POST (start a multipart copy)", url, deadline=deadline)
+        part = self.config.part_size
+        starts = list(range(0, info.size, part))
+
+        def send(k: int) -> dict:
+            end = min(info.size, starts[k] + part) - 1
+
+            def op():
+                _count("copy_part", end + 1 - starts[k])
+                r = self.client.upload_part_copy(Bucket=url.bucket, Key=url.key, UploadId=upload_id,
+                                                 PartNumber=k + 1, CopySource=where,
+                                                 CopySourceRange=f"bytes={starts[k]}-{end}", **pin)
+                return {"PartNumber": k + 1, "ETag": r["CopyPartResult"]["ETag"]}
+
+            return self._retry(op, f"COPY part {k + 1}/{len(starts)} from {source}", url, deadline=deadline)
+
+        try:
+            with futures.ThreadPoolExecutor(max_workers=self.config.concurrency) as pool:
+                parts = list(pool.map(send, range(len(starts))))
+
+            def complete():
+                _count("put")
+                self.client.complete_multipart_upload(Bucket=url.bucket, Key=url.key, UploadId=upload_id,
+                                                      MultipartUpload={"Parts": parts})
+
+            self._retry(complete, "POST (complete the multipart copy)", url, deadline=deadline)
+        except BaseException:
+            try:
+                self._retry(lambda: self.client.abort_multipart_upload(Bucket=url.bucket, Key=url.key,
+                                                                       UploadId=upload_id),
+                            "DELETE (abort the multipart copy)", url, deadline=Deadline(self.config.request_timeout))
+            except Exception:
+                pass
+            raise
+
 
 class _Body(io.BytesIO):
     """A request body that stops being sent once its attempt is over (abandoned at its deadline,
@@ -431,6 +536,8 @@ class MscStore(ObjectStore):
     def _head(self, url):
         _count("head")
         meta = _unwrapped(lambda: self._client(url).info(url.key))
+        if getattr(meta, "type", "file") != "file":   # MSC answers for a "directory" too; S3 has no such object
+            raise FileNotFoundError(2, "not an object (a directory)", str(url))
         return ObjectInfo(int(meta.content_length), meta.etag or "")
 
     def list(self, url, recursive=False):
@@ -486,6 +593,22 @@ class MscStore(ObjectStore):
     def _delete(self, url):
         _count("delete")
         _unwrapped(lambda: self._client(url).delete(url.key))
+
+    def _put_data(self, url, data, create_only, if_match):
+        if create_only or if_match:
+            raise ShardError("conditional writes (locks in object storage) are not available through msc://",
+                             path=str(url), field="precondition",
+                             hint="give the store or work directory as an s3:// URL of the same bucket")
+        _count("put")
+        _unwrapped(lambda: self._client(url).write(url.key, data))
+        return ""
+
+    def _copy(self, source, url, info):
+        if source.bucket != url.bucket:
+            raise ShardError("msc:// copies only within one profile", path=str(url), field="source",
+                             actual=str(source))
+        _count("copy", info.size)
+        _unwrapped(lambda: self._client(url).copy(source.key, url.key))
 
 
 def _unwrapped(call):

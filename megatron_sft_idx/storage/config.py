@@ -24,6 +24,11 @@ environment, which wins over the default::
                                    MIN_THROUGHPUT (default 300)
     MEGATRON_SFT_IDX_MIN_THROUGHPUT bytes per second a transfer is allowed at least (default 1M)
     MEGATRON_SFT_IDX_MAX_LIST_PAGES pages (1000 keys each) one listing may take (default 10000)
+    MEGATRON_SFT_IDX_COPY_LIMIT    objects up to this size are copied server-side by one request,
+                                   larger ones part by part (default 5G, S3's single-copy limit)
+    MEGATRON_SFT_IDX_LEASE_SECONDS how long a lock in object storage holds without a renewal
+                                   (default 60; renewed every third of it): a killed holder's
+                                   lock is taken over once its lease has run out
 
 The deadlines are wall-clock (docs/STORAGE.md): a server that stalls, or trickles a
 response a byte at a time, ends in a RemoteTimeoutError within them.
@@ -69,12 +74,15 @@ RANGES = {
     "max_list_pages": ("count", 1, 1 << 30),
     "request_timeout": ("seconds", 0, 30 * 86400),
     "operation_timeout": ("seconds", 0, 30 * 86400),
+    "copy_limit": ("size", 5 * MIB, 5 << 30),         # S3's bounds on one CopyObject / UploadPartCopy
+    "lease_seconds": ("seconds", 0, 86400),
 }
 #: The environment variable of each setting (module doc).
 ENV_VARS = {"BLOCK_SIZE": "block_size", "SEQ_BIN_LIMIT": "seq_bin_limit", "PART_SIZE": "part_size",
             "MIN_THROUGHPUT": "min_throughput", "CACHE_BLOCKS": "cache_blocks", "RETRIES": "retries",
             "CONCURRENCY": "concurrency", "MAX_LIST_PAGES": "max_list_pages",
-            "REQUEST_TIMEOUT": "request_timeout", "OPERATION_TIMEOUT": "operation_timeout"}
+            "REQUEST_TIMEOUT": "request_timeout", "OPERATION_TIMEOUT": "operation_timeout",
+            "COPY_LIMIT": "copy_limit", "LEASE_SECONDS": "lease_seconds"}
 _EXAMPLES = {"size": "e.g. 4194304, 4M, 512K", "count": "a whole number, e.g. 8", "seconds": "e.g. 20 or 2.5"}
 
 
@@ -146,6 +154,9 @@ class StorageConfig:
             plus its bytes at ``min_throughput`` (:meth:`operation_seconds`).
         min_throughput: bytes per second a transfer is allowed at least.
         max_list_pages: pages one listing may take before it is refused.
+        copy_limit: a server-side copy of an object up to this size is one request; a larger
+            one is copied in parts of ``part_size`` (S3 copies at most 5 GiB in one request).
+        lease_seconds: the lease of a lock held in object storage (:mod:`.lease`).
     """
 
     cache_dir: Optional[str] = None
@@ -161,6 +172,8 @@ class StorageConfig:
     operation_timeout: float = 300.0
     min_throughput: int = 1 * MIB
     max_list_pages: int = 10_000
+    copy_limit: int = 5 << 30
+    lease_seconds: float = 60.0
     _env_applied: bool = field(default=False, repr=False, compare=False)
 
     @classmethod

@@ -41,7 +41,7 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from .. import _atomic
 from .._crc import crc32
@@ -309,8 +309,13 @@ class ObjectDestination(Destination):
     moves = False
     cheap_reads = False
 
-    def __init__(self, config: Optional[StorageConfig] = None) -> None:
+    def __init__(self, config: Optional[StorageConfig] = None,
+                 copies: Optional[Callable[[str], Optional[str]]] = None) -> None:
         self.config = StorageConfig.resolve(config)
+        #: ``copies(local path)``: the URL of an object in this store the local file is a
+        #: verified copy of (a work directory mirrored from a bucket), or None. :meth:`put` then
+        #: copies that object server-side instead of uploading the file.
+        self.copies = copies
 
     def _store(self, url: ObjectURL):
         from ._stores import store_for
@@ -424,8 +429,16 @@ class ObjectDestination(Destination):
         """Nothing to do: keys need no directories."""
 
     def put(self, source: str, final: str) -> None:
+        """Upload the local file ``source`` to ``final``; a ``source`` in the same store (an
+        ``s3://`` / ``msc://`` URL: a shard staged in a bucket) is copied server-side, never
+        through this machine's disk."""
         url = ObjectURL.parse(final)
-        self._store(url).upload(source, url)
+        if not is_remote(source) and self.copies is not None:
+            source = self.copies(source) or source
+        if is_remote(source):
+            self._store(url).copy(ObjectURL.parse(source), url)
+        else:
+            self._store(url).upload(source, url)
 
     def put_many(self, pairs: Sequence[Tuple[str, str]]) -> None:
         """Upload each ``(local file, URL)``, in parallel (``config.concurrency`` at most)."""
@@ -443,7 +456,7 @@ class ObjectDestination(Destination):
         url = ObjectURL.parse(prefix)
         listed = self._store(url).stat_files(url, ALL_SUFFIXES)
         for suffix, path in files.items():
-            want = os.path.getsize(path)
+            want = self._size(path)
             got = listed.get(suffix)
             if got is None or got.size != want:
                 raise SizeMismatchError("uploaded object differs in size from the local file",
@@ -451,13 +464,31 @@ class ObjectDestination(Destination):
                                         actual=None if got is None else got.size,
                                         hint="upload the shard again (replace=True)")
 
-    def write_bytes(self, path: str, data: bytes) -> None:
-        """One PUT of ``data`` (a manifest: its set's commit point)."""
+    def _size(self, source: str) -> int:
+        """The size of a source: a local file's, or (a URL) the object's."""
+        if not is_remote(source):
+            return os.path.getsize(source)
+        url = ObjectURL.parse(source)
+        info = self._store(url).head(url)
+        if info is None:
+            raise SizeMismatchError("the source object is gone", path=source, field="size")
+        return info.size
+
+    def write_bytes(self, path: str, data: bytes, create_only: bool = False, if_match: str = "") -> str:
+        """One PUT of ``data`` (a manifest: its set's commit point; a receipt, a lock); returns
+        its ETag. ``create_only`` / ``if_match``: a conditional write (:meth:`.ObjectStore.put_bytes`).
+
+        Raises:
+            PreconditionError: the condition does not hold."""
+        if create_only or if_match:
+            url = ObjectURL.parse(path)
+            return self._store(url).put_bytes(url, data, create_only=create_only, if_match=if_match)
         with tempfile.TemporaryDirectory(prefix="msi-put-") as tmp:
             local = os.path.join(tmp, "object")
             with open(local, "wb") as f:
                 f.write(data)
             self.put(local, path)
+        return ""
 
     def stamp(self, path: str):
         """Which object ``path`` is now (its ETag and size), or None."""

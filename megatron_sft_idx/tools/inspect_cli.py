@@ -50,8 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--global-batch-size", type=int, default=None, metavar="N",
                    help="alias: GBS of --balance-for (the others the order's)")
     p.add_argument("--seq", type=int, default=None, metavar="K", help="with --pack: show only sequence K's text")
-    p.add_argument("--tokenizer", default=None, metavar="PATH",
-                   help="with --pack: detokenize with this tokenizer directory or tokenizer.json "
+    p.add_argument("--tokenizer", default=None, metavar="PATH|URL|NAME",
+                   help="with --pack: detokenize with this tokenizer directory or tokenizer.json (or an s3:// / "
+                        "msc:// URL of one, or a Hugging Face name) "
                         "(default: the one the metadata records, if its files are unchanged)")
     p.add_argument("--no-text", action="store_true", help="with --pack: token ids only, no detokenizing")
     p.add_argument("--max-chars", type=int, default=1200, metavar="N",
@@ -93,7 +94,7 @@ def _usage_problem(args) -> Optional[str]:
             return f"--{flag.replace('_', '-')} must be positive"
     from ..storage._url import local_only
 
-    return local_only([("--plot", args.plot), ("--tokenizer", args.tokenizer)]) or None
+    return local_only([("--plot", args.plot)]) or None
 
 
 def main(argv: Optional[List[str]] = None) -> int:

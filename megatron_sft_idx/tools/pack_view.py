@@ -142,22 +142,25 @@ def find_tokenizer(recorded: Optional[dict], run_paths: Sequence[str] = ()) -> O
 def load_tokenizer(recorded: Optional[dict], override: Optional[str] = None, prefix: Optional[str] = None):
     """``(tokenizer or None, note)``: a ``tokenizers.Tokenizer`` for detokenizing, and why not if None.
 
-    ``override`` (``--tokenizer``) is used even if it is not the recorded one (with a warning);
+    ``override`` (``--tokenizer``: a local path, a URL or a Hugging Face name) is used even if it
+    is not the recorded one (with a warning);
     otherwise only a local copy whose files hash to the recorded ``files_sha256`` is used, looked
     for first where the run that wrote the shard ``prefix`` found it (:func:`run_recorded`).
     """
     note = None
     if override:
-        path = override
+        from ..preprocess.records.tokenizer_source import local_tokenizer
+
+        path = local_tokenizer(override)   # (a URL's or a hub name's files: this machine's copy)
         file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
         if not os.path.isfile(file):
-            return None, f"no tokenizer.json at {path}"
+            return None, f"no tokenizer.json at {override}"
         expected = (recorded or {}).get("files_sha256")
         if expected:
             from ..preprocess.records.chat import tokenizer_files_sha256
 
             if tokenizer_files_sha256(path)[0] != expected:
-                note = f"warning: {path} is not the tokenizer the shard records (its files hash differs)"
+                note = f"warning: {override} is not the tokenizer the shard records (its files hash differs)"
     else:
         if not recorded:
             return None, "no tokenizer recorded in the metadata (pass --tokenizer PATH to detokenize)"

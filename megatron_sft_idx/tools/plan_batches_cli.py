@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     dyn = p.add_argument_group("dynamic batching (unpacked sequences)")
     dyn.add_argument("--dynamic", action="store_true",
                      help="plan token-budget micro-batches of unpacked sequences (NeMo-RL's) instead of an order")
-    dyn.add_argument("--store", metavar="DIR", help="with --dynamic: a sequence store (preprocess-sft --store DIR)")
+    dyn.add_argument("--store", metavar="DIR|URL", help="with --dynamic: a sequence store (preprocess-sft --store DIR|URL; a "
+                     "URL's is mirrored on local disk and verified)")
     dyn.add_argument("--max-tokens-per-microbatch", type=int, metavar="N",
                      help="with --dynamic: rows x padded width of a micro-batch stays within N (required)")
     dyn.add_argument("--sequence-length-round", type=int, default=1, metavar="N",
@@ -137,7 +138,7 @@ def _usage_problem(args) -> Optional[str]:
         return "--linear and --attention go together"
     from ..storage._url import local_only
 
-    return local_only([("--plot", args.plot), ("--store", args.store)])
+    return local_only([("--plot", args.plot)])
 
 
 def _dynamic(args) -> int:

@@ -41,7 +41,7 @@ from ..multi import identities_of
 from ..open import open_packed
 from ..packed import PackSummary, runtime_min_packed, summarize
 from ..sets import require_compatible
-from .collate import BRIDGE_NEXT, BridgePackingStats, PackedCollator, resolve_bridge_semantics
+from .collate import BRIDGE_06, BridgePackingStats, PackedCollator, resolve_bridge_semantics
 
 __all__ = ["PackedSFTDataset", "build_samples_mapping", "bridge_datasets", "bridge_stats",
            "bridge_metadata_stats", "ConvertedLossWarning"]
@@ -102,8 +102,9 @@ class PackedSFTDataset(torch.utils.data.Dataset):
             ``seed``, its pack costs are this data's; ``topology`` (a
             :class:`~megatron_sft_idx.batching.Topology`), when given, warns on a mismatch. It
             reaches the ranks only through ``dataloader_type="single"``.
-        bridge_semantics: the Megatron-Bridge collate to reproduce: ``"0.6"`` or ``"next"``
-            (its main branch; :mod:`.collate`); default: the installed Bridge's.
+        bridge_semantics: the Megatron-Bridge collate to reproduce: ``"0.6"``, ``"next"`` (its
+            main branch) or ``"pr5610"`` (main with PR #5610 as its 2026-08-17 head had it; only
+            when asked); :mod:`.collate`. Default: the installed Bridge's.
 
     Raises:
         ShardError: the source does not open; options contradict its statistics; or it is
@@ -147,8 +148,8 @@ class PackedSFTDataset(torch.utils.data.Dataset):
                      else bridge_stats(source))
         self.stats = stats
         semantics = resolve_bridge_semantics(bridge_semantics)
-        if semantics == BRIDGE_NEXT:
-            _warn_if_normalised_for_06(source)
+        if semantics != BRIDGE_06:
+            _warn_if_normalised_for_06(source, semantics)
         self.collate_fn = PackedCollator(
             self.max_seq_length, eos_id=eos, pad_to_max_length=pad_to_max_length,
             pad_seq_length_to_mult=pad_seq_length_to_mult, pad_seq_to_mult=mult,
@@ -174,7 +175,7 @@ class ConvertedLossWarning(UserWarning):
     """A shard converted with Bridge 0.6's loss normalisation is trained under the next release's rules."""
 
 
-def _warn_if_normalised_for_06(source) -> None:
+def _warn_if_normalised_for_06(source, semantics: str) -> None:
     """Warn (once per call) for shards converted before conversions kept Bridge's stored mask."""
     import warnings
 
@@ -185,9 +186,9 @@ def _warn_if_normalised_for_06(source) -> None:
     if old:
         warnings.warn(f"{old[0]}{f' (and {len(old) - 1} more)' if len(old) > 1 else ''}: converted from "
                       "Megatron-Bridge's .npy/Parquet with Bridge 0.6's loss normalisation (loss 0 at EOS inputs "
-                      "with --eos-id): under Bridge main's rules (bridge_semantics='next') it trains fewer positions "
-                      "than Bridge trains on the original file; re-convert from the original with this version, "
-                      "or pass bridge_semantics='0.6'", ConvertedLossWarning, stacklevel=3)
+                      f"with --eos-id): under Bridge main's rules (bridge_semantics={semantics!r}) it trains fewer "
+                      "positions than Bridge trains on the original file; re-convert from the original with this "
+                      "version, or pass bridge_semantics='0.6'", ConvertedLossWarning, stacklevel=3)
 
 
 def _shard_metadata(source, prefix):

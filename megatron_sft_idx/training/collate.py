@@ -34,8 +34,8 @@ applies them:
 * ``return_cu_seqlen=False``: no boundaries, a dense causal ``attention_mask``
   ``(B, 1, L, L)`` (True = masked) instead.
 
-Two versions of these rules (``bridge_semantics``; default: the installed Megatron-Bridge's,
-:func:`installed_bridge_semantics`):
+Three versions of these rules (``bridge_semantics``; default: the installed Megatron-Bridge's,
+:func:`installed_bridge_semantics`, which never picks ``"pr5610"``):
 
 * ``"0.6"``: Megatron-Bridge 0.6.x, as above (tested against the installed 0.6.2);
 * ``"next"``: Megatron-Bridge ``main`` (0.7.0 in the making; tested against the batches its
@@ -44,10 +44,15 @@ Two versions of these rules (``bridge_semantics``; default: the installed Megatr
   #5213; ``answer_only_loss=False`` still zeroes them), and every batch carries
   ``padding_mask`` (bool ``(B, max_length)``, True on padding; PR #5470): positions past a
   row's ``token_count``, or, with ``pad_seq_to_mult > 1``, each segment's physical tail past
-  its logical length (alignment padding and the trailing segment).
-
-Neither version returns ``pad_between_seqs`` (Bridge PR #5610, merged after that commit, adds
-it; it is not served here yet).
+  its logical length (alignment padding and the trailing segment);
+* ``"pr5610"``: ``"next"`` plus Bridge PR #5610 as its head ``8d95ff4c`` (2026-08-17) had it
+  (tested against the batches that head's ``collate_fn`` computed, ``tests/golden/bridge_pr5610/``;
+  the code finally merged could not be read and may differ): with ``pad_seq_to_mult > 1`` a
+  sequence's logical length ends at its last input that is not a zero-loss EOS (the item's
+  stored mask: a supervised terminal EOS stays in the sequence), and every batch carries
+  ``pad_between_seqs``, a Python bool: whether any row's logical boundaries (after the
+  ``pad_cu_seqlens`` extension, before rows are equalised) differ from its physical ones;
+  always False with ``pad_seq_to_mult == 1``.
 """
 
 from __future__ import annotations
@@ -67,16 +72,18 @@ from ..errors import ShardError
 __all__ = ["PackedCollator", "BridgePackingStats", "collate_fn", "BRIDGE_SEMANTICS", "installed_bridge_semantics",
            "resolve_bridge_semantics"]
 
-#: The Megatron-Bridge collate versions served: 0.6.x, and ``main`` (the next release).
-BRIDGE_06, BRIDGE_NEXT = "0.6", "next"
-BRIDGE_SEMANTICS = (BRIDGE_06, BRIDGE_NEXT)
+#: The Megatron-Bridge collate versions served: 0.6.x, ``main`` (the next release), and ``main``
+#: with PR #5610 as its 2026-08-17 head had it (only ever chosen explicitly).
+BRIDGE_06, BRIDGE_NEXT, BRIDGE_PR5610 = "0.6", "next", "pr5610"
+BRIDGE_SEMANTICS = (BRIDGE_06, BRIDGE_NEXT, BRIDGE_PR5610)
 #: The first Megatron-Bridge version whose packed collate follows ``"next"`` (main's package version).
 NEXT_FROM = "0.7.0.dev0"
 
 
 def installed_bridge_semantics() -> str:
     """``"next"`` when the installed Megatron-Bridge is 0.7 or newer (or a pre-release of it),
-    else ``"0.6"`` (also when none is installed). Reads the package metadata; imports nothing."""
+    else ``"0.6"`` (also when none is installed). Reads the package metadata; imports nothing.
+    Never ``"pr5610"``: no released version is known to carry that collate."""
     from importlib import metadata
 
     from packaging.version import InvalidVersion, Version
@@ -95,14 +102,15 @@ def resolve_bridge_semantics(value: Optional[str]) -> str:
     """``value`` checked, or the installed Bridge's semantics for None.
 
     Raises:
-        ShardError: a value other than ``"0.6"`` / ``"next"``.
+        ShardError: a value other than ``"0.6"`` / ``"next"`` / ``"pr5610"``.
     """
     if value is None:
         return installed_bridge_semantics()
     if value not in BRIDGE_SEMANTICS:
         raise ShardError("unknown Megatron-Bridge collate semantics", field="bridge_semantics",
                          expected=" or ".join(repr(v) for v in BRIDGE_SEMANTICS), actual=value,
-                         hint="pass \"0.6\" for Megatron-Bridge 0.6.x, \"next\" for its main branch")
+                         hint="pass \"0.6\" for Megatron-Bridge 0.6.x, \"next\" for its main branch, "
+                              "\"pr5610\" for main with PR #5610 as its 2026-08-17 head had it")
     return value
 
 
@@ -153,7 +161,8 @@ class PackedCollator:
         pad_to_max_length, pad_seq_length_to_mult, pad_seq_to_mult, pad_cu_seqlens,
         return_cu_seqlen, answer_only_loss: Bridge's options of the same names.
         stats: :class:`BridgePackingStats`, required with ``pad_cu_seqlens``.
-        bridge_semantics: ``"0.6"`` or ``"next"`` (module doc); None: the installed Bridge's.
+        bridge_semantics: ``"0.6"``, ``"next"`` or ``"pr5610"`` (module doc); None: the
+            installed Bridge's (``"0.6"`` or ``"next"``).
 
     Raises:
         ShardError: inconsistent options, an unknown ``bridge_semantics``, or a row longer
@@ -247,12 +256,18 @@ class PackedCollator:
         }
         logical = seg
         if self.pad_seq_to_mult > 1:
-            # Logical length: up to the sequence's last non-EOS input token (alignment padding excluded).
+            # Logical length: up to the sequence's last input that counts (alignment padding excluded):
+            # any non-EOS input; under "pr5610" also an EOS input whose stored loss is not 0.
             logical = np.zeros(seg.shape[0], dtype=np.int64)
             real = ids[kept] != self.eos_id
+            if self.bridge_semantics == BRIDGE_PR5610:
+                real |= loss[kept] != 0
             np.maximum.at(logical, sid[real], local[real] + 1)
         rows = self._rows(seg, logical, n_seqs, max_length)
-        if self.bridge_semantics == BRIDGE_NEXT:
+        if self.bridge_semantics == BRIDGE_PR5610:
+            out["pad_between_seqs"] = bool(self.pad_seq_to_mult > 1 and any(
+                not np.array_equal(lg, ph) for lg, ph in zip(*rows)))
+        if self.bridge_semantics != BRIDGE_06:
             out["padding_mask"] = torch.from_numpy(self._padding_mask(rows, row_count, max_length))
         if not self.return_cu_seqlen:
             causal = torch.tril(torch.ones((1, max_length, max_length))) < 0.5

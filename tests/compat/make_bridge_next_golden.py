@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Regenerate tests/golden/bridge_next/: Megatron-Bridge ``main``'s packed collate on the compat packs.
+"""Regenerate tests/golden/bridge_next/ (or bridge_pr5610/): Megatron-Bridge's packed collate on the compat packs.
 
 CI has no network, so the batches Bridge's next release builds are committed as data (never
 Bridge's code). To regenerate, with Bridge's repository fetched (e.g. by the session's fetch
@@ -21,11 +21,24 @@ What it does:
    batches ``collate_fn`` returns for fixed index lists of sizes 1 and 3 (negative indices:
    Bridge's padding samples);
 3. writes ``cells.json`` (the cells, their index lists, the non-tensor values, a SHA-256 of the
-   packs each cell read, the Bridge commit and file) and ``batches.npz`` (every tensor).
+   packs each cell read, the Bridge commit, the ref it was asked for, the file and the file's
+   SHA-256) and ``batches.npz`` (every tensor). Running it twice at one commit writes the same
+   bytes.
+
+``--compare DIR`` then prints, per key, how many batches differ from the fixture in ``DIR``
+(same cells, same packs), split by ``pad_seq_to_mult``: what moving the fixture to another
+Bridge commit would change. For example, the head of Bridge PR #5610 (``refs/pull/5610/head``
+in the fetched mirror) against the committed fixture::
+
+    python3 tests/compat/make_bridge_next_golden.py --bridge-repo /path/to/Megatron-Bridge \
+        --commit refs/pull/5610/head --out /tmp/pr5610 --compare tests/golden/bridge_next
+
+The second fixture, ``tests/golden/bridge_pr5610/``, was written by exactly that command with
+``--out tests/golden/bridge_pr5610`` (commit ``8d95ff4c``; running it again writes the same bytes).
 
 ``tests/compat/test_bridge_next.py`` rebuilds the same packs with the installed 0.6.2 packer,
-checks their digest, and compares ``PackedSFTDataset(bridge_semantics="next")`` with these
-batches, element by element.
+checks their digest, and compares ``PackedSFTDataset(bridge_semantics="next")`` with the first
+fixture's batches and ``bridge_semantics="pr5610"`` with the second's, element by element.
 """
 
 from __future__ import annotations
@@ -42,6 +55,8 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 GOLDEN = os.path.join(ROOT, "tests", "golden", "bridge_next")
+#: The same cells at the head of Bridge PR #5610 (``--commit refs/pull/5610/head --out`` this).
+GOLDEN_PR5610 = os.path.join(ROOT, "tests", "golden", "bridge_pr5610")
 STACK = "megatron-bridge-0.6.2"
 MODULE = "megatron/bridge/data/packing/gpt_sft.py"
 UPSTREAM_PATH = "src/" + MODULE
@@ -78,7 +93,7 @@ def packs_digest(path: str, mult: int) -> str:
     return h.hexdigest()
 
 
-def compute(out_dir: str, commit: str) -> None:
+def compute(out_dir: str, commit: str, ref: str, file_sha256: str) -> None:
     """Phase 2, inside the "next" stack."""
     sys.path.insert(0, HERE)
     sys.path.insert(0, os.path.dirname(HERE))
@@ -127,7 +142,8 @@ def compute(out_dir: str, commit: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
     np.savez_compressed(os.path.join(out_dir, "batches.npz"), **arrays)
     doc = {"bridge_repository": "https://github.com/NVIDIA-NeMo/Megatron-Bridge", "bridge_commit": commit,
-           "bridge_file": UPSTREAM_PATH, "base_stack": STACK, "eos_id": int(tokenizer.eos_id),
+           "bridge_ref": ref, "bridge_file": UPSTREAM_PATH, "bridge_file_sha256": file_sha256,
+           "base_stack": STACK, "eos_id": int(tokenizer.eos_id),
            "pack_size": PACK_SIZE, "generated_by": "tests/compat/make_bridge_next_golden.py", "cells": cells}
     with open(os.path.join(out_dir, "cells.json"), "w") as f:
         json.dump(doc, f, indent=1, sort_keys=True)
@@ -135,20 +151,73 @@ def compute(out_dir: str, commit: str) -> None:
     shutil.rmtree(work, ignore_errors=True)
 
 
+def compare(new_dir: str, old_dir: str) -> dict:
+    """Per ``(key, pad_seq_to_mult)``: batches of ``new_dir``'s fixture that differ from ``old_dir``'s.
+
+    A key present on one side only counts as differing (``"only in new"``/``"only in old"``); for
+    non-tensor keys only in the new fixture, the values seen are counted too.
+    """
+    import numpy as np
+
+    docs, arrays = [], []
+    for d in (new_dir, old_dir):
+        with open(os.path.join(d, "cells.json")) as f:
+            docs.append(json.load(f))
+        arrays.append(np.load(os.path.join(d, "batches.npz")))
+    (new, old), (new_arr, old_arr) = docs, arrays
+    if [(c["kind"], c["pad_seq_to_mult"], c["options"], c["answer_only_loss"], c["source"], c["packs_sha256"],
+         c["batches"]) for c in new["cells"]] != [
+            (c["kind"], c["pad_seq_to_mult"], c["options"], c["answer_only_loss"], c["source"], c["packs_sha256"],
+             c["batches"]) for c in old["cells"]]:
+        raise SystemExit(f"{new_dir} and {old_dir} hold other cells or packs: nothing to compare")
+    counts, batches, values = {}, {}, {}
+    for cn, co in zip(new["cells"], old["cells"]):
+        mult = cn["pad_seq_to_mult"]
+        batches[mult] = batches.get(mult, 0) + len(cn["batches"])
+        for b, (kn, ko) in enumerate(zip(cn["keys"], co["keys"])):
+            for key in sorted(set(kn) | set(ko)):
+                if key not in ko or key not in kn:
+                    what = "only in new" if key in kn else "only in old"
+                    if key in kn and "value" in kn[key]:
+                        v = (key, mult, json.dumps(kn[key]["value"]))
+                        values[v] = values.get(v, 0) + 1
+                elif "tensor" in kn[key]:
+                    x, y = new_arr[f"c{cn['id']}_b{b}_{key}"], old_arr[f"c{co['id']}_b{b}_{key}"]
+                    if x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x, y):
+                        continue
+                    what = "differs"
+                elif kn[key] == ko[key]:
+                    continue
+                else:
+                    what = "differs"
+                counts[(key, mult, what)] = counts.get((key, mult, what), 0) + 1
+    print(f"{new_dir} ({new['bridge_commit'][:10]}) against {old_dir} ({old['bridge_commit'][:10]}); "
+          f"batches per pad_seq_to_mult: {batches}")
+    for (key, mult, what), n in sorted(counts.items()):
+        print(f"  {key}: {what} in {n} of {batches[mult]} batches with pad_seq_to_mult={mult}")
+    for (key, mult, value), n in sorted(values.items()):
+        print(f"    {key} = {value} in {n} of them (pad_seq_to_mult={mult})")
+    return counts
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bridge-repo", help="a clone (or bare mirror) of NVIDIA-NeMo/Megatron-Bridge")
     parser.add_argument("--commit", default="HEAD")
     parser.add_argument("--out", default=GOLDEN)
+    parser.add_argument("--compare", metavar="DIR", help="then print which batches differ from the fixture in DIR")
     parser.add_argument("--compute", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--ref", help=argparse.SUPPRESS)
+    parser.add_argument("--file-sha256", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.compute:
-        compute(args.out, args.commit)
+        compute(args.out, args.commit, args.ref, args.file_sha256)
         return 0
-    commit = subprocess.run(["git", "-C", args.bridge_repo, "rev-parse", args.commit], check=True,
+    commit = subprocess.run(["git", "-C", args.bridge_repo, "rev-parse", f"{args.commit}^{{commit}}"], check=True,
                             capture_output=True, text=True).stdout.strip()
     source = subprocess.run(["git", "-C", args.bridge_repo, "show", f"{commit}:{UPSTREAM_PATH}"], check=True,
                             capture_output=True).stdout
+    file_sha256 = hashlib.sha256(source).hexdigest()
     with tempfile.TemporaryDirectory(prefix="next_stack_") as deps:
         stack = os.path.join(deps, STACK)
         shutil.copytree(os.path.join(ROOT, ".deps", STACK), stack, symlinks=True)
@@ -157,8 +226,11 @@ def main(argv=None) -> int:
         env = dict(os.environ, MEGATRON_SFT_IDX_STACK=STACK, MEGATRON_SFT_IDX_DEPS=deps,
                    PYTHONPATH=os.pathsep.join([stack, ROOT]), PYTHONWARNINGS="ignore")
         subprocess.run([sys.executable, os.path.abspath(__file__), "--compute", "--out", args.out,
-                        "--commit", commit], check=True, env=env, cwd=ROOT)
-    print(f"wrote {args.out} from Megatron-Bridge {commit}")
+                        "--commit", commit, "--ref", args.commit, "--file-sha256", file_sha256],
+                       check=True, env=env, cwd=ROOT)
+    print(f"wrote {args.out} from Megatron-Bridge {commit} ({args.commit}; {UPSTREAM_PATH} sha256 {file_sha256})")
+    if args.compare:
+        compare(args.out, args.compare)
     return 0
 
 

@@ -34,15 +34,15 @@ def test_the_summary_lists_what_a_directory_left_and_why(tmp_path, families, cap
     assert [f["name"] for f in s["inputs"]] == [str(data / "a.jsonl"), str(data / "sub" / "b.jsonl")]
     assert s["records_read"] == 5
     assert s["inputs_left"] == [
-        {"name": str(data / ".cache"), "reason": "hidden directory, not searched"},
         {"name": str(data / ".hidden.jsonl"), "reason": "hidden file"},
         {"name": str(data / "README.md"), "reason": "not a kind the run reads (.md)"},
+        {"name": str(data / ".cache") + "/", "reason": "hidden directory, not searched"},
         {"name": str(data / "sub" / "NOTES"), "reason": "not a kind the run reads (no extension)"}]
     assert main(_argv(tmp_path, data, families, "--overwrite")) == 0
     text = capsys.readouterr().out
     assert "inputs              2 files, 5 records" in text
-    assert (f"  left out 4 paths: {data / '.cache'} (hidden directory, not searched), {data / '.hidden.jsonl'} "
-            f"(hidden file), {data / 'README.md'} (not a kind the run reads (.md)), {data / 'sub' / 'NOTES'} "
+    assert (f"  left out 4 paths: {data / '.hidden.jsonl'} (hidden file), {data / 'README.md'} (not a kind the "
+            f"run reads (.md)), {data / '.cache'}/ (hidden directory, not searched), {data / 'sub' / 'NOTES'} "
             "(not a kind the run reads (no extension))") in text
 
 

@@ -126,7 +126,7 @@ def test_the_encoding_settings_are_defined_once_and_the_workers_options_built_fr
     assert issubclass(TokenizeSettings, EncodeSettings) and issubclass(EncodeOptions, EncodeSettings)
     assert own(TokenizeSettings) == {"tokenizer", "chat_template", "batch_size", "partition_bytes", "max_record_bytes",
                                      "skip_report"}
-    assert own(EncodeOptions) == {"tokenizer_path", "skip_bad", "chat_template_text"}
+    assert own(EncodeOptions) == {"tokenizer_path", "skip_bad", "chat_template_text", "tokenizer_files"}
     args = build_parser().parse_args(PRE + ["--loss-on", "last-turn", "--ignore-field", "id", "--prompt-format", "raw",
                                             "--reasoning-loss", "mask", "--span-method", "prefix"])
     tk = _config(args).tokenize

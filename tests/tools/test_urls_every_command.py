@@ -18,6 +18,7 @@ from megatron_sft_idx import open_packed, publishing
 from megatron_sft_idx._console import TOOLS
 from megatron_sft_idx.batching import Order
 from megatron_sft_idx._console import run as run_tool
+from megatron_sft_idx.storage import destination_for
 from support.stages import CHAT, TOKENIZER, preprocess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -38,6 +39,16 @@ def remote(local_run, bucket):
     prefixes = sorted(os.path.join(out, n[:-4]) for n in os.listdir(out)
                       if n.endswith(".idx") and not n.endswith(".seq.idx"))
     publishing.publish(prefixes, f"s3://{bucket}/run/", manifest="ds.json")
+    dest = destination_for(f"s3://{bucket}/run/")   # an input and a tokenizer in the bucket too
+    dest.put(CHAT[0], f"s3://{bucket}/run/in.jsonl")
+    for name in os.listdir(TOKENIZER):
+        dest.put(os.path.join(TOKENIZER, name), f"s3://{bucket}/run/tok/{name}")
+    store = os.path.join(local_run, "store")   # and the run's sequence store, to s3://BUCKET/run/store/
+    for directory, _, names in os.walk(store):
+        for name in names:
+            rel = os.path.relpath(os.path.join(directory, name), store).replace(os.sep, "/")
+            if name != "lock":
+                dest.put(os.path.join(directory, name), f"s3://{bucket}/run/store/{rel}")
     return {"url": f"s3://{bucket}/run", "local": local_run, "shards": [os.path.basename(p) for p in prefixes],
             "packs": len(open_packed(os.path.join(out, "ds.json"))), "work": local_run}
 
@@ -68,15 +79,17 @@ CASES = [
      lambda r, t: ["--input", CHAT[0], "--tokenizer", TOKENIZER, "--output-prefix", f"{r['url']}/pp/ds",
                    "--pack-size", "512", "-q"], "works"),
     ("preprocess-sft", "--input URL",
-     lambda r, t: ["--input", f"{r['url']}/in.jsonl", "--tokenizer", TOKENIZER, "--output-prefix", t + "/o"], "refused"),
+     lambda r, t: ["--input", f"{r['url']}/in.jsonl", "--tokenizer", TOKENIZER, "--output-prefix",
+                   f"{r['url']}/pp/ds"], "works"),
     ("preprocess-sft", "--store URL",
      lambda r, t: ["--input", CHAT[0], "--tokenizer", TOKENIZER, "--output-prefix", t + "/o", "--store",
-                   f"{r['url']}/store"], "refused"),
+                   f"{r['url']}/newstore", "--pack-size", "512", "-q"], "works"),
     ("preprocess-sft", "--staging-dir URL",
      lambda r, t: ["--input", CHAT[0], "--tokenizer", TOKENIZER, "--output-prefix", f"{r['url']}/pp/ds",
                    "--staging-dir", f"{r['url']}/stage"], "refused"),
     ("preprocess-sft", "--tokenizer URL",
-     lambda r, t: ["--input", CHAT[0], "--tokenizer", f"{r['url']}/tok", "--output-prefix", t + "/o"], "refused"),
+     lambda r, t: ["--input", CHAT[0], "--tokenizer", f"{r['url']}/tok", "--output-prefix", f"{r['url']}/pp/ds"],
+     "works"),
     ("preprocess-sft", "--summary-json URL",
      lambda r, t: ["--input", CHAT[0], "--tokenizer", TOKENIZER, "--output-prefix", t + "/o", "--summary-json",
                    f"{r['url']}/s.json"], "refused"),
@@ -84,7 +97,7 @@ CASES = [
      lambda r, t: ["--store", r["local"] + "/store", "--output-prefix", f"{r['url']}/rp/ds", "--pack-size", "1024",
                    "-q"], "works"),
     ("repack-sft", "--store URL",
-     lambda r, t: ["--store", f"{r['url']}/store", "--output-prefix", t + "/o"], "refused"),
+     lambda r, t: ["--store", f"{r['url']}/store", "--output-prefix", t + "/o", "--pack-size", "1024", "-q"], "works"),
     ("repack-sft", "--plan-only URL",
      lambda r, t: ["--store", r["local"] + "/store", "--plan-only", f"{r['url']}/plan"], "refused"),
     ("check-idx", "PREFIX URL (shard, directory, manifest)",
@@ -112,7 +125,7 @@ CASES = [
      lambda r, t: [r["url"] + "/ds.json", "--sql", "SELECT shard, count(*) AS n FROM packs GROUP BY 1"], "works"),
     ("inspect-idx", "--plot URL", lambda r, t: [shard0(r), "--plot", f"{r['url']}/p.png"], "refused"),
     ("inspect-idx", "--tokenizer URL", lambda r, t: [shard0(r), "--pack", "0", "--tokenizer", f"{r['url']}/tok"],
-     "refused"),
+     "works"),
     ("plan-batches", "SHARD URL",
      lambda r, t: [r["url"] + "/ds.json", "--dp", "2", "--global-batch-size", "8", "--out", t + "/o.order"], "works"),
     ("plan-batches", "--out URL",
@@ -120,7 +133,7 @@ CASES = [
      "works"),
     ("plan-batches", "--store URL",
      lambda r, t: ["--dynamic", "--store", f"{r['url']}/store", "--max-tokens-per-microbatch", "4096", "--dp", "2",
-                   "--global-batch-size", "8"], "refused"),
+                   "--global-batch-size", "8"], "works"),
     ("plan-batches", "--plot URL",
      lambda r, t: [r["url"] + "/ds.json", "--dp", "2", "--global-batch-size", "8", "--plot", f"{r['url']}/p.png"],
      "refused"),
@@ -153,26 +166,31 @@ def test_command_with_a_url(remote, tmp_path, capsys, name, case, argv, outcome)
         return
     assert status == 0 and "Traceback" not in err, err[-3000:]
     url = remote["url"]
+    local_out = any(n.endswith(".idx") for n in os.listdir(tmp_path))   # (--store URL: a local output)
     checks = {
-        "preprocess-sft": lambda: len(open_packed(f"{url}/pp/")) > 0,
-        "repack-sft": lambda: len(open_packed(f"{url}/rp/")) > 0,
+        "preprocess-sft": lambda: local_out if case == "--store URL" else len(open_packed(f"{url}/pp/")) > 0,
+        "repack-sft": lambda: local_out if case == "--store URL" else len(open_packed(f"{url}/rp/")) > 0,
+        "plan-batches": lambda: (Order.load(f"{url}/o.order").epochs == 1 if "--out URL" in case
+                                 else "sequences" in out if case == "--store URL"
+                                 else os.path.getsize(tmp_path / "o.order") > 0),
         "check-idx": lambda: True,
         "write-sft-manifest": lambda: len(open_packed(f"{url}/again.json")) == remote["packs"],
         "merge-shards": lambda: len(open_packed(f"{url}/merged" if "OUT" in case else str(tmp_path / "merged")))
         == remote["packs"],
         "convert-packed": lambda: True,
         "inspect-idx": lambda: url in out,
-        "plan-batches": lambda: (Order.load(f"{url}/o.order").epochs == 1 if "--out URL" in case
-                                 else os.path.getsize(tmp_path / "o.order") > 0),
     }
     assert checks[name](), (out, err)
+    if (name, case) == ("inspect-idx", "--tokenizer URL"):   # detokenized as with the local directory
+        local = invoke(name, args[:-1] + [TOKENIZER], capsys)
+        assert (status, out, err) == local and "<|im_start|>" in out, (out, local[1])
 
 
 MSC_CASES = [c for c in CASES if (c[0], c[1]) in {
     ("check-idx", "PREFIX URL (shard, directory, manifest)"), ("check-idx", "--promote URL"),
     ("write-sft-manifest", "OUT URL, SHARD URL"), ("merge-shards", "IN URL"), ("merge-shards", "OUT URL"),
     ("inspect-idx", "PREFIX URL (summary)"), ("inspect-idx", "PREFIX URL (--sql)"), ("plan-batches", "SHARD URL"),
-    ("plan-batches", "--out URL"), ("preprocess-sft", "--store URL")}]
+    ("plan-batches", "--out URL"), ("preprocess-sft", "--input URL"), ("preprocess-sft", "--tokenizer URL")}]
 
 
 @pytest.mark.parametrize("name, case, argv, outcome", MSC_CASES, ids=[f"{c[0]} {c[1]}" for c in MSC_CASES])

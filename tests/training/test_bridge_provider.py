@@ -23,6 +23,7 @@ from megatron_sft_idx.locality import BlockLocalOrder
 from megatron_sft_idx.training import bridge_provider
 from megatron_sft_idx.training.bridge import bridge_datasets, build_samples_mapping
 from megatron_sft_idx.training.bridge_provider import PackedSFTDatasetProvider, build_context
+from megatron_sft_idx.training.collate import installed_bridge_semantics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(ROOT, "examples", "bridge_sft.py")
@@ -51,7 +52,8 @@ class Tokenizer:
 
 
 @pytest.mark.parametrize("options", [dict(), dict(pad_to_max_length=True, pad_cu_seqlens=True, seed=7),
-                                     dict(pad_to_max_length=True, dataset_kwargs={"answer_only_loss": False})])
+                                     dict(pad_to_max_length=True, dataset_kwargs={"answer_only_loss": False}),
+                                     dict(dataset_kwargs={"bridge_semantics": "pr5610"})])
 def test_provider_builds_what_bridge_datasets_builds(shard, options):
     provider = PackedSFTDatasetProvider(train_path=shard, valid_path=shard, seq_length=256, **options)
     context = build_context(train_samples=50, valid_samples=12, test_samples=0, tokenizer=Tokenizer())
@@ -61,11 +63,13 @@ def test_provider_builds_what_bridge_datasets_builds(shard, options):
     assert got[2] is None and want[2] is None
     for ours, ref in zip(got[:2], want[:2]):
         assert len(ours) == len(ref) and ours.collate_fn.eos_id == Tokenizer.eos_id
+        assert ours.collate_fn.bridge_semantics == extra.get("bridge_semantics", installed_bridge_semantics())
         assert np.array_equal(ours.samples_mapping, ref.samples_mapping)
         for rows in ([0], [1, 4, 2], [-1, 3]):
             assert_batches_equal(ours.collate_fn([ours[i] for i in rows]), ref.collate_fn([ref[i] for i in rows]))
     assert np.array_equal(got[0].samples_mapping,
                           build_samples_mapping(30, 50, options.get("seed", 1234)))
+    assert ("pad_between_seqs" in got[0].collate_fn([got[0][0]])) == (extra.get("bridge_semantics") == "pr5610")
 
 
 def test_provider_options_reach_the_dataset(shard):

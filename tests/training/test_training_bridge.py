@@ -221,6 +221,49 @@ def test_bridge_semantics_is_checked_and_defaults_to_the_installed_bridge():
         PackedCollator(64, eos_id=0, bridge_semantics="0.7")
     assert resolve_bridge_semantics(None) == installed_bridge_semantics()
     assert PackedCollator(64, eos_id=0, bridge_semantics="next").bridge_semantics == "next"
+    assert PackedCollator(64, eos_id=0, bridge_semantics="pr5610").bridge_semantics == "pr5610"
+    with pytest.raises(ShardError, match="pr5610"):  # the error names every mode
+        PackedCollator(64, eos_id=0, bridge_semantics="PR5610")
+
+
+@pytest.mark.parametrize("version,expected", [("0.6.2", "0.6"), ("0.7.0rc1", "next"), ("0.8.1", "next")])
+def test_auto_detection_never_picks_pr5610(monkeypatch, version, expected):
+    from importlib import metadata
+
+    from megatron_sft_idx.training.collate import installed_bridge_semantics
+
+    real = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda name: version if name == "megatron-bridge" else real(name))
+    assert installed_bridge_semantics() == expected
+
+
+def test_pr5610_keeps_a_supervised_terminal_eos_and_says_pad_between_seqs():
+    """PR #5610's head: with pad_seq_to_mult > 1 the logical length stops at the last input that is not
+    a zero-loss EOS; pad_between_seqs (a bool) says whether any logical boundary is not the physical one."""
+    # two sequences, runtime segments of 4: [5 6 7 EOS(loss 1)] and [8 EOS(loss 0) EOS(loss 0) EOS(loss 0)]
+    ids = np.array([5, 6, 7, PAD, PAD, 8, PAD, PAD, PAD, PAD])
+    loss = np.array([1, 1, 1, 1, 0, 1, 0, 0, 0, 0], dtype=np.uint8)
+    item = {"input_ids": ids, "loss_mask": loss, "seq_boundaries": np.array([0, 5, 10])}
+    opts = dict(eos_id=PAD, pad_seq_to_mult=4, pad_to_max_length=True)
+    nxt = PackedCollator(8, bridge_semantics="next", **opts)([item])
+    pr = PackedCollator(8, bridge_semantics="pr5610", **opts)([item])
+    assert "pad_between_seqs" not in nxt
+    assert nxt["cu_seqlens_q"].tolist() == [[0, 3, 4]] and pr["cu_seqlens_q"].tolist() == [[0, 4, 5]]
+    assert pr["cu_seqlens_q_padded"].tolist() == nxt["cu_seqlens_q_padded"].tolist() == [[0, 4, 8]]
+    assert pr["padding_mask"][0].tolist() == [False] * 5 + [True] * 3
+    assert pr["pad_between_seqs"] is True
+    for key in ("tokens", "labels", "loss_mask", "position_ids"):
+        assert torch.equal(pr[key], nxt[key]), key
+    # only the supervised sequence: logical == physical, so False; padding samples (loss 0) drop the EOS
+    alone = {"input_ids": ids[:5], "loss_mask": loss[:5], "seq_boundaries": np.array([0, 5])}
+    out = PackedCollator(4, bridge_semantics="pr5610", **opts)([alone])
+    assert out["cu_seqlens_q"].tolist() == [[0, 4]] and out["pad_between_seqs"] is False
+    padding = dict(alone, loss_mask=np.zeros(5, dtype=np.uint8))
+    out = PackedCollator(4, bridge_semantics="pr5610", **opts)([padding])
+    assert out["cu_seqlens_q"].tolist() == [[0, 3]] and out["pad_between_seqs"] is True
+    # without context parallelism the key is there and False, even over trailing padding
+    flat = PackedCollator(16, eos_id=PAD, bridge_semantics="pr5610")([item])
+    assert flat["pad_between_seqs"] is False and "cu_seqlens_q_padded" not in flat
 
 
 def test_next_semantics_keep_the_stored_loss_at_eos_inputs(shard):
@@ -247,8 +290,9 @@ def test_a_shard_converted_with_06_normalisation_warns_under_next(tmp_path):
     write_shard(old, packs, metadata={"source": {"converted_from": {"format": "npy", "path": "/x.npy"}}})
     write_shard(new, packs, metadata={"source": {"converted_from": {"format": "npy", "path": "/x.npy",
                                                                     "loss_mask": "as_written"}}})
-    with pytest.warns(ConvertedLossWarning, match="re-convert"):
-        PackedSFTDataset(old, eos_id=PAD, bridge_semantics="next")
+    for semantics in ("next", "pr5610"):
+        with pytest.warns(ConvertedLossWarning, match=f"bridge_semantics='{semantics}'.*re-convert"):
+            PackedSFTDataset(old, eos_id=PAD, bridge_semantics=semantics)
     import warnings
 
     with warnings.catch_warnings():

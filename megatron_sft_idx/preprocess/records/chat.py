@@ -50,6 +50,7 @@ from .errors import input_error
 from .policy import DEFAULT_POLICY, LossPolicy, refine_spans, trained_turns
 from .rendering import TemplateTraits, adapt, check_rendered, probe
 from .shapes import Conversation, SchemaOptions, as_conversation
+from .tokenizer_source import TOKENIZER_FILES, local_tokenizer
 
 LOSS_MODES = ("assistant", "last-turn", "all", "per-turn")
 PREFIX_HINT = ("use --loss-on last-turn (loss on the final assistant turn, history as the template renders it), "
@@ -61,8 +62,7 @@ LAST_TURN_HINT = ("the prompt before this turn renders differently from the same
 TEMPLATE_HINT = ("pass --chat-template FILE (a Jinja chat template) or --chat-template NAME (one of the "
                  "tokenizer's named templates), or use a tokenizer directory whose tokenizer_config.json "
                  "has a chat_template (prompt/completion strings need none with --prompt-format raw)")
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                    "chat_template.jinja", "chat_template.json", "added_tokens.json")
+_TOKENIZER_FILES = TOKENIZER_FILES
 
 
 def _sha256(data: bytes) -> str:
@@ -377,7 +377,10 @@ _LOADED: dict = {}
 def load_chat_tokenizer(path: str, chat_template: Optional[str] = None,
                         template_date: Optional[str] = None) -> ChatTokenizer:
     """A ChatTokenizer shared within the process (and with workers forked after it loaded):
-    a production tokenizer takes a second or more to load. Reloaded when its files change."""
+    a production tokenizer takes a second or more to load. Reloaded when its files change.
+    ``path``: a local directory or ``tokenizer.json``, or a URL or Hugging Face name (loaded
+    from this node's copy of its files, :func:`.tokenizer_source.local_tokenizer`)."""
+    path = local_tokenizer(path)
     key = (os.path.abspath(path), _files_state(path), chat_template, template_date)
     if key not in _LOADED:
         _LOADED.clear()

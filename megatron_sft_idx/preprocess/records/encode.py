@@ -38,6 +38,7 @@ from .policy import LossPolicy, trained_turns
 from .rendering import check_rendered
 from .shapes import SchemaOptions
 from .spans import SpanLocator
+from .tokenizer_source import TokenizerFiles
 
 SAMPLE_EVERY = 256
 SPAN_METHODS = ("auto", "prefix")
@@ -72,14 +73,14 @@ class EncodeSettings:
         object.__setattr__(self, "reasoning_tags", tuple(self.reasoning_tags))
 
     def encode_options(self, *, tokenizer_path: Optional[str], vocab_size: Optional[int], skip_bad: bool,
-                       chat_template_text: Optional[str] = None,
-                       template_date: Optional[str] = None) -> "EncodeOptions":
+                       chat_template_text: Optional[str] = None, template_date: Optional[str] = None,
+                       tokenizer_files: Optional[TokenizerFiles] = None) -> "EncodeOptions":
         """These settings (only these, whatever subclass holds them) with what the run resolved."""
         mine = {f.name: getattr(self, f.name) for f in fields(EncodeSettings)}
         mine["vocab_size"] = vocab_size
         mine["template_date"] = template_date
         return EncodeOptions(tokenizer_path=tokenizer_path, skip_bad=skip_bad, chat_template_text=chat_template_text,
-                             **mine)
+                             tokenizer_files=tokenizer_files, **mine)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,9 +89,17 @@ class EncodeOptions(EncodeSettings):
     the tokenizer, vocabulary and template the run resolved. Nothing here depends on the
     packing: the overlong rules are the plan stage's, from the store's lengths."""
 
-    tokenizer_path: Optional[str] = None
+    tokenizer_path: Optional[str] = None       # as given: a local path, a URL or a Hugging Face name
     skip_bad: bool = False
     chat_template_text: Optional[str] = None   # --chat-template's text, instead of the tokenizer's own
+    # a URL's or a name's files, resolved by the driver and shipped with the step (tokenizer_source)
+    tokenizer_files: Optional[TokenizerFiles] = None
+
+    @property
+    def tokenizer_directory(self) -> Optional[str]:
+        """Where this process loads the tokenizer from: this node's copy of the shipped files,
+        else ``tokenizer_path``."""
+        return self.tokenizer_files.materialize() if self.tokenizer_files is not None else self.tokenizer_path
 
     @property
     def policy(self) -> LossPolicy:
@@ -176,7 +185,7 @@ def preload(options) -> None:
     """Load the tokenizers once in the parent, so forked workers start with them (a 128k-token
     tokenizer takes seconds to load); gigatoken then encodes on each worker's own thread."""
     if options.tokenizer_path:
-        fast = _load_fast(load_chat_tokenizer(options.tokenizer_path, options.chat_template_text,
+        fast = _load_fast(load_chat_tokenizer(options.tokenizer_directory, options.chat_template_text,
                                               options.template_date),
                           options.tokenizer_backend)
         if fast is not None:  # load the numba kernel from its cache here, not once per worker
@@ -194,7 +203,7 @@ class RecordEncoder:
 
     def __init__(self, options: EncodeOptions) -> None:
         self.options = options
-        self.tok = (load_chat_tokenizer(options.tokenizer_path, options.chat_template_text, options.template_date)
+        self.tok = (load_chat_tokenizer(options.tokenizer_directory, options.chat_template_text, options.template_date)
                     if options.tokenizer_path else None)
         self.fast = _load_fast(self.tok, options.tokenizer_backend) if self.tok else None
         # how each text was handled (tests and --verbose read these)

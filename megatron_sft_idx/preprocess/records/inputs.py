@@ -10,12 +10,18 @@ inside it: the project's one bounded reader, :func:`~megatron_sft_idx.jsondoc.pa
 and text holding a lone UTF-16 surrogate
 (``"\ud800"`` escapes, or CESU-8 bytes, which JSON decoding lets through).
 
+Inputs may be local paths or object-storage URLs (``s3://``, ``msc://``): a URL names an object,
+a "directory" (a key prefix, listed) or a glob, expanded by the same rules as a local path
+(:func:`expand_inputs`), and read through :func:`open_input` -- ranged GETs of the storage
+layer, pinned to one version of the object (docs/INPUTS.md, "Inputs in object storage").
+
 Record kinds (``--input-format auto`` tells them apart by their keys) and how each is mapped
 to the chat template's vocabulary: :mod:`.shapes`.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import gzip
 import io
@@ -25,7 +31,8 @@ from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 from ..._extras import require_extra
 from ...errors import MetadataError, MetadataLimitError
-from ...jsondoc import load_json, parse_record_json
+from ...jsondoc import MAX_METADATA_LENGTH, load_json, parse_json, parse_record_json
+from ...storage import ObjectURL, is_remote
 from .errors import InputError, input_error
 from .shapes import KINDS, SchemaOptions, detect, map_record
 
@@ -49,8 +56,8 @@ def _is_input_file(path: str) -> bool:
 
 def left_reason(path: str) -> str:
     """Why a directory's ``path`` (one :func:`expand_inputs` left) was not read."""
-    name = os.path.basename(path)
-    if os.path.isdir(path):
+    name = os.path.basename(path.rstrip("/"))
+    if path.endswith("/"):
         return "hidden directory, not searched"
     if name.startswith("."):
         return "hidden file"
@@ -58,7 +65,8 @@ def left_reason(path: str) -> str:
     return f"not a kind the run reads ({ext or 'no extension'})"
 
 
-def expand_inputs(specs: Sequence[str], left: Optional[List[str]] = None) -> List[str]:
+def expand_inputs(specs: Sequence[str], left: Optional[List[str]] = None,
+                  sizes: Optional[Dict[str, int]] = None) -> List[str]:
     """Files named by ``specs`` (files, globs, directories searched recursively), sorted within
     each glob or directory, first occurrence kept. A directory contributes every file of a kind the
     run reads -- ``.jsonl``, ``.json`` (a JSON array or JSON Lines), either ``.gz`` / ``.zst``,
@@ -68,14 +76,24 @@ def expand_inputs(specs: Sequence[str], left: Optional[List[str]] = None) -> Lis
     are not read, and the hidden directories it does not search, so the caller can say so
     (:func:`left_reason` says why).
 
+    A spec may be an ``s3://`` / ``msc://`` URL, expanded by listing with the same rules: an
+    object's URL names that object; a URL ending in ``/``, or naming no object, is a directory
+    (the keys under it, ``/`` separating levels; a level starting with ``.`` is hidden as a
+    dot-directory is); a URL with ``*``, ``?`` or ``[`` is a glob (``*`` within a level, ``**``
+    across levels). The inputs' names are the URLs. ``sizes`` (when given) receives the byte
+    size of every object listed, so nothing is asked twice.
+
     Raises:
         InputError: a spec matches no input file; a saved ``DatasetDict`` (which split?); a
             saved dataset whose ``state.json`` does not list its files.
+        RemoteStorageError, RemoteTimeoutError: a listing failed.
     """
     out: List[str] = []
     seen = set()
     for spec in specs:
-        if os.path.isdir(spec):
+        if is_remote(spec):
+            found = _remote_files(spec, left, sizes if sizes is not None else {})
+        elif os.path.isdir(spec):
             found = _directory_files(spec, left)
         elif os.path.isfile(spec):
             found = [spec]
@@ -84,9 +102,11 @@ def expand_inputs(specs: Sequence[str], left: Optional[List[str]] = None) -> Lis
         if not found:
             raise InputError("no input files match", path=spec,
                              hint="give files (.jsonl, .json, .parquet, .arrow, [.gz|.zst]), globs, or directories "
-                                  "holding them or a saved Hugging Face dataset")
+                                  "holding them or a saved Hugging Face dataset"
+                                  + (" (in object storage: object URLs, key prefixes ending in / or globs)"
+                                     if is_remote(spec) else ""))
         for path in found:
-            key = os.path.abspath(path)
+            key = path if is_remote(path) else os.path.abspath(path)
             if key not in seen:
                 seen.add(key)
                 out.append(path)
@@ -101,50 +121,217 @@ def _directory_files(directory: str, left: Optional[List[str]]) -> List[str]:
     """
     found: List[Tuple[str, List[str]]] = []
     for root, dirs, files in os.walk(directory):
-        if "dataset_dict.json" in files:
-            raise InputError("a saved Hugging Face DatasetDict holds several splits", path=root,
-                             hint=f"give the directory of the split to train on, e.g. {os.path.join(root, 'train')}")
-        if "state.json" in files:
+        if _saved_dataset(root, files, os.path.join):
             found.append((root, hf_dataset_files(root)))
             dirs[:] = []
             continue
-        if left is not None:   # (a hidden directory is not searched: said, with the files it holds)
-            left.extend(os.path.join(root, d) for d in sorted(dirs) if d.startswith("."))
+        _directory_level(root, files, os.path.join, found, left)
+        if left is not None:   # (a hidden directory is not searched: said, as DIR/)
+            left.extend(os.path.join(root, d) + "/" for d in sorted(dirs) if d.startswith("."))
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        for name in sorted(files):
-            path = os.path.join(root, name)
-            if _is_input_file(path) and not name.startswith("."):
-                found.append((path, [path]))
-            elif left is not None:
-                left.append(path)
     return [p for _, paths in sorted(found) for p in paths]
 
 
-def hf_dataset_files(directory: str) -> List[str]:
+def _saved_dataset(root: str, files, join) -> bool:
+    """Whether the directory ``root`` holding ``files`` is a saved dataset (``state.json``).
+
+    Raises:
+        InputError: it is a saved ``DatasetDict`` (naming the split directory to give instead).
+    """
+    if "dataset_dict.json" in files:
+        raise InputError("a saved Hugging Face DatasetDict holds several splits", path=root,
+                         hint=f"give the directory of the split to train on, e.g. {join(root, 'train')}")
+    return "state.json" in files
+
+
+def _directory_level(root: str, files, join, found: list, left: Optional[List[str]]) -> None:
+    """One directory's files: the input files into ``found`` (as ``(path, [path])``), the others into ``left``."""
+    for name in sorted(files):
+        path = join(root, name)
+        if _is_input_file(path) and not name.startswith("."):
+            found.append((path, [path]))
+        elif left is not None:
+            left.append(path)
+
+
+def hf_dataset_files(directory: str, present: Optional[Dict[str, int]] = None) -> List[str]:
     """The Arrow data files of a dataset saved by ``datasets.save_to_disk``, in ``state.json``'s order.
+    ``present``: for a directory in object storage, the sizes of the objects listed under it.
 
     Raises:
         InputError: ``state.json`` is unreadable, or does not list existing ``.arrow`` files.
     """
-    path = os.path.join(directory, "state.json")
+    remote = is_remote(directory)
+    join = _url_join if remote else os.path.join
+    path = join(directory, "state.json")
     hint = "give a directory written by datasets' save_to_disk"
     try:
-        state = load_json(path, InputError, hint=hint)   # within the metadata limits
+        if remote:
+            state = parse_json(_read_small(path, MAX_METADATA_LENGTH), path, what="state.json", error=InputError,
+                               hint=hint)
+        else:
+            state = load_json(path, InputError, hint=hint)   # within the metadata limits
     except OSError as exc:
         raise InputError(f"cannot read a saved dataset's state ({exc.__class__.__name__}: {exc})", path=path,
                          hint=hint) from None
     files = state.get("_data_files") if isinstance(state, dict) else None
     names = [f.get("filename") for f in files] if isinstance(files, list) and all(isinstance(f, dict) for f in files) \
         else None
-    if not names or not all(isinstance(n, str) and n.endswith(ARROW_SUFFIXES) and os.sep not in n for n in names):
+    separator = "/" if remote else os.sep
+    if not names or not all(isinstance(n, str) and n.endswith(ARROW_SUFFIXES) and separator not in n for n in names):
         raise InputError("state.json does not list the dataset's Arrow files ('_data_files')", path=path,
                          field="_data_files", hint=hint)
-    found = [os.path.join(directory, n) for n in names]
-    missing = [p for p in found if not os.path.isfile(p)]
+    found = [join(directory, n) for n in names]
+    missing = [p for p in found if (p not in present if remote and present is not None else
+                                    not _exists(p))]
     if missing:
         raise InputError("a data file state.json lists is missing", path=missing[0], field="_data_files",
                          hint="the saved dataset is incomplete; save it again")
     return found
+
+
+def _exists(path: str) -> bool:
+    if is_remote(path):
+        from ...storage.objects import stat_object
+
+        return stat_object(path) is not None
+    return os.path.isfile(path)
+
+
+# --------------------------------------------------------------------------- inputs in object storage
+
+
+def _url_join(root: str, name: str) -> str:
+    return root.rstrip("/") + "/" + name
+
+
+def _remote_files(spec: str, left: Optional[List[str]], sizes: Dict[str, int]) -> List[str]:
+    """The input objects ``spec`` names (see :func:`expand_inputs`); their sizes into ``sizes``."""
+    from ...storage.objects import list_objects, stat_object
+
+    url = ObjectURL.parse(spec)
+    if url.has_magic():
+        literal = url.key[: min(url.key.find(c) for c in "*?[" if c in url.key)]
+        listed = list_objects(str(ObjectURL(url.scheme, url.bucket, literal)))
+        pattern = url.key.split("/")
+        found = []
+        for name, info in listed:
+            key = ObjectURL.parse(name).key
+            if not key.endswith("/") and _glob_match(key.split("/"), pattern):
+                sizes[name] = info.size
+                found.append(name)
+        return sorted(found)
+    if url.key and not url.key.endswith("/"):
+        info = stat_object(spec)
+        if info is not None:
+            sizes[spec] = info.size
+            return [spec]
+    directory = spec if spec.endswith("/") else spec + "/"
+    listed = list_objects(str(ObjectURL(url.scheme, url.bucket, url.key.rstrip("/") + "/" if url.key else "")))
+    return _remote_directory(directory, listed, left, sizes)
+
+
+def _glob_match(parts: List[str], pattern: List[str]) -> bool:
+    """Whether the key levels ``parts`` match the pattern's levels as ``glob(recursive=True)``
+    matches paths: ``*`` / ``?`` / ``[...]`` within one level, ``**`` any number of levels, a
+    level starting with ``.`` only by a pattern level that does."""
+    if not pattern:
+        return not parts
+    if pattern[0] == "**":
+        for i in range(len(parts) + 1):
+            if _glob_match(parts[i:], pattern[1:]):
+                return True
+            if i < len(parts) and parts[i].startswith("."):
+                return False
+        return False
+    if not parts or (parts[0].startswith(".") and not pattern[0].startswith(".")):
+        return False
+    return fnmatch.fnmatchcase(parts[0], pattern[0]) and _glob_match(parts[1:], pattern[1:])
+
+
+def _remote_directory(directory: str, listed, left: Optional[List[str]], sizes: Dict[str, int]) -> List[str]:
+    """:func:`_directory_files` over a listing: the objects under ``directory`` (a URL ending in
+    ``/``) walked level by level as ``os.walk`` walks a directory."""
+    base = ObjectURL.parse(directory).key
+    tree: Dict[str, Tuple[set, list]] = {"": (set(), [])}
+    present: Dict[str, int] = {}
+    for name, info in listed:
+        rel = ObjectURL.parse(name).key[len(base):]
+        if not rel or rel.endswith("/"):
+            continue   # (a "folder" marker some tools write)
+        levels = rel.split("/")
+        for i in range(len(levels) - 1):
+            parent = "/".join(levels[:i])
+            tree.setdefault(parent, (set(), []))[0].add(levels[i])
+            tree.setdefault("/".join(levels[: i + 1]), (set(), []))
+        tree["/".join(levels[:-1])][1].append(levels[-1])
+        present[name] = info.size
+    found: List[Tuple[str, List[str]]] = []
+    top = directory.rstrip("/")
+
+    def walk(rel: str) -> None:
+        subdirs, files = tree[rel]
+        root = _url_join(top, rel) if rel else top
+        if _saved_dataset(root, files, _url_join):
+            found.append((root, hf_dataset_files(root, present)))
+            return
+        _directory_level(root, files, _url_join, found, left)
+        if left is not None:   # (a hidden level is not searched: said, as a local one is)
+            left.extend(_url_join(root, d) + "/" for d in sorted(subdirs) if d.startswith("."))
+        for sub in sorted(d for d in subdirs if not d.startswith(".")):
+            walk(f"{rel}/{sub}" if rel else sub)
+
+    walk("")
+    out = [p for _, paths in sorted(found) for p in paths]
+    sizes.update((p, present[p]) for p in out)
+    return out
+
+
+def _read_small(url: str, limit: int) -> bytes:
+    """The whole object at ``url`` (at most ``limit`` bytes).
+
+    Raises:
+        FileNotFoundError: there is none; InputError: it is larger than ``limit``.
+    """
+    with open_input(url) as f:
+        if f.raw.size > limit:
+            raise InputError(f"{f.raw.size} bytes, more than the {limit} this file may hold", path=url)
+        return f.read()
+
+
+def open_input(path: str, version: str = "", seeking: bool = False, stop: Optional[int] = None):
+    """A binary, seekable file object over input ``path``: a local file, or an object read by
+    ranged GETs (:func:`megatron_sft_idx.storage.objects.open_object`), pinned to ``version``
+    (the ETag an earlier pass read; ``""``: the one seen at open). For an object: ``seeking``
+    for a reader that seeks to the exact ranges it needs (a small read-ahead), ``stop`` where
+    the byte range being read ends (nothing after it is fetched ahead).
+
+    Raises:
+        OSError (FileNotFoundError: no such file or object); ObjectChangedError: the object
+        is not ``version``; RemoteStorageError, RemoteTimeoutError: the store failed.
+    """
+    if is_remote(path):
+        from ...storage.objects import READ_AHEAD, SEEKING_READ_AHEAD, open_object
+
+        return open_object(path, version, read_ahead=SEEKING_READ_AHEAD if seeking else READ_AHEAD, stop=stop)
+    return open(path, "rb")
+
+
+def stat_input(path: str) -> Tuple[int, str]:
+    """``(size in bytes, version)`` of input ``path``: an object's version is its ETag, a local
+    file's ``""`` (a local file's bytes are proven by their sha256 alone).
+
+    Raises:
+        OSError (FileNotFoundError: no such file or object); RemoteStorageError: the store failed.
+    """
+    if is_remote(path):
+        from ...storage.objects import stat_object
+
+        info = stat_object(path)
+        if info is None:
+            raise FileNotFoundError(2, "no such object", path)
+        return info.size, info.etag
+    return os.path.getsize(path), ""
 
 
 #: Bytes read at a time from an input stream.
@@ -163,16 +350,32 @@ def read_blocks(stream, limit: int) -> Iterator[bytes]:
         yield block
 
 
-def open_text_bytes(path: str):
-    """A binary stream of the file's (decompressed) bytes."""
+def open_text_bytes(path: str, version: str = "", stop: Optional[int] = None):
+    """A binary stream of the file's (decompressed) bytes (``version``, ``stop``: see :func:`open_input`;
+    a compressed file's ``stop`` is in its compressed bytes)."""
     if path.endswith(".gz"):
-        return gzip.open(path, "rb")
+        return _OwningGzipFile(open_input(path, version, stop=stop))
     if path.endswith(".zst"):
         require_extra("preprocess", "zstandard")
         import zstandard
 
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))
-    return open(path, "rb")
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open_input(path, version, stop=stop),
+                                                                              closefd=True))
+    return open_input(path, version, stop=stop)
+
+
+class _OwningGzipFile(gzip.GzipFile):
+    """A gzip stream that closes the file it reads (``gzip.GzipFile(fileobj=...)`` leaves it open)."""
+
+    def __init__(self, source) -> None:
+        self._source = source
+        super().__init__(fileobj=source, mode="rb")
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self._source.close()
 
 
 def parse_record(raw, path: str, line: int, input_format: str, prompt_key: str, completion_key: str,

@@ -30,19 +30,27 @@ A run on one machine and a run on a cluster cut the same partitions.
 
 Reading never buffers more than one block plus ``max_record_bytes``: a longer line is skipped
 to its end without being kept, and reported as an :class:`OversizedRecord`.
+
+An input in object storage is read through the same code (:func:`.inputs.open_input`: ranged
+GETs through a bounded read-ahead buffer), so it is cut into the same partitions as a local
+copy of its bytes. Every read of it is pinned to one version: the index records the ETag it
+read (``etag``), and the partitions are read with ``If-Match`` on it, so an object replaced
+since it was indexed fails (ObjectChangedError) instead of mixing two generations.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from dataclasses import dataclass
 from typing import Iterator, List, Optional, Tuple
 
 from ..._extras import require_extra
-from . import json_array
-from .inputs import (ARROW_SUFFIXES, BLOCK, COMPRESSED_SUFFIXES, PARQUET_SUFFIXES, OversizedRecord, open_text_bytes,
-                     read_blocks)
+from . import arrow_stream, json_array
+from ...storage import is_remote
+from .inputs import (ARROW_SUFFIXES, BLOCK, COMPRESSED_SUFFIXES, PARQUET_SUFFIXES, OversizedRecord, open_input,
+                     open_text_bytes, read_blocks, stat_input)
 
 DEFAULT_PARTITION_BYTES = 64 << 20   # the largest unit --partition-bytes auto cuts
 MIN_PARTITION_BYTES = 1 << 20        # the smallest (a unit costs a store shard and a receipt)
@@ -96,7 +104,7 @@ class Partition:
         return cls(file, item[1], start, end, line)
 
 
-def file_kind(path: str) -> str:
+def file_kind(path: str, version: str = "") -> str:
     """The partition kind of ``path``; a JSON file's is decided by its first character (``[``: an
     array), read from the (decompressed) stream.
 
@@ -108,7 +116,7 @@ def file_kind(path: str) -> str:
     if path.endswith(ARROW_SUFFIXES):
         return "arrow"
     compressed = path.endswith(COMPRESSED_SUFFIXES)
-    with open_text_bytes(path) as stream:
+    with open_text_bytes(path, version, stop=_SNIFF_BYTES) as stream:
         first = b""
         while not first:
             block = stream.read(4096)
@@ -120,6 +128,10 @@ def file_kind(path: str) -> str:
     if first == b"[":
         return "array_stream" if compressed else "array"
     return "stream" if compressed else "lines"
+
+
+#: About what :func:`file_kind` reads of a file's start (an object's read-ahead stops there).
+_SNIFF_BYTES = BLOCK + 8192
 
 
 def _refuse_spread_object(head: bytes) -> None:
@@ -195,39 +207,45 @@ def check_cover(parts: List[Partition], names: List[str], sizes: List[int], path
 
 
 def index_file(path: str, file_index: int, partition_bytes: int) -> dict:
-    """sha256, size, mtime and the partitions of one input file (one sequential read).
+    """sha256, size, mtime (an object's ETag) and the partitions of one input file (local or
+    in object storage: the same bytes give the same partitions).
 
     Raises:
-        OSError: the file cannot be read (the caller names it).
+        OSError: the file cannot be read (the caller names it); ObjectChangedError: an object
+        was replaced while it was indexed; RemoteStorageError: the store failed.
     """
-    st = os.stat(path)
-    kind = file_kind(path)
+    size, version = stat_input(path)   # (an object's every read below is pinned to this version)
+    stamp = {"etag": version} if is_remote(path) else {"mtime_ns": os.stat(path).st_mtime_ns}
+    kind = file_kind(path, version)
     if kind in ("lines", "array"):
-        digest, cuts = (_hash_and_cut_lines if kind == "lines" else _hash_and_cut_array)(path, partition_bytes)
+        digest, cuts = (_hash_and_cut_lines if kind == "lines" else _hash_and_cut_array)(path, partition_bytes,
+                                                                                          version)
         parts = [Partition(file_index, kind, a, b, line) for (a, line), (b, _) in zip(cuts, cuts[1:])]
     elif kind == "array_stream":
-        digest = sha256_file(path)
-        with open_text_bytes(path) as stream:  # checks the array is whole before any work is planned
+        digest = sha256_file(path, version=version)
+        with open_text_bytes(path, version) as stream:  # checks the array is whole before any work is planned
             json_array.cut_points(iter(lambda: stream.read(BLOCK), b""), 1 << 62)
         parts = [Partition(file_index, kind, 0, -1, 1)]
     else:
-        digest = sha256_file(path)
-        parts = {"rows": _row_partitions, "arrow": _arrow_partitions}[kind](path, file_index, partition_bytes) \
+        digest = sha256_file(path, version=version)
+        parts = {"rows": _row_partitions, "arrow": _arrow_partitions}[kind](path, file_index, partition_bytes,
+                                                                            version) \
             if kind in ("rows", "arrow") else [Partition(file_index, kind, 0, -1, 1)]
-    return {"file": file_index, "name": path, "bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
+    return {"file": file_index, "name": path, "bytes": size, **stamp,
             "sha256": digest, "partitions": [p.to_list() for p in parts]}
 
 
-def sha256_file(path: str, stop=None) -> Optional[str]:
-    """sha256 (hex) of a whole file, read in blocks; None as soon as ``stop`` (a
-    ``threading.Event``) is set, so a hash in a thread ends within a block when the run is
-    interrupted.
+def sha256_file(path: str, stop=None, version: str = "") -> Optional[str]:
+    """sha256 (hex) of a whole file (or object, streamed: ``version`` as :func:`.inputs.open_input`
+    takes it), read in blocks; None as soon as ``stop`` (a ``threading.Event``) is set, so a
+    hash in a thread ends within a block when the run is interrupted.
 
     Raises:
-        OSError: the file cannot be read (the caller names it).
+        OSError: the file cannot be read (the caller names it); RemoteStorageError and its
+        kin: the store failed (ObjectChangedError: the object is not ``version``).
     """
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_input(path, version) as f:
         for block in iter(lambda: f.read(BLOCK), b""):
             if stop is not None and stop.is_set():
                 return None
@@ -235,13 +253,13 @@ def sha256_file(path: str, stop=None) -> Optional[str]:
     return h.hexdigest()
 
 
-def _hash_and_cut_lines(path: str, partition_bytes: int) -> Tuple[str, List[Tuple[int, int]]]:
+def _hash_and_cut_lines(path: str, partition_bytes: int, version: str = "") -> Tuple[str, List[Tuple[int, int]]]:
     """sha256 and the cut points ``[(byte offset, line number)]``, from 0 to the file size."""
     h = hashlib.sha256()
     cuts = [(0, 1)]
     offset, newlines, target = 0, 0, partition_bytes
     seeking = False  # looking for the first line start at or after ``target``
-    with open(path, "rb") as f:
+    with open_input(path, version) as f:
         for block in iter(lambda: f.read(BLOCK), b""):
             h.update(block)
             pos, counted = 0, 0  # newlines in block[:counted] are already in ``newlines``
@@ -266,12 +284,12 @@ def _hash_and_cut_lines(path: str, partition_bytes: int) -> Tuple[str, List[Tupl
     return h.hexdigest(), cuts
 
 
-def _hash_and_cut_array(path: str, partition_bytes: int) -> Tuple[str, List[Tuple[int, int]]]:
+def _hash_and_cut_array(path: str, partition_bytes: int, version: str = "") -> Tuple[str, List[Tuple[int, int]]]:
     """sha256 and the cut points ``[(byte offset, element number)]`` of a JSON array file."""
     h = hashlib.sha256()
 
     def blocks():
-        with open(path, "rb") as f:
+        with open_input(path, version) as f:
             for block in iter(lambda: f.read(BLOCK), b""):
                 h.update(block)
                 yield block
@@ -295,32 +313,58 @@ def _grouped(sizes: List[Tuple[int, int]], kind: str, file_index: int, partition
     return parts
 
 
-def _arrow_partitions(path: str, file_index: int, partition_bytes: int) -> List[Partition]:
-    require_extra("preprocess", "pyarrow")
-    import pyarrow as pa
-
-    with pa.memory_map(path) as source:
-        sizes = [(b.num_rows, b.nbytes) for b in _arrow_reader(source)]
+def _arrow_partitions(path: str, file_index: int, partition_bytes: int, version: str = "") -> List[Partition]:
+    with _arrow_source(path, version) as source:
+        sizes = [(b.num_rows, b.nbytes) for _, b in _arrow_reader(source)]
     return _grouped(sizes, "arrow", file_index, partition_bytes)
 
 
-def _arrow_reader(source):
-    """Record batches of an Arrow IPC stream (what ``datasets.save_to_disk`` writes) or file."""
+def _arrow_source(path: str, version: str = ""):
+    """The Arrow file at ``path`` as pyarrow reads it: a local file mapped, an object as a
+    Python file (ranged GETs through the read-ahead buffer)."""
+    require_extra("preprocess", "pyarrow")
     import pyarrow as pa
 
-    try:
-        return iter(pa.ipc.open_stream(source))
-    except pa.ArrowInvalid:
-        source.seek(0)
-        reader = pa.ipc.open_file(source)
-        return (reader.get_batch(i) for i in range(reader.num_record_batches))
+    if is_remote(path):
+        return pa.PythonFile(open_input(path, version, seeking=True), mode="r")
+    return pa.memory_map(path)
 
 
-def _row_partitions(path: str, file_index: int, partition_bytes: int) -> List[Partition]:
+def _arrow_reader(source, start: int = 0, end: Optional[int] = None) -> Iterator[tuple]:
+    """``(g, batch)`` for the record batches ``[start, end)`` (``end`` None: to the last) of an
+    Arrow IPC stream (what ``datasets.save_to_disk`` writes: read in order, batch ``end`` never
+    read) or file (told by its magic, as a stream reader would take it for a length and read on;
+    its batches read by its footer, only those asked for)."""
+    import pyarrow as pa
+
+    magic = source.read(6)
+    source.seek(0)
+    if magic != b"ARROW1":
+        try:
+            stream = iter(pa.ipc.open_stream(source))
+        except pa.ArrowInvalid:
+            source.seek(0)
+        else:
+            g = 0
+            while end is None or g < end:
+                batch = next(stream, None)
+                if batch is None:
+                    return
+                if g >= start:
+                    yield g, batch
+                g += 1
+            return
+    reader = pa.ipc.open_file(source)
+    for g in range(start, reader.num_record_batches if end is None else min(end, reader.num_record_batches)):
+        yield g, reader.get_batch(g)
+
+
+def _row_partitions(path: str, file_index: int, partition_bytes: int, version: str = "") -> List[Partition]:
     require_extra("preprocess", "pyarrow")
     import pyarrow.parquet as pq
 
-    meta = pq.ParquetFile(path).metadata
+    with _parquet_source(path, version) as source:
+        meta = pq.ParquetFile(source).metadata
     sizes = [(meta.row_group(g).num_rows, meta.row_group(g).total_byte_size) for g in range(meta.num_row_groups)]
     return _grouped(sizes, "rows", file_index, partition_bytes)
 
@@ -328,8 +372,10 @@ def _row_partitions(path: str, file_index: int, partition_bytes: int) -> List[Pa
 # --------------------------------------------------------------------------- reading
 
 
-def read_batches(path: str, part: Partition, batch_size: int, max_record_bytes: int) -> Iterator[list]:
-    """Records of one partition as lists of up to ``batch_size`` ``(line, raw)`` pairs.
+def read_batches(path: str, part: Partition, batch_size: int, max_record_bytes: int,
+                 version: str = "") -> Iterator[list]:
+    """Records of one partition as lists of up to ``batch_size`` ``(line, raw)`` pairs
+    (``version``: the object version the index read, see :func:`.inputs.open_input`).
 
     ``raw`` is the line's bytes (JSONL; blank lines are skipped but counted), an
     :class:`OversizedRecord` for a line longer than ``max_record_bytes``, or a dict (Parquet).
@@ -338,13 +384,13 @@ def read_batches(path: str, part: Partition, batch_size: int, max_record_bytes: 
         OSError, EOFError, ValueError: the file cannot be read or decompressed (the caller names it).
     """
     if part.kind == "rows":
-        yield from _parquet_batches(path, part, batch_size)
+        yield from _parquet_batches(path, part, batch_size, version)
         return
     if part.kind == "arrow":
-        yield from _arrow_batches(path, part, batch_size)
+        yield from _arrow_batches(path, part, batch_size, version)
         return
     batch: list = []
-    with open_text_bytes(path) as stream:
+    with open_text_bytes(path, version, stop=part.end if part.kind in ("lines", "array") else None) as stream:
         if part.kind in ("lines", "array"):
             stream.seek(part.start)
         if part.kind in ("array", "array_stream"):
@@ -405,30 +451,54 @@ def _bounded_lines(stream, limit: int, first_line: int, max_bytes: int) -> Itera
             yield number, line
 
 
-def _parquet_batches(path: str, part: Partition, batch_size: int) -> Iterator[list]:
+def _parquet_source(path: str, version: str = ""):
+    """What ``pyarrow.parquet.ParquetFile`` opens: a local path (pyarrow's own file reader), an
+    object as a Python file (ranged GETs through the read-ahead buffer)."""
+    return open_input(path, version, seeking=True) if is_remote(path) else contextlib.nullcontext(path)
+
+
+def _parquet_batches(path: str, part: Partition, batch_size: int, version: str = "") -> Iterator[list]:
     require_extra("preprocess", "pyarrow")
     import pyarrow.parquet as pq
 
     row = part.first_line
     groups = list(range(part.start, part.end))
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_size, row_groups=groups):
-        rows = batch.to_pylist()
-        yield [(row + i, r) for i, r in enumerate(rows)]
-        row += len(rows)
+    with _parquet_source(path, version) as source:
+        for batch in pq.ParquetFile(source).iter_batches(batch_size=batch_size, row_groups=groups):
+            rows = batch.to_pylist()
+            yield [(row + i, r) for i, r in enumerate(rows)]
+            row += len(rows)
 
 
-def _arrow_batches(path: str, part: Partition, batch_size: int) -> Iterator[list]:
-    require_extra("preprocess", "pyarrow")
-    import pyarrow as pa
+def _arrow_batches(path: str, part: Partition, batch_size: int, version: str = "") -> Iterator[list]:
+    if is_remote(path):   # an object: a stream's batches before the partition are skipped, not read
+        with open_input(path, version, seeking=True) as f:
+            reader = arrow_stream.stream_from(f.raw, part.start)
+            if reader is not None:
+                yield from _arrow_rows(_numbered(reader, part), part, batch_size)
+                return
+    with _arrow_source(path, version) as source:
+        yield from _arrow_rows(_arrow_reader(source, part.start, part.end), part, batch_size)
 
+
+def _numbered(reader, part: Partition) -> Iterator[tuple]:
+    """``(g, batch)`` for batches ``[part.start, part.end)`` of a reader starting at ``part.start``."""
+    for g in range(part.start, part.end):
+        try:
+            yield g, reader.read_next_batch()
+        except StopIteration:
+            raise ValueError(f"the Arrow stream ends before its record batch {g}") from None
+
+
+def _arrow_rows(numbered, part: Partition, batch_size: int) -> Iterator[list]:
+    """The rows of batches ``[part.start, part.end)`` of ``numbered`` (``(g, batch)`` in order)."""
     row = part.first_line
-    with pa.memory_map(path) as source:
-        for g, batch in enumerate(_arrow_reader(source)):
-            if g >= part.end:
-                break
-            if g < part.start:
-                continue
-            for lo in range(0, batch.num_rows, batch_size):
-                rows = batch.slice(lo, batch_size).to_pylist()
-                yield [(row + i, r) for i, r in enumerate(rows)]
-                row += len(rows)
+    for g, batch in numbered:
+        if g >= part.end:
+            break
+        if g < part.start:
+            continue
+        for lo in range(0, batch.num_rows, batch_size):
+            rows = batch.slice(lo, batch_size).to_pylist()
+            yield [(row + i, r) for i, r in enumerate(rows)]
+            row += len(rows)

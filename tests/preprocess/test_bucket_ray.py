@@ -1,0 +1,215 @@
+"""``--engine ray`` with the store and the work directory in object storage, on a REAL one-node Ray
+cluster whose workers have a temporary directory of their own (so each task mirrors the areas on
+"its node" and everything it makes reaches the driver through the bucket), and moto behind the
+counting proxy. The runs publish the bytes of the local engine; a driver killed mid-tokenize is
+``--resume``d from the bucket's receipts, redoing only the missing partitions."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
+
+ray = pytest.importorskip("ray", reason="the [ray] extra is not installed")
+
+from megatron_sft_idx.preprocess.cli import main as preprocess_main, repack_main  # noqa: E402
+from megatron_sft_idx.storage._stores import request_counts  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXAMPLES = os.path.join(ROOT, "examples")
+SETTINGS = ["--input", os.path.join(EXAMPLES, "conversations.jsonl"), os.path.join(EXAMPLES, "conversations_sharegpt.jsonl"),
+            "--tokenizer", os.path.join(EXAMPLES, "tokenizer"), "--pack-size", "256", "--max-packs-per-shard", "200",
+            "--split", "90,10", "--partition-bytes", "30000", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def workers_tmp(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("workers-tmp"))
+
+
+@pytest.fixture(scope="module")
+def cluster(loop, workers_tmp):
+    """A one-node cluster started here: workers see the S3 server and a TMPDIR not the driver's."""
+    env = dict(loop.env(), PYTHONPATH=ROOT, TMPDIR=workers_tmp)
+    ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False, runtime_env={"env_vars": env})
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("local")
+    assert preprocess_main(SETTINGS + ["--output-prefix", str(root / "out" / "ds"), "--store", str(root / "store")]) == 0
+    assert repack_main(["--store", str(root / "store"), "--output-prefix", str(root / "rp" / "ds"), "--pack-size", "512",
+                        "--quiet"]) == 0
+    return root
+
+
+def local_files(directory):
+    return {n: open(os.path.join(directory, n), "rb").read() for n in sorted(os.listdir(directory))
+            if not n.startswith(".")}
+
+
+def bucket_files(s3, bucket, prefix, hidden=False):
+    client = s3.client()
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])]
+    return {k[len(prefix):]: client.get_object(Bucket=bucket, Key=k)["Body"].read() for k in sorted(keys)
+            if hidden or not k[len(prefix):].startswith(".")}
+
+
+def test_store_and_work_directory_in_the_bucket_give_the_local_bytes(cluster, workers_tmp, s3, bucket, local_run,
+                                                                     tmp_path, capsys):
+    store, out = f"s3://{bucket}/store", f"s3://{bucket}/out/ds"
+    copies = request_counts().get("copy", 0)
+    assert preprocess_main(SETTINGS + ["--engine", "ray", "--ray-address", cluster, "--store", store,
+                                       "--output-prefix", out, "--check", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["engine"]["kind"] == "ray" and summary["engine"]["bucket_areas"] == [
+        store, f"s3://{bucket}/out/.ds.preprocess"]
+    published = bucket_files(s3, bucket, "out/")
+    assert published == local_files(local_run / "out") and len(published) > 6
+    # the shards were copied from the staged objects server-side, not uploaded by the driver
+    shards = [n for n in published if not n.endswith(".json")]
+    assert request_counts().get("copy", 0) - copies == len(shards)
+    # the work directory in the bucket is reduced to the run's record; the store's lock released
+    assert list(bucket_files(s3, bucket, "out/.ds.preprocess/", hidden=True)) == ["receipts/done/000000.json"]
+    assert "lock" not in bucket_files(s3, bucket, "store/")
+    # --resume of the finished run: the bucket's record says done, nothing is run again
+    assert preprocess_main(SETTINGS + ["--engine", "ray", "--ray-address", cluster, "--store", store,
+                                       "--output-prefix", out, "--check", "--json", "--resume"]) == 0
+    assert json.loads(capsys.readouterr().out)["resumed_units"] == {"done": 1}
+    # the tasks mirrored the areas under their own temporary directory, never the driver's paths
+    assert [n for n in os.listdir(workers_tmp) if n.startswith("msi-area-")]
+    # repack-sft on the cluster from the store URL to an output URL: the bytes of a local repack
+    assert repack_main(["--engine", "ray", "--ray-address", cluster, "--store", store, "--output-prefix",
+                        f"s3://{bucket}/out2/ds", "--pack-size", "512", "--quiet"]) == 0
+    assert bucket_files(s3, bucket, "out2/") == local_files(local_run / "rp")
+
+
+KILLED = """
+import os, signal, sys
+from megatron_sft_idx.preprocess import workarea
+real = workarea.AreaEngine.map
+def map(self, step, units, on_done, on_progress=None):
+    seen = [0]
+    def done(receipt):
+        on_done(receipt)
+        if step.name == "tokenize":
+            seen[0] += 1
+            if seen[0] == 3:
+                os.kill(os.getpid(), signal.SIGKILL)   # the driver dies, its lock and work stay
+    return real(self, step, units, done, on_progress)
+workarea.AreaEngine.map = map
+import ray   # joined with the workers' environment (the S3 server, their own TMPDIR), as a user's job would
+ray.init(address={address!r}, runtime_env={{"env_vars": {env!r}}})
+from megatron_sft_idx.preprocess.cli import main
+sys.exit(main({args!r}))
+"""
+
+
+def test_a_driver_killed_mid_tokenize_resumes_from_the_bucket(cluster, workers_tmp, loop, s3, bucket, local_run,
+                                                              tmp_path, capsys):
+    store, out = f"s3://{bucket}/store", f"s3://{bucket}/out/ds"
+    args = SETTINGS + ["--engine", "ray", "--ray-address", cluster, "--store", store, "--output-prefix", out]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    script = KILLED.format(args=args, address=cluster, env=dict(loop.env(), PYTHONPATH=ROOT, TMPDIR=workers_tmp))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    time.sleep(2)   # (tasks of the dead driver end with it)
+    done = bucket_files(s3, bucket, "store/receipts/tokenize/")
+    partitions = len(json.loads(bucket_files(s3, bucket, "store/store.json")[""])["partitions"])
+    assert 3 <= len(done) < partitions
+    assert "lock" in bucket_files(s3, bucket, "store/")          # the dead driver's lock is left
+    assert preprocess_main(args + ["--resume", "--json"]) == 0   # its holder is dead: taken over at once
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["resumed_units"]["tokenize"] == len(done)     # only the missing partitions redone
+    assert bucket_files(s3, bucket, "out/") == local_files(local_run / "out")
+    assert len(bucket_files(s3, bucket, "store/receipts/tokenize/")) == partitions
+
+
+def test_a_second_run_on_the_work_directory_is_refused_and_an_expired_lease_taken_over(
+        cluster, s3, bucket, local_run, tmp_path, capsys, monkeypatch):
+    """The run's lock in the bucket (.ds.preprocess/lock) held by a run on another host refuses this
+    one, naming its holder; once that holder's lease runs out (it stopped renewing), it is taken over."""
+    monkeypatch.setenv("MEGATRON_SFT_IDX_LEASE_SECONDS", "2")
+    out = f"s3://{bucket}/out/ds"
+    code = ("import socket,sys; socket.gethostname=lambda: 'elsewhere';"
+            "from megatron_sft_idx.storage.lease import ObjectLock; ObjectLock(sys.argv[1], 'w').acquire();"
+            "import os; os._exit(0)")   # (killed: it never renews)
+    subprocess.run([sys.executable, "-c", code, f"s3://{bucket}/out/.ds.preprocess/lock"], check=True,
+                   env=dict(os.environ, PYTHONPATH=ROOT))
+    args = SETTINGS + ["--engine", "ray", "--ray-address", cluster, "--output-prefix", out]
+    assert preprocess_main(args) == 1
+    err = capsys.readouterr().err
+    assert "another process (pid " in err and " on elsewhere) is writing output " + out in err, err
+    assert bucket_files(s3, bucket, "out/") == {}                 # nothing written
+    time.sleep(2.1)
+    assert preprocess_main(args + ["--resume"]) == 0
+    assert bucket_files(s3, bucket, "out/") == local_files(local_run / "out")
+
+
+KILLED_PUBLISHING = """
+import os, signal, sys
+from megatron_sft_idx.storage import _stores
+real, seen = _stores.ObjectStore.copy, [0]
+def copy(self, source, url):
+    seen[0] += 1
+    if seen[0] == 3:
+        os.kill(os.getpid(), signal.SIGKILL)   # mid-publish: two shards copied, the third not
+    return real(self, source, url)
+_stores.ObjectStore.copy = copy
+import ray
+ray.init(address={address!r}, runtime_env={{"env_vars": {env!r}}})
+from megatron_sft_idx.preprocess.cli import main
+sys.exit(main({args!r}))
+"""
+
+
+def test_a_driver_killed_mid_publish_is_finished_by_another_driver(cluster, workers_tmp, loop, s3, bucket, local_run,
+                                                                  tmp_path, capsys):
+    """The driver dies while copying the staged shards to their final names; a driver on "another
+    machine" (its mirrors gone) finishes the publish from the bucket's intent and receipts."""
+    import shutil
+
+    from megatron_sft_idx.preprocess.workarea import Area
+
+    out = f"s3://{bucket}/out/ds"
+    args = SETTINGS + ["--engine", "ray", "--ray-address", cluster, "--output-prefix", out]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    script = KILLED_PUBLISHING.format(args=args, address=cluster,
+                                      env=dict(loop.env(), PYTHONPATH=ROOT, TMPDIR=workers_tmp))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert "receipts/intent/000000.json" in bucket_files(s3, bucket, "out/.ds.preprocess/", hidden=True)
+    shutil.rmtree(os.path.dirname(Area(f"s3://{bucket}/out/.ds.preprocess").local))   # another driver machine
+    assert preprocess_main(args + ["--resume", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["resumed_units"]["materialize"] == len([n for n in local_files(local_run / "out")
+                                                           if n.endswith(".seq.idx")])
+    assert bucket_files(s3, bucket, "out/") == local_files(local_run / "out")
+
+
+def test_nothing_but_the_bucket(cluster, s3, bucket, tmp_path, capsys):
+    """Inputs, tokenizer, store and output all URLs: the Ray engine publishes the bytes the local
+    engine publishes from the same URLs."""
+    from megatron_sft_idx.storage.destination import destination_for
+
+    dest = destination_for(f"s3://{bucket}/in/")
+    for path in SETTINGS[1:3]:
+        dest.put(path, f"s3://{bucket}/in/{os.path.basename(path)}")
+    tokenizer = SETTINGS[4]
+    for name in os.listdir(tokenizer):
+        dest.put(os.path.join(tokenizer, name), f"s3://{bucket}/tok/{name}")
+    urls = ["--input", f"s3://{bucket}/in/*.jsonl", "--tokenizer", f"s3://{bucket}/tok"] + SETTINGS[5:]
+    assert preprocess_main(urls + ["--engine", "ray", "--ray-address", cluster, "--store", f"s3://{bucket}/store",
+                                   "--output-prefix", f"s3://{bucket}/ray/ds"]) == 0
+    assert preprocess_main(urls + ["--output-prefix", f"s3://{bucket}/local/ds"]) == 0
+    ray_files = bucket_files(s3, bucket, "ray/")
+    assert len(ray_files) > 6 and ray_files == bucket_files(s3, bucket, "local/")
