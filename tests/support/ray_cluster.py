@@ -300,6 +300,10 @@ class Bridge:
                 except OSError:
                     pass
 
+    def reset(self) -> None:
+        with self._lock:
+            self.up = self.down = self.connections = 0
+
     def counts(self) -> dict:
         with self._lock:
             return {"read": self.down, "written": self.up, "connections": self.connections}
