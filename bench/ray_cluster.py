@@ -178,7 +178,8 @@ def project(cluster_run: dict, n: int, cpus: int, cores_per_node: int, target: i
     """Projection (a model, not a measurement) of one run of ``target`` conversations on 8 and 64
     nodes of ``cores_per_node`` cores, from the warm cluster run measured here: tokenize and
     materialize take their measured CPU-seconds per conversation (Ray's per-task overhead
-    included) spread over all cores; index is one task per input file, its measured time kept
+    included) spread over all cores (the inputs cut into, and the output split into, enough
+    units to keep them busy); index is one task per input file, its measured time kept
     as is (the inputs split into at least as many files as cores); the plan is one process on
     the driver at the rate of bench.stages's plan_rate; and each node moves its share of the
     cluster's data bytes per million conversations (``bytes_from``) at ``node_bandwidth``
