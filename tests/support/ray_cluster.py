@@ -433,24 +433,32 @@ class RayCluster:
             argv += [f"--address={self.address}"]
         return argv
 
-    def _start_node(self, i: int, name: str) -> None:
+    def _start_node(self, i: int, name: str, attempts: int = 2) -> None:
+        """Start node ``name`` and wait (deadline) for ``ray start`` to say it is up. Ray gives a
+        raylet 30 s to register with the GCS (fixed in ray/_private/node.py); on a loaded machine
+        it can miss that, so a node that fails to start is cleared (SIGKILL) and started again."""
         d = self.node_dir(name)
         os.makedirs(d, exist_ok=True)
-        log = open(os.path.join(d, "ray-start.log"), "w")
-        self.procs[name] = subprocess.Popen(self.ns.argv(self._node_argv(i, name)), env=self.node_env(name), cwd=d,
-                                            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True, preexec_fn=_set_pdeathsig)
-        log.close()
-        end = time.monotonic() + NODE_DEADLINE
-        while time.monotonic() < end:
+        for attempt in range(1, attempts + 1):
+            log = open(os.path.join(d, "ray-start.log"), "w")
+            self.procs[name] = subprocess.Popen(self.ns.argv(self._node_argv(i, name)), env=self.node_env(name),
+                                                cwd=d, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                                start_new_session=True, preexec_fn=_set_pdeathsig)
+            log.close()
+            end = time.monotonic() + NODE_DEADLINE
+            while time.monotonic() < end:
+                if "Ray runtime started" in self.start_log(name):
+                    return
+                if self.procs[name].poll() is not None:
+                    break
+                time.sleep(0.2)
             text = self.start_log(name)
-            if "Ray runtime started" in text:
-                return
-            if self.procs[name].poll() is not None:
-                break
-            time.sleep(0.2)
-        raise ClusterError(f"Ray node {name} did not start within {NODE_DEADLINE:.0f} s "
-                           f"(exit {self.procs[name].poll()}); its log:\n{self.start_log(name)[-3000:]}")
+            with open(os.path.join(d, f"ray-start.failed-{attempt}.log"), "w") as f:
+                f.write(text)
+            _kill_all(self.processes(name))
+            self.procs.pop(name).wait(10)
+        raise ClusterError(f"Ray node {name} did not start in {attempts} attempts of {NODE_DEADLINE:.0f} s; "
+                           f"the last log:\n{text[-3000:]}")
 
     def start_log(self, name: str) -> str:
         try:
@@ -574,7 +582,8 @@ class RayCluster:
             if len(held) >= count:
                 return held
             if proc is not None and proc.poll() is not None:
-                raise ClusterError(f"the driver ended (exit {proc.returncode}) before {count} units were held")
+                err = proc.stderr.read()[-3000:] if proc.stderr else ""
+                raise ClusterError(f"the driver ended (exit {proc.returncode}) before {count} units were held: {err}")
             time.sleep(0.02)
         raise ClusterError(f"{count} units were not held within {deadline:.0f} s (held: {self.held()})")
 
