@@ -408,6 +408,7 @@ class RayCluster:
             for i, name in enumerate(self.names):
                 self._start_node(i, name)
             self.wait_nodes(len(self.names), CLUSTER_DEADLINE)
+            self.verify_loopback()
         except BaseException:
             self.stop()
             raise
