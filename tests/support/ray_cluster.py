@@ -257,6 +257,7 @@ class Bridge:
         self.port = self.sock.getsockname()[1]
         self.up = self.down = 0
         self.connections = 0
+        self.requests: List[tuple] = []   # (method, path, body bytes, copy source or "")
         self._lock = threading.Lock()
         self._closed = False
         threading.Thread(target=self._accept, daemon=True, name=f"bridge-{name}").start()
@@ -279,15 +280,17 @@ class Bridge:
                 continue
             with self._lock:
                 self.connections += 1
-            threading.Thread(target=self._pump, args=(inner, outer, "up"), daemon=True).start()
+            threading.Thread(target=self._pump, args=(inner, outer, "up", _RequestLog(self)), daemon=True).start()
             threading.Thread(target=self._pump, args=(outer, inner, "down"), daemon=True).start()
 
-    def _pump(self, src, dst, direction: str) -> None:
+    def _pump(self, src, dst, direction: str, log=None) -> None:
         try:
             while True:
                 data = src.recv(1 << 16)
                 if not data:
                     break
+                if log is not None:
+                    log.feed(data)
                 dst.sendall(data)
                 with self._lock:
                     setattr(self, direction, getattr(self, direction) + len(data))
@@ -303,6 +306,7 @@ class Bridge:
     def reset(self) -> None:
         with self._lock:
             self.up = self.down = self.connections = 0
+            self.requests = []
 
     def counts(self) -> dict:
         with self._lock:
@@ -311,6 +315,42 @@ class Bridge:
     def close(self) -> None:
         self._closed = True
         self.sock.close()
+
+
+class _RequestLog:
+    """The HTTP/1.1 requests of one connection's upstream bytes: request line and headers, then
+    a body of Content-Length bytes (a body without one -- chunked -- ends the parsing of that
+    connection: it is then logged as ``("?", "", 0, "")``)."""
+
+    def __init__(self, bridge: Bridge) -> None:
+        self.bridge, self.buf, self.skip, self.lost = bridge, b"", 0, False
+
+    def feed(self, data: bytes) -> None:
+        if self.lost:
+            return
+        self.buf += data
+        while True:
+            if self.skip:
+                take = min(self.skip, len(self.buf))
+                self.buf, self.skip = self.buf[take:], self.skip - take
+                if self.skip:
+                    return
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head, self.buf = self.buf[:end].decode("latin-1"), self.buf[end + 4:]
+            lines = head.split("\r\n")
+            method, _, rest = lines[0].partition(" ")
+            headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+            if "content-length" not in headers and headers.get("transfer-encoding"):
+                self.lost = True
+                with self.bridge._lock:
+                    self.bridge.requests.append(("?", "", 0, ""))
+                return
+            self.skip = int(headers.get("content-length", "0") or 0)
+            with self.bridge._lock:
+                self.bridge.requests.append((method, rest.rsplit(" ", 1)[0], self.skip,
+                                             headers.get("x-amz-copy-source", "")))
 
 
 # --------------------------------------------------------------------------- the cluster
@@ -658,6 +698,14 @@ class RayCluster:
             kept = [line for line in lines if line.split(" ", 1)[1] != ray_listing]
             if kept:
                 out[node] = kept
+        return out
+
+    def s3_requests(self) -> Dict[str, List[tuple]]:
+        """{node or "driver": [(method, path, body bytes, copy source)]} through each bridge so far."""
+        out = {}
+        for name, b in self.bridges.items():
+            with b._lock:
+                out[name] = list(b.requests)
         return out
 
     def s3_bytes(self) -> Dict[str, dict]:

@@ -62,23 +62,26 @@ _install()
 
 # --------------------------------------------------------------------------- the hold (fault injection)
 #
-# With MSI_HOLD_DIR set (every node of a test cluster), a tokenize unit that has finished (its
-# part and receipt written, the receipt not yet returned to the driver) waits while the file
-# <MSI_HOLD_DIR>/hold names this node (a line "<node>" or "*"), after creating
-# <MSI_HOLD_DIR>/held-<node>-<unit>-<pid>; the file <MSI_HOLD_DIR>/release (or 300 s) ends the
-# wait. A test can then kill a node or the driver while units are known to be in flight, however
-# loaded the machine. Without the file "hold" nothing changes. The patch is made when the worker
-# first imports the tokenize step (an import hook: nothing of the package is imported here).
+# With MSI_HOLD_DIR set (every node of a test cluster), a tokenize unit that has finished in a
+# Ray task (``run_unit`` returned: its artifacts and receipt committed wherever the run keeps
+# them, the receipt not yet returned to the driver) waits while the file <MSI_HOLD_DIR>/hold
+# names this node (a line "<node>" or "*"), after creating <MSI_HOLD_DIR>/held-<node>-<unit>-<pid>;
+# the file <MSI_HOLD_DIR>/release (or 300 s) ends the wait. A test can then kill a node or the
+# driver while units are known to be in flight, however loaded the machine. Without the file
+# "hold" nothing changes. The Ray engine's module is patched when a worker first imports it
+# (an import hook: nothing of the package is imported here).
 
-_TOKENIZE = "megatron_sft_idx.preprocess.tokenize"
+_ENGINE = "megatron_sft_idx.preprocess.engines.ray"
 
 
 def _held(node, control):
     import time
 
     def wrap(real):
-        def run(self, unit):
-            receipt = real(self, unit)
+        def run_unit(step, unit):
+            receipt = real(step, unit)
+            if getattr(step, "name", None) != "tokenize":
+                return receipt
             try:
                 with open(os.path.join(control, "hold")) as f:
                     names = f.read().split()
@@ -90,7 +93,7 @@ def _held(node, control):
                 while not os.path.exists(os.path.join(control, "release")) and time.monotonic() < end:
                     time.sleep(0.02)
             return receipt
-        return run
+        return run_unit
     return wrap
 
 
@@ -99,7 +102,7 @@ class _HoldFinder:
         self.node, self.control = node, control
 
     def find_spec(self, name, path=None, target=None):
-        if name != _TOKENIZE:
+        if name != _ENGINE:
             return None
         import importlib.machinery
 
@@ -112,7 +115,7 @@ class _HoldFinder:
 
         def exec_module(module):
             real_exec(module)
-            module.TokenizeStep.run = wrap(module.TokenizeStep.run)
+            module.run_unit = wrap(module.run_unit)   # what _ray_unit calls
 
         loader.exec_module = exec_module
         return spec
