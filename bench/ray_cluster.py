@@ -292,8 +292,8 @@ def _main(args, work: str) -> int:
         if loop:
             loop.__exit__(None, None, None)
     payload = {"mode": "bucket" if args.bucket else "shared filesystem", "conversations": n, "nodes": args.nodes,
-               "local": local, "cluster": ran, "cluster_cold": runs[0], "loopback": {"interfaces": loopback["interfaces"],
-                                                            "listeners": len(loopback["listeners"])}}
+               "local": local, "cluster": ran, "cluster_cold": runs[0],
+               "loopback": {"interfaces": loopback["interfaces"], "listeners": len(loopback["listeners"])}}
     if ran["exit"] == 0:
         payload["ratio_cluster_over_local_wall"] = ran["wall_s"] / local["wall_s"]
         if args.bucket:
@@ -326,11 +326,13 @@ def _print(payload: dict) -> None:
     if "error" in ran:
         print(ran["error"])
         return
-    rows = [(k, *(f"{x / 1e6:.1f}" for x in v.values())) for k, v in payload["per_million_conversations_by_node"].items()]
+    per_node = payload["per_million_conversations_by_node"]
+    rows = [(k, *(f"{x / 1e6:.1f}" for x in v.values())) for k, v in per_node.items()]
     first = next(iter(payload["per_million_conversations_by_node"].values()))
     print(format_table(["node", *(f"{k} MB/M conv" for k in first)], rows))
     proj = payload["projection"]["projected_s"]
-    print("projection (a model, not a measurement): " + ", ".join(f"{k} nodes {v['total']:.1f} s" for k, v in proj.items()))
+    print("projection (a model, not a measurement): "
+          + ", ".join(f"{k} nodes {v['total']:.1f} s" for k, v in proj.items()))
     print("peak RSS of this benchmark process: %.0f MiB" % (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
 
 
