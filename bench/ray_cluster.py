@@ -27,6 +27,10 @@ The cluster command runs twice: "cold" (the nodes' first job: every worker start
 and "warm" (the same work again into a fresh store and output): the figures are the warm run's,
 the cold run is reported beside them.
 
+Outputs: in the shared-filesystem setup every file is compared byte for byte; in the bucket
+setup the shards' data files (``DATA_FILES``) and the file names, since the ``.seq.idx`` metadata
+and the manifests record the inputs' names (URLs there).
+
 The local engine runs the same command with local paths (``--engine local --workers`` = the
 cluster's CPUs). Both on the same 2-core machine: the cluster's 3 CPUs are 3 processes on 2
 cores, so the ratio measures Ray's overhead here, not a speed-up.
@@ -118,6 +122,19 @@ class IoSampler:
         return out
 
 
+#: The plan stage's rate at scale when bench/results/plan.json is absent: ``python -m bench.plan`` at
+#: 13M conversations, docs/BENCHMARKS.md (one process, 5.5 s for 13M).
+PLAN_S_PER_MILLION, PLAN_SOURCE = 0.42, "docs/BENCHMARKS.md: bench.plan at 13M conversations, 0.42 s per million"
+#: The shards' data files: byte-identical to the local engine's in both setups. The ``.seq.idx``
+#: metadata and the manifests record the inputs' names (URLs in the bucket setup) and the set id
+#: that digests them, so in the bucket setup only the data files are compared.
+DATA_FILES = (".bin", ".idx", ".loss.bin", ".seq.bin")
+
+
+def _data_files(files: dict) -> dict:
+    return {n: b for n, b in files.items() if n.endswith(DATA_FILES) and not n.endswith(".seq.idx")}
+
+
 def _digest(files: dict) -> str:
     h = hashlib.sha256()
     for name in sorted(files):
@@ -141,7 +158,7 @@ def run_local(args, work: str, inp: str, tokenizer: str, cpus: int) -> dict:
         raise RuntimeError(f"the local run failed (exit {code}): {proc.stderr.read()[-3000:]}")
     files = _local_files(out)
     return {"command": " ".join(cmd[1:]), "wall_s": wall, "peak_rss_mib_with_workers": peak, "files": len(files),
-            "digest": _digest(files)}
+            "digest": _digest(files), "data_digest": _digest(_data_files(files)), "names": sorted(files)}
 
 
 def run_cluster(args, cluster: RayCluster, cmd: list, summary_path: str) -> dict:
@@ -189,6 +206,8 @@ def project(cluster_run: dict, n: int, cpus: int, cores_per_node: int, target: i
 
     sec = cluster_run["seconds"]
     plan_per_conv, plan_source = plan_rate({"seconds": sec}, n)
+    if plan_source == "the reference run":   # no bench/results/plan.json: a small run's plan is its fixed cost
+        plan_per_conv, plan_source = PLAN_S_PER_MILLION / 1e6, PLAN_SOURCE
     rows = {}
     for nodes in (8, 64):
         cores = nodes * cores_per_node
@@ -284,7 +303,9 @@ def _main(args, work: str) -> int:
                                 files[name] = client.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read()
                     else:
                         files = _local_files(os.path.join(shared, "out"))
-                    ran["identical_to_local"] = _digest(files) == local["digest"] and len(files) == local["files"]
+                    ran["identical_to_local"] = _digest(files) == local["digest"]
+                    ran["data_files_identical_to_local"] = (_digest(_data_files(files)) == local["data_digest"]
+                                                            and sorted(files) == local["names"])
                 runs.append(ran)
                 if ran["exit"] != 0:
                     break
@@ -315,14 +336,16 @@ def _main(args, work: str) -> int:
                                         per_million(moved, n), bytes_from)
     print("wrote", write_json("ray_cluster", payload))
     _print(payload)
-    return 0 if ran["exit"] == 0 and ran.get("identical_to_local") else 1
+    same = ran.get("data_files_identical_to_local") if args.bucket else ran.get("identical_to_local")
+    return 0 if ran["exit"] == 0 and same else 1
 
 
 def _print(payload: dict) -> None:
     local, ran = payload["local"], payload["cluster"]
     print(f"{payload['mode']}: {payload['conversations']:,} conversations, {payload['nodes']} nodes of 1 CPU")
     print(f"local engine {local['wall_s']:.1f} s; cluster {ran['wall_s']:.1f} s (exit {ran['exit']}), "
-          f"driver peak RSS {ran['driver_peak_rss_mib']:.0f} MiB, identical: {ran.get('identical_to_local')}")
+          f"driver peak RSS {ran['driver_peak_rss_mib']:.0f} MiB, identical: {ran.get('identical_to_local')}, "
+          f"data files identical: {ran.get('data_files_identical_to_local')}")
     if "error" in ran:
         print(ran["error"])
         return
