@@ -219,8 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "excepted), never dropped silently; the summary counts what each rule ignored "
                          "(repeatable; default: none)")
     io.add_argument("--skip-report", metavar="FILE",
-                    help="write every skipped record's file, line and reason to FILE, one JSON object a line "
-                         "(with --skip-bad; the summary counts them by file and reason) (default: none)")
+                    help="write every skipped record's file, line and reason to FILE, one JSON object a line, "
+                         "and every conversation the plan drops as overlong, with its length (with --skip-bad; "
+                         "the summary counts them by file and reason) (default: none)")
     io.add_argument("--store", metavar="DIR|URL",
                     help="keep the sequence store (every conversation tokenized once) in DIR, to repack it "
                          "later with repack-sft; an s3:// URL keeps it in the bucket, locked while the run "

@@ -66,14 +66,14 @@ from .records.errors import output_error
 from .materialize import (MaterializeStep, OutputShard, VerifyShardStep, materialize_schema, output_shards,
                           resumed_shards)
 from .records.partitions import Partition, auto_partition_bytes, sha256_file
-from .plan import PlanStep, VerifyPlanStep, plan_schema, resumed_plan, write_plan
+from .plan import PlanStep, VerifyPlanStep, plan_drops, plan_schema, resumed_plan, write_plan
 from .publish import StagedSet, StagedShard, publish
 from .receipts import ReceiptBook, settings_key
 from .done import check_outputs, owned_files, record_outputs, run_books
 from ..storage._url import is_remote, local_only
 from ..storage.destination import ObjectDestination, destination_for
-from .store import REBUILD_HINT, SKIPS_SUFFIX, SequenceStore, VerifyStoreStep, part_prefix
-from .summary import PackResult, build_summary, write_skip_report
+from .store import REBUILD_HINT, ROWS_SUFFIX, SKIPS_SUFFIX, SequenceStore, VerifyStoreStep, part_prefix
+from .summary import PackResult, build_summary, inputs_left, write_skip_report
 from .tokenize import (IndexStep, Inputs, TokenizeStep, describe_store, index_schema, lock_user_store,
                        part_metadata, partition_sizes, recorded_template_date, resolve_inputs,
                        verified_partitions)
@@ -123,14 +123,15 @@ def run(cfg: Config) -> dict:
     stages = _Run(job, key, times, kept_store=store_dir, store_area=store_area)
     summary = stages.finished(prove_inputs(inputs, cfg.run.workers))
     if summary is not None:
-        return summary
+        return dict(summary, inputs_left=inputs_left(inputs.left))   # (said on every run)
     with stages.started():
         store = stages.tokenize(cfg, inputs)
-        if cfg.tokenize.skip_report:   # (before packing: a temporary store is gone after it)
-            stages.areas.pull(part_prefix(store.directory, k) + SKIPS_SUFFIX for k in range(len(store.partitions)))
-            write_skip_report(store, cfg.tokenize.skip_report)
+        if cfg.tokenize.skip_report:   # (before packing: a temporary store is gone after it; the plan's
+            stages.areas.pull(part_prefix(store.directory, k) + x for k in range(len(store.partitions))
+                              for x in (SKIPS_SUFFIX, ROWS_SUFFIX))   # (the report reads them here)
+            write_skip_report(store, cfg.tokenize.skip_report, plan_drops(store, job.settings))   # drops by its rule)
         stages.pack(store)
-    return stages.summary
+    return dict(stages.summary, inputs_left=inputs_left(inputs.left))
 
 
 def repack(cfg: RepackConfig) -> dict:

@@ -158,7 +158,7 @@ class Kept:
 
 
 #: Skip reason of an overlong conversation that is not kept, by --overlong mode.
-_OVERLONG_REASON = {"drop": "overlong_dropped", "truncate": "overlong_untrainable_after_truncation",
+OVERLONG_REASON = {"drop": "overlong_dropped", "truncate": "overlong_untrainable_after_truncation",
                     "error": "overlong"}
 
 
@@ -207,7 +207,7 @@ def load_kept(store: SequenceStore, s: PlanSettings) -> Kept:
                 name, line, length = store.inputs[part.file]["name"], int(rows["line"][bad[0]]), int(full[bad[0]])
                 if s.overlong == "error" and not s.skip_bad:
                     raise _overlong_error(s, name, line, length)
-                reason = _OVERLONG_REASON[s.overlong]
+                reason = OVERLONG_REASON[s.overlong]
                 skipped[reason] = skipped.get(reason, 0) + int(bad.size)
                 first.setdefault(reason, str(_overlong_error(s, name, line, length)))
         keep = ~drop
@@ -267,6 +267,31 @@ def _cut_turns(store: SequenceStore, k: int, rows: np.ndarray, truncated: np.nda
     ds.release_pages()
     cut[which], untrainable[which] = c, u
     return cut, untrainable
+
+
+def plan_drops(store: SequenceStore, s: PlanSettings) -> list:
+    """``(file, line, entry)`` of every sequence the plan drops (``--overlong drop``, or nothing
+    trained after ``--overlong truncate``), in store order, found by the plan's own rule
+    (:func:`load_kept`, lengths only): ``--skip-report``'s lines, ``entry`` being ``{"file",
+    "line", "reason", "length", "stage": "plan"}`` with the reason the summary's
+    ``sequences_dropped`` counts. None under ``--overlong error`` alone (the plan refuses instead)."""
+    if s.overlong == "error" and not s.skip_bad:
+        return []
+    dropped = load_kept(store, s).dropped
+    out: list = []
+    base = 0
+    for k, part in enumerate(store.partitions):
+        if not dropped.size:
+            break
+        rows = store.rows(k)
+        mine = dropped[(dropped >= base) & (dropped < base + rows.size)] - base
+        name = store.inputs[part.file]["name"]
+        out += [(part.file, int(rows["line"][i]), {"file": name, "line": int(rows["line"][i]),
+                                                   "reason": OVERLONG_REASON[s.overlong],
+                                                   "length": int(rows["length"][i]), "stage": "plan"})
+                for i in mine]
+        base += rows.size
+    return out
 
 
 def store_ids(kept: np.ndarray, dropped: np.ndarray) -> np.ndarray:

@@ -69,17 +69,34 @@ def input_files(store: SequenceStore) -> List[dict]:
     return files
 
 
-def ignored_keys(store: SequenceStore) -> Dict[str, int]:
-    """Record-level keys ignored by a rule, ``rule:key`` -> records (``records.shapes.account_keys``)."""
+def ignored_keys(store: SequenceStore, applied: bool = False) -> Dict[str, int]:
+    """Keys ignored by a rule, ``rule:key`` -> records (``records.shapes.account_keys``); with
+    ``applied``, the fields read by a rule instead (``records.shapes.APPLIED_RULES``: arguments
+    decoded twice), which the tokenize receipts count the same way."""
+    from .records.shapes import APPLIED_RULES
+
     out: Dict[str, int] = {}
     for r in store.receipts:
-        _add(out, r.get("ignored") or {})
+        _add(out, {k: n for k, n in (r.get("ignored") or {}).items()
+                   if (k.partition(":")[0] in APPLIED_RULES) == applied})
     return dict(sorted(out.items()))
 
 
-def write_skip_report(store: SequenceStore, path: str) -> int:
-    """``--skip-report FILE``: every record the run skipped, one JSON object a line
-    (``{"file", "line", "reason"}``), in input order; returns how many.
+def inputs_left(left) -> List[dict]:
+    """What the input directories hold and the run did not read (``left``: as
+    :func:`~megatron_sft_idx.preprocess.records.inputs.expand_inputs` gave it), each
+    ``{"name", "reason"}``: the summary's ``inputs_left`` (the files read are its ``inputs``)."""
+    from .records.inputs import left_reason
+
+    return [{"name": p, "reason": left_reason(p)} for p in left]
+
+
+def write_skip_report(store: SequenceStore, path: str, plan_drops=()) -> int:
+    """``--skip-report FILE``: every record the run skipped, one JSON object a line, in input
+    order (file, then line); returns how many lines. A record the tokenize stage skipped is
+    ``{"file", "line", "reason"}``; ``plan_drops`` adds the sequences the plan stage drops
+    (``(file, line, entry)`` from :func:`~megatron_sft_idx.preprocess.plan.plan_drops`: entries
+    ``{"file", "line", "reason", "length", "stage": "plan"}``).
 
     Raises:
         ShardError: a partition's skips file does not verify; OSError: the report cannot be written.
@@ -88,8 +105,11 @@ def write_skip_report(store: SequenceStore, path: str) -> int:
 
     from .._atomic import write_file_atomically
 
-    lines = [json.dumps({"file": store.inputs[part.file]["name"], "line": line, "reason": reason}) + "\n"
-             for k, part in enumerate(store.partitions) for line, reason in store.skips(k)]
+    entries = [(part.file, line, {"file": store.inputs[part.file]["name"], "line": line, "reason": reason})
+               for k, part in enumerate(store.partitions) for line, reason in store.skips(k)]
+    entries += plan_drops
+    entries.sort(key=lambda e: (e[0], e[1]))   # (stable: a record's skips stay in stage order)
+    lines = [json.dumps(e) + "\n" for _, _, e in entries]
     write_file_atomically(path, lambda f: f.write("".join(lines).encode("utf-8")))
     return len(lines)
 
@@ -130,6 +150,7 @@ def build_summary(store: SequenceStore, job: PackJob, result: PackResult) -> dic
         "sequences_stored": store.sequence_count,                   # sequences the records gave
         "sequences_dropped": dict(sorted(result.plan["skipped"].items())),   # sequences, by reason (plan)
         "ignored_keys": ignored_keys(store),
+        "rules_applied": ignored_keys(store, applied=True),   # fields read by a rule, "rule:field" -> records
         "conversations": result.plan["conversations"],   # sequences kept (per-turn: one per trained turn)
         "skipped": skipped,
         "skipped_examples": first,
@@ -219,6 +240,7 @@ def check_summary(doc) -> None:
     doc.ints("skipped", lo=0)
     for key in ("records_skipped", "sequences_dropped", "ignored_keys"):
         doc.ints(key, lo=0, **({} if not apart else {"default": {}}))
+    doc.ints("rules_applied", lo=0, default={})
     doc.int("sequences_stored", lo=0, **apart)
     doc.ints("units", lo=0, default={})
     doc.mapping("workers_busy", lambda v, f: _number(doc, v, f, 1.0), default={})
@@ -283,6 +305,10 @@ def format_summary(s: dict) -> str:
 
     records = f", {plural(s['records_read'], 'record')}" if "records_read" in s else ""
     lines = [f"inputs              {plural(len(s['inputs']), 'file')}{records}"]
+    left = s.get("inputs_left") or []
+    if left:
+        lines.append(f"  left out {plural(len(left), 'path')}: " + ", ".join(
+            f"{f['name']} ({f['reason']})" for f in left[:20]) + (" ..." if len(left) > 20 else ""))
     if "records_skipped" in s:   # records in, sequences out, each counted as what it is
         files = [f for f in s["inputs"] if "records" in f]
         for f in files if len(files) > 1 else ():
@@ -294,6 +320,10 @@ def format_summary(s: dict) -> str:
         if s.get("ignored_keys"):
             lines.append("ignored keys        " + ", ".join(f"{k.partition(':')[2]} ({k.partition(':')[0]}) {n:,}"
                                                              for k, n in s["ignored_keys"].items()))
+        if s.get("rules_applied"):
+            lines.append("rules applied       " + ", ".join(
+                f"{k.partition(':')[2]} ({k.partition(':')[0].replace('-', ' ')}) {n:,}"
+                for k, n in s["rules_applied"].items()))
     else:   # (a summary of an earlier version)
         lines.append(f"conversations       {s['conversations']:,} kept, skipped {skipped_text(s['skipped'])}")
     lines += [

@@ -55,6 +55,7 @@ class Inputs:
     tokenizer: Optional[dict]        # identity without its path, or None
     pad_id: int
     sizes: Optional[List[int]] = None   # bytes of each input, as expansion found them
+    left: Tuple[str, ...] = ()          # what the input directories hold and the run does not read
 
     def stat(self) -> list:
         """``[name, bytes, mtime_ns]`` per input (an object's mtime: 0; its bytes as listed)."""
@@ -109,7 +110,7 @@ def resolve_inputs(cfg: Config, recorded_date: Optional[str] = None) -> Inputs:
                     "x86-64, the 'fast' extra elsewhere")
     sizes = [listed[n] if n in listed else os.path.getsize(n) for n in names]
     return Inputs(names, [n if is_remote(n) else os.path.abspath(n) for n in names], options, identity, pad_id,
-                  sizes)
+                  sizes, tuple(left))
 
 
 def recorded_template_date(directory: str) -> Optional[str]:

@@ -318,7 +318,7 @@ def _defect_keep_nulls(monkeypatch):
     from megatron_sft_idx.preprocess.records import shapes
 
     monkeypatch.setattr(shapes, "drop_nulls", lambda value: value)
-    monkeypatch.setattr(shapes, "_may_hold_null", lambda value: True)
+    monkeypatch.setattr(shapes, "_may_hold_null", lambda value: (True, None))
 
 
 def _defect_add_key(monkeypatch):
@@ -374,3 +374,127 @@ def test_a_source_system_prompt_must_be_in_the_rendering_a_template_default_need
         "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"))
     s = _run(tmp_path, {"nosys": no_system}, "nosys", "nosys", with_system)
     assert s["skipped"] == {"template_dropped_content": 3} and s["records_read"] == 4
+
+
+def _pasted(i):
+    """An OpenAI record whose user pastes a call of the declared tool (other arguments than the
+    record's own call) and a definition of it (another description), whose tool result echoes a
+    call, and whose final reply quotes one: JSON in messages' own text, not calls or definitions."""
+    r = copy.deepcopy(openai(i, with_system=False))
+    call = json.dumps({"name": "get_weather", "arguments": {"city": "Atlantis", "unit": "k", "extra": None}})
+    definition = json.dumps({"name": "get_weather", "description": "Pasted, not declared", "parameters": {
+        "type": "object", "properties": {"depth": {"type": "number"}}}})
+    r["messages"][0]["content"] = f"Call it like {call}, it is defined as {definition}. " + r["messages"][0]["content"]
+    r["messages"][2]["content"] = json.dumps({"echo": {"name": "get_weather", "arguments": {"city": "Nowhere"}}})
+    r["messages"][3]["content"] = f'I called {{"name": "get_weather", "arguments": {{"city": "Mu{i}"}}}} for you.'
+    return r
+
+
+@pytest.mark.parametrize("family", ["qwen25", "llama3", "qwen3"])
+def test_json_a_user_pastes_is_not_taken_for_a_rendered_call_or_definition(tmp_path, families, family):
+    """A user pasting a declared tool's call or definition (and a tool result or reply quoting a
+    call) is the message's own text: accepted, while the rendered call and definitions are still
+    compared -- a mapping that adds a key to the call is refused on the same records."""
+    records = [_pasted(i) for i in range(3)]
+    s = _run(tmp_path, families, family, "pasted", records)
+    assert s["skipped"] == {} and s["records_read"] == 4, s["skipped"]
+
+
+@pytest.mark.parametrize("defect", [_defect_add_key, _defect_keep_nulls], ids=["added", "nulls"])
+def test_a_pasted_call_does_not_hide_a_changed_rendered_call(tmp_path, families, defect, monkeypatch):
+    records = [_pasted(i) for i in range(3)]
+    for r in records:   # (a null in the record's own call, for the kept-nulls defect)
+        fn = r["messages"][1]["tool_calls"][0]["function"]
+        fn["arguments"] = json.dumps(dict(json.loads(fn["arguments"]), lat=None))
+    defect(monkeypatch)
+    s = _run(tmp_path, families, "qwen25", "pasted_broken", records)
+    assert _kept_and_refused(s) == (1, 3), s["skipped"]
+
+
+def test_check_rendered_tools_reads_no_call_inside_a_messages_own_text():
+    from megatron_sft_idx.preprocess.records.accounting import check_rendered_tools
+
+    calls = ({"function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},)
+    pasted = '{"name": "get_weather", "arguments": {"city": "Rome"}}'
+    text = f"user: {pasted}\nassistant: " + '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+    with pytest.raises(InputError, match="call 1 of tool 'get_weather'"):   # without the span: read as call 1
+        check_rendered_tools(text, None, "t.jsonl", 3, calls)
+    check_rendered_tools(text, None, "t.jsonl", 3, calls, own=[(6, 6 + len(pasted))])
+    with pytest.raises(InputError, match="call 2 of tool 'get_weather'"):   # a rendered call outside is still read
+        check_rendered_tools(text + pasted, None, "t.jsonl", 3, calls, own=[(6, 6 + len(pasted))])
+
+
+# ---------------------------------------------------------------- arguments encoded twice
+
+def _twice(i, inner=None):
+    """An OpenAI record whose call's arguments are a JSON string of the arguments' JSON text, and a
+    ShareGPT one whose function_call value does the same (public function-calling samples)."""
+    r = copy.deepcopy(openai(i, with_system=False))
+    fn = r["messages"][1]["tool_calls"][0]["function"]
+    fn["arguments"] = json.dumps(fn["arguments"] if inner is None else inner)
+    g = glaive(i)
+    turn = g["conversations"][1]
+    call = json.loads(turn["value"])
+    turn["value"] = json.dumps(dict(call, arguments=json.dumps(json.dumps(call["arguments"]) if inner is None
+                                                               else inner)))
+    return [r, g]
+
+
+def test_arguments_encoded_twice_are_decoded_once_more_when_they_hold_an_object():
+    ignored = {}
+    for record in _twice(1):
+        _, conv = parse(record, ignored=ignored)
+        calls = [c for m in conv.messages for c in m.get("tool_calls") or ()]
+        assert calls[0]["function"]["arguments"] == {"city": "Lagos", "unit": "c"}
+    assert ignored == {"decoded-twice:messages[].tool_calls[].function.arguments": 1,
+                       "decoded-twice:conversations[].value[].arguments": 1}, ignored
+    for inner, what in (("not json", "a string that is not JSON"), (json.dumps([1, 2]), "a JSON list"),
+                        (json.dumps("{}x"), "a JSON str")):   # (three levels: refused, not decoded on)
+        for record in _twice(1, inner):
+            with pytest.raises(InputError) as e:
+                parse(record)
+            assert e.value.reason == "bad_tool_call" and what in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("family", ["qwen25", "llama3"])
+def test_arguments_encoded_twice_train_as_the_object_and_are_counted(tmp_path, families, family):
+    """End to end: the same records with arguments encoded once and twice give the same bytes;
+    the summary counts the rule by field, and both checks (accounting, --verify-masks) pass."""
+    from megatron_sft_idx.preprocess import Config, run
+    from megatron_sft_idx.preprocess.summary import format_summary
+    from support.sft_fixtures import write_jsonl
+
+    def go(name, records):
+        path = write_jsonl(tmp_path / f"{name}.jsonl", records)
+        return run(Config(inputs=[path], output_prefix=str(tmp_path / name / "ds"), tokenizer=families[family],
+                          pack_size=4096, progress=False, verify_masks=8, workers=1))
+
+    once = [r for i in range(3) for r in (copy.deepcopy(openai(i, with_system=False)), glaive(i))]
+    twice = [r for i in range(3) for r in _twice(i)]
+    a, b = go("once", once), go("twice", twice)
+    assert a["rules_applied"] == {} and b["skipped"] == {} and b["conversations"] == 6
+    assert b["rules_applied"] == {"decoded-twice:conversations[].value[].arguments": 3,
+                                  "decoded-twice:messages[].tool_calls[].function.arguments": 3}
+    assert "rules applied       conversations[].value[].arguments (decoded twice) 3" in format_summary(b)
+    for x, y in zip(a["outputs"], b["outputs"]):
+        for ext in (".bin", ".idx"):
+            assert open(x + ext, "rb").read() == open(y + ext, "rb").read()
+
+
+def test_a_call_compared_by_its_exact_text_still_counts_in_order():
+    """The read-back's fast path (the rendered call is the record's n-th call of the tool
+    character for character) gives the verdict the decoding does: swapped or changed
+    arguments, or one call too many, are refused all the same."""
+    from megatron_sft_idx.preprocess.records.accounting import check_rendered_tools
+
+    oslo, rome = '{"city": "Oslo"}', '{"city": "Rome", "n": 2}'
+    calls = ({"function": {"name": "f", "arguments": oslo}}, {"function": {"name": "f", "arguments": json.loads(rome)}})
+
+    def call(args):
+        return '{"name": "f", "arguments": ' + args + '}'
+
+    check_rendered_tools(call(oslo) + call(rome), None, "t.jsonl", 3, calls)
+    for bad, n in ((call(rome) + call(oslo), 1), (call(oslo) + call('{"city": "Rome", "n": 3}'), 2),
+                   (call(oslo) + call(rome) + call(rome), 3), (call('{"city": "Oslo", "n": null}') + call(rome), 1)):
+        with pytest.raises(InputError, match=f"call {n} of tool 'f'"):
+            check_rendered_tools(bad, None, "t.jsonl", 3, calls)

@@ -205,7 +205,7 @@ def test_a_prefix_and_globs_expand_as_the_local_directory_and_globs(tmp_path, s3
         assert sizes == {n: os.path.getsize(base + n[len(url):]) for n in remote}
     left = []
     assert relative(expand_inputs([url], left), url) == ["/a.jsonl", "/sub/a.json", "/sub/deeper/a.parquet"]
-    assert relative(left, url) == ["/.hidden.jsonl", "/notes.txt"]   # said, never read; .cache/ is not walked
+    assert relative(left, url) == ["/.hidden.jsonl", "/notes.txt", "/.cache/"]   # said, never read; .cache/ not walked
 
 
 def warnings_said(capsys) -> list:

@@ -26,8 +26,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from json.encoder import encode_basestring, encode_basestring_ascii
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ...errors import MetadataError
 from ...jsondoc import parse_record_json, raw_decode
@@ -71,6 +70,17 @@ def _parsed(text: str):
         return None
 
 
+def _decoded(text: str):
+    """A call's arguments string, parsed; parsed once more when it holds a JSON string of an
+    object (arguments encoded twice, which the mapping accepts: docs/INPUTS.md)."""
+    value = _parsed(text)
+    if isinstance(value, str):
+        inner = _parsed(value)
+        if isinstance(inner, dict):
+            return inner
+    return value
+
+
 def held(shown, source) -> bool:
     """True when ``shown`` (from a rendering) is held by ``source``: an object's keys are the
     source's, each value held; a list as long, element by element; a scalar equal and of the
@@ -84,9 +94,9 @@ def held(shown, source) -> bool:
     return type(shown) is type(source) and shown == source
 
 
-def _object_at(text: str, at: int) -> Tuple[Optional[dict], str]:
-    """The JSON object that encloses position ``at`` of ``text`` and its text, trying the nearest
-    object starts before it; ``(None, "")`` when none decodes."""
+def _object_at(text: str, at: int) -> Tuple[Optional[dict], int, int]:
+    """The JSON object that encloses position ``at`` of ``text``, with where it starts and ends,
+    trying the nearest object starts before it; ``(None, 0, 0)`` when none decodes."""
     start = at
     for _ in range(_TRIES):
         start = text.rfind("{", 0, start)
@@ -97,30 +107,30 @@ def _object_at(text: str, at: int) -> Tuple[Optional[dict], str]:
         except ValueError:
             continue
         if end > at and isinstance(value, dict):
-            return value, text[start:end]
-    return None, ""
+            return value, start, end
+    return None, 0, 0
 
 
-_KEY = re.compile(r'"name"\s*:\s*$')
+# a ``"name": "..."`` key of a JSON object: one scan of the rendering finds every tool's (a JSON
+# string cannot hold it unescaped, so none is found inside a string value)
+_NAME_KEY = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
 
 
-@functools.lru_cache(maxsize=1024)
-def _quoted(name: str) -> Tuple[str, ...]:
-    """A tool name as JSON writes it, non-ASCII kept and escaped (one form when they agree)."""
-    kept, escaped = encode_basestring(name), encode_basestring_ascii(name)
-    return (kept,) if kept == escaped else (kept, escaped)
-
-
-def _name_positions(text: str, name: str):
-    """Where ``"name": NAME`` starts in ``text`` (any spacing; the name with non-ASCII kept or
-    escaped): each quoted name found, then the key before it (plain finds, no regex per name)."""
-    for quoted in _quoted(name):
-        at = text.find(quoted)
-        while at >= 0:
-            key = _KEY.search(text, max(0, at - 64), at)
-            if key is not None:
-                yield key.start()
-            at = text.find(quoted, at + 1)
+def _named_objects(text: str, names, own: Sequence[Tuple[int, int]]):
+    """``(name, start, end)`` of each ``"name": NAME`` key in ``text``, in order, for ``NAME`` in
+    ``names`` (written with non-ASCII kept or escaped alike), but not where ``own`` says a
+    message's own text was rendered (``(start, end)`` spans: JSON a user pastes is not a call)."""
+    for m in _NAME_KEY.finditer(text):
+        name = m.group(1)
+        if "\\" in name:
+            try:
+                name = raw_decode(text, m.start(1) - 1)[0]
+            except ValueError:
+                continue
+        if name in names:
+            at = m.start()
+            if not own or not any(a <= at < b for a, b in own):
+                yield name, at, m.end()
 
 
 def _definition(shown, name: str) -> bool:
@@ -150,19 +160,19 @@ _ENCODE = json.JSONEncoder(ensure_ascii=False).encode
 _ENCODE_ASCII = json.JSONEncoder().encode
 
 
-def _arguments_held(values, source, written: str) -> bool:
-    """True when the argument values a rendering shows (``values``, decoded from ``written``)
-    are held by the record's (``source``: an object, its JSON string, or None), ``null``
+def _arguments_held(values, source, nulls: bool) -> bool:
+    """True when the argument values a rendering shows (``values``; ``nulls``: its text shows a
+    ``null``) are held by the record's (``source``: an object, its JSON string, or None), ``null``
     counting as absent at every depth. Fast paths, each exact: the source string is the
     rendering's values encoded (as producers and ``tojson`` write them) and holds no null; or no
     null is shown, so the source's own nulls cannot matter."""
     if isinstance(source, str):
         if "null" not in source and (_ENCODE(values) == source or _ENCODE_ASCII(values) == source):
             return True
-        source = _parsed(source)
+        source = _decoded(source)
     if source is None:
         source = {}
-    if "null" not in written:   # nothing shown is null: the source's nulls are never compared
+    if not nulls:   # nothing shown is null: the source's nulls are never compared
         return held(values, source)
     return held(values, _without_nulls(source))
 
@@ -185,12 +195,15 @@ def _call_values(shown, name: str):
     return values
 
 
-def check_rendered_tools(text: str, tools, path: str, line: int, calls=()) -> None:
+def check_rendered_tools(text: str, tools, path: str, line: int, calls=(),
+                         own: Sequence[Tuple[int, int]] = ()) -> None:
     """Every tool definition ``text`` shows as JSON is held by the record's own (``tools``: the
     record's value, as given), and the n-th call of a tool it shows as JSON has arguments held by
     the record's n-th call of that tool (``calls``: each as the record gives it), so a call the
     record does not make, a key or value it does not hold, or two calls' arguments swapped is
-    refused.
+    refused. ``own``: ``(start, end)`` spans of ``text`` where a message's own text (a user's,
+    a tool result's, a reply's content) was rendered: JSON there is the message's, not a
+    definition or call the template wrote, and is not read as one.
 
     Raises:
         InputError: a definition or call arguments with a key or value the record does not hold
@@ -200,36 +213,58 @@ def check_rendered_tools(text: str, tools, path: str, line: int, calls=()) -> No
         return
     definitions = source_definitions(tools) if tools else {}
     arguments = source_arguments(calls) if calls else {}
-    for name in definitions.keys() | arguments.keys():
+    shown_calls: Dict[str, int] = {}   # calls of each tool shown so far
+    for name, at, after in _named_objects(text, definitions.keys() | arguments.keys(), own):
         defs, args = definitions.get(name), arguments.get(name)
-        n = 0   # calls of ``name`` shown so far
-        for at in sorted(set(_name_positions(text, name))):
-            shown, written = _object_at(text, at)
-            if _definition(shown, name) and ("description" in shown or not args or (
-                    defs and any(held(shown, _without_nulls(d)) for d in defs))):   # (else Llama's call form)
-                if defs:
-                    _check_definition(shown, written, defs, name, path, line)
+        if at and text.startswith("{", at - 1):   # a call's exact text first: no decoding, no walk (_call_as_written)
+            if args and _call_as_written(text, after, args, shown_calls.get(name, 0)):
+                shown_calls[name] = shown_calls.get(name, 0) + 1
                 continue
-            values = _call_values(shown, name) if args is not None else _NO_CALL
-            if values is _NO_CALL:
-                continue   # not a call as JSON (or the record makes none of it: the text check's)
-            n += 1
-            if n > len(args) or not _arguments_held(values, args[n - 1], written):
-                source = _without_nulls(_parsed(args[n - 1]) if isinstance(args[n - 1], str) else args[n - 1]) \
-                    if n <= len(args) else None
-                extra = (next((k for k in values if not isinstance(source, dict) or k not in source
-                               or not held(values[k], source[k])), None) if isinstance(values, dict) else None)
-                raise input_error(f"the rendering shows call {n} of tool '{name}' with "
-                                  f"{'argument ' + repr(extra) + ' as' if extra else 'arguments'} the record's "
-                                  "call does not hold", path, line,
-                                  field=f"tool_calls.{name}.arguments" + (f".{extra}" if extra else ""),
-                                  reason="rendered_not_in_source",
-                                  hint="the template (or the mapping) changed the call's arguments; report "
-                                       "it, or pass --skip-bad to skip and count such records")
+        shown, start, end = _object_at(text, at)
+        nulls = text.find("null", start, end) >= 0
+        if _definition(shown, name):
+            if defs and not nulls and shown in defs:
+                continue   # the common case, compared in C: as the record holds it, and no null shown
+            if "description" in shown or not args or (defs and any(held(shown, _without_nulls(d)) for d in defs)):
+                if defs:   # (else Llama's call form, below)
+                    _check_definition(shown, nulls, defs, name, path, line)
+                continue
+        values = _call_values(shown, name) if args is not None else _NO_CALL
+        if values is _NO_CALL:
+            continue   # not a call as JSON (or the record makes none of it: the text check's)
+        n = shown_calls[name] = shown_calls.get(name, 0) + 1
+        if n > len(args) or not _arguments_held(values, args[n - 1], nulls):
+            source = _without_nulls(_decoded(args[n - 1]) if isinstance(args[n - 1], str) else args[n - 1]) \
+                if n <= len(args) else None
+            extra = (next((k for k in values if not isinstance(source, dict) or k not in source
+                           or not held(values[k], source[k])), None) if isinstance(values, dict) else None)
+            raise input_error(f"the rendering shows call {n} of tool '{name}' with "
+                              f"{'argument ' + repr(extra) + ' as' if extra else 'arguments'} the record's "
+                              "call does not hold", path, line,
+                              field=f"tool_calls.{name}.arguments" + (f".{extra}" if extra else ""),
+                              reason="rendered_not_in_source",
+                              hint="the template (or the mapping) changed the call's arguments; report "
+                                   "it, or pass --skip-bad to skip and count such records")
 
 
-def _check_definition(shown: dict, written: str, defs: List[dict], name: str, path: str, line: int) -> None:
-    if "null" not in written and any(shown == d for d in defs):
+def _call_as_written(text: str, after: int, args: list, shown: int) -> bool:
+    """True when the call whose ``"name": NAME`` ends at ``after`` goes on, character for
+    character, as ``, "arguments": A}`` with ``A`` the record's next call of ``NAME``'s arguments
+    as given (its JSON string, or its object as JSON writes it) holding no null: the object
+    decodes to that name and those arguments, so they are held."""
+    if shown >= len(args) or not text.startswith(', "arguments": ', after):
+        return False
+    source = args[shown]
+    if isinstance(source, dict):
+        source = _ENCODE(source)
+    elif not isinstance(source, str):
+        return False
+    at = after + 15
+    return "null" not in source and text.startswith(source, at) and text.startswith("}", at + len(source))
+
+
+def _check_definition(shown: dict, nulls: bool, defs: List[dict], name: str, path: str, line: int) -> None:
+    if not nulls and any(shown == d for d in defs):
         return   # the common case, in C: as the record holds it, and no null shown
     if not any(held(shown, _without_nulls(d)) for d in defs):
         clean = [_without_nulls(d) for d in defs]

@@ -54,6 +54,17 @@ def _is_input_file(path: str) -> bool:
     return path.endswith(JSONL_SUFFIXES + JSON_SUFFIXES + PARQUET_SUFFIXES + ARROW_SUFFIXES)
 
 
+def left_reason(path: str) -> str:
+    """Why a directory's ``path`` (one :func:`expand_inputs` left) was not read."""
+    name = os.path.basename(path.rstrip("/"))
+    if path.endswith("/"):
+        return "hidden directory, not searched"
+    if name.startswith("."):
+        return "hidden file"
+    ext = os.path.splitext(name)[1]
+    return f"not a kind the run reads ({ext or 'no extension'})"
+
+
 def expand_inputs(specs: Sequence[str], left: Optional[List[str]] = None,
                   sizes: Optional[Dict[str, int]] = None) -> List[str]:
     """Files named by ``specs`` (files, globs, directories searched recursively), sorted within
@@ -62,7 +73,8 @@ def expand_inputs(specs: Sequence[str], left: Optional[List[str]] = None,
     ``.parquet``, ``.arrow`` -- and every dataset saved by Hugging Face ``datasets.save_to_disk``
     under it (``state.json`` beside its Arrow files: its data files in its own order); a file named
     directly may have any name. ``left`` (when given) receives the files a directory holds that
-    are not read, so the caller can say so.
+    are not read, and the hidden directories it does not search, so the caller can say so
+    (:func:`left_reason` says why).
 
     A spec may be an ``s3://`` / ``msc://`` URL, expanded by listing with the same rules: an
     object's URL names that object; a URL ending in ``/``, or naming no object, is a directory
@@ -113,8 +125,10 @@ def _directory_files(directory: str, left: Optional[List[str]]) -> List[str]:
             found.append((root, hf_dataset_files(root)))
             dirs[:] = []
             continue
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         _directory_level(root, files, os.path.join, found, left)
+        if left is not None:   # (a hidden directory is not searched: said, as DIR/)
+            left.extend(os.path.join(root, d) + "/" for d in sorted(dirs) if d.startswith("."))
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
     return [p for _, paths in sorted(found) for p in paths]
 
 
@@ -262,6 +276,8 @@ def _remote_directory(directory: str, listed, left: Optional[List[str]], sizes: 
             found.append((root, hf_dataset_files(root, present)))
             return
         _directory_level(root, files, _url_join, found, left)
+        if left is not None:   # (a hidden level is not searched: said, as a local one is)
+            left.extend(_url_join(root, d) + "/" for d in sorted(subdirs) if d.startswith("."))
         for sub in sorted(d for d in subdirs if not d.startswith(".")):
             walk(f"{rel}/{sub}" if rel else sub)
 

@@ -152,7 +152,14 @@ def _forms(v) -> Tuple[str, ...]:
     if isinstance(v, str):
         a, b = encode_basestring(v), encode_basestring_ascii(v)
         return (a,) if a == b else (a, b)
+    if v is None or v is True or v is False:
+        return _CONSTANTS[v]
+    if type(v) is int:   # (json.dumps writes an int as repr does: no serialiser per leaf)
+        return (repr(v),)
     return (json.dumps(v),)
+
+
+_CONSTANTS = {None: ("null",), True: ("true",), False: ("false",)}
 
 
 def items_of(conv: Conversation, reasoning_required: Sequence[int], policy: LossPolicy):
@@ -186,16 +193,32 @@ def check_rendered(text: str, conv: Conversation, reasoning_required: Sequence[i
     if conv.plain and _plain_rendered(text, conv.messages):
         return
     ordered, anywhere = items_of(conv, reasoning_required, policy)
+    own: List[Tuple[int, int]] = []   # where a message's text holding a "name" key was rendered
     pos = 0
     for where, what, forms in ordered:
         found = _find(text, forms, pos)
         if found < 0:
             raise _dropped(where, what, _find(text, forms, 0) >= 0, path, line)
         pos = found
+        _own_span(text, what, forms, found, own)
     for where, what, forms in anywhere:
-        if _find(text, forms, 0) < 0:
+        found = _find(text, forms, 0)
+        if found < 0:
             raise _dropped(where, what, False, path, line)
-    check_rendered_tools(text, conv.source_tools, path, line, conv.source_calls)   # and nothing the source does not hold
+        _own_span(text, what, forms, found, own)
+    # and nothing the source does not hold (JSON in a message's own text is not a call or definition)
+    check_rendered_tools(text, conv.source_tools, path, line, conv.source_calls, own)
+
+
+def _own_span(text: str, what: str, forms: Sequence[str], end: int, own: List[Tuple[int, int]]) -> None:
+    """Add where a message's text (a user's, a tool result's, a reply's, reasoning) ending at ``end`` was
+    rendered as written, when it holds a ``"name"`` key: JSON a user pastes is the user's text,
+    not a tool call or definition the template wrote (:func:`.accounting.check_rendered_tools`)."""
+    if what == "reasoning" or what.endswith(" content"):
+        for form in forms:
+            if '"name"' in form and text.startswith(form, end - len(form)):
+                own.append((end - len(form), end))
+                return
 
 
 def _plain_rendered(text: str, messages: List[dict]) -> bool:

@@ -101,6 +101,12 @@ METADATA_KEYS = frozenset({
 METADATA_FLAGS = {"reasoning": frozenset({"on", "off"})}
 #: the rules a record-level key is ignored by (the summary counts ``rule:key``)
 IGNORE_RULES = ("metadata", "ignore-field", "no-text")
+#: rules that read a value in a second documented form, counted like the ignore rules (as
+#: ``rule:field``) and reported apart (the summary's ``rules_applied``): tool-call arguments given
+#: as a JSON string of a JSON string of an object, as public function-calling samples ship them,
+#: decoded one level more (docs/INPUTS.md)
+DECODED_TWICE = "decoded-twice"
+APPLIED_RULES = (DECODED_TWICE,)
 
 
 @dataclass
@@ -280,13 +286,16 @@ def account_keys(record: dict, used: FrozenSet[str], opts: SchemaOptions, path: 
             ignored[name] = ignored.get(name, 0) + 1
 
 
-def _may_hold_null(value) -> bool:
-    """False when ``value`` certainly holds no ``None`` (one C-level serialisation has no
-    ``null``), so :func:`drop_nulls` need not walk it."""
+def _may_hold_null(value) -> Tuple[bool, Optional[str]]:
+    """``(may hold null, serialisation)``: False when ``value`` certainly holds no ``None`` (its
+    one C-level serialisation has no ``null``), so :func:`drop_nulls` need not walk it; the
+    serialisation (None when there is none) is handed to :func:`check_json_texts`, which needs
+    the same one."""
     try:
-        return "null" in json.dumps(value, ensure_ascii=False, check_circular=False)
+        text = json.dumps(value, ensure_ascii=False, check_circular=False)
     except (TypeError, ValueError):
-        return True
+        return True, None
+    return "null" in text, text
 
 
 def drop_nulls(value):
@@ -470,11 +479,34 @@ class _Mapper:
         if isinstance(value, str):
             value = self.json_value(value, where, f"'{where}' is a string that is not JSON; tool-call arguments "
                                                   "must be a JSON object")
+            if isinstance(value, str):
+                value = self.decoded_twice(value, where)
         if not isinstance(value, dict):
             raise self.error(f"'{where}' must be a JSON object, got {type(value).__name__}", where, "bad_tool_call")
-        if self.nulls and _may_hold_null(value):
-            value = drop_nulls(value)
-        check_json_texts(value, self.path, self.line, where)
+        text = None
+        if self.nulls:
+            nulls, text = _may_hold_null(value)
+            if nulls:
+                value = drop_nulls(value)
+        check_json_texts(value, self.path, self.line, where, text)
+        return value
+
+    def decoded_twice(self, text: str, where: str) -> dict:
+        """Arguments given as a JSON string whose value is itself a JSON string: the producer
+        encoded the object twice (public function-calling samples do). Decoded once more when
+        that gives an object, counted by rule and field; anything else is refused.
+
+        Raises:
+            InputError: the inner string is not JSON, or not an object (``bad_tool_call``).
+        """
+        value = self.json_value(text, where, f"'{where}' is a JSON string holding a string that is not JSON; "
+                                             "tool-call arguments must be a JSON object")
+        if not isinstance(value, dict):
+            raise self.error(f"'{where}' is a JSON string holding a JSON {type(value).__name__}, not an object; "
+                             "tool-call arguments must be a JSON object", where, "bad_tool_call")
+        if self.ignored is not None:
+            name = f"{DECODED_TWICE}:{_INDEX.sub('[]', where)}"
+            self.ignored[name] = self.ignored.get(name, 0) + 1
         return value
 
     def tools(self, value, where: str) -> Optional[List[dict]]:
@@ -490,8 +522,11 @@ class _Mapper:
         out = []
         for i, tool in enumerate(value):
             w = f"{where}[{i}]"
-            if self.nulls and _may_hold_null(tool):
-                tool = drop_nulls(tool)
+            text = None
+            if self.nulls:
+                nulls, text = _may_hold_null(tool)
+                if nulls:
+                    tool = drop_nulls(tool)
             if isinstance(tool, dict) and tool.get("type") == "function" and isinstance(tool.get("function"), dict):
                 fn = tool["function"]
             elif isinstance(tool, dict) and "type" not in tool and isinstance(tool.get("name"), str):
@@ -502,7 +537,7 @@ class _Mapper:
                                  "'function')", w, "bad_tool_call")
             if not isinstance(fn.get("name"), str) or not fn["name"]:
                 raise self.error(f"'{w}' needs a function name", w + ".name", "bad_tool_call")
-            check_json_texts(tool, self.path, self.line, w)
+            check_json_texts(tool, self.path, self.line, w, text)   # (the wrapper added only ASCII keys)
             out.append(tool)
         return out or None
 
@@ -786,11 +821,13 @@ def check_text(value: str, path: str, line: int, where: str) -> str:
     return value
 
 
-def check_json_texts(value, path: str, line: int, where: str) -> None:
+def check_json_texts(value, path: str, line: int, where: str, text: Optional[str] = None) -> None:
     """Every string (key or value) inside a JSON value passes :func:`check_text` (one C-level
-    serialisation proves it for the whole value; only a failure walks it to name the text)."""
+    serialisation proves it for the whole value; only a failure walks it to name the text).
+    ``text``: that serialisation when the caller has it, of ``value`` or of a value ``value``
+    was made from by removing entries (what holds for it holds for ``value``)."""
     try:
-        json.dumps(value, ensure_ascii=False).encode("utf-8")
+        (json.dumps(value, ensure_ascii=False) if text is None else text).encode("utf-8")
         return
     except (UnicodeEncodeError, TypeError, ValueError):
         pass

@@ -163,6 +163,8 @@ class _Reader:
         if isinstance(arguments, str):
             try:
                 arguments = parse_record_json(arguments)
+                if isinstance(arguments, str) and arguments.lstrip().startswith("{"):   # encoded twice
+                    arguments = parse_record_json(arguments)
             except ValueError:
                 raise Unverifiable(f"{where}: arguments are not JSON") from None
         t.calls = True
