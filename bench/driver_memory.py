@@ -51,11 +51,15 @@ def child_driver(address: str, env: dict, args: list, tmp: str) -> dict:
     from megatron_sft_idx.preprocess.cli import main
 
     ray.init(address=address, runtime_env={"env_vars": env}, logging_level=logging.WARNING)
+    from bench._common import proc_status
+
     largest = {"files": 0, "bytes": 0, "kinds": []}
+    peaks = {}   # step -> the driver's peak RSS (VmHWM, MB) when it ended
     real = workarea.AreaEngine.map
 
     def map(self, step, units, on_done, on_progress=None):
         real(self, step, units, on_done, on_progress)
+        peaks[step.name] = proc_status().get("VmHWM")
         now = _mirror(tmp)
         if now["bytes"] >= largest["bytes"]:
             largest.update(now, after=step.name)
@@ -63,13 +67,15 @@ def child_driver(address: str, env: dict, args: list, tmp: str) -> dict:
     workarea.AreaEngine.map = map
     t = time.perf_counter()
     code = main(args)
-    return {"exit": code, "wall_s": round(time.perf_counter() - t, 2), "mirror_at_largest": largest}
+    return {"exit": code, "wall_s": round(time.perf_counter() - t, 2), "mirror_at_largest": largest,
+            "peak_rss_mb_after_step": peaks}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--conversations", type=int, nargs="+", default=[5000, 20000])
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--inputs-in-bucket", action="store_true", help="the input and the tokenizer as URLs too")
     opts = parser.parse_args()
 
     import ray
@@ -95,7 +101,14 @@ def main() -> int:
                     tmp = os.path.join(root, f"driver-tmp-{n}")
                     os.makedirs(tmp)
                     os.environ.update(loop.env(), TMPDIR=tmp)
-                    args = ["--input", data, "--tokenizer", TOKENIZER, "--pack-size", "1024",
+                    source, tokenizer = data, TOKENIZER
+                    if opts.inputs_in_bucket:
+                        client = loop.client()
+                        client.upload_file(data, bucket, f"in-{n}/conv.jsonl")
+                        for name in os.listdir(TOKENIZER):
+                            client.upload_file(os.path.join(TOKENIZER, name), bucket, f"tok/{name}")
+                        source, tokenizer = f"s3://{bucket}/in-{n}/conv.jsonl", f"s3://{bucket}/tok"
+                    args = ["--input", source, "--tokenizer", tokenizer, "--pack-size", "1024",
                             "--max-packs-per-shard", "500", "--engine", "ray", "--ray-address", address,
                             "--store", f"s3://{bucket}/store-{n}", "--output-prefix", f"s3://{bucket}/out-{n}/ds",
                             "--check", "--verify-masks", "16", "--quiet"]
