@@ -75,6 +75,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--conversations", type=int, nargs="+", default=[5000, 20000])
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--max-packs-per-shard", type=int, default=500, help="(fewer: more materialize units)")
     parser.add_argument("--inputs-in-bucket", action="store_true", help="the input and the tokenizer as URLs too")
     opts = parser.parse_args()
 
@@ -109,7 +110,7 @@ def main() -> int:
                             client.upload_file(os.path.join(TOKENIZER, name), bucket, f"tok/{name}")
                         source, tokenizer = f"s3://{bucket}/in-{n}/conv.jsonl", f"s3://{bucket}/tok"
                     args = ["--input", source, "--tokenizer", tokenizer, "--pack-size", "1024",
-                            "--max-packs-per-shard", "500", "--engine", "ray", "--ray-address", address,
+                            "--max-packs-per-shard", str(opts.max_packs_per_shard), "--engine", "ray", "--ray-address", address,
                             "--store", f"s3://{bucket}/store-{n}", "--output-prefix", f"s3://{bucket}/out-{n}/ds",
                             "--check", "--verify-masks", "16", "--quiet"]
                     result = run_child("bench.driver_memory:child_driver", timeout=1800, address=address, env=env,
