@@ -183,6 +183,24 @@ def local_files(prefix: str) -> Dict[str, str]:
     return {s: prefix + s for s in PUBLISH_ORDER if s in suffixes}
 
 
+def _source_files(prefix: str, config=None) -> Dict[str, str]:
+    """``{suffix: path}`` of the shard to publish: a local one's (:func:`local_files`), or, for a
+    shard staged in object storage (copied server-side, never read here), its objects as
+    listed, every file of an SFT shard required.
+
+    Raises:
+        ShardError: the local shard does not open, or a staged object is missing (naming it)."""
+    source = destination_for(prefix, config)
+    if source.moves:
+        return local_files(prefix)
+    listed = _shard_sizes(source, prefix)
+    for suffix in PUBLISH_ORDER:
+        if prefix + suffix not in listed:
+            raise ShardError("a staged object is missing", path=prefix + suffix,
+                             hint="rerun with --resume (the shard is written again)")
+    return {s: prefix + s for s in PUBLISH_ORDER}
+
+
 def upload_shard(prefix, dest, *, replace: bool = False, config=None) -> Dict[str, str]:
     """Upload the local shard ``prefix`` to the shard URL ``dest`` (``s3://b/dir/name``), ``.idx`` last.
 
@@ -215,7 +233,7 @@ def publish_shard(prefix, dest, *, replace: bool = False, link: bool = False, co
     """
     prefix, dest = os.fspath(prefix), os.fspath(dest)
     destination = destination or destination_for(dest, config)
-    files = local_files(prefix)
+    files = _source_files(prefix, config)
     existing = destination.existing(dest)
     if not replace:
         refuse_existing([dest + s for s in existing], replace_with="replace=True (--replace)")
@@ -475,27 +493,41 @@ def _names(paths: Sequence[str], limit: int = 3) -> str:
 # --------------------------------------------------------------------------- reading back
 
 
+def _shard_sizes(source: Destination, prefix: str) -> Dict[str, int]:
+    """``{path: size}`` of the files of the shard ``prefix`` that exist: each file's where files are
+    moved (local), one listing of the prefix where they are objects."""
+    paths = [prefix + s for s in PUBLISH_ORDER]
+    if source.moves:
+        return source.sizes(paths)
+    listed = source.listing(prefix)
+    return {p: listed[p] for p in paths if p in listed}
+
+
 def expect_shard(local: str, final: str) -> List[Expect]:
     """What the shard at ``final`` must be once the local shard ``local`` is published there:
     every file's size, the ``.idx`` header, and the ``.seq.idx`` header with the metadata
     (which records the size and CRC-32 of every other file, and the header the CRC-32 of its
     body). Read before publishing (a move takes the files).
 
+    ``local`` may be a shard staged in object storage: its sizes are listed and its headers read
+    by ranged reads (bounded: the headers alone).
+
     Raises:
         ShardError: the ``.seq.idx`` header does not parse (the shard was gated: a bug)."""
+    source = destination_for(local)
+    sizes = _shard_sizes(source, local)
     out = []
     for suffix in PUBLISH_ORDER:
         path = local + suffix
-        if not os.path.exists(path):
+        size = sizes.get(path)
+        if size is None:
             continue
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            if suffix == SEQ_IDX_SUFFIX:
-                raw = f.read(SEQ_IDX_HEADER_SIZE)
-                header = SeqIdxHeader.parse(raw, path, size)
-                head = raw + f.read(header.metadata_length)
-            else:
-                head = f.read(IDX_HEADER_SIZE) if suffix == IDX_SUFFIX else b""
+        if suffix == SEQ_IDX_SUFFIX:
+            raw = source.read_head(path, SEQ_IDX_HEADER_SIZE) or b""
+            header = SeqIdxHeader.parse(raw, path, size)
+            head = source.read_head(path, SEQ_IDX_HEADER_SIZE + header.metadata_length) or b""
+        else:
+            head = (source.read_head(path, IDX_HEADER_SIZE) or b"") if suffix == IDX_SUFFIX else b""
         out.append(Expect(final + suffix, size, None, head))
     return out
 

@@ -22,14 +22,16 @@ and a trainer asked for ``"auto"`` on it refuses, naming the file it looked for.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
+from ..format import PUBLISH_ORDER
 from ..publishing import StagedOrder
 from .config import PackJob
 
-__all__ = ["stage_orders"]
+__all__ = ["stage_orders", "BalanceStep"]
 
 
 def stage_orders(job: PackJob, shards: Sequence, located: Sequence,
@@ -78,3 +80,27 @@ def stage_orders(job: PackJob, shards: Sequence, located: Sequence,
         manifest = data_path if data_path in by_manifest.values() else None
         out.append(StagedOrder(final, data, manifest, order_record(order, os.path.basename(final), len(data)), order))
     return out, none
+
+
+@dataclass(frozen=True)
+class BalanceStep:
+    """Unit 0: :func:`stage_orders` where the unit runs (a work directory in object storage: the
+    task pulls the staged shards, the driver gets the orders' bytes and records); returns
+    ``{"unit": 0, "orders": [...], "not_written": {...}}``."""
+
+    job: PackJob
+    shards: tuple
+    located: tuple
+    manifests: tuple
+    name: str = "balance"
+
+    @property
+    def writes_to(self) -> str:
+        return os.path.dirname(self.located[0].staged)
+
+    def reads(self, unit: int) -> List[str]:
+        return [s.staged + x for s in self.located for x in PUBLISH_ORDER]
+
+    def run(self, unit: int) -> dict:
+        orders, none = stage_orders(self.job, self.shards, self.located, self.manifests)
+        return {"unit": unit, "orders": orders, "not_written": none}

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Dict, List
+from dataclasses import dataclass
+from typing import Dict, List, Tuple
 
 import numpy as np
 
 from ..errors import ShardError
+from ..format import PUBLISH_ORDER
 from ..jsondoc import parse_record_json
 from ..reader import MMapIndexedDataset
 from .records.chat import load_chat_tokenizer, trained_from_offsets
@@ -30,7 +32,9 @@ from .records.encode import encoding_of
 from .records.inputs import parse_record
 from .records.partitions import read_batches
 from .planfile import PackPlan
+from .store import SequenceStore, part_prefix, rows_paths
 from .summary import check_gate, check_verify
+from .workarea import pull_here
 from .records import source_check as sc
 
 log = logging.getLogger("megatron_sft_idx.preprocess")
@@ -239,6 +243,8 @@ def verify_masks(store, plan_path: str, shards, job, count: int) -> dict:
         wanted.setdefault(int(k), set()).add(line_of[int(g)])
     sources = _source_records(store, wanted)
     where = _locate(plan, shards, chosen)
+    pull_here([part_prefix(store.directory, k) + s for k in wanted for s in PUBLISH_ORDER]
+              + [staged + s for staged in {w[0] for w in where.values()} for s in PUBLISH_ORDER])
     failures, opened = [], {}
     for g, k in zip(chosen, part_of):
         g, k = int(g), int(k)
@@ -301,3 +307,48 @@ def run_gate(prefixes, on_shard=None) -> dict:
         raise ShardError("the gate rejected the output; nothing was published:\n" + report.format_text(),
                          field="check")
     return {"passed": True, "shards": len(prefixes)}
+
+
+@dataclass(frozen=True)
+class GateStep:
+    """Unit ``u``: the promotion gate on staged shard ``u`` where the unit runs (a work directory
+    in object storage: the task pulls that shard alone); raises as :func:`run_gate`."""
+
+    prefixes: Tuple[str, ...]
+    name: str = "check"
+
+    @property
+    def writes_to(self) -> str:
+        return self.prefixes[0]
+
+    def reads(self, unit: int) -> List[str]:
+        return [self.prefixes[unit] + s for s in PUBLISH_ORDER]
+
+    def run(self, unit: int) -> dict:
+        return dict(run_gate([self.prefixes[unit]]), unit=unit)
+
+
+@dataclass(frozen=True)
+class VerifyMasksStep:
+    """Unit 0: :func:`verify_masks` where the unit runs (a work directory in object storage: the
+    task pulls the plan and the store's rows, draws the sample, then pulls the partitions and
+    staged shards the sample lands in, :func:`~.workarea.pull_here`); returns ``{"unit": 0,
+    "verify": <its report>}``, raises as it does."""
+
+    store_dir: str
+    plan_path: str
+    shards: tuple
+    job: object
+    count: int
+    name: str = "verify-masks"
+
+    @property
+    def writes_to(self) -> str:
+        return self.plan_path
+
+    def reads(self, unit: int) -> List[str]:
+        return [self.plan_path] + rows_paths(self.store_dir)
+
+    def run(self, unit: int) -> dict:
+        return {"unit": unit, "verify": verify_masks(SequenceStore(self.store_dir), self.plan_path, self.shards,
+                                                     self.job, self.count)}

@@ -25,10 +25,16 @@ so ``--resume`` of a finished run is a no-op while its outputs and inputs are un
 
 A store or work directory in object storage (:mod:`.workarea`): every engine's units run
 mirrored (pull what they read, push what they make, the receipt last), the driver syncs its own
-writes and pulls the results, both areas are locked by objects written conditionally.
+writes and pulls the receipts alone, both areas are locked by objects written conditionally.
+What reads the data runs as units whose verdicts the driver collects: the store's verification
+(:class:`.store.VerifyStoreStep`), a resumed plan's and shards' (:class:`.plan.VerifyPlanStep`,
+:class:`.materialize.VerifyShardStep`), ``--check`` and ``--verify-masks``
+(:class:`.checks.GateStep`, :class:`.checks.VerifyMasksStep`); the plan's bug guard runs in the
+plan unit; the staged objects are published by server-side copies.
 
 Memory of the driver: receipts, plus (local engine, in-process plan) ~16-24 bytes per
-conversation for the planner. Same inputs and settings give byte-identical shards whatever
+conversation for the planner; with the Ray engine and the work directory in object storage,
+receipts only (``bench/driver_memory.py``: flat from 5k to 80k conversations). Same inputs and settings give byte-identical shards whatever
 ``--workers``, ``--engine``, ``--partition-bytes`` or ``--batch-size``, whichever command wrote
 them, and whether or not the run was interrupted and resumed.
 """
@@ -52,27 +58,27 @@ from .._units import human_bytes, plural
 from ..errors import IncompleteDestinationError, OutputError, ShardError
 from ..format import PUBLISH_ORDER
 from . import outputs
-from .balance import stage_orders
-from .checks import checks_schema, run_gate, verify_count, verify_masks
+from .balance import BalanceStep, stage_orders
+from .checks import GateStep, VerifyMasksStep, checks_schema, run_gate, verify_count, verify_masks
 from .config import Config, PackJob, RepackConfig
 from .engines import make_engine
 from .records.errors import output_error
-from .materialize import MaterializeStep, OutputShard, materialize_schema, output_shards, resumed_shards
+from .materialize import (MaterializeStep, OutputShard, VerifyShardStep, materialize_schema, output_shards,
+                          resumed_shards)
 from .records.partitions import Partition, auto_partition_bytes, sha256_file
-from .plan import PlanStep, plan_drops, plan_schema, resumed_plan, write_plan
-from .planfile import PackPlan
+from .plan import PlanStep, VerifyPlanStep, plan_drops, plan_schema, resumed_plan, write_plan
 from .publish import StagedSet, StagedShard, publish
 from .receipts import ReceiptBook, settings_key
 from .done import check_outputs, owned_files, record_outputs, run_books
 from ..storage._url import is_remote, local_only
 from ..storage.destination import ObjectDestination, destination_for
-from .store import SequenceStore
+from .store import REBUILD_HINT, ROWS_SUFFIX, SKIPS_SUFFIX, SequenceStore, VerifyStoreStep, part_prefix
 from .summary import PackResult, build_summary, inputs_left, write_skip_report
 from .tokenize import (IndexStep, Inputs, TokenizeStep, describe_store, index_schema, lock_user_store,
                        part_metadata, partition_sizes, recorded_template_date, resolve_inputs,
                        verified_partitions)
-from .workarea import Area, RunAreas
-from .workdir import WorkDir, keep_only_record
+from .workarea import Area, RunAreas, is_metadata, mirrored_store
+from .workdir import RECORD, WorkDir, keep_only_record
 
 log = logging.getLogger("megatron_sft_idx.preprocess")
 
@@ -121,6 +127,8 @@ def run(cfg: Config) -> dict:
     with stages.started():
         store = stages.tokenize(cfg, inputs)
         if cfg.tokenize.skip_report:   # (before packing: a temporary store is gone after it; the plan's
+            stages.areas.pull(part_prefix(store.directory, k) + x for k in range(len(store.partitions))
+                              for x in (SKIPS_SUFFIX, ROWS_SUFFIX))   # (the report reads them here)
             write_skip_report(store, cfg.tokenize.skip_report, plan_drops(store, job.settings))   # drops by its rule)
         stages.pack(store)
     return dict(stages.summary, inputs_left=inputs_left(inputs.left))
@@ -138,7 +146,9 @@ def repack(cfg: RepackConfig) -> dict:
     times: Dict[str, float] = {}
     t = time.perf_counter()
     store_area = Area(cfg.store) if is_remote(cfg.store) else None
-    store = SequenceStore(cfg.store)   # (a URL's: mirrored here)
+    # (a URL's: its metadata mirrored here; --plan-only plans here, from the whole store)
+    store = SequenceStore(mirrored_store(cfg.store, None if cfg.plan_only else is_metadata)
+                          if store_area else cfg.store)
     job = PackJob.resolve(cfg.output_prefix, cfg.pack, cfg.run, store.vocab_size,
                           (store.tokenizer or {}).get("pad_id"), cfg.tokenizer or store.tokenizer_path, cfg.balance)
     if cfg.plan_only:
@@ -366,7 +376,7 @@ class _Run:
         store_id = describe_store(directory, identity, infos, parts, inputs, owned=self.kept_store is None,
                                   overwrite=self.job.run.overwrite)
         t_verify = time.perf_counter()
-        done = verified_partitions(directory)
+        done = self._verified_partitions(directory)
         self.times["verify_store"] = time.perf_counter() - t_verify
         self.resumed["tokenize"] = len(done)
         meta = tuple(part_metadata(inputs, info, tk.input_format) for info in infos)
@@ -391,11 +401,42 @@ class _Run:
         return SequenceStore(directory)
 
     def verified(self, store: SequenceStore) -> SequenceStore:
-        """A kept store, every partition's checksums verified once before any pack is made from it."""
+        """A kept store, every partition's checksums verified once before any pack is made from it
+        (in the tasks, one per partition, when it is in object storage).
+
+        Raises:
+            ShardError: the first partition that does not verify, naming it."""
         t = time.perf_counter()
-        store.verify()
+        if not self.areas.all:
+            store.verify()
+        else:
+            problems = self._verdicts(VerifyStoreStep(store.directory), range(len(store.partitions)))
+            if problems:
+                k = min(problems)
+                raise ShardError(f"store partition {k} does not verify: {problems[k]}",
+                                 path=part_prefix(store.directory, k), hint=REBUILD_HINT)
         self.times["verify_store"] = time.perf_counter() - t
         return store
+
+    def _verified_partitions(self, directory: str) -> set:
+        """:func:`.tokenize.verified_partitions`, in the tasks (one per partition) when the store
+        or the work directory is in object storage: the driver reads their verdicts."""
+        if not self.areas.all:
+            return verified_partitions(directory)
+        store = SequenceStore(directory, require_complete=False)
+        present = store.receipts_present
+        problems = self._verdicts(VerifyStoreStep(directory), present)
+        for k in sorted(problems):
+            log.warning("store partition %d does not verify; tokenizing it again: %s", k, problems[k])
+            store.book.discard(k)
+        return set(present) - set(problems)
+
+    def _verdicts(self, step, units) -> Dict[int, str]:
+        """``{unit: why}`` of the units of a checking ``step`` that found a problem (run by the engine)."""
+        units, out = list(units), {}
+        if units:
+            self.engine.map(step, units, lambda r: out.__setitem__(r["unit"], r["problem"]))
+        return {u: why for u, why in out.items() if why}
 
     # ------------------------------------------------------------------ the pack stages
 
@@ -424,7 +465,7 @@ class _Run:
         if checked is None:  # (a resumed publish has passed them already, and moved the staged files)
             checked = books["checks"].write(0, self._check(store, located))
         elif todo and self.job.run.check:  # units done again after the checks passed: the same gate on them
-            run_gate([shards[u].staged for u in todo])
+            self._gate([shards[u].staged for u in todo])
         result.verify, result.gate = checked["verify"], checked["gate"]
         staged = self._balance(staged, shards, located)
         result.orders = [o.final for o in staged.orders]
@@ -435,17 +476,25 @@ class _Run:
     def _plan(self, store: SequenceStore, book: ReceiptBook) -> dict:
         """The plan receipt: an earlier attempt's when its plan verifies, else a new plan's."""
         t = time.perf_counter()
-        plan = resumed_plan(book, self.work.plan, store, self.job.settings)
+        verdict = None
+        if self.areas.all:   # (checked in a task, which pulls the plan and the store's rows)
+            verdict = lambda receipt: self._verdicts(   # noqa: E731
+                VerifyPlanStep(book, self.work.plan, store.directory, self.job.settings), [0]).get(0, "")
+        plan = resumed_plan(book, self.work.plan, store, self.job.settings, verdict)
         self.resumed["plan"] = int(plan is not None)
         if plan is None:
             step = PlanStep(store.directory, self.job.settings, self.work.plan, book)
+            validated: List[float] = []   # the plan's bug guard, run by the plan unit
+
+            def on_done(receipt: dict) -> None:
+                validated.append(receipt.get("validate_seconds", 0.0))
+                bar.update(store.sequence_count)
+
             with self.progress.phase("plan", store.sequence_count, unit="conversations") as bar:
-                self.engine.map(step, [0], lambda r: bar.update(store.sequence_count))
+                self.engine.map(step, [0], on_done)
             plan = book.read(0)
-            self.times["plan"] = time.perf_counter() - t
-            t = time.perf_counter()
-            PackPlan(self.work.plan, verify=False).validate(store)   # (a bug guard: cheap, bench/stages.py measures it)
-            self.times["verify_plan"] = time.perf_counter() - t
+            self.times["verify_plan"] = sum(validated)
+            self.times["plan"] = time.perf_counter() - t - self.times["verify_plan"]
         else:
             self.times["plan"] = time.perf_counter() - t             # (verifying the resumed plan)
         log.info("plan: %s kept of %s, %s truncated, %s in %s", f"{plan['conversations']:,}",
@@ -458,8 +507,12 @@ class _Run:
                      books: Dict[str, ReceiptBook]):
         """``({unit: materialize receipt} of every shard, {units published before}, [units written now])``."""
         t = time.perf_counter()
-        done, published = resumed_shards(books, shards, PackPlan(self.work.plan, verify=False), self.work.path,
-                                         not self.destination.moves)   # (an upload leaves them staged)
+        verdicts = None
+        if self.areas.work is not None:   # (checked in the tasks, each pulling the plan and its shard)
+            verdicts = lambda units: self._verdicts(   # noqa: E731
+                VerifyShardStep(books, tuple(shards), self.work.plan, self.work.path), units)
+        done, published = resumed_shards(books, shards, self.work.plan, self.work.path,
+                                         not self.destination.moves, verdicts)   # (an upload leaves them staged)
         if done:
             self.times["verify_shards"] = time.perf_counter() - t
             t = time.perf_counter()
@@ -485,7 +538,13 @@ class _Run:
         if count:
             t = time.perf_counter()
             with self.progress.phase("verify-masks", count, unit="conversations") as bar:
-                out["verify"] = verify_masks(store, self.work.plan, shards, job, count)
+                if self.areas.work is None:
+                    out["verify"] = verify_masks(store, self.work.plan, shards, job, count)
+                else:   # (in a task, which pulls what the sample reads)
+                    got: List[dict] = []
+                    self.engine.map(VerifyMasksStep(store.directory, self.work.plan, tuple(shards), job, count), [0],
+                                    lambda r: got.append(r["verify"]))
+                    out["verify"] = got[0]
                 bar.update(out["verify"]["checked"])
             if not job.run.verify_masks:
                 out["verify"]["sample_of_check"] = True
@@ -493,9 +552,17 @@ class _Run:
         if job.run.check:
             t = time.perf_counter()
             with self.progress.phase("check", len(shards), unit="shards") as bar:
-                out["gate"] = run_gate([s.staged for s in shards], on_shard=lambda: bar.update(1))
+                out["gate"] = self._gate([s.staged for s in shards], on_shard=lambda: bar.update(1))
             times["check"] = time.perf_counter() - t
         return out
+
+    def _gate(self, prefixes: Sequence[str], on_shard=None) -> dict:
+        """:func:`.checks.run_gate` on the staged shards ``prefixes``: here, or in the tasks (one
+        per shard, each pulling its shard) when the work directory is in object storage."""
+        if self.areas.work is None:
+            return run_gate(prefixes, on_shard=on_shard)
+        self.engine.map(GateStep(tuple(prefixes)), range(len(prefixes)), lambda r: on_shard and on_shard())
+        return {"passed": True, "shards": len(prefixes)}
 
     def _balance(self, staged: StagedSet, shards: Sequence[OutputShard], located: Sequence[OutputShard]) -> StagedSet:
         """The staged set with its balanced orders (``--balance-for``), planned again on every
@@ -503,7 +570,13 @@ class _Run:
         if self.job.balance.balance_for is None:
             return staged
         t = time.perf_counter()
-        orders, self.orders_not_written = stage_orders(self.job, shards, located, staged.manifests)
+        if self.areas.work is None:
+            orders, self.orders_not_written = stage_orders(self.job, shards, located, staged.manifests)
+        else:   # (in a task, which pulls the staged shards: the driver gets the orders)
+            got: List[dict] = []
+            self.engine.map(BalanceStep(self.job, tuple(shards), tuple(located), tuple(staged.manifests)), [0],
+                            got.append)
+            orders, self.orders_not_written = got[0]["orders"], got[0]["not_written"]
         self.times["balance"] = time.perf_counter() - t
         for split, why in self.orders_not_written.items():
             log.warning("balance: no order for split %s: %s", split, why)
@@ -528,6 +601,9 @@ class _Run:
         mine = {normal(p) for p in self.owned}
         stale = [p for p in outputs.existing_outputs(self.job.bases, self.destination) if normal(p) in mine - ours]
         self.work.publishing = True
+        if self.areas.work is not None:   # from the staged objects, copied server-side: never through here
+            staged = replace(staged, shards=tuple(replace(s, staged=str(self.areas.work.url_of(self.areas.work.rel(s.staged))))
+                                                  for s in staged.shards))
         with self.progress.phase("publish", len(staged.shards), unit="shards") as bar:
             written = publish(staged, list(self.replaced) + stale, books["publish"], self.destination,
                               on_shard=lambda: bar.update(1))
@@ -549,6 +625,7 @@ class _Run:
             self.engine.close()
             self.engine = None
             self.work.retire()
+            self.areas.keep_only_record(RECORD.replace(os.sep, "/"))
 
 
 def _staged_set(shards: Sequence[OutputShard], plan: dict, job: PackJob) -> StagedSet:

@@ -19,7 +19,7 @@ import logging
 import os
 import resource
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -165,25 +165,33 @@ def output_shards(store: SequenceStore, job: PackJob, plan: dict, staged_dir: st
     return out
 
 
-def resumed_shards(books: Dict[str, ReceiptBook], shards: Sequence[OutputShard], plan: PackPlan, work_path: str,
-                   remote: bool) -> Tuple[Dict[int, dict], set]:
+def resumed_shards(books: Dict[str, ReceiptBook], shards: Sequence[OutputShard], plan_path: str, work_path: str,
+                   remote: bool, verdicts: Optional[Callable[[List[int]], Dict[int, str]]] = None
+                   ) -> Tuple[Dict[int, dict], set]:
     """``({unit: materialize receipt}, {published units})`` of the units an earlier attempt
     finished whose shard still verifies (where it is now: staged, or under its final name
     once published locally). A unit that does not verify loses both its receipts (``books``:
-    ``materialize`` and ``publish``), logged: it is written again."""
-    done, published = {}, set()
-    for u, shard in enumerate(shards):
+    ``materialize`` and ``publish``), logged: it is written again. ``verdicts(units)``: the
+    check of those units made elsewhere (tasks: :class:`VerifyShardStep`), ``{unit: why}`` of
+    those that do not verify; default: here, reading the plan file ``plan_path``."""
+    candidates = {}
+    for u in range(len(shards)):
         pub = books["publish"].read(u)
-        moved = pub is not None and not remote   # a local publish moved the staged files
-        receipt = books["materialize"].read(u, artifacts=not moved)
+        receipt = books["materialize"].read(u, artifacts=not (pub is not None and not remote))
         if receipt is None:
             books["publish"].discard(u)
             continue
-        starts = plan.arrays(shard.split)["shard_starts"]
-        try:
-            _verify_unit(receipt, pub, shard, int(starts[shard.shard + 1] - starts[shard.shard]), work_path, moved)
-        except ShardError as exc:
-            log.warning("output shard %d does not verify; writing it again: %s", u, exc)
+        candidates[u] = (receipt, pub)
+    if verdicts is not None:
+        problems = verdicts(sorted(candidates)) if candidates else {}
+    else:
+        plan = PackPlan(plan_path, verify=False) if candidates else None
+        problems = {u: unit_problem(receipt, pub, shards[u], plan, work_path, remote)
+                    for u, (receipt, pub) in candidates.items()}
+    done, published = {}, set()
+    for u, (receipt, pub) in candidates.items():
+        if problems.get(u):
+            log.warning("output shard %d does not verify; writing it again: %s", u, problems[u])
             books["materialize"].discard(u)
             books["publish"].discard(u)
             continue
@@ -191,6 +199,44 @@ def resumed_shards(books: Dict[str, ReceiptBook], shards: Sequence[OutputShard],
         if pub is not None:
             published.add(u)
     return done, published
+
+
+def unit_problem(receipt: dict, pub: Optional[dict], shard: OutputShard, plan: PackPlan, work_path: str,
+                 remote: bool) -> str:
+    """'' when output shard ``shard`` verifies against its receipts, else why not."""
+    starts = plan.arrays(shard.split)["shard_starts"]
+    try:
+        _verify_unit(receipt, pub, shard, int(starts[shard.shard + 1] - starts[shard.shard]), work_path,
+                     pub is not None and not remote)
+    except ShardError as exc:
+        return str(exc)
+    return ""
+
+
+@dataclass(frozen=True)
+class VerifyShardStep:
+    """Unit ``u``: :func:`unit_problem` of staged shard ``u`` where the unit runs (a work directory
+    in object storage: the task pulls the plan and that shard, the driver gets the verdict)."""
+
+    books: Dict[str, ReceiptBook]
+    shards: Tuple[OutputShard, ...]
+    plan_path: str
+    work_path: str
+    name: str = "verify-shards"
+
+    @property
+    def writes_to(self) -> str:
+        return self.work_path
+
+    def reads(self, unit: int) -> List[str]:
+        return [self.plan_path] + [self.shards[unit].staged + s for s in PUBLISH_ORDER]
+
+    def run(self, unit: int) -> dict:
+        pub = self.books["publish"].read(unit)
+        receipt = self.books["materialize"].read(unit, artifacts=False)
+        why = "no materialize receipt" if receipt is None else unit_problem(
+            receipt, pub, self.shards[unit], PackPlan(self.plan_path, verify=False), self.work_path, True)
+        return {"unit": unit, "problem": why}
 
 
 def _verify_unit(receipt: dict, pub: Optional[dict], shard: OutputShard, packs: int, work_path: str,

@@ -17,8 +17,9 @@ lengths, packing order and bin ids, plus split ids and members), plus ~40 bytes 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -31,7 +32,7 @@ from .config import SPLIT_NAMES, PlanSettings  # noqa: F401  (PlanSettings: this
 from .records.errors import input_error
 from .planfile import PLAN_FORMAT, PackPlan, PlanWriter
 from .receipts import REDO_HINT, ReceiptBook
-from .store import SequenceStore
+from .store import SequenceStore, rows_paths
 from .summary import merged_skips, skipped_text
 
 log = logging.getLogger("megatron_sft_idx.preprocess")
@@ -319,10 +320,43 @@ class PlanStep:
     def writes_to(self) -> str:
         return self.path
 
+    def reads(self, unit: int) -> List[str]:
+        """The store's rows (a store in object storage: the task pulls them alone)."""
+        return rows_paths(self.store_dir)
+
     def run(self, unit: int) -> dict:
         store = SequenceStore(self.store_dir)
         metadata = write_plan(store, self.settings, self.path)
-        return self.book.write(unit, plan_summary(metadata), [self.path], pinned=[self.path])
+        t = time.perf_counter()
+        PackPlan(self.path, verify=False).validate(store)   # (a bug guard: cheap, bench/stages.py measures it)
+        receipt = self.book.write(unit, plan_summary(metadata), [self.path], pinned=[self.path])
+        return dict(receipt, validate_seconds=time.perf_counter() - t)   # (to the driver, not in the receipt)
+
+
+@dataclass(frozen=True)
+class VerifyPlanStep:
+    """Unit 0: :func:`plan_problem` of an earlier attempt's plan where the unit runs (a work
+    directory in object storage: the task pulls the plan and the store's rows, the driver gets
+    the verdict ``{"unit": 0, "problem": ...}``)."""
+
+    receipts: ReceiptBook
+    path: str
+    store_dir: str
+    settings: PlanSettings
+    name: str = "verify-plan"
+
+    @property
+    def writes_to(self) -> str:
+        return self.path
+
+    def reads(self, unit: int) -> List[str]:
+        return [self.path] + rows_paths(self.store_dir)
+
+    def run(self, unit: int) -> dict:
+        receipt = self.receipts.read(0)
+        why = "no plan receipt" if receipt is None else plan_problem(receipt, self.receipts, self.path,
+                                                                     SequenceStore(self.store_dir), self.settings)
+        return {"unit": unit, "problem": why}
 
 
 def plan_schema(doc) -> None:
@@ -334,13 +368,26 @@ def plan_schema(doc) -> None:
 _RECEIPT_KEYS = ("step", "unit", "key", "artifacts", "crc32")
 
 
-def resumed_plan(book: ReceiptBook, path: str, store: SequenceStore, settings: PlanSettings) -> Optional[dict]:
+def resumed_plan(book: ReceiptBook, path: str, store: SequenceStore, settings: PlanSettings,
+                 verdict: Optional[Callable[[dict], str]] = None) -> Optional[dict]:
     """The plan receipt of an earlier attempt when the plan file verifies (pinned CRC-32, the
     receipt equal to the file's metadata, ``settings``, every array valid against ``store``),
-    else None, its receipt discarded (logged: the plan is made again)."""
+    else None, its receipt discarded (logged: the plan is made again). ``verdict(receipt)``:
+    the check made elsewhere (a task: :class:`VerifyPlanStep`), '' when it verifies."""
     receipt = book.read(0)
     if receipt is None:
         return None
+    why = plan_problem(receipt, book, path, store, settings) if verdict is None else verdict(receipt)
+    if why:
+        log.warning("the pack plan does not verify; planning again: %s", why)
+        book.discard(0)
+        return None
+    return receipt
+
+
+def plan_problem(receipt: dict, book: ReceiptBook, path: str, store: SequenceStore, settings: PlanSettings) -> str:
+    """'' when the plan file ``path`` verifies against its receipt (see :func:`resumed_plan`),
+    else why not."""
     try:
         book.verify(receipt, REDO_HINT)
         plan = PackPlan(path)
@@ -351,10 +398,8 @@ def resumed_plan(book: ReceiptBook, path: str, store: SequenceStore, settings: P
             raise HeaderError("the plan was made with other settings", path=path, field="settings")
         plan.validate(store)
     except ShardError as exc:
-        log.warning("the pack plan does not verify; planning again: %s", exc)
-        book.discard(0)
-        return None
-    return receipt
+        return str(exc)
+    return ""
 
 
 def plan_summary(metadata: dict) -> dict:

@@ -10,6 +10,12 @@ the step's own fields through its ``schema``), its key matches and every artifac
 there with its recorded size; it redoes the unit otherwise. :meth:`ReceiptBook.verify` checks
 the pinned CRC-32s, once per run, before the artifacts are used again. Receipts are small JSON
 objects; the driver keeps nothing else per unit.
+
+Where a directory is the mirror of an area in object storage (:mod:`.workarea`) whose data the
+mirror does not hold (the driver pulls receipts and ``store.json`` alone), an artifact's size is
+the size the bucket lists for its object (:func:`mirror_sizes`, registered by every pull): a
+receipt is valid when its artifacts are in the bucket with their recorded sizes, wherever the
+bytes are.
 """
 
 from __future__ import annotations
@@ -32,6 +38,33 @@ REDO_HINT = "the unit is done again"
 #: ``schema(doc)`` checks a step's own fields of a receipt (raising a ShardError naming the field).
 Schema = Callable[[Doc], None]
 _reported: set = set()   # malformed receipts already logged by this process
+#: local root of a mirrored area -> {path relative to it: the size its object has in the bucket}
+_listed: Dict[str, Dict[str, int]] = {}
+
+
+def mirror_sizes(root: str, sizes: Mapping[str, int], prefix: str = "") -> None:
+    """Record what the bucket holds under ``prefix`` of the area mirrored at ``root`` (``{rel:
+    size}``, ``/``-separated): the sizes of artifacts this mirror does not hold."""
+    known = _listed.setdefault(os.path.abspath(root), {})
+    for rel in [r for r in known if r.startswith(prefix)]:
+        del known[rel]
+    known.update(sizes)
+
+
+def artifact_size(path: str) -> Optional[int]:
+    """The size of the artifact ``path``: the local file's, else (a mirror that does not hold
+    it) its object's as last listed; None when neither exists."""
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        pass
+    path = os.path.abspath(path)
+    for root, sizes in _listed.items():
+        if path.startswith(root + os.sep):
+            size = sizes.get(os.path.relpath(path, root).replace(os.sep, "/"))
+            if size is not None:
+                return size
+    return None
 
 
 def settings_key(settings: Mapping) -> str:
@@ -132,10 +165,7 @@ class ReceiptBook:
             return None
         if artifacts:
             for rel, size in receipt["artifacts"].items():
-                try:
-                    if os.path.getsize(os.path.join(self.base, rel)) != size:
-                        return None
-                except OSError:
+                if artifact_size(os.path.join(self.base, rel)) != size:
                     return None
         return receipt
 

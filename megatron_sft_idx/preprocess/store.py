@@ -24,12 +24,14 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 from .._atomic import write_file_atomically
 from ..errors import InvariantError, MetadataError, ShardError
+from ..format import PUBLISH_ORDER
 from ..reader import MMapIndexedDataset
 from ..jsondoc import HEX, Doc, load_json
 from ..storage._url import is_remote
@@ -50,8 +52,18 @@ REBUILD_HINT = ("the sequence store changed after it was written; rerun the prep
                 "with --store DIR --resume (it tokenizes again every partition that does not verify)")
 
 
+#: Every file of a store partition: its shard's, its rows, its skipped records.
+PART_SUFFIXES = PUBLISH_ORDER + (ROWS_SUFFIX, SKIPS_SUFFIX)
+
+
 def part_prefix(directory: str, unit: int) -> str:
     return os.path.join(directory, "parts", f"part_{unit:06d}")
+
+
+def rows_paths(directory: str) -> List[str]:
+    """The ``.rows`` of every partition ``store.json`` in ``directory`` describes."""
+    body = read_store_file(os.path.join(directory, STORE_FILE))
+    return [part_prefix(directory, k) + ROWS_SUFFIX for k in range(len(body["partitions"]))]
 
 
 def _content(body: dict) -> dict:
@@ -357,6 +369,30 @@ class SequenceStore:
 
     def __setstate__(self, state) -> None:
         self.__init__(state["directory"])
+
+
+@dataclass(frozen=True)
+class VerifyStoreStep:
+    """Unit ``k``: :meth:`SequenceStore.verify` of partition ``k`` where the unit runs (a store in
+    object storage: the task pulls that partition alone, the driver gets the verdict). Returns
+    ``{"unit": k, "problem": ""}``, or the partition's first failure (the error's text)."""
+
+    directory: str
+    name: str = "verify-store"
+
+    @property
+    def writes_to(self) -> str:
+        return self.directory
+
+    def reads(self, unit: int) -> List[str]:
+        return [part_prefix(self.directory, unit) + suffix for suffix in PART_SUFFIXES]
+
+    def run(self, unit: int) -> dict:
+        try:
+            SequenceStore(self.directory, require_complete=False).verify([unit])
+        except ShardError as exc:
+            return {"unit": unit, "problem": str(exc)}
+        return {"unit": unit, "problem": ""}
 
 
 def encoding_extra(encode: dict) -> dict:

@@ -5,7 +5,8 @@ node-local root: ``<tempfile.gettempdir()>/msi-area-<digest of the URL>/<its las
 computed on each node for itself (never a path the driver chose). The steps keep working on
 local paths; the area moves bytes between the two roots:
 
-* :meth:`Area.pull` makes the local tree equal to the bucket under a prefix: an object whose
+* :meth:`Area.pull` makes the local tree equal to the bucket under a prefix (or the objects
+  under it a filter keeps: the driver pulls :func:`is_metadata` alone): an object whose
   ETag the local copy was made from (and that copy unchanged since: size and mtime) is kept,
   others are downloaded (pinned to their ETag, to a temporary name, renamed into place), and
   local files whose object is gone are removed. What is pulled is verified by its user before
@@ -26,9 +27,12 @@ driver's local root to the node's (:func:`rebase`, over the step's dataclass fie
 :class:`~.receipts.ReceiptBook`), pulls what the unit reads, runs it, and pushes the unit's
 artifacts (its receipt lists them) and then its receipt -- only while the run that started it
 still holds its locks (checked before the artifacts and again before the receipt), so a task
-a killed driver left running never commits into the run that took over. :class:`AreaEngine` wraps an engine
-so that every step it maps runs :class:`Mirrored` (the local engine and the Ray engine alike),
-with the driver's own changes synced before and the tasks' results pulled after.
+a killed driver left running never commits into the run that took over. A step that names what
+a unit reads (``reads(unit)``: local paths) gets the areas' metadata and those files alone; a
+step without a ``book`` is a check whose unit returns a verdict and pushes nothing.
+:class:`AreaEngine` wraps an engine so that every step it maps runs :class:`Mirrored` (the local
+engine and the Ray engine alike), with the driver's own changes synced before and the tasks'
+receipts pulled after: the driver holds receipts and ``store.json`` only (:func:`is_metadata`).
 
 Locks are objects created by a conditional write (:class:`~..storage.lease.ObjectLock`).
 """
@@ -36,6 +40,7 @@ Locks are objects created by a conditional write (:class:`~..storage.lease.Objec
 from __future__ import annotations
 
 import concurrent.futures as futures
+import contextvars
 import copy
 import dataclasses
 import hashlib
@@ -51,7 +56,7 @@ from ..format import IDX_SUFFIX
 from ..storage._url import ObjectURL, is_remote
 from ..storage.config import StorageConfig
 from ..storage.lease import ObjectLock
-from .receipts import ReceiptBook
+from .receipts import ReceiptBook, mirror_sizes
 
 log = logging.getLogger("megatron_sft_idx.preprocess")
 
@@ -170,11 +175,15 @@ class Area:
                 out[rel] = info
         return out
 
-    def pull(self, prefix: str = "") -> int:
-        """Make the local tree under ``prefix`` what the bucket holds (module doc); returns the
-        number of objects downloaded."""
+    def pull(self, prefix: str = "", only: Optional[Callable[[str], bool]] = None) -> int:
+        """Make the local tree under ``prefix`` what the bucket holds (module doc); with ``only``,
+        just the objects whose name (relative, ``/``-separated) it keeps: the sizes of the others
+        are recorded for their receipts (:func:`~.receipts.mirror_sizes`), their bytes stay in the
+        bucket. Returns the number of objects downloaded."""
         listed = self.listing(prefix)
-        todo = [(rel, info) for rel, info in sorted(listed.items()) if self._unchanged(rel) != info.etag]
+        mirror_sizes(self.local, {rel: info.size for rel, info in listed.items()}, prefix)
+        todo = [(rel, info) for rel, info in sorted(listed.items())
+                if (only is None or only(rel)) and self._unchanged(rel) != info.etag]
         store = self.objects
 
         def fetch(item) -> None:
@@ -201,6 +210,14 @@ class Area:
                     pass
                 self._forget(rel)
         return len(todo)
+
+    def fetch(self, rels: Iterable[str]) -> int:
+        """Pull exactly the objects named ``rels`` that exist (one listing per directory)."""
+        wanted = set(rels)
+        by_directory: Dict[str, set] = {}
+        for rel in wanted:
+            by_directory.setdefault(rel.rsplit("/", 1)[0] + "/" if "/" in rel else "", set()).add(rel)
+        return sum(self.pull(prefix, only=names.__contains__) for prefix, names in sorted(by_directory.items()))
 
     def push(self, paths: Sequence[str]) -> None:
         """Upload the local files ``paths`` (under the local root), one after another in this
@@ -245,6 +262,7 @@ class Area:
         """Delete every object of the area (receipts first) and the local mirror."""
         for rel in commit_points_first(list(self.listing())):
             self.objects.delete(self.url_of(rel))
+        mirror_sizes(self.local, {})
         shutil.rmtree(self.local, ignore_errors=True)
         shutil.rmtree(self._etags, ignore_errors=True)
 
@@ -267,6 +285,16 @@ def _is_receipt(rel: str) -> bool:
     return rel.startswith("receipts/") or "/receipts/" in rel
 
 
+#: The small JSON of an area the driver reads besides receipts (a store's description).
+_METADATA_NAMES = ("store.json",)
+
+
+def is_metadata(rel: str) -> bool:
+    """What the driver pulls of an area: receipts and ``store.json`` -- never a partition, its
+    ``.rows``, the plan body or a staged shard (the tasks read those where they run)."""
+    return (_is_receipt(rel) and rel.endswith(".json")) or rel.rsplit("/", 1)[-1] in _METADATA_NAMES
+
+
 def commit_points_last(paths: Iterable[str], root: str = "") -> List[str]:
     """Data files, then ``.idx`` files (a shard's commit point), then receipts (a unit's)."""
     def rank(path: str) -> tuple:
@@ -281,6 +309,18 @@ def commit_points_first(rels: Iterable[str]) -> List[str]:
 
 
 # --------------------------------------------------------------------------- a step on any node
+
+#: Inside a mirrored unit: pulls local paths from the areas it runs on (:func:`pull_here`).
+_PULL_HERE: contextvars.ContextVar = contextvars.ContextVar("msi_pull_here", default=None)
+
+
+def pull_here(paths: Iterable[str]) -> None:
+    """Pull the local ``paths`` from the areas the current mirrored unit runs on: for a unit that
+    learns what it reads as it goes (``--verify-masks``: the partitions and shards its sample
+    lands in). Nothing to do outside a mirrored unit (the files are local)."""
+    pull = _PULL_HERE.get()
+    if pull is not None:
+        pull(list(paths))
 
 
 def rebase(obj, roots: Dict[str, str]):
@@ -341,12 +381,25 @@ class Mirrored:
             for area in here:
                 if url == area.url or url.startswith(area.url + "/"):
                     area.pull(url[len(area.url) + 1:])
+        if hasattr(step, "reads"):   # a unit that names what it reads: the areas' metadata, then those files
+            for area in here:
+                area.pull(only=is_metadata)
+            paths = list(step.reads(unit))
+            for area in here:
+                area.fetch(rel for rel in (area.rel(p) for p in paths) if rel is not None)
         for k, area in enumerate(here):
             os.makedirs(area.local, exist_ok=True)
             for rel in (self.skeleton[k] if k < len(self.skeleton) else ()):
                 os.makedirs(area.child(rel), exist_ok=True)
-        receipt = step.run(unit)
-        book = step.book
+        token = _PULL_HERE.set(lambda paths: [area.fetch(r for r in (area.rel(p) for p in paths) if r is not None)
+                                              for area in here])
+        try:
+            receipt = step.run(unit)
+        finally:
+            _PULL_HERE.reset(token)
+        book = getattr(step, "book", None)
+        if book is None:   # a unit that checks (a verdict) and writes nothing
+            return receipt
         files = [os.path.join(book.base, *rel.split("/")) for rel in receipt["artifacts"]]
         self._still_held(unit)
         for area in here:
@@ -374,9 +427,9 @@ class Mirrored:
 
 class AreaEngine:
     """An engine whose steps run :class:`Mirrored` on ``areas``: before a step, the driver's own
-    changes are synced to the bucket; after it, what the units pushed is pulled (the driver
-    reads the results locally, as with a local work directory). ``pulls``: step name -> the
-    URLs its units read."""
+    changes are synced to the bucket; after it, the receipts the units pushed are pulled (and
+    the sizes of their artifacts listed): the driver reads receipts, never the units' data.
+    ``pulls``: step name -> the URLs its units read."""
 
     def __init__(self, engine, areas: Sequence[Area], pulls: Dict[str, Tuple[str, ...]],
                  locks: Callable[[], Sequence[ObjectLock]] = tuple) -> None:
@@ -397,7 +450,7 @@ class AreaEngine:
 
     def pull(self) -> None:
         for area in self.areas:
-            area.pull()
+            area.pull(only=is_metadata)
 
     def describe(self) -> dict:
         return dict(self.engine.describe(), bucket_areas=[a.url for a in self.areas])
@@ -417,7 +470,7 @@ def _directories(root: str) -> List[str]:
 def lock_store_area(area: Area, resume: bool, overwrite: bool = False) -> ObjectLock:
     """Take the lock of a ``--store`` in object storage (the local rules: a non-empty store is
     continued under ``--resume``, emptied under ``--overwrite`` alone, refused without either),
-    then mirror it here.
+    then mirror its metadata here (:func:`is_metadata`).
 
     Raises:
         ShardExistsError: the store holds something, without ``resume`` or ``overwrite``.
@@ -432,21 +485,22 @@ def lock_store_area(area: Area, resume: bool, overwrite: bool = False) -> Object
     try:
         if overwrite and not resume:
             area.clear()
-        area.pull()
+        area.pull(only=is_metadata)
     except BaseException:
         lock.release()
         raise
     return lock
 
 
-def mirrored_store(url: str) -> str:
-    """The local mirror of the store at ``url``, pulled now (readers: repack-sft, plan-batches,
-    virtual packs); every partition is verified by its reader before use."""
+def mirrored_store(url: str, only: Optional[Callable[[str], bool]] = None) -> str:
+    """The local mirror of the store at ``url``, pulled now (readers: plan-batches, virtual
+    packs; ``repack-sft``'s driver pulls its metadata alone, ``only=is_metadata``); every
+    partition is verified by its reader before use."""
     area = Area(url)
     if not area.listing("store.json"):
         raise ShardError("no sequence store here (store.json is missing)", path=area.url + "/store.json",
                          hint="give the --store URL of a preprocess-sft run")
-    area.pull()
+    area.pull(only=only)
     return area.local
 
 
@@ -498,7 +552,7 @@ class RunAreas:
         holder = lock.owner()
         if holder is not None and lock.live(holder):
             return True
-        self.work.pull()
+        self.work.pull(only=is_metadata)
         return False
 
     def open(self, resume: bool) -> None:
@@ -508,7 +562,7 @@ class RunAreas:
         self.work_lock = self._work_lock()
         self.work_lock.acquire()
         try:
-            self.work.pull() if resume else self.work.clear()
+            self.work.pull(only=is_metadata) if resume else self.work.clear()
         except BaseException:
             self.release()
             raise
@@ -525,9 +579,26 @@ class RunAreas:
             return engine
         store = self.store.url if self.store else (self.work.url + "/store" if own_store else None)
         plan = self.work.url + "/plan" if self.work else None
-        pulls = {"plan": tuple(u for u in (store,) if u), "materialize": tuple(u for u in (store, plan) if u)}
+        pulls = {"materialize": tuple(u for u in (store, plan) if u)}   # (the other steps name what they read)
         return AreaEngine(engine, self.all, pulls,
                           lambda: [k for k in (self.work_lock, self.store_lock) if k is not None])
+
+    def keep_only_record(self, record: str) -> None:
+        """Delete every object of the work area but ``record`` (relative), receipts first: the
+        finished run's work directory reduced to its record in the bucket too (the driver's
+        mirror never held the units' data, so no local removal says they are gone)."""
+        if self.work is None:
+            return
+        for rel in commit_points_first([r for r in self.work.listing() if r != record]):
+            self.work.objects.delete(self.work.url_of(rel))
+            self.work._forget(rel)
+
+    def pull(self, paths: Iterable[str]) -> None:
+        """Pull the local ``paths`` (files under an area's mirror) from the bucket: what the
+        driver itself reads beyond receipts (e.g. the staged shards it publishes)."""
+        paths = list(paths)
+        for area in self.all:
+            area.fetch(rel for rel in (area.rel(p) for p in paths) if rel is not None)
 
     def sync(self) -> None:
         """The driver's own writes (receipts, removals) to the bucket's work directory.
@@ -552,5 +623,5 @@ class RunAreas:
             self.work_lock = None
 
 
-__all__ = ["Area", "Mirrored", "AreaEngine", "RunAreas", "rebase", "lock_store_area", "mirrored_store",
-           "work_area_for", "commit_points_last", "commit_points_first"]
+__all__ = ["Area", "Mirrored", "AreaEngine", "RunAreas", "rebase", "lock_store_area", "mirrored_store", "is_metadata",
+           "work_area_for", "commit_points_last", "commit_points_first", "pull_here"]

@@ -2,7 +2,8 @@
 cluster whose workers have a temporary directory of their own (so each task mirrors the areas on
 "its node" and everything it makes reaches the driver through the bucket), and moto behind the
 counting proxy. The runs publish the bytes of the local engine; a driver killed mid-tokenize is
-``--resume``d from the bucket's receipts, redoing only the missing partitions."""
+``--resume``d from the bucket's receipts, redoing only the missing partitions; the driver's mirrors
+hold receipts and store.json only, the data being verified and checked in the tasks."""
 
 import json
 import os
@@ -213,3 +214,206 @@ def test_nothing_but_the_bucket(cluster, s3, bucket, tmp_path, capsys):
     assert preprocess_main(urls + ["--output-prefix", f"s3://{bucket}/local/ds"]) == 0
     ray_files = bucket_files(s3, bucket, "ray/")
     assert len(ray_files) > 6 and ray_files == bucket_files(s3, bucket, "local/")
+
+
+def _mirror_files(urls):
+    """Every file under the driver's mirrors of ``urls`` (their ``msi-area-*`` homes), relative."""
+    from megatron_sft_idx.preprocess.workarea import Area
+
+    out = []
+    for url in urls:
+        home = os.path.dirname(Area(url).local)
+        for directory, _, names in os.walk(home):
+            for name in names:
+                rel = os.path.relpath(os.path.join(directory, name), home).replace(os.sep, "/")
+                if not rel.startswith(".etags/"):
+                    out.append(f"{url} {rel}")
+    return out
+
+
+def test_the_driver_holds_receipts_only(cluster, s3, bucket, local_run, monkeypatch, capsys):
+    """A run whose store and work directory are in the bucket, with --check and --verify-masks:
+    store verification, the plan and its checks, the shards, the gate and the mask check run in
+    the tasks; the driver's mirrors (listed after every step, and every object it downloaded)
+    hold receipts and store.json only -- no partition, .rows, plan body or shard -- and the
+    published bytes are the local engine's."""
+    from megatron_sft_idx.preprocess import workarea
+    from megatron_sft_idx.storage import _stores
+
+    store, out = f"s3://{bucket}/store", f"s3://{bucket}/out/ds"
+    areas = [store, f"s3://{bucket}/out/.ds.preprocess"]
+    seen, downloaded, steps = set(), [], []
+    real_map, real_download = workarea.AreaEngine.map, _stores.ObjectStore.download
+
+    def listing_map(self, step, units, on_done, on_progress=None):
+        real_map(self, step, units, on_done, on_progress)
+        steps.append(step.name)
+        seen.update(_mirror_files(areas))
+
+    def download(self, url, path, *args, **kwargs):   # (into a mirror: the published output's read-back is not)
+        if any(str(url).startswith(a + "/") for a in areas):
+            downloaded.append(str(url))
+        return real_download(self, url, path, *args, **kwargs)
+
+    monkeypatch.setattr(workarea.AreaEngine, "map", listing_map)
+    monkeypatch.setattr(_stores.ObjectStore, "download", download)
+    args = SETTINGS + ["--engine", "ray", "--ray-address", cluster, "--store", store, "--output-prefix", out,
+                       "--check", "--verify-masks", "8", "--json"]
+    assert preprocess_main(args) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["verify_masks"]["checked"] == 8 and summary["check"]["passed"]
+    assert bucket_files(s3, bucket, "out/") == local_files(local_run / "out")
+    assert {"plan", "materialize", "verify-masks", "check"} <= set(steps)
+    # the store's partitions, .rows, the plan body and the staged shards are in the bucket ...
+    held = bucket_files(s3, bucket, "store/")
+    assert any(n.endswith(".rows") for n in held) and any(n.endswith(".seq.bin") for n in held)
+    # ... and never on the driver's disk
+    assert seen and downloaded
+    for entry in sorted(seen) + downloaded:
+        name = entry.rsplit("/", 1)[-1]
+        assert "/receipts/" in entry.replace(" ", "/") and name.endswith(".json") or name == "store.json", entry
+    # a resumed run whose store is complete verifies it again, in the tasks: still receipts only here
+    seen.clear(), downloaded.clear(), steps.clear()
+    assert preprocess_main(args[:-1] + ["--output-prefix", f"s3://{bucket}/again/ds", "--resume"]) == 0
+    assert "verify-store" in steps
+    for entry in sorted(seen) + downloaded:
+        name = entry.rsplit("/", 1)[-1]
+        assert "/receipts/" in entry.replace(" ", "/") and name.endswith(".json") or name == "store.json", entry
+    assert bucket_files(s3, bucket, "again/") == local_files(local_run / "out")
+    # repack-sft from the store URL: the store verified in the tasks, the driver's store mirror untouched
+    seen.clear(), downloaded.clear(), steps.clear()
+    assert repack_main(["--engine", "ray", "--ray-address", cluster, "--store", store, "--output-prefix",
+                        f"s3://{bucket}/rp/ds", "--pack-size", "512", "--check", "--quiet"]) == 0
+    assert {"verify-store", "plan", "materialize", "check"} <= set(steps)
+    assert bucket_files(s3, bucket, "rp/") == local_files(local_run / "rp")
+    areas[1] = f"s3://{bucket}/rp/.ds.preprocess"
+    seen.update(_mirror_files(areas))
+    for entry in sorted(seen) + downloaded:
+        name = entry.rsplit("/", 1)[-1]
+        assert "/receipts/" in entry.replace(" ", "/") and name.endswith(".json") or name == "store.json", entry
+
+
+def test_a_partition_damaged_in_the_bucket_is_found_by_the_tasks(cluster, s3, bucket, local_run, capsys):
+    """The store's verification runs in the tasks (one per partition): a partition damaged in the
+    bucket stops a repack, named, and a --resume on the cluster tokenizes it (and only it) again."""
+    store = f"s3://{bucket}/store"
+    args = SETTINGS + ["--engine", "ray", "--ray-address", cluster, "--store", store]
+    assert preprocess_main(args + ["--output-prefix", f"s3://{bucket}/out/ds"]) == 0
+    client = s3.client()
+    key = "store/parts/part_000001.bin"
+    data = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    data[100] ^= 0xFF
+    client.put_object(Bucket=bucket, Key=key, Body=bytes(data))              # damaged in the bucket
+    capsys.readouterr()
+    assert repack_main(["--engine", "ray", "--ray-address", cluster, "--store", store, "--output-prefix",
+                        f"s3://{bucket}/rp/ds", "--pack-size", "512", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "store partition 1 does not verify" in err and "part_000001.bin" in err, err
+    assert bucket_files(s3, bucket, "rp/") == {}
+    assert preprocess_main(args + ["--output-prefix", f"s3://{bucket}/again/ds", "--resume", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    partitions = len(bucket_files(s3, bucket, "store/receipts/tokenize/"))
+    assert partitions > 2 and summary["resumed_units"]["tokenize"] == partitions - 1   # all but the damaged one
+    assert bucket_files(s3, bucket, key)[""] == open(str(local_run / "store" / "parts" / "part_000001.bin"), "rb").read()
+    assert bucket_files(s3, bucket, "again/") == local_files(local_run / "out")
+
+
+def test_balanced_orders_are_planned_in_a_task(cluster, s3, bucket, tmp_path, monkeypatch, capsys):
+    """--balance-for with the work directory in the bucket: the orders are planned by a task from the
+    staged shards (the driver pulls none of them) and published with the bytes of a local run's."""
+    from megatron_sft_idx.storage import _stores
+
+    balanced = SETTINGS[:-1] + ["--balance-for", "2,1,4", "--cost-model", "llama3.2-1b", "--quiet"]
+    assert preprocess_main(balanced + ["--output-prefix", str(tmp_path / "local" / "ds")]) == 0
+    work = f"s3://{bucket}/bal/.ds.preprocess/"
+    downloaded = []
+    real = _stores.ObjectStore.download
+
+    def download(self, url, path, *args, **kwargs):
+        if str(url).startswith(work):
+            downloaded.append(str(url))
+        return real(self, url, path, *args, **kwargs)
+
+    monkeypatch.setattr(_stores.ObjectStore, "download", download)
+    assert preprocess_main(balanced + ["--engine", "ray", "--ray-address", cluster, "--output-prefix",
+                                       f"s3://{bucket}/bal/ds", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["orders"] and all(o.endswith(".order") for o in summary["orders"])
+    published = bucket_files(s3, bucket, "bal/")
+    assert published == local_files(tmp_path / "local") and any(n.endswith(".order") for n in published)
+    assert downloaded and all("/receipts/" in u and u.endswith(".json") for u in downloaded), downloaded
+
+
+KILLED_AFTER_MATERIALIZE = """
+import os, signal, sys
+from megatron_sft_idx.preprocess import workarea
+real = workarea.AreaEngine.map
+def map(self, step, units, on_done, on_progress=None):
+    real(self, step, units, on_done, on_progress)
+    if step.name == "materialize":
+        os.kill(os.getpid(), signal.SIGKILL)   # every shard staged in the bucket, nothing checked or published
+workarea.AreaEngine.map = map
+import ray
+ray.init(address={address!r}, runtime_env={{"env_vars": {env!r}}})
+from megatron_sft_idx.preprocess.cli import main
+sys.exit(main({args!r}))
+"""
+
+
+def test_a_staged_shard_damaged_in_the_bucket_is_found_by_a_task_and_written_again(
+        cluster, workers_tmp, loop, s3, bucket, local_run, capsys):
+    """--resume checks the staged shards of the killed attempt in the tasks (one per shard, each
+    pulling its shard): the one damaged in the bucket is written again, the others kept."""
+    out = f"s3://{bucket}/out/ds"
+    args = SETTINGS + ["--engine", "ray", "--ray-address", cluster, "--output-prefix", out, "--check"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    script = KILLED_AFTER_MATERIALIZE.format(args=args, address=cluster,
+                                             env=dict(loop.env(), PYTHONPATH=ROOT, TMPDIR=workers_tmp))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    staged = bucket_files(s3, bucket, "out/.ds.preprocess/staged/", hidden=True)
+    shards = sorted(n[:-len(".seq.idx")] for n in staged if n.endswith(".seq.idx"))
+    assert len(shards) > 2 and bucket_files(s3, bucket, "out/") == {}
+    client = s3.client()
+    key = f"out/.ds.preprocess/staged/{shards[1]}.seq.idx"
+    data = bytearray(staged[f"{shards[1]}.seq.idx"])
+    data[-1] ^= 0xFF
+    client.put_object(Bucket=bucket, Key=key, Body=bytes(data))               # damaged in the bucket
+    assert preprocess_main(args + ["--resume", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["resumed_units"]["materialize"] == len(shards) - 1         # all but the damaged one
+    assert bucket_files(s3, bucket, "out/") == local_files(local_run / "out")
+
+
+def test_verify_masks_pulls_what_its_sample_reads(cluster, workers_tmp, s3, bucket, local_run, monkeypatch, capsys):
+    """The --verify-masks task, on a node whose mirrors are empty, pulls the plan and the store's
+    rows, then only the partitions and staged shards its sample lands in."""
+    import shutil
+
+    from megatron_sft_idx.preprocess import workarea
+
+    real = workarea.AreaEngine.map
+    held = {}
+
+    def map(self, step, units, on_done, on_progress=None):
+        if step.name == "verify-masks":   # a node that holds nothing yet
+            for name in os.listdir(workers_tmp):
+                if name.startswith("msi-area-"):
+                    shutil.rmtree(os.path.join(workers_tmp, name))
+        real(self, step, units, on_done, on_progress)
+        if step.name == "verify-masks":
+            held.update((name, os.path.join(directory, name)) for directory, _, names in os.walk(workers_tmp)
+                        for name in names if "/.etags" not in directory and "msi-area-" in directory)
+
+    monkeypatch.setattr(workarea.AreaEngine, "map", map)
+    args = SETTINGS + ["--engine", "ray", "--ray-address", cluster, "--store", f"s3://{bucket}/store",
+                       "--output-prefix", f"s3://{bucket}/out/ds", "--verify-masks", "2", "--json"]
+    assert preprocess_main(args) == 0
+    assert json.loads(capsys.readouterr().out)["verify_masks"]["checked"] == 2
+    partitions = len(json.loads(bucket_files(s3, bucket, "store/store.json")[""])["partitions"])
+    rows = [n for n in held if n.endswith(".rows")]
+    parts = [n for n in held if n.startswith("part_") and n.endswith(".seq.idx")]
+    shards = [n for n in held if n.startswith("ds_") and n.endswith(".seq.idx")]
+    assert partitions > 2 and len(rows) == partitions and "out.plan" in held
+    assert 1 <= len(parts) <= 2 and 1 <= len(shards) <= 2, sorted(held)
+    assert bucket_files(s3, bucket, "out/") == local_files(local_run / "out")
