@@ -8,10 +8,12 @@ the whole one-worker pipeline (tokenize, plan, write) with both, against the sam
 replaced by no-ops, in CPU-seconds. Two trees are measured the same way in alternation: this
 one (``after``) and ``--baseline-ref`` exported with ``git archive`` (``before``), so the two
 ratios come from the same machine under the same load. The corpus is :mod:`bench.tool_corpus`
-(every record tool calling or reasoning: accounting's worst case).
+(every record tool calling or reasoning: accounting's worst case), or with ``--corpus example``
+the example generator's plain chat (where accounting should cost nothing).
 
     python -m bench.accounting_cost                          # 8000 conversations, 5 rounds
     python -m bench.accounting_cost --baseline-ref main --count 6000 --rounds 7
+    python -m bench.accounting_cost --corpus example --count 20000
 """
 
 from __future__ import annotations
@@ -60,11 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--count", type=int, default=8000, help="conversations (default: 8000)")
     p.add_argument("--rounds", type=int, default=5, help="runs of each system, in alternation (default: 5)")
     p.add_argument("--baseline-ref", default=BASELINE_REF, help=f"git ref of 'before' (default: {BASELINE_REF})")
+    p.add_argument("--corpus", choices=("tools", "example"), default="tools",
+                   help="tools: bench.tool_corpus (the worst case); example: plain chat (default: tools)")
     return p
 
 
 def main(argv=None) -> int:
-    from bench.tool_corpus import tool_tokenizer, write_tool_corpus
+    from bench.preprocess_speed import make_corpus
 
     args = build_parser().parse_args(argv)
     systems = (("before", "base"), ("after", ""))
@@ -75,8 +79,7 @@ def main(argv=None) -> int:
         native = os.path.join(ROOT, "megatron_sft_idx", "_native")   # (built, not in git): the same in both
         if os.path.isdir(native):
             shutil.copytree(native, os.path.join(base, "megatron_sft_idx", "_native"), dirs_exist_ok=True)
-        path = write_tool_corpus(os.path.join(tmp, "tools.jsonl"), args.count)
-        tok, desc = tool_tokenizer(os.path.join(tmp, "tok"))
+        path, tok, desc = make_corpus(args.corpus, os.path.join(tmp, f"{args.corpus}.jsonl"), args.count, tmp)
         runs = {f"{name}_{on}": [] for name, _ in systems for on in ("on", "off")}
         for round_ in range(args.rounds + 1):   # the first round warms numba's caches: not counted
             flip = round_ % 2 == 0   # (each order as often: no bias by position)
@@ -86,7 +89,7 @@ def main(argv=None) -> int:
                                   tokenizer=tok, out=os.path.join(tmp, f"{name}_{on}"), accounting=on == "on")
                     runs[f"{name}_{on}"].append(r)
         results = {"count": args.count, "rounds": args.rounds, "baseline_ref": args.baseline_ref,
-                   "corpus": f"bench.tool_corpus, {desc}", "systems": {}}
+                   "corpus": f"{args.corpus}: {desc}", "systems": {}}
         rows = []
         for name, _ in systems:
             on = statistics.median(r["cpu_s"] for r in runs[f"{name}_on"][1:])
@@ -99,7 +102,7 @@ def main(argv=None) -> int:
             rows.append([name, args.baseline_ref if name == "before" else "this tree", off, on,
                          f"{100 * (on / off - 1):+.1f}%"])
     print(format_table(["system", "tree", "CPU-s, no accounting", "CPU-s, accounting", "cost"], rows))
-    print("wrote", write_json("accounting_cost", results))
+    print("wrote", write_json("accounting_cost" if args.corpus == "tools" else f"accounting_cost_{args.corpus}", results))
     return 0
 
 
