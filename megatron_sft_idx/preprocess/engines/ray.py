@@ -10,7 +10,10 @@ point), so a task lost with its node is simply run again (``max_retries=1``).
 
 Cluster: ``--ray-address`` or ``RAY_ADDRESS`` is joined, never replaced; without either, a
 local one-node cluster bound to 127.0.0.1 is started for the run and shut down after it.
-Ray is the optional ``[ray]`` extra and is imported only here.
+Ray is the optional ``[ray]`` extra and is imported only here. The driver does not print what
+the cluster's processes print (``log_to_driver=False``): its stdout stays the command's own
+(``--json``), whatever a node says as it dies; a task's errors come back as exceptions and its
+counts in its receipt, and each node keeps its processes' logs in its Ray log directory.
 """
 
 from __future__ import annotations
@@ -51,10 +54,10 @@ class RayEngine:
         if not ray.is_initialized():
             address = address or os.environ.get("RAY_ADDRESS") or None
             if address:
-                ray.init(address=address, logging_level=logging.WARNING)
+                ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
             else:
                 ray.init(num_cpus=workers or None, include_dashboard=False, _node_ip_address="127.0.0.1",
-                         logging_level=logging.WARNING)
+                         logging_level=logging.WARNING, log_to_driver=False)
                 self._started = True
         self._remote = ray.remote(num_cpus=1, max_retries=1)(_ray_unit)
         self._info = {"kind": self.name, "address": ray.get_runtime_context().gcs_address,
