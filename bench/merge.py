@@ -30,7 +30,6 @@ import shutil
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Dict, List
 
 import numpy as np

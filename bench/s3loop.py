@@ -49,7 +49,6 @@ import struct
 import subprocess
 import sys
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, List, Optional
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit

@@ -18,7 +18,6 @@ code path with a local one: :mod:`megatron_sft_idx.storage.destination`).
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Dict, Optional
 

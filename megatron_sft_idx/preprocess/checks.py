@@ -138,7 +138,7 @@ class _Checker:
             return ""
         recorded = self.encode.get("template_date")
         return (f" (the chat template reads the clock: checked with template date {self.tok.template_date}, "
-                + (f"as the store records)" if recorded else "the store records none: made before dates were "
+                + ("as the store records)" if recorded else "the store records none: made before dates were "
                    "pinned, it cannot be checked on another day)"))
 
     def _all(self, source, trained, text, ids, mask) -> str:

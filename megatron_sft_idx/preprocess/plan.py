@@ -28,7 +28,7 @@ from ..errors import HeaderError, ShardError, ShardNotFoundError
 from ..packing import exclusive_cumsum, pack_lengths_csr, packing_summary
 from ..packing.algorithms import index_dtype
 from ..jsondoc import normal_json
-from .config import SPLIT_NAMES, PlanSettings  # noqa: F401  (PlanSettings: this module's name for it before)
+from .config import PlanSettings  # noqa: F401  (PlanSettings: this module's name for it before)
 from .records.errors import input_error
 from .planfile import PLAN_FORMAT, PackPlan, PlanWriter
 from .receipts import REDO_HINT, ReceiptBook
