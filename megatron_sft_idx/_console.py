@@ -31,7 +31,7 @@ class Tool(NamedTuple):
 TOOLS = {
     # Format-specific packages (zstandard for .zst, pyarrow for Parquet) are checked where used.
     "preprocess-sft": Tool("megatron_sft_idx.preprocess.cli:main", "preprocess",
-                           ("transformers", "tokenizers", "jinja2", "tqdm")),
+                           ("transformers", "tokenizers", "jinja2", "tqdm", "huggingface_hub")),
     # A store holds tokens already: no tokenizer unless --verify-masks (checked where used).
     "repack-sft": Tool("megatron_sft_idx.preprocess.cli:repack_main", "preprocess", ("tqdm",)),
     "check-idx": Tool("megatron_sft_idx.gate.cli:main", None, ()),

@@ -39,7 +39,7 @@ EXTRAS = PYPROJECT["project"]["optional-dependencies"]
 # Everything the extras bring, by import name: hiding all of it leaves the core (numpy, numba).
 OPTIONAL = ("transformers", "tokenizers", "jinja2", "tqdm", "pyarrow", "zstandard", "zlib_ng", "torch",
             "megatron", "matplotlib", "psutil", "duckdb", "polars", "gigatoken", "boto3", "multistorageclient",
-            "ray", "trl", "datasets")
+            "ray", "trl", "datasets", "huggingface_hub")
 # Distributions of the extras that are never hidden, and why.
 NOT_HIDDEN = {
     "packaging": "transformers and megatron-core import it too: hiding it would break the extra itself",

@@ -373,8 +373,11 @@ def test_a_tokenizer_from_the_bucket_gives_the_bytes_of_the_local_directory(tmp_
     assert remote["tokenizer_path"] == url and local["tokenizer_path"] == TOKENIZER   # where it was found
     shipped = resolve_tokenizer(url)
     assert [n for n, _ in shipped.files] == sorted(os.listdir(TOKENIZER))   # the tokenizer's files, not the weights
-    copy = os.path.join(tempfile.gettempdir(), "megatron_sft_idx-tokenizers", shipped.digest[:32], "tokenizer")
-    assert sorted(os.listdir(copy)) == sorted(os.listdir(TOKENIZER))   # this node's copy, in its own tmp
+    # this process's copy, in its own tmp (asked for: an encoder an earlier test of this process
+    # cached for the same files may have served the run without writing one here)
+    copy = shipped.materialize()
+    assert copy == os.path.join(tempfile.gettempdir(), "megatron_sft_idx-tokenizers", shipped.digest[:32], "tokenizer")
+    assert sorted(os.listdir(copy)) == sorted(os.listdir(TOKENIZER))
     for name in os.listdir(TOKENIZER):
         assert open(os.path.join(copy, name), "rb").read() == open(os.path.join(TOKENIZER, name), "rb").read()
 

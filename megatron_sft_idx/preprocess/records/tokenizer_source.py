@@ -76,10 +76,11 @@ class TokenizerFiles:
             ShardError: the temporary directory cannot be written.
         """
         with _LOCK:
-            known = _MATERIALIZED.get(self.digest)
+            temp = tempfile.gettempdir()
+            known = _MATERIALIZED.get((self.digest, temp))   # (a process whose TMPDIR changed writes a new copy)
             if known is not None and os.path.isdir(known):
                 return known
-            parent = os.path.join(tempfile.gettempdir(), _ROOT, self.digest[:32])
+            parent = os.path.join(temp, _ROOT, self.digest[:32])
             target = os.path.join(parent, self.name)
             try:
                 if not _holds(target, self.files):
@@ -89,11 +90,11 @@ class TokenizerFiles:
                                  f"({exc.strerror or exc})", path=getattr(exc, "filename", None) or parent,
                                  field="tokenizer", hint="free space in the temporary directory, or set TMPDIR") \
                     from None
-            _MATERIALIZED[self.digest] = target
+            _MATERIALIZED[(self.digest, temp)] = target
             return target
 
 
-_MATERIALIZED: Dict[str, str] = {}
+_MATERIALIZED: Dict[Tuple[str, str], str] = {}
 _RESOLVED: Dict[str, TokenizerFiles] = {}
 _LOCK = threading.Lock()
 
