@@ -77,7 +77,8 @@ class TokenizerFiles:
         """
         with _LOCK:
             temp = tempfile.gettempdir()
-            known = _MATERIALIZED.get((self.digest, temp))   # (a process whose TMPDIR changed writes a new copy)
+            key = (self.digest, self.name, temp)   # (the name can be the identity's; a changed TMPDIR: a new copy)
+            known = _MATERIALIZED.get(key)
             if known is not None and os.path.isdir(known):
                 return known
             parent = os.path.join(temp, _ROOT, self.digest[:32])
@@ -90,11 +91,11 @@ class TokenizerFiles:
                                  f"({exc.strerror or exc})", path=getattr(exc, "filename", None) or parent,
                                  field="tokenizer", hint="free space in the temporary directory, or set TMPDIR") \
                     from None
-            _MATERIALIZED[(self.digest, temp)] = target
+            _MATERIALIZED[key] = target
             return target
 
 
-_MATERIALIZED: Dict[Tuple[str, str], str] = {}
+_MATERIALIZED: Dict[Tuple[str, str, str], str] = {}
 _RESOLVED: Dict[str, TokenizerFiles] = {}
 _LOCK = threading.Lock()
 
