@@ -4,16 +4,27 @@ Accounting (docs/INPUTS.md, "Every field accounted for") is the mapping's accoun
 record-level key (:func:`~megatron_sft_idx.preprocess.records.shapes.account_keys`) and the
 read-back of every rendering for tool definitions and tool-call arguments the source does not
 hold (:func:`~megatron_sft_idx.preprocess.records.accounting.check_rendered_tools`). Its cost is
-the whole one-worker pipeline (tokenize, plan, write) with both, against the same tree with both
-replaced by no-ops, in CPU-seconds. Two trees are measured the same way in alternation: this
-one (``after``) and ``--baseline-ref`` exported with ``git archive`` (``before``), so the two
-ratios come from the same machine under the same load. The corpus is :mod:`bench.tool_corpus`
-(every record tool calling or reasoning: accounting's worst case), or with ``--corpus example``
-the example generator's plain chat (where accounting should cost nothing).
+the whole one-worker pipeline (read, map, render, tokenize, plan, write) with both, against the
+same pipeline with both replaced by no-ops, in CPU-seconds.
 
-    python -m bench.accounting_cost                          # 8000 conversations, 5 rounds
-    python -m bench.accounting_cost --baseline-ref main --count 6000 --rounds 7
-    python -m bench.accounting_cost --corpus example --count 20000
+Each tree runs in one process that imports once, warms up (numba's caches, the tokenizer), then
+runs the pipeline ``--rounds`` times each way, alternating: the cost is the median of the paired
+differences (with minus without) over the median without. Measured so, a process's start (about
+1.7 CPU-seconds of imports and loading, paid once however large the corpus) is not in the
+denominator, and two runs of a pair share the process's layout and hash seed. Two trees are
+measured: this one (``after``) and ``--baseline-ref`` exported with ``git archive``
+(``before``), their processes in alternation, so both ratios come from the same machine under the
+same load. The read-back's own CPU time inside the pipeline (its thread's clock, around each
+call) is reported beside, as the part of the cost that is the function itself.
+
+Corpora (:func:`bench.preprocess_speed.make_corpus`): ``tools`` (:mod:`bench.tool_corpus`, every
+record calling tools or reasoning, each with tools never seen before: the worst case),
+``pool`` (the same shapes with every record's tools drawn from a catalogue, as public sets are),
+``example`` (plain chat, where accounting should cost nothing).
+
+    python -m bench.accounting_cost                           # tools and pool, 6000 conversations
+    python -m bench.accounting_cost --corpora tools --baseline-ref main~3 --rounds 12
+    python -m bench.accounting_cost --corpora example --count 20000
 """
 
 from __future__ import annotations
@@ -27,9 +38,10 @@ import tempfile
 import time
 
 from bench._common import ROOT, format_table, run_child, write_json
-from bench.preprocess_speed import _cpu_s, export_baseline
+from bench.preprocess_speed import export_baseline
 
 BASELINE_REF = "main"
+CORPORA = ("tools", "pool", "example")
 
 
 def _no_accounting() -> None:
@@ -40,38 +52,97 @@ def _no_accounting() -> None:
     shapes.account_keys = lambda *args, **kwargs: None
 
 
-def child_run(tree: str, path: str, tokenizer: str, out: str, accounting: bool) -> dict:
-    """The pipeline from ``tree`` ('' = this tree), one worker, with or without accounting."""
+def child_run(tree: str, path: str, tokenizer: str, out: str, rounds: int) -> dict:
+    """The pipeline from ``tree`` ('' = this tree), one worker, ``rounds`` times with accounting
+    and without, alternating, in this one process after a warm-up of each."""
     if tree:
         sys.path.insert(0, tree)
     import megatron_sft_idx.preprocess as entry
+    from megatron_sft_idx.preprocess.records import rendering, shapes
 
     if tree and not entry.__file__.startswith(tree):
         raise RuntimeError(f"imported {entry.__file__}, not the baseline under {tree}")
-    if not accounting:
-        _no_accounting()
-    cpu0, t = _cpu_s(), time.perf_counter()
-    s = entry.run(entry.Config(inputs=[path], output_prefix=out, tokenizer=tokenizer, pack_size=4096,
-                               workers=1, progress=False, overwrite=True))
-    return {"cpu_s": _cpu_s() - cpu0, "wall_s": time.perf_counter() - t, "tokens": s["tokens"],
-            "conversations": s["conversations"]}
+    check, keys = rendering.check_rendered_tools, shapes.account_keys
+    inside = [0.0]
+
+    def timed_check(*args, **kwargs):
+        t = time.thread_time()
+        try:
+            return check(*args, **kwargs)
+        finally:
+            inside[0] += time.thread_time() - t
+
+    def once(on: bool) -> dict:
+        if on:
+            rendering.check_rendered_tools, shapes.account_keys = timed_check, keys
+        else:
+            _no_accounting()
+        inside[0] = 0.0
+        cpu0 = time.process_time()
+        s = entry.run(entry.Config(inputs=[path], output_prefix=out, tokenizer=tokenizer, pack_size=4096,
+                                   workers=1, progress=False, overwrite=True))
+        return {"cpu_s": time.process_time() - cpu0, "check_s": inside[0], "tokens": s["tokens"],
+                "conversations": s["conversations"]}
+
+    once(True), once(False)   # warm-up: not counted
+    runs = {"on": [], "off": []}
+    for r in range(rounds):
+        for on in (True, False) if r % 2 else (False, True):   # (each order as often)
+            runs["on" if on else "off"].append(once(on))
+    return runs
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--count", type=int, default=8000, help="conversations (default: 8000)")
-    p.add_argument("--rounds", type=int, default=5, help="runs of each system, in alternation (default: 5)")
+    p.add_argument("--count", type=int, default=6000, help="conversations (default: 6000)")
+    p.add_argument("--rounds", type=int, default=8, help="runs each way per tree (default: 8)")
+    p.add_argument("--processes", type=int, default=2,
+                   help="processes per tree, in alternation with the other tree's; rounds are split "
+                        "among them (default: 2)")
     p.add_argument("--baseline-ref", default=BASELINE_REF, help=f"git ref of 'before' (default: {BASELINE_REF})")
-    p.add_argument("--corpus", choices=("tools", "example"), default="tools",
-                   help="tools: bench.tool_corpus (the worst case); example: plain chat (default: tools)")
+    p.add_argument("--corpora", default="tools,pool", help=f"comma-separated, of {', '.join(CORPORA)} "
+                                                           "(default: tools,pool)")
     return p
 
 
-def main(argv=None) -> int:
+def _measure(corpus: str, args, base: str, tmp: str) -> dict:
     from bench.preprocess_speed import make_corpus
 
+    path, tok, desc = make_corpus(corpus, os.path.join(tmp, f"{corpus}.jsonl"), args.count, tmp)
+    systems = (("before", base), ("after", ""))
+    runs = {name: {"on": [], "off": []} for name, _ in systems}
+    per = max(1, args.rounds // args.processes)
+    for k in range(args.processes):
+        for name, tree in systems[::-1] if k % 2 else systems:
+            r = run_child("bench.accounting_cost:child_run", tree=tree, path=path, tokenizer=tok,
+                          out=os.path.join(tmp, f"{corpus}_{name}"), rounds=per)
+            for way in ("on", "off"):
+                runs[name][way].extend(r[way])
+    out = {"corpus": desc, "systems": {}}
+    for name, _ in systems:
+        on, off = runs[name]["on"], runs[name]["off"]
+        tokens = {r["tokens"] for r in on + off}
+        if len(tokens) != 1:
+            raise SystemExit(f"{corpus}/{name}: runs with and without accounting wrote different token counts {tokens}")
+        cpu_off = statistics.median(r["cpu_s"] for r in off)
+        diff = statistics.median(a["cpu_s"] - b["cpu_s"] for a, b in zip(on, off))
+        check = statistics.median(r["check_s"] for r in on)
+        out["systems"][name] = {"cpu_s_on": statistics.median(r["cpu_s"] for r in on), "cpu_s_off": cpu_off,
+                                "paired_diff_s": diff, "cost": diff / cpu_off, "check_s": check,
+                                "check_share": check / cpu_off, "tokens": tokens.pop(),
+                                "conversations": on[0]["conversations"], "runs": {"on": on, "off": off}}
+    return out
+
+
+def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    systems = (("before", "base"), ("after", ""))
+    corpora = [c for c in args.corpora.split(",") if c]
+    unknown = sorted(set(corpora) - set(CORPORA))
+    if unknown:
+        raise SystemExit(f"unknown corpus {unknown[0]!r}: choose from {', '.join(CORPORA)}")
+    results = {"count": args.count, "rounds": args.rounds, "processes": args.processes,
+               "baseline_ref": args.baseline_ref, "corpora": {}}
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         base = os.path.join(tmp, "base")
         os.makedirs(base)
@@ -79,30 +150,15 @@ def main(argv=None) -> int:
         native = os.path.join(ROOT, "megatron_sft_idx", "_native")   # (built, not in git): the same in both
         if os.path.isdir(native):
             shutil.copytree(native, os.path.join(base, "megatron_sft_idx", "_native"), dirs_exist_ok=True)
-        path, tok, desc = make_corpus(args.corpus, os.path.join(tmp, f"{args.corpus}.jsonl"), args.count, tmp)
-        runs = {f"{name}_{on}": [] for name, _ in systems for on in ("on", "off")}
-        for round_ in range(args.rounds + 1):   # the first round warms numba's caches: not counted
-            flip = round_ % 2 == 0   # (each order as often: no bias by position)
-            for name, tree in systems[::-1] if flip else systems:
-                for on in ("off", "on") if flip else ("on", "off"):
-                    r = run_child("bench.accounting_cost:child_run", tree=base if tree else "", path=path,
-                                  tokenizer=tok, out=os.path.join(tmp, f"{name}_{on}"), accounting=on == "on")
-                    runs[f"{name}_{on}"].append(r)
-        results = {"count": args.count, "rounds": args.rounds, "baseline_ref": args.baseline_ref,
-                   "corpus": f"{args.corpus}: {desc}", "systems": {}}
-        rows = []
-        for name, _ in systems:
-            on = statistics.median(r["cpu_s"] for r in runs[f"{name}_on"][1:])
-            off = statistics.median(r["cpu_s"] for r in runs[f"{name}_off"][1:])
-            tokens = {r["tokens"] for r in runs[f"{name}_on"] + runs[f"{name}_off"]}
-            if len(tokens) != 1:
-                raise SystemExit(f"{name}: runs with and without accounting wrote different token counts {tokens}")
-            results["systems"][name] = {"cpu_s_on": on, "cpu_s_off": off, "cost": on / off - 1,
-                                        "tokens": tokens.pop(), "runs": runs[f"{name}_on"] + runs[f"{name}_off"]}
-            rows.append([name, args.baseline_ref if name == "before" else "this tree", off, on,
-                         f"{100 * (on / off - 1):+.1f}%"])
-    print(format_table(["system", "tree", "CPU-s, no accounting", "CPU-s, accounting", "cost"], rows))
-    print("wrote", write_json("accounting_cost" if args.corpus == "tools" else f"accounting_cost_{args.corpus}", results))
+        for corpus in corpora:
+            r = results["corpora"][corpus] = _measure(corpus, args, base, tmp)
+            for name, s in r["systems"].items():
+                rows.append([corpus, name, args.baseline_ref if name == "before" else "this tree",
+                             f"{s['cpu_s_off']:.3f}", f"{s['cpu_s_on']:.3f}", f"{100 * s['cost']:+.1f}%",
+                             f"{s['check_s']:.3f} ({100 * s['check_share']:.1f}%)"])
+    print(format_table(["corpus", "system", "tree", "CPU-s without", "CPU-s with", "cost (paired)",
+                        "read-back itself"], rows))
+    print("wrote", write_json("accounting_cost", results))
     return 0
 
 

@@ -75,19 +75,26 @@ def export_baseline(ref: str, directory: str) -> str:
     return directory
 
 
+#: tools in the ``pool`` corpus's catalogue (a public set's: xLAM draws 60k records' from 3,673)
+TOOL_POOL = 400
+
+
 def make_corpus(kind: str, path: str, count: int, tmp: str):
-    """(input path, tokenizer dir, description) for ``example`` or ``realistic``."""
+    """(input path, tokenizer dir, description) for ``example``, ``realistic``, ``tools`` (every
+    record its own tools) or ``pool`` (tools drawn from :data:`TOOL_POOL`)."""
     if kind == "example":
         from bench.preprocess import TOKENIZER, make_input
 
         make_input(path, count)
         return path, TOKENIZER, "example generator conversations, bundled 1k BPE"
-    if kind == "tools":
+    if kind in ("tools", "pool"):
         from bench.tool_corpus import tool_tokenizer, write_tool_corpus
 
-        write_tool_corpus(path, count)
+        write_tool_corpus(path, count, pool=TOOL_POOL if kind == "pool" else None)
         tok, desc = tool_tokenizer(os.path.join(tmp, "tool_tokenizer"))
-        return path, tok, f"tool calling and reasoning (OpenAI, ShareGPT, <think>), standard-library text, {desc}"
+        tools = f"tools drawn from {TOOL_POOL}" if kind == "pool" else "every record its own tools"
+        return path, tok, (f"tool calling and reasoning (OpenAI, ShareGPT, <think>; {tools}), standard-library "
+                           f"text, {desc}")
     from bench.chat_corpus import corpus_stats, production_tokenizer, write_corpus
 
     write_corpus(path, count)

@@ -18,7 +18,7 @@ import argparse
 import json
 import os
 import random
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from bench.chat_corpus import _paragraphs, _words, production_tokenizer
 
@@ -59,8 +59,15 @@ def _answer(rng: random.Random, prose: List[str]) -> str:
     return "\n\n".join(rng.choice(prose) for _ in range(max(1, min(6, int(rng.lognormvariate(0.7, 0.7))))))
 
 
-def openai_record(rng: random.Random, prose: List[str], n: int) -> dict:
-    tools = [_tool(rng, prose) for _ in range(rng.randint(1, 3))]
+def _tools(rng: random.Random, prose: List[str], pool: Optional[List[dict]]) -> List[dict]:
+    """One to three tools: made for the record, or drawn from ``pool`` (as public sets do: xLAM's
+    60k records call 3,673 APIs, glaive's and ToolACE's draw from catalogues likewise)."""
+    k = rng.randint(1, 3)
+    return [_tool(rng, prose) for _ in range(k)] if pool is None else rng.sample(pool, k)
+
+
+def openai_record(rng: random.Random, prose: List[str], n: int, pool: Optional[List[dict]] = None) -> dict:
+    tools = _tools(rng, prose, pool)
     messages = [{"role": "system", "content": "You can call tools."}] if rng.random() < 0.5 else []
     messages.append({"role": "user", "content": rng.choice(prose)[:300]})
     for r in range(rng.randint(1, 3)):
@@ -75,8 +82,8 @@ def openai_record(rng: random.Random, prose: List[str], n: int) -> dict:
     return {"messages": messages, "tools": [{"type": "function", "function": t} for t in tools]}
 
 
-def glaive_record(rng: random.Random, prose: List[str]) -> dict:
-    tools = [_tool(rng, prose) for _ in range(rng.randint(1, 3))]
+def glaive_record(rng: random.Random, prose: List[str], pool: Optional[List[dict]] = None) -> dict:
+    tools = _tools(rng, prose, pool)
     turns = [{"from": "human", "value": rng.choice(prose)[:300]}]
     calls = [{"name": t["name"], "arguments": _arguments(rng, t, prose)}
              for t in rng.sample(tools, rng.randint(1, len(tools)))]
@@ -98,15 +105,26 @@ def reasoning_record(rng: random.Random, prose: List[str]) -> dict:
     return {"messages": messages}
 
 
-def write_tool_corpus(path: str, count: int, seed: int = 11) -> str:
+def write_tool_corpus(path: str, count: int, seed: int = 11, pool: Optional[int] = None) -> str:
+    """``count`` records, a third of each shape; ``pool``: every record's tools drawn from that
+    many (None: each record's own, never repeated: the accounting's worst case)."""
     prose = [p for p in _paragraphs()[0] if p.strip()]  # (a comment block can strip to nothing)
     rng = random.Random(seed)
-    makers = (lambda n: openai_record(rng, prose, n), lambda n: glaive_record(rng, prose),
+    tools = None if pool is None else _pool(rng, prose, pool)
+    makers = (lambda n: openai_record(rng, prose, n, tools), lambda n: glaive_record(rng, prose, tools),
               lambda n: reasoning_record(rng, prose))
     with open(path, "w", encoding="utf-8") as f:
         for n in range(count):
             f.write(json.dumps(makers[n % 3](n)) + "\n")
     return path
+
+
+def _pool(rng: random.Random, prose: List[str], size: int) -> List[dict]:
+    out: Dict[str, dict] = {}
+    while len(out) < size:   # (names made of two words can meet: one tool per name)
+        tool = _tool(rng, prose)
+        out.setdefault(tool["name"], tool)
+    return list(out.values())
 
 
 def tool_tokenizer(out_dir: str) -> Tuple[str, str]:
@@ -134,8 +152,10 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--count", type=int, default=20000, help="conversations (default: 20000)")
     p.add_argument("--out", required=True, help="output JSONL path")
     p.add_argument("--seed", type=int, default=11, help="seed (default: 11)")
+    p.add_argument("--pool", type=int, default=None,
+                   help="draw every record's tools from this many (default: each record its own)")
     args = p.parse_args(argv)
-    write_tool_corpus(args.out, args.count, args.seed)
+    write_tool_corpus(args.out, args.count, args.seed, args.pool)
     return 0
 
 

@@ -35,10 +35,18 @@ def test_accounting_cost_runs_both_trees_with_and_without(tmp_path, monkeypatch)
     import bench._common as common
 
     monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
-    assert accounting_cost.main(["--count", "30", "--rounds", "1"]) == 0
+    assert accounting_cost.main(["--count", "30", "--rounds", "2", "--corpora", "tools,pool"]) == 0
     doc = json.loads((tmp_path / "accounting_cost.json").read_text())
-    for name in ("before", "after"):
-        system = doc["systems"][name]
-        assert system["tokens"] > 0 and system["cpu_s_on"] > 0 and system["cpu_s_off"] > 0
-        assert {r["conversations"] for r in system["runs"]} == {30}
-    assert doc["baseline_ref"] == accounting_cost.BASELINE_REF
+    assert set(doc["corpora"]) == {"tools", "pool"} and doc["baseline_ref"] == accounting_cost.BASELINE_REF
+    for corpus in doc["corpora"].values():
+        for name in ("before", "after"):
+            system = corpus["systems"][name]
+            assert system["tokens"] > 0 and system["cpu_s_on"] > 0 and system["cpu_s_off"] > 0
+            runs = system["runs"]
+            assert len(runs["on"]) == len(runs["off"]) == 2 and {r["conversations"] for r in runs["on"]} == {30}
+            assert all(r["check_s"] > 0 for r in runs["on"]) and all(r["check_s"] == 0 for r in runs["off"])
+
+
+def test_an_unknown_corpus_is_refused_by_name():
+    with pytest.raises(SystemExit, match="unknown corpus 'chat'"):
+        accounting_cost.main(["--corpora", "tools,chat"])

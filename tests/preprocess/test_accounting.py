@@ -189,6 +189,103 @@ def test_a_rendered_tool_definition_must_be_held_by_the_records_own():
         check_rendered_tools(other, source, "t.jsonl", 3)
 
 
+def test_definitions_in_a_tools_string_are_held_by_their_exact_text_and_otherwise_compared(monkeypatch):
+    """A record's tools given as a JSON string (ShareGPT, xLAM): a rendered definition that is
+    one of its elements character for character (no null) is held without decoding the rendering;
+    anything else is decoded and compared, so an added key or a kept null is still refused."""
+    from megatron_sft_idx.preprocess.records import accounting
+
+    fn = {"name": "get_altitude", "description": "Altitude\nof a place", "parameters": {
+        "type": "object", "properties": {"location": {"type": "string", "description": "where"}}}}
+    other = {"name": "get_depth", "description": "Depth", "parameters": {"type": "object", "properties": {}}}
+    source = json.dumps([fn, other])
+    decoded = []
+    real = accounting.raw_decode
+    monkeypatch.setattr(accounting, "raw_decode", lambda text, at=0: decoded.append(text) or real(text, at))
+    rendering = "<tools>\n" + "\n".join(json.dumps({"type": "function", "function": f}) for f in (fn, other))
+    accounting.check_rendered_tools(rendering + "\n</tools>", source, "t.jsonl", 3)
+    assert rendering not in "".join(decoded) and not any(text.startswith("<tools>") for text in decoded)
+    for bad, field in ((dict(fn, strict=True), "tools.get_altitude.strict"),   # a key the source lacks
+                       (dict(fn, description="Altitude"), "tools.get_altitude.description")):   # a value changed
+        with pytest.raises(InputError) as e:
+            accounting.check_rendered_tools("<tools>\n" + json.dumps(bad) + "\n</tools>", source, "t.jsonl", 3)
+        assert e.value.reason == "rendered_not_in_source" and e.value.field == field, str(e.value)
+    nulls = dict(fn, parameters=dict(fn["parameters"], required=None))   # the source's own null, rendered
+    with pytest.raises(InputError) as e:
+        accounting.check_rendered_tools(json.dumps(nulls), json.dumps([nulls]), "t.jsonl", 3)
+    assert e.value.field == "tools.get_altitude.parameters", str(e.value)
+    accounting.check_rendered_tools(json.dumps(fn), json.dumps([nulls]), "t.jsonl", 3)   # null as absent: held
+
+
+def test_a_definition_read_before_gives_the_same_verdict_as_one_read_fresh():
+    """The read-back remembers definitions it read (tools drawn from a catalogue come again and
+    again): a text read before stands for its value only, so a record whose own definition differs
+    is refused exactly as when nothing was read before, in either input form."""
+    from megatron_sft_idx.preprocess.records import accounting
+
+    fn = {"name": "get_altitude", "description": "Altitude", "parameters": {"type": "object", "properties": {}}}
+    changed = dict(fn, description="Altitude above the sea")
+    shown = "<tools>\n" + json.dumps(fn) + "\n</tools>"
+
+    def verdicts():
+        out = []
+        for rendering in (shown, json.dumps(changed)):
+            for source in ([fn], json.dumps([fn]), [changed], json.dumps([changed])):
+                try:
+                    accounting.check_rendered_tools(rendering, source, "t.jsonl", 3)
+                    out.append("held")
+                except InputError as e:
+                    out.append(e.field)
+        return out
+
+    accounting._SEEN.clear()
+    fresh = verdicts()
+    assert fresh == ["held", "held"] + ["tools.get_altitude.description"] * 4 + ["held", "held"]
+    for _ in range(3):   # now remembered, from the rendering and from the tools strings
+        accounting.check_rendered_tools(shown, json.dumps([fn]), "t.jsonl", 3)
+    assert accounting._SEEN["get_altitude"] and verdicts() == fresh
+
+
+def test_what_the_read_back_remembers_is_bounded(monkeypatch):
+    from megatron_sft_idx.preprocess.records import accounting
+
+    monkeypatch.setattr(accounting, "_SEEN_BUDGET", 64 << 10)
+    accounting._SEEN.clear()
+    accounting._seen_size[0] = 0
+    for i in range(600):
+        fn = {"name": f"tool_{i % 50}", "description": f"{i} " + "d" * 2000, "parameters": {}}
+        accounting.check_rendered_tools(json.dumps(fn), [fn], "t.jsonl", 3)
+        assert accounting._seen_size[0] <= 64 << 10 and len(accounting._SEEN) <= accounting._SEEN_NAMES
+        assert all(len(kept) <= accounting._SEEN_EACH for kept in accounting._SEEN.values())
+    big = {"name": "tool_1", "description": "d" * (accounting._SEEN_TEXT + 1), "parameters": {}}
+    for _ in range(3):
+        accounting.check_rendered_tools(json.dumps(big), json.dumps([big]), "t.jsonl", 3)
+    assert all(len(text) <= accounting._SEEN_TEXT for text, _ in accounting._SEEN["tool_1"])
+    kept = accounting._elements_kept.cache_info().currsize
+    huge = json.dumps([dict(big, description="d" * accounting._CACHED_TEXT)])
+    accounting.check_rendered_tools(json.dumps(json.loads(huge)[0]), huge, "t.jsonl", 3)
+    assert accounting._elements_kept.cache_info().currsize == kept   # (read, not kept)
+
+
+@pytest.mark.parametrize("text", [
+    '[]', ' [ ] ', '[{"name": "a"}]', '[{"name":"a"},{"name":"b","x":[1,{"y":null}]}]',
+    '\n[ {"name": "a"} ,\t{"name": "b"} ]\n', '[1, "two", null, [3], {"name": "c"}]',
+    '[{"name": "a"}] x', '[{"name": "a"},]', '[{"name": "a"}', '{"name": "a"}', '"[]"', '', '[{"name": "a"} {}]'])
+def test_a_tools_string_is_read_element_by_element_exactly_as_the_decoder_reads_it(text):
+    from megatron_sft_idx.preprocess.records.accounting import _elements
+
+    try:
+        whole = json.loads(text)
+    except ValueError:
+        whole = None
+    elements = _elements(text)
+    if isinstance(whole, list):
+        assert [value for value, _ in elements] == whole
+        assert all(json.loads(written) == value and written in text for value, written in elements)
+    else:
+        assert elements is None   # (the caller parses it whole: one object, or not JSON)
+
+
 def test_the_check_catches_a_mapping_that_lets_nulls_through(tmp_path, families, monkeypatch):
     """Injected defect: a mapping whose null removal does nothing renders Parquet's nulls; the
     check (reading the record itself) refuses every such record by name instead of training it."""

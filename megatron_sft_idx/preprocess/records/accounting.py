@@ -29,7 +29,7 @@ import re
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ...errors import MetadataError
-from ...jsondoc import parse_record_json, raw_decode
+from ...jsondoc import RECORD_JSON_MAX_BYTES, parse_record_json, raw_decode
 from .errors import input_error
 
 _TRIES = 4   # object starts tried backwards from a name (the nearest opens a definition)
@@ -48,8 +48,24 @@ def source_definitions(tools) -> Dict[str, List[dict]]:
     JSON string of either; each bare or wrapped as ``{"type": "function", "function": ...}``),
     as the record holds them (nulls kept: :func:`check_rendered_tools` removes them where it
     must). Anything else gives nothing (the mapping refuses it)."""
+    return _source_definitions(tools)[0]
+
+
+def _source_definitions(tools) -> Tuple[Dict[str, List[dict]], Dict[str, List[str]]]:
+    """:func:`source_definitions`, and ``{name: [text, ...]}``: where ``tools`` is a JSON string,
+    the exact text of each bare definition in it that holds no ``null`` (a template that
+    ``tojson``'s it writes that text again, so it is found without decoding the rendering)."""
+    texts: Dict[str, List[str]] = {}
     if isinstance(tools, str):
-        tools = _parsed(tools)
+        elements = _elements(tools)
+        if elements is None:
+            tools = _parsed(tools)
+        else:
+            tools = [value for value, _ in elements]
+            for value, written in elements:
+                if isinstance(value, dict) and isinstance(value.get("name"), str) and "arguments" not in value \
+                        and "null" not in written:
+                    texts.setdefault(value["name"], []).append(written)
     tools = tools if isinstance(tools, list) else [tools]
     out: Dict[str, List[dict]] = {}
     for tool in tools:
@@ -57,17 +73,111 @@ def source_definitions(tools) -> Dict[str, List[dict]]:
             tool = tool["function"]
         if isinstance(tool, dict) and isinstance(tool.get("name"), str):
             out.setdefault(tool["name"], []).append(tool)
-    return out
+    return out, texts
 
 
-@functools.lru_cache(maxsize=256)
+_SPACE = re.compile(r"[ \t\n\r]*")   # JSON's whitespace
+
+#: ``{name: ((text, value), ...)}``: JSON objects opening with ``"name": NAME`` lately read, from
+#: renderings or ``tools`` strings, with their values: public sets draw each record's tools from
+#: a catalogue, so the same definition is read again and again. Bounded (:data:`_SEEN_NAMES` names,
+#: :data:`_SEEN_EACH` texts a name). A value is a function of its text alone, so no verdict
+#: depends on what ran before; the values are shared: never changed.
+_SEEN: Dict[str, Tuple[Tuple[str, dict], ...]] = {}
+_SEEN_NAMES, _SEEN_EACH = 4096, 4
+_SEEN_TEXT = 16 << 10           # a longer object is decoded each time, never kept
+_SEEN_BUDGET = 4 << 20          # characters of text kept in all (their values take a few times that)
+_seen_size = [0]
+
+
+def _read_object(text: str, start: int, name: str) -> Tuple[Optional[dict], int]:
+    """``(value, end)`` of the JSON object at ``start`` of ``text``, which opens with a
+    ``"name": NAME`` key: its text read before (:data:`_SEEN`), found character for character,
+    else decoded and remembered; ``(None, start)`` when no object decodes there."""
+    seen = _SEEN.get(name, ())
+    for written, value in seen:
+        if text.startswith(written, start):
+            return value, start + len(written)
+    try:
+        value, end = raw_decode(text, start)
+    except ValueError:
+        return None, start
+    if not isinstance(value, dict):
+        return None, start
+    if name not in _SEEN:   # (a name's first object is not kept: a set whose every tool is new costs a key)
+        if len(_SEEN) >= _SEEN_NAMES:
+            _SEEN.clear()
+            _seen_size[0] = 0
+        _SEEN[name] = ()
+    elif end - start <= _SEEN_TEXT:
+        if _seen_size[0] + end - start > _SEEN_BUDGET:
+            _SEEN.clear()
+            _seen_size[0] = 0
+        _SEEN[name] = ((text[start:end], value),) + seen[:_SEEN_EACH - 1]
+        _seen_size[0] += end - start
+    return value, end
+
+
+#: characters of a ``tools`` or arguments string kept with its reading (:func:`_elements`,
+#: :func:`_parsed`), 256 of each at most: a longer one is read each time it comes
+_CACHED_TEXT = 64 << 10
+
+
+def _elements(text: str) -> Optional[Tuple[Tuple[object, str], ...]]:
+    """``((value, exact text), ...)`` of the elements of a JSON array string, read one by one
+    (as the decoder reads an array; an object opening with its ``"name"`` through
+    :func:`_read_object`), once per process for a short one; None when ``text`` is not one JSON
+    array of at most :data:`~...jsondoc.RECORD_JSON_MAX_BYTES` (the caller parses it whole: one
+    object, or not JSON). The values are shared: never changed."""
+    return _elements_kept(text) if len(text) <= _CACHED_TEXT else _read_elements(text)
+
+
+def _read_elements(text: str) -> Optional[Tuple[Tuple[object, str], ...]]:
+    i = _SPACE.match(text).end()
+    if not text.startswith("[", i) or len(text) > RECORD_JSON_MAX_BYTES:
+        return None
+    out = []
+    i = _SPACE.match(text, i + 1).end()
+    if text.startswith("]", i):
+        return () if _SPACE.match(text, i + 1).end() == len(text) else None
+    while True:
+        name = text[i + 10:text.find('"', i + 10)] if text.startswith('{"name": "', i) else "\\"
+        if "\\" not in name:   # (a name written with an escape is decoded with its object)
+            value, end = _read_object(text, i, name)
+            if value is None:
+                return None
+        else:
+            try:
+                value, end = raw_decode(text, i)
+            except ValueError:
+                return None
+        out.append((value, text[i:end]))
+        i = _SPACE.match(text, end).end()
+        if text.startswith(",", i):
+            i = _SPACE.match(text, i + 1).end()
+        elif text.startswith("]", i) and _SPACE.match(text, i + 1).end() == len(text):
+            return tuple(out)
+        else:
+            return None
+
+
+_elements_kept = functools.lru_cache(maxsize=256)(_read_elements)
+
+
 def _parsed(text: str):
-    """A tools (or arguments) JSON string, parsed once per process (published sets repeat the
-    same tools); None when it is not JSON. The value is shared: never changed."""
+    """A tools (or arguments) JSON string, parsed (once per process for a short one: published
+    sets repeat the same tools); None when it is not JSON. The value is shared: never changed."""
+    return _parsed_kept(text) if len(text) <= _CACHED_TEXT else _parse(text)
+
+
+def _parse(text: str):
     try:
         return parse_record_json(text, what="tools")
     except MetadataError:   # (its limits' error too)
         return None
+
+
+_parsed_kept = functools.lru_cache(maxsize=256)(_parse)
 
 
 def _decoded(text: str):
@@ -112,25 +222,9 @@ def _object_at(text: str, at: int) -> Tuple[Optional[dict], int, int]:
 
 
 # a ``"name": "..."`` key of a JSON object: one scan of the rendering finds every tool's (a JSON
-# string cannot hold it unescaped, so none is found inside a string value)
-_NAME_KEY = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
-
-
-def _named_objects(text: str, names, own: Sequence[Tuple[int, int]]):
-    """``(name, start, end)`` of each ``"name": NAME`` key in ``text``, in order, for ``NAME`` in
-    ``names`` (written with non-ASCII kept or escaped alike), but not where ``own`` says a
-    message's own text was rendered (``(start, end)`` spans: JSON a user pastes is not a call)."""
-    for m in _NAME_KEY.finditer(text):
-        name = m.group(1)
-        if "\\" in name:
-            try:
-                name = raw_decode(text, m.start(1) - 1)[0]
-            except ValueError:
-                continue
-        if name in names:
-            at = m.start()
-            if not own or not any(a <= at < b for a, b in own):
-                yield name, at, m.end()
+# string cannot hold it unescaped, so none is found inside a string value); written with non-ASCII
+# kept or escaped alike
+_NAME_KEY = re.compile(r'"name"\s*:\s*"([^"\\]*(?:\\.[^"\\]*)*)"')   # (unrolled: a third faster)
 
 
 def _definition(shown, name: str) -> bool:
@@ -158,6 +252,23 @@ def source_arguments(calls) -> Dict[str, list]:
 
 _ENCODE = json.JSONEncoder(ensure_ascii=False).encode
 _ENCODE_ASCII = json.JSONEncoder().encode
+if json.encoder.c_make_encoder is not None:   # (CPython's; JSONEncoder.encode builds one a call)
+    _C_ENCODER = json.encoder.c_make_encoder(None, None, json.encoder.encode_basestring, None, ": ", ", ",
+                                             False, False, False)
+
+    def _written(value) -> Optional[str]:
+        """``value`` as ``json.dumps(value, ensure_ascii=False)`` (``tojson``) writes it; None when
+        it is not JSON (a NaN, a value of no JSON type)."""
+        try:
+            return "".join(_C_ENCODER(value, 0))
+        except (TypeError, ValueError, RecursionError):
+            return None
+else:   # pragma: no cover
+    def _written(value) -> Optional[str]:
+        try:
+            return json.dumps(value, ensure_ascii=False, allow_nan=False)
+        except (TypeError, ValueError):
+            return None
 
 
 def _arguments_held(values, source, nulls: bool) -> bool:
@@ -211,20 +322,38 @@ def check_rendered_tools(text: str, tools, path: str, line: int, calls=(),
     """
     if not tools and not calls:
         return
-    definitions = source_definitions(tools) if tools else {}
+    definitions, written = _source_definitions(tools) if tools else ({}, {})
     arguments = source_arguments(calls) if calls else {}
     shown_calls: Dict[str, int] = {}   # calls of each tool shown so far
-    for name, at, after in _named_objects(text, definitions.keys() | arguments.keys(), own):
+    for m in _NAME_KEY.finditer(text):   # (one loop, few calls: this runs on every tool record)
+        name = m.group(1)
+        if "\\" in name:
+            try:   # a name written escaped (non-ASCII as \uXXXX)
+                name = raw_decode(text, m.start(1) - 1)[0]
+            except ValueError:
+                continue
         defs, args = definitions.get(name), arguments.get(name)
-        if at and text.startswith("{", at - 1):   # a call's exact text first: no decoding, no walk (_call_as_written)
-            if args and _call_as_written(text, after, args, shown_calls.get(name, 0)):
+        if defs is None and args is None:
+            continue   # not a tool of the record's
+        at = m.start()
+        if own and any(a <= at < b for a, b in own):
+            continue   # inside a message's own text: the message's JSON, not the template's
+        if at and text[at - 1] == "{":   # exact texts first: no decoding, no walk
+            if args and text.startswith(', "arguments": ', m.end()) \
+                    and _call_as_written(text, m.end(), args, shown_calls.get(name, 0)):
                 shown_calls[name] = shown_calls.get(name, 0) + 1
                 continue
+            if defs:   # a definition as the record holds it, no null shown: its text, or compared in C
+                if name in written and any(text.startswith(w, at - 1) for w in written[name]):
+                    continue
+                shown, end = _read_object(text, at - 1, name)
+                if shown in defs and "arguments" not in shown and text.find("null", at, end) < 0:
+                    continue
         shown, start, end = _object_at(text, at)
         nulls = text.find("null", start, end) >= 0
         if _definition(shown, name):
             if defs and not nulls and shown in defs:
-                continue   # the common case, compared in C: as the record holds it, and no null shown
+                continue   # as the record holds it, and no null shown
             if "description" in shown or not args or (defs and any(held(shown, _without_nulls(d)) for d in defs)):
                 if defs:   # (else Llama's call form, below)
                     _check_definition(shown, nulls, defs, name, path, line)
@@ -256,8 +385,8 @@ def _call_as_written(text: str, after: int, args: list, shown: int) -> bool:
         return False
     source = args[shown]
     if isinstance(source, dict):
-        source = _ENCODE(source)
-    elif not isinstance(source, str):
+        source = _written(source)
+    if not isinstance(source, str):
         return False
     at = after + 15
     return "null" not in source and text.startswith(source, at) and text.startswith("}", at + len(source))
