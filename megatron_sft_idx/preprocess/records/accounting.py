@@ -51,11 +51,11 @@ def source_definitions(tools) -> Dict[str, List[dict]]:
     return _source_definitions(tools)[0]
 
 
-def _source_definitions(tools) -> Tuple[Dict[str, List[dict]], Dict[str, List[str]]]:
-    """:func:`source_definitions`, and ``{name: [text, ...]}``: where ``tools`` is a JSON string,
+def _source_definitions(tools) -> Tuple[Dict[str, List[dict]], Dict[str, Tuple[str, ...]]]:
+    """:func:`source_definitions`, and ``{name: (text, ...)}``: where ``tools`` is a JSON string,
     the exact text of each bare definition in it that holds no ``null`` (a template that
     ``tojson``'s it writes that text again, so it is found without decoding the rendering)."""
-    texts: Dict[str, List[str]] = {}
+    texts: Dict[str, Tuple[str, ...]] = {}
     if isinstance(tools, str):
         elements = _elements(tools)
         if elements is None:
@@ -65,7 +65,7 @@ def _source_definitions(tools) -> Tuple[Dict[str, List[dict]], Dict[str, List[st
             for value, written in elements:
                 if isinstance(value, dict) and isinstance(value.get("name"), str) and "arguments" not in value \
                         and "null" not in written:
-                    texts.setdefault(value["name"], []).append(written)
+                    texts[value["name"]] = texts.get(value["name"], ()) + (written,)
     tools = tools if isinstance(tools, list) else [tools]
     out: Dict[str, List[dict]] = {}
     for tool in tools:
@@ -344,7 +344,7 @@ def check_rendered_tools(text: str, tools, path: str, line: int, calls=(),
                 shown_calls[name] = shown_calls.get(name, 0) + 1
                 continue
             if defs:   # a definition as the record holds it, no null shown: its text, or compared in C
-                if name in written and any(text.startswith(w, at - 1) for w in written[name]):
+                if name in written and text.startswith(written[name], at - 1):
                     continue
                 shown, end = _read_object(text, at - 1, name)
                 if shown in defs and "arguments" not in shown and text.find("null", at, end) < 0:
