@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 
 pytest.importorskip("ray", reason="the [ray] extra is not installed")
 
-from support.ray_cluster import RayCluster  # noqa: E402
+from support.ray_cluster import UNIT_TASK, RayCluster, finish  # noqa: E402
 from megatron_sft_idx.reader import MMapIndexedDataset  # noqa: E402
 from support.stages import files_of  # noqa: E402
 
@@ -44,7 +44,6 @@ TOKENIZER = os.path.join(ROOT, "examples", "tokenizer")
 FLAGS = ["--pack-size", "1024", "--split", "90,10", "--max-packs-per-shard", "20", "--partition-bytes", "60K",
          "--batch-size", "32", "--quiet"]
 REPACK_FLAGS = ["--pack-size", "2048", "--cp", "2", "--max-packs-per-shard", "10", "--quiet"]
-TASK = "_ray_unit"
 NAME = "chat"
 
 
@@ -160,16 +159,6 @@ def assert_same_as_local(got, expected, data, scratch):
             assert swapped(got[name].decode()) == expected[name].decode(), name
 
 
-def finish(proc, timeout=300):
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate(timeout=30)
-        raise AssertionError(f"the driver did not finish within {timeout} s") from None
-    return proc.returncode, out, err
-
-
 def test_every_node_reaches_the_bucket_through_its_own_bridge_and_nothing_else(cluster, s3, bucket):
     """The harness itself: a task on each node writes an object with the storage layer's client
     env (AWS_ENDPOINT_URL = that node's bridge); each bridge counts its own node's bytes."""
@@ -197,14 +186,14 @@ def test_every_node_reaches_the_bucket_through_its_own_bridge_and_nothing_else(c
 
 def test_bucket_only_gives_the_local_bytes_on_several_nodes_and_repacks_them(cluster, data):
     b, client = data["bucket"], data["client"]
-    mark, before, bytes_before = cluster.audit_mark(), cluster.task_nodes(TASK), cluster.s3_bytes()
+    mark, before, bytes_before = cluster.audit_mark(), cluster.task_nodes(UNIT_TASK), cluster.s3_bytes()
     proc = cluster.run(preprocess(cluster, b, "out", "--check"), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = published(client, b, "out")
     assert_same_as_local(out, reference(data), data, os.path.join(data["scratch"], "got"))
     s = summary(cluster, "out")
     assert s["engine"]["kind"] == "ray" and s["engine"]["cpus"] == 3 and s["units"]["tokenize"] == 20
-    after = cluster.task_nodes(TASK)
+    after = cluster.task_nodes(UNIT_TASK)
     ran = [n for n in cluster.names if after.get(n, 0) > before.get(n, 0)]
     assert len(ran) >= 2, (before, after)
     # the nodes that ran units read and wrote the bucket themselves; the shards never went

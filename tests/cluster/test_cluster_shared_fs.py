@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 
 pytest.importorskip("ray", reason="the [ray] extra is not installed")
 
-from support.ray_cluster import RayCluster  # noqa: E402
+from support.ray_cluster import UNIT_TASK, RayCluster, finish  # noqa: E402
 from support.stages import files_of  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -27,8 +27,6 @@ TOOL = os.path.join(ROOT, "tools", "preprocess_sft.py")
 TOKENIZER = os.path.join(ROOT, "examples", "tokenizer")
 FLAGS = ["--pack-size", "1024", "--split", "90,10", "--max-packs-per-shard", "20", "--partition-bytes", "60K",
          "--batch-size", "32", "--quiet"]
-#: The Ray task every unit of every step runs as (engines/ray.py).
-TASK = "_ray_unit"
 
 
 @pytest.fixture(scope="module")
@@ -74,16 +72,6 @@ def outputs(directory):
     return {n: b for n, b in files_of(directory).items() if not n.startswith(".")}
 
 
-def finish(cluster, proc, timeout=300):
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate(timeout=30)
-        raise AssertionError(f"the driver did not finish within {timeout} s") from None
-    return proc.returncode, out, err
-
-
 def test_the_cluster_is_loopback_only_and_the_audit_catches_a_task_touching_a_driver_path(cluster):
     checked = cluster.verify_loopback()
     assert checked["interfaces"] == ["lo"] and len(checked["listeners"]) >= 3 and checked["processes"] >= 6
@@ -113,7 +101,7 @@ def test_the_cluster_is_loopback_only_and_the_audit_catches_a_task_touching_a_dr
 
 def test_the_cluster_gives_the_bytes_of_the_local_engine_on_several_nodes_touching_no_driver_path(cluster, corpus,
                                                                                                   tmp_path):
-    mark, before = cluster.audit_mark(), cluster.task_nodes(TASK)
+    mark, before = cluster.audit_mark(), cluster.task_nodes(UNIT_TASK)
     prefix = tmp_path / "ray" / "ds"
     proc = cluster.run(on_cluster(cluster, prefix, corpus / "in.jsonl", "--check"), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -121,7 +109,7 @@ def test_the_cluster_gives_the_bytes_of_the_local_engine_on_several_nodes_touchi
     assert s["engine"] == {"kind": "ray", "address": cluster.address, "started_here": False, "cpus": 3}
     assert s["units"]["tokenize"] == 20
     assert outputs(tmp_path / "ray") == outputs(corpus / "local") and len(outputs(corpus / "local")) > 4
-    after = cluster.task_nodes(TASK)
+    after = cluster.task_nodes(UNIT_TASK)
     ran = {n: after.get(n, 0) - before.get(n, 0) for n in cluster.names}
     assert sum(ran.values()) >= 20 and len([n for n, k in ran.items() if k]) >= 2, ran
     assert cluster.findings(mark) == {}
@@ -141,7 +129,7 @@ def test_a_worker_node_killed_mid_run_is_retried_by_ray_with_identical_bytes(clu
         assert node == "worker2"
         killed = cluster.kill_node("worker2")
         assert pid in killed and proc.poll() is None  # mid-run: the driver is waiting for that unit
-        code, out, err = finish(cluster, proc)
+        code, out, err = finish(proc)
         assert code == 0, err[-3000:]
         assert outputs(tmp_path / "ray") == outputs(corpus / "local")
         assert summary(prefix)["units"]["tokenize"] == 20

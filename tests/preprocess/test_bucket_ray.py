@@ -21,6 +21,9 @@ ray = pytest.importorskip("ray", reason="the [ray] extra is not installed")
 from megatron_sft_idx.preprocess.cli import main as preprocess_main, repack_main  # noqa: E402
 from megatron_sft_idx.storage._stores import request_counts  # noqa: E402
 
+from support.buckets import bucket_files, local_files, local_reference  # noqa: E402
+from support.stages import kill_after_receipt, kill_after_step, kill_at_call, killed_driver, run_killed  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = os.path.join(ROOT, "examples")
 SETTINGS = ["--input", os.path.join(EXAMPLES, "conversations.jsonl"), os.path.join(EXAMPLES, "conversations_sharegpt.jsonl"),
@@ -34,10 +37,15 @@ def workers_tmp(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cluster(loop, workers_tmp):
-    """A one-node cluster started here: workers see the S3 server and a TMPDIR not the driver's."""
-    env = dict(loop.env(), PYTHONPATH=ROOT, TMPDIR=workers_tmp)
-    ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False, runtime_env={"env_vars": env})
+def workers_env(loop, workers_tmp):
+    """The workers' environment: the S3 server, this checkout, and a TMPDIR not the driver's."""
+    return dict(loop.env(), PYTHONPATH=ROOT, TMPDIR=workers_tmp)
+
+
+@pytest.fixture(scope="module")
+def cluster(workers_env):
+    """A one-node cluster started here, its workers in ``workers_env``."""
+    ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False, runtime_env={"env_vars": workers_env})
     try:
         yield ray.get_runtime_context().gcs_address
     finally:
@@ -46,23 +54,11 @@ def cluster(loop, workers_tmp):
 
 @pytest.fixture(scope="module")
 def local_run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("local")
-    assert preprocess_main(SETTINGS + ["--output-prefix", str(root / "out" / "ds"), "--store", str(root / "store")]) == 0
+    """The reference: the same run on local disk, keeping its store, and a repack of that store in ``rp``."""
+    root = local_reference(tmp_path_factory, SETTINGS)
     assert repack_main(["--store", str(root / "store"), "--output-prefix", str(root / "rp" / "ds"), "--pack-size", "512",
                         "--quiet"]) == 0
     return root
-
-
-def local_files(directory):
-    return {n: open(os.path.join(directory, n), "rb").read() for n in sorted(os.listdir(directory))
-            if not n.startswith(".")}
-
-
-def bucket_files(s3, bucket, prefix, hidden=False):
-    client = s3.client()
-    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])]
-    return {k[len(prefix):]: client.get_object(Bucket=bucket, Key=k)["Body"].read() for k in sorted(keys)
-            if hidden or not k[len(prefix):].startswith(".")}
 
 
 def test_store_and_work_directory_in_the_bucket_give_the_local_bytes(cluster, workers_tmp, s3, bucket, local_run,
@@ -94,34 +90,12 @@ def test_store_and_work_directory_in_the_bucket_give_the_local_bytes(cluster, wo
     assert bucket_files(s3, bucket, "out2/") == local_files(local_run / "rp")
 
 
-KILLED = """
-import os, signal, sys
-from megatron_sft_idx.preprocess import workarea
-real = workarea.AreaEngine.map
-def map(self, step, units, on_done, on_progress=None):
-    seen = [0]
-    def done(receipt):
-        on_done(receipt)
-        if step.name == "tokenize":
-            seen[0] += 1
-            if seen[0] == 3:
-                os.kill(os.getpid(), signal.SIGKILL)   # the driver dies, its lock and work stay
-    return real(self, step, units, done, on_progress)
-workarea.AreaEngine.map = map
-import ray   # joined with the workers' environment (the S3 server, their own TMPDIR), as a user's job would
-ray.init(address={address!r}, runtime_env={{"env_vars": {env!r}}})
-from megatron_sft_idx.preprocess.cli import main
-sys.exit(main({args!r}))
-"""
-
-
-def test_a_driver_killed_mid_tokenize_resumes_from_the_bucket(cluster, workers_tmp, loop, s3, bucket, local_run,
+def test_a_driver_killed_mid_tokenize_resumes_from_the_bucket(cluster, workers_env, s3, bucket, local_run,
                                                               tmp_path, capsys):
     store, out = f"s3://{bucket}/store", f"s3://{bucket}/out/ds"
     args = SETTINGS + ["--engine", "ray", "--ray-address", cluster, "--store", store, "--output-prefix", out]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    script = KILLED.format(args=args, address=cluster, env=dict(loop.env(), PYTHONPATH=ROOT, TMPDIR=workers_tmp))
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    # the driver dies after the third partition's receipt: its lock and work stay
+    proc = run_killed(killed_driver(args, kill_after_receipt("tokenize", 3), cluster, workers_env))
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     time.sleep(2)   # (tasks of the dead driver end with it)
     done = bucket_files(s3, bucket, "store/receipts/tokenize/")
@@ -156,24 +130,7 @@ def test_a_second_run_on_the_work_directory_is_refused_and_an_expired_lease_take
     assert bucket_files(s3, bucket, "out/") == local_files(local_run / "out")
 
 
-KILLED_PUBLISHING = """
-import os, signal, sys
-from megatron_sft_idx.storage import _stores
-real, seen = _stores.ObjectStore.copy, [0]
-def copy(self, source, url):
-    seen[0] += 1
-    if seen[0] == 3:
-        os.kill(os.getpid(), signal.SIGKILL)   # mid-publish: two shards copied, the third not
-    return real(self, source, url)
-_stores.ObjectStore.copy = copy
-import ray
-ray.init(address={address!r}, runtime_env={{"env_vars": {env!r}}})
-from megatron_sft_idx.preprocess.cli import main
-sys.exit(main({args!r}))
-"""
-
-
-def test_a_driver_killed_mid_publish_is_finished_by_another_driver(cluster, workers_tmp, loop, s3, bucket, local_run,
+def test_a_driver_killed_mid_publish_is_finished_by_another_driver(cluster, workers_env, s3, bucket, local_run,
                                                                   tmp_path, capsys):
     """The driver dies while copying the staged shards to their final names; a driver on "another
     machine" (its mirrors gone) finishes the publish from the bucket's intent and receipts."""
@@ -183,10 +140,8 @@ def test_a_driver_killed_mid_publish_is_finished_by_another_driver(cluster, work
 
     out = f"s3://{bucket}/out/ds"
     args = SETTINGS + ["--engine", "ray", "--ray-address", cluster, "--output-prefix", out]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    script = KILLED_PUBLISHING.format(args=args, address=cluster,
-                                      env=dict(loop.env(), PYTHONPATH=ROOT, TMPDIR=workers_tmp))
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    # mid-publish: two shards copied, the third not
+    proc = run_killed(killed_driver(args, kill_at_call("copy", 3), cluster, workers_env))
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     assert "receipts/intent/000000.json" in bucket_files(s3, bucket, "out/.ds.preprocess/", hidden=True)
     shutil.rmtree(os.path.dirname(Area(f"s3://{bucket}/out/.ds.preprocess").local))   # another driver machine
@@ -344,32 +299,14 @@ def test_balanced_orders_are_planned_in_a_task(cluster, s3, bucket, tmp_path, mo
     assert downloaded and all("/receipts/" in u and u.endswith(".json") for u in downloaded), downloaded
 
 
-KILLED_AFTER_MATERIALIZE = """
-import os, signal, sys
-from megatron_sft_idx.preprocess import workarea
-real = workarea.AreaEngine.map
-def map(self, step, units, on_done, on_progress=None):
-    real(self, step, units, on_done, on_progress)
-    if step.name == "materialize":
-        os.kill(os.getpid(), signal.SIGKILL)   # every shard staged in the bucket, nothing checked or published
-workarea.AreaEngine.map = map
-import ray
-ray.init(address={address!r}, runtime_env={{"env_vars": {env!r}}})
-from megatron_sft_idx.preprocess.cli import main
-sys.exit(main({args!r}))
-"""
-
-
 def test_a_staged_shard_damaged_in_the_bucket_is_found_by_a_task_and_written_again(
-        cluster, workers_tmp, loop, s3, bucket, local_run, capsys):
+        cluster, workers_env, s3, bucket, local_run, capsys):
     """--resume checks the staged shards of the killed attempt in the tasks (one per shard, each
     pulling its shard): the one damaged in the bucket is written again, the others kept."""
     out = f"s3://{bucket}/out/ds"
     args = SETTINGS + ["--engine", "ray", "--ray-address", cluster, "--output-prefix", out, "--check"]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    script = KILLED_AFTER_MATERIALIZE.format(args=args, address=cluster,
-                                             env=dict(loop.env(), PYTHONPATH=ROOT, TMPDIR=workers_tmp))
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    # every shard staged in the bucket, nothing checked or published
+    proc = run_killed(killed_driver(args, kill_after_step("materialize"), cluster, workers_env))
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     staged = bucket_files(s3, bucket, "out/.ds.preprocess/staged/", hidden=True)
     shards = sorted(n[:-len(".seq.idx")] for n in staged if n.endswith(".seq.idx"))

@@ -14,6 +14,9 @@ import pytest
 from megatron_sft_idx.preprocess.cli import main as preprocess_main, repack_main
 from megatron_sft_idx.preprocess.workarea import Area
 
+from support.buckets import bucket_files, local_files, local_reference
+from support.stages import kill_after_receipt, killed_driver, run_killed
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = os.path.join(ROOT, "examples")
 SETTINGS = ["--input", os.path.join(EXAMPLES, "conversations.jsonl"), os.path.join(EXAMPLES, "conversations_sharegpt.jsonl"),
@@ -24,21 +27,7 @@ SETTINGS = ["--input", os.path.join(EXAMPLES, "conversations.jsonl"), os.path.jo
 @pytest.fixture(scope="module")
 def local_run(tmp_path_factory):
     """The reference: the same run on local disk, keeping its store."""
-    root = tmp_path_factory.mktemp("local")
-    assert preprocess_main(SETTINGS + ["--output-prefix", str(root / "out" / "ds"), "--store", str(root / "store")]) == 0
-    return root
-
-
-def local_files(directory):
-    return {n: open(os.path.join(directory, n), "rb").read() for n in sorted(os.listdir(directory))
-            if not n.startswith(".")}
-
-
-def bucket_files(s3, bucket, prefix):
-    client = s3.client()
-    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])]
-    return {k[len(prefix):]: client.get_object(Bucket=bucket, Key=k)["Body"].read() for k in sorted(keys)
-            if not k[len(prefix):].startswith(".")}
+    return local_reference(tmp_path_factory, SETTINGS)
 
 
 def forget_mirror(url):
@@ -182,37 +171,14 @@ def test_a_unit_commits_data_then_receipt_and_only_while_its_run_holds_the_lock(
         other.release()
 
 
-KILLED = """
-import os, signal, sys
-from megatron_sft_idx.preprocess import workarea
-real = workarea.AreaEngine.map
-def map(self, step, units, on_done, on_progress=None):
-    seen = [0]
-    def done(receipt):
-        on_done(receipt)
-        if step.name == "tokenize":
-            seen[0] += 1
-            if seen[0] == 3:
-                os.kill(os.getpid(), signal.SIGKILL)   # no cleanup at all: the store's lock stays
-    return real(self, step, units, done, on_progress)
-workarea.AreaEngine.map = map
-from megatron_sft_idx.preprocess.cli import main
-sys.exit(main({args!r}))
-"""
-
-
 def test_a_run_killed_mid_tokenize_resumes_from_the_buckets_receipts(s3, bucket, local_run, tmp_path, capsys):
     """SIGKILL after the third partition; the store's mirror lost with the machine; --resume elsewhere
     keeps exactly the partitions whose receipts reached the bucket and gives the local bytes."""
     import signal
-    import subprocess
-    import sys
 
     store = f"s3://{bucket}/stores/s5"
     args = SETTINGS + ["--store", store, "--output-prefix", str(tmp_path / "out" / "ds")]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", KILLED.format(args=args)], env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = run_killed(killed_driver(args, kill_after_receipt("tokenize", 3)))
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     done = bucket_files(s3, bucket, "stores/s5/receipts/tokenize/")
     partitions = len(json.loads(bucket_files(s3, bucket, "stores/s5/store.json")[""])["partitions"])

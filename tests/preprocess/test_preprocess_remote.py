@@ -6,8 +6,6 @@ by --resume with the same objects, and no manifest is visible while the set is p
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -17,7 +15,11 @@ from megatron_sft_idx.multi import MultiShardDataset
 from megatron_sft_idx.open import open_packed
 from megatron_sft_idx.preprocess.cli import repack_main
 
+# (bucket_files(..., hidden=True): the run's record stays in the staging directory, nothing hidden
+# may reach the bucket)
+from support.buckets import bucket_files, local_files, local_reference
 from support.faults import run_leftovers
+from support.stages import kill_at_call, killed_driver, run_killed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -30,26 +32,13 @@ SHARDS = 5
 @pytest.fixture(scope="module")
 def local_run(tmp_path_factory):
     """The reference: the same run written to local disk (keeping its store, for repack-sft)."""
-    root = tmp_path_factory.mktemp("local")
-    assert preprocess_main(SETTINGS + ["--output-prefix", str(root / "out" / "ds"), "--store", str(root / "store")]) == 0
-    return root
-
-
-def local_files(directory):
-    return {name: open(os.path.join(directory, name), "rb").read() for name in sorted(os.listdir(directory))
-            if not name.startswith(".")}  # (not the run's record)
+    return local_reference(tmp_path_factory, SETTINGS)
 
 
 def only_records(stage) -> bool:
     """Whether the staging directory holds nothing but finished runs' records (one per URL)."""
     return all(os.listdir(stage / d) and run_leftovers(stage / d) == []
                and not [n for n in os.listdir(stage / d) if not n.startswith(".")] for d in os.listdir(stage))
-
-
-def bucket_files(s3, bucket, prefix):
-    client = s3.client()
-    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])]
-    return {k[len(prefix):]: client.get_object(Bucket=bucket, Key=k)["Body"].read() for k in sorted(keys)}
 
 
 def writes(s3):
@@ -83,7 +72,7 @@ def test_preprocess_to_s3_uploads_the_local_run(s3, bucket, local_run, tmp_path,
                                        "--json", "--check"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["outputs"][0] == url + "_train_000000" and summary["manifests"][0] == url + "_train.json"
-    assert bucket_files(s3, bucket, "sft/") == local_files(local_run / "out")  # byte for byte, manifests too
+    assert bucket_files(s3, bucket, "sft/", hidden=True) == local_files(local_run / "out")  # byte for byte, manifests too
     assert_publish_order(s3, "/sft/ds")
     assert only_records(tmp_path / "stage")  # the staged copies are gone: only the run's record stays
     # Read back from the bucket, pack for pack, through each reader of a set.
@@ -108,45 +97,31 @@ def test_resume_of_a_finished_upload_is_a_no_op_until_an_object_changes(s3, buck
     s3.client().delete_object(Bucket=bucket, Key="sft/ds_valid_000000.bin")
     assert preprocess_main(args + ["--resume"]) == 0
     assert json.loads(capsys.readouterr().out)["resumed_units"] != {"done": 1}
-    assert bucket_files(s3, bucket, "sft/") == local_files(local_run / "out") and only_records(tmp_path / "stage")
+    assert bucket_files(s3, bucket, "sft/", hidden=True) == local_files(local_run / "out")
+    assert only_records(tmp_path / "stage")
 
 
 def test_an_existing_output_is_refused_and_overwrite_replaces_it(s3, bucket, local_run, tmp_path, capsys):
     url = f"s3://{bucket}/sft/ds"
     stage = ["--staging-dir", str(tmp_path / "stage")]
     assert preprocess_main(SETTINGS + ["--output-prefix", url] + stage) == 0
-    before = bucket_files(s3, bucket, "sft/")
+    before = bucket_files(s3, bucket, "sft/", hidden=True)
     capsys.readouterr()
     s3.clear()
     assert preprocess_main(SETTINGS + ["--output-prefix", url] + stage) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"already exists ({len(before)} file(s), e.g. {url}_test.json)" in err, err
-    assert "--overwrite" in err and writes(s3) == [] and bucket_files(s3, bucket, "sft/") == before
+    assert "--overwrite" in err and writes(s3) == [] and bucket_files(s3, bucket, "sft/", hidden=True) == before
     # --overwrite with larger shards: a smaller set; the old set's extra shard is gone.
     s3.clear()
     assert preprocess_main(SETTINGS + ["--output-prefix", url, "--max-packs-per-shard", "60", "--overwrite"] + stage) == 0
-    after = bucket_files(s3, bucket, "sft/")
+    after = bucket_files(s3, bucket, "sft/", hidden=True)
     assert preprocess_main(SETTINGS + ["--output-prefix", str(tmp_path / "local" / "ds"), "--max-packs-per-shard", "60"]) == 0
     assert after == local_files(tmp_path / "local") and "ds_train_000001.bin" not in after
     deletes = [k for m, k in writes(s3) if m == "DELETE"]
     assert all(k.endswith(".json") for k in deletes[:3]), deletes  # the manifests first: no set visible
     index = [k.endswith(".idx") and not k.endswith(".seq.idx") for k in deletes[3:]]
     assert index == [True] * SHARDS + [False] * (len(index) - SHARDS), deletes  # then every old .idx, then data
-
-
-KILLED = """
-import os, signal, sys
-from megatron_sft_idx.storage import _stores
-from megatron_sft_idx.preprocess.cli import main
-real, seen = _stores.ObjectStore.upload, [0]
-def upload(self, path, url):
-    seen[0] += 1
-    if seen[0] == {n}:
-        os.kill(os.getpid(), signal.{sig})  # KILL: no cleanup at all (a lost node)
-    real(self, path, url)
-_stores.ObjectStore.upload = upload
-sys.exit(main({args!r}))
-"""
 
 
 @pytest.mark.parametrize("sig,n", [("SIGKILL", 8), ("SIGKILL", SHARDS * 5 + 2), ("SIGTERM", 8)])
@@ -156,15 +131,13 @@ def test_a_kill_during_the_upload_is_finished_by_resume(s3, bucket, local_run, t
     --resume uploads what is missing, giving the objects of an uninterrupted run."""
     url = f"s3://{bucket}/sft/ds"
     args = SETTINGS + ["--output-prefix", url, "--staging-dir", str(tmp_path / "stage")]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", KILLED.format(n=n, args=args, sig=sig)], env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = run_killed(killed_driver(args, kill_at_call("upload", n, sig)))
     if sig == "SIGKILL":
         assert proc.returncode == -9, proc.stderr
     else:  # the tool's own ending: one line, the work directory kept for --resume
         assert proc.returncode == 143 and "Traceback" not in proc.stderr, proc.stderr
         assert "interrupted while publishing" in proc.stderr and "--resume" in proc.stderr, proc.stderr
-    partial = bucket_files(s3, bucket, "sft/")
+    partial = bucket_files(s3, bucket, "sft/", hidden=True)
     manifests = [k for k in partial if k.endswith(".json")]
     idx = [k for k in partial if k.endswith(".idx") and not k.endswith(".seq.idx")]
     assert len(manifests) == (1 if n > SHARDS * 5 else 0) and len(idx) == (SHARDS if manifests else 1), partial
@@ -176,7 +149,7 @@ def test_a_kill_during_the_upload_is_finished_by_resume(s3, bucket, local_run, t
     summary = json.loads(capsys.readouterr().out)
     assert summary["resumed_units"]["publish"] == (SHARDS if manifests else 1)
     assert summary["resumed_units"]["materialize"] == SHARDS and summary["resumed_units"]["tokenize"] >= 1
-    assert bucket_files(s3, bucket, "sft/") == local_files(local_run / "out")
+    assert bucket_files(s3, bucket, "sft/", hidden=True) == local_files(local_run / "out")
     assert only_records(tmp_path / "stage")
 
 
@@ -190,10 +163,10 @@ def test_a_failing_upload_keeps_the_work_for_resume(s3, bucket, local_run, tmp_p
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"{url}_train_000001: cannot upload the shard" in err, err
     assert "--resume" in err and "Traceback" not in err
-    assert not [k for k in bucket_files(s3, bucket, "sft/") if k.endswith(".json")]
+    assert not [k for k in bucket_files(s3, bucket, "sft/", hidden=True) if k.endswith(".json")]
     s3.clear()
     assert preprocess_main(args + ["--resume"]) == 0
-    assert bucket_files(s3, bucket, "sft/") == local_files(local_run / "out")
+    assert bucket_files(s3, bucket, "sft/", hidden=True) == local_files(local_run / "out")
 
 
 def test_repack_to_an_msc_profile(s3, bucket, local_run, tmp_path, monkeypatch):
@@ -202,7 +175,7 @@ def test_repack_to_an_msc_profile(s3, bucket, local_run, tmp_path, monkeypatch):
     args = [a for a in SETTINGS[4:]]  # the packing settings, without --input / --tokenizer
     assert repack_main(["--store", str(local_run / "store"), "--output-prefix", f"msc://{profile}/re/ds",
                         "--staging-dir", str(tmp_path / "stage")] + args) == 0
-    assert bucket_files(s3, bucket, "re/") == local_files(local_run / "out")
+    assert bucket_files(s3, bucket, "re/", hidden=True) == local_files(local_run / "out")
     assert same_packs(open_packed(f"msc://{profile}/re/ds_train.json"), open_packed(str(local_run / "out" / "ds_train.json")))
 
 
@@ -255,4 +228,4 @@ def test_an_upload_the_store_lost_fails_the_run_and_resume_finishes_it(s3, bucke
     assert "not whole" in err and f"{url}_train.json" in err and "--resume" in err, err
     monkeypatch.setattr(ObjectDestination, "write_bytes", real)
     assert preprocess_main(args + ["--resume"]) == 0
-    assert bucket_files(s3, bucket, "sft/") == local_files(local_run / "out")
+    assert bucket_files(s3, bucket, "sft/", hidden=True) == local_files(local_run / "out")

@@ -55,6 +55,8 @@ MARK = "MSI_RAY_CLUSTER"
 AUDIT_ROOTS_ENV = "MSI_AUDIT_FORBIDDEN"
 AUDIT_LOG_ENV = "MSI_AUDIT_LOG"
 GCS_PORT = 6379
+#: The Ray task every unit of every step runs as (engines/ray.py): what :meth:`RayCluster.task_nodes` counts.
+UNIT_TASK = "_ray_unit"
 #: The ``ray`` command next to this interpreter (a pyenv shim would look for its root under HOME,
 #: which every node has its own of).
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
@@ -711,6 +713,17 @@ class RayCluster:
     def s3_bytes(self) -> Dict[str, dict]:
         """{node or "driver": {"read", "written", "connections"}} through each bridge so far."""
         return {name: b.counts() for name, b in self.bridges.items()}
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300.0) -> tuple:
+    """(returncode, stdout, stderr) of a driver started by :meth:`RayCluster.popen`; killed, failing, at the deadline."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=30)
+        raise AssertionError(f"the driver did not finish within {timeout} s") from None
+    return proc.returncode, out, err
 
 
 def _loopback(address: str) -> bool:
