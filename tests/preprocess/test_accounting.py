@@ -261,10 +261,12 @@ def test_what_the_read_back_remembers_is_bounded(monkeypatch):
     for _ in range(3):
         accounting.check_rendered_tools(json.dumps(big), json.dumps([big]), "t.jsonl", 3)
     assert all(len(text) <= accounting._SEEN_TEXT for text, _ in accounting._SEEN["tool_1"])
-    kept = accounting._elements_kept.cache_info().currsize
-    huge = json.dumps([dict(big, description="d" * accounting._CACHED_TEXT)])
-    accounting.check_rendered_tools(json.dumps(json.loads(huge)[0]), huge, "t.jsonl", 3)
-    assert accounting._elements_kept.cache_info().currsize == kept   # (read, not kept)
+    kept = accounting._parsed_kept.cache_info().currsize
+    huge = json.dumps(dict(big, description="d" * accounting._CACHED_TEXT))   # (one object: parsed whole)
+    accounting.check_rendered_tools(huge, huge, "t.jsonl", 3)
+    assert accounting._parsed_kept.cache_info().currsize == kept   # (parsed, not kept)
+    accounting.check_rendered_tools(json.dumps(fn), json.dumps(fn), "t.jsonl", 3)
+    assert accounting._parsed_kept.cache_info().currsize == kept + 1
 
 
 @pytest.mark.parametrize("text", [

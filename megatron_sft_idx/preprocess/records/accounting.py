@@ -19,6 +19,14 @@ The record's definitions are read here, independently of the mapping (its own nu
 own unwrapping), so a mapping that let nulls or another tool's fields through is caught rather
 than agreed with. A template that renders definitions in a form that is not JSON gives nothing
 to compare (no verdict), as the text check (:func:`.rendering.check_rendered`) covers its names.
+
+It runs on every record, so texts come first: a definition or call found character for character
+as the record gives it (an element of a ``tools`` string, a call's arguments string, an object as
+``tojson`` writes it), holding no ``null``, is held without decoding anything; a definition read
+before (by its tool's name, :data:`_SEEN`, bounded) stands for its value, as public sets draw
+every record's tools from one catalogue; only what no text matches is decoded and walked. Each
+way gives the full comparison's verdict (``tests/preprocess/test_accounting.py``). Its cost is
+measured by ``python -m bench.accounting_cost`` (docs/PREPROCESSING.md, "What accounting costs").
 """
 
 from __future__ import annotations
@@ -118,21 +126,20 @@ def _read_object(text: str, start: int, name: str) -> Tuple[Optional[dict], int]
     return value, end
 
 
-#: characters of a ``tools`` or arguments string kept with its reading (:func:`_elements`,
-#: :func:`_parsed`), 256 of each at most: a longer one is read each time it comes
+#: characters of a ``tools`` or arguments string kept with its parse (:func:`_parsed`, 256 at
+#: most): a longer one is parsed each time it comes
 _CACHED_TEXT = 64 << 10
 
 
 def _elements(text: str) -> Optional[Tuple[Tuple[object, str], ...]]:
     """``((value, exact text), ...)`` of the elements of a JSON array string, read one by one
     (as the decoder reads an array; an object opening with its ``"name"`` through
-    :func:`_read_object`), once per process for a short one; None when ``text`` is not one JSON
-    array of at most :data:`~...jsondoc.RECORD_JSON_MAX_BYTES` (the caller parses it whole: one
-    object, or not JSON). The values are shared: never changed."""
-    return _elements_kept(text) if len(text) <= _CACHED_TEXT else _read_elements(text)
-
-
-def _read_elements(text: str) -> Optional[Tuple[Tuple[object, str], ...]]:
+    :func:`_read_object`, so a definition read before is not decoded again); None when ``text``
+    is not one JSON array of at most :data:`~...jsondoc.RECORD_JSON_MAX_BYTES` (the caller parses
+    it whole: one object, or not JSON). Not cached whole: a cache of whole strings keeps their
+    values alive and the garbage collector then walks them on every record (a whole run's cost
+    in the worst case), while the elements are remembered one by one. The values are shared:
+    never changed."""
     i = _SPACE.match(text).end()
     if not text.startswith("[", i) or len(text) > RECORD_JSON_MAX_BYTES:
         return None
@@ -159,9 +166,6 @@ def _read_elements(text: str) -> Optional[Tuple[Tuple[object, str], ...]]:
             return tuple(out)
         else:
             return None
-
-
-_elements_kept = functools.lru_cache(maxsize=256)(_read_elements)
 
 
 def _parsed(text: str):
