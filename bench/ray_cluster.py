@@ -20,8 +20,7 @@ Two setups:
   host's 127.0.0.1 (``bench/s3loop.py``), reached from each node through its own counting bridge
   (the namespace has no other way out): the S3 bytes each node read and wrote, exactly.
   The command is the issue-32 contract (``--input s3://B/in/ --tokenizer s3://B/tok/ --store
-  s3://B/store --output-prefix s3://B/out/NAME``); it fails, said so, until the bucket-only
-  engine is in.
+  s3://B/store --output-prefix s3://B/out/NAME``).
 
 The cluster command runs twice: "cold" (the nodes' first job: every worker starts and imports)
 and "warm" (the same work again into a fresh store and output): the figures are the warm run's,
