@@ -261,6 +261,10 @@ def test_what_the_read_back_remembers_is_bounded(monkeypatch):
     for _ in range(3):
         accounting.check_rendered_tools(json.dumps(big), json.dumps([big]), "t.jsonl", 3)
     assert all(len(text) <= accounting._SEEN_TEXT for text, _ in accounting._SEEN["tool_1"])
+    long_name = {"name": "t" * (accounting._SEEN_NAME + 1), "description": "d", "parameters": {}}
+    for _ in range(3):
+        accounting.check_rendered_tools(json.dumps(long_name), json.dumps([long_name]), "t.jsonl", 3)
+    assert long_name["name"] not in accounting._SEEN
     kept = accounting._parsed_kept.cache_info().currsize
     huge = json.dumps(dict(big, description="d" * accounting._CACHED_TEXT))   # (one object: parsed whole)
     accounting.check_rendered_tools(huge, huge, "t.jsonl", 3)

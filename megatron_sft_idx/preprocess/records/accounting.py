@@ -89,10 +89,11 @@ _SPACE = re.compile(r"[ \t\n\r]*")   # JSON's whitespace
 #: ``{name: ((text, value), ...)}``: JSON objects opening with ``"name": NAME`` lately read, from
 #: renderings or ``tools`` strings, with their values: public sets draw each record's tools from
 #: a catalogue, so the same definition is read again and again. Bounded (:data:`_SEEN_NAMES` names,
-#: :data:`_SEEN_EACH` texts a name). A value is a function of its text alone, so no verdict
+#: :data:`_SEEN_EACH` texts a name, and in characters). A value is a function of its text alone, so no verdict
 #: depends on what ran before; the values are shared: never changed.
 _SEEN: Dict[str, Tuple[Tuple[str, dict], ...]] = {}
 _SEEN_NAMES, _SEEN_EACH = 4096, 4
+_SEEN_NAME = 256                # characters of a name remembered; a longer one's objects are never kept
 _SEEN_TEXT = 16 << 10           # a longer object is decoded each time, never kept
 _SEEN_BUDGET = 4 << 20          # characters of text kept in all (their values take a few times that)
 _seen_size = [0]
@@ -112,7 +113,16 @@ def _read_object(text: str, start: int, name: str) -> Tuple[Optional[dict], int]
         return None, start
     if not isinstance(value, dict):
         return None, start
-    if name not in _SEEN:   # (a name's first object is not kept: a set whose every tool is new costs a key)
+    if len(name) <= _SEEN_NAME:
+        _remember(name, seen, text, start, end, value)
+    return value, end
+
+
+def _remember(name: str, seen: tuple, text: str, start: int, end: int, value: dict) -> None:
+    """Keep ``text[start:end]`` and its value under ``name`` in :data:`_SEEN`, within its bounds
+    (emptied whole when one is reached). A name's first object is not kept, only the name: a set
+    whose every tool is new costs a key, not a copy."""
+    if name not in _SEEN:
         if len(_SEEN) >= _SEEN_NAMES:
             _SEEN.clear()
             _seen_size[0] = 0
@@ -123,7 +133,6 @@ def _read_object(text: str, start: int, name: str) -> Tuple[Optional[dict], int]
             _seen_size[0] = 0
         _SEEN[name] = ((text[start:end], value),) + seen[:_SEEN_EACH - 1]
         _seen_size[0] += end - start
-    return value, end
 
 
 #: characters of a ``tools`` or arguments string kept with its parse (:func:`_parsed`, 256 at
