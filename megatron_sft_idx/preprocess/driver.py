@@ -66,13 +66,13 @@ from .records.errors import output_error
 from .materialize import (MaterializeStep, OutputShard, VerifyShardStep, materialize_schema, output_shards,
                           resumed_shards)
 from .records.partitions import Partition, auto_partition_bytes, sha256_file
-from .plan import PlanStep, VerifyPlanStep, plan_drops, plan_schema, resumed_plan, write_plan
+from .plan import PlanStep, SkipReportStep, VerifyPlanStep, plan_schema, resumed_plan, write_plan
 from .publish import StagedSet, StagedShard, publish
 from .receipts import ReceiptBook, settings_key
 from .done import check_outputs, owned_files, record_outputs, run_books
 from ..storage._url import is_remote, local_only
 from ..storage.destination import ObjectDestination, destination_for
-from .store import REBUILD_HINT, ROWS_SUFFIX, SKIPS_SUFFIX, SequenceStore, VerifyStoreStep, part_prefix
+from .store import REBUILD_HINT, SequenceStore, VerifyStoreStep, part_prefix
 from .summary import PackResult, build_summary, inputs_left, write_skip_report
 from .tokenize import (IndexStep, Inputs, TokenizeStep, describe_store, index_schema, lock_user_store,
                        part_metadata, partition_sizes, recorded_template_date, resolve_inputs,
@@ -126,10 +126,8 @@ def run(cfg: Config) -> dict:
         return dict(summary, inputs_left=inputs_left(inputs.left))   # (said on every run)
     with stages.started():
         store = stages.tokenize(cfg, inputs)
-        if cfg.tokenize.skip_report:   # (before packing: a temporary store is gone after it; the plan's
-            stages.areas.pull(part_prefix(store.directory, k) + x for k in range(len(store.partitions))
-                              for x in (SKIPS_SUFFIX, ROWS_SUFFIX))   # (the report reads them here)
-            write_skip_report(store, cfg.tokenize.skip_report, plan_drops(store, job.settings))   # drops by its rule)
+        if cfg.tokenize.skip_report:   # (before packing: a temporary store is gone after it)
+            write_skip_report(cfg.tokenize.skip_report, stages.skip_report(store))
         stages.pack(store)
     return dict(stages.summary, inputs_left=inputs_left(inputs.left))
 
@@ -430,6 +428,17 @@ class _Run:
             log.warning("store partition %d does not verify; tokenizing it again: %s", k, problems[k])
             store.book.discard(k)
         return set(present) - set(problems)
+
+    def skip_report(self, store: SequenceStore) -> List[str]:
+        """``--skip-report``'s lines (:class:`.plan.SkipReportStep`: the tokenize stage's skips and
+        the plan's drops by its rule): here, or in a task when the store is in object storage (the
+        task pulls the partitions' ``.skips`` and ``.rows``; the driver gets the lines alone)."""
+        step = SkipReportStep(store.directory, self.job.settings)
+        if self.areas.store is None:
+            return step.run(0)["lines"]
+        got: List[List[str]] = []
+        self.engine.map(step, [0], lambda r: got.append(r["lines"]))
+        return got[0]
 
     def _verdicts(self, step, units) -> Dict[int, str]:
         """``{unit: why}`` of the units of a checking ``step`` that found a problem (run by the engine)."""

@@ -32,8 +32,8 @@ from .config import PlanSettings  # noqa: F401  (PlanSettings: this module's nam
 from .records.errors import input_error
 from .planfile import PLAN_FORMAT, PackPlan, PlanWriter
 from .receipts import REDO_HINT, ReceiptBook
-from .store import SequenceStore, rows_paths
-from .summary import merged_skips, skipped_text
+from .store import SKIPS_SUFFIX, SequenceStore, part_prefix, rows_paths
+from .summary import merged_skips, skip_report_lines, skipped_text
 
 log = logging.getLogger("megatron_sft_idx.preprocess")
 _CHUNK = 1 << 20
@@ -292,6 +292,30 @@ def plan_drops(store: SequenceStore, s: PlanSettings) -> list:
                 for i in mine]
         base += rows.size
     return out
+
+
+@dataclass(frozen=True)
+class SkipReportStep:
+    """Unit 0: ``--skip-report``'s lines (:func:`~.summary.skip_report_lines`, with the plan's drops
+    by :func:`plan_drops`) where the unit runs: with the store in object storage the task pulls
+    the partitions' ``.skips`` and ``.rows`` and the driver gets the lines alone. Returns
+    ``{"unit": 0, "lines": [...]}``."""
+
+    store_dir: str
+    settings: PlanSettings
+    name: str = "skip-report"
+
+    @property
+    def writes_to(self) -> str:
+        return self.store_dir
+
+    def reads(self, unit: int) -> List[str]:
+        rows = rows_paths(self.store_dir)
+        return rows + [part_prefix(self.store_dir, k) + SKIPS_SUFFIX for k in range(len(rows))]
+
+    def run(self, unit: int) -> dict:
+        store = SequenceStore(self.store_dir)
+        return {"unit": unit, "lines": skip_report_lines(store, plan_drops(store, self.settings))}
 
 
 def store_ids(kept: np.ndarray, dropped: np.ndarray) -> np.ndarray:

@@ -91,25 +91,33 @@ def inputs_left(left) -> List[dict]:
     return [{"name": p, "reason": left_reason(p)} for p in left]
 
 
-def write_skip_report(store: SequenceStore, path: str, plan_drops=()) -> int:
-    """``--skip-report FILE``: every record the run skipped, one JSON object a line, in input
-    order (file, then line); returns how many lines. A record the tokenize stage skipped is
-    ``{"file", "line", "reason"}``; ``plan_drops`` adds the sequences the plan stage drops
-    (``(file, line, entry)`` from :func:`~megatron_sft_idx.preprocess.plan.plan_drops`: entries
-    ``{"file", "line", "reason", "length", "stage": "plan"}``).
+def skip_report_lines(store: SequenceStore, plan_drops=()) -> List[str]:
+    """``--skip-report FILE``'s lines: every record the run skipped, one JSON object a line, in
+    input order (file, then line). A record the tokenize stage skipped is ``{"file", "line",
+    "reason"}``; ``plan_drops`` adds the sequences the plan stage drops (``(file, line, entry)``
+    from :func:`~megatron_sft_idx.preprocess.plan.plan_drops`: entries ``{"file", "line",
+    "reason", "length", "stage": "plan"}``).
 
     Raises:
-        ShardError: a partition's skips file does not verify; OSError: the report cannot be written.
+        ShardError: a partition's skips file does not verify.
     """
     import json
-
-    from .._atomic import write_file_atomically
 
     entries = [(part.file, line, {"file": store.inputs[part.file]["name"], "line": line, "reason": reason})
                for k, part in enumerate(store.partitions) for line, reason in store.skips(k)]
     entries += plan_drops
     entries.sort(key=lambda e: (e[0], e[1]))   # (stable: a record's skips stay in stage order)
-    lines = [json.dumps(e) + "\n" for _, _, e in entries]
+    return [json.dumps(e) + "\n" for _, _, e in entries]
+
+
+def write_skip_report(path: str, lines: List[str]) -> int:
+    """Write :func:`skip_report_lines`' ``lines`` to ``path`` atomically; returns how many.
+
+    Raises:
+        OSError: the report cannot be written.
+    """
+    from .._atomic import write_file_atomically
+
     write_file_atomically(path, lambda f: f.write("".join(lines).encode("utf-8")))
     return len(lines)
 

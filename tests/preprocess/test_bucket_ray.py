@@ -299,6 +299,43 @@ def test_balanced_orders_are_planned_in_a_task(cluster, s3, bucket, tmp_path, mo
     assert downloaded and all("/receipts/" in u and u.endswith(".json") for u in downloaded), downloaded
 
 
+def test_the_skip_report_is_made_in_a_task(cluster, s3, bucket, tmp_path, monkeypatch):
+    """--skip-report with the store in the bucket: a task pulls the partitions' .skips and .rows
+    (and, for a conversation the plan truncates, its partition) and the driver gets the lines
+    alone; the report is the local run's, byte for byte: a bad record, and the plan's drop of a
+    conversation that keeps nothing trained once truncated."""
+    from megatron_sft_idx.storage import _stores
+    from support.sft_fixtures import write_jsonl
+
+    long_prompt = {"messages": [{"role": "user", "content": " ".join(f"ask{k}" for k in range(900))},
+                                {"role": "assistant", "content": "short"}]}
+    long_reply = {"messages": [{"role": "user", "content": "q"},
+                               {"role": "assistant", "content": " ".join(f"say{k}" for k in range(900))}]}
+    odd = write_jsonl(tmp_path / "odd.jsonl", [{"messages": "nope"}, long_prompt, long_reply, long_prompt])
+    settings = SETTINGS[:1] + [str(odd)] + SETTINGS[1:] + ["--skip-bad", "--overlong", "truncate"]
+    assert preprocess_main(settings + ["--output-prefix", str(tmp_path / "local" / "ds"),
+                                       "--skip-report", str(tmp_path / "local.jsonl")]) == 0
+    store = f"s3://{bucket}/skips/store"
+    downloaded = []
+    real = _stores.ObjectStore.download
+
+    def download(self, url, path, *args, **kwargs):
+        if str(url).startswith(store + "/"):
+            downloaded.append(str(url))
+        return real(self, url, path, *args, **kwargs)
+
+    monkeypatch.setattr(_stores.ObjectStore, "download", download)
+    assert preprocess_main(settings + ["--engine", "ray", "--ray-address", cluster, "--store", store,
+                                       "--output-prefix", f"s3://{bucket}/skips/out/ds",
+                                       "--skip-report", str(tmp_path / "bucket.jsonl")]) == 0
+    report = (tmp_path / "bucket.jsonl").read_bytes()
+    assert report == (tmp_path / "local.jsonl").read_bytes()
+    lines = [json.loads(x) for x in report.decode().splitlines()]
+    assert [(x["line"], x["reason"]) for x in lines] == [
+        (1, "missing_key"), (2, "overlong_untrainable_after_truncation"), (4, "overlong_untrainable_after_truncation")]
+    assert downloaded and all(u.endswith("/store.json") or "/receipts/" in u for u in downloaded), downloaded
+
+
 def test_a_staged_shard_damaged_in_the_bucket_is_found_by_a_task_and_written_again(
         cluster, workers_env, s3, bucket, local_run, capsys):
     """--resume checks the staged shards of the killed attempt in the tasks (one per shard, each
