@@ -51,18 +51,14 @@ def _without_nulls(value):
     return value
 
 
-def source_definitions(tools) -> Dict[str, List[dict]]:
-    """``{name: [definition, ...]}`` of the record's ``tools`` value (a list, one object, or a
-    JSON string of either; each bare or wrapped as ``{"type": "function", "function": ...}``),
-    as the record holds them (nulls kept: :func:`check_rendered_tools` removes them where it
-    must). Anything else gives nothing (the mapping refuses it)."""
-    return _source_definitions(tools)[0]
-
-
-def _source_definitions(tools) -> Tuple[Dict[str, List[dict]], Dict[str, Tuple[str, ...]]]:
-    """:func:`source_definitions`, and ``{name: (text, ...)}``: where ``tools`` is a JSON string,
-    the exact text of each bare definition in it that holds no ``null`` (a template that
-    ``tojson``'s it writes that text again, so it is found without decoding the rendering)."""
+def source_definitions(tools) -> Tuple[Dict[str, List[dict]], Dict[str, Tuple[str, ...]]]:
+    """``({name: [definition, ...]}, {name: (text, ...)})`` of the record's ``tools`` value (a
+    list, one object, or a JSON string of either; each bare or wrapped as ``{"type": "function",
+    "function": ...}``): the definitions as the record holds them (nulls kept:
+    :func:`check_rendered_tools` removes them where it must; anything else gives nothing, the
+    mapping refuses it), and, where ``tools`` is a JSON string, the exact text of each bare
+    definition in it that holds no ``null`` (a template that ``tojson``'s it writes that text
+    again, so it is found without decoding the rendering)."""
     texts: Dict[str, Tuple[str, ...]] = {}
     if isinstance(tools, str):
         elements = _elements(tools)
@@ -263,7 +259,6 @@ def source_arguments(calls) -> Dict[str, list]:
     return out
 
 
-_ENCODE = json.JSONEncoder(ensure_ascii=False).encode
 _ENCODE_ASCII = json.JSONEncoder().encode
 if json.encoder.c_make_encoder is not None:   # (CPython's; JSONEncoder.encode builds one a call)
     _C_ENCODER = json.encoder.c_make_encoder(None, None, json.encoder.encode_basestring, None, ": ", ", ",
@@ -291,7 +286,7 @@ def _arguments_held(values, source, nulls: bool) -> bool:
     rendering's values encoded (as producers and ``tojson`` write them) and holds no null; or no
     null is shown, so the source's own nulls cannot matter."""
     if isinstance(source, str):
-        if "null" not in source and (_ENCODE(values) == source or _ENCODE_ASCII(values) == source):
+        if "null" not in source and (_written(values) == source or _ENCODE_ASCII(values) == source):
             return True
         source = _decoded(source)
     if source is None:
@@ -335,7 +330,7 @@ def check_rendered_tools(text: str, tools, path: str, line: int, calls=(),
     """
     if not tools and not calls:
         return
-    definitions, written = _source_definitions(tools) if tools else ({}, {})
+    definitions, written = source_definitions(tools) if tools else ({}, {})
     arguments = source_arguments(calls) if calls else {}
     shown_calls: Dict[str, int] = {}   # calls of each tool shown so far
     for m in _NAME_KEY.finditer(text):   # (one loop, few calls: this runs on every tool record)
