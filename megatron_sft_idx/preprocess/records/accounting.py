@@ -2,7 +2,8 @@
 rendering, compared structurally with the record's own (``docs/INPUTS.md``, "Every field accounted for").
 
 The mapping (:mod:`.shapes`) accounts for every key a record gives; this is the converse, run on
-every rendering of every record (:func:`.rendering.check_rendered` calls it), not on a sample.
+every rendering of every record (:func:`.rendering.check_rendered` calls it, or queues it for
+the encoder to make every few records in one loop), not on a sample.
 Each tool definition the template wrote as JSON -- an object holding ``"name": NAME`` and a
 ``parameters`` or ``description`` -- must be held by the record's own definition of ``NAME``
 (its ``tools`` / ``functions`` as the record gives them, a JSON string parsed, ``null`` counting
