@@ -350,6 +350,11 @@ class Doc:
 
 _RAW_DECODER = json.JSONDecoder()
 
+#: :func:`raw_decode`'s scanner itself (C), for a loop that reads many values: ``scan_value(text,
+#: start)`` is ``(value, end)``, and raises StopIteration when no JSON value starts there (a
+#: RecursionError when it nests too deep) instead of raw_decode's ValueError
+scan_value = _RAW_DECODER.scan_once
+
 
 def raw_decode(text: str, start: int = 0) -> Tuple[Any, int]:
     """The JSON value that starts at ``text[start]`` and the index where it ends, for JSON

@@ -200,8 +200,9 @@ def test_definitions_in_a_tools_string_are_held_by_their_exact_text_and_otherwis
     other = {"name": "get_depth", "description": "Depth", "parameters": {"type": "object", "properties": {}}}
     source = json.dumps([fn, other])
     decoded = []
-    real = accounting.raw_decode
-    monkeypatch.setattr(accounting, "raw_decode", lambda text, at=0: decoded.append(text) or real(text, at))
+    for name in ("raw_decode", "scan_value"):   # (every way the module decodes)
+        real = getattr(accounting, name)
+        monkeypatch.setattr(accounting, name, lambda text, at=0, real=real: decoded.append(text) or real(text, at))
     rendering = "<tools>\n" + "\n".join(json.dumps({"type": "function", "function": f}) for f in (fn, other))
     accounting.check_rendered_tools(rendering + "\n</tools>", source, "t.jsonl", 3)
     assert rendering not in "".join(decoded) and not any(text.startswith("<tools>") for text in decoded)
@@ -460,6 +461,81 @@ def test_a_mapping_that_changes_arguments_is_refused_on_every_record_it_changes(
     s = _run(tmp_path, families, family, "broken", records)
     refused_by_name = len(changed & _rendered(family))
     assert _kept_and_refused(s) == (len(_rendered(family)) + 1 - refused_by_name, refused_by_name), s["skipped"]
+
+
+def _batch_and_reference(families, family, loss_on, records, skip_bad=True):
+    """``(batch, reference)``: the encoder's batch of ``records``, and per record what the
+    reference gives it (tokens and mask, or its error) one record at a time."""
+    from megatron_sft_idx.preprocess.records.encode import EncodeOptions, RecordEncoder
+
+    enc = RecordEncoder(EncodeOptions(tokenizer_path=families[family], loss_on=loss_on, skip_bad=skip_bad))
+    raws = [(n + 1, json.dumps(r)) for n, r in enumerate(records)]
+    want = []
+    for line, raw in raws:
+        o = enc.options
+        try:
+            _, payload = parse_record(raw, "b.jsonl", line, o.input_format, o.prompt_key, o.completion_key,
+                                      enc.schema, {})
+            want.append(enc.tok.encode_chat(payload, loss_on, "b.jsonl", line, enc.policy))
+        except InputError as err:
+            want.append(err)
+    return enc, raws, want
+
+
+@pytest.mark.parametrize("every", [1, 2, 64])
+@pytest.mark.parametrize("loss_on", ["assistant", "per-turn", "all"])
+def test_read_backs_made_every_few_records_refuse_what_the_reference_refuses(families, monkeypatch, loss_on,
+                                                                             every):
+    """The encoder queues each record's read-back and makes them every ``READ_BACK_EVERY``
+    records (cheaper than between renders): with a mapping that adds a key to every call, the
+    records refused, each one's error, the surviving bytes and the first error a strict run
+    raises are the reference's, record by record, whatever the window."""
+    from megatron_sft_idx.preprocess.records import encode
+
+    monkeypatch.setattr(encode, "READ_BACK_EVERY", every)
+    _defect_add_key(monkeypatch)
+    records = [r for pair in zip(_tool_records(), [dict(CHAT)] * 8) for r in pair]   # tools, chat, tools, ...
+    enc, raws, want = _batch_and_reference(families, "qwen25", loss_on, records)
+    got = enc.encode_batch(raws, "b.jsonl")
+    refused = [(line, w.reason) for (line, _), w in zip(raws, want) if isinstance(w, InputError)]
+    assert got.skipped_lines == refused and {r for _, r in refused} == {"rendered_not_in_source"}
+    assert len(refused) == 8 and set(got.first_skipped.values()) == {str(want[0])}
+    if loss_on != "per-turn":   # (per-turn's reference gives the last turn's sequence alone)
+        kept = [w for w in want if not isinstance(w, InputError)]
+        assert got.lengths.tolist() == [ids.size for ids, _ in kept]
+        assert got.ids.tolist() == [t for ids, _ in kept for t in ids.tolist()]
+        assert got.loss_mask.tolist() == [t for _, mask in kept for t in mask.tolist()]
+    strict = _batch_and_reference(families, "qwen25", loss_on, [dict(CHAT)] + records[:3] + ["not a record"],
+                                  skip_bad=False)[0]
+    with pytest.raises(InputError) as e:
+        strict.encode_batch([(n + 1, json.dumps(r)) for n, r in enumerate([dict(CHAT)] + records)], "b.jsonl")
+    assert str(e.value) == str(want[0]).replace("b.jsonl:1:", "b.jsonl:2:")   # (one line later)
+
+
+def test_a_record_the_read_back_refuses_gets_the_references_first_error(tmp_path, families, monkeypatch):
+    """A record whose one-render read-back fails is asked of the reference again, so the error it
+    gets is the reference's first: here the reference's prefix renders refuse it before its
+    read-back, and that is the error, as when the read-back was made between renders."""
+    from bench.tool_corpus import HERMES_TEMPLATE
+    from megatron_sft_idx.preprocess.records.chat import ChatTokenizer
+    from support.chat_families import with_template
+
+    _defect_add_key(monkeypatch)
+    records = [dict(CHAT), _tool_records()[0], dict(CHAT)]
+    hermes = {"hermes": with_template(str(tmp_path / "hermes"), families["llama3"], HERMES_TEMPLATE)}
+    enc, raws, want = _batch_and_reference(hermes, "hermes", "assistant", records)
+    assert want[1].reason == "rendered_not_in_source"   # (the read-back refuses it, as the reference does)
+    assert enc.locator is not None   # (the one-render method: the reference renders prefixes)
+    real = ChatTokenizer.prefix_spans
+
+    def refusing(self, conv, *args, **kwargs):
+        if conv.source_calls:
+            raise InputError("b.jsonl:2: prefixes differ (injected)", reason="template_error")
+        return real(self, conv, *args, **kwargs)
+    monkeypatch.setattr(ChatTokenizer, "prefix_spans", refusing)
+    got = enc.encode_batch(raws, "b.jsonl")
+    assert got.skipped_lines == [(2, "template_error")] and got.lengths.size == 2
+    assert enc.stats["one_render"] == 3
 
 
 def test_a_source_system_prompt_must_be_in_the_rendering_a_template_default_need_not_be(tmp_path, families):

@@ -2,7 +2,8 @@
 rendering, compared structurally with the record's own (``docs/INPUTS.md``, "Every field accounted for").
 
 The mapping (:mod:`.shapes`) accounts for every key a record gives; this is the converse, run on
-every rendering of every record (:func:`.rendering.check_rendered` calls it), not on a sample.
+every rendering of every record (:func:`.rendering.check_rendered` calls it, or queues it for
+the encoder to make every few records in one loop), not on a sample.
 Each tool definition the template wrote as JSON -- an object holding ``"name": NAME`` and a
 ``parameters`` or ``description`` -- must be held by the record's own definition of ``NAME``
 (its ``tools`` / ``functions`` as the record gives them, a JSON string parsed, ``null`` counting
@@ -37,7 +38,7 @@ import re
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ...errors import MetadataError
-from ...jsondoc import RECORD_JSON_MAX_BYTES, parse_record_json, raw_decode
+from ...jsondoc import RECORD_JSON_MAX_BYTES, parse_record_json, raw_decode, scan_value
 from .errors import input_error
 
 _TRIES = 4   # object starts tried backwards from a name (the nearest opens a definition)
@@ -65,18 +66,26 @@ def source_definitions(tools) -> Tuple[Dict[str, List[dict]], Dict[str, Tuple[st
         if elements is None:
             tools = _parsed(tools)
         else:
-            tools = [value for value, _ in elements]
+            tools = []
             for value, written in elements:
-                if isinstance(value, dict) and isinstance(value.get("name"), str) and "arguments" not in value \
-                        and "null" not in written:
-                    texts[value["name"]] = texts.get(value["name"], ()) + (written,)
-    tools = tools if isinstance(tools, list) else [tools]
+                tools.append(value)
+                if type(value) is dict and "null" not in written and "arguments" not in value:
+                    name = value.get("name")
+                    if type(name) is str:
+                        texts[name] = texts[name] + (written,) if name in texts else (written,)
     out: Dict[str, List[dict]] = {}
-    for tool in tools:
-        if isinstance(tool, dict) and isinstance(tool.get("function"), dict):
-            tool = tool["function"]
-        if isinstance(tool, dict) and isinstance(tool.get("name"), str):
-            out.setdefault(tool["name"], []).append(tool)
+    for tool in (tools if isinstance(tools, list) else (tools,)):
+        if not isinstance(tool, dict):
+            continue
+        fn = tool.get("function")
+        if isinstance(fn, dict):
+            tool = fn
+        name = tool.get("name")
+        if isinstance(name, str):
+            if name in out:
+                out[name].append(tool)
+            else:
+                out[name] = [tool]
     return out, texts
 
 
@@ -104,10 +113,10 @@ def _read_object(text: str, start: int, name: str) -> Tuple[Optional[dict], int]
         if text.startswith(written, start):
             return value, start + len(written)
     try:
-        value, end = raw_decode(text, start)
-    except ValueError:
+        value, end = scan_value(text, start)
+    except (StopIteration, RecursionError):
         return None, start
-    if not isinstance(value, dict):
+    if type(value) is not dict:
         return None, start
     if len(name) <= _SEEN_NAME:
         _remember(name, seen, text, start, end, value)

@@ -223,9 +223,11 @@ class ChatTokenizer:
         return f" (this tokenizer's named templates: {', '.join(names)})" if names else ""
 
     def chat_text_and_spans(self, messages, loss_on: str, path: str, line: int,
-                            policy: LossPolicy = DEFAULT_POLICY) -> Tuple[str, List[Tuple[int, int]]]:
+                            policy: LossPolicy = DEFAULT_POLICY, read_back: Optional[list] = None
+                            ) -> Tuple[str, List[Tuple[int, int]]]:
         """The full rendering and the character spans to train (reference: prefix renders), after
-        the rendering check and the loss policy.
+        the rendering check and the loss policy (``read_back``: as :func:`.rendering.check_rendered`
+        takes it).
 
         Raises:
             InputError: the template rejects the conversation, renders some text of it nowhere,
@@ -242,7 +244,7 @@ class ChatTokenizer:
             raise
         except Exception as exc:  # jinja2 TemplateError, raise_exception(), bad content types
             raise template_rejected(exc, path, line) from None
-        check_rendered(full, conv, reasoning_turns(conv, loss_on, policy, turns), policy, path, line)
+        check_rendered(full, conv, reasoning_turns(conv, loss_on, policy, turns), policy, path, line, read_back)
         if loss_on == "all":
             return full, []
         return full, self.refined(full, spans, turns, conv, policy, path, line)
@@ -255,10 +257,10 @@ class ChatTokenizer:
             return list(spans)
         return refine_spans(text, spans, turns, conv, policy, path, line)
 
-    def turn_texts_and_spans(self, messages, path: str, line: int, policy: LossPolicy = DEFAULT_POLICY
-                             ) -> List[Tuple[str, List[Tuple[int, int]]]]:
+    def turn_texts_and_spans(self, messages, path: str, line: int, policy: LossPolicy = DEFAULT_POLICY,
+                             read_back: Optional[list] = None) -> List[Tuple[str, List[Tuple[int, int]]]]:
         """``per-turn``: for each trained turn k, the rendering of messages ``[:k+1]`` and its last
-        turn's spans.
+        turn's spans (``read_back``: as :func:`.rendering.check_rendered` takes it).
 
         Raises:
             InputError: as :meth:`chat_text_and_spans`; or no assistant turn.
@@ -269,7 +271,7 @@ class ChatTokenizer:
             raise input_error("no token is trained: the conversation has no assistant turn", path, line,
                               field="loss_mask", reason="no_trainable_tokens",
                               hint="the conversation has no assistant turn (or the template hides it)")
-        return [self.chat_text_and_spans(conv.cut(k), "last-turn", path, line, policy) for k in turns]
+        return [self.chat_text_and_spans(conv.cut(k), "last-turn", path, line, policy, read_back) for k in turns]
 
     def encode_chat(self, messages, loss_on: str, path: str, line: int, policy: LossPolicy = DEFAULT_POLICY
                     ) -> Tuple[np.ndarray, np.ndarray]:

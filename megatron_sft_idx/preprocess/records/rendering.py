@@ -184,11 +184,16 @@ def items_of(conv: Conversation, reasoning_required: Sequence[int], policy: Loss
 
 
 def check_rendered(text: str, conv: Conversation, reasoning_required: Sequence[int], policy: LossPolicy,
-                   path: str, line: int) -> None:
-    """Every text of ``conv`` is in ``text``, in order (see the module docstring).
+                   path: str, line: int, read_back: Optional[list] = None) -> None:
+    """Every text of ``conv`` is in ``text``, in order (see the module docstring), and nothing the
+    source does not hold: :func:`.accounting.check_rendered_tools`, the read-back of tool
+    definitions and calls, made here, or queued on ``read_back`` when it is a list, for the caller
+    to make over a whole batch with :func:`read_back_all` (the same calls made in one loop cost
+    about half as much as spread between renders: docs/PREPROCESSING.md, "What accounting costs").
 
     Raises:
-        InputError: the first text the rendering lacks (reason ``template_dropped_content``).
+        InputError: the first text the rendering lacks (reason ``template_dropped_content``), or
+            what the read-back refuses when it is made here.
     """
     if conv.plain and _plain_rendered(text, conv.messages):
         return
@@ -207,7 +212,20 @@ def check_rendered(text: str, conv: Conversation, reasoning_required: Sequence[i
             raise _dropped(where, what, False, path, line)
         _own_span(text, what, forms, found, own)
     # and nothing the source does not hold (JSON in a message's own text is not a call or definition)
-    check_rendered_tools(text, conv.source_tools, path, line, conv.source_calls, own)
+    if read_back is None:
+        check_rendered_tools(text, conv.source_tools, path, line, conv.source_calls, own)
+    elif conv.source_tools or conv.source_calls:
+        read_back.append((text, conv.source_tools, path, line, conv.source_calls, own))
+
+
+def read_back_all(queued: Sequence[tuple]) -> None:
+    """Make the read-backs :func:`check_rendered` queued, in their order.
+
+    Raises:
+        InputError: the first one refused (reason ``rendered_not_in_source``).
+    """
+    for args in queued:
+        check_rendered_tools(*args)
 
 
 def _own_span(text: str, what: str, forms: Sequence[str], end: int, own: List[Tuple[int, int]]) -> None:
