@@ -351,8 +351,9 @@ class Doc:
 _RAW_DECODER = json.JSONDecoder()
 
 #: :func:`raw_decode`'s scanner itself (C), for a loop that reads many values: ``scan_value(text,
-#: start)`` is ``(value, end)``, and raises StopIteration when no JSON value starts there (a
-#: RecursionError when it nests too deep) instead of raw_decode's ValueError
+#: start)`` is ``(value, end)``; it raises StopIteration when no JSON value starts there (or one
+#: breaks off at a value), ValueError when one breaks off elsewhere (an unterminated string, a
+#: missing delimiter), RecursionError when it nests too deep: a caller catches all three
 scan_value = _RAW_DECODER.scan_once
 
 

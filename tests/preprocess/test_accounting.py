@@ -277,7 +277,8 @@ def test_what_the_read_back_remembers_is_bounded(monkeypatch):
 @pytest.mark.parametrize("text", [
     '[]', ' [ ] ', '[{"name": "a"}]', '[{"name":"a"},{"name":"b","x":[1,{"y":null}]}]',
     '\n[ {"name": "a"} ,\t{"name": "b"} ]\n', '[1, "two", null, [3], {"name": "c"}]',
-    '[{"name": "a"}] x', '[{"name": "a"},]', '[{"name": "a"}', '{"name": "a"}', '"[]"', '', '[{"name": "a"} {}]'])
+    '[{"name": "a"}] x', '[{"name": "a"},]', '[{"name": "a"}', '{"name": "a"}', '"[]"', '', '[{"name": "a"} {}]',
+    '[{"name": "a"', '[{"name": "a", "d": "b', '[{"name": "a", "d" 1}]', '[{"name": "a", "d": [1, }]'])
 def test_a_tools_string_is_read_element_by_element_exactly_as_the_decoder_reads_it(text):
     from megatron_sft_idx.preprocess.records.accounting import _elements
 
@@ -588,6 +589,24 @@ def test_a_pasted_call_does_not_hide_a_changed_rendered_call(tmp_path, families,
     defect(monkeypatch)
     s = _run(tmp_path, families, "qwen25", "pasted_broken", records)
     assert _kept_and_refused(s) == (1, 3), s["skipped"]
+
+
+def test_json_that_breaks_off_is_read_as_no_definition_or_call_and_never_raises_but_refusals():
+    """A rendering (or a tools string) whose JSON breaks off inside a definition or a call -- an
+    unterminated string, a missing delimiter, a cut list -- gives nothing to compare there, as
+    text that is not JSON does; it never escapes as a decoder's error."""
+    from megatron_sft_idx.preprocess.records.accounting import check_rendered_tools
+
+    fn = {"name": "get_altitude", "description": "Altitude", "parameters": {"type": "object", "properties": {}}}
+    calls = ({"function": {"name": "get_altitude", "arguments": '{"place": "K2"}'}},)
+    whole = json.dumps(fn)
+    for cut in (len(whole) - 1, len(whole) - 3, whole.index("Alt") + 2, whole.index('"type"') + 3):
+        for tools in ([fn], json.dumps([fn]), json.dumps([fn])[:cut]):
+            check_rendered_tools("<tools>\n" + whole[:cut], tools, "t.jsonl", 3)
+            check_rendered_tools('{"name": "get_altitude", "arguments": {"place": "K' + whole[:cut], tools, "t.jsonl",
+                                 3, calls)
+    with pytest.raises(InputError):   # (and what does decode is still compared)
+        check_rendered_tools(json.dumps(dict(fn, strict=True)) + whole[:-2], [fn], "t.jsonl", 3)
 
 
 def test_check_rendered_tools_reads_no_call_inside_a_messages_own_text():

@@ -114,7 +114,7 @@ def _read_object(text: str, start: int, name: str) -> Tuple[Optional[dict], int]
             return value, start + len(written)
     try:
         value, end = scan_value(text, start)
-    except (StopIteration, RecursionError):
+    except (StopIteration, ValueError, RecursionError):   # (no value there; a broken one; too deep)
         return None, start
     if type(value) is not dict:
         return None, start

@@ -188,8 +188,8 @@ def check_rendered(text: str, conv: Conversation, reasoning_required: Sequence[i
     """Every text of ``conv`` is in ``text``, in order (see the module docstring), and nothing the
     source does not hold: :func:`.accounting.check_rendered_tools`, the read-back of tool
     definitions and calls, made here, or queued on ``read_back`` when it is a list, for the caller
-    to make over a whole batch with :func:`read_back_all` (the same calls made in one loop cost
-    about half as much as spread between renders: docs/PREPROCESSING.md, "What accounting costs").
+    to make a few records' at a time with :func:`read_back_all` (the same calls made in one loop
+    cost a third less than between renders: docs/PREPROCESSING.md, "What accounting costs").
 
     Raises:
         InputError: the first text the rendering lacks (reason ``template_dropped_content``), or
