@@ -55,7 +55,7 @@ from bench._common import ROOT, format_table, write_json
 from bench.preprocess import TOKENIZER, make_input
 
 sys.path.insert(0, str(ROOT / "tests"))  # the cluster harness lives with the tests that use it
-from support.ray_cluster import RayCluster  # noqa: E402
+from support.ray_cluster import RayCluster, peak_mib, with_peak  # noqa: E402
 
 TOOL = str(ROOT / "tools" / "preprocess_sft.py")
 
@@ -64,14 +64,13 @@ def _flags(args) -> list:
     return ["--pack-size", str(args.pack_size), "--partition-bytes", args.partition_bytes, "--quiet"]
 
 
-def _wait(proc: subprocess.Popen, timeout: float) -> tuple:
-    """(exit status, wall s, peak RSS MiB of the process) of a started child, with a deadline."""
+def _wait(proc: subprocess.Popen, timeout: float, peak: str) -> tuple:
+    """(exit status, wall s, peak RSS MiB) of a child started by ``with_peak(cmd, peak)`` (its own
+    ru_maxrss would be this benchmark's size when it forked), with a deadline."""
     t, end = time.perf_counter(), time.monotonic() + timeout
     while time.monotonic() < end:
-        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-        if pid:
-            proc.returncode = os.waitstatus_to_exitcode(status)
-            return proc.returncode, time.perf_counter() - t, usage.ru_maxrss / 1024
+        if proc.poll() is not None:
+            return proc.returncode, time.perf_counter() - t, peak_mib(peak) if proc.returncode == 0 else None
         time.sleep(0.02)
     proc.kill()
     raise RuntimeError(f"{proc.args[:4]} did not finish within {timeout:.0f} s")
@@ -151,8 +150,9 @@ def run_local(args, work: str, inp: str, tokenizer: str, cpus: int) -> dict:
     cmd = [sys.executable, TOOL, "--input", inp, "--tokenizer", tokenizer, "--output-prefix", os.path.join(out, "ds"),
            "--store", os.path.join(work, "local-store"), "--engine", "local", "--workers", str(cpus), *_flags(args)]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    code, wall, peak = _wait(proc, args.timeout)
+    proc = subprocess.Popen(with_peak(cmd, os.path.join(work, "local.peak")), env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    code, wall, peak = _wait(proc, args.timeout, os.path.join(work, "local.peak"))
     if code != 0:
         raise RuntimeError(f"the local run failed (exit {code}): {proc.stderr.read()[-3000:]}")
     files = _local_files(out)
@@ -162,8 +162,9 @@ def run_local(args, work: str, inp: str, tokenizer: str, cpus: int) -> dict:
 
 def run_cluster(args, cluster: RayCluster, cmd: list, summary_path: str) -> dict:
     sampler = IoSampler(cluster)
-    proc = cluster.popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    code, wall, peak = _wait(proc, args.timeout)
+    peak_file = summary_path + ".peak"
+    proc = cluster.popen(with_peak(cmd, peak_file), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    code, wall, peak = _wait(proc, args.timeout, peak_file)
     io = sampler.stop()
     err = proc.stderr.read()
     result = {"command": " ".join(cmd[1:]), "exit": code, "wall_s": wall, "driver_peak_rss_mib": peak,

@@ -25,7 +25,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -33,7 +32,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 
 pytest.importorskip("ray", reason="the [ray] extra is not installed")
 
-from support.ray_cluster import UNIT_TASK, RayCluster, finish  # noqa: E402
+from support.ray_cluster import UNIT_TASK, RayCluster, finish, peak_mib, with_peak  # noqa: E402
 from megatron_sft_idx.reader import MMapIndexedDataset  # noqa: E402
 from support.stages import files_of  # noqa: E402
 
@@ -308,16 +307,15 @@ def _driver_files(cluster):
 
 
 def _driver_peak_rss_mib(cluster, cmd, timeout=600):
-    proc = cluster.popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-        if pid:
-            assert os.waitstatus_to_exitcode(status) == 0, proc.stderr.read()[-3000:]
-            return usage.ru_maxrss / 1024
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    raise AssertionError(f"the driver did not finish within {timeout} s")
+    peak = os.path.join(cluster.driver_dir, "driver-peak-kib")
+    proc = cluster.popen(with_peak(cmd, peak), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(f"the driver did not finish within {timeout} s") from None
+    assert proc.returncode == 0, err[-3000:]
+    return peak_mib(peak)
 
 
 def test_the_drivers_memory_stays_flat_in_the_number_of_conversations(cluster, data):

@@ -180,7 +180,7 @@ def test_every_hostile_family_in_one_file_is_counted_under_skip_bad(tmp_path, ca
 
 
 PROBE = r"""
-import json, resource, sys
+import json, sys
 from megatron_sft_idx.preprocess import Config, run
 from megatron_sft_idx.errors import ShardError
 args = json.loads(sys.argv[1])
@@ -189,7 +189,8 @@ try:
     out = {"ok": True, "skipped": s["skipped"], "conversations": s["conversations"]}
 except ShardError as e:
     out = {"ok": False, "error": str(e)}
-out["peak_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+# (VmHWM, not ru_maxrss: that keeps the size the forking pytest worker had before exec)
+out["peak_mib"] = int([l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1]) / 1024
 print(json.dumps(out))
 """
 

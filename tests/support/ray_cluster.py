@@ -726,6 +726,29 @@ def finish(proc: subprocess.Popen, timeout: float = 300.0) -> tuple:
     return proc.returncode, out, err
 
 
+#: Runs ``argv[2:]`` as its own child and writes that child's peak RSS (KiB) to ``argv[1]``. A
+#: process's own ru_maxrss keeps the size its forking parent had before exec (Linux carries it
+#: over), so a driver started straight from a pytest worker or a benchmark reports their size.
+PEAK_LAUNCHER = ("import os, sys\n"
+                 "pid = os.fork()\n"
+                 "if pid == 0:\n"
+                 "    os.execv(sys.argv[2], sys.argv[2:])\n"
+                 "_, status, usage = os.wait4(pid, 0)\n"
+                 "open(sys.argv[1], 'w').write(str(usage.ru_maxrss))\n"
+                 "sys.exit(os.waitstatus_to_exitcode(status) & 255)\n")
+
+
+def with_peak(cmd: Sequence[str], path: str) -> List[str]:
+    """``cmd`` (its first item a path) run by :data:`PEAK_LAUNCHER`, its peak RSS written to ``path``
+    (:func:`peak_mib` reads it once the launcher has exited)."""
+    return [sys.executable, "-c", PEAK_LAUNCHER, path, *cmd]
+
+
+def peak_mib(path: str) -> float:
+    with open(path) as f:
+        return int(f.read()) / 1024
+
+
 def _loopback(address: str) -> bool:
     """127.0.0.0/8, ::1, or an IPv4-mapped loopback (``::ffff:127.0.0.1``); never a wildcard."""
     ip = ipaddress.ip_address(address)
