@@ -431,13 +431,11 @@ class _Run:
 
     def skip_report(self, store: SequenceStore) -> List[str]:
         """``--skip-report``'s lines (:class:`.plan.SkipReportStep`: the tokenize stage's skips and
-        the plan's drops by its rule): here, or in a task when the store is in object storage (the
-        task pulls the partitions' ``.skips`` and ``.rows``; the driver gets the lines alone)."""
-        step = SkipReportStep(store.directory, self.job.settings)
-        if self.areas.store is None:
-            return step.run(0)["lines"]
+        the plan's drops by its rule), made by the engine as every one-unit step is (with the
+        store in object storage the task pulls the partitions' ``.skips`` and ``.rows``; the
+        driver gets the lines alone)."""
         got: List[List[str]] = []
-        self.engine.map(step, [0], lambda r: got.append(r["lines"]))
+        self.engine.map(SkipReportStep(store.directory, self.job.settings), [0], lambda r: got.append(r["lines"]))
         return got[0]
 
     def _verdicts(self, step, units) -> Dict[int, str]:
