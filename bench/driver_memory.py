@@ -47,7 +47,7 @@ def child_driver(address: str, env: dict, args: list, tmp: str) -> dict:
 
     import ray
 
-    from megatron_sft_idx.preprocess import workarea
+    from megatron_sft_idx.preprocess.engines.mirrored import MirroredEngine
     from megatron_sft_idx.preprocess.cli import main
 
     ray.init(address=address, runtime_env={"env_vars": env}, logging_level=logging.WARNING)
@@ -55,7 +55,7 @@ def child_driver(address: str, env: dict, args: list, tmp: str) -> dict:
 
     largest = {"files": 0, "bytes": 0, "kinds": []}
     peaks = {}   # step -> the driver's peak RSS (VmHWM, MB) when it ended
-    real = workarea.AreaEngine.map
+    real = MirroredEngine.map
 
     def map(self, step, units, on_done, on_progress=None):
         real(self, step, units, on_done, on_progress)
@@ -64,7 +64,7 @@ def child_driver(address: str, env: dict, args: list, tmp: str) -> dict:
         if now["bytes"] >= largest["bytes"]:
             largest.update(now, after=step.name)
 
-    workarea.AreaEngine.map = map
+    MirroredEngine.map = map
     t = time.perf_counter()
     code = main(args)
     return {"exit": code, "wall_s": round(time.perf_counter() - t, 2), "mirror_at_largest": largest,

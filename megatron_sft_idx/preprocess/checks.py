@@ -32,9 +32,9 @@ from .records.encode import encoding_of
 from .records.inputs import parse_record
 from .records.partitions import read_batches
 from .planfile import PackPlan
+from .files import LOCAL, Files
 from .store import SequenceStore, part_prefix, rows_paths
 from .summary import check_gate, check_verify
-from .workarea import pull_here
 from .records import source_check as sc
 
 log = logging.getLogger("megatron_sft_idx.preprocess")
@@ -243,8 +243,8 @@ def verify_masks(store, plan_path: str, shards, job, count: int) -> dict:
         wanted.setdefault(int(k), set()).add(line_of[int(g)])
     sources = _source_records(store, wanted)
     where = _locate(plan, shards, chosen)
-    pull_here([part_prefix(store.directory, k) + s for k in wanted for s in PUBLISH_ORDER]
-              + [staged + s for staged in {w[0] for w in where.values()} for s in PUBLISH_ORDER])
+    store.files.fetch([part_prefix(store.directory, k) + s for k in wanted for s in PUBLISH_ORDER]
+                      + [staged + s for staged in {w[0] for w in where.values()} for s in PUBLISH_ORDER])
     failures, opened = [], {}
     for g, k in zip(chosen, part_of):
         g, k = int(g), int(k)
@@ -331,8 +331,8 @@ class GateStep:
 @dataclass(frozen=True)
 class VerifyMasksStep:
     """Unit 0: :func:`verify_masks` where the unit runs (a work directory in object storage: the
-    task pulls the plan and the store's rows, draws the sample, then pulls the partitions and
-    staged shards the sample lands in, :func:`~.workarea.pull_here`); returns ``{"unit": 0,
+    task pulls the plan and the store's rows, draws the sample, then fetches the partitions and
+    staged shards the sample lands in through its ``files`` view); returns ``{"unit": 0,
     "verify": <its report>}``, raises as it does."""
 
     store_dir: str
@@ -340,6 +340,7 @@ class VerifyMasksStep:
     shards: tuple
     job: object
     count: int
+    files: Files = LOCAL
     name: str = "verify-masks"
 
     @property
@@ -350,5 +351,5 @@ class VerifyMasksStep:
         return [self.plan_path] + rows_paths(self.store_dir)
 
     def run(self, unit: int) -> dict:
-        return {"unit": unit, "verify": verify_masks(SequenceStore(self.store_dir), self.plan_path, self.shards,
+        return {"unit": unit, "verify": verify_masks(SequenceStore(self.store_dir, files=self.files), self.plan_path, self.shards,
                                                      self.job, self.count)}

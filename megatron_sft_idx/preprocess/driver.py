@@ -23,14 +23,15 @@ after the last one is published, the *done* record (summary, outputs with sizes 
 inputs by digest) makes the run committed, and the work directory is reduced to that record,
 so ``--resume`` of a finished run is a no-op while its outputs and inputs are unchanged.
 
-A store or work directory in object storage (:mod:`.workarea`): every engine's units run
-mirrored (pull what they read, push what they make, the receipt last), the driver syncs its own
-writes and pulls the receipts alone, both areas are locked by objects written conditionally.
-What reads the data runs as units whose verdicts the driver collects: the store's verification
-(:class:`.store.VerifyStoreStep`), a resumed plan's and shards' (:class:`.plan.VerifyPlanStep`,
-:class:`.materialize.VerifyShardStep`), ``--check`` and ``--verify-masks``
-(:class:`.checks.GateStep`, :class:`.checks.VerifyMasksStep`); the plan's bug guard runs in the
-plan unit; the staged objects are published by server-side copies.
+The run holds one workspace (:mod:`.workspace`), chosen once from the output, the store, the
+engine and the staging directory: local, or with the store or work directory in object storage
+(mirrored on every node). The driver never asks which: every check that reads data is a step
+the engine runs, in both setups -- the store's verification (:class:`.store.VerifyStoreStep`),
+a resumed plan's and shards' (:class:`.plan.VerifyPlanStep`, :class:`.materialize.VerifyShardStep`),
+``--check`` and ``--verify-masks`` (:class:`.checks.GateStep`, one unit per shard, and
+:class:`.checks.VerifyMasksStep`), ``--balance-for`` (:class:`.balance.BalanceStep`) and
+``--skip-report`` (:class:`.skips.SkipReportStep`) -- and the driver collects their verdicts.
+The local engine runs a one-unit step in this process and a many-unit one in its workers.
 
 Memory of the driver: receipts, plus (local engine, in-process plan) ~16-24 bytes per
 conversation for the planner; with the Ray engine and the work directory in object storage,
@@ -50,7 +51,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Callable, Dict, List, Optional, Sequence
 
-from .._atomic import _alive
 from .._extras import MissingExtraError
 from .._progress import Progress
 from .._signals import Terminated, committed, signals_deferred, terminate_as_exception
@@ -58,27 +58,26 @@ from .._units import human_bytes, plural
 from ..errors import IncompleteDestinationError, OutputError, ShardError
 from ..format import PUBLISH_ORDER
 from . import outputs
-from .balance import BalanceStep, stage_orders
-from .checks import GateStep, VerifyMasksStep, checks_schema, run_gate, verify_count, verify_masks
+from .balance import BalanceStep
+from .checks import GateStep, VerifyMasksStep, checks_schema, verify_count
 from .config import Config, PackJob, RepackConfig
+from .done import check_outputs, owned_files, record_outputs, run_books
 from .engines import make_engine
-from .records.errors import output_error
-from .materialize import (MaterializeStep, OutputShard, VerifyShardStep, materialize_schema, output_shards,
-                          resumed_shards)
-from .records.partitions import Partition, auto_partition_bytes, sha256_file
-from .plan import PlanStep, SkipReportStep, VerifyPlanStep, plan_schema, resumed_plan, write_plan
+from .files import Files
+from .materialize import MaterializeStep, OutputShard, VerifyShardStep, materialize_schema, output_shards, resumed_shards
+from .plan import PlanStep, VerifyPlanStep, plan_schema, resumed_plan, write_plan
 from .publish import StagedSet, StagedShard, publish
 from .receipts import ReceiptBook, settings_key
-from .done import check_outputs, owned_files, record_outputs, run_books
-from ..storage._url import is_remote, local_only
-from ..storage.destination import ObjectDestination, destination_for
-from .store import REBUILD_HINT, SequenceStore, VerifyStoreStep, part_prefix
-from .summary import PackResult, build_summary, inputs_left, write_skip_report
-from .tokenize import (IndexStep, Inputs, TokenizeStep, describe_store, index_schema, lock_user_store,
-                       part_metadata, partition_sizes, recorded_template_date, resolve_inputs,
-                       verified_partitions)
-from .workarea import Area, RunAreas, is_metadata, mirrored_store
-from .workdir import RECORD, WorkDir, keep_only_record
+from .records.errors import output_error
+from .records.partitions import Partition, auto_partition_bytes, sha256_file
+from .skips import SkipReportStep, write_skip_report
+from .store import REBUILD_HINT, SequenceStore, VerifyStoreStep, part_prefix, verify_chunks
+from .summary import PackResult, build_summary, inputs_left
+from .tokenize import (IndexStep, Inputs, TokenizeStep, describe_store, index_schema, part_metadata, partition_sizes,
+                       recorded_template_date, resolve_inputs)
+from .workdir import keep_only_record
+from .workspace import Workspace, workspace_for
+from ..storage.destination import destination_for
 
 log = logging.getLogger("megatron_sft_idx.preprocess")
 
@@ -96,20 +95,13 @@ def run(cfg: Config) -> dict:
     inputs = resolve_inputs(cfg)
     job = PackJob.resolve(cfg.output_prefix, cfg.pack, cfg.run, inputs.options.vocab_size, inputs.pad_id,
                           inputs.options.tokenizer_path, cfg.balance)
-    store_area = Area(cfg.store) if cfg.store and is_remote(cfg.store) else None   # mirrored here
-    store_dir = store_area.local if store_area else (os.path.abspath(cfg.store) if cfg.store else None)
+    ws = workspace_for(job.output_prefix, job.run.engine, job.run.staging_dir, cfg.store)
     if cfg.tokenize.partition_bytes is None:   # auto: from the inputs' size (resolved once, recorded in the key)
         cfg = replace(cfg, tokenize=replace(cfg.tokenize, partition_bytes=auto_partition_bytes(
             sum(size for _, size, _ in inputs.stat()))))
     if inputs.options.template_date is not None and cfg.tokenize.template_date is None and cfg.run.resume:
-        # the store being continued (--store, or the run's own) keeps the date it was rendered with
-        areas = RunAreas(job.output_prefix, job.run.engine, job.run.staging_dir, store_area)
-        work = areas.work_prefix(destination_for(job.output_prefix).work_prefix(job.output_prefix,
-                                                                                job.run.staging_dir))
-        for area, rel in ((store_area, "store.json"), (None if store_area else areas.work, "store/store.json")):
-            if area is not None:   # (a store in object storage: its description, mirrored here)
-                area.pull(rel)
-        recorded = recorded_template_date(store_dir or WorkDir(work).store)
+        ws.peek_store()   # the store being continued (--store, or the run's own) keeps the date it was rendered with
+        recorded = recorded_template_date(ws.store_dir)
         if recorded is not None and recorded != inputs.options.template_date:
             inputs = resolve_inputs(cfg, recorded)
     encode = inputs.options.to_dict()
@@ -117,10 +109,9 @@ def run(cfg: Config) -> dict:
         encode.pop("template_date", None)   # resumed the next day, it is the same run (its store keeps the date)
     key = settings_key({"job": _job_key(job), "tokenizer": inputs.tokenizer, "encode": encode,
                         "inputs": inputs.paths, "partition_bytes": cfg.tokenize.partition_bytes,
-                        "max_record_bytes": cfg.tokenize.max_record_bytes,
-                        "store": store_area.url if store_area else store_dir})
+                        "max_record_bytes": cfg.tokenize.max_record_bytes, "store": ws.kept_store})
     times["inputs"] = time.perf_counter() - t
-    stages = _Run(job, key, times, kept_store=store_dir, store_area=store_area)
+    stages = _Run(job, key, times, ws)
     summary = stages.finished(prove_inputs(inputs, cfg.run.workers))
     if summary is not None:
         return dict(summary, inputs_left=inputs_left(inputs.left))   # (said on every run)
@@ -143,17 +134,18 @@ def repack(cfg: RepackConfig) -> dict:
     """
     times: Dict[str, float] = {}
     t = time.perf_counter()
-    store_area = Area(cfg.store) if is_remote(cfg.store) else None
-    # (a URL's: its metadata mirrored here; --plan-only plans here, from the whole store)
-    store = SequenceStore(mirrored_store(cfg.store, None if cfg.plan_only else is_metadata)
-                          if store_area else cfg.store)
+    if cfg.plan_only:   # (planned here, from the whole store: a URL's is mirrored here)
+        store = SequenceStore(cfg.store)
+        job = PackJob.resolve(cfg.output_prefix, cfg.pack, cfg.run, store.vocab_size,
+                              (store.tokenizer or {}).get("pad_id"), cfg.tokenizer or store.tokenizer_path, cfg.balance)
+        return plan_only(store, job, cfg.plan_only)
+    ws = workspace_for(cfg.output_prefix, cfg.run.engine, cfg.run.staging_dir, cfg.store)
+    store = SequenceStore(ws.open_kept_store(), files=ws.files)
     job = PackJob.resolve(cfg.output_prefix, cfg.pack, cfg.run, store.vocab_size,
                           (store.tokenizer or {}).get("pad_id"), cfg.tokenizer or store.tokenizer_path, cfg.balance)
-    if cfg.plan_only:
-        return plan_only(store, job, cfg.plan_only)
     key = settings_key({"store_id": store.store_id, "job": _job_key(job)})
     times["inputs"] = time.perf_counter() - t
-    stages = _Run(job, key, times, kept_store=store.directory, store_area=store_area)
+    stages = _Run(job, key, times, ws)
     summary = stages.finished()
     if summary is not None:
         return summary
@@ -163,15 +155,12 @@ def repack(cfg: RepackConfig) -> dict:
 
 
 def plan_only(store: SequenceStore, job: PackJob, path: str) -> dict:
-    """Write only the pack plan of ``store`` to the local file ``path`` (for virtual packs);
-    returns its summary.
+    """Write only the pack plan of ``store`` to the local file ``path`` (for virtual packs;
+    a URL is refused by :class:`~.config.RepackConfig`); returns its summary.
 
     Raises:
-        ShardError: ``path`` is a URL, the store does not verify; OutputError: the write failed.
+        ShardError: the store does not verify; OutputError: the write failed.
     """
-    if local_only([("--plan-only", path)]):
-        raise ShardError("--plan-only writes a local file", path=path, field="plan_only",
-                         hint="give a local path (VirtualPackedDataset reads the plan and the store locally)")
     t = time.perf_counter()
     try:
         store.verify()   # a plan is made from the rows, and it is served from the tokens
@@ -224,42 +213,33 @@ def prove_inputs(inputs: Inputs, workers: int) -> Callable[[dict], None]:
 
 
 class _Run:
-    """One run of the stages: its job, work directory, engine, receipts, times and resumed units.
+    """One run of the stages in its workspace: its job, engine, receipts, times and resumed units.
 
     :meth:`finished` first (``--resume`` of a finished run), then, inside :meth:`started`, the
     store (:meth:`tokenize` or :meth:`verified`) and :meth:`pack`, which ends with the commit;
     :attr:`summary` is the run's summary once committed.
     """
 
-    def __init__(self, job: PackJob, key: str, times: Dict[str, float], kept_store: Optional[str],
-                 store_area: Optional[Area] = None) -> None:
-        self.job, self.key, self.times, self.kept_store = job, key, times, kept_store
-        self.destination = destination_for(job.output_prefix)
-        self.areas = RunAreas(job.output_prefix, job.run.engine, job.run.staging_dir, store_area)
-        if self.areas.work is not None:   # staged shards are published by server-side copies
-            self.destination = ObjectDestination(copies=self.areas.work.object_of)
-        self.work = WorkDir(self.areas.work_prefix(self.destination.work_prefix(job.output_prefix,
-                                                                                 job.run.staging_dir)))
+    def __init__(self, job: PackJob, key: str, times: Dict[str, float], ws: Workspace) -> None:
+        self.job, self.key, self.times, self.ws = job, key, times, ws
+        self.work, self.destination, self.files = ws.work, ws.destination, ws.files
         self.progress = Progress.of(job.run.progress)
         self.resumed: Dict[str, int] = {}
         self.engine = None
         self.owned: List[str] = []       # final files an earlier attempt of this run published
         self.replaced: List[str] = []    # existing outputs --overwrite replaces
         self.summary: Optional[dict] = None
-        self.orders_not_written: Dict[str, str] = {}   # split -> why (--balance-for: stage_orders)
+        self.orders_not_written: Dict[str, str] = {}   # split -> why (--balance-for: BalanceStep)
 
     def finished(self, prove: Optional[Callable[[dict], None]] = None) -> Optional[dict]:
         """With ``--resume``, the summary of this run if it already finished and nothing changed
         since: every output it published is still there, complete and identical (sizes and
         CRC-32s), and ``prove`` accepts the record (the inputs are the bytes it read). None
         otherwise (logged: the run is done again, its outputs replaced as its own)."""
-        if not self.job.run.resume:
-            return None
-        if self.areas.busy():   # (a work directory in the bucket that a run holds: not finished)
+        if not self.job.run.resume or self.ws.busy():   # (a run holding the work directory: not finished)
             return None
         done = run_books(self.work, self.key)["done"].read(0)
-        owner = self.work.lock.owner()
-        if done is None or (owner is not None and owner != os.getpid() and _alive(owner)):
+        if done is None:
             return None
         try:
             check_outputs(done["outputs"], self.destination)
@@ -285,7 +265,7 @@ class _Run:
                 reached a final name); whatever a stage raises.
         """
         work, settings = self.work, self.job.run
-        self.areas.open(settings.resume)   # (in the bucket: its lock, naming a run that holds it)
+        self.ws.claim(settings.resume)   # (what a run of this work holds: refused, naming a live holder)
         self.owned = sorted(owned_files(work, self.key)) if settings.resume else []
         self.replaced = outputs.refuse_existing(self.job.bases, settings.overwrite, self.destination, set(self.owned))
         with terminate_as_exception():
@@ -299,7 +279,7 @@ class _Run:
                 self.engine = make_engine(settings.engine, settings.workers, settings.ray_address)
                 if self.engine.name == "ray":  # joining or starting the cluster: seconds, part of the run
                     self.times["ray_start"] = time.perf_counter() - t
-                self.engine = self.areas.engine(self.engine, own_store=self.kept_store is None)
+                self.engine = self.ws.engine(self.engine)
                 yield self
             except (OutputError, IncompleteDestinationError):
                 raise
@@ -318,20 +298,29 @@ class _Run:
                     self.engine.close()
                 if not work.closed:
                     work.close(remove)
-                self.areas.release()
+                self.ws.release()
+
+    def _verdicts(self, step, units) -> Dict[int, str]:
+        """``{unit: why}`` of the units of a checking ``step`` that found a problem (run by the engine)."""
+        units, out = list(units), {}
+        if units:
+            self.engine.map(step, units, lambda r: out.__setitem__(r["unit"], r["problem"]))
+        return {u: why for u, why in out.items() if why}
+
+    def _one(self, step) -> dict:
+        """The result of the one-unit ``step`` (run by the engine: here, or in a task)."""
+        got: List[dict] = []
+        self.engine.map(step, [0], got.append)
+        return got[0]
 
     # ------------------------------------------------------------------ the store
 
     def tokenize(self, cfg: Config, inputs: Inputs) -> SequenceStore:
         """Index the inputs and tokenize every partition not yet in the store: the run's own, or
-        the ``--store`` directory (``kept_store``, locked meanwhile)."""
-        if self.areas.store is not None:
-            lock = self.areas.lock_store(self.job.run.resume, self.job.run.overwrite)
-        else:
-            lock = lock_user_store(self.kept_store, self.job.run.resume, self.job.run.overwrite) \
-                if self.kept_store else None
+        the ``--store`` (locked meanwhile)."""
+        lock = self.ws.take_store(self.job.run.resume, self.job.run.overwrite)
         try:
-            directory = self.kept_store or self.work.store
+            directory = self.ws.store_dir
             index = self._index(inputs, cfg.tokenize.partition_bytes, directory)
             return self._tokenize(cfg, inputs, index, directory)
         finally:
@@ -343,7 +332,8 @@ class _Run:
         is the bytes the store was made from. ``{input: index receipt}``."""
         t = time.perf_counter()
         index_key = settings_key({"partition_bytes": partition_bytes, "inputs": inputs.paths})
-        book = ReceiptBook(os.path.join(directory, "receipts"), "index", index_key, directory, index_schema)
+        book = ReceiptBook(os.path.join(directory, "receipts"), "index", index_key, directory, index_schema,
+                           self.files)
         before = book.completed(range(len(inputs.paths)))
         index: Dict[int, dict] = {}
         step = IndexStep(tuple(inputs.paths), partition_bytes, book)
@@ -371,8 +361,8 @@ class _Run:
         parts = [Partition.from_list(p) for i in range(len(infos)) for p in index[i]["partitions"]]
         identity = {"tokenizer": inputs.tokenizer, "encode": inputs.options.to_dict(),
                     "max_record_bytes": tk.max_record_bytes}
-        store_id = describe_store(directory, identity, infos, parts, inputs, owned=self.kept_store is None,
-                                  overwrite=self.job.run.overwrite)
+        store_id = describe_store(directory, identity, infos, parts, inputs, owned=self.ws.own_store,
+                                  overwrite=self.job.run.overwrite, files=self.files)
         t_verify = time.perf_counter()
         done = self._verified_partitions(directory)
         self.times["verify_store"] = time.perf_counter() - t_verify
@@ -396,54 +386,46 @@ class _Run:
             self.engine.map(step, todo, lambda r: bar.update(size[r["unit"]] - reported.get(r["unit"], 0)),
                             on_progress if byte_unit else None)
         self.times["tokenize"] = time.perf_counter() - t
-        return SequenceStore(directory)
+        return SequenceStore(directory, files=self.files)
+
+    def _store_problems(self, directory: str, partitions) -> Dict[int, str]:
+        """``{partition: why}`` of the ``partitions`` of the store in ``directory`` that do not
+        verify (:class:`.store.VerifyStoreStep`, a chunk of partitions a unit)."""
+        step = VerifyStoreStep(directory, verify_chunks(partitions), self.files)
+        problems: Dict[int, str] = {}
+        if step.chunks:
+            self.engine.map(step, range(len(step.chunks)), lambda r: problems.update(r["problems"]))
+        return problems
 
     def verified(self, store: SequenceStore) -> SequenceStore:
-        """A kept store, every partition's checksums verified once before any pack is made from it
-        (in the tasks, one per partition, when it is in object storage).
+        """A kept store, every partition's checksums verified once before any pack is made from it.
 
         Raises:
             ShardError: the first partition that does not verify, naming it."""
         t = time.perf_counter()
-        if not self.areas.all:
-            store.verify()
-        else:
-            problems = self._verdicts(VerifyStoreStep(store.directory), range(len(store.partitions)))
-            if problems:
-                k = min(problems)
-                raise ShardError(f"store partition {k} does not verify: {problems[k]}",
-                                 path=part_prefix(store.directory, k), hint=REBUILD_HINT)
+        problems = self._store_problems(store.directory, range(len(store.partitions)))
+        if problems:
+            k = min(problems)
+            raise ShardError(f"store partition {k} does not verify: {problems[k]}",
+                             path=part_prefix(store.directory, k), hint=REBUILD_HINT)
         self.times["verify_store"] = time.perf_counter() - t
         return store
 
     def _verified_partitions(self, directory: str) -> set:
-        """:func:`.tokenize.verified_partitions`, in the tasks (one per partition) when the store
-        or the work directory is in object storage: the driver reads their verdicts."""
-        if not self.areas.all:
-            return verified_partitions(directory)
-        store = SequenceStore(directory, require_complete=False)
+        """Partitions an earlier attempt tokenized whose bytes still verify; the receipt of every
+        other one is removed, so it is tokenized again."""
+        store = SequenceStore(directory, require_complete=False, files=self.files)
         present = store.receipts_present
-        problems = self._verdicts(VerifyStoreStep(directory), present)
+        problems = self._store_problems(directory, present)
         for k in sorted(problems):
             log.warning("store partition %d does not verify; tokenizing it again: %s", k, problems[k])
             store.book.discard(k)
         return set(present) - set(problems)
 
     def skip_report(self, store: SequenceStore) -> List[str]:
-        """``--skip-report``'s lines (:class:`.plan.SkipReportStep`: the tokenize stage's skips and
-        the plan's drops by its rule), made by the engine as every one-unit step is (with the
-        store in object storage the task pulls the partitions' ``.skips`` and ``.rows``; the
-        driver gets the lines alone)."""
-        got: List[List[str]] = []
-        self.engine.map(SkipReportStep(store.directory, self.job.settings), [0], lambda r: got.append(r["lines"]))
-        return got[0]
-
-    def _verdicts(self, step, units) -> Dict[int, str]:
-        """``{unit: why}`` of the units of a checking ``step`` that found a problem (run by the engine)."""
-        units, out = list(units), {}
-        if units:
-            self.engine.map(step, units, lambda r: out.__setitem__(r["unit"], r["problem"]))
-        return {u: why for u, why in out.items() if why}
+        """``--skip-report``'s lines (:class:`.skips.SkipReportStep`: the tokenize stage's skips and
+        the plan's drops by its rule)."""
+        return self._one(SkipReportStep(store.directory, self.job.settings, self.files))["lines"]
 
     # ------------------------------------------------------------------ the pack stages
 
@@ -458,14 +440,14 @@ class _Run:
         Raises:
             ShardError: see the steps; the gate or --verify-masks rejected the output.
         """
-        books = _stage_books(self.work, self.key, store.store_id, self.job)
+        books = _stage_books(self.work, self.key, store.store_id, self.job, self.files)
         plan = self._plan(store, books["plan"])
         shards = output_shards(store, self.job, plan, self.work.staged)
         done, published, todo = self._materialize(store, plan, shards, books)
         staged = _staged_set(shards, plan, self.job)
         result = PackResult(plan, [done[u] for u in range(len(shards))], manifests=[p for p, _ in staged.manifests],
                             times=self.times, resumed=self.resumed, engine=self.engine.describe(),
-                            kept_store=self.areas.store.url if self.areas.store else self.kept_store)
+                            kept_store=self.ws.kept_store)
         moved = published if self.destination.moves else set()   # (where a publish moves the staged files)
         located = [replace(s, staged=s.final) if u in moved else s for u, s in enumerate(shards)]
         checked = books["checks"].read(0)
@@ -483,14 +465,11 @@ class _Run:
     def _plan(self, store: SequenceStore, book: ReceiptBook) -> dict:
         """The plan receipt: an earlier attempt's when its plan verifies, else a new plan's."""
         t = time.perf_counter()
-        verdict = None
-        if self.areas.all:   # (checked in a task, which pulls the plan and the store's rows)
-            verdict = lambda receipt: self._verdicts(   # noqa: E731
-                VerifyPlanStep(book, self.work.plan, store.directory, self.job.settings), [0]).get(0, "")
-        plan = resumed_plan(book, self.work.plan, store, self.job.settings, verdict)
+        check = VerifyPlanStep(book, self.work.plan, store.directory, self.job.settings, self.files)
+        plan = resumed_plan(book, lambda: self._verdicts(check, [0]).get(0, ""))
         self.resumed["plan"] = int(plan is not None)
         if plan is None:
-            step = PlanStep(store.directory, self.job.settings, self.work.plan, book)
+            step = PlanStep(store.directory, self.job.settings, self.work.plan, book, self.files)
             validated: List[float] = []   # the plan's bug guard, run by the plan unit
 
             def on_done(receipt: dict) -> None:
@@ -514,12 +493,9 @@ class _Run:
                      books: Dict[str, ReceiptBook]):
         """``({unit: materialize receipt} of every shard, {units published before}, [units written now])``."""
         t = time.perf_counter()
-        verdicts = None
-        if self.areas.work is not None:   # (checked in the tasks, each pulling the plan and its shard)
-            verdicts = lambda units: self._verdicts(   # noqa: E731
-                VerifyShardStep(books, tuple(shards), self.work.plan, self.work.path), units)
-        done, published = resumed_shards(books, shards, self.work.plan, self.work.path,
-                                         not self.destination.moves, verdicts)   # (an upload leaves them staged)
+        copies = not self.destination.moves   # (an upload leaves the staged files where they are)
+        check = VerifyShardStep(books, tuple(shards), self.work.plan, self.work.path, copies)
+        done, published = resumed_shards(books, len(shards), copies, lambda units: self._verdicts(check, units))
         if done:
             self.times["verify_shards"] = time.perf_counter() - t
             t = time.perf_counter()
@@ -545,13 +521,8 @@ class _Run:
         if count:
             t = time.perf_counter()
             with self.progress.phase("verify-masks", count, unit="conversations") as bar:
-                if self.areas.work is None:
-                    out["verify"] = verify_masks(store, self.work.plan, shards, job, count)
-                else:   # (in a task, which pulls what the sample reads)
-                    got: List[dict] = []
-                    self.engine.map(VerifyMasksStep(store.directory, self.work.plan, tuple(shards), job, count), [0],
-                                    lambda r: got.append(r["verify"]))
-                    out["verify"] = got[0]
+                step = VerifyMasksStep(store.directory, self.work.plan, tuple(shards), job, count, self.files)
+                out["verify"] = self._one(step)["verify"]
                 bar.update(out["verify"]["checked"])
             if not job.run.verify_masks:
                 out["verify"]["sample_of_check"] = True
@@ -564,10 +535,8 @@ class _Run:
         return out
 
     def _gate(self, prefixes: Sequence[str], on_shard=None) -> dict:
-        """:func:`.checks.run_gate` on the staged shards ``prefixes``: here, or in the tasks (one
-        per shard, each pulling its shard) when the work directory is in object storage."""
-        if self.areas.work is None:
-            return run_gate(prefixes, on_shard=on_shard)
+        """The promotion gate on the staged shards ``prefixes`` (:class:`.checks.GateStep`, one
+        unit per shard: in the local engine's workers too); raises at the first shard it rejects."""
         self.engine.map(GateStep(tuple(prefixes)), range(len(prefixes)), lambda r: on_shard and on_shard())
         return {"passed": True, "shards": len(prefixes)}
 
@@ -577,13 +546,8 @@ class _Run:
         if self.job.balance.balance_for is None:
             return staged
         t = time.perf_counter()
-        if self.areas.work is None:
-            orders, self.orders_not_written = stage_orders(self.job, shards, located, staged.manifests)
-        else:   # (in a task, which pulls the staged shards: the driver gets the orders)
-            got: List[dict] = []
-            self.engine.map(BalanceStep(self.job, tuple(shards), tuple(located), tuple(staged.manifests)), [0],
-                            got.append)
-            orders, self.orders_not_written = got[0]["orders"], got[0]["not_written"]
+        got = self._one(BalanceStep(self.job, tuple(shards), tuple(located), tuple(staged.manifests)))
+        orders, self.orders_not_written = got["orders"], got["not_written"]
         self.times["balance"] = time.perf_counter() - t
         for split, why in self.orders_not_written.items():
             log.warning("balance: no order for split %s: %s", split, why)
@@ -602,19 +566,17 @@ class _Run:
         finals = ({s.final + x for s in staged.shards for x in PUBLISH_ORDER} | {path for path, _ in staged.manifests}
                   | {o.final for o in staged.orders})
         books["intent"].write(0, {"files": sorted(finals | set(self.owned))})
-        self.areas.sync()   # (the intent is in the bucket before any final name is touched)
+        self.ws.sync()   # (the intent is durable before any final name is touched)
         normal = self.destination.normal
         ours = {normal(p) for p in finals}
         mine = {normal(p) for p in self.owned}
         stale = [p for p in outputs.existing_outputs(self.job.bases, self.destination) if normal(p) in mine - ours]
         self.work.publishing = True
-        if self.areas.work is not None:   # from the staged objects, copied server-side: never through here
-            staged = replace(staged, shards=tuple(replace(s, staged=str(self.areas.work.url_of(self.areas.work.rel(s.staged))))
-                                                  for s in staged.shards))
+        staged = replace(staged, shards=tuple(replace(s, staged=self.ws.source_of(s.staged)) for s in staged.shards))
         with self.progress.phase("publish", len(staged.shards), unit="shards") as bar:
             written = publish(staged, list(self.replaced) + stale, books["publish"], self.destination,
                               on_shard=lambda: bar.update(1))
-        self.areas.sync()
+        self.ws.sync()
         self.times["publish"] = time.perf_counter() - t
         return written
 
@@ -625,14 +587,13 @@ class _Run:
         run_books(self.work, self.key)["done"].write(0, {
             "summary": summary, "outputs": record_outputs(staged, receipts, self.work, written),
             "inputs": [{"name": i["name"], "sha256": i["sha256"]} for i in store.inputs]})
-        self.areas.sync()   # (the record is in the bucket before the rest of the work directory goes)
+        self.ws.sync()   # (the record is durable before the rest of the work directory goes)
         self.summary = summary
         committed()  # (a signal from here on is ignored by the tool, or caught by started())
         with signals_deferred():  # committed: finish the cleanup whatever arrives now
             self.engine.close()
             self.engine = None
-            self.work.retire()
-            self.areas.keep_only_record(RECORD.replace(os.sep, "/"))
+            self.ws.retire()
 
 
 def _staged_set(shards: Sequence[OutputShard], plan: dict, job: PackJob) -> StagedSet:
@@ -653,16 +614,17 @@ def _publish_schema(doc) -> None:
     doc.str("final")
 
 
-def _stage_books(work: WorkDir, key: str, store_id: str, job: PackJob) -> Dict[str, ReceiptBook]:
+def _stage_books(work, key: str, store_id: str, job: PackJob, files: Files) -> Dict[str, ReceiptBook]:
     """The receipts of the pack stages, the run's own besides. ``plan``, ``materialize`` and
     ``publish`` belong also to the store they were made from (a store rebuilt because an input
-    changed redoes them), and ``checks`` to which checks run."""
+    changed redoes them), and ``checks`` to which checks run. ``files``: how their artifacts
+    are seen."""
     stage_key = settings_key([key, store_id])
     out = run_books(work, key)
     for name, schema in (("plan", plan_schema), ("materialize", materialize_schema), ("publish", _publish_schema)):
-        out[name] = ReceiptBook(work.receipts, name, stage_key, work.path, schema)
+        out[name] = ReceiptBook(work.receipts, name, stage_key, work.path, schema, files)
     out["checks"] = ReceiptBook(work.receipts, "checks", settings_key([stage_key, job.run.check, job.run.verify_masks]),
-                                work.path, checks_schema)
+                                work.path, checks_schema, files)
     return out
 
 

@@ -19,7 +19,7 @@ import logging
 import os
 import resource
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -165,29 +165,23 @@ def output_shards(store: SequenceStore, job: PackJob, plan: dict, staged_dir: st
     return out
 
 
-def resumed_shards(books: Dict[str, ReceiptBook], shards: Sequence[OutputShard], plan_path: str, work_path: str,
-                   remote: bool, verdicts: Optional[Callable[[List[int]], Dict[int, str]]] = None
-                   ) -> Tuple[Dict[int, dict], set]:
-    """``({unit: materialize receipt}, {published units})`` of the units an earlier attempt
-    finished whose shard still verifies (where it is now: staged, or under its final name
-    once published locally). A unit that does not verify loses both its receipts (``books``:
-    ``materialize`` and ``publish``), logged: it is written again. ``verdicts(units)``: the
-    check of those units made elsewhere (tasks: :class:`VerifyShardStep`), ``{unit: why}`` of
-    those that do not verify; default: here, reading the plan file ``plan_path``."""
+def resumed_shards(books: Dict[str, ReceiptBook], count: int, copies: bool,
+                   verdicts: Callable[[List[int]], Dict[int, str]]) -> Tuple[Dict[int, dict], set]:
+    """``({unit: materialize receipt}, {published units})`` of the ``count`` units an earlier
+    attempt finished whose shard still verifies (where it is now: staged, or under its final
+    name once published to a destination that moves the staged files, ``copies`` False). A unit
+    that does not verify loses both its receipts (``books``: ``materialize`` and ``publish``),
+    logged: it is written again. ``verdicts(units)``: the check of those units, made by the
+    engine (:class:`VerifyShardStep`), ``{unit: why}`` of those that do not verify."""
     candidates = {}
-    for u in range(len(shards)):
+    for u in range(count):
         pub = books["publish"].read(u)
-        receipt = books["materialize"].read(u, artifacts=not (pub is not None and not remote))
+        receipt = books["materialize"].read(u, artifacts=not (pub is not None and not copies))
         if receipt is None:
             books["publish"].discard(u)
             continue
         candidates[u] = (receipt, pub)
-    if verdicts is not None:
-        problems = verdicts(sorted(candidates)) if candidates else {}
-    else:
-        plan = PackPlan(plan_path, verify=False) if candidates else None
-        problems = {u: unit_problem(receipt, pub, shards[u], plan, work_path, remote)
-                    for u, (receipt, pub) in candidates.items()}
+    problems = verdicts(sorted(candidates)) if candidates else {}
     done, published = {}, set()
     for u, (receipt, pub) in candidates.items():
         if problems.get(u):
@@ -202,12 +196,13 @@ def resumed_shards(books: Dict[str, ReceiptBook], shards: Sequence[OutputShard],
 
 
 def unit_problem(receipt: dict, pub: Optional[dict], shard: OutputShard, plan: PackPlan, work_path: str,
-                 remote: bool) -> str:
-    """'' when output shard ``shard`` verifies against its receipts, else why not."""
+                 copies: bool) -> str:
+    """'' when output shard ``shard`` verifies against its receipts, else why not (``copies``:
+    the destination copies the staged files, so a published shard is still staged)."""
     starts = plan.arrays(shard.split)["shard_starts"]
     try:
         _verify_unit(receipt, pub, shard, int(starts[shard.shard + 1] - starts[shard.shard]), work_path,
-                     pub is not None and not remote)
+                     pub is not None and not copies)
     except ShardError as exc:
         return str(exc)
     return ""
@@ -215,13 +210,16 @@ def unit_problem(receipt: dict, pub: Optional[dict], shard: OutputShard, plan: P
 
 @dataclass(frozen=True)
 class VerifyShardStep:
-    """Unit ``u``: :func:`unit_problem` of staged shard ``u`` where the unit runs (a work directory
-    in object storage: the task pulls the plan and that shard, the driver gets the verdict)."""
+    """Unit ``u``: :func:`unit_problem` of output shard ``u`` where the unit runs (a work directory
+    in object storage: the task pulls the plan and that shard, the driver gets the verdict
+    ``{"unit": u, "problem": why}``). ``copies``: the destination copies the staged files (an
+    upload), else a published shard is read under its final name."""
 
     books: Dict[str, ReceiptBook]
     shards: Tuple[OutputShard, ...]
     plan_path: str
     work_path: str
+    copies: bool
     name: str = "verify-shards"
 
     @property
@@ -235,7 +233,7 @@ class VerifyShardStep:
         pub = self.books["publish"].read(unit)
         receipt = self.books["materialize"].read(unit, artifacts=False)
         why = "no materialize receipt" if receipt is None else unit_problem(
-            receipt, pub, self.shards[unit], PackPlan(self.plan_path, verify=False), self.work_path, True)
+            receipt, pub, self.shards[unit], PackPlan(self.plan_path, verify=False), self.work_path, self.copies)
         return {"unit": unit, "problem": why}
 
 

@@ -32,8 +32,9 @@ from .config import PlanSettings  # noqa: F401  (PlanSettings: this module's nam
 from .records.errors import input_error
 from .planfile import PLAN_FORMAT, PackPlan, PlanWriter
 from .receipts import REDO_HINT, ReceiptBook
-from .store import SKIPS_SUFFIX, SequenceStore, part_prefix, rows_paths
-from .summary import merged_skips, skip_report_lines, skipped_text
+from .files import LOCAL, Files
+from .store import SequenceStore, rows_paths
+from .summary import merged_skips, skipped_text
 
 log = logging.getLogger("megatron_sft_idx.preprocess")
 _CHUNK = 1 << 20
@@ -269,55 +270,6 @@ def _cut_turns(store: SequenceStore, k: int, rows: np.ndarray, truncated: np.nda
     return cut, untrainable
 
 
-def plan_drops(store: SequenceStore, s: PlanSettings) -> list:
-    """``(file, line, entry)`` of every sequence the plan drops (``--overlong drop``, or nothing
-    trained after ``--overlong truncate``), in store order, found by the plan's own rule
-    (:func:`load_kept`, lengths only): ``--skip-report``'s lines, ``entry`` being ``{"file",
-    "line", "reason", "length", "stage": "plan"}`` with the reason the summary's
-    ``sequences_dropped`` counts. None under ``--overlong error`` alone (the plan refuses instead)."""
-    if s.overlong == "error" and not s.skip_bad:
-        return []
-    dropped = load_kept(store, s).dropped
-    out: list = []
-    base = 0
-    for k, part in enumerate(store.partitions):
-        if not dropped.size:
-            break
-        rows = store.rows(k)
-        mine = dropped[(dropped >= base) & (dropped < base + rows.size)] - base
-        name = store.inputs[part.file]["name"]
-        out += [(part.file, int(rows["line"][i]), {"file": name, "line": int(rows["line"][i]),
-                                                   "reason": OVERLONG_REASON[s.overlong],
-                                                   "length": int(rows["length"][i]), "stage": "plan"})
-                for i in mine]
-        base += rows.size
-    return out
-
-
-@dataclass(frozen=True)
-class SkipReportStep:
-    """Unit 0: ``--skip-report``'s lines (:func:`~.summary.skip_report_lines`, with the plan's drops
-    by :func:`plan_drops`) where the unit runs: with the store in object storage the task pulls
-    the partitions' ``.skips`` and ``.rows`` and the driver gets the lines alone. Returns
-    ``{"unit": 0, "lines": [...]}``."""
-
-    store_dir: str
-    settings: PlanSettings
-    name: str = "skip-report"
-
-    @property
-    def writes_to(self) -> str:
-        return self.store_dir
-
-    def reads(self, unit: int) -> List[str]:
-        rows = rows_paths(self.store_dir)
-        return rows + [part_prefix(self.store_dir, k) + SKIPS_SUFFIX for k in range(len(rows))]
-
-    def run(self, unit: int) -> dict:
-        store = SequenceStore(self.store_dir)
-        return {"unit": unit, "lines": skip_report_lines(store, plan_drops(store, self.settings))}
-
-
 def store_ids(kept: np.ndarray, dropped: np.ndarray) -> np.ndarray:
     """Store ids of kept-conversation indices: kept ``k`` is store id ``k`` plus the number of
     dropped ids before it (8 bytes per dropped conversation instead of a map of all of them)."""
@@ -338,6 +290,7 @@ class PlanStep:
     settings: PlanSettings
     path: str
     book: ReceiptBook
+    files: Files = LOCAL
     name: str = "plan"
 
     @property
@@ -349,7 +302,7 @@ class PlanStep:
         return rows_paths(self.store_dir)
 
     def run(self, unit: int) -> dict:
-        store = SequenceStore(self.store_dir)
+        store = SequenceStore(self.store_dir, files=self.files)
         metadata = write_plan(store, self.settings, self.path)
         t = time.perf_counter()
         PackPlan(self.path, verify=False).validate(store)   # (a bug guard: cheap, bench/stages.py measures it)
@@ -367,6 +320,7 @@ class VerifyPlanStep:
     path: str
     store_dir: str
     settings: PlanSettings
+    files: Files = LOCAL
     name: str = "verify-plan"
 
     @property
@@ -379,7 +333,8 @@ class VerifyPlanStep:
     def run(self, unit: int) -> dict:
         receipt = self.receipts.read(0)
         why = "no plan receipt" if receipt is None else plan_problem(receipt, self.receipts, self.path,
-                                                                     SequenceStore(self.store_dir), self.settings)
+                                                                     SequenceStore(self.store_dir, files=self.files),
+                                                                     self.settings)
         return {"unit": unit, "problem": why}
 
 
@@ -392,16 +347,15 @@ def plan_schema(doc) -> None:
 _RECEIPT_KEYS = ("step", "unit", "key", "artifacts", "crc32")
 
 
-def resumed_plan(book: ReceiptBook, path: str, store: SequenceStore, settings: PlanSettings,
-                 verdict: Optional[Callable[[dict], str]] = None) -> Optional[dict]:
+def resumed_plan(book: ReceiptBook, verdict: Callable[[], str]) -> Optional[dict]:
     """The plan receipt of an earlier attempt when the plan file verifies (pinned CRC-32, the
-    receipt equal to the file's metadata, ``settings``, every array valid against ``store``),
-    else None, its receipt discarded (logged: the plan is made again). ``verdict(receipt)``:
-    the check made elsewhere (a task: :class:`VerifyPlanStep`), '' when it verifies."""
+    receipt equal to the file's metadata, the settings, every array valid against the store:
+    ``verdict()``, made by the engine as :class:`VerifyPlanStep`, '' when it verifies), else
+    None, its receipt discarded (logged: the plan is made again)."""
     receipt = book.read(0)
     if receipt is None:
         return None
-    why = plan_problem(receipt, book, path, store, settings) if verdict is None else verdict(receipt)
+    why = verdict()
     if why:
         log.warning("the pack plan does not verify; planning again: %s", why)
         book.discard(0)

@@ -11,11 +11,10 @@ there with its recorded size; it redoes the unit otherwise. :meth:`ReceiptBook.v
 the pinned CRC-32s, once per run, before the artifacts are used again. Receipts are small JSON
 objects; the driver keeps nothing else per unit.
 
-Where a directory is the mirror of an area in object storage (:mod:`.workarea`) whose data the
-mirror does not hold (the driver pulls receipts and ``store.json`` alone), an artifact's size is
-the size the bucket lists for its object (:func:`mirror_sizes`, registered by every pull): a
-receipt is valid when its artifacts are in the bucket with their recorded sizes, wherever the
-bytes are.
+An artifact's size is what the book's :class:`~.files.Files` view says: the local file's, or,
+where the directory is the mirror of object storage whose data the mirror does not hold (the
+driver pulls receipts and ``store.json`` alone), the size the bucket lists for its object: a
+receipt is valid when its artifacts are there with their recorded sizes, wherever the bytes are.
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ from typing import Callable, Dict, Iterable, Mapping, Optional
 from .._atomic import write_file_atomically
 from ..errors import MetadataError, ShardError
 from ..jsondoc import Doc, check_int, load_json
+from .files import LOCAL, Files
 from .integrity import check_crc, crc32_file
 
 log = logging.getLogger("megatron_sft_idx.preprocess")
@@ -37,34 +37,6 @@ log = logging.getLogger("megatron_sft_idx.preprocess")
 REDO_HINT = "the unit is done again"
 #: ``schema(doc)`` checks a step's own fields of a receipt (raising a ShardError naming the field).
 Schema = Callable[[Doc], None]
-_reported: set = set()   # malformed receipts already logged by this process
-#: local root of a mirrored area -> {path relative to it: the size its object has in the bucket}
-_listed: Dict[str, Dict[str, int]] = {}
-
-
-def mirror_sizes(root: str, sizes: Mapping[str, int], prefix: str = "") -> None:
-    """Record what the bucket holds under ``prefix`` of the area mirrored at ``root`` (``{rel:
-    size}``, ``/``-separated): the sizes of artifacts this mirror does not hold."""
-    known = _listed.setdefault(os.path.abspath(root), {})
-    for rel in [r for r in known if r.startswith(prefix)]:
-        del known[rel]
-    known.update(sizes)
-
-
-def artifact_size(path: str) -> Optional[int]:
-    """The size of the artifact ``path``: the local file's, else (a mirror that does not hold
-    it) its object's as last listed; None when neither exists."""
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        pass
-    path = os.path.abspath(path)
-    for root, sizes in _listed.items():
-        if path.startswith(root + os.sep):
-            size = sizes.get(os.path.relpath(path, root).replace(os.sep, "/"))
-            if size is not None:
-                return size
-    return None
 
 
 def settings_key(settings: Mapping) -> str:
@@ -89,14 +61,17 @@ class ReceiptBook:
         key: the settings key every receipt of this book must carry.
         base: artifacts are recorded relative to this directory (so a store can move).
         schema: checks the step's own fields (default: none beyond the common ones).
+        files: how artifacts are seen (default: local files; a mirror's view, :mod:`.files`).
     """
 
-    def __init__(self, directory: str, step: str, key: str, base: str, schema: Optional[Schema] = None) -> None:
+    def __init__(self, directory: str, step: str, key: str, base: str, schema: Optional[Schema] = None,
+                 files: Files = LOCAL) -> None:
         self.directory = os.path.join(directory, step)
         self.step = step
         self.key = key
         self.base = base
         self.schema = schema
+        self.files = files
         self.rejected: Dict[int, str] = {}   # unit -> why its receipt was malformed
 
     def path(self, unit: int) -> str:
@@ -156,16 +131,15 @@ class ReceiptBook:
         try:
             receipt = self.parse(unit)
         except ShardError as exc:
-            self.rejected[unit] = str(exc)
-            if str(exc) not in _reported:
-                _reported.add(str(exc))
+            if self.rejected.get(unit) != str(exc):   # (logged once per book and receipt)
                 log.warning("receipt ignored (its unit counts as not done): %s", exc)
+            self.rejected[unit] = str(exc)
             return None
         if receipt is None:
             return None
         if artifacts:
             for rel, size in receipt["artifacts"].items():
-                if artifact_size(os.path.join(self.base, rel)) != size:
+                if self.files.size(os.path.join(self.base, rel)) != size:
                     return None
         return receipt
 

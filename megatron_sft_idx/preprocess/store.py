@@ -24,8 +24,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
@@ -35,6 +36,8 @@ from ..format import PUBLISH_ORDER
 from ..reader import MMapIndexedDataset
 from ..jsondoc import HEX, Doc, load_json
 from ..storage._url import is_remote
+from ..storage.mirror import Mirror
+from .files import LOCAL, Files, commit_rank
 from .integrity import verify_shard
 from .records.partitions import Partition, check_cover
 from .receipts import ReceiptBook, settings_key
@@ -69,6 +72,17 @@ def rows_paths(directory: str) -> List[str]:
 def _content(body: dict) -> dict:
     """The keys of ``store.json`` the store id is the digest of."""
     return {k: body[k] for k in ("format", "version", "identity", "inputs", "partitions")}
+
+
+def empty_store(directory: str) -> None:
+    """Remove a run's own store (its description first: what remains is no store)."""
+    for name in (STORE_FILE,):
+        try:
+            os.unlink(os.path.join(directory, name))
+        except FileNotFoundError:
+            pass
+    shutil.rmtree(os.path.join(directory, "parts"), ignore_errors=True)
+    shutil.rmtree(os.path.join(directory, "receipts", "tokenize"), ignore_errors=True)
 
 
 def write_store_file(directory: str, identity: dict, inputs: List[dict], partitions: List[Partition],
@@ -170,36 +184,53 @@ def _tokenize_schema(doc: Doc) -> None:
                        expected=ROW_DTYPE.itemsize * sequences, actual=doc.obj["artifacts"][rows])
 
 
-def tokenize_book(directory: str, store_id: str) -> ReceiptBook:
-    return ReceiptBook(os.path.join(directory, "receipts"), "tokenize", store_id, directory, _tokenize_schema)
+def tokenize_book(directory: str, store_id: str, files: Files = LOCAL) -> ReceiptBook:
+    return ReceiptBook(os.path.join(directory, "receipts"), "tokenize", store_id, directory, _tokenize_schema, files)
+
+
+def mirrored_store(mirror: Mirror, only: Optional[Callable[[str], bool]] = None) -> str:
+    """The local tree of ``mirror`` (a store in object storage), pulled now (whole, or the
+    objects ``only`` keeps): a reader that opens a store by URL (plan-batches, virtual packs),
+    or a run packing a kept store; every partition is verified by its reader before use.
+
+    Raises:
+        ShardError: no ``store.json`` under the mirror's URL."""
+    if not mirror.listing(STORE_FILE):
+        raise ShardError("no sequence store here (store.json is missing)", path=mirror.url + "/" + STORE_FILE,
+                         hint="give the --store URL of a preprocess-sft run")
+    mirror.pull(only=only)
+    return mirror.local
 
 
 class SequenceStore:
     """A store opened for reading (planning, materializing, virtual packs). ``directory`` may be
     an ``s3://`` / ``msc://`` URL: the store is then mirrored on this node's disk first
-    (:func:`.workarea.mirrored_store`) and read there, every partition verified as a local one.
+    (:func:`mirrored_store`) and read there, every partition verified as a local one.
 
-    ``store.json`` and every receipt are parsed strictly at open; the partitions' bytes are
-    verified by :meth:`verify` (once per run, by whoever makes new data from them).
+    ``store.json`` and every receipt (or, with ``units``, those partitions' alone) are parsed
+    strictly at open; the partitions' bytes are verified by :meth:`verify` (once per run, by
+    whoever makes new data from them). ``files``: how the store's files are seen (a mirror
+    that holds only some of them: :mod:`.files`).
 
     Raises:
         ShardError: no store here, an unknown format version, a malformed ``store.json``
             (naming the field), or (``require_complete``) partitions without a valid receipt.
     """
 
-    def __init__(self, directory: str, *, require_complete: bool = True) -> None:
+    def __init__(self, directory: str, *, require_complete: bool = True, units: Optional[Iterable[int]] = None,
+                 files: Files = LOCAL) -> None:
         if is_remote(directory):   # a store in object storage: its mirror on this node, pulled now
-            from .workarea import mirrored_store
-
-            directory = mirrored_store(directory)
+            directory = mirrored_store(Mirror(directory, commit_rank))
         self.directory = os.path.abspath(directory)
         self.body = body = read_store_file(os.path.join(self.directory, STORE_FILE))
         self.store_id: str = body["store_id"]
         self.identity: dict = body["identity"]
         self.inputs: List[dict] = body["inputs"]
         self.partitions = [Partition.from_list(p) for p in body["partitions"]]
-        self.book = tokenize_book(self.directory, self.store_id)
-        self._receipts: Dict[int, dict] = self.book.completed(range(len(self.partitions)))
+        self.files = files
+        self.book = tokenize_book(self.directory, self.store_id, files)
+        wanted = range(len(self.partitions)) if units is None else [k for k in units if 0 <= k < len(self.partitions)]
+        self._receipts: Dict[int, dict] = self.book.completed(wanted)
         if require_complete:
             self.require_complete()
         self._parts: Dict[int, Optional[MMapIndexedDataset]] = {}
@@ -365,19 +396,33 @@ class SequenceStore:
         return self.body.get("tokenizer_path")
 
     def __getstate__(self):
-        return {"directory": self.directory}
+        return {"directory": self.directory, "files": self.files}
 
     def __setstate__(self, state) -> None:
-        self.__init__(state["directory"])
+        self.__init__(state["directory"], files=state.get("files", LOCAL))
+
+
+#: Partitions one unit of :class:`VerifyStoreStep` verifies (its fixed cost, opening the store,
+#: paid once per this many).
+VERIFY_CHUNK = 16
+
+
+def verify_chunks(units: Iterable[int], size: int = VERIFY_CHUNK) -> Tuple[Tuple[int, ...], ...]:
+    """``units`` (sorted) in consecutive chunks of ``size``: the units of a :class:`VerifyStoreStep`."""
+    units = sorted(units)
+    return tuple(tuple(units[i:i + size]) for i in range(0, len(units), size))
 
 
 @dataclass(frozen=True)
 class VerifyStoreStep:
-    """Unit ``k``: :meth:`SequenceStore.verify` of partition ``k`` where the unit runs (a store in
-    object storage: the task pulls that partition alone, the driver gets the verdict). Returns
-    ``{"unit": k, "problem": ""}``, or the partition's first failure (the error's text)."""
+    """Unit ``u``: :meth:`SequenceStore.verify` of the partitions ``chunks[u]``, each on its own,
+    where the unit runs (a store in object storage: the task pulls those partitions alone, the
+    driver gets the verdicts). Returns ``{"unit": u, "problems": {partition: why}}`` of the
+    partitions that do not verify (the error's text)."""
 
     directory: str
+    chunks: Tuple[Tuple[int, ...], ...]
+    files: Files = LOCAL
     name: str = "verify-store"
 
     @property
@@ -385,14 +430,20 @@ class VerifyStoreStep:
         return self.directory
 
     def reads(self, unit: int) -> List[str]:
-        return [part_prefix(self.directory, unit) + suffix for suffix in PART_SUFFIXES]
+        return [part_prefix(self.directory, k) + suffix for k in self.chunks[unit] for suffix in PART_SUFFIXES]
 
     def run(self, unit: int) -> dict:
-        try:
-            SequenceStore(self.directory, require_complete=False).verify([unit])
-        except ShardError as exc:
-            return {"unit": unit, "problem": str(exc)}
-        return {"unit": unit, "problem": ""}
+        mine = self.chunks[unit]
+        store = SequenceStore(self.directory, require_complete=False, units=mine, files=self.files)
+        problems = {}
+        for k in mine:
+            try:
+                if k not in store.receipts_present:
+                    raise ShardError(f"store partition {k} has no valid receipt", path=part_prefix(self.directory, k))
+                store.verify([k])
+            except ShardError as exc:
+                problems[k] = str(exc)
+        return {"unit": unit, "problems": problems}
 
 
 def encoding_extra(encode: dict) -> dict:

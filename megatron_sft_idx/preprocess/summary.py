@@ -91,37 +91,6 @@ def inputs_left(left) -> List[dict]:
     return [{"name": p, "reason": left_reason(p)} for p in left]
 
 
-def skip_report_lines(store: SequenceStore, plan_drops=()) -> List[str]:
-    """``--skip-report FILE``'s lines: every record the run skipped, one JSON object a line, in
-    input order (file, then line). A record the tokenize stage skipped is ``{"file", "line",
-    "reason"}``; ``plan_drops`` adds the sequences the plan stage drops (``(file, line, entry)``
-    from :func:`~megatron_sft_idx.preprocess.plan.plan_drops`: entries ``{"file", "line",
-    "reason", "length", "stage": "plan"}``).
-
-    Raises:
-        ShardError: a partition's skips file does not verify.
-    """
-    import json
-
-    entries = [(part.file, line, {"file": store.inputs[part.file]["name"], "line": line, "reason": reason})
-               for k, part in enumerate(store.partitions) for line, reason in store.skips(k)]
-    entries += plan_drops
-    entries.sort(key=lambda e: (e[0], e[1]))   # (stable: a record's skips stay in stage order)
-    return [json.dumps(e) + "\n" for _, _, e in entries]
-
-
-def write_skip_report(path: str, lines: List[str]) -> int:
-    """Write :func:`skip_report_lines`' ``lines`` to ``path`` atomically; returns how many.
-
-    Raises:
-        OSError: the report cannot be written.
-    """
-    from .._atomic import write_file_atomically
-
-    write_file_atomically(path, lambda f: f.write("".join(lines).encode("utf-8")))
-    return len(lines)
-
-
 def workers_busy(store: SequenceStore, workers: int, result: PackResult) -> Dict[str, float]:
     """The share of the tokenize stage's worker time spent in its units (1.0: every worker busy
     throughout); absent when some units were done by an earlier attempt or timed by none."""

@@ -6,9 +6,9 @@ partitions; :class:`TokenizeStep` (unit: one partition) reads the partition's re
 them a batch at a time through :meth:`RecordEncoder.encode_batch`, and writes partition ``k``
 of the store (a shard plus its ``.rows``), then its receipt. Both are embarrassingly parallel,
 hold one batch in memory, and know nothing of the engine that runs them. Between the two,
-:func:`describe_store` writes ``store.json`` (or checks that a resumed store is this one) and
-:func:`verified_partitions` keeps the partitions an earlier attempt tokenized that still verify.
-The driver (:mod:`.driver`) runs them in that order.
+:func:`describe_store` writes ``store.json`` (or checks that a resumed store is this one), and
+the partitions an earlier attempt tokenized are kept once they verify
+(:class:`~.store.VerifyStoreStep`). The driver (:mod:`.driver`) runs them in that order.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
@@ -24,7 +23,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from ..builder import IndexedDatasetBuilder
-from ..errors import InputError, ObjectChangedError, RemoteStorageError, ShardError, ShardExistsError
+from ..errors import InputError, ObjectChangedError, RemoteStorageError, ShardError
 from ..packing import exclusive_cumsum
 from ..storage import is_remote
 from ..jsondoc import HEX, normal_json
@@ -36,9 +35,9 @@ from .records.inputs import expand_inputs, stat_input
 from .records.partitions import Partition, index_file, read_batches
 from .records.tokenizer_source import is_tokenizer_reference, resolve_tokenizer
 from .receipts import ReceiptBook
-from .store import (ROW_DTYPE, ROWS_SUFFIX, SKIPS_SUFFIX, STORE_FILE, SequenceStore, encoding_extra, part_prefix, tokenize_book,
-                    write_store_file)
-from .workdir import Lock
+from .files import LOCAL, Files
+from .store import (ROW_DTYPE, ROWS_SUFFIX, SKIPS_SUFFIX, STORE_FILE, SequenceStore, empty_store, encoding_extra,
+                    part_prefix, read_store_file, tokenize_book, write_store_file)
 
 log = logging.getLogger("megatron_sft_idx.preprocess")
 
@@ -115,10 +114,11 @@ def resolve_inputs(cfg: Config, recorded_date: Optional[str] = None) -> Inputs:
 
 def recorded_template_date(directory: str) -> Optional[str]:
     """The template date the store in ``directory`` records, if there is one that does."""
-    if not os.path.exists(os.path.join(directory, STORE_FILE)):
+    path = os.path.join(directory, STORE_FILE)
+    if not os.path.exists(path):
         return None
     try:
-        return SequenceStore(directory, require_complete=False).identity["encode"].get("template_date")
+        return read_store_file(path)["identity"]["encode"].get("template_date")
     except ShardError:  # (a store that does not parse is rebuilt or refused by describe_store)
         return None
 
@@ -350,7 +350,7 @@ def part_metadata(inputs: Inputs, info: dict, input_format: str) -> dict:
 
 
 def describe_store(directory: str, identity: dict, infos: List[dict], parts: List[Partition],
-                   inputs: Inputs, owned: bool, overwrite: bool = False) -> str:
+                   inputs: Inputs, owned: bool, overwrite: bool = False, files: Files = LOCAL) -> str:
     """Write ``store.json``, or check that an existing one (``--resume``) describes the same store;
     returns the store id. A store that does not, or does not parse, is emptied and started again
     when nothing else can use it -- the run's own (``owned``), or a ``--store`` an earlier run left
@@ -365,7 +365,7 @@ def describe_store(directory: str, identity: dict, infos: List[dict], parts: Lis
     if os.path.exists(path):
         unfinished = owned or overwrite
         try:
-            existing = SequenceStore(directory, require_complete=False)
+            existing = SequenceStore(directory, require_complete=False, files=files)
             differs = _store_difference(existing, identity, infos, parts)
             unfinished = unfinished or bool(existing.missing)
         except ShardError as exc:
@@ -382,7 +382,7 @@ def describe_store(directory: str, identity: dict, infos: List[dict], parts: Lis
                                   "tokenized again), or give an empty --store")
         log.warning("the %s sequence store was made with other %s; tokenizing again",
                     "run's" if owned else ("replaced" if overwrite else "unfinished"), differs)
-        _empty_store(directory)
+        empty_store(directory)
     return write_store_file(directory, identity, infos, parts, inputs.options.tokenizer_path, inputs.paths)
 
 
@@ -409,54 +409,3 @@ def _store_difference(existing: SequenceStore, identity: dict, infos: List[dict]
     if [p.to_list() for p in parts] != [p.to_list() for p in existing.partitions]:
         return "partitions"
     return None
-
-
-def _empty_store(directory: str) -> None:
-    """Remove a run's own store (its description first: what remains is no store)."""
-    for name in (STORE_FILE,):
-        try:
-            os.unlink(os.path.join(directory, name))
-        except FileNotFoundError:
-            pass
-    shutil.rmtree(os.path.join(directory, "parts"), ignore_errors=True)
-    shutil.rmtree(os.path.join(directory, "receipts", "tokenize"), ignore_errors=True)
-
-
-def lock_user_store(directory: str, resume: bool, overwrite: bool = False) -> Lock:
-    """Take the lock of a ``--store`` directory. A non-empty one is continued under ``--resume``
-    (:func:`describe_store` says what of it is kept), emptied under ``--overwrite`` alone, and
-    refused without either.
-
-    Raises:
-        ShardExistsError: the directory holds something, without ``resume`` or ``overwrite``.
-        ShardError: another live process holds its lock.
-    """
-    if os.path.isdir(directory) and [n for n in os.listdir(directory) if n != "lock"] \
-            and not (resume or overwrite):
-        raise ShardExistsError("the --store directory is not empty", path=directory,
-                               hint="pass --resume to continue it (partitions made with the same inputs and "
-                                    "settings are kept; a store a failed run left unfinished is started again), "
-                                    "--overwrite to replace it, repack-sft to pack it again, or choose an empty "
-                                    "directory")
-    os.makedirs(directory, exist_ok=True)
-    lock = Lock(os.path.join(directory, "lock"), f"sequence store {directory}")
-    lock.acquire()
-    if overwrite and not resume:
-        _empty_store(directory)
-    return lock
-
-
-def verified_partitions(directory: str) -> set:
-    """Partitions an earlier attempt tokenized whose bytes still verify; the receipt of every
-    other one is removed, so it is tokenized again."""
-    store = SequenceStore(directory, require_complete=False)
-    done = set()
-    for k in sorted(store.receipts_present):
-        try:
-            store.verify([k])
-        except ShardError as exc:
-            log.warning("store partition %d does not verify; tokenizing it again: %s", k, exc)
-            store.book.discard(k)
-            continue
-        done.add(k)
-    return done

@@ -1,4 +1,4 @@
-"""The run's work directory and the locks that keep two runs from writing the same place.
+"""The run's work directory and the lock that keeps two processes of one machine from writing it.
 
 ``<parent>/.<name>.preprocess/`` beside the output prefix ``<parent>/<name>`` holds::
 
@@ -10,6 +10,9 @@
 
 Its name does not depend on the pid, so ``--resume`` finds it again; a run without
 ``--resume`` removes the leftovers of a previous run (never of a live one).
+
+Locks: every lock a run takes (this pid file, and :class:`~..storage.lease.ObjectLock` for a
+place in object storage) meets one small protocol, :class:`RunLock`.
 """
 
 from __future__ import annotations
@@ -17,16 +20,37 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+from typing import Optional, Protocol
 
 from .._atomic import _alive
 from ..errors import ShardError
 
 _LEGACY_TAG = ".work-"  # work directories of the pre-staged pipeline: .<name>.work-<pid>
 _DONE_TAG = ".done-"    # a finished run's work directory being removed: .<name>.preprocess.done-<pid>
+_SUFFIX = ".preprocess"
+
+
+class RunLock(Protocol):
+    """What a run does with a lock, wherever it lives (a pid file, an object in a bucket)."""
+
+    held: bool
+
+    def acquire(self) -> None:
+        """Take it (or take over a holder that is gone); raises ShardError naming a live holder."""
+
+    def holder(self) -> Optional[str]:
+        """The live holder other than this process, described (``pid 42 on node-3``), or None."""
+
+    def check(self) -> None:
+        """Raises ShardError when this holder lost the lock meanwhile."""
+
+    def release(self) -> None:
+        """Give it up (never another holder's)."""
 
 
 class Lock:
     """``path`` holding the owner's pid, created exclusively; a dead owner's lock is taken over.
+    A :class:`RunLock`.
 
     Raises:
         ShardError: a live process holds it.
@@ -61,6 +85,13 @@ class Lock:
         except (OSError, ValueError):
             return None
 
+    def holder(self) -> Optional[str]:
+        pid = self.owner()
+        return f"pid {pid}" if pid is not None and pid != os.getpid() and _alive(pid) else None
+
+    def check(self) -> None:
+        """A pid file is never taken over from a live holder: nothing to lose."""
+
     def release(self) -> None:
         if self.held:
             self.held = False
@@ -71,16 +102,24 @@ class Lock:
 
 
 class WorkDir:
-    """The work directory of the run writing ``output_prefix``."""
+    """The work directory ``path`` of a run writing ``what`` (:meth:`beside` an output prefix,
+    or a mirror's local tree)."""
 
-    def __init__(self, output_prefix: str) -> None:
-        self.parent = os.path.dirname(os.path.abspath(output_prefix))
-        self.name = os.path.basename(output_prefix)
-        self.path = os.path.join(self.parent, f".{self.name}.preprocess")
-        self.lock = Lock(os.path.join(self.path, "lock"), f"output {output_prefix}")
+    def __init__(self, path: str, what: str) -> None:
+        self.path = os.path.abspath(path)
+        self.parent = os.path.dirname(self.path)
+        base = os.path.basename(self.path)
+        self.name = base[1:-len(_SUFFIX)] if base.startswith(".") and base.endswith(_SUFFIX) else base
+        self.lock = Lock(os.path.join(self.path, "lock"), what)
         self.resumed = False
         self.publishing = False  # set once files may appear under final names
         self.closed = False
+
+    @classmethod
+    def beside(cls, output_prefix: str) -> "WorkDir":
+        """``<parent>/.<name>.preprocess`` beside the output prefix ``<parent>/<name>``."""
+        parent, name = os.path.split(os.path.abspath(output_prefix))
+        return cls(os.path.join(parent, f".{name}{_SUFFIX}"), f"output {output_prefix}")
 
     @property
     def receipts(self) -> str:

@@ -100,6 +100,13 @@ class ObjectLock:
         """The holder now (see :meth:`read`), or None."""
         return self.read()[0]
 
+    def holder(self) -> Optional[str]:
+        """The live holder other than this one, described (``pid 42 on node-3``), or None."""
+        holder = self.owner()
+        if holder is None or holder["nonce"] == self.nonce or not self.live(holder):
+            return None
+        return self.describe(holder)
+
     @staticmethod
     def describe(holder: dict) -> str:
         return f"pid {holder['pid']} on {holder['host']}"

@@ -136,7 +136,7 @@ def test_a_driver_killed_mid_publish_is_finished_by_another_driver(cluster, work
     machine" (its mirrors gone) finishes the publish from the bucket's intent and receipts."""
     import shutil
 
-    from megatron_sft_idx.preprocess.workarea import Area
+    from megatron_sft_idx.storage.mirror import Mirror
 
     out = f"s3://{bucket}/out/ds"
     args = SETTINGS + ["--engine", "ray", "--ray-address", cluster, "--output-prefix", out]
@@ -144,7 +144,7 @@ def test_a_driver_killed_mid_publish_is_finished_by_another_driver(cluster, work
     proc = run_killed(killed_driver(args, kill_at_call("copy", 3), cluster, workers_env))
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     assert "receipts/intent/000000.json" in bucket_files(s3, bucket, "out/.ds.preprocess/", hidden=True)
-    shutil.rmtree(os.path.dirname(Area(f"s3://{bucket}/out/.ds.preprocess").local))   # another driver machine
+    shutil.rmtree(Mirror(f"s3://{bucket}/out/.ds.preprocess").home)   # another driver machine
     assert preprocess_main(args + ["--resume", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["resumed_units"]["materialize"] == len([n for n in local_files(local_run / "out")
@@ -173,11 +173,11 @@ def test_nothing_but_the_bucket(cluster, s3, bucket, tmp_path, capsys):
 
 def _mirror_files(urls):
     """Every file under the driver's mirrors of ``urls`` (their ``msi-area-*`` homes), relative."""
-    from megatron_sft_idx.preprocess.workarea import Area
+    from megatron_sft_idx.storage.mirror import Mirror
 
     out = []
     for url in urls:
-        home = os.path.dirname(Area(url).local)
+        home = Mirror(url).home
         for directory, _, names in os.walk(home):
             for name in names:
                 rel = os.path.relpath(os.path.join(directory, name), home).replace(os.sep, "/")
@@ -192,13 +192,13 @@ def test_the_driver_holds_receipts_only(cluster, s3, bucket, local_run, monkeypa
     the tasks; the driver's mirrors (listed after every step, and every object it downloaded)
     hold receipts and store.json only -- no partition, .rows, plan body or shard -- and the
     published bytes are the local engine's."""
-    from megatron_sft_idx.preprocess import workarea
+    from megatron_sft_idx.preprocess.engines.mirrored import MirroredEngine
     from megatron_sft_idx.storage import _stores
 
     store, out = f"s3://{bucket}/store", f"s3://{bucket}/out/ds"
     areas = [store, f"s3://{bucket}/out/.ds.preprocess"]
     seen, downloaded, steps = set(), [], []
-    real_map, real_download = workarea.AreaEngine.map, _stores.ObjectStore.download
+    real_map, real_download = MirroredEngine.map, _stores.ObjectStore.download
 
     def listing_map(self, step, units, on_done, on_progress=None):
         real_map(self, step, units, on_done, on_progress)
@@ -210,7 +210,7 @@ def test_the_driver_holds_receipts_only(cluster, s3, bucket, local_run, monkeypa
             downloaded.append(str(url))
         return real_download(self, url, path, *args, **kwargs)
 
-    monkeypatch.setattr(workarea.AreaEngine, "map", listing_map)
+    monkeypatch.setattr(MirroredEngine, "map", listing_map)
     monkeypatch.setattr(_stores.ObjectStore, "download", download)
     args = SETTINGS + ["--engine", "ray", "--ray-address", cluster, "--store", store, "--output-prefix", out,
                        "--check", "--verify-masks", "8", "--json"]
@@ -364,9 +364,9 @@ def test_verify_masks_pulls_what_its_sample_reads(cluster, workers_tmp, s3, buck
     rows, then only the partitions and staged shards its sample lands in."""
     import shutil
 
-    from megatron_sft_idx.preprocess import workarea
+    from megatron_sft_idx.preprocess.engines.mirrored import MirroredEngine
 
-    real = workarea.AreaEngine.map
+    real = MirroredEngine.map
     held = {}
 
     def map(self, step, units, on_done, on_progress=None):
@@ -379,7 +379,7 @@ def test_verify_masks_pulls_what_its_sample_reads(cluster, workers_tmp, s3, buck
             held.update((name, os.path.join(directory, name)) for directory, _, names in os.walk(workers_tmp)
                         for name in names if "/.etags" not in directory and "msi-area-" in directory)
 
-    monkeypatch.setattr(workarea.AreaEngine, "map", map)
+    monkeypatch.setattr(MirroredEngine, "map", map)
     args = SETTINGS + ["--engine", "ray", "--ray-address", cluster, "--store", f"s3://{bucket}/store",
                        "--output-prefix", f"s3://{bucket}/out/ds", "--verify-masks", "2", "--json"]
     assert preprocess_main(args) == 0

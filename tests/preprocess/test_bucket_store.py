@@ -1,5 +1,5 @@
-"""The sequence store and the run's work directory in object storage (preprocess/workarea.py,
-storage/lease.py), against moto behind the counting proxy (the ``s3`` / ``bucket`` fixtures):
+"""The sequence store and the run's work directory in object storage (preprocess/workspace.py,
+storage/mirror.py, storage/lease.py), against moto behind the counting proxy (the ``s3`` / ``bucket`` fixtures):
 ``--store s3://...`` with the local engine, byte for byte the shards of a local run; the store's
 lock refuses a second run naming the first; a partition damaged in the bucket is found on
 ``--resume`` (checksums) and tokenized again; ``repack-sft --store s3://``, ``plan-batches
@@ -12,7 +12,8 @@ import os
 import pytest
 
 from megatron_sft_idx.preprocess.cli import main as preprocess_main, repack_main
-from megatron_sft_idx.preprocess.workarea import Area
+from megatron_sft_idx.preprocess.files import commit_rank
+from megatron_sft_idx.storage.mirror import Mirror
 
 from support.buckets import bucket_files, local_files, local_reference
 from support.stages import kill_after_receipt, killed_driver, run_killed
@@ -34,8 +35,7 @@ def forget_mirror(url):
     """Remove this node's mirror of an area (as on a fresh node): everything must come from the bucket."""
     import shutil
 
-    area = Area(url)
-    shutil.rmtree(os.path.dirname(area.local), ignore_errors=True)
+    shutil.rmtree(Mirror(url).home, ignore_errors=True)
 
 
 def test_a_store_in_the_bucket_gives_the_bytes_of_a_local_store(s3, bucket, local_run, tmp_path, capsys):
@@ -135,7 +135,7 @@ def test_a_unit_commits_data_then_receipt_and_only_while_its_run_holds_the_lock(
 
     from megatron_sft_idx.errors import ShardError
     from megatron_sft_idx.preprocess.receipts import ReceiptBook
-    from megatron_sft_idx.preprocess.workarea import Mirrored
+    from megatron_sft_idx.preprocess.engines.mirrored import Mirrored
     from megatron_sft_idx.storage.lease import ObjectLock
 
     @dataclass(frozen=True)
@@ -151,11 +151,11 @@ def test_a_unit_commits_data_then_receipt_and_only_while_its_run_holds_the_lock(
                 f.write(bytes([unit]) * 100)
             return self.book.write(unit, {}, [path])
 
-    area = Area(f"s3://{bucket}/area")
+    area = Mirror(f"s3://{bucket}/area", commit_rank)
     lock = area.lock("w")
     lock.acquire()
     step = WriteOne(area.local, ReceiptBook(area.child("receipts"), "write", "k", area.local))
-    unit = Mirrored(step, (area,), held=((str(lock.url), lock.nonce),))
+    unit = Mirrored(step, (area,), (area.local,), held=((str(lock.url), lock.nonce),))
     s3.clear()
     assert unit.run(0)["artifacts"] == {"data/d_0.bin": 100}
     puts = [k for m, k, _, _ in s3.requests if m == "PUT"]

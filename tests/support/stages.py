@@ -47,8 +47,8 @@ def visible(directory):
 def kill_after_receipt(step, n):
     """Kill point of :func:`killed_driver`: SIGKILL once the ``n``-th unit of ``step`` handed in its receipt."""
     return f"""
-from megatron_sft_idx.preprocess import workarea
-real = workarea.AreaEngine.map
+from megatron_sft_idx.preprocess.engines.mirrored import MirroredEngine
+real = MirroredEngine.map
 def map(self, step, units, on_done, on_progress=None):
     seen = [0]
     def done(receipt):
@@ -58,20 +58,20 @@ def map(self, step, units, on_done, on_progress=None):
             if seen[0] == {n!r}:
                 os.kill(os.getpid(), signal.SIGKILL)   # no cleanup at all: the locks and the work stay
     return real(self, step, units, done, on_progress)
-workarea.AreaEngine.map = map
+MirroredEngine.map = map
 """
 
 
 def kill_after_step(step):
     """Kill point of :func:`killed_driver`: SIGKILL once every unit of ``step`` is done, before the next step."""
     return f"""
-from megatron_sft_idx.preprocess import workarea
-real = workarea.AreaEngine.map
+from megatron_sft_idx.preprocess.engines.mirrored import MirroredEngine
+real = MirroredEngine.map
 def map(self, step, units, on_done, on_progress=None):
     real(self, step, units, on_done, on_progress)
     if step.name == {step!r}:
         os.kill(os.getpid(), signal.SIGKILL)
-workarea.AreaEngine.map = map
+MirroredEngine.map = map
 """
 
 

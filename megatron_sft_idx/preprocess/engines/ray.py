@@ -5,7 +5,7 @@ read the inputs and write the store, the plan and the staged shards themselves. 
 directory on disk must be on a filesystem every node sees at the same path; one in object
 storage (``--store s3://...``; the work directory beside an ``s3://`` output) is mirrored by
 each task on its own node and written back to the bucket by it (the driver wraps the steps:
-:mod:`..workarea`, this engine does not know). Units are idempotent (a receipt is the commit
+:mod:`.mirrored`, this engine does not know). Units are idempotent (a receipt is the commit
 point), so a task lost with its node is simply run again (``max_retries=1``).
 
 Cluster: ``--ray-address`` or ``RAY_ADDRESS`` is joined, never replaced; without either, a
