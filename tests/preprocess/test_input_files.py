@@ -53,6 +53,7 @@ def tool_record(i: int) -> dict:
         "tools": [{"type": "function", "function": tool}]}
 
 
+@pytest.mark.compat   # (a dataset saved by the compat stack's `datasets`: support/saved_datasets.py)
 def test_columnar_copies_give_the_bytes_of_the_json_lines_form(tmp_path, families):
     records = [tool_record(i) for i in range(24)]
     tok = families["qwen25"]
@@ -77,6 +78,7 @@ def test_columnar_copies_give_the_bytes_of_the_json_lines_form(tmp_path, familie
         assert s["ignored_keys"] == {"metadata:id": 24}
 
 
+@pytest.mark.compat   # (a dataset saved by the compat stack's `datasets`: support/saved_datasets.py)
 def test_a_directory_is_read_in_every_kind_and_each_file_reported(tmp_path, families):
     tok = families["qwen25"]
     data = tmp_path / "data"
