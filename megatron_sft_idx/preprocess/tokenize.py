@@ -99,6 +99,8 @@ def resolve_inputs(cfg: Config, recorded_date: Optional[str] = None) -> Inputs:
             or (tk.input_format == "auto" and pad is None)):
         _no_template(tok, pad is None)
     pad_id = check_pad_id(pad, vocab)
+    if tok is not None and tk.input_format != "tokens":
+        tok.require_stop()   # (decided on the template, before anything is tokenized)
     shipped = resolve_tokenizer(tk.tokenizer) if is_tokenizer_reference(tk.tokenizer) else None
     options = tk.encode_options(tokenizer_path=(tk.tokenizer if shipped else tok.path) if tok else None,
                                 vocab_size=vocab, skip_bad=cfg.pack.skip_bad, chat_template_text=template,

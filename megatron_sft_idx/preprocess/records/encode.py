@@ -39,7 +39,7 @@ from .chat import (ChatTokenizer, encode_tokens, load_chat_tokenizer, reasoning_
 from .errors import InputError, input_error
 from .fast_tokenizer import FastTokenizer
 from .inputs import parse_record
-from .policy import LossPolicy, trained_turns
+from .policy import LossPolicy, require_trainable, trained_turns
 from .rendering import check_rendered, read_back_all
 from .shapes import SchemaOptions
 from .spans import SpanLocator
@@ -220,6 +220,8 @@ class RecordEncoder:
         self.schema = options.schema
         self._ignored: Dict[str, int] = {}   # this batch's ignored record-level keys (account_keys)
         self.locator = None
+        if self.tok is not None and options.input_format != "tokens":
+            self.tok.require_stop()
         if (self.tok is not None and self.tok.chat_template is not None and options.span_method == "auto"
                 and options.loss_on in ("assistant", "last-turn")):
             self.locator = SpanLocator(self.tok, self.policy)
@@ -337,16 +339,18 @@ class RecordEncoder:
         and raises what it raises first; what this render queued on ``queued`` is withdrawn)."""
         loss_on = self.options.loss_on
         turns = trained_turns(conv, loss_on, self.policy)
+        require_trainable(conv, turns, self.policy, path, line)
         try:
             text, spans = self.locator.locate(conv.template_messages, turns, conv.tools)
         except Exception as exc:
             raise template_rejected(exc, path, line) from None
         if spans is None:
             return None, text
+        text, spans = self.tok.with_stops(conv, text, spans, path, line)
         first = len(queued)
         try:
             check_rendered(text, conv, reasoning_turns(conv, loss_on, self.policy, turns), self.policy, path, line,
-                           queued)
+                           queued, self.tok.call_text)
             return self.tok.refined(text, spans, turns, conv, self.policy, path, line), text
         except InputError:
             del queued[first:]
@@ -381,6 +385,8 @@ class RecordEncoder:
                 got = ref[k]
             line = records[u.record][0]
             try:
+                if not u.train_all:
+                    self.tok.check_stops(got[0], got[1], path, line)
                 results[u.record].append((got[0], ChatTokenizer._label_aligned(got[1], path, line)))
             except InputError as err:
                 results[u.record].append(err)
