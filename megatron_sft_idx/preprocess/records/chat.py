@@ -96,12 +96,15 @@ class ChatTokenizer:
             (``--chat-template``, resolved by :func:`resolve_chat_template`).
         template_date: ``YYYY-MM-DD``, the date a template that reads the clock renders
             (:attr:`reads_clock`); default: today's UTC date, taken once here.
+        template_args: ``(name, value)`` switches the template reads (``--template-arg``:
+            ``enable_thinking``, ``thinking``, ``thinking_mode``, ...), given to every rendering.
 
     Raises:
         ShardError: the path holds no loadable fast tokenizer.
     """
 
-    def __init__(self, path: str, chat_template: Optional[str] = None, template_date: Optional[str] = None) -> None:
+    def __init__(self, path: str, chat_template: Optional[str] = None, template_date: Optional[str] = None,
+                 template_args: Tuple[Tuple[str, object], ...] = ()) -> None:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -142,6 +145,8 @@ class ChatTokenizer:
             if self.reads_clock else None
         self.clock = {"strftime_now": _pinned_clock(self.template_date)} if self.reads_clock else {}
         self.template_kwargs.update(self.clock)
+        self.template_args = dict(template_args)
+        self.template_kwargs.update(self.template_args)
         self._traits: Optional[TemplateTraits] = None
         self._call_text = None
         self._stop: Optional[Tuple[Optional[str]]] = None
@@ -197,7 +202,8 @@ class ChatTokenizer:
             return self.compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                         **extra, **self.template_kwargs)
         return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                           chat_template=self.chat_template, **extra, **self.clock)
+                                           chat_template=self.chat_template, **extra, **self.clock,
+                                           **self.template_args)
 
     def render_conversation(self, conv: Conversation, add_generation_prompt: bool = False) -> str:
         return self.render(conv.template_messages, add_generation_prompt, conv.tools)
@@ -413,7 +419,7 @@ class ChatTokenizer:
             before = (self.render(messages[:k], True, conv.tools) if k else self.empty_prefix(conv.tools))
             after = self.render(messages[:k + 1], False, conv.tools)
             if not full.startswith(before):
-                head = _without_opened_block(before, opening)
+                head = _without_opened_block(before, opening, closing)
                 if head is not None and full.startswith(head):
                     before = head   # (the generation prompt's opened block, counted as prompt)
                     if notes is not None:
@@ -497,16 +503,17 @@ _LOADED: dict = {}
 
 
 def load_chat_tokenizer(path: str, chat_template: Optional[str] = None,
-                        template_date: Optional[str] = None) -> ChatTokenizer:
+                        template_date: Optional[str] = None, template_args=()) -> ChatTokenizer:
     """A ChatTokenizer shared within the process (and with workers forked after it loaded):
     a production tokenizer takes a second or more to load. Reloaded when its files change.
     ``path``: a local directory or ``tokenizer.json``, or a URL or Hugging Face name (loaded
     from this node's copy of its files, :func:`.tokenizer_source.local_tokenizer`)."""
     path = local_tokenizer(path)
-    key = (os.path.abspath(path), _files_state(path), chat_template, template_date)
+    template_args = tuple(sorted(dict(template_args or ()).items()))
+    key = (os.path.abspath(path), _files_state(path), chat_template, template_date, template_args)
     if key not in _LOADED:
         _LOADED.clear()
-        _LOADED[key] = ChatTokenizer(path, chat_template, template_date)
+        _LOADED[key] = ChatTokenizer(path, chat_template, template_date, template_args)
     return _LOADED[key]
 
 
@@ -589,13 +596,18 @@ def reasoning_turns(conv: Conversation, loss_on: str, policy: LossPolicy, turns:
     return trained_turns(conv, "last-turn", policy) if loss_on == "all" else turns
 
 
-def _without_opened_block(prompt: str, opening: str) -> Optional[str]:
+def _without_opened_block(prompt: str, opening: str, closing: str) -> Optional[str]:
     """``prompt`` without the reasoning block its end opens (the opening tag and the whitespace
-    around it), or None when it opens none."""
+    around it), or the empty block it ends with (Qwen3.5's ``enable_thinking=false`` prompt), or
+    None when it ends with neither."""
     stripped = prompt.rstrip()
-    if not stripped.endswith(opening):
-        return None
-    return prompt[:len(stripped) - len(opening)]
+    if stripped.endswith(opening):
+        return prompt[:len(stripped) - len(opening)]
+    if stripped.endswith(closing):
+        start = stripped.rfind(opening, 0, len(stripped) - len(closing))
+        if start >= 0 and not stripped[start + len(opening):len(stripped) - len(closing)].strip():
+            return prompt[:start]
+    return None
 
 
 def _as_history(after: str, at: int, full: str, opening: str, closing: str) -> Optional[Tuple[str, bool]]:

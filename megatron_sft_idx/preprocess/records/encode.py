@@ -75,10 +75,14 @@ class EncodeSettings:
     # YYYY-MM-DD a clock-reading template renders. TokenizeSettings: --template-date (None: the
     # run's start, UTC); EncodeOptions: the date resolved for this run (None: the template reads no clock)
     template_date: Optional[str] = None
+    # switches the chat template reads (--template-arg NAME=VALUE: enable_thinking, thinking, thinking_mode),
+    # given to every rendering: (name, JSON value) pairs, sorted (a dict from the API is taken too)
+    template_args: Tuple[Tuple[str, object], ...] = ()
 
     def __post_init__(self) -> None:   # (lists from the API: the options are a dict key of the workers)
         object.__setattr__(self, "ignore_fields", tuple(self.ignore_fields))
         object.__setattr__(self, "reasoning_tags", tuple(self.reasoning_tags))
+        object.__setattr__(self, "template_args", tuple(sorted(dict(self.template_args or ()).items())))
 
     def encode_options(self, *, tokenizer_path: Optional[str], vocab_size: Optional[int], skip_bad: bool,
                        chat_template_text: Optional[str] = None, template_date: Optional[str] = None,
@@ -137,6 +141,8 @@ class EncodeOptions(EncodeSettings):
             out["ignore_fields"] = sorted(self.ignore_fields)
         if self.template_date is not None:  # (only a template that reads the clock has one)
             out["template_date"] = self.template_date
+        if self.template_args:  # (absent: stores as before the flag)
+            out["template_args"] = dict(self.template_args)
         return out
 
 
@@ -194,7 +200,7 @@ def preload(options) -> None:
     tokenizer takes seconds to load); gigatoken then encodes on each worker's own thread."""
     if options.tokenizer_path:
         fast = _load_fast(load_chat_tokenizer(options.tokenizer_directory, options.chat_template_text,
-                                              options.template_date),
+                                              options.template_date, options.template_args),
                           options.tokenizer_backend)
         if fast is not None:  # load the numba kernel from its cache here, not once per worker
             ids, off = fast.encode(["warm up"])
@@ -211,7 +217,8 @@ class RecordEncoder:
 
     def __init__(self, options: EncodeOptions) -> None:
         self.options = options
-        self.tok = (load_chat_tokenizer(options.tokenizer_directory, options.chat_template_text, options.template_date)
+        self.tok = (load_chat_tokenizer(options.tokenizer_directory, options.chat_template_text, options.template_date,
+                                        options.template_args)
                     if options.tokenizer_path else None)
         self.fast = _load_fast(self.tok, options.tokenizer_backend) if self.tok else None
         # how each text was handled (tests and --verbose read these)

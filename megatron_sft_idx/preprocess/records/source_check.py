@@ -402,7 +402,8 @@ class _Check:
                 x.start, x.end = r.locate(x.forms, 0 if anywhere else pos, self.must(x))
                 if x.start < 0 and x.bare:   # (a template that writes the call's arguments as text)
                     x.start, x.end = r.locate(x.bare, 0 if anywhere else pos, self.must(x))
-                if x.start >= 0 and x.kind == "reasoning" and i not in self.reasoned and n + 1 < len(t.texts):
+                if x.start >= 0 and x.kind == "reasoning" and (i not in self.reasoned or _user_after(conv, i)) \
+                        and n + 1 < len(t.texts):
                     # the history's reasoning, which a template may drop, is in its place only before the
                     # turn's next text (the same thought in a later turn is not this one's)
                     after = _occurrences(r.text, t.texts[n + 1].forms, pos)
