@@ -19,11 +19,14 @@ every message's text (:mod:`.rendering`).
 
 Templates whose rendering of earlier turns depends on later ones (thinking
 templates that drop ``<think>`` from the history, Qwen3- and DeepSeek-R1-style)
-are not prefix-stable: ``assistant`` refuses them, naming the modes that work
-(``last-turn``, ``per-turn``, ``all``), since a mask over one rendering cannot
-train every turn as the model saw it. One difference is allowed by rule: an empty
-reasoning block a template renders only in the final turn (Qwen3), never trained under
-the default ``--empty-reasoning-loss mask`` (:meth:`ChatTokenizer.prefix_spans`).
+are not prefix-stable. Two differences are allowed by rule (:meth:`ChatTokenizer.prefix_spans`):
+a generation prompt that opens a reasoning block the turn's rendering omits (the block counts as
+prompt), and a reasoning block shown for the final turn only (taken as the history shows it:
+empty, never trained under the default ``--empty-reasoning-loss mask``; non-empty, the turn is
+trained as rendered without it). Anything else is refused under ``assistant``, naming the modes
+that work (``last-turn``, ``per-turn``, ``all``). Each turn's stop is the template's end token,
+or the next role's token with the tokenizer's end-of-sequence token appended after the last turn
+(:attr:`ChatTokenizer.stop`), and every record's trained runs are checked to end with one.
 
 Templates that read the clock (``strftime_now``, as Meta's Llama 3.1/3.2 templates print
 today's date) render a pinned date instead: ``template_date`` (``--template-date``; the run
