@@ -183,6 +183,7 @@ def test_every_family_of_the_table_trains_every_shape(tmp_path, family):
 
 
 @pytest.mark.slow
+@pytest.mark.skip(reason="written, not yet run to the end (issue 40: what remains); run it with -k each_loss_policy")
 @pytest.mark.parametrize("family", sorted(TABLE))
 @pytest.mark.parametrize("policy", [{"reasoning_loss": "mask"}, {"reasoning_loss": "drop"},
                                     {"tool_call_loss": "mask"}, {"loss_on": "per-turn"}, {"loss_on": "last-turn"}])
