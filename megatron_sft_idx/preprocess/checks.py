@@ -222,7 +222,8 @@ def verify_masks(store, plan_path: str, shards, job, count: int) -> dict:
                          hint="pass --tokenizer (the one the store was tokenized with)")
     template = store.identity["encode"].get("chat_template")  # --chat-template, when the run had one
     date = store.identity["encode"].get("template_date")      # the date a clock-reading template rendered
-    tok = load_chat_tokenizer(job.tokenizer_path, template, date) if store.tokenizer is not None else None
+    args = store.identity["encode"].get("template_args") or {}   # --template-arg, when the run had some
+    tok = load_chat_tokenizer(job.tokenizer_path, template, date, args) if store.tokenizer is not None else None
     if tok is not None and tok.identity()["files_sha256"] != store.tokenizer["files_sha256"]:
         raise ShardError("--verify-masks: this is not the tokenizer the store was tokenized with",
                          path=job.tokenizer_path, field="tokenizer",

@@ -250,6 +250,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "today's date) renders, so the bytes do not depend on the day or the time zone "
                          "(default: the UTC date the run started, recorded in the store and shards and reused "
                          "by --resume; templates that do not read the clock ignore it)")
+    tk.add_argument("--template-arg", metavar="NAME=VALUE", type=template_arg, action="append", default=[],
+                    help="a switch the chat template reads, given to every rendering (repeatable): "
+                         "enable_thinking=false (Qwen3, Qwen3.5), thinking=true (DeepSeek-V3.1), "
+                         "thinking_mode=enabled (MiniMax-M3); VALUE is JSON (true, 3, \"x\") or else text. "
+                         "Recorded in the store and shards, reused by --resume, repack-sft and --verify-masks")
     tk.add_argument("--vocab-size", type=positive_int,
                     help="vocabulary size (default: the tokenizer's; required for pre-tokenized input "
                          "without --tokenizer)")
@@ -306,11 +311,29 @@ def run_settings_of(prog: str, args) -> RunSettings:
                        progress=progress_of(prog, args), staging_dir=args.staging_dir)
 
 
+def template_arg(text: str):
+    """``--template-arg NAME=VALUE`` -> ``(NAME, value)``: VALUE read as JSON (``true``, ``3``) when it
+    is JSON, else as text.
+
+    Raises:
+        argparse.ArgumentTypeError: no ``=``, or an empty name.
+    """
+    name, sep, value = text.partition("=")
+    if not sep or not name.strip().isidentifier():
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=VALUE (e.g. enable_thinking=false)")
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        parsed = value
+    return name.strip(), parsed if isinstance(parsed, (bool, int, float, str)) or parsed is None else value
+
+
 def _config(args) -> Config:
     tokenize = TokenizeSettings(
         tokenizer=args.tokenizer, vocab_size=args.vocab_size, loss_on=args.loss_on, input_format=args.input_format,
         prompt_key=args.prompt_key, completion_key=args.completion_key, prompt_format=args.prompt_format,
         chat_template=args.chat_template, template_date=args.template_date, ignore_fields=tuple(args.ignore_field),
+        template_args=tuple(args.template_arg),
         tool_call_loss=args.tool_call_loss, reasoning_loss=args.reasoning_loss,
         empty_reasoning_loss=args.empty_reasoning_loss, reasoning_tags=tuple(args.reasoning_tags),
         tokenizer_backend=args.tokenizer_backend, span_method=args.span_method, batch_size=args.batch_size,

@@ -450,5 +450,6 @@ def encoding_extra(encode: dict) -> dict:
     """What a shard's ``extra`` records of the store's encoding beyond ``loss_on``: the loss policy
     and the prompt format, when they differ from the defaults (absent means the defaults, so shards
     made with them keep the bytes of earlier versions), and the date a template that reads the
-    clock rendered (absent for every other template)."""
-    return {k: encode[k] for k in ("loss_policy", "prompt_format", "template_date") if k in encode}
+    clock rendered (absent for every other template), and the template's switches (``--template-arg``,
+    absent when none was given)."""
+    return {k: encode[k] for k in ("loss_policy", "prompt_format", "template_date", "template_args") if k in encode}

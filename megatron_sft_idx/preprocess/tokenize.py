@@ -83,11 +83,11 @@ def resolve_inputs(cfg: Config, recorded_date: Optional[str] = None) -> Inputs:
                     ".parquet, .arrow, [.gz|.zst]) and were not read: %s", len(left),
                     ", ".join(left[:20]) + (" ..." if len(left) > 20 else ""))
     template = resolve_chat_template(tk.chat_template, tk.tokenizer) if tk.chat_template and tk.tokenizer else None
-    tok = load_chat_tokenizer(tk.tokenizer, template) if tk.tokenizer else None
+    tok = load_chat_tokenizer(tk.tokenizer, template, None, tk.template_args) if tk.tokenizer else None
     date = None
     if tok is not None and tok.reads_clock:  # pinned: the bytes must not depend on the day or the time zone
         date = check_template_date(tk.template_date) if tk.template_date else (recorded_date or utc_today())
-        tok = load_chat_tokenizer(tk.tokenizer, template, date)
+        tok = load_chat_tokenizer(tk.tokenizer, template, date, tk.template_args)
     vocab = tk.vocab_size or (tok.vocab_size if tok else None)
     pad = cfg.pack.pad_id if cfg.pack.pad_id is not None else (tok.pad_id if tok else None)
     # chat input needs a template: say so before anything else fails (auto: when the run fails anyway;
@@ -98,6 +98,8 @@ def resolve_inputs(cfg: Config, recorded_date: Optional[str] = None) -> Inputs:
             or (tk.input_format == "auto" and pad is None)):
         _no_template(tok, pad is None)
     pad_id = check_pad_id(pad, vocab)
+    if tok is not None and tk.input_format != "tokens":
+        tok.require_stop()   # (decided on the template, before anything is tokenized)
     shipped = resolve_tokenizer(tk.tokenizer) if is_tokenizer_reference(tk.tokenizer) else None
     options = tk.encode_options(tokenizer_path=(tk.tokenizer if shipped else tok.path) if tok else None,
                                 vocab_size=vocab, skip_bad=cfg.pack.skip_bad, chat_template_text=template,

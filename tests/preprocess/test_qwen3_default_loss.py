@@ -5,7 +5,8 @@ and nothing in the same turn once another turn follows it, so every multi-turn c
 rendered prefixes that were not prefixes of the whole. That block is never trained (the default
 ``--empty-reasoning-loss mask``), so the prefix rule allows exactly it: every turn is trained from
 one rendering, as ``per-turn`` trains it, in one sequence instead of one per turn. A non-empty
-reasoning block dropped from the history is still refused (the model saw it when it wrote the turn).
+reasoning block the template drops from the history is not trained: the turn is trained as the
+one rendering shows it (``per-turn`` trains each turn with its reasoning).
 """
 
 import json
@@ -47,12 +48,16 @@ def test_every_turn_is_trained_and_the_final_empty_block_is_not(families):
     assert trained_texts(tok, ids, mask)[-1] == "<think>\nBe short.\n</think>\n\nAnswer 1.2.<|im_end|>"
 
 
-def test_what_the_rule_does_not_cover_is_still_refused(families):
+def test_reasoning_the_history_drops_is_not_trained_and_the_rest_is(families):
+    """The history rule: a turn whose reasoning the template drops once a user turn follows is
+    trained as the one rendering shows it (its answer), never rendered per turn."""
     tok = ChatTokenizer(families["qwen3"])
     with_history = talk(2)
     with_history[2]["reasoning_content"] = "A thought the history drops."
-    with pytest.raises(InputError, match="not render conversation prefixes"):
-        tok.encode_chat(with_history, "assistant", "q.jsonl", 3)
+    ids, mask = tok.encode_chat(with_history, "assistant", "q.jsonl", 3)
+    assert "A thought" not in tok.decode(ids)
+    assert trained_texts(tok, ids, mask) == ["Answer 2.0.<|im_end|>", "Answer 2.1.<|im_end|>",
+                                             "Answer 2.2.<|im_end|>"]
     # empty blocks trained on purpose: the history's turns were not written with one, so no rule applies
     with pytest.raises(InputError, match="not render conversation prefixes"):
         tok.encode_chat(talk(2), "assistant", "q.jsonl", 3, LossPolicy(empty_reasoning="train"))

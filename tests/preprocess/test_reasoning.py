@@ -104,8 +104,9 @@ def test_tool_calls_masked_train_the_answers_only(families):
     mask_calls = LossPolicy(tool_calls="mask")
     ids, mask = tok.encode_chat(conversation(openai(1)), "assistant", "r.jsonl", 1, mask_calls)
     assert runs(tok, ids, mask) == ["No, it is dry." + EOT]
-    with pytest.raises(InputError, match="all zero"):
+    with pytest.raises(InputError, match="--tool-call-loss mask masks all 1 assistant turns") as e:
         tok.encode_chat(conversation(xlam(1)), "assistant", "r.jsonl", 1, mask_calls)
+    assert e.value.reason == "only_masked_tool_calls" and "--skip-bad" in str(e.value)
 
 
 def test_policies_in_the_pipeline_summary_and_shard(tmp_path, families):

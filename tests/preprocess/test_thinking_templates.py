@@ -1,5 +1,6 @@
-"""Thinking templates (history-dependent): refused by --loss-on assistant with a hint that names
-what works; --loss-on last-turn and per-turn give exact masks, checked by --verify-masks.
+"""Thinking templates (history-dependent): trained as rendered where the history rule applies, else
+refused by --loss-on assistant with a hint that names what works; --loss-on last-turn and per-turn
+give exact masks, checked by --verify-masks.
 
 The two templates are written for these tests (not copied from upstream); they behave as the
 Qwen3 and DeepSeek-R1 families do: reasoning is rendered only for the final turn(s) and dropped
@@ -87,8 +88,20 @@ def trained_texts(tok, ids, mask):
     return [tok.decode(ids[r]) for r in np.split(t, np.flatnonzero(np.diff(t) != 1) + 1)] if t.size else []
 
 
-@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_assistant_mode_trains_the_history_as_rendered_where_the_rule_applies(tokenizers):
+    """Qwen3-style: the history's reasoning block is the block the final turn shows, removed whole:
+    each turn is trained as the one rendering shows it (docs/INPUTS.md, "Thinking templates")."""
+    tok = ChatTokenizer(tokenizers["qwen3"])
+    ids, mask = tok.encode_chat(thinking_conversation(1), "assistant", "think.jsonl", 4)
+    assert "Add 0 and 1" not in tok.decode(ids)
+    assert trained_texts(tok, ids, mask) == ["It is 1.<|im_end|>",
+                                             "<think>\nAdd 1 and 1.\n</think>\n\nIt is 2.<|im_end|>"]
+
+
+@pytest.mark.parametrize("name", ["r1"])
 def test_assistant_mode_refuses_and_names_the_modes_that_work(tokenizers, name):
+    """R1-style: the history keeps the whitespace after the block it strips, so no rule makes the
+    prefix the history's: refused, naming what works."""
     tok = ChatTokenizer(tokenizers[name])
     with pytest.raises(InputError, match="not render conversation prefixes") as e:
         tok.encode_chat(thinking_conversation(1), "assistant", "think.jsonl", 4)

@@ -19,11 +19,14 @@ every message's text (:mod:`.rendering`).
 
 Templates whose rendering of earlier turns depends on later ones (thinking
 templates that drop ``<think>`` from the history, Qwen3- and DeepSeek-R1-style)
-are not prefix-stable: ``assistant`` refuses them, naming the modes that work
-(``last-turn``, ``per-turn``, ``all``), since a mask over one rendering cannot
-train every turn as the model saw it. One difference is allowed by rule: an empty
-reasoning block a template renders only in the final turn (Qwen3), never trained under
-the default ``--empty-reasoning-loss mask`` (:meth:`ChatTokenizer.prefix_spans`).
+are not prefix-stable. Two differences are allowed by rule (:meth:`ChatTokenizer.prefix_spans`):
+a generation prompt that opens a reasoning block the turn's rendering omits (the block counts as
+prompt), and a reasoning block shown for the final turn only (taken as the history shows it:
+empty, never trained under the default ``--empty-reasoning-loss mask``; non-empty, the turn is
+trained as rendered without it). Anything else is refused under ``assistant``, naming the modes
+that work (``last-turn``, ``per-turn``, ``all``). Each turn's stop is the template's end token,
+or the next role's token with the tokenizer's end-of-sequence token appended after the last turn
+(:attr:`ChatTokenizer.stop`), and every record's trained runs are checked to end with one.
 
 Templates that read the clock (``strftime_now``, as Meta's Llama 3.1/3.2 templates print
 today's date) render a pinned date instead: ``template_date`` (``--template-date``; the run
@@ -47,8 +50,9 @@ from ..._extras import require_extra
 from ...errors import ShardError
 from ...jsondoc import load_json
 from .errors import input_error
-from .policy import DEFAULT_POLICY, LossPolicy, refine_spans, trained_turns
-from .rendering import TemplateTraits, adapt, check_rendered, probe
+from .policy import DEFAULT_POLICY, LossPolicy, refine_spans, require_trainable, trained_turns
+from .call_text import call_renderer
+from .rendering import TemplateTraits, adapt, check_rendered, probe, stop_rule
 from .shapes import Conversation, SchemaOptions, as_conversation
 from .tokenizer_source import TOKENIZER_FILES, local_tokenizer
 
@@ -95,12 +99,15 @@ class ChatTokenizer:
             (``--chat-template``, resolved by :func:`resolve_chat_template`).
         template_date: ``YYYY-MM-DD``, the date a template that reads the clock renders
             (:attr:`reads_clock`); default: today's UTC date, taken once here.
+        template_args: ``(name, value)`` switches the template reads (``--template-arg``:
+            ``enable_thinking``, ``thinking``, ``thinking_mode``, ...), given to every rendering.
 
     Raises:
         ShardError: the path holds no loadable fast tokenizer.
     """
 
-    def __init__(self, path: str, chat_template: Optional[str] = None, template_date: Optional[str] = None) -> None:
+    def __init__(self, path: str, chat_template: Optional[str] = None, template_date: Optional[str] = None,
+                 template_args: Tuple[Tuple[str, object], ...] = ()) -> None:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -141,7 +148,15 @@ class ChatTokenizer:
             if self.reads_clock else None
         self.clock = {"strftime_now": _pinned_clock(self.template_date)} if self.reads_clock else {}
         self.template_kwargs.update(self.clock)
+        self.template_args = dict(template_args)
+        self.template_kwargs.update(self.template_args)
         self._traits: Optional[TemplateTraits] = None
+        self._call_text = None
+        self._stop: Optional[Tuple[Optional[str]]] = None
+        self._specials = sorted(self.special_tokens, key=len, reverse=True)
+        #: the ids a trained reply may end on (its stop): the special tokens
+        self.stop_ids = np.asarray(sorted({self.backend.token_to_id(t) for t in self.special_tokens} - {None}),
+                                   dtype=np.int64)
 
     @staticmethod
     def _compile(template: Optional[str]):
@@ -190,7 +205,8 @@ class ChatTokenizer:
             return self.compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                         **extra, **self.template_kwargs)
         return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                           chat_template=self.chat_template, **extra, **self.clock)
+                                           chat_template=self.chat_template, **extra, **self.clock,
+                                           **self.template_args)
 
     def render_conversation(self, conv: Conversation, add_generation_prompt: bool = False) -> str:
         return self.render(conv.template_messages, add_generation_prompt, conv.tools)
@@ -201,6 +217,72 @@ class ChatTokenizer:
         if self._traits is None:
             self._traits = probe(lambda messages, tools=None: self.render(messages, tools=tools))
         return self._traits
+
+    @property
+    def stop(self) -> Optional[str]:
+        """How the template ends an assistant turn (:data:`.rendering.STOP_RULES`), asked once
+        before anything is tokenized; None: it ends turns with nothing to stop on."""
+        if self._stop is None:
+            eos = self.hf.eos_token if self.hf.eos_token in self.special_tokens else None
+            self._stop = (stop_rule(lambda messages, tools=None: self.render(messages, tools=tools),
+                                    self.special_at, eos),) if self.chat_template is not None else ("end-token",)
+        return self._stop[0]
+
+    def special_at(self, text: str, i: int) -> Optional[str]:
+        """The special token ``text`` holds at ``i`` (the longest), or None."""
+        for token in self._specials:
+            if text.startswith(token, i):
+                return token
+        return None
+
+    def require_stop(self) -> None:
+        """Raises ShardError when the template's assistant turns end with nothing to stop on."""
+        if self.chat_template is not None and self.stop is None:
+            raise ShardError("the chat template ends an assistant turn with no end token, and neither a special "
+                             "token follows it nor does the tokenizer declare a special end-of-sequence token to "
+                             "append: a model trained on it would never learn to stop", path=self.path,
+                             field="chat_template", rule="template_no_stop",
+                             hint="use a chat template whose assistant turns end with an end-of-turn token "
+                                  "(--chat-template), or a tokenizer whose eos_token is a special token")
+
+    def with_stops(self, conv: Conversation, full: str, spans, path: str, line: int):
+        """``(full, spans)`` with each turn's stop inside its span, under the ``next-role`` rule:
+        the next role's token the rendering shows after the turn, or the tokenizer's
+        end-of-sequence token appended after a rendering that ends with an assistant turn
+        (docs/INPUTS.md, "Stops"). Unchanged under ``end-token``.
+
+        Raises:
+            InputError: a trained turn followed by no special token.
+        """
+        if self.stop != "next-role":
+            return full, spans
+        messages = conv.template_messages
+        if messages and messages[-1].get("role") == "assistant":
+            full = full.rstrip() + self.hf.eos_token
+        out = []
+        for a, b in spans:
+            i = b
+            while i < len(full) and full[i].isspace():
+                i += 1
+            token = self.special_at(full, i)
+            if token is None:
+                raise input_error("an assistant turn ends with no stop: the template renders no end token after "
+                                  "it and no special token follows it", path, line, field="chat_template",
+                                  reason="template_error", hint="use a chat template with an end-of-turn token "
+                                  "(--chat-template), or pass --skip-bad")
+            out.append((a, i + len(token)))
+        return full, out
+
+    @property
+    def call_text(self):
+        """For a template that writes tool calls as text (XML, key/value tags), the call text it
+        writes for ``(name, arguments)`` (:func:`.call_text.call_renderer`); else None."""
+        if self.traits.call_form != "text" or self.traits.tool_arguments is None:
+            return None
+        if self._call_text is None:
+            self._call_text = call_renderer(lambda messages, tools=None: self.render(messages, tools=tools),
+                                            self.traits.tool_arguments == "string")
+        return self._call_text
 
     def prepare(self, messages, policy: LossPolicy, path: str, line: int) -> Conversation:
         """The conversation adapted to this template (:func:`.rendering.adapt`)."""
@@ -236,26 +318,36 @@ class ChatTokenizer:
         self.require_template()
         conv = self.prepare(messages, policy, path, line)
         turns = trained_turns(conv, loss_on, policy)
+        if loss_on != "all":
+            require_trainable(conv, turns, policy, path, line)
+        notes: dict = {}
         try:
             full = self.render_conversation(conv)
             spans = [] if loss_on == "all" else self.prefix_spans(conv, turns, full, path, line,
-                                                                  loss_on == "assistant", policy)
+                                                                  loss_on == "assistant", policy, notes)
+            full, spans = self.with_stops(conv, full, spans, path, line)
         except ShardError:
             raise
         except Exception as exc:  # jinja2 TemplateError, raise_exception(), bad content types
             raise template_rejected(exc, path, line) from None
-        check_rendered(full, conv, reasoning_turns(conv, loss_on, policy, turns), policy, path, line, read_back)
+        dropped = notes.get("dropped", set())
+        check_rendered(full, conv, [k for k in reasoning_turns(conv, loss_on, policy, turns) if k not in dropped],
+                       policy, path, line, read_back, self.call_text)
         if loss_on == "all":
             return full, []
-        return full, self.refined(full, spans, turns, conv, policy, path, line)
+        return full, self.refined(full, spans, turns, conv, policy, path, line, notes)
 
-    def refined(self, text: str, spans, turns, conv: Conversation, policy: LossPolicy, path: str, line: int):
+    def refined(self, text: str, spans, turns, conv: Conversation, policy: LossPolicy, path: str, line: int,
+                notes: Optional[dict] = None):
         """:func:`.policy.refine_spans`, skipped when it cannot cut anything: a conversation of plain
         messages (no content opens with reasoning) and a template whose source never writes the
-        opening tag, so no block can open a turn or end its generation prompt."""
+        opening tag, so no block can open a turn or end its generation prompt (``notes``: what
+        :meth:`prefix_spans` noted)."""
         if conv.plain and policy.tags[0] not in (self.chat_template or ""):
             return list(spans)
-        return refine_spans(text, spans, turns, conv, policy, path, line)
+        notes = notes or {}
+        return refine_spans(text, spans, turns, conv, policy, path, line, notes.get("opened", ()),
+                            notes.get("dropped", ()))
 
     def turn_texts_and_spans(self, messages, path: str, line: int, policy: LossPolicy = DEFAULT_POLICY,
                              read_back: Optional[list] = None) -> List[Tuple[str, List[Tuple[int, int]]]]:
@@ -267,6 +359,7 @@ class ChatTokenizer:
         """
         conv = self.prepare(messages, policy, path, line)
         turns = trained_turns(conv, "assistant", policy)
+        require_trainable(conv, turns, policy, path, line)
         if not turns:
             raise input_error("no token is trained: the conversation has no assistant turn", path, line,
                               field="loss_mask", reason="no_trainable_tokens",
@@ -294,17 +387,28 @@ class ChatTokenizer:
             trained[:1] = 0
         else:
             trained = trained_from_offsets(np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)[:, 0], spans)
+            self.check_stops(ids, trained, path, line)
         return ids, self._label_aligned(trained, path, line)
 
     def prefix_spans(self, conv: Conversation, turns: List[int], full: str, path: str, line: int,
-                     every_turn: bool = True, policy: LossPolicy = DEFAULT_POLICY):
+                     every_turn: bool = True, policy: LossPolicy = DEFAULT_POLICY, notes: Optional[dict] = None):
         """Reference spans of the assistant messages at ``turns`` (prefix renders).
 
-        One difference between a prefix and the full rendering is allowed, by rule: an empty
-        reasoning block opening turn k when it ends the prefix and absent once a turn follows it
-        (Qwen3's template renders ``<think>\n\n</think>\n\n`` in the final turn only). Under
-        ``--empty-reasoning-loss mask`` (the default) that block is never trained, so turn k is
-        the same trained text either way and its span is taken from the prefix without the block.
+        Two differences between a prefix and the full rendering are allowed, by rule, so that each
+        turn is trained exactly as the conversation's one rendering shows it (docs/INPUTS.md,
+        "Thinking templates"):
+
+        * a generation prompt that opens a reasoning block (Qwen3.5's ``<think>\n``, GLM-4.7's
+          ``<think>``, DeepSeek-R1's) the turn's rendering in the conversation omits: the opened
+          block is counted as prompt -- the turn starts where the rendering shows it, after the
+          prompt without its opening tag (``notes["opened"]`` gets the turn);
+        * a reasoning block opening turn k when it ends the prefix, which the template renders
+          otherwise once a later turn follows (Qwen3's and Qwen3.5's ``<think>..</think>`` shown
+          for the final turn only; GLM-4.7's reduced to a bare closing tag): the turn's span is
+          taken from the prefix with the block as the history shows it. An empty block is never
+          trained under ``--empty-reasoning-loss mask`` (the default); a non-empty one is
+          reasoning the template drops from the history: the turn is trained as rendered, without
+          it (``notes["dropped"]`` gets the turn; the rendering check then does not ask for it).
 
         Raises:
             InputError: a prefix does not render as a prefix of ``full`` (the hint names the loss
@@ -313,14 +417,22 @@ class ChatTokenizer:
         """
         spans = []
         messages = conv.template_messages
-        empty = _empty_block(policy) if policy.empty_reasoning == "mask" else None
+        opening, closing = policy.tags
         for k in turns:
             before = (self.render(messages[:k], True, conv.tools) if k else self.empty_prefix(conv.tools))
             after = self.render(messages[:k + 1], False, conv.tools)
-            if empty is not None and len(before) <= len(after) and not full.startswith(after):
-                block = empty.match(after, len(before))
-                if block is not None:  # (the final turn's empty block, gone from the history)
-                    after = after[:block.start()] + after[block.end():]
+            if not full.startswith(before):
+                head = _without_opened_block(before, opening, closing)
+                if head is not None and full.startswith(head):
+                    before = head   # (the generation prompt's opened block, counted as prompt)
+                    if notes is not None:
+                        notes.setdefault("opened", set()).add(k)
+            if len(before) <= len(after) and not full.startswith(after):
+                edited = _as_history(after, len(before), full, opening, closing)
+                if edited is not None and (not edited[1] or policy.empty_reasoning == "mask"):
+                    after = edited[0]
+                    if not edited[1] and notes is not None:
+                        notes.setdefault("dropped", set()).add(k)
             if not (full.startswith(before) and full.startswith(after) and len(before) <= len(after)):
                 raise input_error("the chat template does not render conversation prefixes as prefixes "
                                   "of the full conversation (its output for earlier turns depends on later "
@@ -347,6 +459,23 @@ class ChatTokenizer:
             if tools is not None:
                 raise
             return ""
+
+    def check_stops(self, ids: np.ndarray, trained: np.ndarray, path: str, line: int) -> None:
+        """Every run of trained tokens (token-aligned ``trained``) ends with a stop: a special token
+        (the turn's end token, or the next role's; docs/INPUTS.md, "Stops"). Made on every record.
+
+        Raises:
+            InputError: a trained reply that ends otherwise (reason ``template_error``).
+        """
+        t = trained.astype(bool, copy=False)
+        ends = np.flatnonzero(t & ~np.append(t[1:], False))
+        bad = ends[~np.isin(ids[ends], self.stop_ids)]
+        if bad.size:
+            raise input_error(f"a trained reply ends with {self.decode(ids[bad[0]:bad[0] + 1])!r}, not a stop token: "
+                              "the model would not learn to stop", path, line, field="loss_mask",
+                              reason="template_error",
+                              hint="use a chat template whose assistant turns end with an end-of-turn token "
+                                   "(--chat-template), or pass --skip-bad")
 
     def encode_prompt(self, prompt: str, completion: str, path: str, line: int):
         """``[bos] prompt completion eos``; trained: the completion and EOS."""
@@ -377,16 +506,17 @@ _LOADED: dict = {}
 
 
 def load_chat_tokenizer(path: str, chat_template: Optional[str] = None,
-                        template_date: Optional[str] = None) -> ChatTokenizer:
+                        template_date: Optional[str] = None, template_args=()) -> ChatTokenizer:
     """A ChatTokenizer shared within the process (and with workers forked after it loaded):
     a production tokenizer takes a second or more to load. Reloaded when its files change.
     ``path``: a local directory or ``tokenizer.json``, or a URL or Hugging Face name (loaded
     from this node's copy of its files, :func:`.tokenizer_source.local_tokenizer`)."""
     path = local_tokenizer(path)
-    key = (os.path.abspath(path), _files_state(path), chat_template, template_date)
+    template_args = tuple(sorted(dict(template_args or ()).items()))
+    key = (os.path.abspath(path), _files_state(path), chat_template, template_date, template_args)
     if key not in _LOADED:
         _LOADED.clear()
-        _LOADED[key] = ChatTokenizer(path, chat_template, template_date)
+        _LOADED[key] = ChatTokenizer(path, chat_template, template_date, template_args)
     return _LOADED[key]
 
 
@@ -469,10 +599,42 @@ def reasoning_turns(conv: Conversation, loss_on: str, policy: LossPolicy, turns:
     return trained_turns(conv, "last-turn", policy) if loss_on == "all" else turns
 
 
-def _empty_block(policy: LossPolicy):
-    """An empty reasoning block (and the whitespace around it) in the policy's tags."""
-    opening, closing = (re.escape(t) for t in policy.tags)
-    return re.compile(rf"\s*{opening}\s*{closing}\s*")
+def _without_opened_block(prompt: str, opening: str, closing: str) -> Optional[str]:
+    """``prompt`` without the reasoning block its end opens (the opening tag and the whitespace
+    around it), or the empty block it ends with (Qwen3.5's ``enable_thinking=false`` prompt), or
+    None when it ends with neither."""
+    stripped = prompt.rstrip()
+    if stripped.endswith(opening):
+        return prompt[:len(stripped) - len(opening)]
+    if stripped.endswith(closing):
+        start = stripped.rfind(opening, 0, len(stripped) - len(closing))
+        if start >= 0 and not stripped[start + len(opening):len(stripped) - len(closing)].strip():
+            return prompt[:start]
+    return None
+
+
+def _as_history(after: str, at: int, full: str, opening: str, closing: str) -> Optional[Tuple[str, bool]]:
+    """``(after as the history shows it, whether its block was empty)``: ``after`` (a turn rendered
+    as the conversation's last) with the reasoning block opening at ``at`` (after whitespace)
+    removed, or reduced to its closing tag, whichever ``full`` starts with; None when neither is
+    (or there is no block there)."""
+    i = at
+    while i < len(after) and after[i].isspace():
+        i += 1
+    if not after.startswith(opening, i):
+        return None
+    close = after.find(closing, i + len(opening))
+    if close < 0:
+        return None
+    end = close + len(closing)
+    while end < len(after) and after[end].isspace():
+        end += 1
+    empty = not after[i + len(opening):close].strip()
+    for middle in ("", closing):
+        edited = after[:at] + middle + after[end:]
+        if full.startswith(edited):
+            return edited, empty
+    return None
 
 
 def template_rejected(exc: BaseException, path: str, line: int):

@@ -39,7 +39,7 @@ from .chat import (ChatTokenizer, encode_tokens, load_chat_tokenizer, reasoning_
 from .errors import InputError, input_error
 from .fast_tokenizer import FastTokenizer
 from .inputs import parse_record
-from .policy import LossPolicy, trained_turns
+from .policy import LossPolicy, require_trainable, trained_turns
 from .rendering import check_rendered, read_back_all
 from .shapes import SchemaOptions
 from .spans import SpanLocator
@@ -75,10 +75,14 @@ class EncodeSettings:
     # YYYY-MM-DD a clock-reading template renders. TokenizeSettings: --template-date (None: the
     # run's start, UTC); EncodeOptions: the date resolved for this run (None: the template reads no clock)
     template_date: Optional[str] = None
+    # switches the chat template reads (--template-arg NAME=VALUE: enable_thinking, thinking, thinking_mode),
+    # given to every rendering: (name, JSON value) pairs, sorted (a dict from the API is taken too)
+    template_args: Tuple[Tuple[str, object], ...] = ()
 
     def __post_init__(self) -> None:   # (lists from the API: the options are a dict key of the workers)
         object.__setattr__(self, "ignore_fields", tuple(self.ignore_fields))
         object.__setattr__(self, "reasoning_tags", tuple(self.reasoning_tags))
+        object.__setattr__(self, "template_args", tuple(sorted(dict(self.template_args or ()).items())))
 
     def encode_options(self, *, tokenizer_path: Optional[str], vocab_size: Optional[int], skip_bad: bool,
                        chat_template_text: Optional[str] = None, template_date: Optional[str] = None,
@@ -137,6 +141,8 @@ class EncodeOptions(EncodeSettings):
             out["ignore_fields"] = sorted(self.ignore_fields)
         if self.template_date is not None:  # (only a template that reads the clock has one)
             out["template_date"] = self.template_date
+        if self.template_args:  # (absent: stores as before the flag)
+            out["template_args"] = dict(self.template_args)
         return out
 
 
@@ -194,7 +200,7 @@ def preload(options) -> None:
     tokenizer takes seconds to load); gigatoken then encodes on each worker's own thread."""
     if options.tokenizer_path:
         fast = _load_fast(load_chat_tokenizer(options.tokenizer_directory, options.chat_template_text,
-                                              options.template_date),
+                                              options.template_date, options.template_args),
                           options.tokenizer_backend)
         if fast is not None:  # load the numba kernel from its cache here, not once per worker
             ids, off = fast.encode(["warm up"])
@@ -211,7 +217,8 @@ class RecordEncoder:
 
     def __init__(self, options: EncodeOptions) -> None:
         self.options = options
-        self.tok = (load_chat_tokenizer(options.tokenizer_directory, options.chat_template_text, options.template_date)
+        self.tok = (load_chat_tokenizer(options.tokenizer_directory, options.chat_template_text, options.template_date,
+                                        options.template_args)
                     if options.tokenizer_path else None)
         self.fast = _load_fast(self.tok, options.tokenizer_backend) if self.tok else None
         # how each text was handled (tests and --verbose read these)
@@ -220,6 +227,8 @@ class RecordEncoder:
         self.schema = options.schema
         self._ignored: Dict[str, int] = {}   # this batch's ignored record-level keys (account_keys)
         self.locator = None
+        if self.tok is not None and options.input_format != "tokens":
+            self.tok.require_stop()
         if (self.tok is not None and self.tok.chat_template is not None and options.span_method == "auto"
                 and options.loss_on in ("assistant", "last-turn")):
             self.locator = SpanLocator(self.tok, self.policy)
@@ -337,16 +346,18 @@ class RecordEncoder:
         and raises what it raises first; what this render queued on ``queued`` is withdrawn)."""
         loss_on = self.options.loss_on
         turns = trained_turns(conv, loss_on, self.policy)
+        require_trainable(conv, turns, self.policy, path, line)
         try:
             text, spans = self.locator.locate(conv.template_messages, turns, conv.tools)
         except Exception as exc:
             raise template_rejected(exc, path, line) from None
         if spans is None:
             return None, text
+        text, spans = self.tok.with_stops(conv, text, spans, path, line)
         first = len(queued)
         try:
             check_rendered(text, conv, reasoning_turns(conv, loss_on, self.policy, turns), self.policy, path, line,
-                           queued)
+                           queued, self.tok.call_text)
             return self.tok.refined(text, spans, turns, conv, self.policy, path, line), text
         except InputError:
             del queued[first:]
@@ -381,6 +392,8 @@ class RecordEncoder:
                 got = ref[k]
             line = records[u.record][0]
             try:
+                if not u.train_all:
+                    self.tok.check_stops(got[0], got[1], path, line)
                 results[u.record].append((got[0], ChatTokenizer._label_aligned(got[1], path, line)))
             except InputError as err:
                 results[u.record].append(err)

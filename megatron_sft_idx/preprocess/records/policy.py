@@ -29,7 +29,7 @@ no closing tag is ever trained at a cut.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import Collection, List, Sequence, Tuple
 
 from .errors import input_error
 from .shapes import REASONING_TAGS, Conversation
@@ -71,11 +71,34 @@ def trained_turns(conv: Conversation, loss_on: str, policy: LossPolicy = DEFAULT
     return turns[-1:] if loss_on == "last-turn" else turns
 
 
-def reasoning_block(text: str, a: int, b: int, opening: str, closing: str):
+def require_trainable(conv: Conversation, turns: Sequence[int], policy: LossPolicy, path: str, line: int) -> None:
+    """Nothing to check unless ``turns`` is empty because ``--tool-call-loss mask`` masked every
+    assistant turn (agentic data: every turn a call): then a named error, a counted skip under
+    ``--skip-bad`` (reason ``only_masked_tool_calls``), never "no assistant turn".
+
+    Raises:
+        InputError: the record's every assistant turn is a tool call the policy masks.
+    """
+    if turns or policy.tool_calls != "mask":
+        return
+    calls = [k for k, m in enumerate(conv.messages) if m["role"] == "assistant" and "tool_calls" in m
+             and k not in conv.untrained]
+    if calls:
+        raise input_error(f"--tool-call-loss mask masks all {len(calls)} assistant turns of this conversation (each "
+                          "is a tool call): it has nothing else to train", path, line, field=conv.where(calls[0]),
+                          reason="only_masked_tool_calls",
+                          hint="pass --skip-bad to skip and count such records, or --tool-call-loss train to train "
+                               "the calls")
+
+
+def reasoning_block(text: str, a: int, b: int, opening: str, closing: str, opened: bool = False):
     """``(start, end, empty)`` of the reasoning block of the turn spanning ``text[a:b]``, or None.
 
     The block opens at the span's first non-space character, or in the generation prompt just
-    before the span; it ends after the first closing tag and the whitespace that follows."""
+    before the span; it ends after the first closing tag and the whitespace that follows.
+    ``opened``: the template's generation prompt opens a block the rendering does not show
+    before this turn (it was counted as prompt): a span that starts with the closing tag closes
+    that block, empty (GLM-4.7's ``</think>`` before an answer without reasoning)."""
     i = a
     while i < b and text[i].isspace():
         i += 1
@@ -86,6 +109,8 @@ def reasoning_block(text: str, a: int, b: int, opening: str, closing: str):
         inner = i + len(opening)
     elif text.endswith(opening, 0, j):  # (no slice: a copy of the text before every turn)
         i = inner = a
+    elif opened and text.startswith(closing, i):
+        inner = i
     else:
         return None
     close = text.find(closing, inner, b)
@@ -98,9 +123,12 @@ def reasoning_block(text: str, a: int, b: int, opening: str, closing: str):
 
 
 def refine_spans(text: str, spans: Sequence[Tuple[int, int]], turns: Sequence[int], conv: Conversation,
-                 policy: LossPolicy, path: str, line: int) -> List[Tuple[int, int]]:
+                 policy: LossPolicy, path: str, line: int, opened: Collection[int] = (),
+                 dropped: Collection[int] = ()) -> List[Tuple[int, int]]:
     """``spans`` (one per trained turn, in order) with the reasoning blocks the policy does not
-    train cut out; pieces that hold only whitespace are dropped.
+    train cut out; pieces that hold only whitespace are dropped. ``opened``: turns whose
+    generation prompt's opened block was counted as prompt; ``dropped``: turns whose reasoning the
+    template drops from the history (:meth:`.chat.ChatTokenizer.prefix_spans`).
 
     Raises:
         InputError: a turn's reasoning must be masked but its rendering shows no reasoning block.
@@ -108,8 +136,8 @@ def refine_spans(text: str, spans: Sequence[Tuple[int, int]], turns: Sequence[in
     opening, closing = policy.tags
     out: List[Tuple[int, int]] = []
     for (a, b), k in zip(spans, turns):
-        block = reasoning_block(text, a, b, opening, closing) if a < b else None
-        reasons = "reasoning_content" in conv.messages[k] and policy.reasoning != "drop"
+        block = reasoning_block(text, a, b, opening, closing, k in opened) if a < b else None
+        reasons = "reasoning_content" in conv.messages[k] and policy.reasoning != "drop" and k not in dropped
         if block is None:
             if reasons and policy.reasoning == "mask":
                 raise input_error(f"cannot mask the reasoning of {conv.where(k)}: its rendering holds no "

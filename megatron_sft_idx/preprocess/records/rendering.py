@@ -9,7 +9,9 @@ on fixed probe conversations:
   wrote it or as ``<think>\\nR\\n</think>\\n\\nA``);
 * whether it renders tool calls, and whether it wants ``arguments`` as a dict (Hugging Face's
   convention, which Llama 3.1, Qwen and Mistral serialise with ``tojson``) or as a JSON string
-  (DeepSeek-V3's template concatenates it);
+  (DeepSeek-V3's template concatenates it); and whether it writes them as JSON (``"key": value``)
+  or as text (Qwen3.5's, GLM's and MiniMax's XML: :mod:`.call_text`), decided by where the probe
+  call's name, key and value land in the rendering, not by a spelling;
 * whether it renders a ``tools`` list.
 
 :func:`adapt` hands the template what it reads, and refuses tool data a template cannot render
@@ -29,6 +31,7 @@ from json.encoder import encode_basestring, encode_basestring_ascii
 from typing import List, Optional, Sequence, Tuple
 
 from .accounting import check_rendered_tools
+from .call_text import check_text_calls, text_leaves
 from .errors import input_error
 from .policy import LossPolicy
 from .shapes import Conversation
@@ -42,6 +45,7 @@ class TemplateTraits:
     reasoning_field: Optional[str]   # the assistant field the template renders reasoning from
     tool_arguments: Optional[str]    # "dict" | "string" | None: the template renders no tool calls
     renders_tools: bool              # a ``tools`` list reaches the rendering
+    call_form: str = "json"          # "json": arguments written as JSON; "text": keys and values as text
 
 
 def _renders(render, messages, needles: Sequence[str], tools=None) -> bool:
@@ -65,17 +69,45 @@ def probe(render) -> TemplateTraits:
                                                "parameters": {"type": "object", "properties": {}}}}
     renders_tools = _renders(render, [user, {"role": "assistant", "content": "xqprobe answer"}], ["xqprobe_tool"],
                              tools=[schema])
-    form = None
-    for name, arguments in (("dict", {"xqkey": "xqvalue"}), ("string", '{"xqkey": "xqvalue"}')):
-        call = {"type": "function", "id": _ID, "function": {"name": "xqprobe_call", "arguments": arguments}}
-        messages = [user, {"role": "assistant", "content": "", "tool_calls": [call]},
-                    {"role": "tool", "content": "xqprobe result", "tool_call_id": _ID},
-                    {"role": "assistant", "content": "xqprobe answer"}]
-        needles = ["xqprobe_call", '"xqkey"', '"xqvalue"', "xqprobe result"]
-        if _renders(render, messages, needles) or (renders_tools and _renders(render, messages, needles, [schema])):
-            form = name
-            break
-    return TemplateTraits(field, form, renders_tools)
+    for call_form, quote in (("json", '"'), ("text", "")):   # (JSON first: the bytes of the families before)
+        for name, arguments in (("dict", {"xqkey": "xqvalue"}), ("string", '{"xqkey": "xqvalue"}')):
+            call = {"type": "function", "id": _ID, "function": {"name": "xqprobe_call", "arguments": arguments}}
+            messages = [user, {"role": "assistant", "content": "", "tool_calls": [call]},
+                        {"role": "tool", "content": "xqprobe result", "tool_call_id": _ID},
+                        {"role": "assistant", "content": "xqprobe answer"}]
+            needles = ["xqprobe_call", f"{quote}xqkey{quote}", f"{quote}xqvalue{quote}", "xqprobe result"]
+            if _renders(render, messages, needles) or (renders_tools and
+                                                       _renders(render, messages, needles, [schema])):
+                return TemplateTraits(field, name, renders_tools, call_form)
+    return TemplateTraits(field, None, renders_tools)
+
+
+#: how an assistant turn's stop is rendered (docs/INPUTS.md, "Stops"): ``end-token``, the turn's own
+#: rendering ends with a special token (``<|im_end|>``, ``<|eot_id|>``); ``next-role``, it ends with
+#: no token of its own and the next message's role token (a special token: GLM's ``<|user|>``,
+#: ``<|observation|>``) is the stop, the tokenizer's end-of-sequence token appended after the last turn
+STOP_RULES = ("end-token", "next-role")
+
+
+def stop_rule(render, special_at, eos: Optional[str]) -> Optional[str]:
+    """The :data:`STOP_RULES` entry the template behind ``render(messages, tools=None)`` follows,
+    decided on a probe conversation before anything is tokenized; None when its assistant turns
+    end with nothing a model could stop on (no token of their own, and no special token next or
+    no special end-of-sequence token to append). ``special_at(text, i)``: the special token
+    ``text`` holds at ``i``, or None; ``eos``: the tokenizer's end-of-sequence token, if special."""
+    messages = [{"role": "user", "content": "xqprobe ask"}, {"role": "assistant", "content": "xqprobe answer"},
+                {"role": "user", "content": "xqprobe again"}, {"role": "assistant", "content": "xqprobe final"}]
+    try:
+        text = render(messages)
+    except Exception:  # (roles must alternate otherwise, say): the records' own renderings decide
+        return "end-token"
+    end = text.rfind("xqprobe final")
+    if end < 0 or text[end + len("xqprobe final"):].strip():
+        return "end-token"   # (the turn renders its own end; every record's stops are verified)
+    gap = text.find("xqprobe answer") + len("xqprobe answer")
+    while gap < len(text) and text[gap].isspace():
+        gap += 1
+    return "next-role" if eos is not None and special_at(text, gap) else None
 
 
 def adapt(conv: Conversation, traits: TemplateTraits, policy: LossPolicy, path: str, line: int) -> Conversation:
@@ -162,8 +194,10 @@ def _forms(v) -> Tuple[str, ...]:
 _CONSTANTS = {None: ("null",), True: ("true",), False: ("false",)}
 
 
-def items_of(conv: Conversation, reasoning_required: Sequence[int], policy: LossPolicy):
-    """``(ordered, anywhere)``: ``(field, what, forms)`` of every text the rendering must hold."""
+def items_of(conv: Conversation, reasoning_required: Sequence[int], policy: LossPolicy, text_calls: bool = False):
+    """``(ordered, anywhere)``: ``(field, what, forms)`` of every text the rendering must hold
+    (``text_calls``: the template writes call arguments as text, :mod:`.call_text`)."""
+    leaves = text_leaves if text_calls else json_leaves
     ordered, anywhere = [], []
     for k, m in enumerate(conv.messages):
         where = conv.where(k)
@@ -177,19 +211,22 @@ def items_of(conv: Conversation, reasoning_required: Sequence[int], policy: Loss
         for j, call in enumerate(m.get("tool_calls") or ()):
             w = f"{where}.tool_calls[{j}]"
             ordered.append((w, "tool-call name", (call["function"]["name"],)))
-            ordered.extend((w, "tool-call argument", forms) for forms in json_leaves(call["function"]["arguments"]))
+            ordered.extend((w, "tool-call argument", forms) for forms in leaves(call["function"]["arguments"]))
     for i, tool in enumerate(conv.tools or ()):
         anywhere.append((f"tools[{i}]", "tool name", (tool["function"]["name"],)))
     return ordered, anywhere
 
 
 def check_rendered(text: str, conv: Conversation, reasoning_required: Sequence[int], policy: LossPolicy,
-                   path: str, line: int, read_back: Optional[list] = None) -> None:
+                   path: str, line: int, read_back: Optional[list] = None, call_text=None) -> None:
     """Every text of ``conv`` is in ``text``, in order (see the module docstring), and nothing the
     source does not hold: :func:`.accounting.check_rendered_tools`, the read-back of tool
     definitions and calls, made here, or queued on ``read_back`` when it is a list, for the caller
     to make a few records' at a time with :func:`read_back_all` (the same calls made in one loop
     cost a third less than between renders: docs/PREPROCESSING.md, "What accounting costs").
+    ``call_text``: for a template that writes calls as text, :func:`.call_text.call_renderer`'s
+    function; each call of the record is then also read back as that text
+    (:func:`.call_text.check_text_calls`), here.
 
     Raises:
         InputError: the first text the rendering lacks (reason ``template_dropped_content``), or
@@ -197,7 +234,7 @@ def check_rendered(text: str, conv: Conversation, reasoning_required: Sequence[i
     """
     if conv.plain and _plain_rendered(text, conv.messages):
         return
-    ordered, anywhere = items_of(conv, reasoning_required, policy)
+    ordered, anywhere = items_of(conv, reasoning_required, policy, call_text is not None)
     own: List[Tuple[int, int]] = []   # where a message's text holding a "name" key was rendered
     pos = 0
     for where, what, forms in ordered:
@@ -212,6 +249,8 @@ def check_rendered(text: str, conv: Conversation, reasoning_required: Sequence[i
             raise _dropped(where, what, False, path, line)
         _own_span(text, what, forms, found, own)
     # and nothing the source does not hold (JSON in a message's own text is not a call or definition)
+    if call_text is not None and conv.source_calls:
+        check_text_calls(text, conv.source_calls, call_text, path, line)
     if read_back is None:
         check_rendered_tools(text, conv.source_tools, path, line, conv.source_calls, own)
     elif conv.source_tools or conv.source_calls:

@@ -58,6 +58,7 @@ class Text:
     where: str
     start: int = -1     # position in the rendering, once found
     end: int = -1
+    bare: Tuple[str, ...] = ()   # a call's key or value as text, where a template writes it so (XML)
 
 
 @dataclass
@@ -94,18 +95,30 @@ def _has_text(value) -> bool:
     return isinstance(value, str) and bool(value.strip())
 
 
+def _bare(value) -> Tuple[str, ...]:
+    """How a call's key or scalar may appear where a template writes arguments as text (Qwen3.5's,
+    GLM's and MiniMax's XML): a string as written, ``true`` as JSON or Python writes it, a number
+    as either writes it."""
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, bool):
+        return (json.dumps(value), str(value))
+    return tuple({json.dumps(value), repr(value)})
+
+
 def _leaves(value, out: list) -> None:
+    """``(JSON forms, text forms)`` of each key and scalar of arguments, in document order."""
     if isinstance(value, dict):
         for key, item in value.items():
             if item is None:   # (null counts as absent, at every depth: columnar rows hold every field)
                 continue
-            out.append(_forms(key))
+            out.append((_forms(key), _bare(key)))
             _leaves(item, out)
     elif isinstance(value, list):
         for item in value:
             _leaves(item, out)
     else:
-        out.append(_forms(value))
+        out.append((_forms(value), _bare(value)))
 
 
 class _Reader:
@@ -171,7 +184,8 @@ class _Reader:
         t.texts.append(Text(len(self.turns) - 1, "call", (str(name),), where + ".name"))
         leaves: list = []
         _leaves(arguments or {}, leaves)
-        t.texts.extend(Text(len(self.turns) - 1, "call", forms, where + ".arguments") for forms in leaves)
+        t.texts.extend(Text(len(self.turns) - 1, "call", forms, where + ".arguments", bare=bare)
+                       for forms, bare in leaves)
 
     def openai(self, messages, prefix: str, excluded: bool = False) -> None:
         for i, m in enumerate(messages):
@@ -386,15 +400,19 @@ class _Check:
                     dropped.append((x, pos))
                     continue
                 x.start, x.end = r.locate(x.forms, 0 if anywhere else pos, self.must(x))
-                if x.start >= 0 and x.kind == "reasoning" and i not in self.reasoned and n + 1 < len(t.texts):
+                if x.start < 0 and x.bare:   # (a template that writes the call's arguments as text)
+                    x.start, x.end = r.locate(x.bare, 0 if anywhere else pos, self.must(x))
+                if x.start >= 0 and x.kind == "reasoning" and (i not in self.reasoned or _user_after(conv, i)) \
+                        and n + 1 < len(t.texts):
                     # the history's reasoning, which a template may drop, is in its place only before the
                     # turn's next text (the same thought in a later turn is not this one's)
                     after = _occurrences(r.text, t.texts[n + 1].forms, pos)
                     if after and after[0][0] < x.start:
                         x.start = x.end = -1
                 if x.start < 0:
-                    if x.kind == "reasoning" and (i not in self.reasoned or self.reasoning == "drop"):
-                        continue  # a template may drop the history's reasoning
+                    if x.kind == "reasoning" and (i not in self.reasoned or self.reasoning == "drop"
+                                                  or _user_after(conv, i)):
+                        continue  # a template may drop the history's reasoning (a turn a user turn follows)
                     what = "out of order" if _occurrences(r.text, x.forms, 0) else "nowhere"
                     return f"{x.where} ({_label(conv, x)} {x.forms[0][:40]!r}) is {what} in the rendering"
                 if not anywhere:
@@ -456,6 +474,13 @@ class _Check:
         if bare > 0:
             return f"{bare} trained turn(s) with no text have no trained end-of-turn"
         return ""
+
+
+def _user_after(conv: SourceConversation, i: int) -> bool:
+    """True when a user turn follows turn ``i``: thinking templates (Qwen3, Qwen3.5, GLM-4.7, MiniMax-M2)
+    render a turn's reasoning only while no user turn follows it, and the turn is then trained as
+    rendered, without it (docs/INPUTS.md, "Thinking templates")."""
+    return any(t.role == "user" for t in conv.turns[i + 1:])
 
 
 def _rendered(text: str, dropped: List[Tuple[Text, int]], before: int) -> str:
