@@ -224,6 +224,7 @@ def test_end_of_turn_untrained_fails(tmp_path, monkeypatch):
         return [(a, b - len("<|im_end|>")) for a, b in real(self, conv, turns, full, path, line)]
 
     monkeypatch.setattr(chat.ChatTokenizer, "prefix_spans", short)
+    monkeypatch.setattr(chat, "_LOADED", {})   # (a tokenizer an earlier test loaded learned its one-render spans unpatched)
     records = [json.loads(line) for line in open(os.path.join(ROOT, "examples", "conversations.jsonl"))][:6]
     with pytest.raises(ShardError, match="not a stop token"):   # every record's own stop check, first
         run(Config(inputs=[write_jsonl(tmp_path / "bad.jsonl", records)], output_prefix=str(tmp_path / "o1"),
