@@ -6,7 +6,7 @@ The lower wing of :mod:`megatron_sft_idx.preprocess`. It imports nothing of the 
 Where things live: :mod:`.inputs` (input files and their kinds), :mod:`.json_array` (the
 streaming JSON-array scanner), :mod:`.partitions` (byte ranges and row groups of an input),
 :mod:`.shapes` (input shapes mapped to the chat template's vocabulary, every key accounted
-for), :mod:`.accounting` (nothing rendered that the record does not hold), :mod:`.rendering`
+for: a module a shape, and the registry that tells them apart), :mod:`.accounting` (nothing rendered that the record does not hold), :mod:`.rendering`
 (what a template renders), :mod:`.policy` (loss policies), :mod:`.chat` (chat templates and
 masks), :mod:`.spans` (trained spans located in a rendering), :mod:`.encode` (records to
 tokens, batched), :mod:`.fast_tokenizer`, :mod:`.source_check` (the independent check against
