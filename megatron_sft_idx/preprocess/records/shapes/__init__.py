@@ -59,7 +59,7 @@ from .registry import KINDS, SHAPE_FIELDS, detect, map_record
 from .sharegpt import SHAREGPT_ROLES
 from .tokens import token_record
 
-__all__ = ["APPLIED_RULES", "CHAT_ROLES", "Conversation", "DECODED_TWICE", "IGNORE_RULES", "KINDS", "METADATA_FLAGS",
-           "METADATA_KEYS", "Mapper", "REASONING_TAGS", "SHAPE_FIELDS", "SHAREGPT_ROLES", "SYSTEM_KEYS", "SchemaOptions",
-           "account_keys", "as_conversation", "check_json_texts", "check_text", "detect", "drop_nulls", "ignore_rule",
-           "map_record", "split_inline_reasoning", "token_record", "turns"]
+__all__ = ["APPLIED_RULES", "CHAT_ROLES", "Conversation", "DECODED_TWICE", "IGNORE_RULES", "KINDS",
+           "METADATA_FLAGS", "METADATA_KEYS", "Mapper", "REASONING_TAGS", "SHAPE_FIELDS", "SHAREGPT_ROLES",
+           "SYSTEM_KEYS", "SchemaOptions", "account_keys", "as_conversation", "check_json_texts", "check_text",
+           "detect", "drop_nulls", "ignore_rule", "map_record", "split_inline_reasoning", "token_record", "turns"]
