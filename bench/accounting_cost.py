@@ -45,12 +45,21 @@ BASELINE_REF = "main"
 CORPORA = ("tools", "pool", "example")
 
 
+def _keys_caller():
+    """The module that calls ``account_keys``: the one ``map_record`` lives in
+    (``records.shapes.registry``; ``records.shapes`` itself in a tree from before the shapes were
+    a package, as the baseline may be)."""
+    from megatron_sft_idx.preprocess.records import shapes
+
+    return sys.modules[shapes.map_record.__module__]
+
+
 def _no_accounting() -> None:
     """Replace the key account and the read-back with no-ops, where the pipeline calls them."""
-    from megatron_sft_idx.preprocess.records import rendering, shapes
+    from megatron_sft_idx.preprocess.records import rendering
 
     rendering.check_rendered_tools = lambda *args, **kwargs: None
-    shapes.account_keys = lambda *args, **kwargs: None
+    _keys_caller().account_keys = lambda *args, **kwargs: None
 
 
 def child_run(tree: str, path: str, tokenizer: str, out: str, rounds: int) -> dict:
@@ -59,11 +68,12 @@ def child_run(tree: str, path: str, tokenizer: str, out: str, rounds: int) -> di
     if tree:
         sys.path.insert(0, tree)
     import megatron_sft_idx.preprocess as entry
-    from megatron_sft_idx.preprocess.records import rendering, shapes
+    from megatron_sft_idx.preprocess.records import rendering
 
     if tree and not entry.__file__.startswith(tree):
         raise RuntimeError(f"imported {entry.__file__}, not the baseline under {tree}")
-    check, keys = rendering.check_rendered_tools, shapes.account_keys
+    caller = _keys_caller()
+    check, keys = rendering.check_rendered_tools, caller.account_keys
     inside = [0.0]
 
     def timed_check(*args, **kwargs):
@@ -75,7 +85,7 @@ def child_run(tree: str, path: str, tokenizer: str, out: str, rounds: int) -> di
 
     def once(on: bool) -> dict:
         if on:
-            rendering.check_rendered_tools, shapes.account_keys = timed_check, keys
+            rendering.check_rendered_tools, caller.account_keys = timed_check, keys
         else:
             _no_accounting()
         inside[0] = 0.0

@@ -25,14 +25,14 @@ import numpy as np
 from ..builder import IndexedDatasetBuilder
 from ..errors import InputError, ObjectChangedError, RemoteStorageError, ShardError
 from ..packing import exclusive_cumsum
-from ..storage import is_remote
 from ..jsondoc import HEX, normal_json
 from .records.chat import check_template_date, load_chat_tokenizer, resolve_chat_template, utc_today
 from .config import Config, check_pad_id
 from .records.encode import EncodedBatch, EncodeOptions, RecordEncoder, preload
 from .engines.base import report_progress
-from .records.inputs import expand_inputs, stat_input
+from .records.inputs import expand_inputs
 from .records.partitions import Partition, index_file, read_batches
+from .records.sources import InputSource, input_source
 from .records.tokenizer_source import is_tokenizer_reference, resolve_tokenizer
 from .receipts import ReceiptBook
 from .files import LOCAL, Files
@@ -49,18 +49,23 @@ class Inputs:
     """What the driver resolves once: the input files and the tokenizer's identity."""
 
     names: List[str]                 # as given (expanded): recorded in metadata and messages
-    paths: List[str]                 # absolute (or the URL): what the workers open
+    sources: List[InputSource]       # each input, a local file or an object: told apart once, here
     options: EncodeOptions
     tokenizer: Optional[dict]        # identity without its path, or None
     pad_id: int
     sizes: Optional[List[int]] = None   # bytes of each input, as expansion found them
     left: Tuple[str, ...] = ()          # what the input directories hold and the run does not read
 
+    @property
+    def paths(self) -> List[str]:
+        """Absolute paths (or the URLs): what the workers open."""
+        return [s.path for s in self.sources]
+
     def stat(self) -> list:
-        """``[name, bytes, mtime_ns]`` per input (an object's mtime: 0; its bytes as listed)."""
-        sizes = self.sizes or [stat_input(p)[0] for p in self.paths]
-        return [[n, size, 0 if is_remote(p) else os.stat(p).st_mtime_ns]
-                for n, p, size in zip(self.names, self.paths, sizes)]
+        """``[name, bytes, mtime_ns]`` per input (an object's mtime: 0, its stamp is its ETag; its
+        bytes as listed)."""
+        sizes = self.sizes or [s.stat()[0] for s in self.sources]
+        return [[n, size, s.stamp("").get("mtime_ns", 0)] for n, s, size in zip(self.names, self.sources, sizes)]
 
 
 def resolve_inputs(cfg: Config, recorded_date: Optional[str] = None) -> Inputs:
@@ -110,8 +115,7 @@ def resolve_inputs(cfg: Config, recorded_date: Optional[str] = None) -> Inputs:
                     "core (docs/PREPROCESSING.md#speed-and-memory); the 'preprocess' extra brings it on Linux "
                     "x86-64, the 'fast' extra elsewhere")
     sizes = [listed[n] if n in listed else os.path.getsize(n) for n in names]
-    return Inputs(names, [n if is_remote(n) else os.path.abspath(n) for n in names], options, identity, pad_id,
-                  sizes, tuple(left))
+    return Inputs(names, [input_source(n) for n in names], options, identity, pad_id, sizes, tuple(left))
 
 
 def recorded_template_date(directory: str) -> Optional[str]:

@@ -14,7 +14,7 @@ def test_without_accounting_means_neither_the_key_account_nor_the_read_back(monk
     from megatron_sft_idx.preprocess.records.inputs import parse_record
 
     monkeypatch.setattr(rendering, "check_rendered_tools", rendering.check_rendered_tools)   # (restored after)
-    monkeypatch.setattr(shapes, "account_keys", shapes.account_keys)
+    monkeypatch.setattr(shapes.registry, "account_keys", shapes.registry.account_keys)
     record = json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
                          "critique": "text no rule covers"})
     opts = shapes.SchemaOptions()

@@ -310,7 +310,7 @@ def test_the_check_catches_a_mapping_that_lets_nulls_through(tmp_path, families,
                           pack_size=2048, progress=False, skip_bad=True, workers=1))
 
     assert go("fixed")["skipped"] == {}
-    monkeypatch.setattr(shapes, "drop_nulls", lambda value: value)
+    monkeypatch.setattr(shapes.mapper, "drop_nulls", lambda value: value)
     with pytest.raises(ShardError, match=r"skipped: 3 \(3 rendered not in source\).*n\.jsonl:1: the rendering "
                                          r"shows tool 'get_weather' with 'parameters' as the record does not hold"):
         go("broken")
@@ -422,22 +422,22 @@ def _rendered(family):
 def _defect_keep_nulls(monkeypatch):
     from megatron_sft_idx.preprocess.records import shapes
 
-    monkeypatch.setattr(shapes, "drop_nulls", lambda value: value)
-    monkeypatch.setattr(shapes, "_may_hold_null", lambda value: (True, None))
+    monkeypatch.setattr(shapes.mapper, "drop_nulls", lambda value: value)
+    monkeypatch.setattr(shapes.mapper, "may_hold_null", lambda value: (True, None))
 
 
 def _defect_add_key(monkeypatch):
     from megatron_sft_idx.preprocess.records import shapes
 
-    original = shapes._Mapper.arguments
-    monkeypatch.setattr(shapes._Mapper, "arguments", lambda self, value, where: dict(original(self, value, where),
+    original = shapes.Mapper.arguments
+    monkeypatch.setattr(shapes.Mapper, "arguments", lambda self, value, where: dict(original(self, value, where),
                                                                                       verbose=True))
 
 
 def _defect_swap(monkeypatch):
     from megatron_sft_idx.preprocess.records import shapes
 
-    original = shapes._Mapper.done
+    original = shapes.Mapper.done
 
     def done(self, tools, source=None):
         calls = [c["function"] for m in self.messages for c in m.get("tool_calls") or ()]
@@ -445,7 +445,7 @@ def _defect_swap(monkeypatch):
             calls[0]["arguments"], calls[-1]["arguments"] = calls[-1]["arguments"], calls[0]["arguments"]
         return original(self, tools, source)
 
-    monkeypatch.setattr(shapes._Mapper, "done", done)
+    monkeypatch.setattr(shapes.Mapper, "done", done)
 
 
 @pytest.mark.parametrize("family", ["qwen25", "llama3", "mistral", "qwen3"])

@@ -286,20 +286,22 @@ def test_an_object_replaced_between_index_and_tokenize_fails_by_name(tmp_path, s
 
 def test_a_replaced_object_is_never_read_as_a_mix_of_versions(tmp_path, s3, bucket):
     """At the reader: a read pinned to the indexed version, of an object replaced since, fails."""
-    from megatron_sft_idx.preprocess.records.inputs import open_input, stat_input
+    from megatron_sft_idx.preprocess.records.sources import ObjectInput, input_source
 
     client = s3.client()
     client.put_object(Bucket=bucket, Key="x.jsonl", Body=b"a" * (9 << 20))
-    url = f"s3://{bucket}/x.jsonl"
-    size, version = stat_input(url)
-    with open_input(url, version) as f:
+    source = input_source(f"s3://{bucket}/x.jsonl")
+    assert isinstance(source, ObjectInput) and source.ranged
+    size, version = source.stat()
+    assert source.stamp(version) == {"etag": version}
+    with source.open(version) as f:
         assert f.read(10) == b"a" * 10
         client.put_object(Bucket=bucket, Key="x.jsonl", Body=b"b" * (9 << 20))
         f.seek(size - 10)
         with pytest.raises(ObjectChangedError):
             f.read(10)   # (past its buffer: a GET of the version it opened, which is gone)
     with pytest.raises(ObjectChangedError, match="replaced since it was read before"):
-        open_input(url, version)
+        source.open(version)
 
 
 def test_resume_proves_the_inputs_by_content(tmp_path, s3, bucket, capsys):

@@ -208,14 +208,14 @@ def _untrain_end_token(self, conv, turns, full, path, line, every_turn=True, pol
     return out
 
 
-REAL_REASONING = shapes._Mapper.reasoning
-REAL_TEXT = shapes._Mapper.text
-REAL_ARGUMENTS = shapes._Mapper.arguments
+REAL_REASONING = shapes.Mapper.reasoning
+REAL_TEXT = shapes.Mapper.text
+REAL_ARGUMENTS = shapes.Mapper.arguments
 REAL_PREFIX_SPANS = chat.ChatTokenizer.prefix_spans
-DEFECTS = {"drop_reasoning_field": (shapes._Mapper, "reasoning", _drop_fields),
-           "swap_precedence": (shapes._Mapper, "reasoning", _blank_field_wins),
-           "drop_text_part": (shapes._Mapper, "text", _first_part_only),
-           "drop_argument": (shapes._Mapper, "arguments", _drop_last_argument),
+DEFECTS = {"drop_reasoning_field": (shapes.Mapper, "reasoning", _drop_fields),
+           "swap_precedence": (shapes.Mapper, "reasoning", _blank_field_wins),
+           "drop_text_part": (shapes.Mapper, "text", _first_part_only),
+           "drop_argument": (shapes.Mapper, "arguments", _drop_last_argument),
            "untrain_end_token": (chat.ChatTokenizer, "prefix_spans", _untrain_end_token)}
 
 

@@ -74,6 +74,45 @@ def test_partitions_are_cut_near_each_multiple_and_numbered(tmp_path):
         assert data[:p.start].count(b"\n") + 1 == p.first_line
 
 
+@pytest.mark.parametrize("name", ["c.jsonl", "c.jsonl.gz", "c.parquet", "c.arrow"])
+def test_an_input_is_told_local_or_an_object_once(tmp_path, monkeypatch, name):
+    """The source decides once (``records.sources.input_source``); indexing and reading an input
+    of every kind go through it and never ask again, and a local input's stamp is its mtime."""
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from megatron_sft_idx.preprocess.records import sources
+
+    rows = [json.loads(line) for line in open(CHAT[0], encoding="utf-8")][:40]
+    path = tmp_path / name
+    if name.endswith(".parquet"):
+        pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=10)
+    elif name.endswith(".arrow"):
+        with pa.ipc.new_file(str(path), pa.Table.from_pylist(rows).schema) as w:
+            w.write_table(pa.Table.from_pylist(rows), max_chunksize=10)
+    else:
+        data = b"".join(json.dumps(r).encode() + b"\n" for r in rows)
+        path.write_bytes(gzip.compress(data) if name.endswith(".gz") else data)
+    monkeypatch.chdir(tmp_path)
+    asked, told = [], sources.is_remote
+    monkeypatch.setattr(sources, "is_remote", lambda p: asked.append(p) or told(p))
+    source = sources.input_source(name)
+    assert isinstance(source, sources.LocalInput) and not source.ranged and source.path == str(path)
+    assert source.stat() == (path.stat().st_size, "") and source.stamp("") == {"mtime_ns": path.stat().st_mtime_ns}
+    assert sources.input_source(source) is source and asked == [name]
+    info = index_file(name, 0, 1000)
+    assert asked == [name, name] and info["name"] == name and info["mtime_ns"] == path.stat().st_mtime_ns
+    got = [r for p in info["partitions"] for b in read_batches(name, Partition.from_list(p), 7, 1 << 20) for r in b]
+    assert len(got) == 40 and asked == [name] * (2 + len(info["partitions"]))
+    assert [r for p in info["partitions"] for b in read_batches(source, Partition.from_list(p), 7, 1 << 20)
+            for r in b] == got and len(asked) == 2 + len(info["partitions"])
+    url = sources.input_source("s3://bucket/k/c.jsonl")   # (no request is made until it is read)
+    assert isinstance(url, sources.ObjectInput) and url.ranged and url.path == "s3://bucket/k/c.jsonl"
+    assert url.stamp("abc") == {"etag": "abc"}
+
+
 # ---------------------------------------------------------------- store and plan files
 
 

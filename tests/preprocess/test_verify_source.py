@@ -93,24 +93,24 @@ KNOWN_ROLES = ("{% for m in messages %}{% if m['role'] in ['system', 'user', 'as
                "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 
-def old_sharegpt(self, record):
+def old_sharegpt(mapper, record):
     """The mapping before issue 20: unknown ShareGPT roles passed through under their own names."""
     for i, t in enumerate(record["conversations"]):
-        self.add({"role": OLD_SHAREGPT_ROLES.get(t["from"].lower(), t["from"]), "content": t["value"]},
-                 f"conversations[{i}]")
-    return self.done(None)
+        mapper.add({"role": OLD_SHAREGPT_ROLES.get(t["from"].lower(), t["from"]), "content": t["value"]},
+                   f"conversations[{i}]")
+    return mapper.done(None)
 
 
-def old_chat_message(self, m, where):
+def old_chat_message(mapper, m, where):
     """The mapping before issue 20: role and content only (tool_calls and tools lost)."""
-    self.add({"role": m["role"], "content": m.get("content") or ""}, where)
+    mapper.add({"role": m["role"], "content": m.get("content") or ""}, where)
 
 
-def old_alpaca(self, record):
+def old_alpaca(mapper, record):
     """``--prompt-key instruction --completion-key output`` before issue 20: the input lost."""
-    self.add({"role": "user", "content": record["instruction"]}, "instruction")
-    self.add({"role": "assistant", "content": record["output"]}, "output")
-    return self.done(None)
+    mapper.add({"role": "user", "content": record["instruction"]}, "instruction")
+    mapper.add({"role": "assistant", "content": record["output"]}, "output")
+    return mapper.done(None)
 
 
 def glaive_without_system(i):
@@ -120,21 +120,21 @@ def glaive_without_system(i):
 
 
 def test_sharegpt_tool_turns_kept_but_untrained_fail(tmp_path, monkeypatch):
-    monkeypatch.setattr(schemas._Mapper, "sharegpt", old_sharegpt)
+    monkeypatch.setattr(schemas.sharegpt, "to_conversation", old_sharegpt)
     tok = with_template(str(tmp_path / "every"), EXAMPLE_TOKENIZER, EVERY_ROLE)
     fails(tmp_path, [glaive_without_system(i) for i in range(4)], tok,
           "conversations[1].value[0].name (tool call) is not trained, but the settings train it")
 
 
 def test_sharegpt_system_and_tools_lost_fail(tmp_path, monkeypatch):
-    monkeypatch.setattr(schemas._Mapper, "sharegpt", old_sharegpt)
+    monkeypatch.setattr(schemas.sharegpt, "to_conversation", old_sharegpt)
     tok = with_template(str(tmp_path / "every"), EXAMPLE_TOKENIZER, EVERY_ROLE)
     fails(tmp_path, [glaive(i) for i in range(4)], tok, "system (system content 'You can look up the weather.') "
                                                         "is nowhere in the rendering")
 
 
 def test_sharegpt_tool_turns_that_vanish_fail(tmp_path, monkeypatch):
-    monkeypatch.setattr(schemas._Mapper, "sharegpt", old_sharegpt)
+    monkeypatch.setattr(schemas.sharegpt, "to_conversation", old_sharegpt)
     monkeypatch.setattr(chat, "check_rendered", lambda *a, **k: None)  # the pipeline before its own check
     monkeypatch.setattr(encode, "check_rendered", lambda *a, **k: None)
     tok = with_template(str(tmp_path / "known"), EXAMPLE_TOKENIZER, KNOWN_ROLES)
@@ -143,35 +143,35 @@ def test_sharegpt_tool_turns_that_vanish_fail(tmp_path, monkeypatch):
 
 
 def test_openai_tool_calls_lost_before_rendering_fail(tmp_path, monkeypatch, families):
-    monkeypatch.setattr(schemas._Mapper, "chat_message", old_chat_message)
+    monkeypatch.setattr(schemas.chat, "message", old_chat_message)
     records = [openai(i) for i in range(4)]
     for r in records:
         r["messages"][2]["content"] = ""
     # tools kept: the call's name is found in the tool definitions only, before the turn that made it
     fails(tmp_path, records, families["qwen25"], "messages[2].tool_calls[0].name (tool call 'get_weather') is out "
                                                   "of order in the rendering")
-    monkeypatch.setattr(schemas._Mapper, "tools", lambda self, value, where: None)  # and the tools list lost
+    monkeypatch.setattr(schemas.Mapper, "tools", lambda self, value, where: None)  # and the tools list lost
     fails(tmp_path, records, families["qwen25"], "messages[2].tool_calls[0].name (tool call 'get_weather') is "
                                                   "nowhere in the rendering")
 
 
 def test_alpaca_input_lost_fails(tmp_path, monkeypatch):
-    monkeypatch.setattr(schemas._Mapper, "alpaca", old_alpaca)
+    monkeypatch.setattr(schemas.alpaca, "to_conversation", old_alpaca)
     fails(tmp_path, [alpaca(i, with_input=True) for i in range(4)], EXAMPLE_TOKENIZER,
           "input (user content 'The cat number 0 sleeps.') is nowhere in the rendering")
 
 
-def keep_first_call(self, record):
+def keep_first_call(mapper, record):
     """An xLAM mapping that loses parallel calls: only the first of ``answers`` is kept."""
     calls = json.loads(record["answers"])[:1]
-    self.add({"role": "user", "content": record["query"]}, "query")
-    self.add({"role": "assistant", "content": "", "tool_calls": [self.tool_call(c, "answers[0]") for c in calls]},
-             "answers")
-    return self.done(self.tools(record.get("tools"), "tools"))
+    mapper.add({"role": "user", "content": record["query"]}, "query")
+    mapper.add({"role": "assistant", "content": "", "tool_calls": [mapper.tool_call(c, "answers[0]") for c in calls]},
+               "answers")
+    return mapper.done(mapper.tools(record.get("tools"), "tools"))
 
 
 def test_xlam_parallel_call_lost_fails(tmp_path, monkeypatch, families):
-    monkeypatch.setattr(schemas._Mapper, "xlam", keep_first_call)
+    monkeypatch.setattr(schemas.xlam, "to_conversation", keep_first_call)
     fails(tmp_path, [xlam_raw(i) for i in range(4)], families["qwen25"], "answers[1]")
 
 

@@ -64,7 +64,7 @@ class EncodeSettings:
     input_format: str = "auto"
     prompt_key: str = "prompt"
     completion_key: str = "completion"
-    prompt_format: str = "chat"           # chat | raw: prompt/completion strings (shapes.py)
+    prompt_format: str = "chat"           # chat | raw: prompt/completion strings (shapes.prompt)
     ignore_fields: Tuple[str, ...] = ()   # message fields that carry nothing the model should see
     tool_call_loss: str = LossPolicy.tool_calls         # the loss policies (policy.py), its defaults
     reasoning_loss: str = LossPolicy.reasoning

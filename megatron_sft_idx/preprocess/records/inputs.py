@@ -12,8 +12,9 @@ and text holding a lone UTF-16 surrogate
 
 Inputs may be local paths or object-storage URLs (``s3://``, ``msc://``): a URL names an object,
 a "directory" (a key prefix, listed) or a glob, expanded by the same rules as a local path
-(:func:`expand_inputs`), and read through :func:`open_input` -- ranged GETs of the storage
-layer, pinned to one version of the object (docs/INPUTS.md, "Inputs in object storage").
+(:func:`expand_inputs`). Each input is then read through its source (:mod:`.sources`: a local
+file, or an object read by ranged GETs of the storage layer, pinned to one version;
+docs/INPUTS.md, "Inputs in object storage").
 
 Record kinds (``--input-format auto`` tells them apart by their keys) and how each is mapped
 to the chat template's vocabulary: :mod:`.shapes`.
@@ -35,6 +36,7 @@ from ...jsondoc import MAX_METADATA_LENGTH, load_json, parse_json, parse_record_
 from ...storage import ObjectURL, is_remote
 from .errors import InputError, input_error
 from .shapes import KINDS, SchemaOptions, detect, map_record
+from .sources import InputSource, ObjectInput
 
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
 JSON_SUFFIXES = (".json", ".json.gz", ".json.zst")   # a JSON array, or JSON Lines (by the first character)
@@ -91,7 +93,8 @@ def expand_inputs(specs: Sequence[str], left: Optional[List[str]] = None,
     out: List[str] = []
     seen = set()
     for spec in specs:
-        if is_remote(spec):
+        remote = is_remote(spec)   # (a spec is expanded by listing its store, or on this machine's disk)
+        if remote:
             found = _remote_files(spec, left, sizes if sizes is not None else {})
         elif os.path.isdir(spec):
             found = _directory_files(spec, left)
@@ -104,9 +107,9 @@ def expand_inputs(specs: Sequence[str], left: Optional[List[str]] = None,
                              hint="give files (.jsonl, .json, .parquet, .arrow, [.gz|.zst]), globs, or directories "
                                   "holding them or a saved Hugging Face dataset"
                                   + (" (in object storage: object URLs, key prefixes ending in / or globs)"
-                                     if is_remote(spec) else ""))
+                                     if remote else ""))
         for path in found:
-            key = path if is_remote(path) else os.path.abspath(path)
+            key = path if remote else os.path.abspath(path)
             if key not in seen:
                 seen.add(key)
                 out.append(path)
@@ -154,48 +157,55 @@ def _directory_level(root: str, files, join, found: list, left: Optional[List[st
             left.append(path)
 
 
-def hf_dataset_files(directory: str, present: Optional[Dict[str, int]] = None) -> List[str]:
-    """The Arrow data files of a dataset saved by ``datasets.save_to_disk``, in ``state.json``'s order.
-    ``present``: for a directory in object storage, the sizes of the objects listed under it.
+_SAVED_HINT = "give a directory written by datasets' save_to_disk"
+
+
+def hf_dataset_files(directory: str) -> List[str]:
+    """The Arrow data files of a dataset saved by ``datasets.save_to_disk`` in local ``directory``,
+    in ``state.json``'s order.
 
     Raises:
         InputError: ``state.json`` is unreadable, or does not list existing ``.arrow`` files.
     """
-    remote = is_remote(directory)
-    join = _url_join if remote else os.path.join
-    path = join(directory, "state.json")
-    hint = "give a directory written by datasets' save_to_disk"
+    path = os.path.join(directory, "state.json")
     try:
-        if remote:
-            state = parse_json(_read_small(path, MAX_METADATA_LENGTH), path, what="state.json", error=InputError,
-                               hint=hint)
-        else:
-            state = load_json(path, InputError, hint=hint)   # within the metadata limits
+        state = load_json(path, InputError, hint=_SAVED_HINT)   # within the metadata limits
     except OSError as exc:
-        raise InputError(f"cannot read a saved dataset's state ({exc.__class__.__name__}: {exc})", path=path,
-                         hint=hint) from None
+        raise _unreadable_state(path, exc) from None
+    return _present_files([os.path.join(directory, n) for n in _state_files(state, path, os.sep)], os.path.isfile)
+
+
+def _state_files(state, path: str, separator: str) -> List[str]:
+    """The data file names a saved dataset's ``state.json`` (``state``, read from ``path``) lists.
+
+    Raises:
+        InputError: it lists none, or a name that is not an ``.arrow`` file of its directory.
+    """
     files = state.get("_data_files") if isinstance(state, dict) else None
     names = [f.get("filename") for f in files] if isinstance(files, list) and all(isinstance(f, dict) for f in files) \
         else None
-    separator = "/" if remote else os.sep
     if not names or not all(isinstance(n, str) and n.endswith(ARROW_SUFFIXES) and separator not in n for n in names):
         raise InputError("state.json does not list the dataset's Arrow files ('_data_files')", path=path,
-                         field="_data_files", hint=hint)
-    found = [join(directory, n) for n in names]
-    missing = [p for p in found if (p not in present if remote and present is not None else
-                                    not _exists(p))]
+                         field="_data_files", hint=_SAVED_HINT)
+    return names
+
+
+def _present_files(found: List[str], exists) -> List[str]:
+    """``found``, when ``exists`` says each of them is there.
+
+    Raises:
+        InputError: a data file ``state.json`` lists is missing (naming the first).
+    """
+    missing = [p for p in found if not exists(p)]
     if missing:
         raise InputError("a data file state.json lists is missing", path=missing[0], field="_data_files",
                          hint="the saved dataset is incomplete; save it again")
     return found
 
 
-def _exists(path: str) -> bool:
-    if is_remote(path):
-        from ...storage.objects import stat_object
-
-        return stat_object(path) is not None
-    return os.path.isfile(path)
+def _unreadable_state(path: str, exc: OSError) -> InputError:
+    return InputError(f"cannot read a saved dataset's state ({exc.__class__.__name__}: {exc})", path=path,
+                      hint=_SAVED_HINT)
 
 
 # --------------------------------------------------------------------------- inputs in object storage
@@ -207,6 +217,7 @@ def _url_join(root: str, name: str) -> str:
 
 def _remote_files(spec: str, left: Optional[List[str]], sizes: Dict[str, int]) -> List[str]:
     """The input objects ``spec`` names (see :func:`expand_inputs`); their sizes into ``sizes``."""
+    # (start-up: the object-store layer loads for a URL only)
     from ...storage.objects import list_objects, stat_object
 
     url = ObjectURL.parse(spec)
@@ -273,7 +284,7 @@ def _remote_directory(directory: str, listed, left: Optional[List[str]], sizes: 
         subdirs, files = tree[rel]
         root = _url_join(top, rel) if rel else top
         if _saved_dataset(root, files, _url_join):
-            found.append((root, hf_dataset_files(root, present)))
+            found.append((root, _object_dataset_files(root, present)))
             return
         _directory_level(root, files, _url_join, found, left)
         if left is not None:   # (a hidden level is not searched: said, as a local one is)
@@ -287,51 +298,32 @@ def _remote_directory(directory: str, listed, left: Optional[List[str]], sizes: 
     return out
 
 
-def _read_small(url: str, limit: int) -> bytes:
-    """The whole object at ``url`` (at most ``limit`` bytes).
+def _object_dataset_files(directory: str, present: Dict[str, int]) -> List[str]:
+    """:func:`hf_dataset_files` of a saved dataset in object storage; ``present``: the sizes of the
+    objects listed under ``directory`` (a URL).
+
+    Raises:
+        InputError: as :func:`hf_dataset_files` does.
+    """
+    path = _url_join(directory, "state.json")
+    try:
+        state = parse_json(_read_small(ObjectInput(path), MAX_METADATA_LENGTH), path, what="state.json",
+                           error=InputError, hint=_SAVED_HINT)
+    except OSError as exc:
+        raise _unreadable_state(path, exc) from None
+    return _present_files([_url_join(directory, n) for n in _state_files(state, path, "/")], present.__contains__)
+
+
+def _read_small(source: ObjectInput, limit: int) -> bytes:
+    """The whole object of ``source`` (at most ``limit`` bytes).
 
     Raises:
         FileNotFoundError: there is none; InputError: it is larger than ``limit``.
     """
-    with open_input(url) as f:
+    with source.open() as f:
         if f.raw.size > limit:
-            raise InputError(f"{f.raw.size} bytes, more than the {limit} this file may hold", path=url)
+            raise InputError(f"{f.raw.size} bytes, more than the {limit} this file may hold", path=source.name)
         return f.read()
-
-
-def open_input(path: str, version: str = "", seeking: bool = False, stop: Optional[int] = None):
-    """A binary, seekable file object over input ``path``: a local file, or an object read by
-    ranged GETs (:func:`megatron_sft_idx.storage.objects.open_object`), pinned to ``version``
-    (the ETag an earlier pass read; ``""``: the one seen at open). For an object: ``seeking``
-    for a reader that seeks to the exact ranges it needs (a small read-ahead), ``stop`` where
-    the byte range being read ends (nothing after it is fetched ahead).
-
-    Raises:
-        OSError (FileNotFoundError: no such file or object); ObjectChangedError: the object
-        is not ``version``; RemoteStorageError, RemoteTimeoutError: the store failed.
-    """
-    if is_remote(path):
-        from ...storage.objects import READ_AHEAD, SEEKING_READ_AHEAD, open_object
-
-        return open_object(path, version, read_ahead=SEEKING_READ_AHEAD if seeking else READ_AHEAD, stop=stop)
-    return open(path, "rb")
-
-
-def stat_input(path: str) -> Tuple[int, str]:
-    """``(size in bytes, version)`` of input ``path``: an object's version is its ETag, a local
-    file's ``""`` (a local file's bytes are proven by their sha256 alone).
-
-    Raises:
-        OSError (FileNotFoundError: no such file or object); RemoteStorageError: the store failed.
-    """
-    if is_remote(path):
-        from ...storage.objects import stat_object
-
-        info = stat_object(path)
-        if info is None:
-            raise FileNotFoundError(2, "no such object", path)
-        return info.size, info.etag
-    return os.path.getsize(path), ""
 
 
 #: Bytes read at a time from an input stream.
@@ -350,18 +342,18 @@ def read_blocks(stream, limit: int) -> Iterator[bytes]:
         yield block
 
 
-def open_text_bytes(path: str, version: str = "", stop: Optional[int] = None):
-    """A binary stream of the file's (decompressed) bytes (``version``, ``stop``: see :func:`open_input`;
-    a compressed file's ``stop`` is in its compressed bytes)."""
-    if path.endswith(".gz"):
-        return _OwningGzipFile(open_input(path, version, stop=stop))
-    if path.endswith(".zst"):
+def open_text_bytes(source: InputSource, version: str = "", stop: Optional[int] = None):
+    """A binary stream of the input's (decompressed) bytes (``version``, ``stop``: see
+    :meth:`.sources.InputSource.open`; a compressed file's ``stop`` is in its compressed bytes)."""
+    if source.name.endswith(".gz"):
+        return _OwningGzipFile(source.open(version, stop=stop))
+    if source.name.endswith(".zst"):
         require_extra("preprocess", "zstandard")
-        import zstandard
+        import zstandard   # (an optional dependency: .zst inputs only)
 
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open_input(path, version, stop=stop),
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(source.open(version, stop=stop),
                                                                               closefd=True))
-    return open_input(path, version, stop=stop)
+    return source.open(version, stop=stop)
 
 
 class _OwningGzipFile(gzip.GzipFile):

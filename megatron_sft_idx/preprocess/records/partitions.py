@@ -31,26 +31,26 @@ A run on one machine and a run on a cluster cut the same partitions.
 Reading never buffers more than one block plus ``max_record_bytes``: a longer line is skipped
 to its end without being kept, and reported as an :class:`OversizedRecord`.
 
-An input in object storage is read through the same code (:func:`.inputs.open_input`: ranged
-GETs through a bounded read-ahead buffer), so it is cut into the same partitions as a local
-copy of its bytes. Every read of it is pinned to one version: the index records the ETag it
+An input in object storage is read through the same code (its :class:`.sources.ObjectInput`:
+ranged GETs through a bounded read-ahead buffer), so it is cut into the same partitions as a
+local copy of its bytes. Every read of it is pinned to one version: the index records the ETag it
 read (``etag``), and the partitions are read with ``If-Match`` on it, so an object replaced
 since it was indexed fails (ObjectChangedError) instead of mixing two generations.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import os
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Tuple
+from typing import Iterator, List, Optional, Tuple, Union
 
 from ..._extras import require_extra
+from ...errors import MetadataError
+from ...jsondoc import check_int
 from . import arrow_stream, json_array
-from ...storage import is_remote
-from .inputs import (ARROW_SUFFIXES, BLOCK, COMPRESSED_SUFFIXES, PARQUET_SUFFIXES, OversizedRecord, open_input,
-                     open_text_bytes, read_blocks, stat_input)
+from .inputs import (ARROW_SUFFIXES, BLOCK, COMPRESSED_SUFFIXES, PARQUET_SUFFIXES, OversizedRecord, open_text_bytes,
+                     read_blocks)
+from .sources import InputSource, input_source
 
 DEFAULT_PARTITION_BYTES = 64 << 20   # the largest unit --partition-bytes auto cuts
 MIN_PARTITION_BYTES = 1 << 20        # the smallest (a unit costs a store shard and a receipt)
@@ -91,9 +91,6 @@ class Partition:
             MetadataError: not a list of five, a kind that does not exist, a non-integer
                 (naming ``path`` and ``field``).
         """
-        from ...errors import MetadataError
-        from ...jsondoc import check_int
-
         if not isinstance(item, list) or len(item) != 5:
             raise MetadataError("a partition is [file, kind, start, end, first_line]", path=path, field=field,
                                 actual=item if not isinstance(item, list) else f"{len(item)} items")
@@ -104,19 +101,19 @@ class Partition:
         return cls(file, item[1], start, end, line)
 
 
-def file_kind(path: str, version: str = "") -> str:
-    """The partition kind of ``path``; a JSON file's is decided by its first character (``[``: an
-    array), read from the (decompressed) stream.
+def file_kind(source: InputSource, version: str = "") -> str:
+    """The partition kind of input ``source``; a JSON file's is decided by its first character
+    (``[``: an array), read from the (decompressed) stream.
 
     Raises:
         OSError, EOFError, ValueError: the file cannot be read.
     """
-    if path.endswith(PARQUET_SUFFIXES):
+    if source.name.endswith(PARQUET_SUFFIXES):
         return "rows"
-    if path.endswith(ARROW_SUFFIXES):
+    if source.name.endswith(ARROW_SUFFIXES):
         return "arrow"
-    compressed = path.endswith(COMPRESSED_SUFFIXES)
-    with open_text_bytes(path, version, stop=_SNIFF_BYTES) as stream:
+    compressed = source.name.endswith(COMPRESSED_SUFFIXES)
+    with open_text_bytes(source, version, stop=_SNIFF_BYTES) as stream:
         first = b""
         while not first:
             block = stream.read(4096)
@@ -177,8 +174,6 @@ def check_cover(parts: List[Partition], names: List[str], sizes: List[int], path
     Raises:
         MetadataError: the first partition that breaks a rule (naming ``path`` and ``field[k]``).
     """
-    from ...errors import MetadataError
-
     prev = None
     for k, p in enumerate(parts):
         def bad(rule: str, expected=None, actual=None):
@@ -206,46 +201,49 @@ def check_cover(parts: List[Partition], names: List[str], sizes: List[int], path
 # --------------------------------------------------------------------------- index
 
 
-def index_file(path: str, file_index: int, partition_bytes: int) -> dict:
+def index_file(path: Union[str, InputSource], file_index: int, partition_bytes: int) -> dict:
     """sha256, size, mtime (an object's ETag) and the partitions of one input file (local or
-    in object storage: the same bytes give the same partitions).
+    in object storage: the same bytes give the same partitions). ``path``: the input's path or
+    URL (or its source, :func:`.sources.input_source`).
 
     Raises:
         OSError: the file cannot be read (the caller names it); ObjectChangedError: an object
         was replaced while it was indexed; RemoteStorageError: the store failed.
     """
-    size, version = stat_input(path)   # (an object's every read below is pinned to this version)
-    stamp = {"etag": version} if is_remote(path) else {"mtime_ns": os.stat(path).st_mtime_ns}
-    kind = file_kind(path, version)
+    source = input_source(path)
+    size, version = source.stat()   # (an object's every read below is pinned to this version)
+    stamp = source.stamp(version)
+    kind = file_kind(source, version)
     if kind in ("lines", "array"):
-        digest, cuts = (_hash_and_cut_lines if kind == "lines" else _hash_and_cut_array)(path, partition_bytes,
+        digest, cuts = (_hash_and_cut_lines if kind == "lines" else _hash_and_cut_array)(source, partition_bytes,
                                                                                           version)
         parts = [Partition(file_index, kind, a, b, line) for (a, line), (b, _) in zip(cuts, cuts[1:])]
     elif kind == "array_stream":
-        digest = sha256_file(path, version=version)
-        with open_text_bytes(path, version) as stream:  # checks the array is whole before any work is planned
+        digest = sha256_file(source, version=version)
+        with open_text_bytes(source, version) as stream:  # checks the array is whole before any work is planned
             json_array.cut_points(iter(lambda: stream.read(BLOCK), b""), 1 << 62)
         parts = [Partition(file_index, kind, 0, -1, 1)]
     else:
-        digest = sha256_file(path, version=version)
-        parts = {"rows": _row_partitions, "arrow": _arrow_partitions}[kind](path, file_index, partition_bytes,
+        digest = sha256_file(source, version=version)
+        parts = {"rows": _row_partitions, "arrow": _arrow_partitions}[kind](source, file_index, partition_bytes,
                                                                             version) \
             if kind in ("rows", "arrow") else [Partition(file_index, kind, 0, -1, 1)]
-    return {"file": file_index, "name": path, "bytes": size, **stamp,
+    return {"file": file_index, "name": source.name, "bytes": size, **stamp,
             "sha256": digest, "partitions": [p.to_list() for p in parts]}
 
 
-def sha256_file(path: str, stop=None, version: str = "") -> Optional[str]:
-    """sha256 (hex) of a whole file (or object, streamed: ``version`` as :func:`.inputs.open_input`
-    takes it), read in blocks; None as soon as ``stop`` (a ``threading.Event``) is set, so a
-    hash in a thread ends within a block when the run is interrupted.
+def sha256_file(path: Union[str, InputSource], stop=None, version: str = "") -> Optional[str]:
+    """sha256 (hex) of a whole file (or object, streamed: ``version`` as
+    :meth:`.sources.InputSource.open` takes it), read in blocks; None as soon as ``stop`` (a
+    ``threading.Event``) is set, so a hash in a thread ends within a block when the run is
+    interrupted. ``path``: the input's path or URL (or its source).
 
     Raises:
         OSError: the file cannot be read (the caller names it); RemoteStorageError and its
         kin: the store failed (ObjectChangedError: the object is not ``version``).
     """
     h = hashlib.sha256()
-    with open_input(path, version) as f:
+    with input_source(path).open(version) as f:
         for block in iter(lambda: f.read(BLOCK), b""):
             if stop is not None and stop.is_set():
                 return None
@@ -253,13 +251,14 @@ def sha256_file(path: str, stop=None, version: str = "") -> Optional[str]:
     return h.hexdigest()
 
 
-def _hash_and_cut_lines(path: str, partition_bytes: int, version: str = "") -> Tuple[str, List[Tuple[int, int]]]:
+def _hash_and_cut_lines(source: InputSource, partition_bytes: int,
+                        version: str = "") -> Tuple[str, List[Tuple[int, int]]]:
     """sha256 and the cut points ``[(byte offset, line number)]``, from 0 to the file size."""
     h = hashlib.sha256()
     cuts = [(0, 1)]
     offset, newlines, target = 0, 0, partition_bytes
     seeking = False  # looking for the first line start at or after ``target``
-    with open_input(path, version) as f:
+    with source.open(version) as f:
         for block in iter(lambda: f.read(BLOCK), b""):
             h.update(block)
             pos, counted = 0, 0  # newlines in block[:counted] are already in ``newlines``
@@ -284,12 +283,13 @@ def _hash_and_cut_lines(path: str, partition_bytes: int, version: str = "") -> T
     return h.hexdigest(), cuts
 
 
-def _hash_and_cut_array(path: str, partition_bytes: int, version: str = "") -> Tuple[str, List[Tuple[int, int]]]:
+def _hash_and_cut_array(source: InputSource, partition_bytes: int,
+                        version: str = "") -> Tuple[str, List[Tuple[int, int]]]:
     """sha256 and the cut points ``[(byte offset, element number)]`` of a JSON array file."""
     h = hashlib.sha256()
 
     def blocks():
-        with open_input(path, version) as f:
+        with source.open(version) as f:
             for block in iter(lambda: f.read(BLOCK), b""):
                 h.update(block)
                 yield block
@@ -313,21 +313,11 @@ def _grouped(sizes: List[Tuple[int, int]], kind: str, file_index: int, partition
     return parts
 
 
-def _arrow_partitions(path: str, file_index: int, partition_bytes: int, version: str = "") -> List[Partition]:
-    with _arrow_source(path, version) as source:
-        sizes = [(b.num_rows, b.nbytes) for _, b in _arrow_reader(source)]
+def _arrow_partitions(source: InputSource, file_index: int, partition_bytes: int,
+                      version: str = "") -> List[Partition]:
+    with source.arrow_file(version) as f:
+        sizes = [(b.num_rows, b.nbytes) for _, b in _arrow_reader(f)]
     return _grouped(sizes, "arrow", file_index, partition_bytes)
-
-
-def _arrow_source(path: str, version: str = ""):
-    """The Arrow file at ``path`` as pyarrow reads it: a local file mapped, an object as a
-    Python file (ranged GETs through the read-ahead buffer)."""
-    require_extra("preprocess", "pyarrow")
-    import pyarrow as pa
-
-    if is_remote(path):
-        return pa.PythonFile(open_input(path, version, seeking=True), mode="r")
-    return pa.memory_map(path)
 
 
 def _arrow_reader(source, start: int = 0, end: Optional[int] = None) -> Iterator[tuple]:
@@ -335,7 +325,7 @@ def _arrow_reader(source, start: int = 0, end: Optional[int] = None) -> Iterator
     Arrow IPC stream (what ``datasets.save_to_disk`` writes: read in order, batch ``end`` never
     read) or file (told by its magic, as a stream reader would take it for a length and read on;
     its batches read by its footer, only those asked for)."""
-    import pyarrow as pa
+    import pyarrow as pa   # (an optional, heavy dependency: Arrow inputs only; the source checked it is there)
 
     magic = source.read(6)
     source.seek(0)
@@ -359,12 +349,13 @@ def _arrow_reader(source, start: int = 0, end: Optional[int] = None) -> Iterator
         yield g, reader.get_batch(g)
 
 
-def _row_partitions(path: str, file_index: int, partition_bytes: int, version: str = "") -> List[Partition]:
+def _row_partitions(source: InputSource, file_index: int, partition_bytes: int,
+                    version: str = "") -> List[Partition]:
     require_extra("preprocess", "pyarrow")
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq   # (an optional, heavy dependency: Parquet inputs only)
 
-    with _parquet_source(path, version) as source:
-        meta = pq.ParquetFile(source).metadata
+    with source.parquet_file(version) as f:
+        meta = pq.ParquetFile(f).metadata
     sizes = [(meta.row_group(g).num_rows, meta.row_group(g).total_byte_size) for g in range(meta.num_row_groups)]
     return _grouped(sizes, "rows", file_index, partition_bytes)
 
@@ -372,10 +363,11 @@ def _row_partitions(path: str, file_index: int, partition_bytes: int, version: s
 # --------------------------------------------------------------------------- reading
 
 
-def read_batches(path: str, part: Partition, batch_size: int, max_record_bytes: int,
+def read_batches(path: Union[str, InputSource], part: Partition, batch_size: int, max_record_bytes: int,
                  version: str = "") -> Iterator[list]:
-    """Records of one partition as lists of up to ``batch_size`` ``(line, raw)`` pairs
-    (``version``: the object version the index read, see :func:`.inputs.open_input`).
+    """Records of one partition of input ``path`` (its path or URL, or its source) as lists of up
+    to ``batch_size`` ``(line, raw)`` pairs (``version``: the object version the index read, see
+    :meth:`.sources.InputSource.open`).
 
     ``raw`` is the line's bytes (JSONL; blank lines are skipped but counted), an
     :class:`OversizedRecord` for a line longer than ``max_record_bytes``, or a dict (Parquet).
@@ -383,14 +375,15 @@ def read_batches(path: str, part: Partition, batch_size: int, max_record_bytes: 
     Raises:
         OSError, EOFError, ValueError: the file cannot be read or decompressed (the caller names it).
     """
+    source = input_source(path)
     if part.kind == "rows":
-        yield from _parquet_batches(path, part, batch_size, version)
+        yield from _parquet_batches(source, part, batch_size, version)
         return
     if part.kind == "arrow":
-        yield from _arrow_batches(path, part, batch_size, version)
+        yield from _arrow_batches(source, part, batch_size, version)
         return
     batch: list = []
-    with open_text_bytes(path, version, stop=part.end if part.kind in ("lines", "array") else None) as stream:
+    with open_text_bytes(source, version, stop=part.end if part.kind in ("lines", "array") else None) as stream:
         if part.kind in ("lines", "array"):
             stream.seek(part.start)
         if part.kind in ("array", "array_stream"):
@@ -451,34 +444,28 @@ def _bounded_lines(stream, limit: int, first_line: int, max_bytes: int) -> Itera
             yield number, line
 
 
-def _parquet_source(path: str, version: str = ""):
-    """What ``pyarrow.parquet.ParquetFile`` opens: a local path (pyarrow's own file reader), an
-    object as a Python file (ranged GETs through the read-ahead buffer)."""
-    return open_input(path, version, seeking=True) if is_remote(path) else contextlib.nullcontext(path)
-
-
-def _parquet_batches(path: str, part: Partition, batch_size: int, version: str = "") -> Iterator[list]:
+def _parquet_batches(source: InputSource, part: Partition, batch_size: int, version: str = "") -> Iterator[list]:
     require_extra("preprocess", "pyarrow")
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq   # (an optional, heavy dependency: Parquet inputs only)
 
     row = part.first_line
     groups = list(range(part.start, part.end))
-    with _parquet_source(path, version) as source:
-        for batch in pq.ParquetFile(source).iter_batches(batch_size=batch_size, row_groups=groups):
+    with source.parquet_file(version) as f:
+        for batch in pq.ParquetFile(f).iter_batches(batch_size=batch_size, row_groups=groups):
             rows = batch.to_pylist()
             yield [(row + i, r) for i, r in enumerate(rows)]
             row += len(rows)
 
 
-def _arrow_batches(path: str, part: Partition, batch_size: int, version: str = "") -> Iterator[list]:
-    if is_remote(path):   # an object: a stream's batches before the partition are skipped, not read
-        with open_input(path, version, seeking=True) as f:
+def _arrow_batches(source: InputSource, part: Partition, batch_size: int, version: str = "") -> Iterator[list]:
+    if source.ranged:   # an object: a stream's batches before the partition are skipped, not read
+        with source.open(version, seeking=True) as f:
             reader = arrow_stream.stream_from(f.raw, part.start)
             if reader is not None:
                 yield from _arrow_rows(_numbered(reader, part), part, batch_size)
                 return
-    with _arrow_source(path, version) as source:
-        yield from _arrow_rows(_arrow_reader(source, part.start, part.end), part, batch_size)
+    with source.arrow_file(version) as f:
+        yield from _arrow_rows(_arrow_reader(f, part.start, part.end), part, batch_size)
 
 
 def _numbered(reader, part: Partition) -> Iterator[tuple]:

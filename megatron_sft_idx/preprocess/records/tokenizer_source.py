@@ -146,12 +146,21 @@ def _write_directory(parent: str, target: str, files) -> None:
             shutil.rmtree(staging, ignore_errors=True)
 
 
+def tokenizer_origin(value: Optional[str]) -> str:
+    """Where ``--tokenizer value`` comes from: ``"storage"`` (an ``s3://`` / ``msc://`` URL),
+    ``"hub"`` (a hub name, ``org/name`` or ``name``, where no local path of that name exists) or
+    ``"local"`` (a path, or no tokenizer)."""
+    if not value:
+        return "local"
+    if is_remote(value):
+        return "storage"
+    return "hub" if not os.path.exists(value) and _HUB_NAME.match(value) else "local"
+
+
 def is_tokenizer_reference(value: Optional[str]) -> bool:
     """Whether ``--tokenizer value`` is resolved by the driver and shipped: a URL, or a hub name
     (``org/name`` or ``name``) where no local path of that name exists."""
-    if not value:
-        return False
-    return is_remote(value) or (not os.path.exists(value) and bool(_HUB_NAME.match(value)))
+    return tokenizer_origin(value) != "local"
 
 
 def resolve_tokenizer(value: str) -> TokenizerFiles:
@@ -165,7 +174,7 @@ def resolve_tokenizer(value: str) -> TokenizerFiles:
         known = _RESOLVED.get(value)
     if known is not None:
         return known
-    files = _from_storage(value) if is_remote(value) else _from_hub(value)
+    files = _from_storage(value) if tokenizer_origin(value) == "storage" else _from_hub(value)
     with _LOCK:
         _RESOLVED[value] = files
     return files
@@ -185,7 +194,7 @@ def _too_large(value: str, size: int) -> ShardError:
 
 
 def _from_storage(value: str) -> TokenizerFiles:
-    from ...storage.objects import list_objects, open_object
+    from ...storage.objects import list_objects, open_object   # (start-up: the object-store layer loads for a URL only)
 
     url = ObjectURL.parse(value)
     if url.name in TOKENIZER_FILES and not value.endswith("/"):   # a tokenizer.json named directly
@@ -214,7 +223,7 @@ def _from_storage(value: str) -> TokenizerFiles:
 
 def _from_hub(value: str) -> TokenizerFiles:
     require_extra("preprocess", "huggingface_hub")
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download   # (an optional, heavy dependency: hub names only)
 
     offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
     try:   # (the cache named now, not when huggingface_hub was imported)
