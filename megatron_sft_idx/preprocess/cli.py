@@ -28,6 +28,7 @@ from .. import _cli
 from .._cli import percent, positive_int, seconds, size_arg
 from .._progress import DEFAULT_LOG_INTERVAL, Progress, add_verbosity_arguments
 from ..errors import ShardError
+from ..jsondoc import parse_json
 from ..packing import ALGORITHMS, DEFAULT_ALGORITHM
 from .records.chat import LOSS_MODES
 from .config import BalanceSettings, Config, PackSettings, RepackConfig, RunSettings, TokenizeSettings
@@ -322,8 +323,8 @@ def template_arg(text: str):
     if not sep or not name.strip().isidentifier():
         raise argparse.ArgumentTypeError(f"{text!r} is not NAME=VALUE (e.g. enable_thinking=false)")
     try:
-        parsed = json.loads(value)
-    except ValueError:
+        parsed = parse_json(value, what="--template-arg value", max_depth=1)
+    except ShardError:
         parsed = value
     return name.strip(), parsed if isinstance(parsed, (bool, int, float, str)) or parsed is None else value
 

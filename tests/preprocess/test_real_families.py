@@ -208,7 +208,7 @@ def test_every_family_under_each_loss_policy(tmp_path, family, policy):
 from megatron_sft_idx.preprocess.records import shapes   # noqa: E402
 from megatron_sft_idx.preprocess.records.errors import InputError   # noqa: E402
 
-REAL_ARGUMENTS = shapes._Mapper.arguments
+REAL_ARGUMENTS = shapes.Mapper.arguments
 
 
 def _keep_null(self, value, where):
@@ -240,7 +240,7 @@ def test_a_defect_in_the_mapping_of_text_form_calls_is_refused(monkeypatch, fami
     from megatron_sft_idx.preprocess.records.inputs import parse_record
     conv = parse_record(record, "x.jsonl", 1, "auto", "prompt", "completion")[1]
     tok.encode_chat(conv, "assistant", "x.jsonl", 1)   # right as the mapping gives it
-    monkeypatch.setattr(shapes._Mapper, "arguments", defect)
+    monkeypatch.setattr(shapes.Mapper, "arguments", defect)
     conv = parse_record(record, "x.jsonl", 1, "auto", "prompt", "completion")[1]
     with pytest.raises(InputError) as e:
         tok.encode_chat(conv, "assistant", "x.jsonl", 1)
