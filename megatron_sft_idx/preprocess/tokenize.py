@@ -147,8 +147,15 @@ _ENCODERS: Dict[EncodeOptions, RecordEncoder] = {}  # one per process and option
 
 
 def encoder_for(options: EncodeOptions) -> RecordEncoder:
+    """The process's encoder for ``options``, made again when the tokenizer's files changed since
+    it was made (the options name the tokenizer by path: a run must not encode with the files an
+    earlier run of the process read)."""
     encoder = _ENCODERS.get(options)
+    if encoder is not None and encoder.tok is not None and encoder.tok is not load_chat_tokenizer(
+            options.tokenizer_directory, options.chat_template_text, options.template_date, options.template_args):
+        encoder = None
     if encoder is None:
+        _ENCODERS.clear()
         encoder = _ENCODERS[options] = RecordEncoder(options)
     return encoder
 

@@ -65,6 +65,12 @@ def sequences(prefixes):
     return out
 
 
+def decode_text(tok, ids):
+    from megatron_sft_idx.preprocess.records.chat import ChatTokenizer
+
+    return ChatTokenizer(str(tok)).decode(ids)
+
+
 def decode_runs(ids, mask):
     from megatron_sft_idx.preprocess.records.chat import ChatTokenizer
 
@@ -278,3 +284,26 @@ def test_pad_id_outside_vocab_is_refused(tmp_path):
     path = write_jsonl(tmp_path / "c.jsonl", [chat(0)])
     with pytest.raises(ShardError, match="no usable pad id"):
         run(cfg(tmp_path, [path], pad_id=5000))
+
+
+def test_a_run_encodes_with_the_tokenizer_files_as_they_are_now(tmp_path):
+    """Two runs of one process with the same settings and tokenizer path: the second encodes with
+    the files as they are when it runs (its chat template edited in between), never with an
+    encoder the first run left behind."""
+    import shutil
+
+    tok = tmp_path / "tok"
+    shutil.copytree(TOKENIZER, tok)
+    data = write_jsonl(tmp_path / "c.jsonl", [chat(i) for i in range(4)])
+    first = run(Config(inputs=[data], output_prefix=str(tmp_path / "a" / "ds"), tokenizer=str(tok), pack_size=256,
+                       progress=False))
+    config = json.load(open(tok / "tokenizer_config.json"))
+    config["chat_template"] = config["chat_template"].replace("<|im_start|>assistant\\n", "<|im_start|>assistant\\nOK ")
+    assert "OK " in config["chat_template"]
+    with open(tok / "tokenizer_config.json", "w") as f:
+        json.dump(config, f)
+    second = run(Config(inputs=[data], output_prefix=str(tmp_path / "b" / "ds"), tokenizer=str(tok), pack_size=256,
+                        progress=False))
+    texts = [[decode_text(tok, ids) for ids, _ in sequences(r["outputs"])] for r in (first, second)]
+    assert len(texts[1]) == 4 and all("assistant\nOK Answer" in t for t in texts[1])
+    assert not any("OK Answer" in t for t in texts[0])

@@ -14,6 +14,7 @@ import pytest
 
 from support.chat_families import with_template
 from megatron_sft_idx.errors import ShardError
+from megatron_sft_idx.preprocess import tokenize
 from megatron_sft_idx.preprocess.records import chat, encode, shapes as schemas
 from megatron_sft_idx.preprocess import Config, run
 from support.sft_fixtures import alpaca, glaive, openai, reasoning, toolace, write_jsonl, xlam, xlam_raw
@@ -224,7 +225,8 @@ def test_end_of_turn_untrained_fails(tmp_path, monkeypatch):
         return [(a, b - len("<|im_end|>")) for a, b in real(self, conv, turns, full, path, line)]
 
     monkeypatch.setattr(chat.ChatTokenizer, "prefix_spans", short)
-    monkeypatch.setattr(chat, "_LOADED", {})   # (a tokenizer an earlier test loaded learned its one-render spans unpatched)
+    monkeypatch.setattr(chat, "_LOADED", {})   # (an encoder an earlier test made learned its one-render spans unpatched)
+    monkeypatch.setattr(tokenize, "_ENCODERS", {})
     records = [json.loads(line) for line in open(os.path.join(ROOT, "examples", "conversations.jsonl"))][:6]
     with pytest.raises(ShardError, match="not a stop token"):   # every record's own stop check, first
         run(Config(inputs=[write_jsonl(tmp_path / "bad.jsonl", records)], output_prefix=str(tmp_path / "o1"),
