@@ -87,7 +87,7 @@ def sft_idx_check(argv: Optional[List[str]] = None) -> int:
     one line says why and what to do instead; exit status 2.
     """
     from .native import NativeLibraryError, checker_path
-    from .storage._url import is_remote
+    from .storage.urls import is_remote
 
     args = sys.argv[1:] if argv is None else list(argv)
     remote = [a for a in args if is_remote(a)]

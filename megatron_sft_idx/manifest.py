@@ -57,7 +57,7 @@ from .errors import MetadataError, ShardError, ShardNotFoundError
 from .jsondoc import parse_json
 from .packed import PackSummary, summarize
 from .sets import ShardIdentity, require_compatible, require_whole_sets
-from .storage._url import ObjectURL, is_remote, join_url
+from .storage.urls import ObjectURL, is_remote, join_url
 
 __all__ = ["Manifest", "OrderRecord", "ORDER_KEY", "parse_manifest", "missing_entry", "open_entry", "require_entries_present", "load_manifest", "read_manifest", "is_manifest", "check_manifest_set",
            "manifest_entry", "manifest_document", "encode_manifest", "listed_prefix", "MANIFEST_FORMAT", "MANIFEST_VERSION",
@@ -257,7 +257,7 @@ def require_entries_present(manifest: str, prefixes: Sequence[str], *, urls: boo
         if is_remote(prefix):
             if urls:
                 from .storage.remote import stat_shard
-                from .storage._stores import store_for
+                from .storage.objects import store_for
                 from .storage.config import StorageConfig
 
                 url = ObjectURL.parse(prefix)

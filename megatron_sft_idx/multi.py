@@ -40,7 +40,7 @@ from .manifest import (MANIFEST_FORMAT, MANIFEST_SUFFIX, Manifest, is_manifest, 
 from .packed import PackSummary, summarize
 from .reader import MMapIndexedDataset, pack_index, pack_indices
 from .sets import ShardIdentity, identity_difference, require_compatible, require_whole_sets
-from .storage._url import is_remote
+from .storage.urls import is_remote
 
 __all__ = ["MultiShardDataset", "manifest_for", "read_manifest", "is_manifest", "expand_shards",
            "select_shards", "check_selections", "require_present", "selection_identities", "identities_of", "Selection",

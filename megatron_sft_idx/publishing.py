@@ -213,7 +213,7 @@ def upload_shard(prefix, dest, *, replace: bool = False, config=None) -> Dict[st
             upload failed (nothing that opens is left at ``dest``: ``.idx`` was not sent).
         SizeMismatchError: an object's listed size differs from its local file after upload.
     """
-    from .storage._url import ObjectURL
+    from .storage.urls import ObjectURL
 
     url = str(ObjectURL.parse(dest))   # (an upload: a URL, never a local path)
     publish_shard(prefix, url, replace=replace, config=config)

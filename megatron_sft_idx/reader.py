@@ -63,7 +63,7 @@ from .format import (
     ShardPaths,
 )
 from .metadata import ShardMetadata
-from .storage._url import is_remote
+from .storage.urls import is_remote
 
 _READ_ONLY_ZERO = np.zeros(1, dtype=SEQ_DTYPE.numpy)
 #: ``tuple.__new__`` skips NamedTuple's Python-level constructor on the hot path.

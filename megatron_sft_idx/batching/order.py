@@ -31,7 +31,7 @@ from .._container import ALIGN as _ALIGN
 from .._container import HEADER, HEADER_SIZE, Kind  # (HEADER: the container's layout, named here too)
 from ..errors import HeaderError, ShardError
 from ..jsondoc import parse_json
-from ..storage._url import is_remote
+from ..storage.urls import is_remote
 from . import _kernels
 from .cost import CostModel
 from .layout import Topology

@@ -26,8 +26,8 @@ import numpy as np
 from .._crc import crc32
 from ..errors import RemoteStorageError, ShardError, ShardNotFoundError
 from ..format import BIN_SUFFIX, CHECKSUMMED_SUFFIXES, LOSS_SUFFIX, PUBLISH_ORDER
-from ..storage._stores import store_for
-from ..storage._url import ObjectURL
+from ..storage.objects import store_for
+from ..storage.urls import ObjectURL
 from ..storage.config import StorageConfig
 from . import content, structure
 from ._context import ShardContext, UnreadableFile

@@ -343,7 +343,7 @@ def usage_problem(args) -> str:
             balance.model(1, "stored")
         except ShardError as exc:
             return f"--balance-for/--cost-model: {exc}"
-    from ..storage._url import local_only
+    from ..storage.urls import local_only
 
     store, output = getattr(args, "store", None) or "", getattr(args, "output_prefix", None) or ""
     if store.startswith("msc://") and getattr(args, "input", None):

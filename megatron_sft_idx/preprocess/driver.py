@@ -70,7 +70,7 @@ from .plan import PlanStep, SkipReportStep, VerifyPlanStep, plan_schema, resumed
 from .publish import StagedSet, StagedShard, publish
 from .receipts import ReceiptBook, settings_key
 from .done import check_outputs, owned_files, record_outputs, run_books
-from ..storage._url import is_remote, local_only
+from ..storage.urls import is_remote, local_only
 from ..storage.destination import ObjectDestination, destination_for
 from .store import REBUILD_HINT, SequenceStore, VerifyStoreStep, part_prefix
 from .summary import PackResult, build_summary, inputs_left, write_skip_report

@@ -34,7 +34,7 @@ from ..errors import InvariantError, MetadataError, ShardError
 from ..format import PUBLISH_ORDER
 from ..reader import MMapIndexedDataset
 from ..jsondoc import HEX, Doc, load_json
-from ..storage._url import is_remote
+from ..storage.urls import is_remote
 from .integrity import verify_shard
 from .records.partitions import Partition, check_cover
 from .receipts import ReceiptBook, settings_key

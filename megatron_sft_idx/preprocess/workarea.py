@@ -53,7 +53,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ..errors import ShardError, ShardExistsError
 from ..format import IDX_SUFFIX
-from ..storage._url import ObjectURL, is_remote
+from ..storage.urls import ObjectURL, is_remote
 from ..storage.config import StorageConfig
 from ..storage.lease import ObjectLock
 from .receipts import ReceiptBook, mirror_sizes
@@ -67,7 +67,7 @@ _NOT_MIRRORED = ("lock",)
 
 
 def _stores():
-    from ..storage._stores import store_for
+    from ..storage.objects import store_for
 
     return store_for
 

@@ -38,7 +38,7 @@ from ..errors import ResponseMismatchError, ShardError
 from . import _responses
 from ._deadline import Deadline, check_attempt
 from ._retry import Outcome, ShortReadError, with_retries
-from ._url import ObjectURL
+from .urls import ObjectURL
 from .config import StorageConfig
 
 #: Requests made by this process, by kind (``get``, ``head``, ``list``, ``put``, ...) plus

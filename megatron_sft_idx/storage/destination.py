@@ -47,7 +47,7 @@ from .. import _atomic
 from .._crc import crc32
 from ..errors import ShardError, SizeMismatchError
 from ..format import ALL_SUFFIXES
-from ._url import ObjectURL, is_remote
+from .urls import ObjectURL, is_remote
 from .config import StorageConfig
 
 __all__ = ["Destination", "LocalDestination", "ObjectDestination", "destination_for", "Expect"]

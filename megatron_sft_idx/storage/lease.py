@@ -35,7 +35,7 @@ from typing import Optional
 from .._atomic import _alive
 from ..errors import PreconditionError, ShardError
 from ..jsondoc import Doc, parse_json
-from ._url import ObjectURL
+from .urls import ObjectURL
 from .config import StorageConfig
 
 log = logging.getLogger("megatron_sft_idx.storage")

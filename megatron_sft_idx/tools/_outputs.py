@@ -21,7 +21,7 @@ from .. import publishing
 from .._signals import INTERRUPTS, raise_if_signalled
 from ..errors import ChecksumError, IncompleteDestinationError, InvariantError, ShardError
 from ..format import IDX_SUFFIX, PUBLISH_ORDER
-from ..storage._url import local_only
+from ..storage.urls import local_only
 from ..storage.destination import Destination, Expect
 
 __all__ = ["gate_or_refuse", "refuse_existing", "marks_published", "publish_staged", "publish_file",

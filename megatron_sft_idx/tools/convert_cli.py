@@ -73,7 +73,7 @@ def _usage_problem(args) -> Optional[str]:
             return f"--{flag.replace('_', '-')} must be positive"
     if args.to != "parquet" and not args.output.endswith((".parquet", ".pq")) and args.output.endswith(ALL_SUFFIXES):
         return f"OUTPUT is a shard prefix: drop the file suffix from {args.output!r}"
-    from ..storage._url import local_only
+    from ..storage.urls import local_only
 
     return local_only([("--staging-dir", args.staging_dir)]) or None
 

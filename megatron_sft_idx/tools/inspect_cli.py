@@ -92,7 +92,7 @@ def _usage_problem(args) -> Optional[str]:
     for flag in ("max_chars", "max_rows", "bins"):
         if getattr(args, flag) <= 0:
             return f"--{flag.replace('_', '-')} must be positive"
-    from ..storage._url import local_only
+    from ..storage.urls import local_only
 
     return local_only([("--plot", args.plot)]) or None
 

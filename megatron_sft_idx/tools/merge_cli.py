@@ -65,7 +65,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return _cli.usage_error(parser, "--pack-size must be positive")
     if args.output.endswith(ALL_SUFFIXES):
         return _cli.usage_error(parser, f"OUT is a prefix: drop the file suffix from {args.output!r}")
-    from ..storage._url import local_only
+    from ..storage.urls import local_only
 
     if local_only([("--staging-dir", args.staging_dir)]):
         return _cli.usage_error(parser, local_only([("--staging-dir", args.staging_dir)]))

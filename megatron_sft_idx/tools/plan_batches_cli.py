@@ -136,7 +136,7 @@ def _usage_problem(args) -> Optional[str]:
         return "give the shards to balance"
     if (args.linear is None) != (args.attention is None):
         return "--linear and --attention go together"
-    from ..storage._url import local_only
+    from ..storage.urls import local_only
 
     return local_only([("--plot", args.plot)])
 
