@@ -64,7 +64,7 @@ def read_file(path: str, limit: int, what: str) -> Optional[bytes]:
         ShardError: larger than ``limit``, or unreadable (RemoteStorageError for objects).
     """
     if is_remote(path):
-        from ..storage.discover import read_object
+        from ..storage.discover import read_object   # (start-up: the object-store clients load only for a URL)
 
         size, data = read_object(path, limit)
     else:

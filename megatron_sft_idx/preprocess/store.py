@@ -189,7 +189,7 @@ class SequenceStore:
 
     def __init__(self, directory: str, *, require_complete: bool = True) -> None:
         if is_remote(directory):   # a store in object storage: its mirror on this node, pulled now
-            from .workarea import mirrored_store
+            from .workarea import mirrored_store   # (start-up: a local store never loads the bucket areas)
 
             directory = mirrored_store(directory)
         self.directory = os.path.abspath(directory)
