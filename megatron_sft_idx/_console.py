@@ -86,8 +86,8 @@ def sft_idx_check(argv: Optional[List[str]] = None) -> int:
     Without it (no C++ compiler when the package was installed, or ``MEGATRON_SFT_IDX_NATIVE=0``)
     one line says why and what to do instead; exit status 2.
     """
-    from .native import NativeLibraryError, checker_path
-    from .storage._url import is_remote
+    from .native import NativeLibraryError, checker_path   # (start-up: every console script imports this
+    from .storage.urls import is_remote                    # module; only this one needs these)
 
     args = sys.argv[1:] if argv is None else list(argv)
     remote = [a for a in args if is_remote(a)]

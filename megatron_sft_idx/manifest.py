@@ -53,11 +53,13 @@ import posixpath
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .errors import MetadataError, ShardError, ShardNotFoundError
-from .jsondoc import parse_json
+from .errors import IncompleteShardError, MetadataError, ShardError, ShardNotFoundError
+from .format import ALL_SUFFIXES, IDX_SUFFIX
+from .jsondoc import Doc, parse_json
 from .packed import PackSummary, summarize
 from .sets import ShardIdentity, require_compatible, require_whole_sets
-from .storage._url import ObjectURL, is_remote, join_url
+from .storage.config import StorageConfig
+from .storage.urls import ObjectURL, is_remote, join_url
 
 __all__ = ["Manifest", "OrderRecord", "ORDER_KEY", "parse_manifest", "missing_entry", "open_entry", "require_entries_present", "load_manifest", "read_manifest", "is_manifest", "check_manifest_set",
            "manifest_entry", "manifest_document", "encode_manifest", "listed_prefix", "MANIFEST_FORMAT", "MANIFEST_VERSION",
@@ -103,8 +105,6 @@ class OrderRecord:
             ShardError: not an object, or a field missing, mistyped or out of range (naming
                 ``order.<field>``).
         """
-        from .jsondoc import Doc
-
         doc = Doc(obj, path, ORDER_KEY, error=ShardError)
         name = doc.str("file")
         if not name or "/" in name or "\0" in name:
@@ -152,7 +152,7 @@ def load_manifest(path, *, url: Optional[str] = None) -> Manifest:
     """
     location = os.fspath(path)
     if is_remote(location):
-        from .storage.discover import read_object
+        from .storage.discover import read_object   # (start-up: the object-store clients load only for a URL)
 
         size, raw = read_object(location, MAX_MANIFEST_BYTES)
         if size is None:
@@ -251,14 +251,11 @@ def require_entries_present(manifest: str, prefixes: Sequence[str], *, urls: boo
     Raises:
         ShardNotFoundError: :func:`missing_entry` for the first entry that is not there.
     """
-    from .format import ALL_SUFFIXES, IDX_SUFFIX
-
     for k, prefix in enumerate(prefixes):
         if is_remote(prefix):
             if urls:
-                from .storage.remote import stat_shard
-                from .storage._stores import store_for
-                from .storage.config import StorageConfig
+                from .storage.objects import store_for   # (start-up: the object-store clients load
+                from .storage.remote import stat_shard   # only for a URL)
 
                 url = ObjectURL.parse(prefix)
                 found = stat_shard(store_for(url, StorageConfig.resolve(None)), url)
@@ -278,8 +275,6 @@ def open_entry(manifest: str, prefix: str, k: Optional[int], opener):
     Raises:
         ShardNotFoundError: naming the manifest and the entry; anything ``opener`` raises else.
     """
-    from .errors import IncompleteShardError
-
     try:
         return opener(prefix)
     except ShardNotFoundError:

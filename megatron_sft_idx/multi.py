@@ -26,6 +26,7 @@ differs from its manifest entry raises (the manifest is stale: rewrite it).
 
 from __future__ import annotations
 
+import dataclasses
 import glob as _glob
 import os
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ from .manifest import (MANIFEST_FORMAT, MANIFEST_SUFFIX, Manifest, is_manifest, 
 from .packed import PackSummary, summarize
 from .reader import MMapIndexedDataset, pack_index, pack_indices
 from .sets import ShardIdentity, identity_difference, require_compatible, require_whole_sets
-from .storage._url import is_remote
+from .storage.urls import is_remote
 
 __all__ = ["MultiShardDataset", "manifest_for", "read_manifest", "is_manifest", "expand_shards",
            "select_shards", "check_selections", "require_present", "selection_identities", "identities_of", "Selection",
@@ -85,7 +86,7 @@ def select_shards(spec: Union[str, Sequence[str]], *, manifests: bool = True) ->
             out.append(Selection("manifest", part, tuple(m.prefixes), m))
             continue
         if is_remote(part):  # s3:// / msc://: a prefix, a "directory" or a glob, by listing
-            from .storage.discover import select_remote
+            from .storage.discover import select_remote   # (start-up: the object-store clients load only for a URL)
 
             kind, found = select_remote(part)
         elif os.path.isdir(part) and not os.path.exists(part + IDX_SUFFIX):
@@ -336,8 +337,6 @@ def _open_listed(prefix: str, listed_by: Optional[Tuple[str, int]], check_packs:
 def _shared(identities: Sequence[Optional[ShardIdentity]]) -> List[Optional[ShardIdentity]]:
     """The identities with equal tokenizer and parallelism records made one object each, so the
     dataset pickles (to every DataLoader worker) one copy of a set's tokenizer, not one per shard."""
-    import dataclasses
-
     distinct: List[object] = []  # a few at most: one per tokenizer or layout in the data
 
     def one(record):

@@ -35,7 +35,7 @@ from .legacy import PARQUET_SUFFIXES, load_legacy_npy, load_parquet, parquet_fil
 from .manifest import MANIFEST_SUFFIX, is_manifest
 from .multi import MultiShardDataset, select_shards
 from .reader import MMapIndexedDataset
-from .storage._url import ObjectURL, is_remote
+from .storage.urls import ObjectURL, is_remote
 
 __all__ = ["open_packed", "records_no_identity"]
 

@@ -51,10 +51,12 @@ from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Mapping, Optio
 
 from . import _atomic
 from ._crc import crc32
-from .errors import RemoteStorageError, ShardError, ShardExistsError, ShardNotFoundError
+from .errors import (IncompleteDestinationError, RemoteStorageError, ShardError, ShardExistsError,
+                     ShardNotFoundError)
 from .format import (ALL_SUFFIXES, IDX_HEADER_SIZE, IDX_SUFFIX, PUBLISH_ORDER, SEQ_IDX_HEADER_SIZE,
                      SEQ_IDX_SUFFIX, SeqIdxHeader)
 from .storage.destination import Destination, Expect, LocalDestination, destination_for
+from .storage.urls import ObjectURL
 
 if TYPE_CHECKING:
     from .manifest import OrderRecord
@@ -176,7 +178,7 @@ def local_files(prefix: str) -> Dict[str, str]:
     Raises:
         ShardError: the shard does not open (so nothing broken is ever published).
     """
-    from .reader import MMapIndexedDataset
+    from .reader import MMapIndexedDataset   # (start-up: the builder imports this module, never the reader)
 
     shard = MMapIndexedDataset(prefix)  # the reader's open-time checks: complete, consistent sizes
     suffixes = [IDX_SUFFIX, ".bin"] if shard.is_pretrain else list(ALL_SUFFIXES)
@@ -213,8 +215,6 @@ def upload_shard(prefix, dest, *, replace: bool = False, config=None) -> Dict[st
             upload failed (nothing that opens is left at ``dest``: ``.idx`` was not sent).
         SizeMismatchError: an object's listed size differs from its local file after upload.
     """
-    from .storage._url import ObjectURL
-
     url = str(ObjectURL.parse(dest))   # (an upload: a URL, never a local path)
     publish_shard(prefix, url, replace=replace, config=config)
     return {s: url + s for s in local_files(os.fspath(prefix))}
@@ -282,7 +282,7 @@ def publish(source: Union[str, Sequence[str]], dest, *, replace: bool = False, l
         open or exists without ``replace``; RemoteStorageError / OSError while writing;
         IncompleteDestinationError: the destination, read back, is not what was published.
     """
-    from .multi import expand_shards
+    from .multi import expand_shards   # (start-up: only a set's publication needs it)
 
     prefixes = expand_shards(source)
     names = [os.path.basename(p) for p in prefixes]
@@ -321,7 +321,7 @@ def manifest_bytes(path: str, shards: Sequence[Tuple[str, str]], order: Optional
         ShardError: a local copy does not open; IncompatibleShardsError, ShardSetError: the
             shards cannot be read as one set.
     """
-    from .manifest import encode_manifest, manifest_document
+    from .manifest import encode_manifest, manifest_document   # (start-up: only a set's publication needs it)
     from .reader import MMapIndexedDataset
 
     members = [(final, MMapIndexedDataset(local)) for final, local in shards]
@@ -338,7 +338,7 @@ def write_manifest(path, shards, *, relative: bool = True) -> dict:
     Raises:
         ShardError (any subclass): see :func:`megatron_sft_idx.multi.manifest_for`.
     """
-    from .manifest import encode_manifest
+    from .manifest import encode_manifest   # (start-up: only a set's publication needs it)
     from .multi import manifest_for
 
     path = os.fspath(path)
@@ -393,8 +393,6 @@ class SetOutcome:
             IncompleteDestinationError: the read-back found a file missing or different (the
                 first named, the others counted)."""
         if self.problems:
-            from .errors import IncompleteDestinationError
-
             path, why = self.problems[0]
             more = f" (and {len(self.problems) - 1} more)" if len(self.problems) > 1 else ""
             raise IncompleteDestinationError(f"the destination is not whole after publishing: {why}{more}",

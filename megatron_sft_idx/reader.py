@@ -63,7 +63,7 @@ from .format import (
     ShardPaths,
 )
 from .metadata import ShardMetadata
-from .storage._url import is_remote
+from .storage.urls import is_remote
 
 _READ_ONLY_ZERO = np.zeros(1, dtype=SEQ_DTYPE.numpy)
 #: ``tuple.__new__`` skips NamedTuple's Python-level constructor on the hot path.
@@ -158,7 +158,7 @@ def _open_source(prefix, config, cache_dir, block_size, object_storage_config) -
     """The storage source of ``prefix``, chosen once, at open: one generation of the local files,
     or the objects at a URL (the storage layer, imported only for URLs)."""
     if is_remote(prefix):
-        from .storage.remote import RemoteShardFiles, storage_config
+        from .storage.remote import RemoteShardFiles, storage_config   # (start-up: local reads never load it)
 
         return RemoteShardFiles(prefix, storage_config(config, cache_dir, block_size, object_storage_config))
     prefix = os.fspath(prefix)
@@ -462,7 +462,7 @@ class MMapIndexedDataset:
                               hint="run tools/check_idx.py on this shard and rebuild it")
 
     def _check_pack(self, i: int, pack: Pack) -> None:
-        from . import _kernels
+        from . import _kernels   # (numba: a reader that checks no pack never compiles or imports it)
 
         m = self.metadata
         rule, pos, *_ = _kernels.check_pack(
@@ -562,7 +562,7 @@ class MMapIndexedDataset:
         """True when ``prefix.idx`` and ``prefix.bin`` exist (upstream's test; URLs too)."""
         prefix = os.fspath(prefix)
         if is_remote(prefix):
-            from .storage.remote import remote_shard_exists
+            from .storage.remote import remote_shard_exists   # (start-up: local reads never load it)
             return remote_shard_exists(prefix)
         return os.path.exists(prefix + IDX_SUFFIX) and os.path.exists(prefix + BIN_SUFFIX)
 

@@ -10,7 +10,10 @@ Modules (imported on first use; only :mod:`.loaders` needs torch):
   its ranks and micro-batches, step membership unchanged;
 * :mod:`.order` — ``Order`` and its strict file (``save`` / ``load``);
 * :mod:`.serve` — ``resolve_order`` (an order by path, or ``"auto"``: the one beside the
-  data) and ``checked_order`` (its seed and pack costs proven against the data and the run);
+  data), ``checked_order`` (its seed and pack costs proven against the data and the run) and
+  ``served_order`` (both, as the adapters take an order);
+* :mod:`.samples` — ``sample_index``: the sample order every training adapter serves (a
+  balanced order's positions, or epochs of the seeded shuffle, a block-local order, or in order);
 * :mod:`.dynamic` — ``plan_dynamic``: NeMo-RL's token-budget micro-batches, from lengths;
 * (``StoreSequences`` and ``sequence_lengths``, a sequence store's verified sequences and their
   lengths -- no tokens read -- live with the store: :mod:`megatron_sft_idx.preprocess.sequences`);
@@ -38,6 +41,8 @@ _PUBLIC = {
     "TopologyMismatchWarning": ".order",
     "resolve_order": ".serve",
     "checked_order": ".serve",
+    "served_order": ".serve",
+    "sample_index": ".samples",
     "DynamicBatchPlan": ".dynamic",
     "plan_dynamic": ".dynamic",
     "StragglerReport": ".report",

@@ -22,10 +22,11 @@ re-shuffle, so a planned order needs ``dataloader_type="single"``:
   ``seed + epoch`` (its loader does not expose ``shuffle=False``) and deals each global batch
   to ranks by stride ``r, r + dp, ...``.
 
-**The shuffle.** Both adapters (``SFTIndexedDataset`` for Megatron-LM, ``build_samples_mapping``
-for Bridge) serve epoch ``e`` of ``n`` packs as the ``(e+1)``-th ``permutation(n)`` drawn from one
-``numpy.random.RandomState(seed)``; epochs follow each other, so epoch ``e`` starts at global
-position ``e * n`` and, unless ``gbs`` divides ``n``, a step can straddle two epochs.
+**The shuffle.** Every adapter (``SFTIndexedDataset`` for Megatron-LM, ``PackedSFTDataset`` for
+Bridge, ``PaddingFreeDataset`` for TRL: :func:`~.samples.sample_index`) serves epoch ``e`` of ``n``
+packs as the ``(e+1)``-th ``permutation(n)`` drawn from one ``numpy.random.RandomState(seed)``;
+epochs follow each other, so epoch ``e`` starts at global position ``e * n`` and, unless ``gbs``
+divides ``n``, a step can straddle two epochs.
 :func:`base_permutation` draws exactly that, so a balanced order keeps the packs of every
 global batch of the run it replaces.
 """

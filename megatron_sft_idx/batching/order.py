@@ -31,7 +31,7 @@ from .._container import ALIGN as _ALIGN
 from .._container import HEADER, HEADER_SIZE, Kind  # (HEADER: the container's layout, named here too)
 from ..errors import HeaderError, ShardError
 from ..jsondoc import parse_json
-from ..storage._url import is_remote
+from ..storage.urls import is_remote
 from . import _kernels
 from .cost import CostModel
 from .layout import Topology
@@ -64,7 +64,7 @@ def read_file(path: str, limit: int, what: str) -> Optional[bytes]:
         ShardError: larger than ``limit``, or unreadable (RemoteStorageError for objects).
     """
     if is_remote(path):
-        from ..storage.discover import read_object
+        from ..storage.discover import read_object   # (start-up: the object-store clients load only for a URL)
 
         size, data = read_object(path, limit)
     else:

@@ -22,17 +22,19 @@ Before an order is served, :func:`checked_order` proves it belongs to the data a
 from __future__ import annotations
 
 import os
+import warnings
 import zlib
 from typing import Optional, Union
 
 from ..errors import ShardError
 from ..format import ORDER_SUFFIX
 from ..manifest import MAX_MANIFEST_BYTES, ORDER_KEY, OrderRecord, parse_manifest
+from .cost import shard_pack_costs
 from .layout import Topology
 from .order import MAX_ORDER_BYTES, Order, read_file
 
 __all__ = ["ORDER_SUFFIX", "MANIFEST_KEY", "AUTO", "order_path_for", "resolve_order", "checked_order",
-           "order_record", "OrderRecordWarning"]
+           "served_order", "order_record", "OrderRecordWarning"]
 
 
 class OrderRecordWarning(UserWarning):
@@ -102,8 +104,6 @@ def resolve_order(spec: OrderSpec, data_path: Optional[str] = None) -> Optional[
     record = _manifest_record(data_path) if data_path.endswith(".json") else None
     order = Order.from_bytes(data, path)   # (its own CRCs: a corrupt or truncated file is refused here)
     if record is not None and (record.size != len(data) or record.crc32 != zlib.crc32(data)):
-        import warnings
-
         warnings.warn(f"{path}: not the order {data_path} records (CRC-32 {zlib.crc32(data)}, recorded "
                       f"{record.crc32}): it was re-planned since; it is served once its seed and pack "
                       "costs check against the data", OrderRecordWarning, stacklevel=2)
@@ -117,8 +117,6 @@ def checked_order(order: Order, source, *, seed: int, topology: Optional[Topolog
     Raises:
         ShardError: another seed; a pack count or any pack's cost that differs.
     """
-    from .cost import shard_pack_costs
-
     where = path or (order.source or {}).get("path")
     if int(seed) != order.seed:
         raise ShardError("the balanced order was planned from another data seed than this run's", path=where,
@@ -129,3 +127,23 @@ def checked_order(order: Order, source, *, seed: int, topology: Optional[Topolog
     if topology is not None:
         order.warn_if_mismatch(topology)
     return order
+
+
+def served_order(spec: OrderSpec, source, *, seed: int, data_path: Optional[str] = None,
+                 topology: Optional[Topology] = None, path: Optional[str] = None) -> Optional[Order]:
+    """The order ``spec`` names for the data ``source`` holds (:func:`resolve_order`), proven to
+    belong to it and the run (:func:`checked_order`): what an adapter serves through
+    :func:`~.samples.sample_index`. None for None.
+
+    ``path`` is the file a refusal names; by default ``data_path`` for ``"auto"``, else the
+    data the order records it was planned for.
+
+    Raises:
+        ShardError: see :func:`resolve_order` and :func:`checked_order`.
+    """
+    order = resolve_order(spec, data_path)
+    if order is None:
+        return None
+    if path is None and isinstance(spec, str) and spec == AUTO:
+        path = data_path
+    return checked_order(order, source, seed=seed, topology=topology, path=path)

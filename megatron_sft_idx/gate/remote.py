@@ -26,13 +26,14 @@ import numpy as np
 from .._crc import crc32
 from ..errors import RemoteStorageError, ShardError, ShardNotFoundError
 from ..format import BIN_SUFFIX, CHECKSUMMED_SUFFIXES, LOSS_SUFFIX, PUBLISH_ORDER
-from ..storage._stores import store_for
-from ..storage._url import ObjectURL
+from ..reader import MMapIndexedDataset
 from ..storage.config import StorageConfig
+from ..storage.objects import store_for
+from ..storage.urls import ObjectURL
 from . import content, structure
 from ._context import ShardContext, UnreadableFile
 from .readback import sample_indices
-from .report import ShardReport
+from .report import ShardReport, make_finding
 
 #: Tokens per streamed chunk (x itemsize + 1 bytes of memory): whole packs, about this many.
 CHUNK_TOKENS = 16 << 20
@@ -98,14 +99,10 @@ def check_remote_shard(prefix: str, options, config: Optional[StorageConfig] = N
 
 
 def _unreadable(exc: ShardError, prefix: str):
-    from .report import make_finding
-
     return make_finding("FILE_UNREADABLE", exc.message, exc.path or prefix)
 
 
 def _internal(exc: Exception, prefix: str):
-    from .report import make_finding
-
     return make_finding("GATE_INTERNAL_ERROR", f"{exc.__class__.__name__}: {exc}", prefix)
 
 
@@ -185,8 +182,6 @@ def _stream_scan(ctx: RemoteShardContext, vocab: Optional[int], options) -> None
 
 def _read_back(ctx: RemoteShardContext, options) -> None:
     """Packs through the remote reader equal the bytes fetched directly (a sample; all at deep)."""
-    from ..reader import MMapIndexedDataset
-
     try:
         ds = MMapIndexedDataset(ctx.prefix)
     except ShardError as exc:

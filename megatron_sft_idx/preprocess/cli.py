@@ -27,9 +27,11 @@ import sys
 from .. import _cli
 from .._cli import percent, positive_int, seconds, size_arg
 from .._progress import DEFAULT_LOG_INTERVAL, Progress, add_verbosity_arguments
+from .._signals import Terminated, exit_code, tool_scope
 from ..errors import ShardError
 from ..jsondoc import parse_json
 from ..packing import ALGORITHMS, DEFAULT_ALGORITHM
+from ..storage.urls import local_only
 from .records.chat import LOSS_MODES
 from .config import BalanceSettings, Config, PackSettings, RepackConfig, RunSettings, TokenizeSettings
 from .records.encode import SPAN_METHODS
@@ -367,8 +369,6 @@ def usage_problem(args) -> str:
             balance.model(1, "stored")
         except ShardError as exc:
             return f"--balance-for/--cost-model: {exc}"
-    from ..storage._url import local_only
-
     store, output = getattr(args, "store", None) or "", getattr(args, "output_prefix", None) or ""
     if store.startswith("msc://") and getattr(args, "input", None):
         return (f"--store {store}: a store written in object storage is locked by conditional writes, which "
@@ -384,15 +384,11 @@ def usage_problem(args) -> str:
 def run_and_report(prog: str, run, cfg, args, formatter=None) -> int:
     """Run, print the summary (``formatter``, default ``summary.format_summary``) or the one-line
     error; the exit codes of both CLIs. Warnings above ``--warn-above`` go to stderr first."""
-    from .._signals import tool_scope
-
     with tool_scope():
         return _report(prog, run, cfg, args, formatter)
 
 
 def _report(prog: str, run, cfg, args, formatter) -> int:
-    from .._signals import Terminated, exit_code
-
     try:
         summary = run(cfg)
     except ShardError as exc:
@@ -432,7 +428,7 @@ def main(argv=None) -> int:
     if problem:
         return _cli.usage_error(parser, problem)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from .driver import run
+    from .driver import run   # (start-up, and HF_HUB_OFFLINE is set before it imports transformers)
 
     return run_and_report(PROG, run, _config(args), args)
 
@@ -494,7 +490,7 @@ def repack_main(argv=None) -> int:
     if problem:
         return _cli.usage_error(parser, problem)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from .driver import repack
+    from .driver import repack   # (start-up, and HF_HUB_OFFLINE is set before it imports transformers)
 
     formatter = format_plan_summary if args.plan_only else None
     return run_and_report(REPACK_PROG, repack, _repack_config(args), args, formatter)

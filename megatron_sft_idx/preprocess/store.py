@@ -35,8 +35,8 @@ from ..errors import InvariantError, MetadataError, ShardError
 from ..format import PUBLISH_ORDER
 from ..reader import MMapIndexedDataset
 from ..jsondoc import HEX, Doc, load_json
-from ..storage._url import is_remote
 from ..storage.mirror import Mirror
+from ..storage.urls import is_remote
 from .files import LOCAL, Files, commit_rank
 from .integrity import verify_shard
 from .records.partitions import Partition, check_cover

@@ -34,8 +34,7 @@ from abc import ABC, abstractmethod
 from typing import Optional, Tuple
 
 from ..errors import ShardError, ShardExistsError
-from ..storage import is_remote
-from ..storage._url import ObjectURL
+from ..storage.urls import ObjectURL, is_remote
 from ..storage.destination import Destination, destination_for
 from ..storage.mirror import Mirror
 from .engines.base import Engine

@@ -22,7 +22,7 @@ This package's ``__init__`` imports nothing heavy: boto3 / multi-storage-client 
 from .._lazy import lazy_getattr
 from .._moved import moved_getattr
 
-from ._url import ObjectURL, is_remote
+from .urls import ObjectURL, is_remote
 
 _PUBLIC = {
     "StorageConfig": ".config",

@@ -34,12 +34,13 @@ from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from .._extras import require_extra
-from ..errors import ResponseMismatchError, ShardError
+from ..errors import (ObjectChangedError, PreconditionError, RemoteStorageError, RemoteTimeoutError,
+                      ResponseMismatchError, ShardError, ShardNotFoundError, SizeMismatchError)
 from . import _responses
 from ._deadline import Deadline, check_attempt
 from ._retry import Outcome, ShortReadError, with_retries
-from ._url import ObjectURL
 from .config import StorageConfig
+from .urls import ObjectURL
 
 #: Requests made by this process, by kind (``get``, ``head``, ``list``, ``put``, ...) plus
 #: ``get_bytes``; attempts count, so a retried GET counts twice. Benchmarks and tests read it.
@@ -170,8 +171,6 @@ class ObjectStore:
 
     def head(self, url: ObjectURL) -> Optional[ObjectInfo]:
         """Size and ETag of ``url``, or None when it does not exist."""
-        from ..errors import ShardNotFoundError
-
         try:
             return self._retry(lambda: self._head(url), "HEAD", url)
         except ShardNotFoundError:
@@ -242,8 +241,6 @@ class ObjectStore:
         Raises:
             PreconditionError: the condition does not hold (naming the URL and the condition).
         """
-        from ..errors import ObjectChangedError, PreconditionError
-
         try:
             return self._retry(lambda: self._put_data(url, bytes(data), create_only, if_match), "PUT", url,
                                len(data))
@@ -261,8 +258,6 @@ class ObjectStore:
             ShardNotFoundError: no ``source``; SizeMismatchError: the copy is not the source's size;
             ObjectChangedError: the source was replaced during the copy.
         """
-        from ..errors import ShardNotFoundError, SizeMismatchError
-
         info = self.head(source)
         if info is None:
             raise ShardNotFoundError("no object to copy", path=str(source), hint="check the URL")
@@ -275,8 +270,6 @@ class ObjectStore:
         return info
 
     def delete(self, url: ObjectURL) -> None:
-        from ..errors import ShardNotFoundError
-
         try:
             self._retry(lambda: self._delete(url), "DELETE", url)
         except ShardNotFoundError:
@@ -294,7 +287,7 @@ class S3Store(ObjectStore):
     def __init__(self, config: StorageConfig) -> None:
         super().__init__(config)
         require_extra("s3", "boto3", user=_S3_USER)
-        import boto3
+        import boto3   # (heavy and optional, the [s3] extra: imported the first time an s3:// URL is used)
         import botocore.config as botocore_config
 
         # Socket timeouts bound one connect / one recv (an abandoned attempt ends by them);
@@ -309,8 +302,6 @@ class S3Store(ObjectStore):
     def stat_files(self, url: ObjectURL, suffixes: Sequence[str]) -> Dict[str, ObjectInfo]:
         """One LIST of the keys starting with ``url.key + "."``; HEADs where listing is denied
         (a listing that timed out or answered wrongly is an error, not a reason to try more)."""
-        from ..errors import RemoteStorageError, RemoteTimeoutError
-
         try:
             listed = self.list(url.with_suffix("."))
         except (RemoteTimeoutError, ResponseMismatchError):
@@ -511,7 +502,7 @@ class MscStore(ObjectStore):
     def __init__(self, config: StorageConfig) -> None:
         super().__init__(config)
         require_extra("s3", "multistorageclient", user=_MSC_USER)
-        import multistorageclient
+        import multistorageclient   # (heavy and optional, the [s3] extra: the first msc:// URL)
 
         self._msc = multistorageclient
         self._clients: Dict[tuple, object] = {}

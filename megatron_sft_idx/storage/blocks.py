@@ -29,7 +29,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ._deadline import Deadline
-from ._url import ObjectURL
+from .urls import ObjectURL
 
 #: Largest single GET when contiguous missing blocks are coalesced.
 MAX_RUN_BYTES = 64 << 20

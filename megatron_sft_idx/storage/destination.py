@@ -6,26 +6,15 @@ promotion, the shard tools -- holds a :class:`Destination` and never asks which 
 destination). :func:`destination_for` is the one place that tells a path from a URL when
 writing.
 
-What a destination owns:
-
-* **names**: :meth:`~Destination.join` (a name under a directory), :meth:`~Destination.name`
-  (the last component), :meth:`~Destination.parent`, :meth:`~Destination.normal` (how runs compare two spellings);
-* **listing**: :meth:`~Destination.listing` (every file beside a prefix whose name starts
-  with it, with sizes), :meth:`~Destination.existing` (which of a shard's five files exist),
-  :meth:`~Destination.exists`, :meth:`~Destination.sizes`;
-* **staging**: :meth:`~Destination.work_prefix` (where a run keeps its work directory),
-  :meth:`~Destination.staging` (a local prefix to write an output into before it is
-  published: beside it on the same filesystem, or a fresh temporary directory for a URL);
-* **publishing primitives**: ``prepare`` (make sources durable), ``turn`` (publications into
-  one place take turns), ``remove``, ``sync``, ``put`` / ``put_many`` (a local source moves
-  there, or is uploaded), ``finish`` (the place is durable, or the sizes are checked),
-  ``write_bytes`` (one small file whole);
-* **reading back**: :meth:`~Destination.read` (a small file whole),
-  :meth:`~Destination.read_head` (its first bytes), :meth:`~Destination.read_back` (files
-  against what was published: :class:`Expect`), for the read-back after a publish;
-* whether a publish **moves** the staged files (:attr:`~Destination.moves`: local renames)
-  or copies them (uploads: the staged copies stay), and whether reading a file whole is as
-  cheap as listing it (:attr:`~Destination.cheap_reads`).
+A destination owns (each method's contract is on :class:`Destination`): **names** (``join``,
+``name``, ``parent``, ``normal``, ``key``, ``same``); **listing** (``listing``, ``existing``,
+``exists``, ``sizes``); **staging** (``work_prefix``, ``staging``: beside the output on its
+filesystem, or a local temporary directory for a URL); the **publishing primitives**
+(``prepare``, ``turn``, ``remove``, ``sync``, ``put`` / ``put_many``, ``copying``, ``finish``,
+``write_bytes``, ``stamp``, ``temporary``, ``make_directory``); **reading back** (``read``,
+``read_head``, ``read_back`` against :class:`Expect`); whether a publish **moves** the staged
+files (``moves``: local renames) or copies them (uploads: the staged copies stay), and whether
+reading a file whole is as cheap as listing it (``cheap_reads``).
 
 The order in which publications use these -- the commit rule of a shard and of a set --
 lives in :mod:`megatron_sft_idx.publishing`. Nothing here knows a dataset (contract
@@ -34,6 +23,7 @@ lives in :mod:`megatron_sft_idx.publishing`. Nothing here knows a dataset (contr
 
 from __future__ import annotations
 
+import abc
 import concurrent.futures as futures
 import contextlib
 import hashlib
@@ -41,14 +31,15 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import (Callable, ContextManager, Dict, Hashable, Iterable, Iterator, List, Mapping, Optional,
+                    Sequence, Tuple)
 
 from .. import _atomic
 from .._crc import crc32
-from ..errors import ShardError, SizeMismatchError
+from ..errors import ShardError, ShardNotFoundError, SizeMismatchError
 from ..format import ALL_SUFFIXES
-from ._url import ObjectURL, is_remote
 from .config import StorageConfig
+from .urls import ObjectURL, is_remote
 
 __all__ = ["Destination", "LocalDestination", "ObjectDestination", "destination_for", "Expect"]
 
@@ -66,56 +57,165 @@ class Expect:
     head: bytes = b""
 
 
-class Destination:
-    """The interface of a place outputs go (see the module doc); subclasses implement it."""
+class Destination(abc.ABC):
+    """The interface of a place outputs go (see the module doc): :class:`LocalDestination` and
+    :class:`ObjectDestination` implement every abstract method; writers use nothing else.
 
-    #: A publish renames the staged files into place (they are gone from the staging area after).
-    moves: bool = False
-    #: Reading a file back whole costs no more than a local disk read.
-    cheap_reads: bool = False
+    Paths are strings: a local path or an ``s3://`` / ``msc://`` URL, as :func:`destination_for`
+    was given; a *prefix* is a shard's path without its suffix (``format.ALL_SUFFIXES``).
+    """
+
+    @property
+    @abc.abstractmethod
+    def moves(self) -> bool:
+        """A publish renames the staged files into place (they are gone from the staging area
+        after); False: it copies them (an upload), and the staged copies stay."""
+
+    @property
+    @abc.abstractmethod
+    def cheap_reads(self) -> bool:
+        """Reading a file back whole costs no more than a local disk read."""
 
     # ---- names
-    def join(self, directory: str, name: str) -> str: raise NotImplementedError
-    def name(self, path: str) -> str: raise NotImplementedError
-    def parent(self, path: str) -> str: raise NotImplementedError
-    def normal(self, path: str) -> str: raise NotImplementedError
-    def key(self, path: str) -> str: raise NotImplementedError
+    @abc.abstractmethod
+    def join(self, directory: str, name: str) -> str:
+        """``name`` (relative, ``/``-separated) under ``directory``."""
+
+    @abc.abstractmethod
+    def name(self, path: str) -> str:
+        """The last component of ``path``."""
+
+    @abc.abstractmethod
+    def parent(self, path: str) -> str:
+        """The directory ``path`` is in."""
+
+    @abc.abstractmethod
+    def normal(self, path: str) -> str:
+        """The one spelling runs compare two names of ``path`` by (absolute; a URL normalised)."""
+
+    @abc.abstractmethod
+    def key(self, path: str) -> str:
+        """One spelling per place (local links resolved): two names of one file compare equal."""
 
     def same(self, path: str, other: str) -> bool:
         """Whether ``other`` (a path or a URL) names the place ``path`` names (links resolved)."""
         return self.key(path) == destination_for(other).key(other)
 
-    def local_copy(self, prefix: str, directory: str): raise NotImplementedError
+    @abc.abstractmethod
+    def local_copy(self, prefix: str, directory: str) -> ContextManager[str]:
+        """A context giving the shard at ``prefix`` as a local prefix: the shard itself, or a copy
+        downloaded into ``directory`` (removed when the block exits)."""
 
     # ---- listing
-    def listing(self, prefix: str) -> Dict[str, int]: raise NotImplementedError
-    def existing(self, prefix: str) -> List[str]: raise NotImplementedError
-    def exists(self, path: str) -> bool: raise NotImplementedError
-    def sizes(self, paths: Sequence[str]) -> Dict[str, int]: raise NotImplementedError
+    @abc.abstractmethod
+    def listing(self, prefix: str) -> Dict[str, int]:
+        """``{path: size in bytes}`` of every file beside ``prefix`` whose name starts with
+        ``prefix``'s last component (not below a further directory; no temporaries)."""
+
+    @abc.abstractmethod
+    def existing(self, prefix: str) -> List[str]:
+        """The suffixes (``format.ALL_SUFFIXES``) of the shard files at ``prefix`` that exist."""
+
+    @abc.abstractmethod
+    def exists(self, path: str) -> bool:
+        """Whether a file (or a link, even dangling) is at ``path``."""
+
+    @abc.abstractmethod
+    def sizes(self, paths: Sequence[str]) -> Dict[str, int]:
+        """``{path: size in bytes}`` of those of ``paths`` that exist."""
 
     # ---- staging
-    def work_prefix(self, prefix: str, staging_dir: Optional[str] = None) -> str: raise NotImplementedError
-    def staging(self, output: str, staging_dir: Optional[str] = None): raise NotImplementedError
+    @abc.abstractmethod
+    def work_prefix(self, prefix: str, staging_dir: Optional[str] = None) -> str:
+        """The local prefix a run writing ``prefix`` keeps its work directory at (the same for
+        every run of that output, so a resumed run finds it).
+
+        Raises:
+            ShardError: ``prefix`` names no output (an object URL ending in ``/``)."""
+
+    @abc.abstractmethod
+    def staging(self, output: str, staging_dir: Optional[str] = None) -> ContextManager[str]:
+        """A context giving a fresh local path named like ``output``'s last component to write an
+        output into before it is published; removed with everything in it when the block exits.
+
+        Raises:
+            ShardError: ``output`` names no output (an object URL ending in ``/``)."""
 
     # ---- publishing primitives
-    def prepare(self, sources) -> None: raise NotImplementedError
-    def turn(self, prefix: str): raise NotImplementedError
-    def remove(self, paths) -> None: raise NotImplementedError
-    def sync(self, prefix: str) -> None: raise NotImplementedError
-    def put(self, source: str, final: str) -> None: raise NotImplementedError
-    def finish(self, prefix: str, files: Mapping[str, str]) -> None: raise NotImplementedError
-    def write_bytes(self, path: str, data: bytes) -> None: raise NotImplementedError
-    def stamp(self, path: str): raise NotImplementedError
-    def temporary(self, final: str) -> Optional[str]: raise NotImplementedError
-    def make_directory(self, directory: str) -> None: raise NotImplementedError
+    @abc.abstractmethod
+    def prepare(self, sources: Iterable[str]) -> None:
+        """Make the local files ``sources`` durable before they are published."""
 
-    # ---- reading back
-    def read(self, path: str, limit: int) -> Optional[bytes]: raise NotImplementedError
-    def read_head(self, path: str, size: int) -> Optional[bytes]: raise NotImplementedError
+    @abc.abstractmethod
+    def turn(self, prefix: str) -> ContextManager:
+        """A context inside which publications into ``prefix``'s directory take turns (a lock
+        where the place has one)."""
+
+    @abc.abstractmethod
+    def remove(self, paths: Iterable[str]) -> None:
+        """Remove the files ``paths`` (one that is not there is no error)."""
+
+    @abc.abstractmethod
+    def sync(self, prefix: str) -> None:
+        """Make the removals and renames in ``prefix``'s directory durable."""
+
+    @abc.abstractmethod
+    def put(self, source: str, final: str) -> None:
+        """Publish the staged file ``source`` (local, or an object of this store) at ``final``:
+        moved there (:attr:`moves`) or copied."""
 
     def put_many(self, pairs: Sequence[Tuple[str, str]]) -> None:
+        """:meth:`put` each ``(source, final)`` (in parallel where the place allows it)."""
         for source, final in pairs:
             self.put(source, final)
+
+    @abc.abstractmethod
+    def copying(self, copies: Callable[[str], Optional[str]]) -> "Destination":
+        """This place, publishing a staged local file by a copy made where the data is, never
+        through this machine: ``copies(local path)`` is the URL of an object of this store the
+        file is a verified copy of (a work directory mirrored from a bucket), or None (the file
+        is published as usual)."""
+
+    @abc.abstractmethod
+    def finish(self, prefix: str, files: Mapping[str, str]) -> None:
+        """After the shard ``files`` (``{suffix: source}``) were put at ``prefix``: make them
+        durable, or prove what arrived is as large as what was sent.
+
+        Raises:
+            SizeMismatchError: an uploaded object is not the size of its source."""
+
+    @abc.abstractmethod
+    def write_bytes(self, path: str, data: bytes) -> None:
+        """``data`` as the whole file ``path``, in one atomic step (a manifest, an order, a receipt)."""
+
+    @abc.abstractmethod
+    def stamp(self, path: str) -> Optional[Hashable]:
+        """Which file ``path`` is now (a publish replaces it by another stamp), or None: there is none."""
+
+    @abc.abstractmethod
+    def temporary(self, final: str) -> Optional[str]:
+        """A fresh temporary name beside ``final`` to stage a copy under before :meth:`put`, or
+        None when the place needs none (an upload reads its source as it is)."""
+
+    @abc.abstractmethod
+    def make_directory(self, directory: str) -> None:
+        """Make ``directory`` (and its parents) where the place has directories."""
+
+    # ---- reading back
+    @abc.abstractmethod
+    def read(self, path: str, limit: int) -> Optional[bytes]:
+        """The file ``path`` whole, or None when there is none.
+
+        Raises:
+            ShardError: larger than ``limit`` bytes, or unreadable."""
+
+    @abc.abstractmethod
+    def read_head(self, path: str, size: int) -> Optional[bytes]:
+        """The first ``size`` bytes of ``path`` (fewer for a shorter local file), or None when
+        there is none.
+
+        Raises:
+            ShardError: unreadable (RemoteStorageError, ShortReadError for an object)."""
 
     def read_back(self, expected: Sequence["Expect"]) -> List[Tuple[str, str]]:
         """Read the destination back against ``expected``: sizes from one listing per directory,
@@ -152,13 +252,16 @@ class Destination:
         return problems
 
 
-
 class LocalDestination(Destination):
     """A local directory: files are renamed into place (same filesystem), under a lock per
     directory, fsynced."""
 
     moves = True
     cheap_reads = True
+
+    def copying(self, copies: Callable[[str], Optional[str]]) -> "LocalDestination":
+        """This destination itself: a local publish renames the staged file, nothing is copied."""
+        return self
 
     def join(self, directory: str, name: str) -> str:
         return os.path.join(directory, name)
@@ -318,9 +421,14 @@ class ObjectDestination(Destination):
         self.copies = copies
 
     def _store(self, url: ObjectURL):
-        from ._stores import store_for
+        from ._stores import store_for   # (start-up: the local write path never loads the clients' module)
 
         return store_for(url, self.config)
+
+    def copying(self, copies: Callable[[str], Optional[str]]) -> "ObjectDestination":
+        """An object destination of the same settings whose :meth:`put` copies the object
+        ``copies(local path)`` names server-side instead of uploading the local file."""
+        return ObjectDestination(self.config, copies)
 
     # ---- names
     def join(self, directory: str, name: str) -> str:
@@ -518,8 +626,6 @@ class ObjectDestination(Destination):
 
         Raises:
             RemoteStorageError: a request failed for good (a shorter object: ShortReadError)."""
-        from ..errors import ShardNotFoundError
-
         url = ObjectURL.parse(path)
         try:
             return bytes(self._store(url).read_range(url, 0, size))

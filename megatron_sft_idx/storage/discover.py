@@ -15,8 +15,8 @@ from typing import List, Optional, Tuple
 from ..errors import ShardNotFoundError
 from ..format import ALL_SUFFIXES, IDX_SUFFIX, SEQ_IDX_SUFFIX
 from ._stores import ObjectStore, store_for
-from ._url import ObjectURL
 from .config import StorageConfig
+from .urls import ObjectURL
 
 __all__ = ["expand_remote", "select_remote", "read_object"]
 

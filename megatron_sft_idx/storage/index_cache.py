@@ -50,7 +50,7 @@ from ..format import (ALL_SUFFIXES, IDX_SUFFIX, METADATA_OFFSET, SEQ_IDX_HEADER_
 from ..jsondoc import load_json
 from ..metadata import ShardMetadata
 from ._stores import ObjectInfo, ObjectStore
-from ._url import ObjectURL
+from .urls import ObjectURL
 
 RECEIPT = "receipt.json"
 RECEIPT_FORMAT = "megatron_sft_idx.index_cache"

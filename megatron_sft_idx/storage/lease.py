@@ -35,8 +35,8 @@ from typing import Optional
 from .._atomic import _alive
 from ..errors import PreconditionError, ShardError
 from ..jsondoc import Doc, parse_json
-from ._url import ObjectURL
 from .config import StorageConfig
+from .urls import ObjectURL
 
 log = logging.getLogger("megatron_sft_idx.storage")
 
@@ -52,7 +52,7 @@ class ObjectLock:
     """
 
     def __init__(self, url: str, what: str, config: Optional[StorageConfig] = None) -> None:
-        from ._stores import store_for
+        from ._stores import store_for   # (start-up: a local run imports this module, never the clients')
 
         self.url = ObjectURL.parse(url)
         self.what = what

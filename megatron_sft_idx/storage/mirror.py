@@ -37,10 +37,9 @@ import uuid
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ..errors import ShardError
-from ._stores import store_for
-from ._url import ObjectURL
 from .config import StorageConfig
 from .lease import ObjectLock
+from .urls import ObjectURL
 
 _HOME_TAG = "msi-area-"
 _TREE = "tree"
@@ -91,6 +90,8 @@ class Mirror:
     @property
     def objects(self):
         """This process's client of the mirror's object store."""
+        from ._stores import store_for   # (start-up: a local run imports this module, never the clients')
+
         return store_for(self.root, self.config)
 
     # ------------------------------------------------------------------ names

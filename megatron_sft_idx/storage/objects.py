@@ -14,6 +14,12 @@ file (:data:`SEEKING_READ_AHEAD` for a reader that asks for exact ranges), never
 of the byte range being read; a read larger than the buffer is fetched straight into the
 caller's buffer, in GETs of at most :data:`MAX_GET` bytes. :func:`list_objects` and :func:`stat_object` are the listing
 and the HEAD an input expansion needs. Nothing here knows what the bytes hold.
+
+The client under all of it is public here too: :func:`store_for` gives this process's
+:class:`ObjectStore` for a URL's scheme and settings (created on first use; list, head, ranged
+reads, downloads, uploads, conditional writes, server-side copies, deletes, each one retried,
+deadline-bounded operation). The clients themselves live in the private ``storage._stores``,
+the one module that imports boto3 and multi-storage-client (contract ``object-store-clients``).
 """
 
 from __future__ import annotations
@@ -22,12 +28,12 @@ import io
 from typing import List, Optional, Tuple
 
 from ..errors import ObjectChangedError, ShardNotFoundError
-from ._stores import ObjectInfo, store_for
-from ._url import ObjectURL
+from ._stores import ObjectInfo, ObjectStore, store_for
 from .config import StorageConfig
+from .urls import ObjectURL
 
-__all__ = ["ObjectInfo", "open_object", "stat_object", "list_objects", "READ_AHEAD", "SEEKING_READ_AHEAD",
-           "MAX_GET"]
+__all__ = ["ObjectInfo", "ObjectStore", "store_for", "open_object", "stat_object", "list_objects", "READ_AHEAD",
+           "SEEKING_READ_AHEAD", "MAX_GET"]
 
 #: Bytes a buffered object file fetches ahead of its reader (one GET each when read sequentially).
 READ_AHEAD = 8 << 20

@@ -26,10 +26,10 @@ from ..errors import IncompleteShardError, ShardError, ShardNotFoundError
 from ..format import ALL_SUFFIXES, BIN_SUFFIX, IDX_SUFFIX, LOSS_SUFFIX, SEQ_BIN_SUFFIX, SEQ_IDX_SUFFIX, \
     SFT_SUFFIXES, ShardPaths
 from ._stores import ObjectInfo, ObjectStore, store_for
-from ._url import ObjectURL
 from .blocks import RemoteArray, fetch_pool
 from .config import StorageConfig
 from .index_cache import open_cached
+from .urls import ObjectURL
 
 __all__ = ["RemoteShardFiles", "stat_shard", "remote_shard_exists", "storage_config"]
 

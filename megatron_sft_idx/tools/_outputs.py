@@ -21,8 +21,8 @@ from .. import publishing
 from .._signals import INTERRUPTS, raise_if_signalled
 from ..errors import ChecksumError, IncompleteDestinationError, InvariantError, ShardError
 from ..format import IDX_SUFFIX, PUBLISH_ORDER
-from ..storage._url import local_only
 from ..storage.destination import Destination, Expect
+from ..storage.urls import local_only
 
 __all__ = ["gate_or_refuse", "refuse_existing", "marks_published", "publish_staged", "publish_file",
            "refuse_remote_input"]
@@ -34,7 +34,7 @@ def gate_or_refuse(staged: str, output: str, level: str) -> None:
     Raises:
         ChecksumError, InvariantError: the shard failed the gate (the first findings named).
     """
-    from ..gate import check
+    from ..gate import check   # (start-up: it loads numba; --help and usage errors never need it)
 
     report = check(staged, level=level)
     if report.passed:

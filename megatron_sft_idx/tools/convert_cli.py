@@ -13,6 +13,7 @@ from typing import List, Optional
 
 from ..format import ALL_SUFFIXES, PAD_LAYOUTS
 from ..packing import ALGORITHMS, DEFAULT_ALGORITHM
+from ..storage.urls import local_only
 from .. import _cli
 from .convert import OVERLONG, SOURCE_FORMATS, TARGETS, ConvertOptions, ConvertResult, convert, detect_source
 
@@ -73,8 +74,6 @@ def _usage_problem(args) -> Optional[str]:
             return f"--{flag.replace('_', '-')} must be positive"
     if args.to != "parquet" and not args.output.endswith((".parquet", ".pq")) and args.output.endswith(ALL_SUFFIXES):
         return f"OUTPUT is a shard prefix: drop the file suffix from {args.output!r}"
-    from ..storage._url import local_only
-
     return local_only([("--staging-dir", args.staging_dir)]) or None
 
 
@@ -114,7 +113,7 @@ def _report(args, result: ConvertResult) -> int:
 
 
 def _check(result: ConvertResult):
-    from ..gate import check
+    from ..gate import check   # (start-up: the gate's kernels load only with --check)
 
     if result.target != "shard":
         return None

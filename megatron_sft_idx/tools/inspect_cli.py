@@ -18,6 +18,10 @@ import sys
 from typing import List, Optional
 
 from .. import _cli
+from ..errors import ShardError
+from ..storage.urls import local_only
+from .order_view import format_order_view, order_view
+from .plot import plot_summary
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,8 +80,7 @@ def _usage_problem(args) -> Optional[str]:
     if args.balance_for is not None:
         if any(v is not None for v in topology):
             return "--dp, --micro-batch-size and --global-batch-size are the parts of --balance-for: give one"
-        from ..batching.layout import Topology
-        from ..errors import ShardError
+        from ..batching.layout import Topology   # (start-up: numpy; --help and usage errors load only argparse)
 
         try:
             t = Topology.parse(args.balance_for)
@@ -92,8 +95,6 @@ def _usage_problem(args) -> Optional[str]:
     for flag in ("max_chars", "max_rows", "bins"):
         if getattr(args, flag) <= 0:
             return f"--{flag.replace('_', '-')} must be positive"
-    from ..storage._url import local_only
-
     return local_only([("--plot", args.plot)]) or None
 
 
@@ -109,13 +110,11 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _run(args) -> int:
-    from .merge_plan import resolve_inputs
+    from .merge_plan import resolve_inputs   # (start-up, as each mode's modules below: numpy, numba, duckdb)
 
     if args.sql:
         return _sql(args)
     if args.order is not None:
-        from .order_view import format_order_view, order_view
-
         view = order_view(args.shards, args.order, dp=args.dp, micro_batch_size=args.micro_batch_size,
                           global_batch_size=args.global_batch_size, plot=args.plot)
         reports = view.pop("reports")
@@ -123,23 +122,21 @@ def _run(args) -> int:
         return _cli.EXIT_OK
     prefixes = resolve_inputs(args.shards)
     if args.consumers:
-        from .inspect_consumers import consumer_audit, format_consumer_audit
+        from .inspect_consumers import consumer_audit, format_consumer_audit   # (start-up)
 
         audit = consumer_audit(prefixes, args.eos_id)
         _cli.emit(json.dumps(audit, indent=1) if args.json else format_consumer_audit(audit))
         return _cli.EXIT_OK
     if args.pack is not None:
-        from .pack_view import describe_pack, format_pack
+        from .pack_view import describe_pack, format_pack   # (start-up)
 
         view = describe_pack(prefixes, args.pack, args.tokenizer, detokenize=not args.no_text)
         _cli.emit(json.dumps(view, indent=1) if args.json else format_pack(view, args.seq, args.max_chars))
         return _cli.EXIT_OK
-    from .inspect import format_summary, summarize
+    from .inspect import format_summary, summarize   # (start-up)
 
     summary = summarize(prefixes, bins=args.bins)
     if args.plot:
-        from .plot import plot_summary
-
         summary["plot"] = plot_summary(summary, args.plot)
     text = json.dumps(summary, indent=1) if args.json else format_summary(summary)
     if args.plot and not args.json:
@@ -149,7 +146,7 @@ def _run(args) -> int:
 
 
 def _sql(args) -> int:
-    from .sql import query, query_text
+    from .sql import query, query_text   # (start-up)
 
     spec = list(args.shards)
     if args.json:

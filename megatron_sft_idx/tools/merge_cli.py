@@ -18,6 +18,7 @@ from .. import _cli
 from .._progress import Progress, _isatty
 from .._units import human_bytes, plural
 from ..format import ALL_SUFFIXES
+from ..storage.urls import local_only
 from .merge import MergeResult, merge_shards
 
 log = logging.getLogger("megatron_sft_idx.tools.merge")
@@ -65,8 +66,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         return _cli.usage_error(parser, "--pack-size must be positive")
     if args.output.endswith(ALL_SUFFIXES):
         return _cli.usage_error(parser, f"OUT is a prefix: drop the file suffix from {args.output!r}")
-    from ..storage._url import local_only
-
     if local_only([("--staging-dir", args.staging_dir)]):
         return _cli.usage_error(parser, local_only([("--staging-dir", args.staging_dir)]))
 

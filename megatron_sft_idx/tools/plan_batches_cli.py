@@ -27,16 +27,23 @@ import sys
 from typing import List, Optional
 
 from .. import _cli
+from ..batching.balance import plan_order
+from ..batching.cost import PRESETS, CostModel, shard_pack_costs
+from ..batching.dynamic import plan_dynamic
+from ..batching.layout import Topology
+from ..batching.order import ALGORITHMS
+from ..batching.report import format_report, order_reports, plot_report
 from ..errors import ShardError, ShardNotFoundError
 from ..format import PAD_LAYOUTS, PAD_LAYOUT_STORED
+from ..multi import MultiShardDataset
+from ..preprocess.sequences import StoreSequences, sequence_lengths
+from ..publishing import write_bytes
+from ..storage.urls import local_only
 
 PROG = "plan-batches"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..batching.cost import PRESETS
-    from ..batching.order import ALGORITHMS
-
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.replace("``", ""),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("shards", nargs="*", help="shard prefixes, directories, globs or manifests")
@@ -89,8 +96,6 @@ class _Usage(Exception):
 
 
 def _cost_model(args, parser):
-    from ..batching.cost import CostModel
-
     spec = args.cost_model
     if args.linear is not None:
         if spec != parser.get_default("cost_model"):
@@ -102,8 +107,6 @@ def _cost_model(args, parser):
 
 def _topology(args, parser):
     """``--balance-for``, or its parts given as ``--dp``/``--micro-batch-size``/``--global-batch-size``."""
-    from ..batching.layout import Topology
-
     parts = (args.dp, args.micro_batch_size, args.global_batch_size)
     if args.balance_for is not None:
         if any(v is not None for v in parts):
@@ -136,22 +139,15 @@ def _usage_problem(args) -> Optional[str]:
         return "give the shards to balance"
     if (args.linear is None) != (args.attention is None):
         return "--linear and --attention go together"
-    from ..storage._url import local_only
-
     return local_only([("--plot", args.plot)])
 
 
 def _dynamic(args) -> int:
     """``--dynamic``: plan each epoch's dynamic micro-batches and print their statistics."""
-    from ..batching.dynamic import plan_dynamic
-    from ..preprocess.sequences import StoreSequences, sequence_lengths
-
     try:
         if args.store:
             source = StoreSequences(args.store)
         else:
-            from ..multi import MultiShardDataset
-
             source = MultiShardDataset.open(args.shards if len(args.shards) > 1 else args.shards[0])
         lengths = sequence_lengths(source)
         topology = args.topology
@@ -199,11 +195,6 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     if args.dynamic:
         return _dynamic(args)
-    from ..multi import MultiShardDataset
-    from ..batching.balance import plan_order
-    from ..batching.cost import shard_pack_costs
-    from ..batching.report import format_report, order_reports, plot_report
-
     topology = args.topology
     try:
         source = MultiShardDataset.open(args.shards if len(args.shards) > 1 else args.shards[0])
@@ -225,8 +216,6 @@ def main(argv: Optional[List[str]] = None) -> int:
                            exchange_window=args.exchange_window,
                            source={"shards": list(source.prefixes), "packs": [int(c) for c in source.counts]})
         if args.out:   # whole: a rename locally, one PUT to object storage (as a manifest is written)
-            from ..publishing import write_bytes
-
             write_bytes(args.out, order.to_bytes())
     except ShardError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)

@@ -25,6 +25,7 @@ the collate follows the installed Bridge's version or ``bridge_semantics``, :mod
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import numpy as np
@@ -34,10 +35,12 @@ from .._extras import require_extra
 require_extra("train", "torch")
 import torch  # noqa: E402
 
+from ..batching.samples import sample_index
 from ..errors import ShardError
 from ..format import PAD_LAYOUT_RUNTIME
 from ..jsondoc import load_json
-from ..multi import identities_of
+from ..legacy import LOSS_BRIDGE_06, converted_loss_state
+from ..multi import MultiShardDataset, identities_of
 from ..open import open_packed
 from ..packed import PackSummary, runtime_min_packed, summarize
 from ..sets import require_compatible
@@ -52,7 +55,8 @@ BRIDGE_METADATA_MAX_BYTES = 64 << 20
 
 def build_samples_mapping(num_packs: int, max_num_samples: int, seed: int, order=None,
                           source=None) -> np.ndarray:
-    """Epoch-level shuffled pack indices: ``max_num_samples`` entries, each epoch a permutation.
+    """Bridge's epoch-level shuffled pack indices: ``max_num_samples`` entries, each epoch a
+    permutation (:func:`megatron_sft_idx.batching.samples.sample_index`, read-only).
 
     ``order(source, indices, rng)`` replaces ``rng.permutation`` (e.g.
     :class:`~megatron_sft_idx.locality.BlockLocalOrder` for object storage).
@@ -60,19 +64,10 @@ def build_samples_mapping(num_packs: int, max_num_samples: int, seed: int, order
     Raises:
         ShardError: no packs, or a negative sample count.
     """
-    if num_packs <= 0 or max_num_samples < 0:
+    if num_packs <= 0:
         raise ShardError("samples mapping needs packs and a non-negative sample count",
                          field="max_num_samples", actual=(num_packs, max_num_samples))
-    epochs = -(-max_num_samples // num_packs)
-    rng = np.random.RandomState(seed)
-    dtype = np.int32 if num_packs <= np.iinfo(np.int32).max else np.int64
-    mapping = np.empty(epochs * num_packs, dtype=dtype)
-    for e in range(epochs):  # one permutation per epoch: O(epochs) Python steps
-        mapping[e * num_packs:(e + 1) * num_packs] = (
-            rng.permutation(num_packs) if order is None else order(source, np.arange(num_packs), rng))
-    out = mapping[:max_num_samples]
-    out.flags.writeable = False
-    return out
+    return sample_index(max_num_samples, num_packs, seed=seed, order=order, source=source)
 
 
 class PackedSFTDataset(torch.utils.data.Dataset):
@@ -137,12 +132,15 @@ class PackedSFTDataset(torch.utils.data.Dataset):
                 field="pad_layout", expected=PAD_LAYOUT_RUNTIME, actual=self.summary.pad_layout,
                 hint="re-run preprocess_sft with --pad-layout runtime for Megatron-Bridge, or pass "
                      "pad_seq_to_mult=1 to train without context parallelism")
+        balanced = None
         if balanced_order is not None:
-            self.samples_mapping = _balanced_mapping(balanced_order, source, data_path, max_num_samples, seed,
-                                                     order, topology)
-        else:
-            self.samples_mapping = (None if max_num_samples is None else
-                                    build_samples_mapping(len(source), int(max_num_samples), seed, order, source))
+            from ..batching.serve import served_order   # (the numba kernels: only with a balanced order)
+
+            balanced = served_order(balanced_order, source, seed=seed, data_path=data_path, topology=topology)
+            max_num_samples = balanced.num_packs if max_num_samples is None else max_num_samples
+        self.samples_mapping = (None if max_num_samples is None else
+                                sample_index(int(max_num_samples), len(source), seed=seed, order=order,
+                                             source=source, balanced=balanced, path=data_path))
         if pad_cu_seqlens and stats is None:
             stats = (bridge_metadata_stats(pack_metadata_file_path) if pack_metadata_file_path
                      else bridge_stats(source))
@@ -177,10 +175,6 @@ class ConvertedLossWarning(UserWarning):
 
 def _warn_if_normalised_for_06(source, semantics: str) -> None:
     """Warn (once per call) for shards converted before conversions kept Bridge's stored mask."""
-    import warnings
-
-    from ..legacy import LOSS_BRIDGE_06, converted_loss_state
-
     old = [prefix for prefix, _ in identities_of(source)
            if converted_loss_state(_shard_metadata(source, prefix)) == LOSS_BRIDGE_06]
     if old:
@@ -192,32 +186,9 @@ def _warn_if_normalised_for_06(source, semantics: str) -> None:
 
 
 def _shard_metadata(source, prefix):
-    from ..multi import MultiShardDataset
-
     if isinstance(source, MultiShardDataset):
         return source.shard(source.prefixes.index(prefix)).metadata
     return getattr(source, "metadata", None)
-
-
-def _balanced_mapping(spec, source, data_path, max_num_samples, seed, order, topology) -> np.ndarray:
-    """The samples mapping of a balanced order (:class:`PackedSFTDataset`'s ``balanced_order``)."""
-    from ..batching.serve import checked_order, resolve_order
-
-    if order is not None:
-        raise ShardError("balanced_order replaces the samples mapping's shuffle: give it without order=",
-                         path=data_path, field="balanced_order")
-    resolved = resolve_order(spec, data_path)
-    checked_order(resolved, source, seed=seed, topology=topology,
-                  path=data_path if isinstance(spec, str) and spec == "auto" else None)
-    count = resolved.num_packs if max_num_samples is None else int(max_num_samples)
-    if count > resolved.epochs * resolved.num_packs:
-        need = -(-count // max(1, resolved.num_packs))
-        raise ShardError(f"{count} samples need {need} epochs of the balanced order; it holds {resolved.epochs}",
-                         path=data_path, field="balanced_order", expected=f">= {need} epochs",
-                         actual=resolved.epochs, hint="plan more epochs (--balance-epochs, plan-batches --epochs)")
-    mapping = resolved.sample_index(count)
-    mapping.flags.writeable = False
-    return mapping
 
 
 def bridge_stats(source) -> BridgePackingStats:

@@ -45,6 +45,8 @@ from .._extras import require_extra
 require_extra("train", "torch")
 import torch  # noqa: E402
 
+from ..batching.layout import Topology
+from ..batching.samples import sample_index
 from ..errors import ShardError
 from ..open import open_packed
 
@@ -86,7 +88,8 @@ class PaddingFreeDataset(torch.utils.data.Dataset):
         seed: the run's data seed (checked against the order's).
         max_num_samples: how many samples to serve: with an order, its first ones (default: one
             epoch); without, Bridge's samples mapping (one seeded permutation per epoch,
-            :func:`~.bridge.build_samples_mapping`; default: the packs, in stored order).
+            :func:`~megatron_sft_idx.batching.samples.sample_index`; default: the packs, in
+            stored order).
         topology: a :class:`~megatron_sft_idx.batching.Topology`; warns when the order was
             planned for another.
 
@@ -101,19 +104,15 @@ class PaddingFreeDataset(torch.utils.data.Dataset):
             source = open_packed(source)
         self.source = source
         self.answer_only_loss = bool(answer_only_loss)
-        self.samples_mapping = None
         self.order = None
         if balanced_order is not None:
-            from ..batching.serve import resolve_order
-            from .bridge import _balanced_mapping
+            from ..batching.serve import served_order   # (the numba kernels: only with a balanced order)
 
-            self.order = resolve_order(balanced_order, data_path)
-            self.samples_mapping = _balanced_mapping(self.order, source, data_path, max_num_samples, seed,
-                                                     None, topology)
-        elif max_num_samples is not None:
-            from .bridge import build_samples_mapping
-
-            self.samples_mapping = build_samples_mapping(len(source), int(max_num_samples), seed)
+            self.order = served_order(balanced_order, source, seed=seed, data_path=data_path, topology=topology)
+            max_num_samples = self.order.num_packs if max_num_samples is None else max_num_samples
+        self.samples_mapping = (None if max_num_samples is None else
+                                sample_index(int(max_num_samples), len(source), seed=seed, balanced=self.order,
+                                             path=data_path))
 
     @property
     def ordered(self) -> bool:
@@ -130,7 +129,7 @@ class PaddingFreeDataset(torch.utils.data.Dataset):
         copied: each row is read from the source when the trainer asks for it.
         """
         require_extra("hf", "datasets")
-        import datasets
+        import datasets   # (the optional [hf] extra, and a slow import: only for TRL's trainer)
 
         def rows():
             for i in range(len(self)):
@@ -249,8 +248,6 @@ def check_training_args(dataset, args) -> None:
         raise ShardError("a balanced order is served only in its own order", field="train_sampling_strategy",
                          expected="sequential", actual=strategy,
                          hint="pass train_sampling_strategy=\"sequential\" to TrainingArguments/SFTConfig")
-    from ..batching.layout import Topology
-
     micro = int(args.per_device_train_batch_size)
     world = max(1, int(getattr(args, "world_size", 1)))
     topology = Topology(world, micro, micro * world * int(args.gradient_accumulation_steps))

@@ -58,17 +58,21 @@ from .._extras import require_extra
 
 require_extra("megatron", "torch", "megatron.core")
 import torch  # noqa: E402
+from megatron.core import parallel_state
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
 from megatron.core.datasets.megatron_dataset import MegatronDataset
 from megatron.core.datasets.utils import Split
 
 from .._atomic import write_file_atomically
+from ..batching.layout import Topology
+from ..batching.samples import sample_index
 from ..errors import ShardError
 from ..format import PAD_LAYOUT_STORED
-from ..sets import require_compatible
-from ..packed import PackSummary, summarize
-from ..open import open_packed
 from ..multi import MultiShardDataset, identities_of
+from ..open import open_packed, records_no_identity
+from ..packed import PackSummary, summarize
+from ..sets import require_compatible
 
 __all__ = [
     "SFTIndexedDataset",
@@ -256,8 +260,6 @@ def check_blend(config) -> None:
     paths = blend_paths(config)
     if len(paths) < 2 or config.__dict__.get("_sft_idx_blend_checked") == paths:
         return
-    from ..open import records_no_identity
-
     members = []
     for path in paths:
         if records_no_identity(path):  # legacy .npy / Parquet: nothing recorded to compare (nor loaded twice)
@@ -336,29 +338,13 @@ class SFTIndexedDataset(MegatronDataset):
         return int(len(self.indices))
 
     def _compute_sample_index(self) -> np.ndarray:
-        """Pack index of every sample: whole epochs of the split, each permuted, cut to length."""
-        count = self._sample_count()
-        n = len(self.indices)
-        if n == 0 or count == 0:
-            return np.empty(0, dtype=np.int64)
-        if self._balanced is not None:  # the split is the whole dataset: sample j of epoch e is pack j
-            if count > self._balanced.epochs * n:
-                raise ShardError(f"{count} train samples need {-(-count // n)} epochs of the balanced order; it "
-                                 f"holds {self._balanced.epochs}", path=self.dataset_path, field="pack_order_file",
-                                 expected=f">= {-(-count // n)} epochs", actual=self._balanced.epochs,
-                                 hint="plan more epochs (--balance-epochs, plan-batches --epochs)")
-            return self._balanced.sample_index(count)
-        epochs = -(-count // n)
-        rng = np.random.RandomState(self.config.random_seed)
-        out = np.empty(epochs * n, dtype=np.int64)
-        for e in range(epochs):  # one vectorised permutation per epoch
-            order = getattr(self.config, "pack_order", None)
-            if not getattr(self.config, "shuffle", True):
-                block = self.indices
-            else:
-                block = rng.permutation(self.indices) if order is None else order(self.dataset, self.indices, rng)
-            out[e * n:(e + 1) * n] = block
-        return out[:count]
+        """Pack index of every sample: whole epochs of the split, each permuted, cut to length
+        (:func:`~megatron_sft_idx.batching.samples.sample_index`; the balanced order's positions
+        with ``pack_order_file``: the split is then the whole dataset)."""
+        return sample_index(self._sample_count(), self.indices, seed=self.config.random_seed,
+                            shuffle=getattr(self.config, "shuffle", True),
+                            order=getattr(self.config, "pack_order", None), source=self.dataset,
+                            balanced=self._balanced, path=self.dataset_path, field="pack_order_file")
 
     def _cache_path(self) -> Optional[str]:
         cache = getattr(self.config, "path_to_cache", None)
@@ -444,8 +430,7 @@ def balanced_order(dataset: "SFTIndexedDataset", config):
     spec = getattr(config, "pack_order_file", None)
     if spec is None or dataset.index_split != Split.train:
         return None
-    from ..batching.layout import Topology
-    from ..batching.serve import checked_order, resolve_order
+    from ..batching.serve import served_order   # (the numba kernels: only with a balanced order)
 
     path = dataset.dataset_path
     train = (config.blend_per_split or [None])[0] if getattr(config, "blend_per_split", None) else config.blend
@@ -462,12 +447,12 @@ def balanced_order(dataset: "SFTIndexedDataset", config):
     if getattr(config, "pack_order", None) is not None or not getattr(config, "shuffle", True):
         raise ShardError("pack_order_file replaces the shuffle: leave pack_order unset and shuffle on", path=path,
                          field="pack_order_file")
-    order = resolve_order(spec, path)
     sizes = (getattr(config, "data_parallel_size", None), getattr(config, "micro_batch_size", None),
              getattr(config, "global_batch_size", None))
     topology = Topology(*sizes) if all(sizes) else None
-    checked_order(order, dataset.dataset, seed=config.random_seed, topology=topology,
-                  path=path if spec == "auto" else os.fspath(spec) if isinstance(spec, (str, os.PathLike)) else path)
+    order = served_order(spec, dataset.dataset, seed=config.random_seed, data_path=path, topology=topology,
+                         path=path if spec == "auto" else os.fspath(spec) if isinstance(spec, (str, os.PathLike))
+                         else path)
     if order.file_crc32 is None:
         order.to_bytes()
     return order
@@ -545,16 +530,12 @@ def config_from_args(args, tokenizer=None) -> SFTIndexedDatasetConfig:
 def build_train_valid_test_datasets(args, train_val_test_num_samples, is_built_on_rank,
                                     tokenizer=None):
     """Build the three splits with megatron-core's builder (every rank calls it)."""
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-
     config = config_from_args(args, tokenizer)
     return BlendedMegatronDatasetBuilder(SFTIndexedDataset, train_val_test_num_samples,
                                          is_built_on_rank, config).build()
 
 
 def _is_dataset_built_on_rank() -> bool:
-    from megatron.core import parallel_state
-
     return parallel_state.get_tensor_model_parallel_rank() == 0 and (
         parallel_state.is_pipeline_first_stage(ignore_virtual=True)
         or parallel_state.is_pipeline_last_stage(ignore_virtual=True))
@@ -566,7 +547,7 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
     Pass it as ``train_valid_test_datasets_provider`` to ``megatron.training.pretrain``
     (e.g. in a copy of ``pretrain_gpt.py``); it reads the run's arguments and tokenizer.
     """
-    from megatron.training import get_args, get_tokenizer
+    from megatron.training import get_args, get_tokenizer   # (Megatron-LM's, not megatron-core's: only in its runs)
 
     return build_train_valid_test_datasets(get_args(), train_val_test_num_samples,
                                            _is_dataset_built_on_rank, get_tokenizer())

@@ -38,6 +38,6 @@ def test_is_remote_callers_outside_storage_are_counted(tmp_path):
     root = _copy(tmp_path)
     before = measure(str(root))
     with open(root / PACKAGE / "format.py", "a", encoding="utf-8") as f:
-        f.write("\n\ndef _where(p):\n    from .storage._url import is_remote\n    return is_remote(p)\n")
+        f.write("\n\ndef _where(p):\n    from .storage.urls import is_remote\n    return is_remote(p)\n")
     after = measure(str(root))
     assert after["is_remote_calls_outside_storage"] == before["is_remote_calls_outside_storage"] + 1

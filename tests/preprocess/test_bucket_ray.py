@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 ray = pytest.importorskip("ray", reason="the [ray] extra is not installed")
 
 from megatron_sft_idx.preprocess.cli import main as preprocess_main, repack_main  # noqa: E402
-from megatron_sft_idx.storage._stores import request_counts  # noqa: E402
+from megatron_sft_idx.storage import request_counts  # noqa: E402
 
 from support.buckets import bucket_files, local_files, local_reference  # noqa: E402
 from support.stages import kill_after_receipt, kill_after_step, kill_at_call, killed_driver, run_killed  # noqa: E402
@@ -193,12 +193,12 @@ def test_the_driver_holds_receipts_only(cluster, s3, bucket, local_run, monkeypa
     hold receipts and store.json only -- no partition, .rows, plan body or shard -- and the
     published bytes are the local engine's."""
     from megatron_sft_idx.preprocess.engines.mirrored import MirroredEngine
-    from megatron_sft_idx.storage import _stores
+    from megatron_sft_idx.storage import objects
 
     store, out = f"s3://{bucket}/store", f"s3://{bucket}/out/ds"
     areas = [store, f"s3://{bucket}/out/.ds.preprocess"]
     seen, downloaded, steps = set(), [], []
-    real_map, real_download = MirroredEngine.map, _stores.ObjectStore.download
+    real_map, real_download = MirroredEngine.map, objects.ObjectStore.download
 
     def listing_map(self, step, units, on_done, on_progress=None):
         real_map(self, step, units, on_done, on_progress)
@@ -211,7 +211,7 @@ def test_the_driver_holds_receipts_only(cluster, s3, bucket, local_run, monkeypa
         return real_download(self, url, path, *args, **kwargs)
 
     monkeypatch.setattr(MirroredEngine, "map", listing_map)
-    monkeypatch.setattr(_stores.ObjectStore, "download", download)
+    monkeypatch.setattr(objects.ObjectStore, "download", download)
     args = SETTINGS + ["--engine", "ray", "--ray-address", cluster, "--store", store, "--output-prefix", out,
                        "--check", "--verify-masks", "8", "--json"]
     assert preprocess_main(args) == 0
@@ -276,20 +276,20 @@ def test_a_partition_damaged_in_the_bucket_is_found_by_the_tasks(cluster, s3, bu
 def test_balanced_orders_are_planned_in_a_task(cluster, s3, bucket, tmp_path, monkeypatch, capsys):
     """--balance-for with the work directory in the bucket: the orders are planned by a task from the
     staged shards (the driver pulls none of them) and published with the bytes of a local run's."""
-    from megatron_sft_idx.storage import _stores
+    from megatron_sft_idx.storage import objects
 
     balanced = SETTINGS[:-1] + ["--balance-for", "2,1,4", "--cost-model", "llama3.2-1b", "--quiet"]
     assert preprocess_main(balanced + ["--output-prefix", str(tmp_path / "local" / "ds")]) == 0
     work = f"s3://{bucket}/bal/.ds.preprocess/"
     downloaded = []
-    real = _stores.ObjectStore.download
+    real = objects.ObjectStore.download
 
     def download(self, url, path, *args, **kwargs):
         if str(url).startswith(work):
             downloaded.append(str(url))
         return real(self, url, path, *args, **kwargs)
 
-    monkeypatch.setattr(_stores.ObjectStore, "download", download)
+    monkeypatch.setattr(objects.ObjectStore, "download", download)
     assert preprocess_main(balanced + ["--engine", "ray", "--ray-address", cluster, "--output-prefix",
                                        f"s3://{bucket}/bal/ds", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
@@ -304,7 +304,7 @@ def test_the_skip_report_is_made_in_a_task(cluster, s3, bucket, tmp_path, monkey
     (and, for a conversation the plan truncates, its partition) and the driver gets the lines
     alone; the report is the local run's, byte for byte: a bad record, and the plan's drop of a
     conversation that keeps nothing trained once truncated."""
-    from megatron_sft_idx.storage import _stores
+    from megatron_sft_idx.storage import objects
     from support.sft_fixtures import write_jsonl
 
     long_prompt = {"messages": [{"role": "user", "content": " ".join(f"ask{k}" for k in range(900))},
@@ -317,14 +317,14 @@ def test_the_skip_report_is_made_in_a_task(cluster, s3, bucket, tmp_path, monkey
                                        "--skip-report", str(tmp_path / "local.jsonl")]) == 0
     store = f"s3://{bucket}/skips/store"
     downloaded = []
-    real = _stores.ObjectStore.download
+    real = objects.ObjectStore.download
 
     def download(self, url, path, *args, **kwargs):
         if str(url).startswith(store + "/"):
             downloaded.append(str(url))
         return real(self, url, path, *args, **kwargs)
 
-    monkeypatch.setattr(_stores.ObjectStore, "download", download)
+    monkeypatch.setattr(objects.ObjectStore, "download", download)
     assert preprocess_main(settings + ["--engine", "ray", "--ray-address", cluster, "--store", store,
                                        "--output-prefix", f"s3://{bucket}/skips/out/ds",
                                        "--skip-report", str(tmp_path / "bucket.jsonl")]) == 0

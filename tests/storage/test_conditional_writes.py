@@ -10,8 +10,8 @@ import time
 import pytest
 
 from megatron_sft_idx.errors import PreconditionError, ShardError, ShardNotFoundError
-from megatron_sft_idx.storage._stores import store_for
-from megatron_sft_idx.storage._url import ObjectURL
+from megatron_sft_idx.storage.objects import store_for
+from megatron_sft_idx.storage.urls import ObjectURL
 from megatron_sft_idx.storage.config import MIB, StorageConfig
 from megatron_sft_idx.storage.destination import ObjectDestination
 from megatron_sft_idx.storage.lease import ObjectLock

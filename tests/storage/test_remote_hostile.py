@@ -221,8 +221,8 @@ def test_open_packed_manifest_directory_and_glob(hostile, shards, tmp_path):
 @pytest.mark.parametrize("name,action", LIST_FAULTS, ids=LIST_IDS)
 def test_listing_an_empty_prefix_forever_is_refused(hostile, shards, name, action):
     """No keys to repeat: the repeated token, or the page bound, ends it."""
-    from megatron_sft_idx.storage._stores import store_for
-    from megatron_sft_idx.storage._url import ObjectURL
+    from megatron_sft_idx.storage.objects import store_for
+    from megatron_sft_idx.storage.urls import ObjectURL
     from megatron_sft_idx.storage.config import StorageConfig
 
     hostile.inject(action, method="GET", query="list-type=2", times=10_000)
@@ -242,8 +242,8 @@ def test_a_long_listing_pages_through(hostile, shards):
     client = hostile.client()
     with futures.ThreadPoolExecutor(8) as pool:
         list(pool.map(lambda k: client.put_object(Bucket=BUCKET, Key=f"many/k{k:05d}", Body=b"x"), range(1001)))
-    from megatron_sft_idx.storage._stores import store_for
-    from megatron_sft_idx.storage._url import ObjectURL
+    from megatron_sft_idx.storage.objects import store_for
+    from megatron_sft_idx.storage.urls import ObjectURL
     from megatron_sft_idx.storage.config import StorageConfig
 
     hostile.clear()

@@ -83,8 +83,8 @@ def test_an_upload_to_a_server_that_does_not_answer(hostile, shard, action, suff
 def test_an_abandoned_put_is_cut_short_and_never_lands(hostile, tmp_path, monkeypatch):
     """A server reading a 23 MiB body slowly: at the deadline the PUT is abandoned and its body
     stops being sent (the server sees it end short), so it cannot land after the error."""
-    from megatron_sft_idx.storage._stores import store_for
-    from megatron_sft_idx.storage._url import ObjectURL
+    from megatron_sft_idx.storage.objects import store_for
+    from megatron_sft_idx.storage.urls import ObjectURL
     from megatron_sft_idx.storage.config import StorageConfig
 
     monkeypatch.setenv("MEGATRON_SFT_IDX_MIN_THROUGHPUT", "64M")  # the size allowance small: the budget is OP

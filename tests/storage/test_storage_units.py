@@ -7,7 +7,7 @@ from megatron_sft_idx.errors import ObjectChangedError, RemoteStorageError, Shar
 from megatron_sft_idx.storage import ObjectURL, StorageConfig, is_remote
 from megatron_sft_idx.storage._retry import Outcome, ShortReadError, with_retries
 from megatron_sft_idx.storage._stores import classify
-from megatron_sft_idx.storage._url import join_url
+from megatron_sft_idx.storage.urls import join_url
 from megatron_sft_idx.storage.config import parse_size
 
 

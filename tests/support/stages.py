@@ -78,14 +78,14 @@ MirroredEngine.map = map
 def kill_at_call(method, n, sig="SIGKILL"):
     """Kill point of :func:`killed_driver`: signal ``sig`` just before the ``n``-th call of ``ObjectStore.<method>``."""
     return f"""
-from megatron_sft_idx.storage import _stores
-real, seen = _stores.ObjectStore.{method}, [0]
+from megatron_sft_idx.storage import objects
+real, seen = objects.ObjectStore.{method}, [0]
 def {method}(self, *args):
     seen[0] += 1
     if seen[0] == {n!r}:
         os.kill(os.getpid(), signal.{sig})   # SIGKILL: no cleanup at all (a lost node)
     return real(self, *args)
-_stores.ObjectStore.{method} = {method}
+objects.ObjectStore.{method} = {method}
 """
 
 

@@ -134,9 +134,9 @@ def test_sigterm_during_the_upload(s3, bucket, tmp_path, upload, after):
     url = f"s3://{bucket}/t/all"
     script = f"""
 import os, signal, sys
-from megatron_sft_idx.storage import _stores
+from megatron_sft_idx.storage import objects
 from megatron_sft_idx.tools.merge_cli import main
-real, seen = _stores.ObjectStore.upload, [0]
+real, seen = objects.ObjectStore.upload, [0]
 def upload(self, path, url):
     seen[0] += 1
     if seen[0] == {upload} and not {after}:
@@ -144,7 +144,7 @@ def upload(self, path, url):
     real(self, path, url)
     if seen[0] == {upload} and {after}:
         os.kill(os.getpid(), signal.SIGTERM)
-_stores.ObjectStore.upload = upload
+objects.ObjectStore.upload = upload
 sys.exit(main([{url!r}, *{prefixes!r}, "--staging-dir", {str(tmp_path / "stage")!r}]))
 """
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))

@@ -1,7 +1,9 @@
 """Object-storage URLs: ``s3://bucket/key`` and ``msc://profile/path``.
 
-Pure string work: nothing here imports a client, so the local read path can ask
-:func:`is_remote` for free.
+The one place a path is told from a URL (:func:`is_remote`), a URL parsed (:class:`ObjectURL`),
+resolved against another (:func:`join_url`), or refused where a command takes only local paths
+(:func:`local_only`). Pure string work: nothing here imports a client, so the local read path
+can ask :func:`is_remote` for free.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import os
 from dataclasses import dataclass
 
 from ..errors import ShardError
+
+__all__ = ["SCHEMES", "ObjectURL", "is_remote", "join_url", "local_only"]
 
 SCHEMES = ("s3", "msc")
 _PREFIXES = tuple(f"{s}://" for s in SCHEMES)
