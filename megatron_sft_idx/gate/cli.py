@@ -20,6 +20,7 @@ from .._signals import INTERRUPTS, exit_code, raise_if_signalled, signal_name, s
 from ..errors import ShardError
 from ..format import METADATA_FIELD_RANGES
 from ..storage.destination import destination_for
+from ..storage.urls import url_refusal
 from .checks import check
 from .promote import promote_report
 
@@ -101,6 +102,9 @@ def _usage_problem(args) -> Optional[str]:
         return "--link and --overwrite need --promote DEST"
     if args.link and not destination_for(args.promote).moves:
         return "--link needs a local destination (hard links cannot point into object storage); drop --link to upload"
+    refused = url_refusal([("--promote", args.promote, True)])
+    if refused:
+        return refused
     if args.workers < 1:
         return "--workers must be >= 1"
     if args.sample < 0:

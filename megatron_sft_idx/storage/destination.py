@@ -28,7 +28,6 @@ import concurrent.futures as futures
 import contextlib
 import hashlib
 import os
-import shutil
 import tempfile
 from dataclasses import dataclass
 from typing import (Callable, ContextManager, Dict, Hashable, Iterable, Iterator, List, Mapping, Optional,
@@ -39,7 +38,7 @@ from .._crc import crc32
 from ..errors import ShardError, ShardNotFoundError, SizeMismatchError
 from ..format import ALL_SUFFIXES
 from .config import StorageConfig
-from .urls import ObjectURL, is_remote
+from .urls import ObjectURL, check_url, is_remote, plain_name
 
 __all__ = ["Destination", "LocalDestination", "ObjectDestination", "destination_for", "Expect"]
 
@@ -331,7 +330,7 @@ class LocalDestination(Destination):
         try:
             yield os.path.join(staging, os.path.basename(output))
         finally:
-            shutil.rmtree(staging, ignore_errors=True)
+            _atomic.remove_tree(staging, directory)
 
     def prepare(self, sources) -> None:
         for path in sources:
@@ -452,13 +451,13 @@ class ObjectDestination(Destination):
         url = ObjectURL.parse(prefix)
         store = self._store(url)
         os.makedirs(directory, exist_ok=True)
-        local = os.path.join(directory, url.name)
+        local = os.path.join(directory, plain_name(url.name, "the shard's name"))
         try:
             for suffix, info in store.stat_files(url, ALL_SUFFIXES).items():
                 store.download(url.with_suffix(suffix), local + suffix, info)
             yield local
         finally:
-            shutil.rmtree(directory, ignore_errors=True)
+            _atomic.remove_tree(directory, os.path.dirname(os.path.abspath(directory)))
 
     # ---- listing
     def listing(self, prefix: str) -> Dict[str, int]:
@@ -490,6 +489,8 @@ class ObjectDestination(Destination):
         if not url.key or url.key.endswith("/"):
             raise ShardError("an output prefix in object storage must end in the shards' name", path=prefix,
                              field="output", hint="e.g. s3://bucket/sft/ds writes s3://bucket/sft/ds_train_000000...")
+        check_url(prefix, "the output prefix", root=False)
+        plain_name(url.name, "the output's name")
         return url
 
     def work_prefix(self, prefix: str, staging_dir: Optional[str] = None) -> str:
@@ -511,7 +512,7 @@ class ObjectDestination(Destination):
         try:
             yield os.path.join(directory, name)
         finally:
-            shutil.rmtree(directory, ignore_errors=True)
+            _atomic.remove_tree(directory, os.path.dirname(os.path.abspath(directory)))
 
     # ---- publishing primitives
     def prepare(self, sources) -> None:

@@ -31,15 +31,15 @@ from __future__ import annotations
 import concurrent.futures as futures
 import hashlib
 import os
-import shutil
 import tempfile
 import uuid
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from .._atomic import remove_tree
 from ..errors import ShardError
 from .config import StorageConfig
 from .lease import ObjectLock
-from .urls import ObjectURL
+from .urls import ObjectURL, check_url, url_problem
 
 _HOME_TAG = "msi-area-"
 _TREE = "tree"
@@ -66,13 +66,18 @@ class Mirror:
     """A URL root and this node's local mirror of it (see the module doc).
 
     Args:
-        url: the root (``s3://bucket/prefix`` or ``msc://profile/path``).
+        url: the root (``s3://bucket/prefix`` or ``msc://profile/path``): no empty, ``.`` or ``..``
+            level, not a bucket's root (:func:`~.urls.url_problem`).
         rank: the order files are written in (see :data:`Rank`).
         config: storage settings (retries, concurrency, part size, lease).
+
+    Raises:
+        ShardError: ``url`` names no prefix a mirror can be made of (see ``url``); from
+            :meth:`listing` (so :meth:`pull`): an object under it whose key has such a level.
     """
 
     def __init__(self, url: str, rank: Rank = _by_name, config: Optional[StorageConfig] = None) -> None:
-        self.url = str(ObjectURL.parse(url)).rstrip("/")
+        self.url = check_url(str(ObjectURL.parse(url)).rstrip("/"), "the prefix mirrored", root=False)
         self.root = ObjectURL.parse(self.url)
         self.home = local_home(self.url)
         self.local = os.path.join(self.home, _TREE)
@@ -188,6 +193,11 @@ class Mirror:
         for obj, info in self.objects.list(url, recursive=True):
             rel = obj.key[len(base):]
             if rel and rel not in _NOT_MIRRORED:
+                if url_problem(f"{self.root.scheme}://{self.root.bucket}/{rel}"):
+                    raise ShardError("an object under the mirrored prefix has a key that names no local file "
+                                     "(an empty, '.' or '..' level): mirroring it would write outside the mirror",
+                                     path=str(obj), field="key", expected=f"objects under {self.url}/",
+                                     hint="remove or rename that object; nothing of this run wrote it")
                 out[rel] = info
         return out
 
@@ -298,7 +308,7 @@ class Mirror:
 
     def remove_local(self) -> None:
         """Remove this node's copy (the tree and what is known of it); the bucket is untouched."""
-        shutil.rmtree(self.home, ignore_errors=True)
+        remove_tree(self.home, os.path.dirname(self.home))
 
     def object_of(self, path: str) -> Optional[str]:
         """The URL of the object the local file ``path`` is an unchanged copy of (pulled or

@@ -38,7 +38,7 @@ from ..format import PAD_LAYOUTS, PAD_LAYOUT_STORED
 from ..multi import MultiShardDataset
 from ..preprocess.sequences import StoreSequences, sequence_lengths
 from ..publishing import write_bytes
-from ..storage.urls import local_only
+from ..storage.urls import local_only, url_refusal
 
 PROG = "plan-batches"
 
@@ -139,7 +139,7 @@ def _usage_problem(args) -> Optional[str]:
         return "give the shards to balance"
     if (args.linear is None) != (args.attention is None):
         return "--linear and --attention go together"
-    return local_only([("--plot", args.plot)])
+    return local_only([("--plot", args.plot)]) or url_refusal([("--store", args.store, False)])
 
 
 def _dynamic(args) -> int:

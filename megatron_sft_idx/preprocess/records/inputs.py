@@ -34,6 +34,7 @@ from ..._extras import require_extra
 from ...errors import MetadataError, MetadataLimitError
 from ...jsondoc import MAX_METADATA_LENGTH, load_json, parse_json, parse_record_json
 from ...storage import ObjectURL, is_remote
+from ...storage.urls import check_url
 from .errors import InputError, input_error
 from .shapes import KINDS, SchemaOptions, detect, map_record
 from .sources import InputSource, ObjectInput
@@ -220,7 +221,7 @@ def _remote_files(spec: str, left: Optional[List[str]], sizes: Dict[str, int]) -
     # (start-up: the object-store layer loads for a URL only)
     from ...storage.objects import list_objects, stat_object
 
-    url = ObjectURL.parse(spec)
+    url = ObjectURL.parse(check_url(spec, "--input"))
     if url.has_magic():
         literal = url.key[: min(url.key.find(c) for c in "*?[" if c in url.key)]
         listed = list_objects(str(ObjectURL(url.scheme, url.bucket, literal)))
