@@ -232,18 +232,20 @@ class ObjectStore:
 
     def _multipart(self, url: ObjectURL, path: str, size: int) -> None: raise NotImplementedError
 
-    def put_bytes(self, url: ObjectURL, data: bytes, create_only: bool = False, if_match: str = "") -> str:
+    def put_bytes(self, url: ObjectURL, data: bytes, create_only: bool = False, if_match: str = "",
+                  deadline: Optional[Deadline] = None) -> str:
         """One PUT of ``data`` (a small object: a receipt, a lock); returns its new ETag.
         ``create_only``: only if no object is there (``If-None-Match: *``); ``if_match``: only if
         the object there is still that ETag (``If-Match``). A retried conditional PUT whose first
         attempt landed fails its condition: the caller reads the object back to tell (a lock does).
+        ``deadline``: the operation's budget (default: the configured one).
 
         Raises:
             PreconditionError: the condition does not hold (naming the URL and the condition).
         """
         try:
             return self._retry(lambda: self._put_data(url, bytes(data), create_only, if_match), "PUT", url,
-                               len(data))
+                               len(data), deadline)
         except ObjectChangedError:
             rule = "If-None-Match: * (create only)" if create_only else f"If-Match: {if_match}"
             raise PreconditionError("the object is not as this write requires: another writer created or "

@@ -35,6 +35,7 @@ from typing import Optional
 from .._atomic import _alive
 from ..errors import PreconditionError, ShardError
 from ..jsondoc import Doc, parse_json
+from ._deadline import Deadline
 from .config import StorageConfig
 from .urls import ObjectURL
 
@@ -47,8 +48,9 @@ _MAX_LOCK_BYTES = 64 << 10
 class ObjectLock:
     """The lock ``url`` (see the module doc); ``what`` names what it guards in messages.
 
-    Raises (:meth:`acquire`):
-        ShardError: another live holder has it (its host and pid named).
+    Raises:
+        ShardError: (made) the lease is below its floor (:meth:`.StorageConfig.lease_floor`);
+            (:meth:`acquire`) another live holder has it (its host and pid named).
     """
 
     def __init__(self, url: str, what: str, config: Optional[StorageConfig] = None) -> None:
@@ -57,6 +59,7 @@ class ObjectLock:
         self.url = ObjectURL.parse(url)
         self.what = what
         self.config = StorageConfig.resolve(config)
+        self.config.check_lease()
         self.store = store_for(self.url, self.config)
         self.nonce = uuid.uuid4().hex
         self.etag = ""
@@ -160,8 +163,9 @@ class ObjectLock:
             with self._mutex:
                 if not self.held:
                     return
-                try:
-                    self.etag = self.store.put_bytes(self.url, self._body(), if_match=self.etag)
+                try:   # (within the lease left: a renewal that cannot land in time is no renewal)
+                    self.etag = self.store.put_bytes(self.url, self._body(), if_match=self.etag,
+                                                     deadline=Deadline(2 * period))
                 except PreconditionError:
                     self.lost = "another run took the lock over (this run did not renew it in time)"
                     log.error("lost the lock %s: %s", self.url, self.lost)
