@@ -57,9 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after a pass, move the five files into directory DEST atomically (.idx last); "
                         "DEST may be s3://bucket/dir or msc://profile/dir (uploaded, .idx last)")
     p.add_argument("--link", action="store_true", help="with --promote: hard-link instead of moving")
-    p.add_argument("--overwrite", "--replace", dest="overwrite", action="store_true",
-                   help="with --promote: replace a shard of the same name at DEST (its .idx goes first; "
-                        "--replace is another name of it)")
+    _cli.add_aliased(p, "--overwrite", "--replace", dest="overwrite", action="store_true",
+                     help="with --promote: replace a shard of the same name at DEST (its .idx goes first; "
+                          "--replace is another name of it)")
     return p
 
 
