@@ -5,6 +5,10 @@ store's conditional writes can. The lock is the object ``URL`` (``.../lock``), a
 
     {"host": "node-3", "pid": 4242, "nonce": "9f2c...", "expires": 1764300000.0, "what": "..."}
 
+* **the store**: a lock is only as good as the store's conditional writes. The first lock of a
+  bucket in a process probes them (a create-only PUT of a probe object beside the lock, a second
+  one that must be refused, a PUT pinned to a wrong ETag that must be refused); a store that
+  ignores them is refused by name before the lock is trusted.
 * **acquire**: ``PUT`` with ``If-None-Match: *`` (create only). If an object is there, it is read:
   a live lease (``expires`` still ahead, or the holder a live process of this host) refuses the
   run, naming its holder; an expired one (or a dead process of this host) is taken over by a
@@ -50,7 +54,8 @@ class ObjectLock:
 
     Raises:
         ShardError: (made) the lease is below its floor (:meth:`.StorageConfig.lease_floor`);
-            (:meth:`acquire`) another live holder has it (its host and pid named).
+            (:meth:`acquire`) another live holder has it (its host and pid named), or the store
+            ignores conditional writes (its endpoint named).
     """
 
     def __init__(self, url: str, what: str, config: Optional[StorageConfig] = None) -> None:
@@ -123,7 +128,10 @@ class ObjectLock:
     # ------------------------------------------------------------------ acquire, renew, release
 
     def acquire(self) -> None:
-        """Create the lock, or take over an expired one (see the module doc); start the heartbeat."""
+        """Create the lock, or take over an expired one (see the module doc); start the heartbeat.
+        The first lock of a bucket in this process proves the store honours conditional writes
+        (:meth:`~._stores.ObjectStore.require_conditional_writes`)."""
+        self.store.require_conditional_writes(self.url)
         for _ in range(4):
             try:
                 self.etag = self.store.put_bytes(self.url, self._body(), create_only=True)

@@ -46,6 +46,8 @@ _TREE = "tree"
 _ETAGS = ".etags"
 #: Names under a root that are never mirrored: the lock is an object of its own.
 _NOT_MIRRORED = ("lock",)
+#: A lock's probe objects (:meth:`~._stores.ObjectStore.require_conditional_writes`), never mirrored.
+_PROBES = "lock.probe-"
 
 #: ``rank(rel) -> sortable``: the order files are written in (smallest first); deletions go in
 #: the reverse order. The default writes in name order.
@@ -192,7 +194,7 @@ class Mirror:
         out = {}
         for obj, info in self.objects.list(url, recursive=True):
             rel = obj.key[len(base):]
-            if rel and rel not in _NOT_MIRRORED:
+            if rel and rel not in _NOT_MIRRORED and not rel.startswith(_PROBES):
                 if url_problem(f"{self.root.scheme}://{self.root.bucket}/{rel}"):
                     raise ShardError("an object under the mirrored prefix has a key that names no local file "
                                      "(an empty, '.' or '..' level): mirroring it would write outside the mirror",
