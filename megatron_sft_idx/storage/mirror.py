@@ -265,9 +265,7 @@ class Mirror:
                 with open(path, "rb") as f:
                     etag = store.put_bytes(url, f.read())
             else:
-                store.upload(path, url)
-                info = store.head(url)
-                etag = info.etag if info is not None else ""
+                etag = store.upload(path, url)
             self._remember(rel, etag)
 
     def in_order(self, paths: Iterable[str]) -> List[str]:

@@ -261,3 +261,47 @@ def test_preprocess_refuses_a_store_on_a_server_that_ignores_conditional_writes(
     assert len(err.splitlines()) == 1 and "ignores If-None-Match" in err and hostile.endpoint in err, err
     assert not bucket_files(hostile, "cond/")
     assert not (tmp_path / "o").exists() or not local_files(tmp_path / "o")     # nothing published
+
+
+# --------------------------------------------------------------------------- what a write answers (issue 41)
+
+
+@pytest.mark.parametrize("suffix", ["/cw/s.bin", "/cw/s.idx"])
+def test_an_upload_the_server_stores_otherwise_is_an_error_naming_the_object(hostile, shard, suffix):
+    """A server (or a proxy in front of it) that stores other bytes than were sent answers for
+    those bytes: the upload's answer is compared with what was sent and the upload fails, the
+    .idx never sent after a bad data file; a clean retry gives the shard."""
+    url = f"s3://{BUCKET}/cw/s"
+    hostile.inject("corrupt-write", method="PUT", suffix=suffix, times=1000)
+    with pytest.raises(ResponseMismatchError, match="other bytes than were sent") as e:
+        upload_shard(shard, url, replace=True)
+    assert url + suffix[len("/cw/s"):] in str(e.value)
+    hostile.clear()
+    if suffix.endswith(".bin"):
+        does_not_open(url)
+    upload_shard(shard, url, replace=True)
+    assert same_shard(url, shard)
+
+
+def test_a_multipart_part_or_a_small_write_stored_otherwise_is_an_error(hostile, tmp_path, monkeypatch):
+    from megatron_sft_idx.storage.config import StorageConfig
+    from megatron_sft_idx.storage.objects import store_for
+    from megatron_sft_idx.storage.urls import ObjectURL
+
+    monkeypatch.setenv("MEGATRON_SFT_IDX_PART_SIZE", "5M")
+    reset_clients()
+    path = str(tmp_path / "blob")
+    with open(path, "wb") as f:
+        f.write(np.random.default_rng(1).bytes(11 << 20))
+    url = ObjectURL.parse(f"s3://{BUCKET}/cw/blob")
+    store = store_for(url, StorageConfig.resolve())
+    hostile.inject("corrupt-write", method="PUT", suffix="/cw/blob", query="partNumber=2", times=1000)
+    with pytest.raises(ResponseMismatchError, match="part 2"):
+        store.upload(path, url)
+    assert store.head(url) is None                                  # aborted: nothing completed
+    hostile.clear()
+    etag = store.upload(path, url)
+    assert etag.strip('"').endswith("-3") and store.head(url).etag == etag
+    hostile.inject("corrupt-write", method="PUT", suffix="/cw/receipt.json", times=1000)
+    with pytest.raises(ResponseMismatchError):
+        store.put_bytes(ObjectURL.parse(f"s3://{BUCKET}/cw/receipt.json"), b'{"done": true}')
