@@ -22,7 +22,13 @@ trained. Then, on the tokens of one written sequence, it proves:
    turn that renders no text (an empty reply: its end-of-turn alone);
 
 and counts the trained tokens per role (``assistant``, ``tool_call``, ``reasoning``, and any
-``user``/``system``/``tool`` ones, which fail the check). A mapping that dropped a text, a
+``user``/``system``/``tool`` ones, which fail the check).
+
+Before any of it, the record's bytes -- and every JSON string it reads inside them (arguments, a
+``function_call`` value, ``tools``, xLAM ``answers``) -- are read once more by this module's own
+small scanner (:func:`duplicate_key`), not the decoder the mapping reads with: an object that
+names a key twice has no one meaning, and a mapping whose decoder picked one silently
+(``{"role": "user", ..., "role": "assistant"}`` trained as a reply) fails here. A mapping that dropped a text, a
 template that rendered it nowhere, a turn left untrained or a turn trained that must not be,
 each fails here, whatever the pipeline's own normalisation believed.
 """
@@ -48,6 +54,60 @@ _OPENAI = {"system": "system", "developer": "system", "user": "user", "assistant
 
 class Unverifiable(Exception):
     """The source record cannot be read as the settings say (the check fails with this message)."""
+
+
+# --------------------------------------------------------------------------- one meaning per key
+
+#: a JSON string token, or a structural character (whitespace, numbers and literals are skipped)
+_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[{}\[\]:,]')
+_ESCAPE = re.compile(r'\\(u[0-9a-fA-F]{4}|.)')
+_SIMPLE = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
+
+
+def _key_text(token: str) -> str:
+    """A string token's text, its escapes resolved (``"\\u0072ole"`` is ``role``)."""
+    body = token[1:-1]
+    if "\\" not in body:
+        return body
+    text = _ESCAPE.sub(lambda m: chr(int(m.group(1)[1:], 16)) if len(m.group(1)) == 5
+                       else _SIMPLE.get(m.group(1), m.group(1)), body)
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")   # (pairs joined)
+
+
+def duplicate_key(raw) -> Optional[str]:
+    """The first key an object of the JSON text ``raw`` (bytes or text) names twice, or None: this
+    module's own reading of the bytes (a scan of its strings and brackets), independent of the
+    decoder the mapping reads with."""
+    if isinstance(raw, (bytes, bytearray, memoryview)):
+        raw = bytes(raw)
+        raw = raw.decode(json.detect_encoding(raw), "surrogatepass")
+    frames: List[Optional[set]] = []   # per open container: the keys of an object, None for an array
+    pending = None
+    for m in _TOKEN.finditer(raw):
+        token = m.group()
+        if token[0] == '"':
+            pending = token
+            continue
+        if token == ":" and pending is not None and frames and frames[-1] is not None:
+            key = _key_text(pending)
+            if key in frames[-1]:
+                return key
+            frames[-1].add(key)
+        elif token == "{":
+            frames.append(set())
+        elif token == "[":
+            frames.append(None)
+        elif token in "]}" and frames:
+            frames.pop()
+        pending = None
+    return None
+
+
+def one_meaning(raw, where: str = "the record") -> None:
+    """Raises Unverifiable when the JSON text ``raw`` (of the field ``where``) names a key twice."""
+    key = duplicate_key(raw)
+    if key is not None:
+        raise Unverifiable(f"{where} holds an object that names the key {key!r} twice: it has no one meaning")
 
 
 @dataclass
@@ -174,6 +234,7 @@ class _Reader:
         fn = call.get("function", call) if isinstance(call, dict) else {}
         name, arguments = fn.get("name"), fn.get("arguments")
         if isinstance(arguments, str):
+            one_meaning(arguments, where + ".arguments")
             try:
                 arguments = parse_record_json(arguments)
                 if isinstance(arguments, str) and arguments.lstrip().startswith("{"):   # encoded twice
@@ -208,6 +269,7 @@ class _Reader:
             value = m.get("value")
             if source == "function_call":
                 value = self.thought(t, value, where)  # (a thought block may open the calls)
+                one_meaning(value if isinstance(value, str) else "", where + ".value")
                 try:
                     calls = parse_record_json(value)
                 except (TypeError, ValueError):
@@ -221,6 +283,7 @@ class _Reader:
 
     def tools(self, value) -> List[Text]:
         if isinstance(value, str) and value.strip():
+            one_meaning(value, "tools")
             value = parse_record_json(value)
         if isinstance(value, dict):
             value = [value]
@@ -266,6 +329,7 @@ def read_source(record: dict, shape: str, settings: dict) -> SourceConversation:
         t = r.turn("assistant", "answers")
         answers = record.get("answers")
         if isinstance(answers, str):
+            one_meaning(answers, "answers")
             try:
                 answers = parse_record_json(answers)
             except ValueError:

@@ -11,7 +11,7 @@ from typing import Dict, FrozenSet, List, Optional
 
 from ....errors import MetadataError, MetadataLimitError
 from ....jsondoc import parse_record_json
-from ..errors import input_error
+from ..errors import duplicate_key, input_error
 from .base import check_json_texts, check_text, drop_nulls, may_hold_null, present, split_inline_reasoning
 from .conversation import Conversation, SchemaOptions
 from .keys import DECODED_TWICE, SYSTEM_KEYS
@@ -56,14 +56,17 @@ class Mapper:
 
         Raises:
             InputError: ``not_json`` (reason ``bad_tool_call``) for text that is not JSON;
-                reason ``json_too_deep`` for JSON beyond the limits.
+                reason ``json_too_deep`` for JSON beyond the limits; ``duplicate_key`` for an
+                object naming a key twice.
         """
         try:
             return parse_record_json(text, what=where)
         except MetadataLimitError as exc:
             raise self.error(f"'{where}' holds JSON beyond the record limits ({exc.detail})",
                              where, "json_too_deep" if exc.limit == "depth" else "bad_tool_call") from None
-        except MetadataError:
+        except MetadataError as exc:
+            if getattr(exc, "duplicate", None) is not None:
+                raise duplicate_key(exc.duplicate, self.path, self.line, where) from None
             raise self.error(not_json, where, "bad_tool_call") from None
 
     def done(self, tools, source=None) -> Conversation:
