@@ -148,8 +148,14 @@ def _forms(value) -> Tuple[str, ...]:
     return (json.dumps(value),)
 
 
+#: words a reasoning field may hold that are a switch, not reasoning (docs/INPUTS.md: ``"off"``)
+_SWITCHES = ("on", "off")
+
+
 def _has_text(value) -> bool:
-    """A string or text parts with a non-blank text in them."""
+    """A string or text parts with a non-blank text in them (a switch word is none)."""
+    if isinstance(value, str) and value.strip().lower() in _SWITCHES:
+        return False
     if isinstance(value, list):
         return any(_has_text(p.get("text") if isinstance(p, dict) else p) for p in value)
     return isinstance(value, str) and bool(value.strip())
