@@ -34,7 +34,6 @@ import io
 import os
 import re
 import threading
-import uuid
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -150,8 +149,6 @@ class ObjectStore:
 
     def __init__(self, config: StorageConfig) -> None:
         self.config = config
-        self._probed: Dict[str, str] = {}   # bucket -> '' (honours conditional writes) or why not
-        self._probe_lock = threading.Lock()
 
     def endpoint(self, url: ObjectURL) -> str:
         """Where requests for ``url`` go, as a message names it."""
@@ -266,53 +263,6 @@ class ObjectStore:
             rule = "If-None-Match: * (create only)" if create_only else f"If-Match: {if_match}"
             raise PreconditionError("the object is not as this write requires: another writer created or "
                                     "replaced it", path=str(url), field="precondition", expected=rule) from None
-
-    def require_conditional_writes(self, url: ObjectURL) -> None:
-        """Prove, once per bucket of this store (endpoint), that the server honours conditional
-        writes before a lock there is trusted: a create-only PUT (``If-None-Match: *``) of a new
-        probe object ``url`` + ``.probe-<nonce>`` succeeds, a second one is refused (412), and a PUT
-        with ``If-Match`` on an ETag the object does not have is refused; the probe is deleted.
-        Stores that ignore the headers (older MinIO and Ceph RGW, several gateways, S3 before
-        2024-08) would let two runs hold one lock.
-
-        Raises:
-            ShardError: the server ignores a condition (naming the endpoint and which), or
-                (``msc://``) offers none.
-        """
-        with self._probe_lock:
-            known = self._probed.get(url.bucket)
-            if known is None:
-                known = self._probed[url.bucket] = self._probe(url)
-        if known:
-            raise ShardError(f"the object store at {self.endpoint(url)} {known}: a lock there cannot keep two runs "
-                             "from writing one place", path=str(url), field="precondition",
-                             hint="use a store that honours If-None-Match and If-Match on PUT (AWS S3 since "
-                                  "2024-08, recent MinIO and Ceph RGW), or keep the store and work directory on "
-                                  "a shared filesystem")
-
-    def _probe(self, url: ObjectURL) -> str:
-        """'' when conditional PUTs hold at ``url``'s bucket, else what the server ignored."""
-        probe = url.with_suffix(f".probe-{uuid.uuid4().hex[:12]}")
-        try:
-            try:
-                self.put_bytes(probe, b"probe", create_only=True)
-            except PreconditionError:
-                pass   # (an attempt of ours landed before its retry: the probe exists)
-            try:
-                self.put_bytes(probe, b"probe again", create_only=True)
-                return "ignores If-None-Match: * (a create-only PUT replaced an existing object)"
-            except PreconditionError:
-                pass
-            try:
-                self.put_bytes(probe, b"probe again", if_match='"' + "0" * 32 + '"')
-                return "ignores If-Match (a PUT pinned to another ETag replaced the object)"
-            except PreconditionError:
-                return ""
-        finally:
-            try:
-                self.delete(probe)
-            except ShardError:
-                pass   # (a leftover probe holds nothing; the lock's own errors follow)
 
     def copy(self, source: ObjectURL, url: ObjectURL) -> ObjectInfo:
         """Copy ``source`` to ``url`` inside the store (server-side: no byte passes through this
@@ -680,9 +630,10 @@ class MscStore(ObjectStore):
             ResponseMismatchError: the object is not what was sent."""
         meta = _unwrapped(lambda: self._client(url).info(url.key))
         etag = getattr(meta, "etag", "") or ""
-        if int(getattr(meta, "content_length", -1)) != size:
+        length = getattr(meta, "content_length", None)
+        if length is None or int(length) != size:
             raise ResponseMismatchError("the object written is not the size that was sent", path=str(url),
-                                        field="size", expected=size, actual=getattr(meta, "content_length", None))
+                                        field="size", expected=size, actual=length)
         if _responses.is_md5_etag(etag) and _responses.normalize_etag(etag) != md5():
             raise ResponseMismatchError("the object written has the ETag (MD5) of other bytes than were sent",
                                         path=str(url), field="ETag", actual=etag)

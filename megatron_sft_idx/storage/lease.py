@@ -34,6 +34,7 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from typing import Optional
 
 from .._atomic import _alive
@@ -130,8 +131,8 @@ class ObjectLock:
     def acquire(self) -> None:
         """Create the lock, or take over an expired one (see the module doc); start the heartbeat.
         The first lock of a bucket in this process proves the store honours conditional writes
-        (:meth:`~._stores.ObjectStore.require_conditional_writes`)."""
-        self.store.require_conditional_writes(self.url)
+        (:func:`require_conditional_writes`)."""
+        require_conditional_writes(self.store, self.url)
         for _ in range(4):
             try:
                 self.etag = self.store.put_bytes(self.url, self._body(), create_only=True)
@@ -204,4 +205,61 @@ class ObjectLock:
             log.warning("could not release the lock %s: %s", self.url, exc)
 
 
-__all__ = ["ObjectLock"]
+#: ``{store: {bucket: '' (honours conditional writes) or what it ignores}}``: probed once per
+#: bucket of each store client of this process (a new client, after the endpoint changed, probes again)
+_PROBED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_PROBE_LOCK = threading.Lock()
+#: The prefix of a probe object's name beside the lock (never mirrored: storage/mirror.py)
+PROBE_SUFFIX = ".probe-"
+
+
+def require_conditional_writes(store, url: ObjectURL) -> None:
+    """Prove, once per bucket of ``store`` (an endpoint's client), that the server honours
+    conditional writes before a lock at ``url`` is trusted: a create-only PUT (``If-None-Match:
+    *``) of a new probe object ``url`` + ``.probe-<nonce>`` succeeds, a second one is refused
+    (412), and a PUT with ``If-Match`` on an ETag the object does not have is refused; the probe is
+    deleted. Stores that ignore the headers (older MinIO and Ceph RGW, several gateways, S3
+    before 2024-08) would let two runs hold one lock.
+
+    Raises:
+        ShardError: the server ignores a condition (naming the endpoint and which), or
+            (``msc://``) offers none.
+    """
+    with _PROBE_LOCK:
+        known = _PROBED.setdefault(store, {}).get(url.bucket)
+        if known is None:
+            known = _PROBED[store][url.bucket] = _probe(store, url)
+    if known:
+        raise ShardError(f"the object store at {store.endpoint(url)} {known}: a lock there cannot keep two runs "
+                         "from writing one place", path=str(url), field="precondition",
+                         hint="use a store that honours If-None-Match and If-Match on PUT (AWS S3 since "
+                              "2024-08, recent MinIO and Ceph RGW), or keep the store and work directory on "
+                              "a shared filesystem")
+
+
+def _probe(store, url: ObjectURL) -> str:
+    """'' when conditional PUTs hold at ``url``'s bucket, else what the server ignored."""
+    probe = url.with_suffix(f"{PROBE_SUFFIX}{uuid.uuid4().hex[:12]}")
+    try:
+        try:
+            store.put_bytes(probe, b"probe", create_only=True)
+        except PreconditionError:
+            pass   # (an attempt of ours landed before its retry: the probe exists)
+        try:
+            store.put_bytes(probe, b"probe again", create_only=True)
+            return "ignores If-None-Match: * (a create-only PUT replaced an existing object)"
+        except PreconditionError:
+            pass
+        try:
+            store.put_bytes(probe, b"probe again", if_match='"' + "0" * 32 + '"')
+            return "ignores If-Match (a PUT pinned to another ETag replaced the object)"
+        except PreconditionError:
+            return ""
+    finally:
+        try:
+            store.delete(probe)
+        except ShardError:
+            pass   # (a leftover probe holds nothing; the lock's own errors follow)
+
+
+__all__ = ["ObjectLock", "require_conditional_writes"]

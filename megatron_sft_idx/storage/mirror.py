@@ -38,7 +38,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 from .._atomic import remove_tree
 from ..errors import ShardError
 from .config import StorageConfig
-from .lease import ObjectLock
+from .lease import PROBE_SUFFIX, ObjectLock
 from .urls import ObjectURL, check_url, url_problem
 
 _HOME_TAG = "msi-area-"
@@ -46,8 +46,8 @@ _TREE = "tree"
 _ETAGS = ".etags"
 #: Names under a root that are never mirrored: the lock is an object of its own.
 _NOT_MIRRORED = ("lock",)
-#: A lock's probe objects (:meth:`~._stores.ObjectStore.require_conditional_writes`), never mirrored.
-_PROBES = "lock.probe-"
+#: A lock's probe objects (:func:`~.lease.require_conditional_writes`), never mirrored.
+_PROBES = "lock" + PROBE_SUFFIX
 
 #: ``rank(rel) -> sortable``: the order files are written in (smallest first); deletions go in
 #: the reverse order. The default writes in name order.
