@@ -14,7 +14,7 @@ from megatron_sft_idx.storage.objects import store_for
 from megatron_sft_idx.storage.urls import ObjectURL
 from megatron_sft_idx.storage.config import MIB, StorageConfig
 from megatron_sft_idx.storage.destination import ObjectDestination
-from megatron_sft_idx.storage.lease import ObjectLock
+from megatron_sft_idx.storage.lease import ObjectLock, require_conditional_writes
 
 
 def _store(**settings):
@@ -85,12 +85,13 @@ def test_a_killed_holders_lease_is_taken_over_and_a_live_one_renewed(bucket, mon
     monkeypatch.setenv("MEGATRON_SFT_IDX_LEASE_SECONDS", "1.5")
     monkeypatch.setenv("MEGATRON_SFT_IDX_REQUEST_TIMEOUT", "1")   # (the lease's floor: 1.5 x the request timeout)
     url = f"s3://{bucket}/work/lock"
+    taker = ObjectLock(url, "w")
+    require_conditional_writes(taker.store, taker.url)   # (probed first: the acquire below is one read)
     # a holder on "another host" (the lease alone decides), killed: it never renews
     code = ("import socket,sys; socket.gethostname=lambda: 'elsewhere';"
             "from megatron_sft_idx.storage.lease import ObjectLock; l=ObjectLock(sys.argv[1], 'w'); l.acquire();"
             "import os; os._exit(0)")
     subprocess.run([sys.executable, "-c", code, url], check=True, env=dict(os.environ))
-    taker = ObjectLock(url, "w")
     with pytest.raises(ShardError, match="pid .* on elsewhere"):
         taker.acquire()                           # its lease still runs
     time.sleep(1.6)
@@ -133,4 +134,4 @@ def test_preprocess_refuses_a_store_lock_below_the_floor(bucket, s3, monkeypatch
                             "--store", f"s3://{bucket}/st", "--output-prefix", str(tmp_path / "ds")]) == 1
     err = capsys.readouterr().err
     assert "below the floor of 30 s" in err and len(err.strip().splitlines()) == 1, err
-    assert s3.count("PUT") == 0 and not (tmp_path / "ds").exists()
+    assert s3.count("PUT") == 0 and not (tmp_path / "ds").exists(), s3.requests
