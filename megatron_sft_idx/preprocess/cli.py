@@ -31,7 +31,7 @@ from .._signals import Terminated, exit_code, tool_scope
 from ..errors import ShardError
 from ..jsondoc import parse_json
 from ..packing import ALGORITHMS, DEFAULT_ALGORITHM
-from ..storage.urls import local_only
+from ..storage.urls import local_only, url_refusal
 from .records.chat import LOSS_MODES
 from .config import BalanceSettings, Config, PackSettings, RepackConfig, RunSettings, TokenizeSettings
 from .records.encode import SPAN_METHODS
@@ -370,6 +370,11 @@ def usage_problem(args) -> str:
         except ShardError as exc:
             return f"--balance-for/--cost-model: {exc}"
     store, output = getattr(args, "store", None) or "", getattr(args, "output_prefix", None) or ""
+    refused = url_refusal([("--store", store, False), ("--output-prefix", output, False),
+                           ("--input", getattr(args, "input", None), True),
+                           ("--tokenizer", getattr(args, "tokenizer", None), True)])
+    if refused:
+        return refused
     if store.startswith("msc://") and getattr(args, "input", None):
         return (f"--store {store}: a store written in object storage is locked by conditional writes, which "
                 "msc:// does not offer; give its s3:// URL (repack-sft reads an msc:// store)")

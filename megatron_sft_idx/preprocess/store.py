@@ -24,13 +24,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
-from .._atomic import write_file_atomically
+from .._atomic import remove_tree, write_file_atomically
 from ..errors import InvariantError, MetadataError, ShardError
 from ..format import PUBLISH_ORDER
 from ..reader import MMapIndexedDataset
@@ -81,8 +80,8 @@ def empty_store(directory: str) -> None:
             os.unlink(os.path.join(directory, name))
         except FileNotFoundError:
             pass
-    shutil.rmtree(os.path.join(directory, "parts"), ignore_errors=True)
-    shutil.rmtree(os.path.join(directory, "receipts", "tokenize"), ignore_errors=True)
+    remove_tree(os.path.join(directory, "parts"), directory)
+    remove_tree(os.path.join(directory, "receipts", "tokenize"), directory)
 
 
 def write_store_file(directory: str, identity: dict, inputs: List[dict], partitions: List[Partition],

@@ -34,7 +34,7 @@ from abc import ABC, abstractmethod
 from typing import Optional, Tuple
 
 from ..errors import ShardError, ShardExistsError
-from ..storage.urls import ObjectURL, is_remote
+from ..storage.urls import ObjectURL, check_url, is_remote
 from ..storage.destination import Destination, destination_for
 from ..storage.mirror import Mirror
 from .engines.base import Engine
@@ -348,14 +348,18 @@ def workspace_for(output_prefix: str, engine: str, staging_dir: Optional[str], s
             directory is in the bucket beside the output.
         staging_dir: where a URL output is built (a filesystem every worker sees), if given.
         store: ``--store`` (a directory or a URL), or None for the run's own.
+
+    Raises:
+        ShardError: a URL with an empty, ``.`` or ``..`` level, or a store at a bucket's root
+            (:func:`~..storage.urls.url_problem`).
     """
     destination = destination_for(output_prefix)
     what = f"output {output_prefix}"
     work_mirror = None
     if is_remote(output_prefix) and engine == "ray" and not staging_dir:
-        url = ObjectURL.parse(output_prefix)
+        url = ObjectURL.parse(check_url(output_prefix, "--output-prefix", root=False))
         work_mirror = Mirror(str(url.parent.join(f".{url.name}.preprocess")), commit_rank)
-    store_mirror = Mirror(store, commit_rank) if store and is_remote(store) else None
+    store_mirror = Mirror(check_url(store, "--store", root=False), commit_rank) if store and is_remote(store) else None
     work = None if work_mirror else WorkDir.beside(destination.work_prefix(output_prefix, staging_dir))
     if work_mirror is None and store_mirror is None:
         return LocalWorkspace(work, destination, store)
