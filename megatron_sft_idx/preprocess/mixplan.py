@@ -20,14 +20,17 @@ records, per source, what it realised (``sources``) and, per pack and source, th
 unit (``pack_measures``, int32[P * S]: what the interleaved order and the window report read).
 What the mixture realised against ``data_path`` sample weights is :mod:`.mixreport`'s.
 
-Memory: per kept sequence ~13 bytes (padded length, measure, split), per planned sequence
-~24 (global id, padded length, source, the packer's order and bins), plus ~4 * sources per pack.
+Memory: per kept sequence ~13 bytes (padded length, trained count, split), per planned sequence
+~26 while a split is packed (global id, padded length, source, measure, the packer's order and
+bins), plus 4 bytes per source per pack (``bench/mix_plan.py`` measures it).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -48,6 +51,7 @@ from .store import ROWS_SUFFIX, SequenceStore, TRAINED_SUFFIX, part_prefix
 from .stores import StoreSet
 
 log = logging.getLogger("megatron_sft_idx.preprocess")
+_DTYPES = {"int32": np.int32, "int64": np.int64}
 
 
 # --------------------------------------------------------------------------- one source's sequences
@@ -68,7 +72,7 @@ class SourceKept:
         return self.kept.padded
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def cut_trained(src_mask, src_start, trunc, drop_cut_turn, out):
     """Trained positions of sequences cut at ``trunc`` as the materialize step fills them
     (:func:`~megatron_sft_idx.packing.fill_sequences`): ones before the new last token, less the
@@ -138,9 +142,11 @@ def load_source(store: SequenceStore, s: PlanSettings, unit: str, seed: int) -> 
 
 
 def _members(src: SourceKept, split: int) -> np.ndarray:
+    """The kept indices of the source's sequences in ``split`` (ascending; int32 while they fit)."""
+    dtype = index_dtype(src.padded.size)
     if src.split_of is None:
-        return np.arange(src.padded.size, dtype=np.int64)
-    return np.flatnonzero(src.split_of == split).astype(np.int64)
+        return np.arange(src.padded.size, dtype=dtype)
+    return np.flatnonzero(src.split_of == split).astype(dtype)
 
 
 # --------------------------------------------------------------------------- the plan
@@ -226,28 +232,33 @@ def _plan_split(writer: PlanWriter, stores: StoreSet, sources: List[SourceKept],
     members = [_members(src, which) for src in sources]
     amounts = np.array([float(src.measure[m].sum(dtype=np.int64)) for src, m in zip(sources, members)])
     epochs = split_epochs(mixture.unit, mixture.weights, stores.names, amounts, caps, total, name, mixture.path)
-    ids, padded, source, recorded = [], [], [], []
+    # every chosen sequence (sources in store order, each ascending: global ids ascend), with its
+    # padded length, source and measure; the compact dtypes keep ~20 bytes per planned sequence
+    ids, padded, source, measure, recorded = [], [], [], [], []
     for j, (src, m) in enumerate(zip(sources, members)):
         got = realise(src.measure[m].astype(np.float64), float(epochs[j]),
                       derived_seed(s.seed, stores.stores[j].store_id, 1, which))
         chosen = np.concatenate([np.tile(m, got.whole), m[got.extra]]) if got.whole else m[got.extra]
-        chosen.sort()
-        ids.append(stores.offsets[j] + store_ids(chosen, src.kept.dropped))
+        chosen.sort(kind="stable")
+        ids.append((stores.offsets[j] + store_ids(chosen.astype(np.int64), src.kept.dropped)).astype(_DTYPES[id_dtype]))
         padded.append(src.padded[chosen])
-        source.append(np.full(chosen.size, j, dtype=np.int32))
+        source.append(np.full(chosen.size, j, dtype=np.int16))
+        measure.append(src.measure[chosen].astype(np.int32))
         recorded.append(_source_record(stores.names[j], src, m, chosen, float(epochs[j]), amounts[j], s))
         del chosen
-    ids = np.concatenate(ids)
-    padded = np.concatenate(padded)
-    source = np.concatenate(source)
-    a = pack_lengths_csr(padded, s.pack_size, s.algorithm, s.seed)
-    summary = packing_summary(a, padded)
-    del padded
-    measure = _item_measures(sources, members, ids, stores, source)
-    pack_measures = _pack_measures(a.items, a.offsets, source, measure, len(sources))
-    starts = _plan_shards_csr(a.loads, a.offsets, s.itemsize, s.max_packs_per_shard, s.max_shard_bytes)
-    for j, rec in enumerate(recorded):   # what the packs hold of each source, and its packs alone
-        rec["packed_alone"] = _alone(sources[j], members[j], s)
+    ids, padded, source, measure = (np.concatenate(x) for x in (ids, padded, source, measure))
+    # each source alone (its report's data_path column) in threads beside the global packing: the
+    # packing kernels release the GIL
+    with ThreadPoolExecutor(max(1, min(len(sources), (os.cpu_count() or 2) - 1))) as pool:
+        alone = [pool.submit(_alone, src, m, s) for src, m in zip(sources, members)]
+        a = pack_lengths_csr(padded, s.pack_size, s.algorithm, s.seed)
+        summary = packing_summary(a, padded)
+        del padded
+        pack_measures = _pack_measures(a.items, a.offsets, source, measure, len(sources))
+        del source, measure
+        starts = _plan_shards_csr(a.loads, a.offsets, s.itemsize, s.max_packs_per_shard, s.max_shard_bytes)
+        for rec, job in zip(recorded, alone):   # what the packs hold of each source, and its packs alone
+            rec["packed_alone"] = job.result()
     arrays = {"shard_starts": writer.array(starts, "int64"),
               "pack_offsets": writer.array(a.offsets, "int64"),
               "pack_loads": writer.array(a.loads, "int32"),
@@ -258,25 +269,7 @@ def _plan_split(writer: PlanWriter, stores: StoreSet, sources: List[SourceKept],
             "sources": recorded, "arrays": arrays}
 
 
-def _item_measures(sources, members, ids, stores: StoreSet, source) -> np.ndarray:
-    """The measure of every chosen sequence (in chosen order), int64."""
-    out = np.empty(ids.size, dtype=np.int64)
-    for j, src in enumerate(sources):
-        sel = np.flatnonzero(source == j)
-        local = ids[sel] - stores.offsets[j]
-        kept_index = _kept_index(local, src.kept.dropped)
-        out[sel] = src.measure[kept_index]
-    return out
-
-
-def _kept_index(store_id: np.ndarray, dropped: np.ndarray) -> np.ndarray:
-    """Inverse of :func:`~.plan.store_ids`: the kept index of kept store ids."""
-    if dropped.size == 0:
-        return store_id
-    return store_id - np.searchsorted(dropped, store_id, side="right")
-
-
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _pack_measure_kernel(items, offsets, source, measure, nsrc, out):
     for p in range(offsets.shape[0] - 1):
         for i in range(offsets[p], offsets[p + 1]):
@@ -285,10 +278,10 @@ def _pack_measure_kernel(items, offsets, source, measure, nsrc, out):
 
 
 def _pack_measures(items, offsets, source, measure, nsrc: int) -> np.ndarray:
-    """int32[P, S]: each pack's measure of each source."""
-    out = np.zeros((offsets.size - 1) * nsrc, dtype=np.int64)
+    """int32[P, S]: each pack's measure of each source (at most the pack size each)."""
+    out = np.zeros((offsets.size - 1) * nsrc, dtype=np.int32)
     _pack_measure_kernel(items, offsets, source, measure, nsrc, out)
-    return out.astype(np.int32).reshape(-1, nsrc)
+    return out.reshape(-1, nsrc)
 
 
 def _source_record(name: str, src: SourceKept, members: np.ndarray, chosen: np.ndarray, epochs: float,
