@@ -124,10 +124,13 @@ def format_mixture(report: dict) -> List[str]:
                          f"{s['trained_tokens']:>15,} | {_pct(b['share']):>15} {_pct(b['trained_share']):>8} "
                          f"{b['epochs']:>8.3f}")
         windows = split.get("windows")
-        if windows:
+        if windows and windows["interleaved"].get("windows"):
             lines.append(f"    over every window of {report['window_steps']} steps ({windows['topology']}): worst share "
                          f"deviation {_pct(windows['interleaved']['max'])} interleaved, "
                          f"{_pct(windows['shuffle']['max'])} shuffled")
+        elif windows:
+            lines.append(f"    fewer steps than one window of {report['window_steps']} ({windows['topology']}): "
+                         "no window to report")
     return lines
 
 

@@ -136,3 +136,20 @@ def test_a_file_too_large_or_missing_is_refused(tmp_path):
         load_mixture(path)
     with pytest.raises(ShardError, match="cannot read the mixture file"):
         load_mixture(str(tmp_path / "none.json"))
+
+
+def test_a_yaml_file_without_pyyaml_is_one_error_naming_the_extra(tmp_path, monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_yaml(name, *args, **kw):
+        if name == "yaml":
+            raise ImportError("No module named 'yaml'")
+        return real(name, *args, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_yaml)
+    path = write(tmp_path, "version: 1\n", "mix.yaml")
+    with pytest.raises(ShardError, match=r"needs PyYAML") as err:
+        load_mixture(path)
+    assert "megatron_sft_idx[preprocess]" in str(err.value) and err.value.path == path
