@@ -196,3 +196,21 @@ def test_the_gate_refuses_a_shard_whose_source_ids_were_damaged(first, tmp_path)
     open(prefix + ".seq.idx", "wb").write(raw)
     report = check([prefix])
     assert not report.passed and "SEQ_IDX_BODY_CRC" in {f.code for f in report.shards[0].findings}
+
+
+def test_virtual_packs_of_a_mixture_plan_equal_the_shards(first, tmp_path, capsys):
+    from megatron_sft_idx.preprocess.virtual import VirtualPackedDataset
+
+    d, mix, _ = first
+    assert repack_main(["--mix", mix, "--plan-only", str(tmp_path / "m.plan"), "--pack-size", "1024", "--split",
+                        "85,15", "-q"]) == 0
+    stores = [str(d / "stores" / "chat"), str(d / "stores" / "share")]
+    ds = VirtualPackedDataset(stores, str(tmp_path / "m.plan"), split="train")
+    shard = open_packed(str(d / "out" / "ds_train.json"))
+    assert len(ds) == len(shard) and ds.sources == shard.sources == ("chat", "share")
+    for i in range(len(ds)):
+        a, b = ds[i], shard[i]
+        assert a.input_ids.tolist() == b.input_ids.tolist() and a.loss_mask.tolist() == b.loss_mask.tolist()
+        assert ds.source_ids(i).tolist() == shard.source_ids(i).tolist()
+    with pytest.raises(Exception, match="from its stores"):
+        VirtualPackedDataset(stores[0], str(tmp_path / "m.plan"), split="train")
