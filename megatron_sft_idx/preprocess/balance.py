@@ -94,7 +94,8 @@ def stage_orders(job: PackJob, shards: Sequence, located: Sequence, manifests: S
                                                          topology.global_batch_size)
             source["interleave"] = {"unit": job.mixture.unit, "window_steps": job.mixture.window_steps}
         order = plan_order(costs, topology, model, seed=seed, epochs=balance.balance_epochs,
-                           exchange_window=balance.exchange_window, source=source, base_order=base_order)
+                           exchange_window=balance.exchange_window, source=source, base_order=base_order,
+                           algorithm=balance.algorithm)
         if mixed is not None:
             windows[name_of(shards, split)] = _windows(order, mixed, topology, job, seed)
         data, final = order.to_bytes(), order_path_for(data_path)

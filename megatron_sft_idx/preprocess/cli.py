@@ -139,13 +139,17 @@ def add_balance_arguments(p: argparse.ArgumentParser) -> None:
                          "order must start from (default: --seed)")
     bl.add_argument("--exchange-window", type=positive_int, default=1, metavar="W",
                     help="let W neighbouring steps trade packs; above 1 this CHANGES step membership (default: 1)")
+    bl.add_argument("--step-size", type=positive_int, metavar="GBS",
+                    help="with --mix and without --balance-for: packs per training step (the global batch size); "
+                         "writes OUT.order, the mixture's packs interleaved so every window of steps holds the "
+                         "shares, not dealt to ranks (any data-parallel size) (default: none)")
 
 
 def balance_settings_of(args) -> BalanceSettings:
     """The balanced-order flags (:func:`add_balance_arguments`) as settings."""
     return BalanceSettings(balance_for=args.balance_for, cost_model=args.cost_model,
                            balance_epochs=args.balance_epochs, balance_seed=args.balance_seed,
-                           exchange_window=args.exchange_window)
+                           exchange_window=args.exchange_window, step_size=args.step_size)
 
 
 def add_run_arguments(p: argparse.ArgumentParser, workers_help: str) -> None:
@@ -383,10 +387,14 @@ def usage_problem(args) -> str:
                 "(preprocess-sft --input ... --store DIR --verify-masks N), not on a mixture")
     if getattr(args, "mix_plot", None) and not mix:
         return "--mix-plot plots a mixture's shares: give --mix"
-    if args.balance_for is None and (args.balance_seed is not None or args.exchange_window != 1
-                                     or args.balance_epochs != 1 or args.cost_model != "llama3-8b"):
+    if args.step_size is not None and (args.balance_for is not None or not getattr(args, "mix", None)):
+        return ("--step-size orders a mixture's packs by steps without a topology: give it with --mix and "
+                "without --balance-for (which holds the global batch size)")
+    if args.balance_for is None and args.step_size is None and (
+            args.balance_seed is not None or args.exchange_window != 1 or args.balance_epochs != 1
+            or args.cost_model != "llama3-8b"):
         return "--cost-model, --balance-epochs, --balance-seed and --exchange-window shape the order of --balance-for: give it"
-    if args.balance_for is not None and getattr(args, "plan_only", None):
+    if (args.balance_for is not None or args.step_size is not None) and getattr(args, "plan_only", None):
         return "--balance-for writes an order beside shards; --plan-only writes none (plan-batches plans one for them)"
     if args.balance_for is not None:
         try:

@@ -105,6 +105,7 @@ class BalanceSettings:
     """
 
     balance_for: Optional[Tuple[int, int, int]] = None   # (DP, micro-batch, global batch); None: no order
+    step_size: Optional[int] = None   # a mixture without balance_for: packs per step of its interleaved order
     cost_model: str = "llama3-8b"                         # a preset name, or "LINEAR,ATTENTION" FLOP coefficients
     balance_epochs: int = 1
     balance_seed: Optional[int] = None                    # None: --seed (it must be the training data seed)
@@ -116,11 +117,17 @@ class BalanceSettings:
         Raises:
             ShardError: not a consistent DP, micro-batch, global batch.
         """
-        if self.balance_for is None:
-            return None
-        from ..batching.layout import Topology
+        from ..batching.layout import Topology   # (start-up: only a run that writes an order)
 
+        if self.balance_for is None:
+            return None if self.step_size is None else Topology(1, 1, self.step_size)
         return Topology(*self.balance_for)
+
+    @property
+    def algorithm(self) -> str:
+        """How the order deals each step's packs: balanced to ranks (``--balance-for``), or not at all
+        (``step_size``: steps alone, for any data-parallel size)."""
+        return "kk" if self.balance_for is not None else "shuffle"
 
     def model(self, pad_multiple: int, pad_layout: str):
         """The cost model, pricing each sequence as the kernel sees it in ``pad_layout``.
@@ -134,7 +141,12 @@ class BalanceSettings:
 
     def to_dict(self) -> Optional[dict]:
         """What the run key digests (None without ``balance_for``: keys of unbalanced runs are unchanged)."""
-        return None if self.balance_for is None else asdict(self)
+        if self.balance_for is None and self.step_size is None:
+            return None
+        out = asdict(self)
+        if self.step_size is None:   # (keys of runs with --balance-for alone are unchanged)
+            del out["step_size"]
+        return out
 
 
 @dataclass(frozen=True)

@@ -683,7 +683,7 @@ class _Run:
     def _balance(self, staged: StagedSet, shards: Sequence[OutputShard], located: Sequence[OutputShard]) -> StagedSet:
         """The staged set with its balanced orders (``--balance-for``), planned again on every
         attempt: derived data, the same bytes from the same packs."""
-        if self.job.balance.balance_for is None:
+        if self.job.balance.topology() is None:
             return staged
         t = time.perf_counter()
         got = self._one(BalanceStep(self.job, tuple(shards), tuple(located), tuple(staged.manifests),

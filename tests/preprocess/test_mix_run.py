@@ -214,3 +214,29 @@ def test_virtual_packs_of_a_mixture_plan_equal_the_shards(first, tmp_path, capsy
         assert ds.source_ids(i).tolist() == shard.source_ids(i).tolist()
     with pytest.raises(Exception, match="from its stores"):
         VirtualPackedDataset(stores[0], str(tmp_path / "m.plan"), split="train")
+
+
+def test_a_step_size_orders_the_mixture_by_windows_for_any_data_parallel_size(first, tmp_path, capsys):
+    import warnings
+
+    from megatron_sft_idx.batching import Order, Topology
+
+    d, mix, _ = first
+    argv = ["--mix", mix, "--output-prefix", str(tmp_path / "ds"), "--pack-size", "1024", "--split", "85,15",
+            "--step-size", "2"]
+    code, s, err = run_cli(repack_main, argv, capsys)
+    assert code == 0, err
+    windows = s["mixture"]["splits"]["train"]["windows"]
+    assert windows["topology"] == "DP 1, micro-batch 1, global batch 2" and windows["interleaved"]["windows"] > 0
+    order = Order.load(str(tmp_path / "ds_train.order"))
+    assert order.algorithm == "shuffle" and order.source["interleave"]["window_steps"] == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # steps alone: any DP and micro-batch of that global batch
+        assert not order.warn_if_mismatch(Topology(2, 1, 2))
+    assert order.topology_mismatch(Topology(1, 1, 4)) is not None
+    # the shards are those of the --balance-for run: an order never changes them
+    for name in ("ds_train.bin", "ds_train.seq.idx", "ds_valid.idx"):
+        assert (tmp_path / name).read_bytes() == (d / "out" / name).read_bytes()
+    assert main(["--mix", mix, "--tokenizer", TOKENIZER, "--output-prefix", "x", "--step-size", "2",
+                 "--balance-for", "1,1,2"]) == 2
+    assert "--step-size" in capsys.readouterr().err
