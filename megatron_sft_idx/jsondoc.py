@@ -102,15 +102,32 @@ def _too_deep(obj: Any, limit: int) -> bool:
     return False
 
 
-#: the decoders :func:`parse_json` reads with, built once (``json.loads`` with hooks builds one a call)
-_DECODERS = {int64: json.JSONDecoder(parse_int=_parse_int if int64 else None, parse_float=_parse_float,
-                                     parse_constant=_refuse_constant) for int64 in (True, False)}
+class _Duplicate(ValueError):
+    """A key given twice in one object (``unique_keys``): json's own decoders keep the last one."""
+
+
+def _unique_pairs(pairs):
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise _Duplicate(key)
+        out[key] = value
+    return out
+
+
+#: the decoders :func:`parse_json` reads with, built once (``json.loads`` with hooks builds one a
+#: call), by (``int64``, ``unique_keys``)
+_DECODERS = {(int64, unique): json.JSONDecoder(parse_int=_parse_int if int64 else None, parse_float=_parse_float,
+                                               parse_constant=_refuse_constant,
+                                               object_pairs_hook=_unique_pairs if unique else None)
+             for int64 in (True, False) for unique in (True, False)}
 
 
 def parse_json(raw: Union[bytes, bytearray, memoryview, str], path: Optional[str] = None, *,
                max_length: int = MAX_METADATA_LENGTH, max_depth: int = MAX_METADATA_DEPTH,
                int64: bool = True, what: str = "metadata", error: Type[ShardError] = MetadataError,
-               limit_error: Optional[Type[ShardError]] = MetadataLimitError, hint: Optional[str] = None) -> Any:
+               limit_error: Optional[Type[ShardError]] = MetadataLimitError, hint: Optional[str] = None,
+               unique_keys: bool = False) -> Any:
     """``raw`` (UTF-8 bytes, or text) as a JSON value, within the limits (module doc).
 
     Strict UTF-8 and RFC 8259 JSON (no ``NaN``/``Infinity``); at most ``max_length`` bytes;
@@ -118,7 +135,9 @@ def parse_json(raw: Union[bytes, bytearray, memoryview, str], path: Optional[str
     never a ``RecursionError``); every number finite as a double and, with ``int64``, every
     integer within int64 -- anywhere in the document. ``what`` names the document in messages,
     ``path`` the file; ``error`` is raised for bytes that are not JSON and ``limit_error``
-    (``error`` when None) for a limit exceeded.
+    (``error`` when None) for a limit exceeded. With ``unique_keys`` a key given twice in one
+    object is refused (``error``, its field the key) instead of keeping the last value: for a
+    file a person writes (a mixture), where a repeated key is a mistake.
 
     Every error carries ``detail`` (the reason alone, for a caller that words its own message);
     a limit error also ``limit``: ``"bytes"``, ``"depth"`` or ``"number"``.
@@ -148,9 +167,14 @@ def parse_json(raw: Union[bytes, bytearray, memoryview, str], path: Optional[str
             text = raw.decode("utf-8")
         if text.startswith("\ufeff"):   # (as json.loads refuses it)
             raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)
-        obj = _DECODERS[int64].decode(text)
+        obj = _DECODERS[int64, unique_keys].decode(text)
     except _OverLimit as exc:
         raise limit(str(exc)) from None
+    except _Duplicate as exc:
+        err = error(f"{what}: key {exc.args[0]!r} is given twice in one object", path=path, field=str(exc.args[0]),
+                    hint=hint)
+        err.detail = f"key {exc.args[0]!r} given twice"
+        raise err from None
     except RecursionError:
         raise limit(f"containers nested deeper than {max_depth}", "depth") from None
     except (UnicodeDecodeError, ValueError) as exc:

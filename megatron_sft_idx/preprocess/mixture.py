@@ -21,7 +21,6 @@ Nothing here reads a store or an input: :mod:`.mixplan` does, once the file is v
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -212,23 +211,9 @@ def _refuse_duplicates(doc: Doc, sources: Tuple[MixSource, ...]) -> None:
 # --------------------------------------------------------------------------- the two syntaxes
 
 
-def _no_duplicate_keys(pairs):
-    out = {}
-    for key, value in pairs:
-        if key in out:
-            raise _MixtureError(f"key {key!r} is given twice in one object", field=key)
-        out[key] = value
-    return out
-
-
 def _load_json(raw: bytes, path: str) -> Any:
-    value = parse_json(raw, path, max_length=MAX_MIXTURE_BYTES, what="mixture file", error=_MixtureError,
-                       limit_error=_MixtureError, hint=_HINT)
-    try:   # (within the limits now: read again only to refuse a key given twice)
-        json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
-    except _MixtureError as exc:
-        raise _MixtureError(exc.message, path=path, field=exc.field) from None
-    return value
+    return parse_json(raw, path, max_length=MAX_MIXTURE_BYTES, what="mixture file", error=_MixtureError,
+                      limit_error=_MixtureError, hint=_HINT, unique_keys=True)
 
 
 def _load_yaml(raw: bytes, path: str) -> Any:
