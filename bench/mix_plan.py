@@ -19,7 +19,6 @@ and numba (the same at every size) cancel out.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import tempfile

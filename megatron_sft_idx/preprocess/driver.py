@@ -71,6 +71,7 @@ from .files import Files
 from .materialize import MaterializeStep, OutputShard, VerifyShardStep, materialize_schema, output_shards, resumed_shards
 from .mixplan import MixPlanStep, write_mix_plan
 from .mixreport import mixture_report
+from .mixrun import kept_store, source_inputs, tokenize_key
 from .mixture import load_mixture
 from .plan import PlanStep, VerifyPlanStep, plan_schema, resumed_plan, write_plan
 from .publish import StagedSet, StagedShard, publish
@@ -152,7 +153,7 @@ def repack(cfg: RepackConfig) -> dict:
                               (store.tokenizer or {}).get("pad_id"), cfg.tokenizer or store.tokenizer_path, cfg.balance)
         return plan_only(store, job, cfg.plan_only)
     ws = workspace_for(cfg.output_prefix, cfg.run.engine, cfg.run.staging_dir, cfg.store)
-    store = SequenceStore(ws.open_kept_store(), files=ws.files)
+    store = SequenceStore(ws.openkept_store(), files=ws.files)
     job = PackJob.resolve(cfg.output_prefix, cfg.pack, cfg.run, store.vocab_size,
                           (store.tokenizer or {}).get("pad_id"), cfg.tokenizer or store.tokenizer_path, cfg.balance)
     key = settings_key({"store_id": store.store_id, "job": _job_key(job)})
@@ -206,14 +207,14 @@ def _mixture(cfg, tokenize: bool) -> dict:
     t = time.perf_counter()
     mixture = load_mixture(cfg.mix)
     names = mixture.names
-    inputs = _source_inputs(cfg, mixture) if tokenize else {}
+    inputs = source_inputs(cfg, mixture) if tokenize else {}
     if getattr(cfg, "plan_only", None):   # (planned here, from the whole stores: a URL's is mirrored here)
         ws = None
-        kept = {i: _kept_store(None, mixture, i, tokenize) for i in range(len(names))}
+        kept = {i: kept_store(None, mixture, i, tokenize) for i in range(len(names))}
     else:
         ws = workspace_for(cfg.output_prefix, cfg.run.engine, cfg.run.staging_dir,
                            stores=[s.store for s in mixture.sources])
-        kept = {i: _kept_store(ws, mixture, i, tokenize) for i in range(len(names)) if i not in inputs}
+        kept = {i: kept_store(ws, mixture, i, tokenize) for i in range(len(names)) if i not in inputs}
     first = next(iter(inputs.values()), None)
     if first is not None:
         vocab, pad, tok_path = first[1].options.vocab_size, first[1].pad_id, first[1].options.tokenizer_path
@@ -225,7 +226,7 @@ def _mixture(cfg, tokenize: bool) -> dict:
     if getattr(cfg, "plan_only", None):
         return plan_only(StoreSet([kept[i] for i in range(len(names))], names), job, cfg.plan_only)
     key = settings_key({"job": _job_key(job), "stores": list(ws.kept_stores),
-                        "tokenize": {str(i): _tokenize_key(c, inp) for i, (c, inp) in inputs.items()}})
+                        "tokenize": {str(i): tokenize_key(c, inp) for i, (c, inp) in inputs.items()}})
     times["inputs"] = time.perf_counter() - t
     stages = _Run(job, key, times, ws)
     summary = stages.finished(_prove_mixture(ws, inputs, len(names), cfg.run.workers))
@@ -240,46 +241,6 @@ def _mixture(cfg, tokenize: bool) -> dict:
                 stores.append(stages.verified(kept[i]))
         stages.pack(StoreSet(stores, names))
     return stages.summary
-
-
-def _source_inputs(cfg, mixture) -> Dict[int, tuple]:
-    """``{source: (its configuration, its resolved Inputs)}`` of the sources with inputs: the run's
-    tokenizer and encoding settings, each source's own inputs and partition size."""
-    out = {}
-    for i, src in enumerate(mixture.sources):
-        if src.inputs:
-            mine = replace(cfg, inputs=list(src.inputs), mix=None)
-            inputs = resolve_inputs(mine)
-            if mine.tokenize.partition_bytes is None:   # auto: from this source's inputs
-                mine = replace(mine, tokenize=replace(mine.tokenize, partition_bytes=auto_partition_bytes(
-                    sum(size for _, size, _ in inputs.stat()))))
-            out[i] = (mine, inputs)
-    return out
-
-
-def _kept_store(ws: Optional[Workspace], mixture, index: int, tokenize: bool) -> SequenceStore:
-    """A source's kept store, opened (its description and receipts; verified by the run); without
-    a workspace (``--plan-only``) read here whole.
-
-    Raises:
-        ShardError: none there (naming the source and what to do), or an incomplete one.
-    """
-    src = mixture.sources[index]
-    try:
-        if ws is None:
-            return SequenceStore(src.store)
-        return SequenceStore(ws.open_kept_store(index), files=ws.files)
-    except ShardError as exc:
-        hint = ("tokenize it with preprocess-sft --mix (the source names inputs)" if src.inputs and not tokenize
-                else "give the store of a preprocess-sft run, or inputs to tokenize into it")
-        raise ShardError(f"source {src.name!r}: {exc.message}", path=src.store, field=f"sources[{index}].store",
-                         hint=hint) from None
-
-
-def _tokenize_key(cfg, inputs: Inputs) -> dict:
-    """What of a source's tokenizing the run key digests (as :func:`run`'s key does)."""
-    return {"tokenizer": inputs.tokenizer, "encode": inputs.options.to_dict(), "inputs": inputs.paths,
-            "partition_bytes": cfg.tokenize.partition_bytes, "max_record_bytes": cfg.tokenize.max_record_bytes}
 
 
 def _prove_mixture(ws: Workspace, inputs: Dict[int, tuple], count: int, workers: int) -> Callable[[dict], None]:

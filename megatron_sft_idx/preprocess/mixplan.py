@@ -44,7 +44,7 @@ from .config import PlanSettings
 from .files import LOCAL, Files
 from .mixing import derived_seed, realise, source_caps, split_epochs
 from .mixture import Mixture
-from .plan import Kept, _plan_shards_csr, load_kept, plan_summary, split_assignment, split_sizes, store_ids
+from .plan import Kept, _plan_shards_csr, load_kept, plan_summary, split_assignment, store_ids
 from .planfile import MIX_PLAN_VERSION, PLAN_FORMAT, PackPlan, PlanWriter
 from .receipts import ReceiptBook
 from .store import ROWS_SUFFIX, SequenceStore, TRAINED_SUFFIX, part_prefix
