@@ -204,3 +204,19 @@ def test_sequences_table_groups_by_source(tmp_path):
 def test_sequences_of_shards_without_sources_have_null_sources(shards):
     got = query(shards[0], "SELECT count(*) AS n, count(source) AS named FROM sequences").to_pylist()
     assert got[0]["n"] > 0 and got[0]["named"] == 0
+
+
+def test_inspect_summary_counts_the_sources(tmp_path, capsys):
+    from support.shardgen import random_packs, write_shard
+
+    rng = np.random.default_rng(8)
+    prefix = str(tmp_path / "mixed")
+    packs = [p + (rng.integers(0, 2, p[2].size),) for p in random_packs(rng, 40)]
+    write_shard(prefix, packs, metadata={"sources": [{"name": "chat"}, {"name": "code"}]})
+    assert inspect_main([prefix, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    ds = MMapIndexedDataset(prefix)
+    ids = np.asarray(ds.sequence_source_ids)
+    assert summary["sources"] == {"chat": int((ids == 0).sum()), "code": int((ids == 1).sum())}
+    assert inspect_main([prefix]) == 0
+    assert "sources      chat" in capsys.readouterr().out
