@@ -153,7 +153,7 @@ def repack(cfg: RepackConfig) -> dict:
                               (store.tokenizer or {}).get("pad_id"), cfg.tokenizer or store.tokenizer_path, cfg.balance)
         return plan_only(store, job, cfg.plan_only)
     ws = workspace_for(cfg.output_prefix, cfg.run.engine, cfg.run.staging_dir, cfg.store)
-    store = SequenceStore(ws.openkept_store(), files=ws.files)
+    store = SequenceStore(ws.open_kept_store(), files=ws.files)
     job = PackJob.resolve(cfg.output_prefix, cfg.pack, cfg.run, store.vocab_size,
                           (store.tokenizer or {}).get("pad_id"), cfg.tokenizer or store.tokenizer_path, cfg.balance)
     key = settings_key({"store_id": store.store_id, "job": _job_key(job)})
