@@ -240,3 +240,17 @@ def test_a_step_size_orders_the_mixture_by_windows_for_any_data_parallel_size(fi
     assert main(["--mix", mix, "--tokenizer", TOKENIZER, "--output-prefix", "x", "--step-size", "2",
                  "--balance-for", "1,1,2"]) == 2
     assert "--step-size" in capsys.readouterr().err
+
+
+def test_a_damaged_store_partition_is_named_and_nothing_is_published(first, tmp_path, capsys):
+    d, _, _ = first
+    shutil.copytree(d / "stores", tmp_path / "stores")
+    part = tmp_path / "stores" / "share" / "parts" / "part_000000.bin"
+    raw = bytearray(part.read_bytes())
+    raw[10] ^= 0xFF
+    part.write_bytes(bytes(raw))
+    mix = write_mix(tmp_path / "mix.json", [{"name": "chat", "store": "stores/chat", "weight": 1},
+                                            {"name": "share", "store": "stores/share", "weight": 3}])
+    code, _, err = run_cli(repack_main, ["--mix", mix, "--output-prefix", str(tmp_path / "out" / "ds")] + PACK, capsys)
+    assert code == 1 and "partition 0 does not verify" in err and "stores/share" in err
+    assert not [n for n in os.listdir(tmp_path / "out") if not n.startswith(".")]
