@@ -146,7 +146,9 @@ def parse_json(raw: Union[bytes, bytearray, memoryview, str], path: Optional[str
     integer within int64 -- anywhere in the document; with ``unique_keys``, no object naming a key
     twice (an error whose ``duplicate`` is the key). ``what`` names the document in messages,
     ``path`` the file; ``error`` is raised for bytes that are not JSON and ``limit_error``
-    (``error`` when None) for a limit exceeded.
+    (``error`` when None) for a limit exceeded. With ``unique_keys`` a key given twice in one
+    object is refused (``error``, its field the key) instead of keeping the last value: for a
+    file a person writes (a mixture), where a repeated key is a mistake.
 
     Every error carries ``detail`` (the reason alone, for a caller that words its own message);
     a limit error also ``limit``: ``"bytes"``, ``"depth"`` or ``"number"``.
@@ -181,7 +183,7 @@ def parse_json(raw: Union[bytes, bytearray, memoryview, str], path: Optional[str
         raise limit(str(exc)) from None
     except _Duplicate as exc:
         why = f"an object names the key {exc.key!r} twice, so it has no one meaning"
-        err = error(f"{what} is not one JSON reading: {why}", path=path, field=what,
+        err = error(f"{what} is not one JSON reading: {why}", path=path, field=exc.key,
                     hint=hint or f"the {what} names a key twice; keep one")
         err.detail, err.duplicate = why, exc.key
         raise err from None

@@ -32,7 +32,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -107,11 +107,14 @@ def balanced_permutation(costs, topology: Topology, *, seed: int, epoch: int, al
 
 def plan_order(costs, topology: Topology, cost_model: CostModel, *, seed: int, epochs: int = 1,
                first_epoch: int = 0, algorithm: str = DEFAULT_ALGORITHM, exchange_window: int = 1,
-               refine_rounds: Optional[int] = None, source: Optional[dict] = None) -> Order:
+               refine_rounds: Optional[int] = None, source: Optional[dict] = None,
+               base_order: Optional[Callable[[int], np.ndarray]] = None) -> Order:
     """An :class:`~.order.Order` of ``epochs`` balanced epochs from ``first_epoch`` on.
 
+    ``base_order(epoch)``: the step membership to balance instead of the adapters' shuffle (a
+    permutation of the packs: a mixture's interleaved order, :mod:`.interleave`).
     ``stats`` records, over the planned epochs, the predicted straggler overhead (max rank cost
-    / mean - 1 per complete step) of the adapters' shuffle and of this order (see :mod:`.report`).
+    / mean - 1 per complete step) of the base order (``"shuffle"``) and of this order (see :mod:`.report`).
 
     Raises:
         ShardError: as :func:`balanced_permutation`; ``epochs`` below 1.
@@ -124,7 +127,7 @@ def plan_order(costs, topology: Topology, cost_model: CostModel, *, seed: int, e
     n = costs.shape[0]
     rows, bases = [], []
     for e in range(int(first_epoch), int(first_epoch) + int(epochs)):
-        base = base_permutation(n, seed, e)
+        base = base_permutation(n, seed, e) if base_order is None else base_order(e)
         rows.append(balanced_permutation(costs, topology, seed=seed, epoch=e, algorithm=algorithm,
                                          exchange_window=exchange_window, refine_rounds=refine_rounds, base=base))
         bases.append(base)

@@ -46,7 +46,7 @@ require_extra("train", "torch")
 import torch  # noqa: E402
 
 from ..batching.layout import Topology
-from ..batching.samples import sample_index
+from ..batching.samples import sample_index, sources_of, token_sources
 from ..errors import ShardError
 from ..open import open_packed
 
@@ -92,18 +92,24 @@ class PaddingFreeDataset(torch.utils.data.Dataset):
             stored order).
         topology: a :class:`~megatron_sft_idx.batching.Topology`; warns when the order was
             planned for another.
+        return_source_ids: add ``source_ids`` (each position's source) to the rows, which
+            :class:`PaddingFreeCollator` flattens with them: data written from a mixture
+            (``--mix``); :attr:`sources` names them.
 
     Raises:
         ShardError: the source does not open; an order of another seed or other packs.
     """
 
     def __init__(self, source, *, answer_only_loss: bool = True, balanced_order=None, seed: int = 1234,
-                 max_num_samples: Optional[int] = None, topology=None) -> None:
+                 max_num_samples: Optional[int] = None, topology=None, return_source_ids: bool = False) -> None:
         data_path = source if isinstance(source, str) else None
         if isinstance(source, (str, list, tuple)) or hasattr(source, "__fspath__"):
             source = open_packed(source)
         self.source = source
         self.answer_only_loss = bool(answer_only_loss)
+        self.return_source_ids = bool(return_source_ids)
+        if self.return_source_ids:
+            sources_of(source, data_path)   # (refused now, not at the first row)
         self.order = None
         if balanced_order is not None:
             from ..batching.serve import served_order   # (the numba kernels: only with a balanced order)
@@ -148,10 +154,21 @@ class PaddingFreeDataset(torch.utils.data.Dataset):
         bounds = np.asarray(pack.seq_boundaries, dtype=np.int64)
         lengths = np.diff(bounds)
         ids = np.asarray(pack.input_ids).astype(np.int64)
-        return {"input_ids": ids,
-                "labels": pack_labels(ids, pack.loss_mask, bounds, self.answer_only_loss),
-                "seq_lengths": [int(n) for n in lengths],
-                "position_ids": np.arange(ids.shape[0], dtype=np.int64) - np.repeat(bounds[:-1], lengths)}
+        row = {"input_ids": ids,
+               "labels": pack_labels(ids, pack.loss_mask, bounds, self.answer_only_loss),
+               "seq_lengths": [int(n) for n in lengths],
+               "position_ids": np.arange(ids.shape[0], dtype=np.int64) - np.repeat(bounds[:-1], lengths)}
+        if self.return_source_ids:
+            row["source_ids"] = token_sources(self.source.source_ids(idx), lengths, ids.shape[0])
+        return row
+
+    @property
+    def sources(self) -> tuple:
+        """The names ``source_ids`` index (data written from a mixture).
+
+        Raises:
+            ShardError: the data records no sources."""
+        return sources_of(self.source)
 
 
 class PaddingFreeCollator:
@@ -214,6 +231,11 @@ class PaddingFreeCollator:
             out["max_length_q"] = out["max_length_k"] = int(lengths.max())
         if self.return_seq_idx:
             out["seq_idx"] = torch.from_numpy(np.repeat(np.arange(lengths.shape[0], dtype=np.int32), lengths)[None])
+        if "source_ids" in rows[0]:   # (a mixture's data: each position's source, -1 on padding)
+            sources = np.full(ids.shape[0], -1, dtype=np.int64)
+            flat = np.concatenate([np.asarray(r["source_ids"], dtype=np.int64) for r in rows])
+            sources[:flat.shape[0]] = flat
+            out["source_ids"] = torch.from_numpy(sources[None])
         return out
 
 
