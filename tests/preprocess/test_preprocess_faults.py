@@ -268,7 +268,7 @@ def test_a_publish_killed_half_way_is_all_or_nothing_for_a_reader_of_the_set(cor
 
 
 KILL_AT_COMMIT = r"""
-import os, signal, sys
+import os, shutil, signal, sys
 from megatron_sft_idx.preprocess import receipts, workdir
 from megatron_sft_idx.preprocess.cli import main
 where = os.environ["WHERE"]
@@ -281,7 +281,7 @@ def keep_half_then_die(path):
     if where == "in_cleanup":                  # completion recorded, the work directory half reduced to it
         for name in os.listdir(path):
             if name != "receipts" and os.path.isdir(os.path.join(path, name)):
-                workdir.shutil.rmtree(os.path.join(path, name))
+                shutil.rmtree(os.path.join(path, name))
                 break
         os.kill(os.getpid(), signal.SIGKILL)
     keep(path)
