@@ -36,7 +36,7 @@ from . import _kernels
 from .cost import CostModel
 from .layout import Topology
 
-__all__ = ["Order", "ORDER_FORMAT", "ALGORITHMS", "TopologyMismatchWarning"]
+__all__ = ["Order", "ORDER_FORMAT", "ALGORITHMS", "TopologyMismatchWarning", "HEADER", "HEADER_SIZE"]
 
 ORDER_MAGIC = b"MSFTORD\x00"
 ORDER_VERSION = (1, 0)

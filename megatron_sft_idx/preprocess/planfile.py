@@ -36,6 +36,9 @@ _DTYPES = {"int32": np.dtype("<i4"), "int64": np.dtype("<i8")}
 _VALIDATE_PACKS = 1 << 18   # packs whose sequence ids are checked at once
 SPLIT_NAMES = ("train", "valid", "test", "all")
 
+__all__ = ["PlanWriter", "PackPlan", "PLAN_MAGIC", "PLAN_VERSION", "PLAN_FORMAT", "SPLIT_NAMES", "HEADER",
+           "HEADER_SIZE"]
+
 
 class PlanWriter:
     """Streams the arrays of each split, then the metadata; :meth:`close` publishes the file."""
