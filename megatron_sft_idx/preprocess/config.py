@@ -32,7 +32,7 @@ import numpy as np
 from ..errors import ShardError
 from ..format import PAD_LAYOUTS
 from ..packing import ALGORITHMS, DEFAULT_ALGORITHM, pad_multiple_for, padded_length, truncation_length
-from ..storage import is_remote
+from ..storage.urls import local_only
 from . import outputs
 from .records.encode import EncodeSettings
 from .records.partitions import DEFAULT_MAX_RECORD_BYTES
@@ -258,7 +258,7 @@ class RepackConfig(_Grouped):
                  tokenizer: Optional[str] = None, pack: Optional[PackSettings] = None,
                  run: Optional[RunSettings] = None, balance: Optional[BalanceSettings] = None, **flat) -> None:
         groups = _compose("RepackConfig", self._GROUPS, {"pack": pack, "run": run, "balance": balance}, flat)
-        if plan_only is not None and is_remote(plan_only):
+        if local_only([("--plan-only", plan_only)]):
             raise ShardError("--plan-only writes a local file", path=plan_only, field="plan_only",
                              hint="give a local path (VirtualPackedDataset reads the plan and the store locally)")
         self._set(dict(store=store, output_prefix=output_prefix, plan_only=plan_only, tokenizer=tokenizer,
