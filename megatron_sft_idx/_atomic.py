@@ -12,6 +12,7 @@ locks, ``_files.py``).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import glob
 import os
 import secrets
@@ -91,9 +92,8 @@ def directory_lock(path: str) -> Iterator[None]:
     it never interleave. Best effort: where the filesystem refuses ``flock`` (some network
     filesystems), publications proceed unlocked."""
     try:
-        import fcntl
         fd = os.open(os.path.dirname(os.path.abspath(path)) or ".", os.O_RDONLY)
-    except (ImportError, OSError):
+    except OSError:
         yield
         return
     try:

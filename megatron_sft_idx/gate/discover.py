@@ -11,6 +11,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 from ..errors import ShardNotFoundError
 from ..format import ALL_SUFFIXES
+from ..manifest import load_manifest, require_entries_present
 from ..storage.paths import names_file, select
 
 _MANIFEST_SUFFIX = ".json"  # (manifest.MANIFEST_SUFFIX; that module is imported only for a manifest)
@@ -62,8 +63,6 @@ def _manifest(arg: str) -> List[str]:
         ShardError: the manifest is malformed; ShardNotFoundError: an entry's shard is not
         there (naming the manifest and the entry).
     """
-    from ..manifest import load_manifest, require_entries_present
-
     m = load_manifest(arg)
     require_entries_present(arg, m.prefixes, urls=True)
     return list(m.prefixes)

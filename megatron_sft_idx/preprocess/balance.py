@@ -27,8 +27,12 @@ from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
+from ..batching.balance import plan_order
+from ..batching.cost import shard_pack_costs
+from ..batching.serve import order_path_for, order_record
 from ..format import PUBLISH_ORDER
 from ..publishing import StagedOrder
+from ..reader import MMapIndexedDataset
 from .config import PackJob
 
 __all__ = ["stage_orders", "BalanceStep"]
@@ -51,10 +55,6 @@ def stage_orders(job: PackJob, shards: Sequence, located: Sequence,
     topology = balance.topology()
     if topology is None:
         return [], {}
-    from ..batching.balance import plan_order
-    from ..batching.cost import shard_pack_costs
-    from ..batching.serve import order_path_for, order_record
-    from ..reader import MMapIndexedDataset
 
     model = balance.model(job.settings.pad_multiple, job.settings.pad_layout)
     seed = job.pack.seed if balance.balance_seed is None else balance.balance_seed

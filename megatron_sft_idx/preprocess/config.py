@@ -29,6 +29,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..batching.cost import CostModel
+from ..batching.layout import Topology
 from ..errors import ShardError
 from ..format import PAD_LAYOUTS
 from ..packing import ALGORITHMS, DEFAULT_ALGORITHM, pad_multiple_for, padded_length, truncation_length
@@ -117,7 +119,6 @@ class BalanceSettings:
         """
         if self.balance_for is None:
             return None
-        from ..batching.layout import Topology
 
         return Topology(*self.balance_for)
 
@@ -127,8 +128,6 @@ class BalanceSettings:
         Raises:
             ShardError: an unknown preset, or coefficients that are not two numbers >= 0.
         """
-        from ..batching.cost import CostModel
-
         return CostModel.parse(self.cost_model, pad_multiple=pad_multiple, pad_layout=pad_layout)
 
     def to_dict(self) -> Optional[dict]:
