@@ -11,10 +11,8 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 from ..errors import ShardNotFoundError
 from ..format import ALL_SUFFIXES
-from ..manifest import load_manifest, require_entries_present
+from ..manifest import MANIFEST_SUFFIX, load_manifest, require_entries_present
 from ..storage.paths import names_file, select
-
-_MANIFEST_SUFFIX = ".json"  # (manifest.MANIFEST_SUFFIX; that module is imported only for a manifest)
 
 
 @dataclass(frozen=True)
@@ -71,7 +69,7 @@ def _manifest(arg: str) -> List[str]:
 def _expand(arg: str) -> Tuple[str, List[str]]:
     """``(kind, prefixes)`` of one input: a manifest's entries, or what :func:`_expand_local`
     (a URL: its store's listing) finds."""
-    if arg.endswith(_MANIFEST_SUFFIX) and names_file(arg):
+    if arg.endswith(MANIFEST_SUFFIX) and names_file(arg):
         return "manifest", _manifest(arg)
     return select(arg, _expand_local)
 
