@@ -91,7 +91,6 @@ def _default_block_size(source) -> int:
     size = getattr(config, "block_size", None)
     if size:
         return int(size)
-
     return StorageConfig.resolve().block_size
 
 

@@ -67,7 +67,7 @@ from .._extras import require_extra
 
 require_extra("train", "torch")
 import torch  # noqa: E402
-from packaging.version import InvalidVersion, Version
+from packaging.version import InvalidVersion, Version  # noqa: E402  (the [train] extra, as torch)
 
 from ..errors import ShardError
 
