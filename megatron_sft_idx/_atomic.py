@@ -18,6 +18,7 @@ temporary directory, a cache shared with other runs, or a user's files
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import secrets
 import shutil
@@ -161,9 +162,8 @@ def directory_lock(path: str) -> Iterator[None]:
     it never interleave. Best effort: where the filesystem refuses ``flock`` (some network
     filesystems), publications proceed unlocked."""
     try:
-        import fcntl
         fd = os.open(os.path.dirname(os.path.abspath(path)) or ".", os.O_RDONLY)
-    except (ImportError, OSError):
+    except OSError:
         yield
         return
     try:

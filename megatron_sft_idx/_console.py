@@ -87,13 +87,14 @@ def sft_idx_check(argv: Optional[List[str]] = None) -> int:
     one line says why and what to do instead; exit status 2.
     """
     from .native import NativeLibraryError, checker_path   # (start-up: every console script imports this
-    from .storage.urls import is_remote                    # module; only this one needs these)
+    from .storage.urls import local_only                   # module; only this one needs these)
 
     args = sys.argv[1:] if argv is None else list(argv)
-    remote = [a for a in args if is_remote(a)]
-    if remote:  # the native checker maps local files; check-idx streams the same passes from URLs
-        print(f"sft_idx_check: error: {remote[0]}: the native checker reads local files only; check URLs "
-              "with check-idx (same checks, streamed from object storage)", file=sys.stderr)
+    # the native checker maps local files; check-idx streams the same passes from URLs
+    refused = local_only((("", a) for a in args), "the native checker reads local files only; check URLs "
+                         "with check-idx (same checks, streamed from object storage)")
+    if refused:
+        print(f"sft_idx_check: error: {refused}", file=sys.stderr)
         return 2
     try:
         path = checker_path()

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 import sys
 import threading
 import time
 from typing import Optional
 
+from ._extras import require_extra
 from ._units import duration, human_bytes
 
 LOGGER = "megatron_sft_idx"
@@ -80,8 +82,6 @@ def rss_mib() -> float:
         with open("/proc/self/statm", "rb") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / (1 << 20)
     except (OSError, ValueError, IndexError):
-        import resource
-
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -134,8 +134,6 @@ class Phase:
     def __enter__(self) -> "Phase":
         self.started = time.monotonic()
         if self.progress.mode == "bar":
-            from ._extras import require_extra
-
             require_extra("preprocess", "tqdm")
             from tqdm import tqdm
 

@@ -50,6 +50,7 @@ from .format import (
 )
 from .metadata import FileDigest, PackingStats, ShardMetadata, ShardSet, ShardSource, split_user_metadata
 from .packing.padding import pad_offset
+from .reader import MMapIndexedDataset
 from .version import __version__
 
 _BLOCK = 1 << 16          # entries per int32 block of per-pack buffers
@@ -440,8 +441,6 @@ class IndexedDatasetBuilder:
                 the source path and the source pack index); packs of the source
                 before it have been appended, so discard the builder.
         """
-        from .reader import MMapIndexedDataset
-
         self._require_open()
         self._refuse_without_sources("add_shard")
         src = MMapIndexedDataset(prefix)

@@ -181,7 +181,7 @@ def _read_npy_object_array(path: str) -> np.ndarray:
                              field="dtype/shape", expected="object, 1-D",
                              actual=f"{dtype}, shape {shape}")
         payload = f.read()
-    from ._pickle_scan import first_bad_opcode
+    from ._pickle_scan import first_bad_opcode   # (start-up: numba, for a legacy .npy only)
 
     bad = first_bad_opcode(payload)
     if bad is not None:  # checked before unpickling: CPython allocates declared lengths up front

@@ -33,6 +33,9 @@ from typing import Iterator, Optional
 
 import numpy as np
 
+from .reader import MMapIndexedDataset
+from .storage.config import StorageConfig
+
 __all__ = ["BlockLocalOrder", "BlockLocalSampler", "block_local_permutation", "pack_blocks"]
 
 
@@ -64,8 +67,6 @@ def pack_blocks(source, block_size: Optional[int] = None) -> np.ndarray:
     order matches the block cache. Sources without a byte layout (none known) get one
     block per pack, i.e. a full shuffle.
     """
-    from .reader import MMapIndexedDataset
-
     if block_size is None:
         block_size = _default_block_size(source)
     if isinstance(source, MMapIndexedDataset):
@@ -90,8 +91,6 @@ def _default_block_size(source) -> int:
     size = getattr(config, "block_size", None)
     if size:
         return int(size)
-    from .storage.config import StorageConfig
-
     return StorageConfig.resolve().block_size
 
 

@@ -49,17 +49,14 @@ from __future__ import annotations
 
 import json
 import os
-import posixpath
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .errors import IncompleteShardError, MetadataError, ShardError, ShardNotFoundError
-from .format import ALL_SUFFIXES, IDX_SUFFIX
 from .jsondoc import Doc, parse_json
 from .packed import PackSummary, summarize
 from .sets import ShardIdentity, require_compatible, require_whole_sets
-from .storage.config import StorageConfig
-from .storage.urls import ObjectURL, is_remote, join_url
+from .storage.paths import beside, comparable, idx_missing, normal, read_whole, relative_name
 
 __all__ = ["Manifest", "OrderRecord", "ORDER_KEY", "parse_manifest", "missing_entry", "open_entry", "require_entries_present", "load_manifest", "read_manifest", "is_manifest", "check_manifest_set",
            "manifest_entry", "manifest_document", "encode_manifest", "listed_prefix", "MANIFEST_FORMAT", "MANIFEST_VERSION",
@@ -151,24 +148,18 @@ def load_manifest(path, *, url: Optional[str] = None) -> Manifest:
         ShardError: naming ``path`` and the field at fault.
     """
     location = os.fspath(path)
-    if is_remote(location):
-        from .storage.discover import read_object   # (start-up: the object-store clients load only for a URL)
-
-        size, raw = read_object(location, MAX_MANIFEST_BYTES)
-        if size is None:
-            raise ShardNotFoundError("no manifest at this URL", path=location)
-        if raw is None:
-            raise _too_large(location, size)
-        return parse_manifest(raw, str(ObjectURL.parse(location)))
+    named = url or location
     try:
-        with open(location, "rb") as f:
-            raw = f.read(MAX_MANIFEST_BYTES + 1)
+        size, raw = read_whole(location, MAX_MANIFEST_BYTES)
+    except ShardError:   # (the store's errors: ShardNotFoundError is an OSError too)
+        raise
     except OSError as exc:
-        raise ShardError(f"cannot read manifest ({exc.strerror or exc})", path=url or location,
-                         field="manifest") from None
-    if len(raw) > MAX_MANIFEST_BYTES:
-        raise _too_large(url or location)
-    return parse_manifest(raw, url or os.path.abspath(location), named=url or location)
+        raise ShardError(f"cannot read manifest ({exc.strerror or exc})", path=named, field="manifest") from None
+    if size is None:
+        raise ShardNotFoundError("no manifest here (no such file or object)", path=named)
+    if raw is None:
+        raise _too_large(named, size)
+    return parse_manifest(raw, url or normal(location), named=named)
 
 
 def _too_large(path: str, size: Optional[int] = None) -> ShardError:
@@ -207,8 +198,8 @@ def parse_manifest(raw: bytes, location: str, *, named: Optional[str] = None) ->
     seen = {}
     for k, entry in enumerate(shards):
         prefix, packs, summary, identity = _entry(path, k, entry)
-        resolved = _resolve(location, prefix)
-        key = resolved if is_remote(resolved) else os.path.normpath(resolved)
+        resolved = beside(location, prefix)
+        key = comparable(resolved)
         if key in seen:
             raise _fail(path, f"shards[{k}].prefix", f"lists the shard {prefix!r} twice (entries {seen[key]} "
                         f"and {k})", actual=prefix)
@@ -252,20 +243,9 @@ def require_entries_present(manifest: str, prefixes: Sequence[str], *, urls: boo
         ShardNotFoundError: :func:`missing_entry` for the first entry that is not there.
     """
     for k, prefix in enumerate(prefixes):
-        if is_remote(prefix):
-            if urls:
-                from .storage.objects import store_for   # (start-up: the object-store clients load
-                from .storage.remote import stat_shard   # only for a URL)
-
-                url = ObjectURL.parse(prefix)
-                found = stat_shard(store_for(url, StorageConfig.resolve(None)), url)
-                if IDX_SUFFIX not in found:
-                    raise missing_entry(manifest, prefix, k, ".idx missing, other files of the shard present"
-                                        if found else ".idx missing")
-        elif not os.path.exists(prefix + IDX_SUFFIX):
-            others = any(os.path.exists(prefix + s) for s in ALL_SUFFIXES)
-            raise missing_entry(manifest, prefix, k, ".idx missing, other files of the shard present" if others
-                                else ".idx missing")
+        missing = idx_missing(prefix, urls=urls)
+        if missing:
+            raise missing_entry(manifest, prefix, k, missing)
 
 
 def open_entry(manifest: str, prefix: str, k: Optional[int], opener):
@@ -281,15 +261,6 @@ def open_entry(manifest: str, prefix: str, k: Optional[int], opener):
         raise missing_entry(manifest, prefix, k, ".idx missing") from None
     except IncompleteShardError:
         raise missing_entry(manifest, prefix, k, ".idx missing, other files of the shard present") from None
-
-
-def _resolve(manifest: str, prefix: str) -> str:
-    """``prefix`` as listed, resolved against the directory (or URL) of ``manifest``."""
-    if os.path.isabs(prefix) or is_remote(prefix):
-        return prefix
-    if is_remote(manifest):
-        return join_url(manifest, prefix)
-    return os.path.join(os.path.dirname(manifest), prefix)
 
 
 def _entry(path: str, k: int, entry: Any):
@@ -356,15 +327,7 @@ def read_manifest(path) -> tuple:
 def listed_prefix(prefix: str, manifest: str, relative: bool = True) -> str:
     """How a manifest at ``manifest`` lists the shard ``prefix``: relative to the manifest's
     directory when ``relative`` and both are local (or both URLs of one bucket), else absolute."""
-    if is_remote(prefix) or is_remote(manifest):
-        if relative and is_remote(prefix) and is_remote(manifest):
-            a, m = ObjectURL.parse(prefix), ObjectURL.parse(manifest)
-            rel = posixpath.relpath("/" + a.key, posixpath.dirname("/" + m.key))
-            if (a.scheme, a.bucket) == (m.scheme, m.bucket) and not rel.startswith(".."):
-                return rel
-        return prefix
-    stored = os.path.abspath(prefix)
-    return os.path.relpath(stored, os.path.dirname(os.path.abspath(manifest))) if relative else stored
+    return relative_name(prefix, manifest, relative)
 
 
 def manifest_entry(listed: str, shard) -> Dict[str, Any]:

@@ -41,7 +41,7 @@ from .manifest import (MANIFEST_FORMAT, MANIFEST_SUFFIX, Manifest, is_manifest, 
 from .packed import PackSummary, summarize
 from .reader import MMapIndexedDataset, pack_index, pack_indices
 from .sets import ShardIdentity, identity_difference, require_compatible, require_whole_sets
-from .storage.urls import is_remote
+from .storage.paths import names_file, select
 
 __all__ = ["MultiShardDataset", "manifest_for", "read_manifest", "is_manifest", "expand_shards",
            "select_shards", "check_selections", "require_present", "selection_identities", "identities_of", "Selection",
@@ -53,6 +53,16 @@ def _shards_in_dir(directory: str) -> List[str]:
     names = sorted(os.listdir(directory))
     return [os.path.join(directory, n[: -len(IDX_SUFFIX)]) for n in names
             if n.endswith(IDX_SUFFIX) and not n.endswith(SEQ_IDX_SUFFIX)]
+
+
+def _select_local(part: str) -> Tuple[str, List[str]]:
+    """``(kind, prefixes)`` of a local part: a directory's shards, a glob's, or a prefix."""
+    if os.path.isdir(part) and not os.path.exists(part + IDX_SUFFIX):
+        return "directory", _shards_in_dir(part)
+    if _glob.has_magic(part):
+        pattern = part if part.endswith(IDX_SUFFIX) else part + IDX_SUFFIX
+        return "glob", sorted(p[: -len(IDX_SUFFIX)] for p in _glob.glob(pattern) if not p.endswith(SEQ_IDX_SUFFIX))
+    return "prefix", [part]
 
 
 @dataclass(frozen=True)
@@ -81,22 +91,11 @@ def select_shards(spec: Union[str, Sequence[str]], *, manifests: bool = True) ->
             out.append(part)
             continue
         part = os.fspath(part)
-        if manifests and part.endswith(MANIFEST_SUFFIX) and (is_remote(part) or is_manifest(part)):
+        if manifests and part.endswith(MANIFEST_SUFFIX) and names_file(part):
             m = load_manifest(part)  # a local file or an object: parsed from its bytes
             out.append(Selection("manifest", part, tuple(m.prefixes), m))
             continue
-        if is_remote(part):  # s3:// / msc://: a prefix, a "directory" or a glob, by listing
-            from .storage.discover import select_remote   # (start-up: the object-store clients load only for a URL)
-
-            kind, found = select_remote(part)
-        elif os.path.isdir(part) and not os.path.exists(part + IDX_SUFFIX):
-            kind, found = "directory", _shards_in_dir(part)
-        elif _glob.has_magic(part):
-            pattern = part if part.endswith(IDX_SUFFIX) else part + IDX_SUFFIX
-            kind, found = "glob", sorted(p[: -len(IDX_SUFFIX)] for p in _glob.glob(pattern)
-                                         if not p.endswith(SEQ_IDX_SUFFIX))
-        else:
-            kind, found = "prefix", [part]
+        kind, found = select(part, _select_local)   # (a URL: by listing its store)
         if not found:
             raise ShardNotFoundError("no shard matches", path=part,
                                      hint="a glob or directory must contain at least one P.idx")

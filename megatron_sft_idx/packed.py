@@ -223,7 +223,7 @@ class FlatPackedSource:
         Returns the longest sequence. numba is imported here, not at module import: only the
         in-memory formats (legacy ``.npy``, Parquet) come through this path.
         """
-        from . import _kernels
+        from . import _kernels   # (start-up: numba, and the packing package's; only the in-memory formats)
         from .packing.padding import pad_offset
 
         n = len(self)

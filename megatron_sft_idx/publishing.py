@@ -56,6 +56,9 @@ from .errors import (IncompleteDestinationError, RemoteStorageError, ShardError,
                      ShardNotFoundError)
 from .format import (ALL_SUFFIXES, IDX_HEADER_SIZE, IDX_SUFFIX, PUBLISH_ORDER, SEQ_IDX_HEADER_SIZE,
                      SEQ_IDX_SUFFIX, SeqIdxHeader)
+from .manifest import encode_manifest, manifest_document
+from .multi import expand_shards, manifest_for
+from .reader import MMapIndexedDataset
 from .storage.destination import Destination, Expect, LocalDestination, destination_for
 from .storage.urls import ObjectURL
 
@@ -180,8 +183,6 @@ def local_files(prefix: str) -> Dict[str, str]:
     Raises:
         ShardError: the shard does not open (so nothing broken is ever published).
     """
-    from .reader import MMapIndexedDataset   # (start-up: the builder imports this module, never the reader)
-
     shard = MMapIndexedDataset(prefix)  # the reader's open-time checks: complete, consistent sizes
     suffixes = [IDX_SUFFIX, ".bin"] if shard.is_pretrain else list(ALL_SUFFIXES)
     return {s: prefix + s for s in PUBLISH_ORDER if s in suffixes}
@@ -284,8 +285,6 @@ def publish(source: Union[str, Sequence[str]], dest, *, replace: bool = False, l
         open or exists without ``replace``; RemoteStorageError / OSError while writing;
         IncompleteDestinationError: the destination, read back, is not what was published.
     """
-    from .multi import expand_shards   # (start-up: only a set's publication needs it)
-
     prefixes = expand_shards(source)
     names = [os.path.basename(p) for p in prefixes]
     if len(set(names)) != len(names):
@@ -323,9 +322,6 @@ def manifest_bytes(path: str, shards: Sequence[Tuple[str, str]], order: Optional
         ShardError: a local copy does not open; IncompatibleShardsError, ShardSetError: the
             shards cannot be read as one set.
     """
-    from .manifest import encode_manifest, manifest_document   # (start-up: only a set's publication needs it)
-    from .reader import MMapIndexedDataset
-
     members = [(final, MMapIndexedDataset(local)) for final, local in shards]
     return encode_manifest(manifest_document(path, members, relative=True, order=order))
 
@@ -340,9 +336,6 @@ def write_manifest(path, shards, *, relative: bool = True) -> dict:
     Raises:
         ShardError (any subclass): see :func:`megatron_sft_idx.multi.manifest_for`.
     """
-    from .manifest import encode_manifest   # (start-up: only a set's publication needs it)
-    from .multi import manifest_for
-
     path = os.fspath(path)
     document = manifest_for(path, shards, relative=relative)
     write_bytes(path, encode_manifest(document))

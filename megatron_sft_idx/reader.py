@@ -472,7 +472,7 @@ class MMapIndexedDataset:
                               hint="run tools/check_idx.py on this shard and rebuild it")
 
     def _check_pack(self, i: int, pack: Pack) -> None:
-        from . import _kernels   # (numba: a reader that checks no pack never compiles or imports it)
+        from . import _kernels   # (start-up: numba; a reader that checks no pack never imports it)
 
         m = self.metadata
         rule, pos, *_ = _kernels.check_pack(

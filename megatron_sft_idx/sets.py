@@ -37,6 +37,7 @@ belongs to.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -328,8 +329,6 @@ def _set_words(s: Optional[ShardSet]) -> str:
 
 
 def _names(prefixes: Sequence[str], limit: int = 3) -> str:
-    import os
-
     names = [os.path.basename(p.rstrip("/")) or p for p in prefixes]
     shown = ", ".join(names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")

@@ -157,23 +157,37 @@ def small_fs(tmp_path):
 
 
 @pytest.fixture(scope="session")
-def native_lib(tmp_path_factory):
-    """Path of the native library (csrc/), built once per test session (per xdist worker).
+def native_build(tmp_path_factory):
+    """``(library path, checker path)`` of the native code (csrc/), built with ``csrc/build.sh``
+    once per test run: the xdist workers share one build in the session's root directory (the
+    first to ask builds it under a lock, ~9 CPU-seconds; the others wait for it and reuse it).
 
     g++ is part of this project's toolchain: a missing compiler fails the tests that need it.
     """
+    import fcntl
     import shutil
     import subprocess
 
     if shutil.which(os.environ.get("CXX", "g++")) is None:
         pytest.fail("g++ is not installed: the native reader (csrc/) cannot be built. Install g++ "
                     "(apt-get install -y g++ zlib1g-dev); it is part of this project's toolchain.")
-    out = tmp_path_factory.mktemp("native-session")
-    proc = subprocess.run(["bash", os.path.join(ROOT, "csrc", "build.sh"), str(out)], capture_output=True,
-                          text=True)
-    if proc.returncode != 0:
-        pytest.fail(f"csrc/build.sh failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    return str(out / "libsft_idx.so")
+    root = os.environ.get(_ROOT_ENV) or str(tmp_path_factory.getbasetemp())
+    out = os.path.join(root, "native-build")
+    lib, cli = os.path.join(out, "libsft_idx.so"), os.path.join(out, "sft_idx_check")
+    with open(os.path.join(root, "native-build.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (os.path.exists(lib) and os.path.exists(cli)):
+            proc = subprocess.run(["bash", os.path.join(ROOT, "csrc", "build.sh"), out], capture_output=True,
+                                  text=True)
+            if proc.returncode != 0:
+                pytest.fail(f"csrc/build.sh failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return lib, cli
+
+
+@pytest.fixture(scope="session")
+def native_lib(native_build):
+    """Path of the native library (csrc/), built once per test run (:func:`native_build`)."""
+    return native_build[0]
 
 
 # tests/compat/ imports the real megatron-core / Megatron-Bridge of one installed stack each;

@@ -41,6 +41,7 @@ from . import _kernels
 from .cost import CostModel
 from .layout import Topology, base_permutation
 from .order import ALGORITHMS, Order
+from .report import straggler_report
 
 __all__ = ["balanced_permutation", "plan_order", "DEFAULT_ALGORITHM"]
 
@@ -119,8 +120,6 @@ def plan_order(costs, topology: Topology, cost_model: CostModel, *, seed: int, e
     Raises:
         ShardError: as :func:`balanced_permutation`; ``epochs`` below 1.
     """
-    from .report import straggler_report
-
     if isinstance(epochs, bool) or not isinstance(epochs, (int, np.integer)) or epochs < 1:
         raise ShardError("epochs must be an integer >= 1", field="epochs", actual=epochs)
     costs = _checked_costs(costs)

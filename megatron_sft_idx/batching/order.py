@@ -31,12 +31,12 @@ from .._container import ALIGN as _ALIGN
 from .._container import HEADER, HEADER_SIZE, Kind  # (HEADER: the container's layout, named here too)
 from ..errors import HeaderError, ShardError
 from ..jsondoc import parse_json
-from ..storage.urls import is_remote
+from ..storage.paths import read_whole
 from . import _kernels
 from .cost import CostModel
 from .layout import Topology
 
-__all__ = ["Order", "ORDER_FORMAT", "ALGORITHMS", "TopologyMismatchWarning"]
+__all__ = ["Order", "ORDER_FORMAT", "ALGORITHMS", "TopologyMismatchWarning", "HEADER", "HEADER_SIZE"]
 
 ORDER_MAGIC = b"MSFTORD\x00"
 ORDER_VERSION = (1, 0)
@@ -63,22 +63,12 @@ def read_file(path: str, limit: int, what: str) -> Optional[bytes]:
     Raises:
         ShardError: larger than ``limit``, or unreadable (RemoteStorageError for objects).
     """
-    if is_remote(path):
-        from ..storage.discover import read_object   # (start-up: the object-store clients load only for a URL)
-
-        size, data = read_object(path, limit)
-    else:
-        try:
-            size = os.path.getsize(path)
-            data = None
-            if size <= limit:
-                with open(path, "rb") as f:
-                    data = f.read(limit + 1)
-                size = len(data)
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            raise ShardError(f"cannot read the {what} ({exc.strerror or exc})", path=path) from None
+    try:
+        size, data = read_whole(path, limit)
+    except ShardError:   # (the store's errors: ShardNotFoundError is an OSError too)
+        raise
+    except OSError as exc:
+        raise ShardError(f"cannot read the {what} ({exc.strerror or exc})", path=path) from None
     if size is None:
         return None
     if data is None or len(data) > limit:

@@ -20,9 +20,10 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
+from .._extras import require_extra
 from ..errors import ShardError
 from . import _kernels
-from .layout import Topology
+from .layout import Topology, base_permutation
 
 __all__ = ["StragglerReport", "step_costs", "straggler_report", "summarize_overhead", "format_report", "order_reports",
            "plot_report", "FEW_PACKS_PER_RANK"]
@@ -127,8 +128,6 @@ def plot_report(reports: Dict[str, StragglerReport], path: str, title: Optional[
     Raises:
         MissingExtraError: matplotlib is not installed (the ``tools`` extra).
     """
-    from .._extras import require_extra
-
     require_extra("tools", "matplotlib")
     import matplotlib
 
@@ -163,7 +162,6 @@ def order_reports(order, epochs: Optional[Sequence[int]] = None,
     for ``topology`` (default: the one it was planned for; another shows what a run with that
     topology would see of it)."""
     topology = order.topology if topology is None else topology
-    from .layout import base_permutation
 
     n = order.num_packs
     chosen = list(range(order.first_epoch, order.first_epoch + order.epochs)) if epochs is None else list(epochs)

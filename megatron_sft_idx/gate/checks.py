@@ -21,18 +21,23 @@ from __future__ import annotations
 import concurrent.futures as futures
 import multiprocessing
 import os
+import signal
 import time
 from dataclasses import asdict, dataclass
 from typing import Optional, Sequence, Union
 
-from ..errors import ShardError
-from ..format import METADATA_FIELD_RANGES
+import numpy as np
+
+from ..errors import ShardError, ShardSetError
+from ..format import LOSS_SUFFIX, METADATA_FIELD_RANGES
+from ..legacy import consumer_loss_counts, converted_eos_id, converted_loss_state
+from ..sets import require_whole_sets
 from ..storage import is_remote
-from . import structure
+from . import content, structure
 from ._context import ShardContext, UnreadableFile
 from .discover import resolve_selections
 from .readback import read_back
-from .report import Report, ShardReport
+from .report import Report, ShardReport, make_finding
 
 LEVELS = ("fast", "standard", "deep")
 PathLike = Union[str, "os.PathLike[str]"]
@@ -102,10 +107,6 @@ def require_whole_sets_found(reports: Sequence[ShardReport], source: str) -> Non
     """Fail (``SET_INCOMPLETE``) every shard of a set that ``reports`` (the shards ``source``
     selects) hold only part of, naming the members missing (:func:`megatron_sft_idx.sets.require_whole_sets`).
     Each set is judged alone: a run's directory holds its train, valid and test sets."""
-    from ..errors import ShardSetError
-    from ..sets import require_whole_sets
-    from .report import make_finding
-
     by_set = {}
     for r in reports:
         if r.shard_set is not None:
@@ -121,15 +122,13 @@ def require_whole_sets_found(reports: Sequence[ShardReport], source: str) -> Non
 
 def _ignore_sigint() -> None:
     """Pool workers leave Ctrl-C to the parent, which terminates them."""
-    import signal
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def check_shard(prefix: str, options: Options = Options()) -> ShardReport:
     """Every pass over one shard. Never raises: an unexpected exception becomes GATE_INTERNAL_ERROR."""
     if is_remote(prefix):  # s3:// and msc://: the same passes over streamed bytes
-        from .remote import check_remote_shard
+        from .remote import check_remote_shard   # (start-up: the object-store clients load only for a URL)
         return check_remote_shard(prefix, options)
     started = time.perf_counter()
     report = ShardReport(prefix=prefix, level=options.level, strict=options.strict)
@@ -169,8 +168,6 @@ def _run(ctx: ShardContext, options: Options) -> None:
 
 
 def _run_arrays(ctx: ShardContext, vocab: Optional[int], options: Options) -> None:
-    from . import content
-
     report = ctx.report
     if ctx.idx_arrays_ok:
         content.check_idx_arrays(ctx)
@@ -207,11 +204,6 @@ def _bridge_alignment_padding(ctx: ShardContext) -> bool:
     """``BRIDGE_ALIGNMENT_PADDING_TRAINED`` for a shard converted from Bridge's packer with CP
     padding whose stored mask trains EOS alignment padding (the EOS id is the one the conversion
     recorded). False when the pass does not apply (not such a shard, no EOS id, pack errors)."""
-    import numpy as np
-
-    from ..format import LOSS_SUFFIX
-    from ..legacy import consumer_loss_counts, converted_eos_id, converted_loss_state
-
     meta = ctx.metadata
     if meta is None or converted_loss_state(meta) is None or int(meta.pad_seq_to_mult or 1) <= 1:
         return False
@@ -249,15 +241,12 @@ def _start_checksums(ctx: ShardContext, options: Options):
     if ctx.metadata is None:
         ctx.add("CHECKSUMS_SKIPPED", "no readable metadata to compare CRC-32s with")
         return None
-    from . import content
 
     pool = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gate-crc")
     return pool, pool.submit(content.checksums, ctx)
 
 
 def _run_pretrain(ctx: ShardContext, options: Options) -> None:
-    from . import content
-
     report = ctx.report
     ctx.add("CHECKSUMS_SKIPPED", "pretrain shard: no metadata records checksums")
     vocab = structure.cross_check(ctx, options.vocab_size)

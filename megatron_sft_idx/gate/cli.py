@@ -14,8 +14,8 @@ import sys
 from typing import List, Optional
 
 from .. import _cli
-from .._cli import EXIT_FAIL, EXIT_OK, EXIT_USAGE  # noqa: F401  (the exit codes, named here as before)
-from .._signals import Terminated  # noqa: F401  (re-exported: SIGTERM's exception, as before)
+from .._cli import EXIT_FAIL, EXIT_OK, EXIT_USAGE  # (the exit codes, named here as before: __all__)
+from .._signals import Terminated  # (re-exported: SIGTERM's exception, as before)
 from .._signals import INTERRUPTS, exit_code, raise_if_signalled, signal_name, signals_raise
 from ..errors import ShardError
 from ..format import METADATA_FIELD_RANGES
@@ -25,6 +25,8 @@ from .checks import check
 from .promote import promote_report
 
 EXIT_SIGINT, EXIT_SIGTERM = 128 + signal.SIGINT, 128 + signal.SIGTERM
+
+__all__ = ["build_parser", "main", "EXIT_OK", "EXIT_FAIL", "EXIT_USAGE", "Terminated"]
 
 
 def build_parser() -> argparse.ArgumentParser:

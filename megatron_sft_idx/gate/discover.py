@@ -11,9 +11,8 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 from ..errors import ShardNotFoundError
 from ..format import ALL_SUFFIXES
-from ..storage import is_remote
-
-_MANIFEST_SUFFIX = ".json"  # (manifest.MANIFEST_SUFFIX; that module is imported only for a manifest)
+from ..manifest import MANIFEST_SUFFIX, load_manifest, require_entries_present
+from ..storage.paths import names_file, select
 
 
 @dataclass(frozen=True)
@@ -62,18 +61,21 @@ def _manifest(arg: str) -> List[str]:
         ShardError: the manifest is malformed; ShardNotFoundError: an entry's shard is not
         there (naming the manifest and the entry).
     """
-    from ..manifest import load_manifest, require_entries_present
-
     m = load_manifest(arg)
     require_entries_present(arg, m.prefixes, urls=True)
     return list(m.prefixes)
 
 
+def _expand(arg: str) -> Tuple[str, List[str]]:
+    """``(kind, prefixes)`` of one input: a manifest's entries, or what :func:`_expand_local`
+    (a URL: its store's listing) finds."""
+    if arg.endswith(MANIFEST_SUFFIX) and names_file(arg):
+        return "manifest", _manifest(arg)
+    return select(arg, _expand_local)
+
+
 def _kind(arg: str) -> str:
-    if arg.endswith(_MANIFEST_SUFFIX) and (is_remote(arg) or os.path.isfile(arg)):
-        return "manifest"
-    if is_remote(arg):
-        return "url"
+    """What a local input is: a directory, a prefix (a file of the shard exists) or a glob."""
     if os.path.isdir(arg):
         return "directory"
     if _is_prefix(arg):
@@ -81,12 +83,8 @@ def _kind(arg: str) -> str:
     return "glob" if glob.has_magic(arg) else "prefix"
 
 
-def _expand(arg: str, kind: str) -> Tuple[str, List[str]]:
-    if kind == "manifest":
-        return kind, _manifest(arg)
-    if kind == "url":
-        from ..storage.discover import select_remote
-        return select_remote(arg)
+def _expand_local(arg: str) -> Tuple[str, List[str]]:
+    kind = _kind(arg)
     if kind == "directory":
         return kind, _in_directory(arg)
     if _is_prefix(arg):
@@ -140,7 +138,7 @@ def resolve_selections(inputs: Union[str, "os.PathLike[str]", Sequence]) -> List
     unmatched = []
     for raw in inputs:
         arg = os.fspath(raw)
-        kind, found = _expand(arg, _kind(arg))
+        kind, found = _expand(arg)
         if not found:
             unmatched.append(arg)
         else:

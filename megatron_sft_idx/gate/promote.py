@@ -35,7 +35,9 @@ from .. import _atomic, publishing
 from ..errors import RemoteStorageError, ShardError
 from ..format import IDX_SUFFIX, PUBLISH_ORDER
 from ..storage.destination import Destination, destination_for
+from .checks import require_whole_sets_found
 from .report import Report, ShardReport, make_finding
+from .travel import commit, plan
 
 
 def promote(shard: ShardReport, dest, *, link: bool = False, replace: bool = False,
@@ -156,9 +158,6 @@ def promote_report(report: Report, dest, *, link: bool = False, replace: bool = 
     PROMOTION_FAILED; and DESTINATION_INCOMPLETE where the destination read back is not whole
     (the sources are then kept). Every one but PROMOTED and NOT_PROMOTED fails the run.
     """
-    from .checks import require_whole_sets_found
-    from .travel import commit, plan
-
     dest = os.fspath(dest)
     destination = destination_for(dest)
     require_whole_sets_found(report.shards, "the shards given to --promote")

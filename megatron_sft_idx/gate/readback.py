@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ShardError
+from ..reader import MMapIndexedDataset
 from . import content
 from ._context import ShardContext
 
@@ -31,8 +32,6 @@ def sample_indices(n: int, sample: int, deep: bool) -> np.ndarray:
 
 
 def read_back(ctx: ShardContext, sample: int, deep: bool) -> None:
-    from ..reader import MMapIndexedDataset
-
     try:
         ds = MMapIndexedDataset(ctx.prefix)
     except ShardError as exc:

@@ -11,6 +11,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional
 
+from .._units import plural
 from ..format import ORDER_SUFFIX
 from ..metadata import ShardSet
 from .codes import CODES, ERROR, INFO, WARNING
@@ -201,7 +202,6 @@ class Report:
         warnings = sum(s.count(WARNING) for s in self.shards)
         verdict = "PASS" if self.passed else "FAIL"
         note = " (checksums skipped: --fast)" if self.level == "fast" else ""
-        from .._units import plural
 
         total = len(self.shards)
         return (f"overall: {verdict}: {total - failed} of {plural(total, 'shard')} passed, "

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .. import publishing
+from ..batching.order import MAX_ORDER_BYTES, Order, read_file
 from ..errors import ShardError
 from ..format import ALL_SUFFIXES, ORDER_SUFFIX
 from ..manifest import MANIFEST_SUFFIX, MAX_MANIFEST_BYTES, MANIFEST_FORMAT, OrderRecord, parse_manifest
@@ -212,8 +213,6 @@ def _travelling_order(m: Travelling) -> Optional[str]:
 def _verified_order(path: str, record: Optional[OrderRecord]) -> Tuple[bytes, Optional[str]]:
     """``(bytes, None)`` of the balanced order at ``path`` when it is whole (its own CRC-32s) and
     is the order ``record`` (a manifest's) names; else ``(b"", why)``."""
-    from ..batching.order import Order
-
     try:
         data = _bytes_of(path)
         Order.from_bytes(data, path)
@@ -321,8 +320,6 @@ def _findings(outcome: publishing.SetOutcome, shards: Sequence[ShardReport], con
 
 def _bytes_of(path: str) -> bytes:
     """The bytes of the balanced order at ``path``, read as the adapters read one (bounded)."""
-    from ..batching.order import MAX_ORDER_BYTES, read_file
-
     data = read_file(path, MAX_ORDER_BYTES, "balanced order")
     if data is None:
         raise ShardError("the balanced order beside the data is gone", path=path)

@@ -34,9 +34,13 @@ from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
+from ..batching.balance import plan_order
+from ..batching.cost import shard_pack_costs
+from ..batching.serve import order_path_for, order_record
 from ..format import PUBLISH_ORDER
 from ..batching.interleave import interleave
 from ..publishing import StagedOrder
+from ..reader import MMapIndexedDataset
 from .config import PackJob
 from .mixing import shares
 from .mixreport import window_deviation
@@ -64,10 +68,6 @@ def stage_orders(job: PackJob, shards: Sequence, located: Sequence, manifests: S
     topology = balance.topology()
     if topology is None:
         return [], {}, {}
-    from ..batching.balance import plan_order
-    from ..batching.cost import shard_pack_costs
-    from ..batching.serve import order_path_for, order_record
-    from ..reader import MMapIndexedDataset
 
     model = balance.model(job.settings.pad_multiple, job.settings.pad_layout)
     seed = job.pack.seed if balance.balance_seed is None else balance.balance_seed

@@ -25,6 +25,7 @@ import numpy as np
 
 from ..errors import ShardError
 from ..format import PUBLISH_ORDER
+from ..gate import check
 from ..jsondoc import parse_record_json
 from ..reader import MMapIndexedDataset
 from .records.chat import load_chat_tokenizer, trained_from_offsets
@@ -283,22 +284,18 @@ def verify_count(job, store) -> int:
 
 def checks_schema(doc) -> None:
     """The checks receipt: what ``--verify-masks`` and ``--check`` found (each None when not run)."""
-    for key, check in (("verify", check_verify), ("gate", check_gate)):
+    for key, check_entry in (("verify", check_verify), ("gate", check_gate)):
         entry = doc.doc(key, none=True)
         if entry is not None:
-            check(entry)
+            check_entry(entry)
 
 
 def run_gate(prefixes, on_shard=None) -> dict:
     """Run the promotion gate on every staged shard.
 
     Raises:
-        ShardError: the gate is not installed, or a shard fails it.
+        ShardError: a shard fails it.
     """
-    try:
-        from ..gate import check
-    except ImportError as exc:
-        raise ShardError(f"--check needs megatron_sft_idx.gate ({exc})", field="check") from None
     report = None
     for prefix in prefixes:  # one shard at a time: progress per shard, and the first failure stops
         report = check([prefix], level="standard")

@@ -475,7 +475,7 @@ def main(argv=None) -> int:
     if problem:
         return _cli.usage_error(parser, problem)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from .driver import run   # (start-up, and HF_HUB_OFFLINE is set before it imports transformers)
+    from .driver import run   # (start-up: the driver, after HF_HUB_OFFLINE is set)
 
     return run_and_report(PROG, run, _config(args), args)
 
@@ -540,7 +540,7 @@ def repack_main(argv=None) -> int:
     if problem:
         return _cli.usage_error(parser, problem)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from .driver import repack   # (start-up, and HF_HUB_OFFLINE is set before it imports transformers)
+    from .driver import repack   # (start-up: the driver, after HF_HUB_OFFLINE is set)
 
     formatter = format_plan_summary if args.plan_only else None
     return run_and_report(REPACK_PROG, repack, _repack_config(args), args, formatter)

@@ -29,10 +29,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..batching.cost import CostModel
+from ..batching.layout import Topology
 from ..errors import ShardError
 from ..format import PAD_LAYOUTS
 from ..packing import ALGORITHMS, DEFAULT_ALGORITHM, pad_multiple_for, padded_length, truncation_length
-from ..storage import is_remote
+from ..storage.urls import local_only
 from . import outputs
 from .mixture import Mixture
 from .records.encode import EncodeSettings
@@ -117,7 +119,6 @@ class BalanceSettings:
         Raises:
             ShardError: not a consistent DP, micro-batch, global batch.
         """
-        from ..batching.layout import Topology   # (start-up: only a run that writes an order)
 
         if self.balance_for is None:
             return None if self.step_size is None else Topology(1, 1, self.step_size)
@@ -135,8 +136,6 @@ class BalanceSettings:
         Raises:
             ShardError: an unknown preset, or coefficients that are not two numbers >= 0.
         """
-        from ..batching.cost import CostModel
-
         return CostModel.parse(self.cost_model, pad_multiple=pad_multiple, pad_layout=pad_layout)
 
     def to_dict(self) -> Optional[dict]:
@@ -276,7 +275,7 @@ class RepackConfig(_Grouped):
                  pack: Optional[PackSettings] = None, run: Optional[RunSettings] = None,
                  balance: Optional[BalanceSettings] = None, **flat) -> None:
         groups = _compose("RepackConfig", self._GROUPS, {"pack": pack, "run": run, "balance": balance}, flat)
-        if plan_only is not None and is_remote(plan_only):
+        if local_only([("--plan-only", plan_only)]):
             raise ShardError("--plan-only writes a local file", path=plan_only, field="plan_only",
                              hint="give a local path (VirtualPackedDataset reads the plan and the store locally)")
         _refuse_mix_with(mix, store=store)

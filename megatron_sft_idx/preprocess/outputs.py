@@ -17,6 +17,7 @@ from ..format import ALL_SUFFIXES, ORDER_SUFFIX
 from ..manifest import MANIFEST_SUFFIX
 from ..publishing import refuse_existing as _refuse
 from ..storage.destination import Destination, destination_for
+from .publish import destination_error
 
 
 def split_prefix(output_prefix: str, split: str, splitting: bool) -> str:
@@ -45,8 +46,6 @@ def existing_outputs(bases: Sequence[str], destination: Destination) -> List[str
         OutputError: the bucket is missing or unreachable, or credentials are refused (one
             line naming the URL); MissingExtraError: boto3 / multi-storage-client absent.
     """
-    from .publish import destination_error
-
     found = []
     for base in bases:
         try:

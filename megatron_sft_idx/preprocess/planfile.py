@@ -44,6 +44,9 @@ SPLIT_NAMES = ("train", "valid", "test", "all")
 _ARRAYS = ("shard_starts", "pack_offsets", "pack_loads", "sequence_ids")
 _MIX_ARRAYS = _ARRAYS + ("pack_measures",)
 
+__all__ = ["PlanWriter", "PackPlan", "PLAN_MAGIC", "PLAN_VERSION", "PLAN_FORMAT", "SPLIT_NAMES", "HEADER",
+           "HEADER_SIZE"]
+
 
 class PlanWriter:
     """Streams the arrays of each split, then the metadata; :meth:`close` publishes the file."""

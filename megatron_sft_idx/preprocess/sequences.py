@@ -27,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ShardError
+from .store import SequenceStore
 
 __all__ = ["StoreSequences", "sequence_lengths"]
 
@@ -42,8 +43,6 @@ class StoreSequences:
     """
 
     def __init__(self, directory: str, *, verify: bool = True) -> None:
-        from .store import SequenceStore
-
         self.store = SequenceStore(directory)
         if verify:
             self.store.verify()

@@ -7,6 +7,10 @@ import resource
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Dict, List, Optional
 
+from .._units import human_bytes, plural
+from .records.inputs import left_reason
+from .records.policy import LossPolicy
+from .records.shapes import APPLIED_RULES
 from .mixreport import format_mixture, mixture_report
 
 if TYPE_CHECKING:   # (annotations only)
@@ -76,8 +80,6 @@ def ignored_keys(store: SequenceStore, applied: bool = False) -> Dict[str, int]:
     """Keys ignored by a rule, ``rule:key`` -> records (``records.shapes.account_keys``); with
     ``applied``, the fields read by a rule instead (``records.shapes.APPLIED_RULES``: arguments
     decoded twice), which the tokenize receipts count the same way."""
-    from .records.shapes import APPLIED_RULES
-
     out: Dict[str, int] = {}
     for r in store.receipts:
         _add(out, {k: n for k, n in (r.get("ignored") or {}).items()
@@ -89,8 +91,6 @@ def inputs_left(left) -> List[dict]:
     """What the input directories hold and the run did not read (``left``: as
     :func:`~megatron_sft_idx.preprocess.records.inputs.expand_inputs` gave it), each
     ``{"name", "reason"}``: the summary's ``inputs_left`` (the files read are its ``inputs``)."""
-    from .records.inputs import left_reason
-
     return [{"name": p, "reason": left_reason(p)} for p in left]
 
 
@@ -175,8 +175,6 @@ def build_summary(store: SequenceStore, job: PackJob, result: PackResult) -> dic
 
 def loss_policy(encode: dict) -> dict:
     """The run's loss policies, defaults included (the store records only what differs)."""
-    from .records.policy import LossPolicy
-
     given = encode.get("loss_policy") or {}
     p = LossPolicy()
     return {"tool_calls": given.get("tool_calls", p.tool_calls), "reasoning": given.get("reasoning", p.reasoning),
@@ -315,8 +313,6 @@ def skipped_text(skipped: Dict[str, int]) -> str:
 
 def format_summary(s: dict) -> str:
     """The run summary as the table ``preprocess-sft`` and ``repack-sft`` print (no Python reprs)."""
-    from .._units import human_bytes, plural
-
     records = f", {plural(s['records_read'], 'record')}" if "records_read" in s else ""
     lines = [f"inputs              {plural(len(s['inputs']), 'file')}{records}"]
     left = s.get("inputs_left") or []
@@ -404,8 +400,6 @@ def _truncated_text(s: dict) -> str:
 
 def format_plan_summary(s: dict) -> str:
     """The summary of ``repack-sft --plan-only`` as the command prints it."""
-    from .._units import plural
-
     lines = [f"plan                {s['plan']}: {plural(s['conversations'], 'conversation')}, "
              f"{s['truncated']:,} truncated"]
     for name, sp in s["splits"].items():
@@ -420,8 +414,6 @@ def format_plan_summary(s: dict) -> str:
 def verify_text(v: dict) -> str:
     """``"20 conversations OK against their source (trained tokens: assistant 812, tool_call 95)"``, or how
     many of those asked for were checked and why not all."""
-    from .._units import plural
-
     checked, requested = v["checked"], v.get("requested", v["checked"])
     text = f"{plural(checked, 'conversation')} OK"
     if checked < requested:

@@ -28,7 +28,7 @@ from ..builder import IndexedDatasetBuilder
 from ..errors import InputError, ObjectChangedError, RemoteStorageError, ShardError
 from ..packing import exclusive_cumsum
 from ..jsondoc import HEX, normal_json
-from .records.chat import check_template_date, load_chat_tokenizer, resolve_chat_template, utc_today
+from .records.chat import TEMPLATE_HINT, check_template_date, load_chat_tokenizer, resolve_chat_template, utc_today
 from .config import Config, check_pad_id
 from .records.encode import EncodedBatch, EncodeOptions, RecordEncoder, preload
 from .engines.base import report_progress
@@ -133,8 +133,6 @@ def recorded_template_date(directory: str) -> Optional[str]:
 
 def _no_template(tok, no_pad: bool) -> None:
     """A bare tokenizer.json: one error naming every flag the run needs (chat template, pad id)."""
-    from .records.chat import TEMPLATE_HINT
-
     hint = TEMPLATE_HINT + tok.names_hint()
     if no_pad:
         hint += "; it has no pad or EOS token either: also pass --pad-id ID"

@@ -10,7 +10,7 @@ A destination owns (each method's contract is on :class:`Destination`): **names*
 ``name``, ``parent``, ``normal``, ``key``, ``same``); **listing** (``listing``, ``existing``,
 ``exists``, ``sizes``); **staging** (``work_prefix``, ``staging``: beside the output on its
 filesystem, or a local temporary directory for a URL); the **publishing primitives**
-(``prepare``, ``turn``, ``remove``, ``sync``, ``put`` / ``put_many``, ``copying``, ``finish``,
+(``prepare``, ``turn``, ``remove``, ``sync``, ``put`` / ``put_many``, ``finish``,
 ``write_bytes``, ``stamp``, ``temporary``, ``make_directory``); **reading back** (``read``,
 ``read_head``, ``read_back`` against :class:`Expect`); whether a publish **moves** the staged
 files (``moves``: local renames) or copies them (uploads: the staged copies stay), and whether
@@ -30,7 +30,7 @@ import hashlib
 import os
 import tempfile
 from dataclasses import dataclass
-from typing import (Callable, ContextManager, Dict, Hashable, Iterable, Iterator, List, Mapping, Optional,
+from typing import (ContextManager, Dict, Hashable, Iterable, Iterator, List, Mapping, Optional,
                     Sequence, Tuple)
 
 from .. import _atomic
@@ -169,13 +169,6 @@ class Destination(abc.ABC):
             self.put(source, final)
 
     @abc.abstractmethod
-    def copying(self, copies: Callable[[str], Optional[str]]) -> "Destination":
-        """This place, publishing a staged local file by a copy made where the data is, never
-        through this machine: ``copies(local path)`` is the URL of an object of this store the
-        file is a verified copy of (a work directory mirrored from a bucket), or None (the file
-        is published as usual)."""
-
-    @abc.abstractmethod
     def finish(self, prefix: str, files: Mapping[str, str]) -> None:
         """After the shard ``files`` (``{suffix: source}``) were put at ``prefix``: make them
         durable, or prove what arrived is as large as what was sent.
@@ -279,10 +272,6 @@ class LocalDestination(Destination):
 
     moves = True
     cheap_reads = True
-
-    def copying(self, copies: Callable[[str], Optional[str]]) -> "LocalDestination":
-        """This destination itself: a local publish renames the staged file, nothing is copied."""
-        return self
 
     def join(self, directory: str, name: str) -> str:
         return os.path.join(directory, name)
@@ -444,26 +433,13 @@ class ObjectDestination(Destination):
     moves = False
     cheap_reads = False
 
-    def __init__(self, config: Optional[StorageConfig] = None,
-                 copies: Optional[Callable[[str], Optional[str]]] = None) -> None:
+    def __init__(self, config: Optional[StorageConfig] = None) -> None:
         self.config = StorageConfig.resolve(config)
-        #: ``copies(local path)``: the URL of an object in this store the local file is a
-        #: verified copy of (a work directory mirrored from a bucket), or None. :meth:`put` then
-        #: copies that object server-side instead of uploading the file.
-        self.copies = copies
 
     def _store(self, url: ObjectURL):
         from ._stores import store_for   # (start-up: the local write path never loads the clients' module)
 
         return store_for(url, self.config)
-
-    def copying(self, copies: Callable[[str], Optional[str]]) -> "ObjectDestination":
-        """An object destination of the same settings whose :meth:`put` copies the object
-        ``copies(local path)`` names server-side instead of uploading the local file (what either
-        places is :meth:`placed` by both)."""
-        out = ObjectDestination(self.config, copies)
-        out._placed = self.__dict__.setdefault("_placed", {})
-        return out
 
     # ---- names
     def join(self, directory: str, name: str) -> str:
@@ -582,8 +558,6 @@ class ObjectDestination(Destination):
         ``s3://`` / ``msc://`` URL: a shard staged in a bucket) is copied server-side, never
         through this machine's disk."""
         url = ObjectURL.parse(final)
-        if not is_remote(source) and self.copies is not None:
-            source = self.copies(source) or source
         if is_remote(source):
             etag = self._store(url).copy(ObjectURL.parse(source), url).etag
         else:

@@ -29,16 +29,19 @@ SCHEMES = ("s3", "msc")
 _PREFIXES = tuple(f"{s}://" for s in SCHEMES)
 
 
-def local_only(options) -> str:
-    """The one-line refusal of the first ``(flag, value)`` in ``options`` whose value (or one of
-    its values) is an ``s3://`` / ``msc://`` URL where a command reads or writes only local
-    files; ``''`` when there is none. Each command lists its local-only options (docs/TOOLS.md,
-    "URLs")."""
+_LOCAL_ONLY = ("this option takes a local path, not a URL; copy the data to local disk first (shard prefixes, "
+               "manifests and outputs may be URLs: docs/TOOLS.md \"URLs\")")
+
+
+def local_only(options, why: str = _LOCAL_ONLY) -> str:
+    """The one-line refusal (``"FLAG VALUE: why"``; ``"VALUE: why"`` for an empty flag) of the
+    first ``(flag, value)`` in ``options`` whose value (or one of its values) is an ``s3://`` /
+    ``msc://`` URL where a command reads or writes only local files; ``''`` when there is none.
+    Each command lists its local-only options (docs/TOOLS.md, "URLs")."""
     for flag, value in options:
         for v in value if isinstance(value, (list, tuple)) else [value]:
             if is_remote(v):
-                return (f"{flag} {v}: this option takes a local path, not a URL; copy the data to local "
-                        "disk first (shard prefixes, manifests and outputs may be URLs: docs/TOOLS.md \"URLs\")")
+                return f"{flag} {v}: {why}" if flag else f"{v}: {why}"
     return ""
 
 

@@ -40,6 +40,7 @@ from .. import _kernels
 from .._extras import require_extra
 from ..errors import FormatError, InvariantError
 from ..reader import MMapIndexedDataset
+from .merge_plan import resolve_inputs
 
 COLUMNS = ("shard", "shard_index", "pack", "packed_len", "num_sequences", "trainable_tokens", "input_ids", "loss_mask",
            "seq_start_id")
@@ -79,8 +80,6 @@ class PackTable:
     """
 
     def __init__(self, spec, columns: Optional[Sequence[str]] = None, batch_packs: int = BATCH_PACKS) -> None:
-        from .merge_plan import resolve_inputs
-
         pa = _pa()
         self.columns = tuple(COLUMNS if columns is None else columns)
         unknown = [c for c in self.columns if c not in COLUMNS]

@@ -39,11 +39,16 @@ import numpy as np
 from ..builder import IndexedDatasetBuilder
 from ..errors import FormatError, ShardNotFoundError
 from ..format import IDX_SUFFIX, SFT_SUFFIXES
+from ..legacy import conversion_record
 from ..metadata import RESERVED_KEYS, ShardMetadata
+from ..open import open_packed
+from ..packing import pack_lengths
+from ..reader import MMapIndexedDataset
 from ..storage.destination import destination_for
 from . import _outputs
 from . import convert_to_shard as to_shard
 from .convert_to_parquet import METADATA_KEY, ROW_GROUP_SIZE, shards_to_parquet
+from .merge_plan import resolve_inputs
 
 SOURCE_FORMATS = ("npy", "parquet", "option-a", "pretrain", "shard")
 TARGETS = ("shard", "parquet")
@@ -150,8 +155,6 @@ def convert(source: str, output: str, *, source_format: Optional[str] = None, to
         local_meta = stack.enter_context(meta_destination.staging(meta, options.staging_dir)) if meta else None
         staged = dataclasses.replace(options, pack_metadata=local_meta, overwrite=True)
         if target == "parquet":
-            from .merge_plan import resolve_inputs
-
             counts = shards_to_parquet(resolve_inputs([source]), local, row_group_size=options.row_group_size,
                                        overwrite=True, pack_metadata=local_meta)
             result = ConvertResult(kind, target, output, counts["packs"], 0.0, details=counts)
@@ -188,9 +191,6 @@ def _from_flat(kind: str, source: str, output: str, options: ConvertOptions) -> 
     padding layout and each sequence's unread last position handled there, once, for training
     and conversion alike). The loss mask is kept as Bridge wrote it and the conversion says so in
     ``source.converted_from`` (:func:`~megatron_sft_idx.legacy.conversion_record`)."""
-    from ..legacy import conversion_record
-    from ..open import open_packed
-
     files = [source] if kind == "npy" else list(to_shard.parquet_files(source))
     restored = to_shard.read_parquet_shard_metadata(files[0], METADATA_KEY) if kind == "parquet" else None
     if restored is None and not options.pack_size and len(files) > 1:
@@ -235,9 +235,6 @@ def _from_option_a(kind: str, source: str, output: str, options: ConvertOptions)
 
 
 def _from_pretrain(kind: str, source: str, output: str, options: ConvertOptions) -> ConvertResult:
-    from ..packing import pack_lengths
-    from ..reader import MMapIndexedDataset
-
     if not options.pack_size:
         raise FormatError("converting pretrain data packs its documents: the pack size is needed",
                           path=source, field="pack_size", hint="pass --pack-size N")

@@ -21,7 +21,9 @@ from .. import publishing
 from .._atomic import write_file_atomically
 from .._extras import require_extra
 from ..errors import FormatError
+from ..packed import runtime_min_packed
 from ..reader import MMapIndexedDataset
+from .merge_plan import plan_merge
 
 METADATA_KEY = b"megatron_sft_idx.metadata"
 ROW_GROUP_SIZE = 500
@@ -34,7 +36,6 @@ def output_metadata(prefixes: Sequence[str]) -> dict:
     if len(prefixes) == 1:
         meta = MMapIndexedDataset(prefixes[0]).metadata.to_dict()
         return {k: v for k, v in meta.items() if k not in _PER_SHARD_KEYS}
-    from .merge_plan import plan_merge
 
     return plan_merge(prefixes).metadata
 
@@ -123,8 +124,6 @@ def write_bridge_pack_metadata(path: str, shards: List[MMapIndexedDataset]) -> d
     record is in those runtime units: the longest sequence minus one, the shortest pack's
     length minus its sequence count, and the efficiency of the runtime lengths.
     """
-    from ..packed import runtime_min_packed
-
     stats = [s.metadata.stats for s in shards]
     packs = sum(s.pack_count for s in stats)
     runtime_tokens = sum(s.token_count - s.sequence_count for s in stats)

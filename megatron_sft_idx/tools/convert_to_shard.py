@@ -22,12 +22,13 @@ from typing import Any, Dict, Iterator, Optional, Sequence
 
 import numpy as np
 
-from .. import _kernels
+from .. import _kernels, legacy
 from .._extras import require_extra
 from ..builder import IndexedDatasetBuilder
 from ..errors import FormatError, InvariantError, ShardError
 from ..format import Rule
 from ..jsondoc import load_json, parse_json
+from ..packing.fill import fill_sequences
 from ..reader import MMapIndexedDataset
 
 #: Tokens handed to the builder per run of packs.
@@ -177,8 +178,6 @@ def plan_documents(src: MMapIndexedDataset, pack_size: int, overlong: str) -> Di
 def add_pretrain(builder: IndexedDatasetBuilder, src: MMapIndexedDataset, plan: Dict[str, Any],
                  assignment) -> int:
     """Materialize the packing of ``plan``'s documents, a run of packs at a time."""
-    from ..packing.fill import fill_sequences
-
     if hasattr(mmap, "MADV_RANDOM"):  # packs gather documents from all over the file
         src.advise(mmap.MADV_RANDOM)
     tokens = src.arrays().tokens
@@ -205,8 +204,6 @@ def add_pretrain(builder: IndexedDatasetBuilder, src: MMapIndexedDataset, plan: 
 
 def parquet_files(path: str) -> Sequence[str]:
     """The Parquet files ``path`` names, by the dispatcher's own rule (file, directory, glob)."""
-    from .. import legacy
-
     return legacy.parquet_files(path)
 
 

@@ -20,7 +20,6 @@ from typing import List, Optional
 from .. import _cli
 from ..errors import ShardError
 from ..storage.urls import local_only
-from .order_view import format_order_view, order_view
 from .plot import plot_summary
 
 
@@ -111,11 +110,13 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _run(args) -> int:
-    from .merge_plan import resolve_inputs   # (start-up, as each mode's modules below: numpy, numba, duckdb)
+    from .merge_plan import resolve_inputs   # (start-up: numba, as each mode's modules below; --help never)
 
     if args.sql:
         return _sql(args)
     if args.order is not None:
+        from .order_view import format_order_view, order_view   # (start-up: the batching kernels)
+
         view = order_view(args.shards, args.order, dp=args.dp, micro_batch_size=args.micro_batch_size,
                           global_batch_size=args.global_batch_size, plot=args.plot)
         reports = view.pop("reports")
@@ -123,18 +124,18 @@ def _run(args) -> int:
         return _cli.EXIT_OK
     prefixes = resolve_inputs(args.shards)
     if args.consumers:
-        from .inspect_consumers import consumer_audit, format_consumer_audit   # (start-up)
+        from .inspect_consumers import consumer_audit, format_consumer_audit   # (start-up: this mode only)
 
         audit = consumer_audit(prefixes, args.eos_id)
         _cli.emit(json.dumps(audit, indent=1) if args.json else format_consumer_audit(audit))
         return _cli.EXIT_OK
     if args.pack is not None:
-        from .pack_view import describe_pack, format_pack   # (start-up)
+        from .pack_view import describe_pack, format_pack   # (start-up: this mode only)
 
         view = describe_pack(prefixes, args.pack, args.tokenizer, detokenize=not args.no_text)
         _cli.emit(json.dumps(view, indent=1) if args.json else format_pack(view, args.seq, args.max_chars))
         return _cli.EXIT_OK
-    from .inspect import format_summary, summarize   # (start-up)
+    from .inspect import format_summary, summarize   # (start-up: this mode only)
 
     summary = summarize(prefixes, bins=args.bins)
     if args.plot:
@@ -147,7 +148,7 @@ def _run(args) -> int:
 
 
 def _sql(args) -> int:
-    from .sql import query, query_text   # (start-up)
+    from .sql import query, query_text   # (start-up: duckdb and pyarrow, this mode only)
 
     spec = list(args.shards)
     if args.json:

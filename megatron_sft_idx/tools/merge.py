@@ -45,7 +45,7 @@ from .._signals import raise_if_signalled
 from .._crc import crc32, crc32_combine
 from ..errors import InvariantError, ShardError, SizeMismatchError
 from ..format import (BIN_SUFFIX, IDX_SUFFIX, LENGTH_DTYPE, LOSS_SUFFIX, METADATA_OFFSET, POINTER_DTYPE,
-                      SEQ_BIN_SUFFIX, SEQ_IDX_SUFFIX, DType, IdxHeader, SeqIdxHeader, ShardPaths)
+                      SEQ_BIN_SUFFIX, SEQ_IDX_SUFFIX, IdxHeader, SeqIdxHeader, ShardPaths)
 from ..metadata import PackingStats, ShardMetadata
 from ..reader import MMapIndexedDataset
 from ..version import __version__

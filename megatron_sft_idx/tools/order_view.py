@@ -11,6 +11,12 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence
 
+from ..batching.cost import shard_pack_costs
+from ..batching.layout import Topology
+from ..batching.report import format_report, order_reports, plot_report
+from ..batching.serve import resolve_order
+from ..multi import MultiShardDataset
+
 __all__ = ["order_view", "format_order_view"]
 
 
@@ -22,12 +28,6 @@ def order_view(shards: Sequence[str], spec: str, *, dp: Optional[int] = None, mi
         ShardError: the data does not open; no order (``"auto"`` needs one local shard prefix or
             manifest); an order of other packs; an inconsistent topology.
     """
-    from ..batching.cost import shard_pack_costs
-    from ..batching.layout import Topology
-    from ..batching.report import order_reports, plot_report
-    from ..batching.serve import resolve_order
-    from ..multi import MultiShardDataset
-
     data_path = shards[0] if len(shards) == 1 else None
     order = resolve_order(spec, data_path)
     source = MultiShardDataset.open(list(shards) if len(shards) > 1 else shards[0])
@@ -52,9 +52,6 @@ def order_view(shards: Sequence[str], spec: str, *, dp: Optional[int] = None, mi
 
 def format_order_view(view: dict) -> str:
     """The text report: one header line, the table (:func:`~megatron_sft_idx.batching.report.format_report`)."""
-    from ..batching.layout import Topology
-    from ..batching.report import format_report
-
     topology = Topology.from_dict(view["topology"])
     lines: List[str] = [f"{view['packs']:,} packs, {view['epochs']} epoch(s), seed {view['seed']}, "
                         f"{topology.describe()}, cost model {view['cost_model']['name']}; predicted straggler "

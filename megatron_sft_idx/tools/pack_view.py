@@ -12,12 +12,17 @@ only if its files hash to the recorded
 
 from __future__ import annotations
 
+import glob
 import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..errors import ShardError
+from ..jsondoc import load_json
+from ..preprocess.records.chat import tokenizer_files_sha256
+from ..preprocess.records.tokenizer_source import local_tokenizer
+from ..preprocess.workdir import RECORD
 from ..reader import MMapIndexedDataset
 
 _OPEN, _CLOSE = "[[", "]]"
@@ -69,10 +74,6 @@ def run_recorded(prefix: Optional[str]) -> List[str]:
     over; a path is a candidate only, used if its files hash to the shard's record."""
     if not prefix or "://" in prefix:
         return []
-    import glob
-
-    from ..jsondoc import load_json
-    from ..preprocess.workdir import RECORD
 
     parent, name = os.path.split(os.path.abspath(prefix))
     out = []
@@ -128,8 +129,6 @@ def _candidates(recorded: dict, run_paths: Sequence[str] = ()) -> List[str]:
 def find_tokenizer(recorded: Optional[dict], run_paths: Sequence[str] = ()) -> Optional[str]:
     """The first candidate (:func:`_candidates`) whose files hash to the recorded
     ``files_sha256`` (None if none does)."""
-    from ..preprocess.records.chat import tokenizer_files_sha256
-
     expected = (recorded or {}).get("files_sha256")
     if not expected:
         return None
@@ -149,16 +148,12 @@ def load_tokenizer(recorded: Optional[dict], override: Optional[str] = None, pre
     """
     note = None
     if override:
-        from ..preprocess.records.tokenizer_source import local_tokenizer
-
         path = local_tokenizer(override)   # (a URL's or a hub name's files: this machine's copy)
         file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
         if not os.path.isfile(file):
             return None, f"no tokenizer.json at {override}"
         expected = (recorded or {}).get("files_sha256")
         if expected:
-            from ..preprocess.records.chat import tokenizer_files_sha256
-
             if tokenizer_files_sha256(path)[0] != expected:
                 note = f"warning: {override} is not the tokenizer the shard records (its files hash differs)"
     else:

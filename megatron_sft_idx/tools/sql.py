@@ -12,6 +12,8 @@ engine reads them. DuckDB is an optional dependency (extra ``[tools]``).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
 from typing import Optional, Sequence, Tuple
 
@@ -107,9 +109,6 @@ def query_text(spec, sql: str, *, max_rows: int = 40, max_width: int = 160) -> s
 
 def _render(relation, max_rows: int, max_width: int) -> str:
     """DuckDB's own table rendering (it prints; captured here)."""
-    import contextlib
-    import io
-
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         relation.show(max_rows=max_rows, max_width=max_width)

@@ -140,7 +140,7 @@ class PackedSFTDataset(torch.utils.data.Dataset):
                      "pad_seq_to_mult=1 to train without context parallelism")
         balanced = None
         if balanced_order is not None:
-            from ..batching.serve import served_order   # (the numba kernels: only with a balanced order)
+            from ..batching.serve import served_order   # (start-up: numba, only with a balanced order)
 
             balanced = served_order(balanced_order, source, seed=seed, data_path=data_path, topology=topology)
             max_num_samples = balanced.num_packs if max_num_samples is None else max_num_samples

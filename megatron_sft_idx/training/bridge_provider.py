@@ -41,6 +41,7 @@ import warnings
 from typing import Any, Literal, Optional, Union
 
 from ..errors import ShardError
+from ..locality import BlockLocalOrder
 
 __all__ = ["PackedSFTDatasetProvider", "build_context", "BRIDGE_IMPORT_ERROR", "BRIDGE_VERSION"]
 
@@ -209,8 +210,7 @@ class PackedSFTDatasetProvider(_Base):
         Each split gets ``max_num_samples`` from ``context`` and, unless ``eos_id`` is set,
         the EOS id of ``context.tokenizer``.
         """
-        from ..locality import BlockLocalOrder
-        from .bridge import bridge_datasets
+        from .bridge import bridge_datasets   # (start-up: torch, once datasets are built)
 
         self._check_loader()
         options = dict(self.dataset_kwargs or {})

@@ -58,6 +58,7 @@ Three versions of these rules (``bridge_semantics``; default: the installed Mega
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib import metadata
 from typing import List, Optional, Sequence
 
 import numpy as np
@@ -66,6 +67,7 @@ from .._extras import require_extra
 
 require_extra("train", "torch")
 import torch  # noqa: E402
+from packaging.version import InvalidVersion, Version  # noqa: E402  (the [train] extra, as torch)
 
 from ..errors import ShardError
 
@@ -84,10 +86,6 @@ def installed_bridge_semantics() -> str:
     """``"next"`` when the installed Megatron-Bridge is 0.7 or newer (or a pre-release of it),
     else ``"0.6"`` (also when none is installed). Reads the package metadata; imports nothing.
     Never ``"pr5610"``: no released version is known to carry that collate."""
-    from importlib import metadata
-
-    from packaging.version import InvalidVersion, Version
-
     try:
         version = metadata.version("megatron-bridge")
     except metadata.PackageNotFoundError:

@@ -112,7 +112,7 @@ class PaddingFreeDataset(torch.utils.data.Dataset):
             sources_of(source, data_path)   # (refused now, not at the first row)
         self.order = None
         if balanced_order is not None:
-            from ..batching.serve import served_order   # (the numba kernels: only with a balanced order)
+            from ..batching.serve import served_order   # (start-up: numba, only with a balanced order)
 
             self.order = served_order(balanced_order, source, seed=seed, data_path=data_path, topology=topology)
             max_num_samples = self.order.num_packs if max_num_samples is None else max_num_samples

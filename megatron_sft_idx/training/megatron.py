@@ -450,7 +450,7 @@ def balanced_order(dataset: "SFTIndexedDataset", config):
     spec = getattr(config, "pack_order_file", None)
     if spec is None or dataset.index_split != Split.train:
         return None
-    from ..batching.serve import served_order   # (the numba kernels: only with a balanced order)
+    from ..batching.serve import served_order   # (start-up: numba, only with a balanced order)
 
     path = dataset.dataset_path
     train = (config.blend_per_split or [None])[0] if getattr(config, "blend_per_split", None) else config.blend

@@ -4,6 +4,8 @@ added to a copy of the package shows up as the circle it closes."""
 import os
 import shutil
 
+import pytest
+
 from bench.structure import PACKAGE, measure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -21,6 +23,9 @@ def test_figures_of_this_checkout():
     assert figures["circles_static"] == []
 
 
+# slow: each of the two tests below reads a copy of the package twice (~4 CPU-s); the figures of
+# this checkout, above, keep bench/structure.py in the fast tier.
+@pytest.mark.slow
 def test_a_runtime_lookup_that_closes_a_circle_is_counted(tmp_path):
     root = _copy(tmp_path)
     before = measure(str(root))
@@ -34,6 +39,7 @@ def test_a_runtime_lookup_that_closes_a_circle_is_counted(tmp_path):
                for c in after["circles_with_runtime_lookups"])
 
 
+@pytest.mark.slow
 def test_is_remote_callers_outside_storage_are_counted(tmp_path):
     root = _copy(tmp_path)
     before = measure(str(root))

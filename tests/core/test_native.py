@@ -1,6 +1,6 @@
 """The native C++ reader/validator (csrc/) against the Python reader and gate.
 
-The native code is built once per module with ``csrc/build.sh`` into a tmp dir
+The native code is built once per test run with ``csrc/build.sh`` (tests/conftest.py)
 (g++ is part of this project's toolchain: a missing compiler fails the tests).
 Then: the native reader returns every pack exactly as MMapIndexedDataset does;
 the native validator passes valid shards, fails each corruption with the
@@ -41,17 +41,9 @@ FUZZ_CASES = 200
 
 
 @pytest.fixture(scope="module")
-def native(tmp_path_factory):
-    """(library path, CLI path), built from csrc/ for this test module."""
-    if shutil.which(os.environ.get("CXX", "g++")) is None:
-        pytest.fail("g++ is not installed: the native reader (csrc/) cannot be built. Install g++ "
-                    "(apt-get install -y g++ zlib1g-dev); it is part of this project's toolchain.")
-    out = tmp_path_factory.mktemp("native")
-    proc = subprocess.run(["bash", os.path.join(ROOT, "csrc", "build.sh"), str(out)], capture_output=True,
-                          text=True)
-    if proc.returncode != 0:
-        pytest.fail(f"csrc/build.sh failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    lib, cli = str(out / "libsft_idx.so"), str(out / "sft_idx_check")
+def native(native_build):
+    """(library path, CLI path), built from csrc/ once per test run (tests/conftest.py ``native_build``)."""
+    lib, cli = native_build
     load_library(lib)
     return lib, cli
 

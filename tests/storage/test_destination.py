@@ -7,7 +7,6 @@ import os
 import pytest
 
 from megatron_sft_idx.errors import ShardError
-from megatron_sft_idx.storage import request_counts
 from megatron_sft_idx.storage.destination import (Destination, Expect, LocalDestination, ObjectDestination,
                                                   destination_for)
 
@@ -94,24 +93,3 @@ def test_destination_is_an_abstract_interface_both_kinds_implement_whole():
                                                for n in Destination.__abstractmethods__ if n != "put"})
     with pytest.raises(TypeError, match="abstract method.* put"):
         partial()
-
-
-def test_copying_publishes_a_verified_local_copy_by_a_server_side_copy(bucket, tmp_path):
-    plain = ObjectDestination()
-    plain.write_bytes(f"s3://{bucket}/work/s.idx", b"index bytes")
-    local = tmp_path / "s.idx"
-    local.write_bytes(b"index bytes")
-    other = tmp_path / "other.idx"
-    other.write_bytes(b"not mirrored")
-    mirrored = {str(local): f"s3://{bucket}/work/s.idx"}
-    dest = destination_for(f"s3://{bucket}/out").copying(mirrored.get)
-    assert dest.config == plain.config and dest.moves is False
-    before = request_counts()
-    dest.put(str(local), f"s3://{bucket}/out/s.idx")         # one CopyObject: no byte sent from here
-    dest.put(str(other), f"s3://{bucket}/out/other.idx")     # not a copy of an object: uploaded
-    after = request_counts()
-    assert {k: after.get(k, 0) - before.get(k, 0) for k in ("copy", "put")} == {"copy": 1, "put": 1}
-    assert dest.read(f"s3://{bucket}/out/s.idx", 100) == b"index bytes"
-    assert dest.read(f"s3://{bucket}/out/other.idx", 100) == b"not mirrored"
-    local_dest = destination_for(str(tmp_path)).copying(mirrored.get)
-    assert local_dest.moves and isinstance(local_dest, LocalDestination)   # a rename copies nothing

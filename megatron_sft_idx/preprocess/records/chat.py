@@ -41,7 +41,6 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
-import re
 from typing import List, Optional, Tuple
 
 import numpy as np
