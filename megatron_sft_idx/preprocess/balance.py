@@ -39,6 +39,7 @@ from ..batching.cost import shard_pack_costs
 from ..batching.serve import order_path_for, order_record
 from ..format import PUBLISH_ORDER
 from ..batching.interleave import interleave
+from ..batching.layout import base_permutation
 from ..publishing import StagedOrder
 from ..reader import MMapIndexedDataset
 from .config import PackJob
@@ -142,8 +143,6 @@ def _interleaved(mixed: Tuple[np.ndarray, np.ndarray], seed: int, epoch: int, wi
 def _windows(order, mixed: Tuple[np.ndarray, np.ndarray], topology, job: PackJob, seed: int) -> dict:
     """The worst share deviation over every window of K steps, interleaved (this order) and shuffled
     (the adapters' draw of the same epochs), over the planned epochs."""
-    from ..batching.layout import base_permutation
-
     measures, target = mixed
     k, gbs = job.mixture.window_steps, topology.global_batch_size
     shuffled = np.concatenate([base_permutation(measures.shape[0], seed, e) for e in range(order.epochs)])

@@ -25,6 +25,7 @@ from typing import List, Sequence
 
 import numpy as np
 
+from .._extras import require_extra
 from .mixing import shares, target_shares
 
 
@@ -145,8 +146,6 @@ def plot_mixture(report: dict, path: str) -> None:
     Raises:
         MissingExtraError: matplotlib is not installed.
     """
-    from .._extras import require_extra
-
     require_extra("tools", "matplotlib")
     import matplotlib   # (an optional dependency, loaded only for a plot)
 

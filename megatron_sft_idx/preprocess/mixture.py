@@ -218,7 +218,7 @@ def _load_json(raw: bytes, path: str) -> Any:
 
 def _load_yaml(raw: bytes, path: str) -> Any:
     try:
-        import yaml   # (an optional dependency: a JSON mixture needs none)
+        import yaml   # (start-up: an optional dependency; a JSON mixture needs none)
     except ImportError:
         raise ShardError("a YAML mixture file needs PyYAML", path=path,
                          hint="pip install 'megatron_sft_idx[preprocess]' (or pyyaml), or write the mixture "
