@@ -344,12 +344,15 @@ class _Rendering:
         return int(np.searchsorted(self.starts, a, "left")), int(np.searchsorted(self.starts, b, "left"))
 
     def locate(self, forms: Tuple[str, ...], pos: int, want_trained: bool) -> Tuple[int, int]:
-        """The first occurrence at or after ``pos`` where tokens start and are trained as wanted (a
-        short text also occurs in the scaffolding: ``a`` in ``assistant``); else the first; else
-        ``(-1, -1)``."""
+        """The first occurrence at or after ``pos`` whose tokens are trained as wanted (a short text
+        also occurs in the scaffolding: ``a`` in ``assistant``); else the first; else ``(-1, -1)``.
+        Its tokens are those that start in it, or the one token it lies inside (a one-letter value
+        merged with the tag before it); never an occurrence further on for want of a token start."""
         found = _occurrences(self.text, forms, pos)
         for a, b in found:
             lo, hi = self.tokens(a, b)
+            if lo == hi and lo > 0:   # inside one token that starts before it: MiniMax-M3's ">c" (a value "c")
+                lo -= 1
             got = self.trained[lo:hi]
             if lo < hi and (got.all() if want_trained else not got.any()):
                 return a, b
