@@ -27,7 +27,8 @@ from ..errors import ShardError
 from ..format import PUBLISH_ORDER
 from ..jsondoc import parse_record_json
 from ..reader import MMapIndexedDataset
-from .records.chat import load_chat_tokenizer, trained_from_offsets
+from .records.chat import load_chat_tokenizer
+from .records.masks import trained_from_offsets
 from .records.encode import encoding_of
 from .records.inputs import parse_record
 from .records.partitions import read_batches

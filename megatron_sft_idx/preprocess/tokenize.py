@@ -26,7 +26,8 @@ from ..builder import IndexedDatasetBuilder
 from ..errors import InputError, ObjectChangedError, RemoteStorageError, ShardError
 from ..packing import exclusive_cumsum
 from ..jsondoc import HEX, normal_json
-from .records.chat import check_template_date, load_chat_tokenizer, resolve_chat_template, utc_today
+from .records.chat import load_chat_tokenizer, resolve_chat_template
+from .records.template_clock import check_template_date, utc_today
 from .config import Config, check_pad_id
 from .records.encode import EncodedBatch, EncodeOptions, RecordEncoder, preload
 from .engines.base import report_progress
@@ -104,7 +105,7 @@ def resolve_inputs(cfg: Config, recorded_date: Optional[str] = None) -> Inputs:
         _no_template(tok, pad is None)
     pad_id = check_pad_id(pad, vocab)
     if tok is not None and tk.input_format != "tokens":
-        tok.require_stop()   # (decided on the template, before anything is tokenized)
+        tok.stops.require()   # (decided on the template, before anything is tokenized)
     shipped = resolve_tokenizer(tk.tokenizer) if is_tokenizer_reference(tk.tokenizer) else None
     options = tk.encode_options(tokenizer_path=(tk.tokenizer if shipped else tok.path) if tok else None,
                                 vocab_size=vocab, skip_bad=cfg.pack.skip_bad, chat_template_text=template,

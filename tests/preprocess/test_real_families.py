@@ -267,13 +267,13 @@ def test_a_template_without_a_stop_is_refused_before_tokenizing(tmp_path):
     os.remove(os.path.join(directory, "chat_template.jinja"))   # (it would win over the config's)
     path = write_jsonl(tmp_path / "a.jsonl", [plain(1)])
     tok = ChatTokenizer(directory)
-    assert tok.stop is None
+    assert tok.stops.rule is None
     with pytest.raises(ShardError, match="no end token") as e:
         run(Config(inputs=[path], output_prefix=str(tmp_path / "o"), tokenizer=directory, pack_size=2048,
                    progress=False, tokenizer_backend="hf"))
     assert e.value.rule == "template_no_stop"
-    assert ChatTokenizer(family_dir("glm-4.7")).stop == "next-role"
-    assert ChatTokenizer(family_dir("qwen3.5")).stop == "end-token"
+    assert ChatTokenizer(family_dir("glm-4.7")).stops.rule == "next-role"
+    assert ChatTokenizer(family_dir("qwen3.5")).stops.rule == "end-token"
 
 
 def test_template_switches_are_given_recorded_and_reused(tmp_path):

@@ -14,7 +14,7 @@ import pytest
 
 from support.chat_families import with_template
 from megatron_sft_idx.errors import ShardError
-from megatron_sft_idx.preprocess.records import chat, encode, shapes as schemas
+from megatron_sft_idx.preprocess.records import chat, encode, shapes as schemas, stops
 from megatron_sft_idx.preprocess import Config, run
 from support.sft_fixtures import alpaca, glaive, openai, reasoning, toolace, write_jsonl, xlam, xlam_raw
 
@@ -187,7 +187,7 @@ def test_tool_results_trained_fail(tmp_path, monkeypatch, families):
 
     monkeypatch.setattr(chat.ChatTokenizer, "prefix_spans", and_tool_results)
     monkeypatch.setattr(chat, "refine_spans", lambda text, spans, *a, **k: list(spans))
-    monkeypatch.setattr(chat.ChatTokenizer, "check_stops", lambda *a: None)   # (the source check, on its own)
+    monkeypatch.setattr(stops.Stops, "check", lambda *a: None)   # (the source check, on its own)
     fails(tmp_path, [openai(i) for i in range(4)], families["qwen25"],
           "messages[3].content (tool result) is trained, but the settings never train it")
 
@@ -229,7 +229,7 @@ def test_end_of_turn_untrained_fails(tmp_path, monkeypatch):
     with pytest.raises(ShardError, match="not a stop token"):   # every record's own stop check, first
         run(Config(inputs=[write_jsonl(tmp_path / "bad.jsonl", records)], output_prefix=str(tmp_path / "o1"),
                    tokenizer=EXAMPLE_TOKENIZER, pack_size=4096, progress=False))
-    monkeypatch.setattr(chat.ChatTokenizer, "check_stops", lambda *a: None)   # and the source check, on its own
+    monkeypatch.setattr(stops.Stops, "check", lambda *a: None)   # and the source check, on its own
     fails(tmp_path, records, EXAMPLE_TOKENIZER, "does not end with an end-of-turn token")
 
 

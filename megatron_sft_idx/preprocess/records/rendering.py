@@ -82,34 +82,6 @@ def probe(render) -> TemplateTraits:
     return TemplateTraits(field, None, renders_tools)
 
 
-#: how an assistant turn's stop is rendered (docs/INPUTS.md, "Stops"): ``end-token``, the turn's own
-#: rendering ends with a special token (``<|im_end|>``, ``<|eot_id|>``); ``next-role``, it ends with
-#: no token of its own and the next message's role token (a special token: GLM's ``<|user|>``,
-#: ``<|observation|>``) is the stop, the tokenizer's end-of-sequence token appended after the last turn
-STOP_RULES = ("end-token", "next-role")
-
-
-def stop_rule(render, special_at, eos: Optional[str]) -> Optional[str]:
-    """The :data:`STOP_RULES` entry the template behind ``render(messages, tools=None)`` follows,
-    decided on a probe conversation before anything is tokenized; None when its assistant turns
-    end with nothing a model could stop on (no token of their own, and no special token next or
-    no special end-of-sequence token to append). ``special_at(text, i)``: the special token
-    ``text`` holds at ``i``, or None; ``eos``: the tokenizer's end-of-sequence token, if special."""
-    messages = [{"role": "user", "content": "xqprobe ask"}, {"role": "assistant", "content": "xqprobe answer"},
-                {"role": "user", "content": "xqprobe again"}, {"role": "assistant", "content": "xqprobe final"}]
-    try:
-        text = render(messages)
-    except Exception:  # (roles must alternate otherwise, say): the records' own renderings decide
-        return "end-token"
-    end = text.rfind("xqprobe final")
-    if end < 0 or text[end + len("xqprobe final"):].strip():
-        return "end-token"   # (the turn renders its own end; every record's stops are verified)
-    gap = text.find("xqprobe answer") + len("xqprobe answer")
-    while gap < len(text) and text[gap].isspace():
-        gap += 1
-    return "next-role" if eos is not None and special_at(text, gap) else None
-
-
 def adapt(conv: Conversation, traits: TemplateTraits, policy: LossPolicy, path: str, line: int) -> Conversation:
     """``conv`` with ``rendered`` set to the messages the template is given.
 
