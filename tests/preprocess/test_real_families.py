@@ -312,3 +312,19 @@ def test_a_one_letter_value_merged_into_a_tag_token_is_checked_in_place(tmp_path
     s, checked = check_family(tmp_path, "minimax-m3", {"parallel": SHAPES["parallel"]})
     assert checked == 2 and s["verify_masks"]["failures"] == 0
 
+
+@pytest.mark.parametrize("family, dropped", [("qwen3.5", True), ("deepseek-v3", False)])
+def test_reasoning_the_template_drops_from_the_history_is_counted_by_rule(tmp_path, family, dropped):
+    """Qwen3.5 shows a turn's reasoning only while no user turn follows it: the earlier turns are
+    trained without it, by the documented rule, and the summary counts each such message
+    (``rules_applied``, ``history-reasoning:messages[]``); DeepSeek-V3 keeps it, so nothing is
+    counted. Per-turn trains each turn with its reasoning: nothing dropped either."""
+    from megatron_sft_idx.preprocess.summary import format_summary
+    records = [reasoning(0, False, 2), reasoning(1, True, 3), plain(2)]
+    path = write_jsonl(tmp_path / "a.jsonl", records)
+    for loss_on, want in (("assistant", 3 if dropped else 0), ("last-turn", 3 if dropped else 0), ("per-turn", 0)):
+        s = run(Config(inputs=[path], output_prefix=str(tmp_path / loss_on / "s"), tokenizer=family_dir(family),
+                       pack_size=4096, progress=False, loss_on=loss_on, verify_masks=10))
+        assert s["rules_applied"] == ({"history-reasoning:messages[]": want} if want else {}), (loss_on, s)
+        if want:
+            assert f"messages[] (history reasoning) {want}" in format_summary(s)

@@ -40,7 +40,7 @@ from .fast_tokenizer import FastTokenizer
 from .masks import encode_tokens, label_aligned, trained_from_offsets
 from .inputs import parse_record
 from .policy import LossPolicy, require_trainable, trained_turns
-from .rendering import check_rendered, read_back_all
+from .rendering import check_rendered, count_history_reasoning, read_back_all
 from .shapes import SchemaOptions
 from .spans import SpanLocator
 from .tokenizer_source import TokenizerFiles
@@ -321,6 +321,11 @@ class RecordEncoder:
         return None
 
     def _chat_unit(self, i, conv, path, line, queued) -> _Unit:
+        unit = self._chat_text(i, conv, path, line, queued)
+        count_history_reasoning(unit.text, conv, self.policy, self._ignored)
+        return unit
+
+    def _chat_text(self, i, conv, path, line, queued) -> _Unit:
         loss_on = self.options.loss_on
         check = i % SAMPLE_EVERY == 0
         if loss_on == "all":

@@ -26,6 +26,7 @@ user turn, reasoning stripped -- is an error naming the source field.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, replace
 from json.encoder import encode_basestring, encode_basestring_ascii
 from typing import List, Optional, Sequence, Tuple
@@ -34,7 +35,9 @@ from .accounting import check_rendered_tools
 from .call_text import check_text_calls, text_leaves
 from .errors import input_error
 from .policy import LossPolicy
-from .shapes import Conversation
+from .shapes import HISTORY_REASONING, Conversation
+
+_INDEX = re.compile(r"\[\d+\]")
 
 _FIELDS = ("reasoning_content", "thinking", "reasoning")
 _ID = "pr0be0001"  # nine alphanumerics: Mistral's templates require exactly that
@@ -227,6 +230,20 @@ def check_rendered(text: str, conv: Conversation, reasoning_required: Sequence[i
         check_rendered_tools(text, conv.source_tools, path, line, conv.source_calls, own)
     elif conv.source_tools or conv.source_calls:
         read_back.append((text, conv.source_tools, path, line, conv.source_calls, own))
+
+
+def count_history_reasoning(text: str, conv: Conversation, policy: LossPolicy, applied: dict) -> None:
+    """Count in ``applied`` (as ``history-reasoning:FIELD``, :data:`.shapes.HISTORY_REASONING`) each
+    message whose reasoning ``text`` does not show: after :func:`check_rendered` passed, that is
+    reasoning the template drops from the history by the documented rule (docs/INPUTS.md,
+    "Thinking templates"), never trained. Not under ``--reasoning-loss drop`` (the policy's)."""
+    if policy.reasoning == "drop" or conv.plain:
+        return
+    for k, m in enumerate(conv.messages):
+        thought = m.get("reasoning_content")
+        if thought and thought.strip() and _find_at(text, thought.strip(), 0) < 0:
+            name = f"{HISTORY_REASONING}:{_INDEX.sub('[]', conv.where(k))}"
+            applied[name] = applied.get(name, 0) + 1
 
 
 def read_back_all(queued: Sequence[tuple]) -> None:
