@@ -328,3 +328,47 @@ def test_reasoning_the_template_drops_from_the_history_is_counted_by_rule(tmp_pa
         assert s["rules_applied"] == ({"history-reasoning:messages[]": want} if want else {}), (loss_on, s)
         if want:
             assert f"messages[] (history reasoning) {want}" in format_summary(s)
+
+
+REAL_DONE = shapes.Mapper.done
+
+
+def _invent(copy):
+    """A defect of the mapping: one more call in the first turn that makes calls -- a copy of its
+    first call (which the per-call read-back finds in place) or a call of another tool."""
+    def done(self, tools, source=None):
+        conv = REAL_DONE(self, tools, source)
+        m = next(m for m in conv.messages if m.get("tool_calls"))
+        first = m["tool_calls"][0]
+        m["tool_calls"] = m["tool_calls"] + [first if copy else {"type": "function", "function": {
+            "name": "invented_tool", "arguments": {"city": "Nowhere"}}}]
+        return conv
+    return done
+
+
+@pytest.mark.parametrize("family", ["qwen3.5", "glm-4.7", pytest.param("minimax-m2", marks=pytest.mark.slow),
+                                    pytest.param("minimax-m3", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("shape", ["openai", "sharegpt", "xlam"])
+@pytest.mark.parametrize("copy", [True, False], ids=["copied-call", "other-tool"])
+def test_a_call_the_mapping_invents_is_refused(monkeypatch, family, shape, copy):
+    """The text-form read-back counts the calls a rendering shows by the template's call opener
+    (learned by rendering probe calls), so a call the record does not make is refused by name."""
+    tok = load_chat_tokenizer(family_dir(family))
+    assert tok.call_text.opener, family
+    record = json.dumps(SHAPES[shape](1))
+    from megatron_sft_idx.preprocess.records.inputs import parse_record
+    tok.encode_chat(parse_record(record, "x.jsonl", 1, "auto", "prompt", "completion")[1], "assistant", "x.jsonl", 1)
+    monkeypatch.setattr(shapes.Mapper, "done", _invent(copy))
+    conv = parse_record(record, "x.jsonl", 1, "auto", "prompt", "completion")[1]
+    with pytest.raises(InputError) as e:
+        tok.encode_chat(conv, "assistant", "x.jsonl", 1)
+    assert e.value.reason == "rendered_not_in_source" and "more than the record makes" in str(e.value), str(e.value)
+
+
+def test_the_call_opener_each_text_form_template_writes():
+    """What precedes every call's name, whatever precedes the call (MiniMax-M2's calls all follow a
+    closing tag and a newline, so its opener holds them)."""
+    want = {"qwen3.5": "<tool_call>\n<function=", "glm-4.7": "<tool_call>", "minimax-m2": '>\n<invoke name="',
+            "minimax-m3": '>\n]<]minimax[>[<invoke name="'}
+    for family, opener in want.items():
+        assert load_chat_tokenizer(family_dir(family)).call_text.opener == opener, family

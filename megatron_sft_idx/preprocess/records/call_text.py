@@ -25,7 +25,7 @@ right for the template that writes them.
 from __future__ import annotations
 
 import json
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 from ...jsondoc import parse_record_json
 from .errors import input_error
@@ -50,43 +50,93 @@ def _common_prefix(a: str, b: str) -> str:
     return a[:i]
 
 
-def call_renderer(render, string_arguments: bool) -> Callable[[str, dict], Optional[str]]:
-    """``text(name, arguments) -> str | None``: the call text the template behind
-    ``render(messages, tools=None)`` writes for one call (``string_arguments``: the template is
-    given arguments as a JSON string, :func:`.rendering.adapt`'s form); None when the template
-    rejects it. Results are cached (public sets repeat their calls)."""
-    cache: Dict[Tuple[str, str], Optional[str]] = {}
+def _call(name: str, arguments: dict, string_arguments: bool) -> dict:
+    given = json.dumps(arguments, ensure_ascii=False) if string_arguments else arguments
+    return {"type": "function", "id": "pr0be0001", "function": {"name": name, "arguments": given}}
 
-    def call(name: str, arguments: dict) -> dict:
-        given = json.dumps(arguments, ensure_ascii=False) if string_arguments else arguments
-        return {"type": "function", "id": "pr0be0001", "function": {"name": name, "arguments": given}}
 
-    def text(name: str, arguments: dict) -> Optional[str]:
+def _common_suffix(texts: Sequence[str]) -> str:
+    n = 0
+    while all(len(t) > n for t in texts) and len({t[len(t) - 1 - n] for t in texts}) == 1:
+        n += 1
+    return texts[0][len(texts[0]) - n:]
+
+
+class CallText:
+    """What a template that writes tool calls as text writes for them, learned from the template
+    behind ``render(messages, tools=None)`` (``string_arguments``: it is given arguments as a JSON
+    string, :func:`.rendering.adapt`'s form).
+
+    * ``self(name, arguments) -> str | None``: the call text of one call (None when the template
+      rejects it); cached, as public sets repeat their calls;
+    * :attr:`opener`: the text the template writes before every call's name, whatever precedes
+      the call (a reply's text, another call, nothing): Qwen3.5's ``<tool_call>\n<function=``,
+      GLM's ``<tool_call>``, MiniMax's ``<invoke name="``; None when no such text was learned, or
+      the template also writes it after the first user turn of a conversation without calls.
+    """
+
+    def __init__(self, render, string_arguments: bool) -> None:
+        self.render, self.string_arguments = render, string_arguments
+        self.cache: Dict[Tuple[str, str], Optional[str]] = {}
+        self._opener: Optional[Tuple[Optional[str]]] = None
+
+    def __call__(self, name: str, arguments: dict) -> Optional[str]:
         key = (name, json.dumps(arguments, ensure_ascii=False))
-        if key in cache:
-            return cache[key]
+        if key in self.cache:
+            return self.cache[key]
+        call = _call(name, arguments, self.string_arguments)
         try:
-            once = render([_ASK, {"role": "assistant", "content": "", "tool_calls": [call(name, arguments)]}])
+            once = self.render([_ASK, {"role": "assistant", "content": "", "tool_calls": [call]}])
         except Exception:   # the template rejects this call: the record's own rendering says so
             return None
         at = once.find(name, once.find(_ASK["content"]) + len(_ASK["content"]))
         out = None if at < 0 else once[at:]
         try:
-            twice = render([_ASK, {"role": "assistant", "content": "",
-                                   "tool_calls": [call(name, arguments), call(name, arguments)]}])
+            twice = self.render([_ASK, {"role": "assistant", "content": "", "tool_calls": [call, call]}])
             first = twice.find(name, twice.find(_ASK["content"]) + len(_ASK["content"]))
             second = twice.find(name, first + len(name) + 1) if first >= 0 else -1
             if out is not None and second > first:
                 # the longest text both agree on: the call, not what closes the turn or opens the next call
-                seg = twice[first:second]
-                out = _common_prefix(out, seg)
+                out = _common_prefix(out, twice[first:second])
         except Exception:   # one call per turn (the template refuses two): the call and its turn's end
             pass
-        if len(cache) >= _CACHE_LIMIT:
-            cache.clear()
-        cache[key] = out
+        if len(self.cache) >= _CACHE_LIMIT:
+            self.cache.clear()
+        self.cache[key] = out
         return out
-    return text
+
+    @property
+    def opener(self) -> Optional[str]:
+        if self._opener is None:
+            self._opener = (self._learn_opener(),)
+        return self._opener[0]
+
+    def _learn_opener(self) -> Optional[str]:
+        """The common end of what precedes a probe call's name after the ask, an earlier call and a
+        reply's text (leading whitespace removed); None when it is under two characters, the
+        template refuses a probe, or a conversation without calls shows it after the ask."""
+        one, two = (_call(n, {"xqkey": "xqvalue"}, self.string_arguments) for n in ("xqprobe_one", "xqprobe_two"))
+        schema = {"type": "function", "function": {"name": "xqprobe_tool", "description": "xqprobe tool",
+                                                   "parameters": {"type": "object", "properties": {}}}}
+        before = []
+        try:
+            for content, calls, name in (("", [one], "xqprobe_one"), ("", [one, two], "xqprobe_two"),
+                                         ("xqprobe said", [one], "xqprobe_one")):
+                text = self.render([_ASK, {"role": "assistant", "content": content, "tool_calls": calls}])
+                start = text.find(_ASK["content"]) + len(_ASK["content"])
+                before.append(text[start:text.find(name, start)])
+            plain = self.render([_ASK, {"role": "assistant", "content": "xqprobe said"}], tools=[schema])
+        except Exception:   # (a template that refuses a probe: no count of its calls)
+            return None
+        opener = _common_suffix(before).lstrip()
+        if len(opener) < 2 or opener in plain[plain.find(_ASK["content"]):]:
+            return None
+        return opener
+
+
+def call_renderer(render, string_arguments: bool) -> CallText:
+    """:class:`CallText` of the template behind ``render(messages, tools=None)``."""
+    return CallText(render, string_arguments)
 
 
 def _source_call(call) -> Tuple[Optional[str], object]:
@@ -109,15 +159,20 @@ def _source_call(call) -> Tuple[Optional[str], object]:
     return fn["name"], _without_nulls(arguments) if isinstance(arguments, dict) else None
 
 
-def check_text_calls(text: str, calls: Sequence, call_text, path: str, line: int) -> None:
+def check_text_calls(text: str, calls: Sequence, call_text, path: str, line: int,
+                     texts: Sequence[str] = (), after: int = 0) -> None:
     """Each call of ``calls`` (the record's, as it gives them) appears in ``text``, in order, as
-    the call text ``call_text(name, arguments)`` (:func:`call_renderer`) writes for it.
+    the call text ``call_text(name, arguments)`` (:class:`CallText`) writes for it; and, where the
+    template's call opener is known (:attr:`CallText.opener`), the rendering holds no other call:
+    from ``after`` (where the first user turn's text is) on, the opener occurs once per call, plus
+    as often as the call texts and ``texts`` (the messages' own texts, rendered as written) hold it.
 
     Raises:
-        InputError: a call whose rendering is not the template's rendering of the record's call
-            (``rendered_not_in_source``), naming the tool.
+        InputError: a call whose rendering is not the template's rendering of the record's call,
+            or a call the record does not make (``rendered_not_in_source``), naming the tool.
     """
     pos = 0
+    wants, starts = [], set()
     for n, call in enumerate(calls):
         name, arguments = _source_call(call)
         if name is None or arguments is None:
@@ -134,6 +189,23 @@ def check_text_calls(text: str, calls: Sequence, call_text, path: str, line: int
                               hint="the template (or the mapping) changed the call's arguments; report "
                                    "it, or pass --skip-bad to skip and count such records")
         pos = at + len(want)
+        wants.append(want)
+        starts.add(at)
+    opener = getattr(call_text, "opener", None)
+    if opener is None or after < 0 or len(wants) != len(calls):
+        return
+    shown = text.count(opener, after)
+    held = len(wants) + sum(w.count(opener) for w in wants) + sum(t.count(opener) for t in texts)
+    if shown > held:
+        at = text.find(opener, after)
+        while at >= 0 and at + len(opener) in starts:   # (the first that opens no call of the record)
+            at = text.find(opener, at + 1)
+        invented = text[at + len(opener):][:60].split("\n")[0] if at >= 0 else ""
+        raise input_error(f"the rendering shows {shown - held} tool call(s) more than the record makes "
+                          f"({len(wants)}; the first other: {invented!r})", path, line, field="tool_calls",
+                          reason="rendered_not_in_source",
+                          hint="the mapping (or the template) added a call the record does not make; report it, "
+                               "or pass --skip-bad to skip and count such records")
 
 
 def text_forms(value) -> Tuple[str, ...]:
