@@ -161,6 +161,26 @@ def test_alpaca_input_lost_fails(tmp_path, monkeypatch):
           "input (user content 'The cat number 0 sleeps.') is nowhere in the rendering")
 
 
+def gpteacher_without_context(mapper, record):
+    """An Alpaca mapping that reads ``response`` but loses Dolly's ``context`` (the input)."""
+    mapper.add({"role": "user", "content": record["instruction"]}, "instruction")
+    mapper.add({"role": "assistant", "content": record["response"]}, "response")
+    return mapper.done(None)
+
+
+def test_alpaca_context_lost_or_response_mistrained_fails(tmp_path, monkeypatch):
+    records = [{"instruction": f"Who wrote {i}?", "context": f"Ada wrote {i}.", "response": f"Ada {i}."}
+               for i in range(4)]
+    monkeypatch.setattr(schemas.alpaca, "to_conversation", gpteacher_without_context)
+    fails(tmp_path, records, EXAMPLE_TOKENIZER, "context (user content 'Ada wrote 0.') is nowhere in the rendering")
+    monkeypatch.setattr(schemas.alpaca, "to_conversation",   # the reply replaced by the instruction
+                        lambda mapper, record: gpteacher_without_context(mapper, dict(
+                            record, instruction=record["instruction"] + "\n" + record["context"],
+                            response=record["instruction"])))
+    fails(tmp_path, records, EXAMPLE_TOKENIZER, "response.content (assistant content 'Ada 0.') is nowhere in the "
+                                                "rendering")
+
+
 def keep_first_call(mapper, record):
     """An xLAM mapping that loses parallel calls: only the first of ``answers`` is kept."""
     calls = json.loads(record["answers"])[:1]

@@ -258,8 +258,10 @@ def read_source(record: dict, shape: str, settings: dict) -> SourceConversation:
             r.reply(r.turn("assistant", f"history[{i}][1]"), answer, {}, f"history[{i}][1]")
         t = r.turn("user", "instruction")
         r.text(t, "content", record.get("instruction"), "instruction")
-        r.text(t, "content", record.get("input"), "input")
-        r.reply(r.turn("assistant", "output"), record.get("output"), {}, "output")
+        for key in ("input", "context"):   # (Dolly's input)
+            r.text(t, "content", record.get(key), key)
+        reply = "output" if record.get("output") is not None else "response"   # (GPTeacher's, Dolly's reply)
+        r.reply(r.turn("assistant", reply), record.get(reply), {}, reply)
         tools = record.get("tools")
     elif shape == "xlam":
         r.text(r.turn("user", "query"), "content", record.get("query"), "query")
