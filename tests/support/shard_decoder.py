@@ -178,7 +178,7 @@ def check_record(record: dict, decoded: Sequence[Decoded], stops: Sequence[int],
                 return f"{t['role']} text {x[:40]!r} of turn {i} is not trained"
             if i not in trained and n and t["role"] != "assistant":
                 return f"{t['role']} text {x[:40]!r} of turn {i} is trained"
-            if i not in trained and n and loss_on == "last-turn" and x not in _texts_of(turns, trained):
+            if i not in trained and n and loss_on == "last-turn" and not any(x in y for y in _texts_of(turns, trained)):
                 return f"{t['role']} text {x[:40]!r} of untrained turn {i} is trained under last-turn"
         thought = t.get("reasoning")
         if thought:
@@ -195,6 +195,7 @@ def check_record(record: dict, decoded: Sequence[Decoded], stops: Sequence[int],
 
 
 def _texts_of(turns: List[dict], which: Sequence[int]) -> set:
-    """Every text (content, call name and argument value) of the turns ``which``: a text an
-    untrained assistant turn shares with a trained one may be trained there."""
+    """Every text (content, call name and argument value) of the turns ``which``: a text of an
+    untrained assistant turn that one of them holds (``Paris2`` in ``It is sunny in Paris2.``)
+    may be trained there."""
     return {x for i in which for x in turns[i]["texts"] + [v for c in turns[i].get("calls", []) for v in [c[0]] + c[1]]}
