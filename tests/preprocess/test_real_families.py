@@ -169,7 +169,7 @@ def check_family(tmp_path, family, shapes=SHAPES, **settings):
     records, refused = records_of(family, shapes, settings=settings)
     refused_shapes = refusals(family, settings)
     s, decoded = train(tmp_path, family, records, **settings)
-    assert s["skipped"] == refused, (family, s["skipped"], s.get("first_skipped"))
+    assert s["skipped"] == refused, (family, s["skipped"], s.get("skipped_examples"))
     assert s["verify_masks"]["failures"] == 0
     tok = ChatTokenizer(family_dir(family))
     stops = {tok.backend.token_to_id(t) for t in TABLE[family][0]}
@@ -383,3 +383,34 @@ def test_the_call_opener_each_text_form_template_writes():
             "minimax-m3": '>\n]<]minimax[>[<invoke name="'}
     for family, opener in want.items():
         assert load_chat_tokenizer(family_dir(family)).call_text.opener == opener, family
+
+
+def _calls_without_tools(i, n=2, content=None):
+    calls = [{"id": f"c{i}{j}", "type": "function", "function": {"name": "get_weather",
+                                                                   "arguments": {"city": f"Lyon{i}{j}"}}}
+             for j in range(n)]
+    return {"messages": [{"role": "user", "content": _mark(i) + f"Weather in Lyon{i}?"},
+                         {"role": "assistant", "content": content, "tool_calls": calls}]
+            + [{"role": "tool", "tool_call_id": c["id"], "content": f"sunny {i}{j}"} for j, c in enumerate(calls)]
+            + [{"role": "assistant", "content": f"Sunny in Lyon{i}."}]}
+
+
+def test_deepseek_v3_renders_calls_only_without_content_and_without_a_tools_list(tmp_path):
+    """DeepSeek-V3's template renders a turn's calls only when its content is null (the probe learns
+    it: the mapping's empty content is given as null), and no ``tools`` list. Parallel calls train;
+    a call beside text is refused by name before rendering (template_no_tool_support); a single
+    call renders no end of its turn (the template closes a call turn after its second call), so
+    the per-record stop check refuses it (template_error)."""
+    tok = ChatTokenizer(family_dir("deepseek-v3"))
+    assert tok.traits.calls_without_content and tok.traits.tool_arguments == "string"
+    records = [("parallel", _calls_without_tools(0)), ("parallel", _calls_without_tools(1, content="")),
+               ("text", _calls_without_tools(2, content="Let me look.")), ("single", _calls_without_tools(3, 1))]
+    s, decoded = train(tmp_path, "deepseek-v3", records)
+    assert s["skipped"] == {"template_no_tool_support": 1, "template_error": 1}, s
+    assert s["verify_masks"]["failures"] == 0 and s["conversations"] == 2
+    assert "messages[1] holds text beside its 2 call(s)" in s["skipped_examples"]["template_no_tool_support"]
+    assert "<｜tool▁call▁end｜>" in s["skipped_examples"]["template_error"]
+    stops = {tok.backend.token_to_id(t) for t in TABLE["deepseek-v3"][0]}
+    for i in (0, 1):
+        assert not check_record(records[i][1], decoded[i], stops, history_reasoning="kept"), i
+

@@ -49,6 +49,7 @@ class TemplateTraits:
     tool_arguments: Optional[str]    # "dict" | "string" | None: the template renders no tool calls
     renders_tools: bool              # a ``tools`` list reaches the rendering
     call_form: str = "json"          # "json": arguments written as JSON; "text": keys and values as text
+    calls_without_content: bool = False   # calls rendered only in a turn whose content is null (DeepSeek-V3)
 
 
 def _renders(render, messages, needles: Sequence[str], tools=None) -> bool:
@@ -72,16 +73,19 @@ def probe(render) -> TemplateTraits:
                                                "parameters": {"type": "object", "properties": {}}}}
     renders_tools = _renders(render, [user, {"role": "assistant", "content": "xqprobe answer"}], ["xqprobe_tool"],
                              tools=[schema])
-    for call_form, quote in (("json", '"'), ("text", "")):   # (JSON first: the bytes of the families before)
-        for name, arguments in (("dict", {"xqkey": "xqvalue"}), ("string", '{"xqkey": "xqvalue"}')):
-            call = {"type": "function", "id": _ID, "function": {"name": "xqprobe_call", "arguments": arguments}}
-            messages = [user, {"role": "assistant", "content": "", "tool_calls": [call]},
-                        {"role": "tool", "content": "xqprobe result", "tool_call_id": _ID},
-                        {"role": "assistant", "content": "xqprobe answer"}]
-            needles = ["xqprobe_call", f"{quote}xqkey{quote}", f"{quote}xqvalue{quote}", "xqprobe result"]
-            if _renders(render, messages, needles) or (renders_tools and
-                                                       _renders(render, messages, needles, [schema])):
-                return TemplateTraits(field, name, renders_tools, call_form)
+    # (JSON first, content "" first: the bytes of the families before; a null content last, for
+    # DeepSeek-V3's template, which renders a turn's calls only when its content is null)
+    for content in ("", None):
+        for call_form, quote in (("json", '"'), ("text", "")):
+            for name, arguments in (("dict", {"xqkey": "xqvalue"}), ("string", '{"xqkey": "xqvalue"}')):
+                call = {"type": "function", "id": _ID, "function": {"name": "xqprobe_call", "arguments": arguments}}
+                messages = [user, {"role": "assistant", "content": content, "tool_calls": [call]},
+                            {"role": "tool", "content": "xqprobe result", "tool_call_id": _ID},
+                            {"role": "assistant", "content": "xqprobe answer"}]
+                needles = ["xqprobe_call", f"{quote}xqkey{quote}", f"{quote}xqvalue{quote}", "xqprobe result"]
+                if _renders(render, messages, needles) or (renders_tools and
+                                                           _renders(render, messages, needles, [schema])):
+                    return TemplateTraits(field, name, renders_tools, call_form, content is None)
     return TemplateTraits(field, None, renders_tools)
 
 
@@ -114,6 +118,15 @@ def adapt(conv: Conversation, traits: TemplateTraits, policy: LossPolicy, path: 
             if traits.tool_arguments == "string":
                 m["tool_calls"] = [dict(c, function=dict(c["function"], arguments=json.dumps(
                     c["function"]["arguments"], ensure_ascii=False))) for c in m["tool_calls"]]
+            if traits.calls_without_content:
+                if m["content"].strip() or k in conv.inline or "reasoning_content" in m:
+                    raise input_error(f"the chat template renders tool calls only in a turn without content "
+                                      f"(null), and {conv.where(k)} holds text beside its "
+                                      f"{len(m['tool_calls'])} call(s)", path, line, field=conv.where(k),
+                                      reason="template_no_tool_support",
+                                      hint="use a chat template that renders a reply's text and its calls "
+                                           "(--chat-template), or pass --skip-bad")
+                m["content"] = None
         thought = m.pop("reasoning_content", None)
         if policy.reasoning == "drop":
             pass  # the answer alone
