@@ -14,6 +14,7 @@ the partitions an earlier attempt tokenized are kept once they verify
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import time
@@ -393,6 +394,13 @@ def describe_store(directory: str, identity: dict, infos: List[dict], parts: Lis
     return write_store_file(directory, identity, infos, parts, inputs.options.tokenizer_path, inputs.paths)
 
 
+def _switches(args: dict) -> str:
+    """``--template-arg`` options as a user gives them (``--template-arg enable_thinking=false``)."""
+    if not args:
+        return "no --template-arg"
+    return " ".join(f"--template-arg {k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in args.items())
+
+
 def _store_difference(existing: SequenceStore, identity: dict, infos: List[dict],
                       parts: List[Partition]) -> Optional[str]:
     """What differs between a store and the one this run would make (None: nothing)."""
@@ -403,6 +411,12 @@ def _store_difference(existing: SequenceStore, identity: dict, infos: List[dict]
             return (f"template date: the chat template reads the clock; the store was rendered with "
                     f"{theirs or 'no recorded date'}, this run renders {mine}"
                     + (f" (pass --template-date {theirs} to continue it)" if theirs else ""))
+        mine = identity["encode"].get("template_args") or {}
+        theirs = existing.identity["encode"].get("template_args") or {}
+        if mine != theirs and normal_json(dict(identity["encode"], template_args=None)) \
+                == normal_json(dict(existing.identity["encode"], template_args=None)):
+            return (f"template switches: the store was rendered with {_switches(theirs)}, this run renders with "
+                    f"{_switches(mine)}" + (f" (pass {_switches(theirs)} to continue it)" if theirs else ""))
         return "tokenizer and encoding settings"
     if len(infos) != len(existing.inputs):
         return "inputs"

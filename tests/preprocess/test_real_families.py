@@ -414,3 +414,33 @@ def test_deepseek_v3_renders_calls_only_without_content_and_without_a_tools_list
     for i in (0, 1):
         assert not check_record(records[i][1], decoded[i], stops, history_reasoning="kept"), i
 
+
+def test_template_switches_resume_repack_and_verify_with_the_store_s_values(tmp_path):
+    """--template-arg end to end: a resumed run given another value (or none) is refused naming both;
+    the store's values are what --resume, repack-sft and its --verify-masks render with."""
+    from megatron_sft_idx.errors import ShardError
+    from megatron_sft_idx.preprocess import RepackConfig
+    from megatron_sft_idx.preprocess.driver import repack
+    from megatron_sft_idx.reader import MMapIndexedDataset
+    path = write_jsonl(tmp_path / "a.jsonl", [plain(i) for i in range(3)] + [reasoning(3, False, 2)])
+    store = str(tmp_path / "store")
+
+    def go(name, **kw):
+        return run(Config(inputs=[path], output_prefix=str(tmp_path / name / "s"), tokenizer=family_dir("qwen3.5"),
+                          pack_size=2048, progress=False, verify_masks=4, store=store, **kw))
+
+    first = go("a", template_args={"enable_thinking": False})
+    shard = [open(first["outputs"][0] + x, "rb").read() for x in (".bin", ".loss.bin")]
+    again = go("b", template_args={"enable_thinking": False}, resume=True)
+    assert again["verify_masks"]["failures"] == 0
+    assert [open(again["outputs"][0] + x, "rb").read() for x in (".bin", ".loss.bin")] == shard
+    for other in ({"enable_thinking": True}, {}):
+        with pytest.raises(ShardError) as e:
+            go("c", template_args=other, resume=True)
+        given = "--template-arg enable_thinking=true" if other else "no --template-arg"
+        assert f"rendered with --template-arg enable_thinking=false, this run renders with {given}" in str(e.value)
+    s = repack(RepackConfig(store=store, output_prefix=str(tmp_path / "re" / "s"), pack_size=2048, progress=False,
+                            verify_masks=4))
+    assert s["verify_masks"]["failures"] == 0 and s["verify_masks"]["checked"] == 4
+    assert MMapIndexedDataset(s["outputs"][0]).metadata.extra["template_args"] == {"enable_thinking": False}
+    assert [open(s["outputs"][0] + x, "rb").read() for x in (".bin", ".loss.bin")] == shard
