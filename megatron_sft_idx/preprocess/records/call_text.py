@@ -17,7 +17,9 @@ JSON string, decoded twice where the producer encoded it twice, ``null`` absent 
 not from the mapping's result) must appear, in order, as exactly the call text the template writes
 for it. A mapping that kept a ``null`` (Qwen3.5 would write ``None``), added or dropped a key,
 swapped two calls' arguments or renamed a call fails here, naming the tool
-(``rendered_not_in_source``). Values a template writes as text compare as their text: the
+(``rendered_not_in_source``); and the rendering must show no call the record does not make,
+counted by the template's call opener (:attr:`CallText.opener`, learned by probe calls), so a
+call the mapping invents fails too. Values a template writes as text compare as their text: the
 template's own rendering of the source value is the reference, so ``True`` and ``true`` are each
 right for the template that writes them.
 """
