@@ -464,3 +464,23 @@ def test_the_call_count_starts_at_the_first_user_turn_not_in_the_tool_definition
     text = tok.render_conversation(tok.prepare(conv, DEFAULT_POLICY, "x.jsonl", 1))
     assert text.find("Hi") < text.find(tok.call_text.opener) < text.rfind("Hi")   # (the case at hand)
     tok.encode_chat(conv, "assistant", "x.jsonl", 1)
+
+
+def test_a_turn_starting_inside_a_token_takes_the_fast_path_with_the_reference_s_mask():
+    """MiniMax-M2's call turn starts after the generation prompt's "\\n" (its opened block counted as
+    prompt) and renders a "\\n" of its own: the turn starts inside the "\\n\\n" token. The batched
+    path proves such a boundary (offsets not trimmed, an ASCII token) and gives the reference's
+    ids and mask, instead of re-encoding every such record with offsets (8x slower per text)."""
+    import numpy as np
+    from megatron_sft_idx.preprocess.records.encode import EncodeOptions, RecordEncoder
+    from megatron_sft_idx.preprocess.records.inputs import parse_record
+    enc = RecordEncoder(EncodeOptions(tokenizer_path=family_dir("minimax-m2"), loss_on="assistant", skip_bad=True))
+    if enc.fast is None:
+        pytest.skip("gigatoken is not installed")
+    records = [(i + 1, json.dumps(SHAPES[s](i))) for i, s in enumerate(["openai", "sharegpt", "toolace", "plain"])]
+    got = enc.encode_batch(records, "x.jsonl")
+    assert enc.stats["fast_tokens"] == 4 and enc.stats["reference_tokens"] == 0, enc.stats
+    want = [enc.tok.encode_chat(parse_record(raw, "x.jsonl", n, "auto", "prompt", "completion")[1], "assistant",
+                                "x.jsonl", n) for n, raw in records]
+    assert np.array_equal(got.ids, np.concatenate([w[0] for w in want]))
+    assert np.array_equal(got.loss_mask, np.concatenate([w[1] for w in want]))
