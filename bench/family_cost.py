@@ -35,6 +35,7 @@ from bench.preprocess_speed import _cpu_s
 
 FAMILIES = ("qwen3", "qwen3.5", "glm-4.7", "minimax-m2", "minimax-m3")
 REFERENCE = "qwen3"
+PACK_SIZE = 16384   # (a longer conversation is dropped, by every family alike, and compared as not stored)
 
 
 def _family_dir(family: str) -> str:
@@ -52,7 +53,8 @@ def child(path: str, warm: str, family: str, out: str) -> dict:
     from megatron_sft_idx.preprocess.records.policy import DEFAULT_POLICY
 
     tok_dir = _family_dir(family)
-    settings = dict(tokenizer=tok_dir, pack_size=65536, workers=1, progress=False, overwrite=True, skip_bad=True)
+    settings = dict(tokenizer=tok_dir, pack_size=PACK_SIZE, workers=1, progress=False, overwrite=True, skip_bad=True,
+                    overlong="drop")
     entry.run(entry.Config(inputs=[warm], output_prefix=out + "_warm", **settings))
     cpu0 = _cpu_s()
     s = entry.run(entry.Config(inputs=[path], output_prefix=out, **settings))
@@ -68,9 +70,10 @@ def child(path: str, warm: str, family: str, out: str) -> dict:
                 text, _ = tok.stops.extend(conv.template_messages, text, [], path, n)
             except Exception:   # (a record the run skipped: not stored either)
                 continue
-            one_render += len(tok.backend.encode(text, add_special_tokens=False).ids)
+            n_tokens = len(tok.backend.encode(text, add_special_tokens=False).ids)
+            one_render += n_tokens if n_tokens <= PACK_SIZE else 0   # (dropped as overlong: not stored)
     return {"cpu_s": cpu, "conversations": s["conversations"], "tokens": s["tokens"] - s["padding_tokens"],
-            "skipped": s["skipped"], "truncated": s["truncated"], "one_render_tokens": one_render,
+            "skipped": s["skipped"], "dropped": s.get("sequences_dropped"), "one_render_tokens": one_render,
             "stop": tok.stops.rule}
 
 
@@ -117,7 +120,7 @@ def main(argv=None) -> int:
                           "skipped": last["skipped"], "tokens_stored": last["tokens"],
                           "tokens_one_render": last["one_render_tokens"],
                           "stored_over_one_render": last["tokens"] / max(1, last["one_render_tokens"]),
-                          "truncated": last["truncated"], "stop": last["stop"]}
+                          "dropped": last["dropped"], "stop": last["stop"]}
                 rows.append([kind, f, f"{rate:,.0f}", f"{rate / ref:.2f}", f"{last['conversations']:,}",
                              f"{last['tokens']:,}", f"{last['tokens'] / max(1, last['one_render_tokens']):.4f}"])
             results["corpora"][kind] = out

@@ -21,6 +21,6 @@ def test_family_cost_runs_each_family_against_qwen3(tmp_path, monkeypatch):
         rows = doc["corpora"][corpus]
         assert set(rows) == {"qwen3", "glm-4.7"} and rows["qwen3"]["vs_qwen3"] == 1.0
         for family, row in rows.items():
-            assert row["conversations"] == 30 and row["skipped"] == {} and row["truncated"] == 0, (family, row)
+            assert row["conversations"] == 30 and row["skipped"] == {} and not row["dropped"], (family, row)
             assert row["tokens_stored"] == row["tokens_one_render"], (corpus, family, row)
     assert doc["corpora"]["tools"]["glm-4.7"]["stop"] == "next-role"
