@@ -484,3 +484,24 @@ def test_a_turn_starting_inside_a_token_takes_the_fast_path_with_the_reference_s
                                 "x.jsonl", n) for n, raw in records]
     assert np.array_equal(got.ids, np.concatenate([w[0] for w in want]))
     assert np.array_equal(got.loss_mask, np.concatenate([w[1] for w in want]))
+
+
+def test_a_record_s_calls_are_rendered_together_once_and_cut_by_the_template_s_frame():
+    """The XML read-back renders the record's new calls in one turn, once, and cuts them where the
+    frame learned on probe calls says: each piece equals the call rendered by itself."""
+    from megatron_sft_idx.preprocess.records.call_text import call_renderer
+    for family in ("qwen3.5", "glm-4.7"):
+        tok = ChatTokenizer(family_dir(family))
+        renders = []
+
+        def render(messages, tools=None):
+            renders.append(len(messages))
+            return tok.render(messages, tools=tools)
+        joint, alone = call_renderer(render, False), call_renderer(tok.render, False)
+        assert joint.frame is not None
+        calls = [("get_weather", {"city": "Oslo", "unit": "c"}), ("convert_currency", {"amount": 3, "to": "EUR"}),
+                 ("get_weather", {"city": "Lima"})]
+        before = len(renders)
+        assert joint.many(calls) == [alone(*c) for c in calls]
+        assert len(renders) - before == 1, family
+        assert joint.many(calls) == [alone(*c) for c in calls] and len(renders) - before == 1   # (cached)

@@ -27,7 +27,7 @@ right for the template that writes them.
 from __future__ import annotations
 
 import json
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ...jsondoc import parse_record_json
 from .errors import input_error
@@ -81,6 +81,59 @@ class CallText:
         self.render, self.string_arguments = render, string_arguments
         self.cache: Dict[Tuple[str, str], Optional[str]] = {}
         self._opener: Optional[Tuple[Optional[str]]] = None
+        self._frame: Optional[Tuple[Optional[Tuple[str, str]]]] = None
+
+    def many(self, calls: Sequence[Tuple[str, dict]]) -> List[Optional[str]]:
+        """The call texts of ``calls`` (``(name, arguments)`` pairs), as ``self`` gives each: those
+        not cached from ONE rendering of them together, cut where the template's :attr:`frame`
+        says (two renders a call otherwise: a fifth of the main job on tool data); each by itself
+        when the frame is unknown or the cut does not hold."""
+        keys = [(name, json.dumps(arguments, ensure_ascii=False)) for name, arguments in calls]
+        todo = [i for i, key in enumerate(keys) if key not in self.cache]
+        if len(todo) > 1 and self.frame is not None:
+            try:
+                text = self.render([_ASK, {"role": "assistant", "content": "", "tool_calls": [
+                    _call(*calls[i], self.string_arguments) for i in todo]}])
+            except Exception:   # (one call per turn: each by itself)
+                text = None
+            cut = None if text is None else _cut(text, [calls[i][0] for i in todo], self.frame)
+            for i, piece in zip(todo, cut or ()):
+                self._keep(keys[i], piece)
+        return [self.cache[key] if key in self.cache else self(*call) for key, call in zip(keys, calls)]
+
+    @property
+    def frame(self) -> Optional[Tuple[str, str]]:
+        """``(glue, closer)``: what the template writes after a call's text up to the next call's
+        name, and after a turn's last call to the end of the rendering; learned on two probe calls
+        and kept only when cutting their joint rendering gives each call's own text."""
+        if self._frame is None:
+            self._frame = (self._learn_frame(),)
+        return self._frame[0]
+
+    def _learn_frame(self) -> Optional[Tuple[str, str]]:
+        one, two = ("xqprobe_one", {"xqkey": "xqvalue"}), ("xqprobe_two", {"xqkey": "xqother"})
+        try:
+            alone = self.render([_ASK, {"role": "assistant", "content": "", "tool_calls": [
+                _call(*one, self.string_arguments)]}])
+            both = self.render([_ASK, {"role": "assistant", "content": "", "tool_calls": [
+                _call(*one, self.string_arguments), _call(*two, self.string_arguments)]}])
+        except Exception:   # (a template that refuses two calls in a turn: no joint rendering)
+            return None
+        first, second = self(*one), self(*two)
+        start = both.find(_ASK["content"]) + len(_ASK["content"])
+        at = both.find(one[0], start)
+        nxt = both.find(two[0], at + 1) if at >= 0 else -1
+        tail = alone.find(one[0], start)
+        if not first or not second or nxt < 0 or tail < 0 or not both.startswith(first, at) \
+                or not alone.startswith(first, tail):
+            return None
+        frame = (both[at + len(first):nxt], alone[tail + len(first):])
+        return frame if frame[0] and _cut(both, [one[0], two[0]], frame) == [first, second] else None
+
+    def _keep(self, key: Tuple[str, str], text: Optional[str]) -> None:
+        if len(self.cache) >= _CACHE_LIMIT:
+            self.cache.clear()
+        self.cache[key] = text
 
     def __call__(self, name: str, arguments: dict) -> Optional[str]:
         key = (name, json.dumps(arguments, ensure_ascii=False))
@@ -102,9 +155,7 @@ class CallText:
                 out = _common_prefix(out, twice[first:second])
         except Exception:   # one call per turn (the template refuses two): the call and its turn's end
             pass
-        if len(self.cache) >= _CACHE_LIMIT:
-            self.cache.clear()
-        self.cache[key] = out
+        self._keep(key, out)
         return out
 
     @property
@@ -134,6 +185,24 @@ class CallText:
         if len(opener) < 2 or opener in plain[plain.find(_ASK["content"]):]:
             return None
         return opener
+
+
+def _cut(text: str, names: Sequence[str], frame: Tuple[str, str]) -> Optional[List[str]]:
+    """The call texts in ``text`` (one turn of calls named ``names``, in order, after the ask) by
+    ``frame`` (:attr:`CallText.frame`), or None when it does not cut so."""
+    glue, closer = frame
+    at = text.find(names[0], text.find(_ASK["content"]) + len(_ASK["content"]))
+    if at < 0 or not text.endswith(closer):
+        return None
+    out = []
+    for i in range(1, len(names)):
+        nxt = text.find(glue + names[i], at + len(names[i - 1]))
+        if nxt < 0:
+            return None
+        out.append(text[at:nxt])
+        at = nxt + len(glue)
+    out.append(text[at:len(text) - len(closer)])
+    return out
 
 
 def call_renderer(render, string_arguments: bool) -> CallText:
@@ -177,11 +246,11 @@ def check_text_calls(text: str, calls: Sequence, call_text, path: str, line: int
     """
     pos = 0
     wants, starts = [], set()
-    for n, call in enumerate(calls):
-        name, arguments = _source_call(call)
-        if name is None or arguments is None:
-            continue   # (the mapping refuses it)
-        want = call_text(name, arguments)
+    given = [(n, *_source_call(call)) for n, call in enumerate(calls)]
+    given = [(n, name, arguments) for n, name, arguments in given if name is not None and arguments is not None]
+    texts = call_text.many([(name, arguments) for _, name, arguments in given]) if hasattr(call_text, "many") \
+        else [call_text(name, arguments) for _, name, arguments in given]   # (the mapping refuses the others)
+    for (n, name, _), want in zip(given, texts):
         if not want:
             continue   # (the template refuses it alone: its error is the record's)
         at = text.find(want, pos)
