@@ -14,6 +14,7 @@ import pytest
 
 from support.chat_families import with_template
 from megatron_sft_idx.errors import ShardError
+from megatron_sft_idx.preprocess import tokenize as tokenize_stage
 from megatron_sft_idx.preprocess.records import chat, encode, shapes as schemas, stops
 from megatron_sft_idx.preprocess import Config, run
 from support.sft_fixtures import alpaca, glaive, openai, reasoning, toolace, write_jsonl, xlam, xlam_raw
@@ -245,6 +246,7 @@ def test_end_of_turn_untrained_fails(tmp_path, monkeypatch):
 
     monkeypatch.setattr(chat.ChatTokenizer, "prefix_spans", short)
     monkeypatch.setattr(chat, "_LOADED", {})   # (a tokenizer an earlier test loaded learned its one-render spans unpatched)
+    monkeypatch.setattr(tokenize_stage, "_ENCODERS", {})   # (and so did an encoder an earlier run kept)
     records = [json.loads(line) for line in open(os.path.join(ROOT, "examples", "conversations.jsonl"))][:6]
     with pytest.raises(ShardError, match="not a stop token"):   # every record's own stop check, first
         run(Config(inputs=[write_jsonl(tmp_path / "bad.jsonl", records)], output_prefix=str(tmp_path / "o1"),
