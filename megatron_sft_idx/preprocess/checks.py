@@ -28,7 +28,8 @@ from ..format import PUBLISH_ORDER
 from ..gate import check
 from ..jsondoc import parse_record_json
 from ..reader import MMapIndexedDataset
-from .records.chat import load_chat_tokenizer, trained_from_offsets
+from .records.chat import load_chat_tokenizer
+from .records.masks import trained_from_offsets
 from .records.encode import encoding_of
 from .records.inputs import parse_record
 from .records.partitions import read_batches

@@ -14,6 +14,7 @@ the partitions an earlier attempt tokenized are kept once they verify
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import time
@@ -28,7 +29,8 @@ from ..builder import IndexedDatasetBuilder
 from ..errors import InputError, ObjectChangedError, RemoteStorageError, ShardError
 from ..packing import exclusive_cumsum
 from ..jsondoc import HEX, normal_json
-from .records.chat import TEMPLATE_HINT, check_template_date, load_chat_tokenizer, resolve_chat_template, utc_today
+from .records.chat import TEMPLATE_HINT, load_chat_tokenizer, resolve_chat_template
+from .records.template_clock import check_template_date, utc_today
 from .config import Config, check_pad_id
 from .records.encode import EncodedBatch, EncodeOptions, RecordEncoder, preload
 from .engines.base import report_progress
@@ -106,7 +108,7 @@ def resolve_inputs(cfg: Config, recorded_date: Optional[str] = None) -> Inputs:
         _no_template(tok, pad is None)
     pad_id = check_pad_id(pad, vocab)
     if tok is not None and tk.input_format != "tokens":
-        tok.require_stop()   # (decided on the template, before anything is tokenized)
+        tok.stops.require()   # (decided on the template, before anything is tokenized)
     shipped = resolve_tokenizer(tk.tokenizer) if is_tokenizer_reference(tk.tokenizer) else None
     options = tk.encode_options(tokenizer_path=(tk.tokenizer if shipped else tok.path) if tok else None,
                                 vocab_size=vocab, skip_bad=cfg.pack.skip_bad, chat_template_text=template,
@@ -409,6 +411,13 @@ def describe_store(directory: str, identity: dict, infos: List[dict], parts: Lis
     return write_store_file(directory, identity, infos, parts, inputs.options.tokenizer_path, inputs.paths)
 
 
+def _switches(args: dict) -> str:
+    """``--template-arg`` options as a user gives them (``--template-arg enable_thinking=false``)."""
+    if not args:
+        return "no --template-arg"
+    return " ".join(f"--template-arg {k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in args.items())
+
+
 def _store_difference(existing: SequenceStore, identity: dict, infos: List[dict],
                       parts: List[Partition]) -> Optional[str]:
     """What differs between a store and the one this run would make (None: nothing)."""
@@ -419,6 +428,12 @@ def _store_difference(existing: SequenceStore, identity: dict, infos: List[dict]
             return (f"template date: the chat template reads the clock; the store was rendered with "
                     f"{theirs or 'no recorded date'}, this run renders {mine}"
                     + (f" (pass --template-date {theirs} to continue it)" if theirs else ""))
+        mine = identity["encode"].get("template_args") or {}
+        theirs = existing.identity["encode"].get("template_args") or {}
+        if mine != theirs and normal_json(dict(identity["encode"], template_args=None)) \
+                == normal_json(dict(existing.identity["encode"], template_args=None)):
+            return (f"template switches: the store was rendered with {_switches(theirs)}, this run renders with "
+                    f"{_switches(mine)}" + (f" (pass {_switches(theirs)} to continue it)" if theirs else ""))
         return "tokenizer and encoding settings"
     if len(infos) != len(existing.inputs):
         return "inputs"

@@ -7,7 +7,8 @@ import shutil
 import numpy as np
 import pytest
 
-from megatron_sft_idx.preprocess.records.chat import ChatTokenizer, encode_tokens
+from megatron_sft_idx.preprocess.records.chat import ChatTokenizer
+from megatron_sft_idx.preprocess.records.masks import encode_tokens
 from megatron_sft_idx.preprocess.records.errors import InputError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

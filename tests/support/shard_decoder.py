@@ -146,18 +146,25 @@ def source_turns(record: dict) -> List[dict]:
 
 
 def check_record(record: dict, decoded: Sequence[Decoded], stops: Sequence[int], *, tool_calls: str = "train",
-                 reasoning: str = "train", history_reasoning: str = "dropped", per_turn: bool = False) -> str:
+                 reasoning: str = "train", history_reasoning: str = "dropped", loss_on: str = "assistant") -> str:
     """'' when the record's sequences train exactly what the settings say, else the first problem.
     ``history_reasoning``: what the family's template does with the reasoning of a turn a user turn
-    follows (``dropped``: not rendered, so not trained; ``kept``: rendered, trained per policy)."""
+    follows (``dropped``: not rendered, so not trained; ``kept``: rendered, trained per policy);
+    ``loss_on``: ``assistant`` (every turn, one sequence), ``per-turn`` (one sequence per turn, each
+    training its last turn with its reasoning) or ``last-turn`` (the final turn only)."""
     turns = source_turns(record)
     trained = [i for i, t in enumerate(turns) if t["role"] == "assistant" and not (tool_calls == "mask" and t["calls"])]
+    if loss_on == "last-turn":
+        trained = trained[-1:]
+    per_turn = loss_on == "per-turn"
     if not decoded:
         return "no sequence of the record is in the shards"
     runs = [r for d in decoded for r in d.runs]
     if per_turn and len(decoded) != len(trained):
         return f"{len(decoded)} sequences for {len(trained)} trained turns"
-    if len(runs) < len(trained):
+    if per_turn and any(len(d.runs) != 1 for d in decoded):
+        return f"a per-turn sequence trains {[len(d.runs) for d in decoded]} runs, not one each"
+    if len(runs) < len(trained) or (loss_on == "last-turn" and len(runs) != 1):
         return f"{len(runs)} trained runs for {len(trained)} trained turns: {[r[0][:40] for r in runs]}"
     for text, last in runs:
         if last not in stops:
@@ -167,10 +174,12 @@ def check_record(record: dict, decoded: Sequence[Decoded], stops: Sequence[int],
         last_user = any(u["role"] == "user" for u in turns[i + 1:])
         for x in t["texts"] + [v for c in t.get("calls", []) for v in [c[0]] + c[1]]:
             n = joined.count(x)
-            if i in trained and n < 1 + (per_turn and 0):
+            if i in trained and n < 1:
                 return f"{t['role']} text {x[:40]!r} of turn {i} is not trained"
             if i not in trained and n and t["role"] != "assistant":
                 return f"{t['role']} text {x[:40]!r} of turn {i} is trained"
+            if i not in trained and n and loss_on == "last-turn" and not any(x in y for y in _texts_of(turns, trained)):
+                return f"{t['role']} text {x[:40]!r} of untrained turn {i} is trained under last-turn"
         thought = t.get("reasoning")
         if thought:
             want = i in trained and reasoning == "train" and not (history_reasoning == "dropped" and last_user
@@ -178,6 +187,15 @@ def check_record(record: dict, decoded: Sequence[Decoded], stops: Sequence[int],
             got = joined.count(thought)
             if want and got != 1 and not per_turn:
                 return f"the reasoning of turn {i} is trained {got} times"
+            if want and per_turn and got < 1:
+                return f"the reasoning of turn {i} is not trained in its own sequence"
             if not want and got:
                 return f"the reasoning of turn {i} is trained, but the settings do not train it"
     return ""
+
+
+def _texts_of(turns: List[dict], which: Sequence[int]) -> set:
+    """Every text (content, call name and argument value) of the turns ``which``: a text of an
+    untrained assistant turn that one of them holds (``Paris2`` in ``It is sunny in Paris2.``)
+    may be trained there."""
+    return {x for i in which for x in turns[i]["texts"] + [v for c in turns[i].get("calls", []) for v in [c[0]] + c[1]]}

@@ -26,7 +26,7 @@ empty, never trained under the default ``--empty-reasoning-loss mask``; non-empt
 trained as rendered without it). Anything else is refused under ``assistant``, naming the modes
 that work (``last-turn``, ``per-turn``, ``all``). Each turn's stop is the template's end token,
 or the next role's token with the tokenizer's end-of-sequence token appended after the last turn
-(:attr:`ChatTokenizer.stop`), and every record's trained runs are checked to end with one.
+(:mod:`.stops`), and every record's trained runs are checked to end with one.
 
 Templates that read the clock (``strftime_now``, as Meta's Llama 3.1/3.2 templates print
 today's date) render a pinned date instead: ``template_date`` (``--template-date``; the run
@@ -38,7 +38,6 @@ ids and masks faster (one render, batched tokenization) and is pinned to it.
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import os
 from typing import List, Optional, Tuple
@@ -49,10 +48,14 @@ from ..._extras import require_extra
 from ...errors import ShardError
 from ...jsondoc import load_json
 from .errors import input_error
-from .policy import DEFAULT_POLICY, LossPolicy, refine_spans, require_trainable, trained_turns
+from .masks import label_aligned, trained_from_offsets
+from .policy import (DEFAULT_POLICY, LossPolicy, as_history, refine_spans, require_trainable, trained_turns,
+                     without_opened_block)
 from .call_text import call_renderer
-from .rendering import TemplateTraits, adapt, check_rendered, probe, stop_rule
+from .rendering import TemplateTraits, adapt, check_rendered, probe
 from .shapes import Conversation, SchemaOptions, as_conversation
+from .stops import Stops
+from .template_clock import check_template_date, pinned_clock, reads_clock, utc_today
 from .tokenizer_source import TOKENIZER_FILES, local_tokenizer
 
 LOSS_MODES = ("assistant", "last-turn", "all", "per-turn")
@@ -145,17 +148,16 @@ class ChatTokenizer:
         self.reads_clock = reads_clock(self.chat_template)
         self.template_date = (check_template_date(template_date) if template_date else utc_today()) \
             if self.reads_clock else None
-        self.clock = {"strftime_now": _pinned_clock(self.template_date)} if self.reads_clock else {}
+        self.clock = {"strftime_now": pinned_clock(self.template_date)} if self.reads_clock else {}
         self.template_kwargs.update(self.clock)
         self.template_args = dict(template_args)
         self.template_kwargs.update(self.template_args)
         self._traits: Optional[TemplateTraits] = None
         self._call_text = None
-        self._stop: Optional[Tuple[Optional[str]]] = None
-        self._specials = sorted(self.special_tokens, key=len, reverse=True)
-        #: the ids a trained reply may end on (its stop): the special tokens
-        self.stop_ids = np.asarray(sorted({self.backend.token_to_id(t) for t in self.special_tokens} - {None}),
-                                   dtype=np.int64)
+        #: how assistant turns end, and the check that every trained reply ends with its stop
+        self.stops = Stops((lambda messages, tools=None: self.render(messages, tools=tools))
+                           if self.chat_template is not None else None, self.special_tokens,
+                           self.backend.token_to_id, self.hf.eos_token, self.path)
 
     @staticmethod
     def _compile(template: Optional[str]):
@@ -218,61 +220,6 @@ class ChatTokenizer:
         return self._traits
 
     @property
-    def stop(self) -> Optional[str]:
-        """How the template ends an assistant turn (:data:`.rendering.STOP_RULES`), asked once
-        before anything is tokenized; None: it ends turns with nothing to stop on."""
-        if self._stop is None:
-            eos = self.hf.eos_token if self.hf.eos_token in self.special_tokens else None
-            self._stop = (stop_rule(lambda messages, tools=None: self.render(messages, tools=tools),
-                                    self.special_at, eos),) if self.chat_template is not None else ("end-token",)
-        return self._stop[0]
-
-    def special_at(self, text: str, i: int) -> Optional[str]:
-        """The special token ``text`` holds at ``i`` (the longest), or None."""
-        for token in self._specials:
-            if text.startswith(token, i):
-                return token
-        return None
-
-    def require_stop(self) -> None:
-        """Raises ShardError when the template's assistant turns end with nothing to stop on."""
-        if self.chat_template is not None and self.stop is None:
-            raise ShardError("the chat template ends an assistant turn with no end token, and neither a special "
-                             "token follows it nor does the tokenizer declare a special end-of-sequence token to "
-                             "append: a model trained on it would never learn to stop", path=self.path,
-                             field="chat_template", rule="template_no_stop",
-                             hint="use a chat template whose assistant turns end with an end-of-turn token "
-                                  "(--chat-template), or a tokenizer whose eos_token is a special token")
-
-    def with_stops(self, conv: Conversation, full: str, spans, path: str, line: int):
-        """``(full, spans)`` with each turn's stop inside its span, under the ``next-role`` rule:
-        the next role's token the rendering shows after the turn, or the tokenizer's
-        end-of-sequence token appended after a rendering that ends with an assistant turn
-        (docs/INPUTS.md, "Stops"). Unchanged under ``end-token``.
-
-        Raises:
-            InputError: a trained turn followed by no special token.
-        """
-        if self.stop != "next-role":
-            return full, spans
-        messages = conv.template_messages
-        if messages and messages[-1].get("role") == "assistant":
-            full = full.rstrip() + self.hf.eos_token
-        out = []
-        for a, b in spans:
-            i = b
-            while i < len(full) and full[i].isspace():
-                i += 1
-            token = self.special_at(full, i)
-            if token is None:
-                raise input_error("an assistant turn ends with no stop: the template renders no end token after "
-                                  "it and no special token follows it", path, line, field="chat_template",
-                                  reason="template_error", hint="use a chat template with an end-of-turn token "
-                                  "(--chat-template), or pass --skip-bad")
-            out.append((a, i + len(token)))
-        return full, out
-
-    @property
     def call_text(self):
         """For a template that writes tool calls as text (XML, key/value tags), the call text it
         writes for ``(name, arguments)`` (:func:`.call_text.call_renderer`); else None."""
@@ -324,7 +271,7 @@ class ChatTokenizer:
             full = self.render_conversation(conv)
             spans = [] if loss_on == "all" else self.prefix_spans(conv, turns, full, path, line,
                                                                   loss_on == "assistant", policy, notes)
-            full, spans = self.with_stops(conv, full, spans, path, line)
+            full, spans = self.stops.extend(conv.template_messages, full, spans, path, line)
         except ShardError:
             raise
         except Exception as exc:  # jinja2 TemplateError, raise_exception(), bad content types
@@ -386,8 +333,8 @@ class ChatTokenizer:
             trained[:1] = 0
         else:
             trained = trained_from_offsets(np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)[:, 0], spans)
-            self.check_stops(ids, trained, path, line)
-        return ids, self._label_aligned(trained, path, line)
+            self.stops.check(ids, trained, path, line, self.decode)
+        return ids, label_aligned(trained, path, line)
 
     def prefix_spans(self, conv: Conversation, turns: List[int], full: str, path: str, line: int,
                      every_turn: bool = True, policy: LossPolicy = DEFAULT_POLICY, notes: Optional[dict] = None):
@@ -421,13 +368,13 @@ class ChatTokenizer:
             before = (self.render(messages[:k], True, conv.tools) if k else self.empty_prefix(conv.tools))
             after = self.render(messages[:k + 1], False, conv.tools)
             if not full.startswith(before):
-                head = _without_opened_block(before, opening, closing)
+                head = without_opened_block(before, opening, closing)
                 if head is not None and full.startswith(head):
                     before = head   # (the generation prompt's opened block, counted as prompt)
                     if notes is not None:
                         notes.setdefault("opened", set()).add(k)
             if len(before) <= len(after) and not full.startswith(after):
-                edited = _as_history(after, len(before), full, opening, closing)
+                edited = as_history(after, len(before), full, opening, closing)
                 if edited is not None and (not edited[1] or policy.empty_reasoning == "mask"):
                     after = edited[0]
                     if not edited[1] and notes is not None:
@@ -459,23 +406,6 @@ class ChatTokenizer:
                 raise
             return ""
 
-    def check_stops(self, ids: np.ndarray, trained: np.ndarray, path: str, line: int) -> None:
-        """Every run of trained tokens (token-aligned ``trained``) ends with a stop: a special token
-        (the turn's end token, or the next role's; docs/INPUTS.md, "Stops"). Made on every record.
-
-        Raises:
-            InputError: a trained reply that ends otherwise (reason ``template_error``).
-        """
-        t = trained.astype(bool, copy=False)
-        ends = np.flatnonzero(t & ~np.append(t[1:], False))
-        bad = ends[~np.isin(ids[ends], self.stop_ids)]
-        if bad.size:
-            raise input_error(f"a trained reply ends with {self.decode(ids[bad[0]:bad[0] + 1])!r}, not a stop token: "
-                              "the model would not learn to stop", path, line, field="loss_mask",
-                              reason="template_error",
-                              hint="use a chat template whose assistant turns end with an end-of-turn token "
-                                   "(--chat-template), or pass --skip-bad")
-
     def encode_prompt(self, prompt: str, completion: str, path: str, line: int):
         """``[bos] prompt completion eos``; trained: the completion and EOS."""
         p = self.backend.encode(prompt, add_special_tokens=False).ids
@@ -485,17 +415,7 @@ class ChatTokenizer:
         ids = np.asarray(head + p + c + tail, dtype=np.int64)
         trained = np.zeros(ids.size, dtype=np.uint8)
         trained[len(head) + len(p):] = 1
-        return ids, self._label_aligned(trained, path, line)
-
-    @staticmethod
-    def _label_aligned(trained: np.ndarray, path: str, line: int) -> np.ndarray:
-        mask = np.zeros(trained.size, dtype=np.uint8)
-        mask[:-1] = trained[1:]
-        if not mask.any():
-            raise input_error("no token is trained: the loss mask comes out all zero", path, line,
-                              field="loss_mask", reason="no_trainable_tokens",
-                              hint="the conversation has no assistant turn (or the template hides it)")
-        return mask
+        return ids, label_aligned(trained, path, line)
 
     def decode(self, ids) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=False)
@@ -517,43 +437,6 @@ def load_chat_tokenizer(path: str, chat_template: Optional[str] = None,
         _LOADED.clear()
         _LOADED[key] = ChatTokenizer(path, chat_template, template_date, template_args)
     return _LOADED[key]
-
-
-# --------------------------------------------------------------------------- the template's clock
-
-
-def reads_clock(template: Optional[str]) -> bool:
-    """True when the template can print the time (transformers gives templates ``strftime_now``)."""
-    return template is not None and "strftime_now" in template
-
-
-def utc_today() -> str:
-    """Today's date in UTC, ``YYYY-MM-DD`` (the default ``--template-date``)."""
-    return datetime.datetime.now(datetime.timezone.utc).date().isoformat()
-
-
-def check_template_date(value: str) -> str:
-    """``value`` if it is a ``YYYY-MM-DD`` date.
-
-    Raises:
-        ShardError: it is not.
-    """
-    try:
-        if isinstance(value, str) and len(value) == 10:
-            return datetime.date.fromisoformat(value).isoformat()
-    except ValueError:
-        pass
-    raise ShardError(f"--template-date {value!r} is not a date", field="template_date", actual=value,
-                     hint="give it as YYYY-MM-DD, e.g. 2024-07-26")
-
-
-def _pinned_clock(date: str):
-    """``strftime_now`` for templates, at midnight of ``date`` whatever the time zone or the day."""
-    moment = datetime.datetime.combine(datetime.date.fromisoformat(date), datetime.time())
-
-    def strftime_now(fmt: str) -> str:
-        return moment.strftime(fmt)
-    return strftime_now
 
 
 def resolve_chat_template(value: str, tokenizer_path: str) -> str:
@@ -598,86 +481,6 @@ def reasoning_turns(conv: Conversation, loss_on: str, policy: LossPolicy, turns:
     return trained_turns(conv, "last-turn", policy) if loss_on == "all" else turns
 
 
-def _without_opened_block(prompt: str, opening: str, closing: str) -> Optional[str]:
-    """``prompt`` without the reasoning block its end opens (the opening tag and the whitespace
-    around it), or the empty block it ends with (Qwen3.5's ``enable_thinking=false`` prompt), or
-    None when it ends with neither."""
-    stripped = prompt.rstrip()
-    if stripped.endswith(opening):
-        return prompt[:len(stripped) - len(opening)]
-    if stripped.endswith(closing):
-        start = stripped.rfind(opening, 0, len(stripped) - len(closing))
-        if start >= 0 and not stripped[start + len(opening):len(stripped) - len(closing)].strip():
-            return prompt[:start]
-    return None
-
-
-def _as_history(after: str, at: int, full: str, opening: str, closing: str) -> Optional[Tuple[str, bool]]:
-    """``(after as the history shows it, whether its block was empty)``: ``after`` (a turn rendered
-    as the conversation's last) with the reasoning block opening at ``at`` (after whitespace)
-    removed, or reduced to its closing tag, whichever ``full`` starts with; None when neither is
-    (or there is no block there)."""
-    i = at
-    while i < len(after) and after[i].isspace():
-        i += 1
-    if not after.startswith(opening, i):
-        return None
-    close = after.find(closing, i + len(opening))
-    if close < 0:
-        return None
-    end = close + len(closing)
-    while end < len(after) and after[end].isspace():
-        end += 1
-    empty = not after[i + len(opening):close].strip()
-    for middle in ("", closing):
-        edited = after[:at] + middle + after[end:]
-        if full.startswith(edited):
-            return edited, empty
-    return None
-
-
 def template_rejected(exc: BaseException, path: str, line: int):
     return input_error(f"the chat template rejected the conversation ({exc})", path, line,
                        field="messages", reason="template_error")
-
-
-def trained_from_offsets(starts: np.ndarray, spans) -> np.ndarray:
-    """Token-aligned flags: 1 on every token whose start offset lies inside a span (reference rule)."""
-    trained = np.zeros(starts.size, dtype=np.uint8)
-    for a, b in spans:
-        trained[np.searchsorted(starts, a, "left"):np.searchsorted(starts, b, "left")] = 1
-    return trained
-
-
-def encode_tokens(ids, loss_mask, answer_start: Optional[int], vocab_size: Optional[int], path: str, line: int):
-    """Pre-tokenized record -> ids and LABEL-ALIGNED mask.
-
-    ``loss_mask`` in the input is token-aligned (1 on each token the model must
-    produce); ``answer_start_idx`` trains every token from that index on
-    (Megatron-Bridge's convention). Both are shifted to label alignment here.
-
-    Raises:
-        InputError: a token id outside ``[0, vocab_size)``, loss values not 0/1, or
-            nothing trained.
-    """
-    try:
-        arr = np.asarray(ids, dtype=np.int64)
-    except OverflowError:  # (a Parquet uint64 or a JSON integer past int64: never a token id)
-        bad = next(i for i, t in enumerate(ids) if not -(1 << 63) <= t < 1 << 63)
-        raise input_error(f"token id {ids[bad]} at position {bad} does not fit int64", path, line,
-                          field="input_ids", reason="token_out_of_vocab") from None
-    if arr.min() < 0 or (vocab_size is not None and arr.max() >= vocab_size):
-        bad = int(np.flatnonzero((arr < 0) | (arr >= (vocab_size or np.iinfo(np.int64).max)))[0])
-        raise input_error(f"token id {int(arr[bad])} at position {bad} is outside the vocabulary "
-                          f"[0, {vocab_size})", path, line, field="input_ids", reason="token_out_of_vocab")
-    if loss_mask is not None:
-        trained = np.asarray(loss_mask)
-        if trained.dtype == object or not np.isin(trained, (0, 1)).all():
-            raise input_error("'loss_mask' values must be 0 or 1", path, line, field="loss_mask",
-                              reason="missing_key")
-        trained = trained.astype(np.uint8)
-    else:
-        trained = np.zeros(arr.size, dtype=np.uint8)
-        trained[answer_start:] = 1
-    return arr, ChatTokenizer._label_aligned(trained, path, line)
-

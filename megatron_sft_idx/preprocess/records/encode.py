@@ -34,13 +34,13 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from ...errors import ShardError
-from .chat import (ChatTokenizer, encode_tokens, load_chat_tokenizer, reasoning_turns, template_rejected,
-                   trained_from_offsets)
+from .chat import load_chat_tokenizer, reasoning_turns, template_rejected
 from .errors import InputError, input_error
 from .fast_tokenizer import FastTokenizer
+from .masks import encode_tokens, label_aligned, trained_from_offsets
 from .inputs import parse_record
 from .policy import LossPolicy, require_trainable, trained_turns
-from .rendering import check_rendered, read_back_all
+from .rendering import check_rendered, count_history_reasoning, read_back_all
 from .shapes import SchemaOptions
 from .spans import SpanLocator
 from .tokenizer_source import TokenizerFiles
@@ -228,7 +228,7 @@ class RecordEncoder:
         self._ignored: Dict[str, int] = {}   # this batch's ignored record-level keys (account_keys)
         self.locator = None
         if self.tok is not None and options.input_format != "tokens":
-            self.tok.require_stop()
+            self.tok.stops.require()
         if (self.tok is not None and self.tok.chat_template is not None and options.span_method == "auto"
                 and options.loss_on in ("assistant", "last-turn")):
             self.locator = SpanLocator(self.tok, self.policy)
@@ -321,6 +321,11 @@ class RecordEncoder:
         return None
 
     def _chat_unit(self, i, conv, path, line, queued) -> _Unit:
+        unit = self._chat_text(i, conv, path, line, queued)
+        count_history_reasoning(unit.text, conv, self.policy, self._ignored)
+        return unit
+
+    def _chat_text(self, i, conv, path, line, queued) -> _Unit:
         loss_on = self.options.loss_on
         check = i % SAMPLE_EVERY == 0
         if loss_on == "all":
@@ -353,7 +358,7 @@ class RecordEncoder:
             raise template_rejected(exc, path, line) from None
         if spans is None:
             return None, text
-        text, spans = self.tok.with_stops(conv, text, spans, path, line)
+        text, spans = self.tok.stops.extend(conv.template_messages, text, spans, path, line)
         first = len(queued)
         try:
             check_rendered(text, conv, reasoning_turns(conv, loss_on, self.policy, turns), self.policy, path, line,
@@ -393,8 +398,8 @@ class RecordEncoder:
             line = records[u.record][0]
             try:
                 if not u.train_all:
-                    self.tok.check_stops(got[0], got[1], path, line)
-                results[u.record].append((got[0], ChatTokenizer._label_aligned(got[1], path, line)))
+                    self.tok.stops.check(got[0], got[1], path, line, self.tok.decode)
+                results[u.record].append((got[0], label_aligned(got[1], path, line)))
             except InputError as err:
                 results[u.record].append(err)
 

@@ -5,11 +5,13 @@
 byte-level BPE (no normalizer, or NFC on text that is already NFC) the tokens' bytes
 concatenate to the text's UTF-8 bytes, so each token's byte start is a running sum of
 token byte lengths; a span boundary that is also a token boundary then splits the
-tokens exactly as the reference's "token start offset inside the span" rule does.
-:func:`trained_flags` proves this per text (bytes compared in full, boundaries on
-token starts, and -- for post-processors that trim offsets -- no whitespace-only
-token ending on a boundary, whose trimmed start would cross it); a text it cannot
-prove is re-encoded by ``tokenizers`` with offsets, as the reference does.
+tokens exactly as the reference's "token start offset inside the span" rule does, and so
+does one inside a token whose offset start is its byte start (offsets not trimmed, its
+first byte ASCII). :func:`trained_flags` proves this per text (bytes compared in full,
+boundaries on token starts or inside such tokens, and -- for post-processors that trim
+offsets -- on token starts only, with no whitespace-only token ending on a boundary, whose
+trimmed start would cross it); a text it cannot prove is re-encoded by ``tokenizers`` with
+offsets, as the reference does.
 
 The ids themselves are checked against ``tokenizers`` at load (fixed probe texts)
 and on a deterministic sample of every batch (:mod:`.encode`); a difference stops
@@ -94,6 +96,7 @@ class FastTokenizer:
         self.gt = gt
         ok, self.needs_nfc, trims = _spec_ok(backend_spec(tok.backend))
         self.byte_positions = ok
+        self.trims = trims
         vocab = gt.vocab
         n = max(max(vocab) + 1, tok.vocab_size)
         self.byte_len = np.zeros(n, dtype=np.int64)
@@ -193,13 +196,14 @@ class FastTokenizer:
             eligible[:] = [unicodedata.is_normalized("NFC", t) for t in texts]
         trained = np.zeros(ids.size, dtype=np.uint8)
         proven = _trained_kernel(ids, offsets, text_bytes, text_off, np.asarray(bounds, dtype=np.int64), span_off,
-                                 eligible, self.byte_len, self.byte_off, self.vocab_bytes, self.all_trim, trained)
+                                 eligible, self.byte_len, self.byte_off, self.vocab_bytes, self.all_trim, self.trims,
+                                 trained)
         return trained, proven
 
 
 @numba.njit(cache=True, nogil=True)
 def _trained_kernel(ids, offsets, text_bytes, text_off, bounds, span_off, eligible, byte_len, byte_off,
-                    vocab_bytes, all_trim, trained):
+                    vocab_bytes, all_trim, trims, trained):
     n = offsets.size - 1
     proven = np.zeros(n, dtype=np.uint8)
     starts = np.empty(ids.size + 1, dtype=np.int64)  # byte start of every token, relative to its text
@@ -236,9 +240,15 @@ def _trained_kernel(ids, offsets, text_bytes, text_off, bounds, span_off, eligib
         for s in range(span_off[t], span_off[t + 1], 2):
             ja = t0 + np.searchsorted(mine, bounds[s])
             jb = t0 + np.searchsorted(mine, bounds[s + 1])
-            # boundaries must fall on token starts (or the end of the text)
-            if starts[ja] != bounds[s] or starts[jb] != bounds[s + 1]:
-                ok = False
+            # a boundary falls on a token start (or the end of the text), or inside a token whose
+            # reference start is its byte start: no offset trimming, and its first byte is ASCII (a
+            # token starting inside a character has a character offset of its own); the reference
+            # rule, "trained when its start lies in the span", then reads the same from byte starts
+            # (MiniMax-M2's call turn starts inside "\n\n": the generation prompt's "\n", then its own)
+            for jx, bound in ((ja, bounds[s]), (jb, bounds[s + 1])):
+                if starts[jx] != bound and (trims or jx == t0 or text_bytes[text_off[t] + starts[jx - 1]] >= 128):
+                    ok = False
+            if not ok:
                 break
             # a whitespace-only token ending on a boundary: its trimmed start would be the boundary
             if (ja > t0 and all_trim[ids[ja - 1]] != 0) or (jb > t0 and all_trim[ids[jb - 1]] != 0):

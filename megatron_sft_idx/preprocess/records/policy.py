@@ -29,7 +29,7 @@ no closing tag is ever trained at a cut.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Collection, List, Sequence, Tuple
+from typing import Collection, List, Optional, Sequence, Tuple
 
 from .errors import input_error
 from .shapes import REASONING_TAGS, Conversation
@@ -156,3 +156,41 @@ def refine_spans(text: str, spans: Sequence[Tuple[int, int]], turns: Sequence[in
             if hi > lo and text[lo:hi].strip():
                 out.append((lo, hi))
     return out
+
+
+def without_opened_block(prompt: str, opening: str, closing: str) -> Optional[str]:
+    """``prompt`` without the reasoning block its end opens (the opening tag and the whitespace
+    around it), or the empty block it ends with (Qwen3.5's ``enable_thinking=false`` prompt), or
+    None when it ends with neither."""
+    stripped = prompt.rstrip()
+    if stripped.endswith(opening):
+        return prompt[:len(stripped) - len(opening)]
+    if stripped.endswith(closing):
+        start = stripped.rfind(opening, 0, len(stripped) - len(closing))
+        if start >= 0 and not stripped[start + len(opening):len(stripped) - len(closing)].strip():
+            return prompt[:start]
+    return None
+
+
+def as_history(after: str, at: int, full: str, opening: str, closing: str) -> Optional[Tuple[str, bool]]:
+    """``(after as the history shows it, whether its block was empty)``: ``after`` (a turn rendered
+    as the conversation's last) with the reasoning block opening at ``at`` (after whitespace)
+    removed, or reduced to its closing tag, whichever ``full`` starts with; None when neither is
+    (or there is no block there)."""
+    i = at
+    while i < len(after) and after[i].isspace():
+        i += 1
+    if not after.startswith(opening, i):
+        return None
+    close = after.find(closing, i + len(opening))
+    if close < 0:
+        return None
+    end = close + len(closing)
+    while end < len(after) and after[end].isspace():
+        end += 1
+    empty = not after[i + len(opening):close].strip()
+    for middle in ("", closing):
+        edited = after[:at] + middle + after[end:]
+        if full.startswith(edited):
+            return edited, empty
+    return None

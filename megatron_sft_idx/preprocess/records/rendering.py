@@ -29,6 +29,7 @@ field (``--ignore-field name`` drops the names before rendering, counted).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, replace
 from json.encoder import encode_basestring, encode_basestring_ascii
 from typing import List, Optional, Sequence, Tuple
@@ -37,7 +38,9 @@ from .accounting import check_rendered_tools
 from .call_text import check_text_calls, text_leaves
 from .errors import input_error
 from .policy import LossPolicy
-from .shapes import Conversation
+from .shapes import HISTORY_REASONING, Conversation
+
+_INDEX = re.compile(r"\[\d+\]")
 
 _FIELDS = ("reasoning_content", "thinking", "reasoning")
 _ID = "pr0be0001"  # nine alphanumerics: Mistral's templates require exactly that
@@ -49,6 +52,7 @@ class TemplateTraits:
     tool_arguments: Optional[str]    # "dict" | "string" | None: the template renders no tool calls
     renders_tools: bool              # a ``tools`` list reaches the rendering
     call_form: str = "json"          # "json": arguments written as JSON; "text": keys and values as text
+    calls_without_content: bool = False   # calls rendered only in a turn whose content is null (DeepSeek-V3)
 
 
 def _renders(render, messages, needles: Sequence[str], tools=None) -> bool:
@@ -72,45 +76,20 @@ def probe(render) -> TemplateTraits:
                                                "parameters": {"type": "object", "properties": {}}}}
     renders_tools = _renders(render, [user, {"role": "assistant", "content": "xqprobe answer"}], ["xqprobe_tool"],
                              tools=[schema])
-    for call_form, quote in (("json", '"'), ("text", "")):   # (JSON first: the bytes of the families before)
-        for name, arguments in (("dict", {"xqkey": "xqvalue"}), ("string", '{"xqkey": "xqvalue"}')):
-            call = {"type": "function", "id": _ID, "function": {"name": "xqprobe_call", "arguments": arguments}}
-            messages = [user, {"role": "assistant", "content": "", "tool_calls": [call]},
-                        {"role": "tool", "content": "xqprobe result", "tool_call_id": _ID},
-                        {"role": "assistant", "content": "xqprobe answer"}]
-            needles = ["xqprobe_call", f"{quote}xqkey{quote}", f"{quote}xqvalue{quote}", "xqprobe result"]
-            if _renders(render, messages, needles) or (renders_tools and
-                                                       _renders(render, messages, needles, [schema])):
-                return TemplateTraits(field, name, renders_tools, call_form)
+    # (JSON first, content "" first: the bytes of the families before; a null content last, for
+    # DeepSeek-V3's template, which renders a turn's calls only when its content is null)
+    for content in ("", None):
+        for call_form, quote in (("json", '"'), ("text", "")):
+            for name, arguments in (("dict", {"xqkey": "xqvalue"}), ("string", '{"xqkey": "xqvalue"}')):
+                call = {"type": "function", "id": _ID, "function": {"name": "xqprobe_call", "arguments": arguments}}
+                messages = [user, {"role": "assistant", "content": content, "tool_calls": [call]},
+                            {"role": "tool", "content": "xqprobe result", "tool_call_id": _ID},
+                            {"role": "assistant", "content": "xqprobe answer"}]
+                needles = ["xqprobe_call", f"{quote}xqkey{quote}", f"{quote}xqvalue{quote}", "xqprobe result"]
+                if _renders(render, messages, needles) or (renders_tools and
+                                                           _renders(render, messages, needles, [schema])):
+                    return TemplateTraits(field, name, renders_tools, call_form, content is None)
     return TemplateTraits(field, None, renders_tools)
-
-
-#: how an assistant turn's stop is rendered (docs/INPUTS.md, "Stops"): ``end-token``, the turn's own
-#: rendering ends with a special token (``<|im_end|>``, ``<|eot_id|>``); ``next-role``, it ends with
-#: no token of its own and the next message's role token (a special token: GLM's ``<|user|>``,
-#: ``<|observation|>``) is the stop, the tokenizer's end-of-sequence token appended after the last turn
-STOP_RULES = ("end-token", "next-role")
-
-
-def stop_rule(render, special_at, eos: Optional[str]) -> Optional[str]:
-    """The :data:`STOP_RULES` entry the template behind ``render(messages, tools=None)`` follows,
-    decided on a probe conversation before anything is tokenized; None when its assistant turns
-    end with nothing a model could stop on (no token of their own, and no special token next or
-    no special end-of-sequence token to append). ``special_at(text, i)``: the special token
-    ``text`` holds at ``i``, or None; ``eos``: the tokenizer's end-of-sequence token, if special."""
-    messages = [{"role": "user", "content": "xqprobe ask"}, {"role": "assistant", "content": "xqprobe answer"},
-                {"role": "user", "content": "xqprobe again"}, {"role": "assistant", "content": "xqprobe final"}]
-    try:
-        text = render(messages)
-    except Exception:  # (roles must alternate otherwise, say): the records' own renderings decide
-        return "end-token"
-    end = text.rfind("xqprobe final")
-    if end < 0 or text[end + len("xqprobe final"):].strip():
-        return "end-token"   # (the turn renders its own end; every record's stops are verified)
-    gap = text.find("xqprobe answer") + len("xqprobe answer")
-    while gap < len(text) and text[gap].isspace():
-        gap += 1
-    return "next-role" if eos is not None and special_at(text, gap) else None
 
 
 def adapt(conv: Conversation, traits: TemplateTraits, policy: LossPolicy, path: str, line: int) -> Conversation:
@@ -142,6 +121,15 @@ def adapt(conv: Conversation, traits: TemplateTraits, policy: LossPolicy, path: 
             if traits.tool_arguments == "string":
                 m["tool_calls"] = [dict(c, function=dict(c["function"], arguments=json.dumps(
                     c["function"]["arguments"], ensure_ascii=False))) for c in m["tool_calls"]]
+            if traits.calls_without_content:
+                if m["content"].strip() or k in conv.inline or "reasoning_content" in m:
+                    raise input_error(f"the chat template renders tool calls only in a turn without content "
+                                      f"(null), and {conv.where(k)} holds text beside its "
+                                      f"{len(m['tool_calls'])} call(s)", path, line, field=conv.where(k),
+                                      reason="template_no_tool_support",
+                                      hint="use a chat template that renders a reply's text and its calls "
+                                           "(--chat-template), or pass --skip-bad")
+                m["content"] = None
         thought = m.pop("reasoning_content", None)
         if policy.reasoning == "drop":
             pass  # the answer alone
@@ -263,12 +251,35 @@ def check_rendered(text: str, conv: Conversation, reasoning_required: Sequence[i
             raise _dropped(where, what, False, path, line)
         _own_span(text, what, forms, found, own)
     # and nothing the source does not hold (JSON in a message's own text is not a call or definition)
-    if call_text is not None and conv.source_calls:
-        check_text_calls(text, conv.source_calls, call_text, path, line)
+    if call_text is not None and (conv.source_calls or any("tool_calls" in m for m in conv.messages)):
+        check_text_calls(text, conv.source_calls, call_text, path, line, *_own_texts(conv))
     if read_back is None:
         check_rendered_tools(text, conv.source_tools, path, line, conv.source_calls, own)
     elif conv.source_tools or conv.source_calls:
         read_back.append((text, conv.source_tools, path, line, conv.source_calls, own))
+
+
+def count_history_reasoning(text: str, conv: Conversation, policy: LossPolicy, applied: dict) -> None:
+    """Count in ``applied`` (as ``history-reasoning:FIELD``, :data:`.shapes.HISTORY_REASONING`) each
+    message whose reasoning ``text`` does not show: after :func:`check_rendered` passed, that is
+    reasoning the template drops from the history by the documented rule (docs/INPUTS.md,
+    "Thinking templates"), never trained. Not under ``--reasoning-loss drop`` (the policy's)."""
+    if policy.reasoning == "drop" or conv.plain:
+        return
+    for k, m in enumerate(conv.messages):
+        thought = m.get("reasoning_content")
+        if thought and thought.strip() and _find_at(text, thought.strip(), 0) < 0:
+            name = f"{HISTORY_REASONING}:{_INDEX.sub('[]', conv.where(k))}"
+            applied[name] = applied.get(name, 0) + 1
+
+
+def _own_texts(conv: Conversation) -> Tuple[List[str], Optional[str]]:
+    """``(texts, first user text)``: every message's own text (content, reasoning), rendered as
+    written, and the first user turn's (None: no user turn has text), for the count of calls
+    (:func:`.call_text.check_text_calls`)."""
+    texts = [v for m in conv.messages for v in (m.get("content"), m.get("reasoning_content")) if v]
+    return texts, next((m["content"].strip() for m in conv.messages if m["role"] == "user" and m["content"].strip()),
+                       None)
 
 
 def read_back_all(queued: Sequence[tuple]) -> None:

@@ -281,8 +281,10 @@ def read_source(record: dict, shape: str, settings: dict) -> SourceConversation:
             r.reply(r.turn("assistant", f"history[{i}][1]"), answer, {}, f"history[{i}][1]")
         t = r.turn("user", "instruction")
         r.text(t, "content", record.get("instruction"), "instruction")
-        r.text(t, "content", record.get("input"), "input")
-        r.reply(r.turn("assistant", "output"), record.get("output"), {}, "output")
+        for key in ("input", "context"):   # (Dolly's input)
+            r.text(t, "content", record.get(key), key)
+        reply = "output" if record.get("output") is not None else "response"   # (GPTeacher's, Dolly's reply)
+        r.reply(r.turn("assistant", reply), record.get(reply), {}, reply)
         tools = record.get("tools")
     elif shape == "xlam":
         r.text(r.turn("user", "query"), "content", record.get("query"), "query")
@@ -368,12 +370,15 @@ class _Rendering:
         return int(np.searchsorted(self.starts, a, "left")), int(np.searchsorted(self.starts, b, "left"))
 
     def locate(self, forms: Tuple[str, ...], pos: int, want_trained: bool) -> Tuple[int, int]:
-        """The first occurrence at or after ``pos`` where tokens start and are trained as wanted (a
-        short text also occurs in the scaffolding: ``a`` in ``assistant``); else the first; else
-        ``(-1, -1)``."""
+        """The first occurrence at or after ``pos`` whose tokens are trained as wanted (a short text
+        also occurs in the scaffolding: ``a`` in ``assistant``); else the first; else ``(-1, -1)``.
+        Its tokens are those that start in it, or the one token it lies inside (a one-letter value
+        merged with the tag before it); never an occurrence further on for want of a token start."""
         found = _occurrences(self.text, forms, pos)
         for a, b in found:
             lo, hi = self.tokens(a, b)
+            if lo == hi and lo > 0:   # inside one token that starts before it: MiniMax-M3's ">c" (a value "c")
+                lo -= 1
             got = self.trained[lo:hi]
             if lo < hi and (got.all() if want_trained else not got.any()):
                 return a, b

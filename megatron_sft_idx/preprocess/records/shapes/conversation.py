@@ -40,12 +40,14 @@ class Conversation:
         return f if isinstance(f, str) else f"messages[{f}]"
 
     def cut(self, k: int) -> "Conversation":
-        """The conversation up to and including message ``k``."""
+        """The conversation up to and including message ``k``, with the source calls its messages
+        make (the record's calls are mapped one to one, in order)."""
+        calls = sum(len(m.get("tool_calls") or ()) for m in self.messages[:k + 1])
         return Conversation(self.messages[:k + 1], self.tools, self.fields[:k + 1],
                             frozenset(i for i in self.untrained if i <= k),
                             {i: c for i, c in self.inline.items() if i <= k},
                             None if self.rendered is None else self.rendered[:k + 1], self.plain, self.source_tools,
-                            self.source_calls)
+                            self.source_calls[:calls])
 
 
 @dataclass(frozen=True)

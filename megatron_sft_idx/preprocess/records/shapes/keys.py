@@ -52,7 +52,11 @@ IGNORE_RULES = ("metadata", "ignore-field", "no-text")
 #: as a JSON string of a JSON string of an object, as public function-calling samples ship them,
 #: decoded one level more (docs/INPUTS.md)
 DECODED_TWICE = "decoded-twice"
-APPLIED_RULES = (DECODED_TWICE,)
+#: reasoning a thinking template drops from the history (Qwen3 family, GLM-4.7, MiniMax-M2: shown
+#: only after the last user turn), so a turn is trained as the rendering shows it, without it
+#: (docs/INPUTS.md, "Thinking templates"); counted per message as ``history-reasoning:messages[]``
+HISTORY_REASONING = "history-reasoning"
+APPLIED_RULES = (DECODED_TWICE, HISTORY_REASONING)
 
 
 def ignore_rule(key: str, value, opts: SchemaOptions) -> Optional[str]:
