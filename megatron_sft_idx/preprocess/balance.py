@@ -10,6 +10,9 @@ published after the shards and before the manifests, which record it
 single shard ``P``, ``BASE.order`` beside a set's ``BASE.json``
 (:func:`~megatron_sft_idx.batching.serve.order_path_for`).
 
+The order records every planned step's trained-token denominators, counted from the staged
+shards' loss masks (:mod:`megatron_sft_idx.batching.trained`; the stored mask's rule: what
+Megatron-LM, Bridge ``main`` and TRL train), and with ``--balance-labels`` evens them out too.
 The order is derived data: the shards' bytes never depend on it, and a resumed run plans it
 again from the same packs and settings (the same bytes).
 
@@ -54,6 +57,7 @@ def stage_orders(job: PackJob, shards: Sequence, located: Sequence,
     from ..batching.balance import plan_order
     from ..batching.cost import shard_pack_costs
     from ..batching.serve import order_path_for, order_record
+    from ..batching.trained import TrainedCounts, trained_counts
     from ..reader import MMapIndexedDataset
 
     model = balance.model(job.settings.pad_multiple, job.settings.pad_layout)
@@ -72,10 +76,12 @@ def stage_orders(job: PackJob, shards: Sequence, located: Sequence,
                                   f"({topology.describe()}): no step to balance")
             continue
         costs = np.concatenate([shard_pack_costs(p, model) for p in parts])   # the set's global pack index
+        counts = TrainedCounts.concat(trained_counts(p) for p in parts)       # every step's denominators
         source = {"path": os.path.basename(data_path), "shards": [os.path.basename(f) for f in finals],
                   "packs": [len(p) for p in parts]}
         order = plan_order(costs, topology, model, seed=seed, epochs=balance.balance_epochs,
-                           exchange_window=balance.exchange_window, source=source)
+                           exchange_window=balance.exchange_window, source=source, trained=counts,
+                           balance_labels=balance.balance_labels)
         data, final = order.to_bytes(), order_path_for(data_path)
         manifest = data_path if data_path in by_manifest.values() else None
         out.append(StagedOrder(final, data, manifest, order_record(order, os.path.basename(final), len(data)), order))

@@ -137,13 +137,15 @@ def add_balance_arguments(p: argparse.ArgumentParser) -> None:
                          "order must start from (default: --seed)")
     bl.add_argument("--exchange-window", type=positive_int, default=1, metavar="W",
                     help="let W neighbouring steps trade packs; above 1 this CHANGES step membership (default: 1)")
+    bl.add_argument("--balance-labels", action="store_true",
+                    help="also even out trained tokens per rank and micro-batch (per step with --exchange-window > 1)")
 
 
 def balance_settings_of(args) -> BalanceSettings:
     """The balanced-order flags (:func:`add_balance_arguments`) as settings."""
     return BalanceSettings(balance_for=args.balance_for, cost_model=args.cost_model,
                            balance_epochs=args.balance_epochs, balance_seed=args.balance_seed,
-                           exchange_window=args.exchange_window)
+                           exchange_window=args.exchange_window, balance_labels=args.balance_labels)
 
 
 def add_run_arguments(p: argparse.ArgumentParser, workers_help: str) -> None:
@@ -357,9 +359,10 @@ def usage_problem(args) -> str:
                 "pass --overlong drop --skip-bad to skip and count overlong ones, or drop --skip-bad")
     if args.verify_masks < 0:
         return "--verify-masks takes a count >= 0"
-    if args.balance_for is None and (args.balance_seed is not None or args.exchange_window != 1
+    if args.balance_for is None and (args.balance_seed is not None or args.exchange_window != 1 or args.balance_labels
                                      or args.balance_epochs != 1 or args.cost_model != "llama3-8b"):
-        return "--cost-model, --balance-epochs, --balance-seed and --exchange-window shape the order of --balance-for: give it"
+        return ("--cost-model, --balance-epochs, --balance-seed, --exchange-window and --balance-labels shape the "
+                "order of --balance-for: give it")
     if args.balance_for is not None and getattr(args, "plan_only", None):
         return "--balance-for writes an order beside shards; --plan-only writes none (plan-batches plans one for them)"
     if args.balance_for is not None:

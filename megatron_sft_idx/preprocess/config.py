@@ -108,6 +108,7 @@ class BalanceSettings:
     balance_epochs: int = 1
     balance_seed: Optional[int] = None                    # None: --seed (it must be the training data seed)
     exchange_window: int = 1                              # > 1 CHANGES step membership
+    balance_labels: bool = False                          # even out trained tokens per rank (and step) too
 
     def topology(self):
         """The :class:`~megatron_sft_idx.batching.Topology` of ``balance_for`` (None without it).
@@ -133,7 +134,12 @@ class BalanceSettings:
 
     def to_dict(self) -> Optional[dict]:
         """What the run key digests (None without ``balance_for``: keys of unbalanced runs are unchanged)."""
-        return None if self.balance_for is None else asdict(self)
+        if self.balance_for is None:
+            return None
+        out = asdict(self)
+        if not self.balance_labels:   # (keys of runs planned before label balancing are unchanged)
+            del out["balance_labels"]
+        return out
 
 
 @dataclass(frozen=True)
