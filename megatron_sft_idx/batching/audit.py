@@ -135,15 +135,15 @@ class RuleAudit:
 def group_table(rule: AuditRule, table: np.ndarray) -> np.ndarray:
     """``[steps, D]``: the trained tokens of each of the ``D`` groups ``rule`` normalises by, from
     a step table ``[steps, micro-batches, dp, cp]`` (:func:`~.trained.step_table` per CP rank)."""
-    steps = table.shape[0]
+    steps, micro, dp, cp = table.shape
     if rule.groups == "step":
-        return table.reshape(steps, -1).sum(axis=1, keepdims=True)
+        return table.reshape(steps, micro * dp * cp).sum(axis=1, keepdims=True)
     if rule.groups == "rank":
         return table.sum(axis=(1, 3))
     if rule.groups == "microbatch":
-        return table.sum(axis=3).reshape(steps, -1)
+        return table.sum(axis=3).reshape(steps, micro * dp)
     if rule.groups == "microbatch-cp":
-        return table.reshape(steps, -1)
+        return table.reshape(steps, micro * dp * cp)
     raise ShardError(f"rule {rule.name!r} weighs sequences, not groups of a step table", field="rule")
 
 

@@ -266,3 +266,27 @@ def test_the_megatron_lm_door_serves_each_steps_count(tmp_path):
     at = int(np.flatnonzero(np.asarray(other.sample_index) == 5)[0])
     with pytest.raises(ShardError, match="pack 5 trains"):
         other[at]
+
+
+def test_a_loss_over_the_served_count_is_the_token_mean_without_an_all_reduce(tmp_path):
+    """The recipe of docs/TRAINING.md: with calculate_per_token_loss=False, a two-value loss
+    function returning ``sum * DP * M / step_trained_tokens`` -- the schedule multiplies by CP and
+    divides by M, DDP by DP * CP -- gives every token 1 / N of its step, the per-token rule's
+    gradient, with no count all-reduced."""
+    ds, order, slices = megatron_step(tmp_path, None)
+    served = int(order.step_trained(STORED)[0].sum())
+
+    def served_loss(loss_mask, output_tensor):
+        loss = torch.sum(output_tensor.view(-1).float() * loss_mask.view(-1).float())
+        return loss * DP * MICRO / served, {"lm loss": loss.detach().view(1)}
+
+    for per_rank in slices:
+        for micro in per_rank:
+            for batch in micro:
+                batch["loss_fn"] = served_loss
+    real = schedule_grads(Tiny(False), slices, False)
+    exact = replay_grads(Tiny(False), slices, audit_weights("megatron-lm:per-token", order,
+                                                            cp_sequence_counts(ds, CP, layout=LAYOUT_MEGATRON,
+                                                                               seq_length=SEQ)))
+    for n in real:
+        torch.testing.assert_close(real[n], exact[n], rtol=1e-5, atol=1e-8)
