@@ -18,6 +18,10 @@ Hostile ones, as a broken server or proxy behaves (:data:`HOSTILE`):
   ``trickle-headers`` — the status line and headers themselves a byte at a time;
 * ``ignore-range`` — forward without ``Range`` (and ``If-Match``): the whole object, ``200``;
 * ``ignore-if-match`` — forward without ``If-Match``: a replaced object is served anyway;
+  ``ignore-conditional`` — forward a write without ``If-None-Match`` and ``If-Match``: a
+  create-only or pinned PUT replaces whatever is there (older MinIO and Ceph RGW, some gateways);
+  ``corrupt-write`` — forward a write's body with one byte flipped (in its middle) and without
+  its checksum headers: the server stores other bytes than were sent, and answers for those;
 * ``shift-range`` — forward the range moved by ``amount`` bytes (``Content-Range`` honest
   about it: the bytes are not the ones asked for); ``lie-content-range`` — the right bytes
   under a ``Content-Range`` moved by ``amount``; ``lie-content-length`` — a
@@ -61,7 +65,8 @@ _ERRORS = {
 
 
 TRANSIENT = ("reset", "500", "503", "truncate")
-HOSTILE = ("stall", "slow-read", "trickle", "trickle-headers", "ignore-range", "ignore-if-match", "shift-range",
+HOSTILE = ("stall", "slow-read", "trickle", "trickle-headers", "ignore-range", "ignore-if-match",
+           "ignore-conditional", "corrupt-write", "shift-range",
            "lie-content-range", "lie-content-length", "list-forever", "list-cycle", "list-fresh",
            "list-no-token")
 #: Longest a stalled or trickled answer is held (a cleared fault or a stopped server ends it sooner).
@@ -163,6 +168,9 @@ class _Handler(BaseHTTPRequestHandler):
         path = self.path
         if fault is not None:
             path, headers = _hostile_request(fault, split, headers)
+            if action == "corrupt-write" and body:
+                middle = len(body) // 2
+                body = body[:middle] + bytes([body[middle] ^ 0xFF]) + body[middle + 1:]
         conn = http.client.HTTPConnection(*loop.upstream, timeout=60)
         try:
             conn.request(self.command, path, body=body, headers=headers)
@@ -263,8 +271,11 @@ class _Handler(BaseHTTPRequestHandler):
 def _hostile_request(fault: Fault, split, headers: dict) -> tuple:
     """The request as a hostile fault forwards it: ``(path, headers)``."""
     action = fault.action
-    drop = {"ignore-range": ("range", "if-match"), "ignore-if-match": ("if-match",)}.get(action, ())
-    headers = {k: v for k, v in headers.items() if k.lower() not in drop}
+    drop = {"ignore-range": ("range", "if-match"), "ignore-if-match": ("if-match",),
+            "ignore-conditional": ("if-match", "if-none-match")}.get(action, ())
+    headers = {k: v for k, v in headers.items() if k.lower() not in drop
+               and not (action == "corrupt-write" and (k.lower().startswith("x-amz-checksum")
+                                                       or k.lower() in ("content-md5", "x-amz-sdk-checksum-algorithm")))}
     path = split.path + (f"?{split.query}" if split.query else "")
     if action == "shift-range":
         for k, v in list(headers.items()):

@@ -33,7 +33,7 @@ namespace sft_idx {
 
 // .seq.idx version this code implements; a file with another major is refused.
 inline constexpr int kSupportedMajor = 1;
-inline constexpr int kKnownMinor = 1;  // 1.1: pad_layout, stats.min_packed_runtime_len
+inline constexpr int kKnownMinor = 2;  // 1.1: pad_layout, stats.min_packed_runtime_len; 1.2: sources
 
 // Megatron's dtype codes (FORMAT.md "Dtype codes").
 enum class DType : uint8_t {
@@ -141,6 +141,8 @@ struct Metadata {
   std::string loss_mask_convention;   // "label_aligned"
   int64_t pad_seq_to_mult = 1;
   int64_t pad_offset = 0;             // pad_layout: 0 "stored" (absent in 1.0), 1 "runtime"
+  // format 1.2 "sources": each source's recorded sequence count, in order (absent: no sources)
+  std::optional<std::vector<int64_t>> source_sequences;
   FileDigest files[4];                // .bin, .idx, .loss.bin, .seq.bin (kChecksummed order)
   Stats stats;
 };

@@ -35,6 +35,10 @@ inline constexpr size_t kSeqOffMajor = 8, kSeqOffMinor = 10, kSeqOffTokenDtype =
                         kSeqOffSeqCount = 24, kSeqOffTokenCount = 32, kSeqOffMetaLen = 40,
                         kSeqOffCsr = 48, kSeqOffBodyCrc = 56, kSeqOffHeaderCrc = 60;
 inline constexpr size_t kSeqIdxHeaderSize = 64;
+// flags (1.2): bit 0, a uint16 source id per sequence after the CSR offsets; other bits reserved.
+inline constexpr uint8_t kFlagSources = 0x01, kKnownFlags = kFlagSources;
+inline constexpr int kSourcesMinor = 2;
+inline constexpr uint64_t kMaxSources = 65535;
 inline constexpr size_t kMetadataOffset = 64;
 inline constexpr uint64_t kAlignment = 64;
 
@@ -136,6 +140,9 @@ struct SeqIdxHeader {
   uint8_t token_dtype_code = 0, seq_dtype_code = 0, loss_dtype_code = 0, flags = 0;
   uint64_t pack_count = 0, sequence_count = 0, token_count = 0, metadata_length = 0, csr_offset = 0;
   uint32_t body_crc32 = 0, header_crc32 = 0;
+  bool has_sources() const noexcept { return (flags & kFlagSources) != 0; }
+  uint64_t csr_end() const noexcept { return csr_offset + 8 * (pack_count + 1); }  // fields checked first
+  uint64_t sources_offset() const noexcept { return (csr_end() + 63) / 64 * 64; }
 };
 
 // ---------------------------------------------------------------- findings
@@ -172,7 +179,7 @@ struct Context {
   std::optional<IdxHeader> idx;     // fields readable (maybe with a size finding)
   bool idx_arrays_ok = false;       // header valid and file size exact: arrays may be read
   std::optional<SeqIdxHeader> seq;  // fields readable
-  bool csr_ok = false;              // header valid and file size exact: CSR may be read
+  bool csr_ok = false;              // header valid and file size exact: CSR (and source ids) may be read
   std::optional<Metadata> meta;
   std::string_view metadata_json;
   bool sizes_ok = false;            // every cross-file count and size agrees

@@ -22,17 +22,19 @@ namespace {
 // Which members of an object the parser keeps (everything is parsed and checked against
 // the limits; only what the required-key checks read is stored, so memory stays small
 // whatever the document holds).
-enum class Want { None, Root, Stats, Files, FileEntry, Set, Text };  // Text: a string member to keep
+// Sources: the items of the "sources" array (format 1.2), each a SourceEntry.
+enum class Want { None, Root, Stats, Files, FileEntry, Set, Text, Sources, SourceEntry };  // Text: a string to keep
 
 constexpr const char* kRootKeys[] = {"format", "pack_size", "token_dtype", "vocab_size", "loss_mask_convention",
                                      "pad_seq_to_mult", "pad_layout", "stats", "files", "producer", "tokenizer",
-                                     "packing", "parallelism", "source", "extra", "set"};
+                                     "packing", "parallelism", "source", "extra", "set", "sources"};
 constexpr const char* kStatKeys[] = {"pack_count", "sequence_count", "token_count", "loss_token_count",
                                      "max_samples_per_bin", "dataset_max_seqlen", "min_seqlen",
                                      "min_packed_seqlen", "max_packed_seqlen", "packing_factor",
                                      "packing_efficiency", "min_packed_runtime_len"};
 constexpr const char* kFileEntryKeys[] = {"size", "crc32"};
 constexpr const char* kSetKeys[] = {"id", "name", "index", "count"};
+constexpr const char* kSourceKeys[] = {"name", "sequences"};
 
 template <size_t N>
 bool one_of(std::string_view key, const char* const (&names)[N]) {
@@ -46,12 +48,15 @@ bool keep_member(Want want, std::string_view key, Want* child) {
   *child = Want::None;
   switch (want) {
     case Want::Root:
-      *child = key == "stats" ? Want::Stats : key == "files" ? Want::Files : key == "set" ? Want::Set : Want::None;
+      *child = key == "stats" ? Want::Stats : key == "files" ? Want::Files : key == "set" ? Want::Set
+             : key == "sources" ? Want::Sources : Want::None;
       return one_of(key, kRootKeys);
     case Want::Stats: return one_of(key, kStatKeys);
     case Want::Files: *child = Want::FileEntry; return one_of(key, kChecksummed);
     case Want::FileEntry: return one_of(key, kFileEntryKeys);
     case Want::Set: *child = Want::Text; return one_of(key, kSetKeys);
+    case Want::SourceEntry: *child = Want::Text; return one_of(key, kSourceKeys);
+    case Want::Sources: return false;  // an array: its items are kept by array()
     case Want::Text: return false;
     case Want::None: return false;
   }
@@ -176,7 +181,7 @@ class Parser {
       return over_limit("containers nested deeper than " + to_str(kMaxMetadataDepth));
     switch (c) {
       case '{': return object(out, depth + 1, want);
-      case '[': return array(out, depth + 1);
+      case '[': return array(out, depth + 1, want);
       case '"':  // kept values only: top-level members and the strings of kept objects (set.id)
         out->kind = Json::String;
         return string(depth <= 1 || want == Want::Text ? &out->text : nullptr);
@@ -216,15 +221,18 @@ class Parser {
     }
   }
 
-  bool array(Json* out, int depth) {  // no required key is an array: items are checked, not kept
+  // Items are checked and dropped, but those of "sources" (format 1.2), kept in `values`.
+  bool array(Json* out, int depth, Want want) {
     out->kind = Json::Array;
     ++pos_;
     skip_ws();
     if (pos_ < s_.size() && s_[pos_] == ']') { ++pos_; return true; }
+    const bool keep = want == Want::Sources;
     for (;;) {
       skip_ws();
       Json item;
-      if (!value(&item, depth, Want::None)) return false;
+      if (!value(&item, depth, keep ? Want::SourceEntry : Want::None)) return false;
+      if (keep) out->values.push_back(std::move(item));
       skip_ws();
       if (pos_ < s_.size() && s_[pos_] == ',') { ++pos_; continue; }
       if (pos_ < s_.size() && s_[pos_] == ']') { ++pos_; return true; }
@@ -424,6 +432,44 @@ class KeyChecker {
       invalid("set.index", "0.." + to_str_i(*count - 1), "is not below set.count");
   }
 
+  // FORMAT.md "Metadata", 1.2: 1..65535 objects of distinct names (1..256 bytes) whose sequence
+  // counts add up to the shard's.
+  std::optional<std::vector<int64_t>> sources(const Json* v, int64_t sequence_count) {
+    if (v->kind != Json::Array || v->values.empty() || v->values.size() > kMaxSources) {
+      invalid("sources", "a list of 1.." + to_str(kMaxSources) + " sources", "is not");
+      return std::nullopt;
+    }
+    std::vector<int64_t> counts;
+    std::vector<std::string> names;
+    int64_t total = 0;
+    for (size_t k = 0; k < v->values.size(); ++k) {
+      const std::string key = "sources[" + to_str(k) + "]";
+      const Json& s = v->values[k];
+      if (s.kind != Json::Object) { invalid(key, "object", "is not an object"); return std::nullopt; }
+      const Json* name = s.get("name");
+      if (name == nullptr || name->kind != Json::String || name->text.empty() || name->text.size() > kMaxSetText) {
+        invalid(key + ".name", "string of 1.." + to_str(kMaxSetText) + " bytes", "is not a short string");
+        return std::nullopt;
+      }
+      for (const std::string& seen : names)
+        if (seen == name->text) { invalid("sources", "distinct names", "names a source twice"); return std::nullopt; }
+      names.push_back(name->text);
+      auto n = integer(s.get("sequences"), key + ".sequences", false, kStatRange);
+      if (!n) return std::nullopt;
+      counts.push_back(*n);
+      if (__builtin_add_overflow(total, *n, &total)) {
+        invalid("sources", "counts adding up within int64", "overflows");
+        return std::nullopt;
+      }
+    }
+    if (total != sequence_count) {
+      invalid("sources", "sequences adding up to stats.sequence_count " + to_str_i(sequence_count),
+              "adds up to " + to_str_i(total));
+      return std::nullopt;
+    }
+    return counts;
+  }
+
   std::optional<double> ratio(const Json* v, const std::string& key, bool nullable) {
     if (v == nullptr) { invalid(key, "number", "is missing"); return std::nullopt; }
     if (v->kind == Json::Null && nullable) return std::nullopt;
@@ -491,6 +537,8 @@ std::optional<Metadata> parse_metadata(std::string_view json, const std::string&
     if (v != nullptr && v->kind != Json::Null && v->kind != Json::Object) c.invalid(key, "object", "is not an object");
   }
   if (const Json* s = root.get("set"); s != nullptr && s->kind == Json::Object) c.shard_set(s);
+  if (const Json* s = root.get("sources"); s != nullptr && s->kind != Json::Null)
+    m.source_sequences = c.sources(s, m.stats.sequence_count);
   if (!c.ok) return std::nullopt;
   return m;
 }

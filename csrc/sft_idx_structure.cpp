@@ -198,8 +198,12 @@ bool seq_fields_valid(const Context& ctx, const SeqIdxHeader& h, Sink& sink) {
   if (h.loss_dtype_code != uint8_t(DType::uint8))
     bad("SEQ_IDX_BAD_DTYPE", "loss mask dtype code must be uint8",
         {"loss_dtype_code", "1", to_str(h.loss_dtype_code)}, kSeqOffLossDtype);
-  if (h.flags != 0)
-    bad("SEQ_IDX_BAD_HEADER", "reserved flags are set", {"flags", "0", to_str(h.flags)}, kSeqOffFlags);
+  if (h.flags & ~kKnownFlags)
+    bad("SEQ_IDX_BAD_HEADER", "reserved flags are set", {"flags", "bits of " + to_str(kKnownFlags), to_str(h.flags)},
+        kSeqOffFlags);
+  else if (h.has_sources() && h.version_minor < kSourcesMinor)
+    bad("SEQ_IDX_BAD_HEADER", "the sources flag needs version 1.2", {"flags", "version >= 1.2",
+        "1." + to_str(h.version_minor)}, kSeqOffFlags);
   if (h.metadata_length > kMaxMetadataLength) {
     bad("SEQ_IDX_BAD_HEADER", "metadata length is implausible",
         {"metadata_length", "<= " + to_str(kMaxMetadataLength), to_str(h.metadata_length)}, kSeqOffMetaLen);
@@ -243,6 +247,15 @@ void check_seq_idx_body(Context& ctx, Sink& sink, const SeqIdxHeader& h, bool bo
       sink.add(make_finding("SEQ_IDX_BAD_PADDING", ctx, kSeqIdx, "non-zero byte between the metadata and the CSR "
                             "offsets", {"padding", "0", to_str(p[j])}, int64_t(j)));
       break;
+    }
+  }
+  if (h.has_sources() && ctx.csr_ok) {  // 1.2: the bytes between the CSR offsets and the source ids
+    for (uint64_t j = h.csr_end(); j < h.sources_offset(); ++j) {
+      if (p[j] != 0) {
+        sink.add(make_finding("SEQ_IDX_BAD_PADDING", ctx, kSeqIdx, "non-zero byte between the CSR offsets and the "
+                              "source ids", {"padding", "0", to_str(p[j])}, int64_t(j)));
+        break;
+      }
     }
   }
   if (body_crc) {
@@ -290,11 +303,19 @@ void check_seq_idx_header(Context& ctx, Sink& sink, bool body_crc) {
   if (!seq_fields_valid(ctx, h, sink)) return;
   ctx.seq = h;
   uint64_t expected = 0;
-  const bool fits = madd_ok(h.csr_offset, 8, h.pack_count, &expected) && add_ok(expected, 8, &expected);
+  bool fits = madd_ok(h.csr_offset, 8, h.pack_count, &expected) && add_ok(expected, 8, &expected);
+  if (fits && h.has_sources()) {  // 1.2: the source ids, 64-byte aligned after the offsets
+    fits = add_ok(expected, 63, &expected);
+    expected = expected / 64 * 64;
+    fits = fits && madd_ok(expected, 2, h.sequence_count, &expected);
+  }
   if (!fits || expected != size) {
-    sink.add(make_finding("SEQ_IDX_SIZE_MISMATCH", ctx, kSeqIdx, ".seq.idx size disagrees with its header "
-                          "(file size must be csr_offset + 8*(pack_count + 1))",
-                          {"pack_count/csr_offset", fits ? to_str(expected) : "a size that overflows", to_str(size)},
+    sink.add(make_finding("SEQ_IDX_SIZE_MISMATCH", ctx, kSeqIdx, h.has_sources() ?
+                          ".seq.idx size disagrees with its header (file size must be align64(csr_offset + "
+                          "8*(pack_count + 1)) + 2*sequence_count)" :
+                          ".seq.idx size disagrees with its header (file size must be csr_offset + 8*(pack_count + 1))",
+                          {h.has_sources() ? "pack_count/sequence_count/csr_offset" : "pack_count/csr_offset",
+                           fits ? to_str(expected) : "a size that overflows", to_str(size)},
                           kSeqOffPackCount));
   } else {
     ctx.csr_ok = true;
@@ -337,6 +358,12 @@ bool sizes_vs_seq_header(const Context& ctx, Sink& sink, const SeqIdxHeader& h) 
 void against_metadata(const Context& ctx, Sink& sink, const Metadata& meta) {
   const auto& ih = ctx.idx;
   const auto& sh = ctx.seq;
+  if (sh && sh->has_sources() != meta.source_sequences.has_value()) {
+    sink.add(make_finding("SOURCES_MISMATCH", ctx, kSeqIdx, std::string("the .seq.idx header's sources flag is ") +
+                          (sh->has_sources() ? "set, but the metadata names no sources" :
+                                               "clear, but the metadata names sources"),
+                          {"flags", meta.source_sequences ? "1" : "0", to_str(sh->flags)}, kSeqOffFlags));
+  }
   if (ih && meta.token_dtype != dtype_name(DType(ih->dtype_code))) {
     sink.add(make_finding("DTYPE_MISMATCH", ctx, kSeqIdx, "metadata token_dtype differs from the .idx dtype code",
                           {"token_dtype", dtype_name(DType(ih->dtype_code)), meta.token_dtype}, kMetadataOffset));

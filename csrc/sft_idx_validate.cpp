@@ -237,6 +237,37 @@ void check_offsets(Context& ctx, Sink& sink) {
   ctx.offsets_ok = true;
 }
 
+// ---------------------------------------------------------------- source ids (format 1.2)
+
+// Every sequence's source id names a source of the metadata, and each source's recorded
+// sequence count is the number of ids naming it.
+void check_sources(Context& ctx, Sink& sink) {
+  const SeqIdxHeader& h = *ctx.seq;
+  if (!h.has_sources() || !ctx.meta || !ctx.meta->source_sequences) return;
+  const std::vector<int64_t>& recorded = *ctx.meta->source_sequences;
+  const uint8_t* p = ctx.f(kSeqIdx).data() + h.sources_offset();
+  std::vector<int64_t> counts(recorded.size(), 0);
+  for (uint64_t j = 0; j < h.sequence_count; ++j) {
+    const uint16_t id = le16(p + 2 * j);
+    if (id >= recorded.size()) {
+      sink.add(make_finding("SOURCE_ID_OUT_OF_RANGE", ctx, kSeqIdx, "a sequence's source id names no source of the "
+                            "metadata", {"source_ids[" + to_str(j) + "]", "< " + to_str(recorded.size()), to_str(id)},
+                            int64_t(h.sources_offset() + 2 * j)));
+      return;
+    }
+    ++counts[id];
+  }
+  for (size_t k = 0; k < recorded.size(); ++k) {
+    if (counts[k] != recorded[k]) {
+      sink.add(make_recorded_finding("SOURCES_MISMATCH", ctx, kSeqIdx, "sources[" + to_str(k) + "] records " +
+                                     to_str_i(recorded[k]) + " sequences; " + to_str_i(counts[k]) +
+                                     " source ids name it", "sources[" + to_str(k) + "].sequences",
+                                     to_str_i(recorded[k]), to_str_i(counts[k]), int64_t(kMetadataOffset)));
+      return;
+    }
+  }
+}
+
 // ---------------------------------------------------------------- every pack
 
 struct Totals {
@@ -384,8 +415,12 @@ Report validate(const std::string& prefix, const ValidateOptions& options) {
     }
     if (ctx.idx_arrays_ok) check_idx_arrays(ctx, sink);
     else skip("pointer/length pass", "the .idx header or size is wrong");
-    if (ctx.csr_ok) check_offsets(ctx, sink);
-    else skip("CSR offsets pass", "the .seq.idx header or size is wrong");
+    if (ctx.csr_ok) {
+      check_offsets(ctx, sink);
+      check_sources(ctx, sink);
+    } else {
+      skip("CSR offsets pass", "the .seq.idx header or size is wrong");
+    }
     if (ctx.pointers_ok && ctx.offsets_ok && ctx.sizes_ok) {
       PackLimits lim;
       const DType dtype = DType(ctx.idx->dtype_code);

@@ -7,6 +7,12 @@ of a crash; :func:`clear_stale_temporaries` removes those, never one that a live
 still writing. :func:`directory_lock` makes publications into one directory take turns (the
 writer's half of the protocol that lets readers open one generation of a shard without
 locks, ``_files.py``).
+
+Every directory tree the package deletes goes through :func:`remove_tree`, which refuses a
+path that is not strictly inside the directory its caller owns: a name made from anything
+outside the run (an object key, a URL's last level) can never point a deletion at the node's
+temporary directory, a cache shared with other runs, or a user's files
+(``tests/project/test_tree_removal.py`` finds any other ``rmtree``).
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import shutil
 import signal
 import threading
 from typing import BinaryIO, Callable, Dict, Iterable, Iterator, List, Mapping
+
+from .errors import ShardError
 
 _TMP_TAG = ".tmp-"
 
@@ -76,7 +84,7 @@ def _remove_if_stale(tmp: str, removed: List[str]) -> None:
     if pid == os.getpid() or not _alive(pid):
         try:
             if os.path.isdir(tmp) and not os.path.islink(tmp):
-                shutil.rmtree(tmp, ignore_errors=True)
+                remove_tree(tmp, os.path.dirname(os.path.abspath(tmp)))
             else:
                 os.unlink(tmp)
             removed.append(tmp)
@@ -228,3 +236,42 @@ def remove_quietly(paths: Iterable[str]) -> None:
             os.unlink(path)
         except FileNotFoundError:
             pass
+
+
+def inside(path: str, within: str) -> bool:
+    """Whether ``path`` names an entry strictly inside the directory ``within``: its parent
+    resolved (links followed), its last level taken as it is (a link there is the link itself),
+    never ``within`` itself nor anything beside or above it."""
+    path = os.path.abspath(path)
+    name = os.path.basename(path)
+    if name in ("", ".", ".."):
+        return False
+    base = os.path.realpath(within)
+    target = os.path.join(os.path.realpath(os.path.dirname(path)), name)
+    return target != base and os.path.commonpath([base, target]) == base
+
+
+def remove_tree(path: str, within: str, ignore_errors: bool = True) -> None:
+    """Delete the directory tree ``path`` (a link there: the link alone; nothing there: nothing),
+    the one way the package removes a tree (module doc).
+
+    ``within``: the directory the caller created or owns (a run's work directory, a mirror's home,
+    a staging directory's parent); ``path`` must be strictly inside it. ``ignore_errors``: as
+    :func:`shutil.rmtree` takes it.
+
+    Raises:
+        ShardError: ``path`` is not strictly inside ``within`` (nothing is removed).
+        OSError: the removal failed and ``ignore_errors`` is false.
+    """
+    if not inside(path, within):
+        raise ShardError("refusing to delete a directory outside the one this run owns", path=path,
+                         field="remove", expected=f"a path strictly inside {within}",
+                         hint="a name made from a URL or an object key pointed outside the run's own directories; "
+                              "report it")
+    target = os.path.abspath(path)
+    if os.path.islink(target):
+        os.unlink(target)
+        return
+    if not os.path.lexists(target):
+        return
+    shutil.rmtree(target, ignore_errors=ignore_errors)

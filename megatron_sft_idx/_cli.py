@@ -99,6 +99,40 @@ def emit(text: str) -> None:
 
 
 
+# --------------------------------------------------------------------------- one setting, several spellings
+
+
+def add_aliased(group, *flags: str, **kwargs):
+    """``group.add_argument(*flags, **kwargs)`` for one setting with several spellings
+    (``--balance-epochs`` / ``--epochs``): the same spelling given again keeps its last value, as
+    argparse does, but two spellings given two values refuse the command line naming both (exit 2):
+    ``--balance-epochs 2 --epochs 5`` is never read as 5 epochs without a word. ``kwargs`` as
+    ``add_argument`` takes them (``action`` a store-like action: ``store``, ``store_true``, ...)."""
+    base = group._registry_get("action", kwargs.get("action", "store"), kwargs.get("action", "store"))
+    kwargs["action"] = type("Aliased" + base.__name__, (_Aliased, base), {})
+    return group.add_argument(*flags, **kwargs)
+
+
+class _Aliased(argparse.Action):
+    """Mixed into a store-like action by :func:`add_aliased`: remembers, per parse, which spelling
+    set the value; a second spelling with another value is an ``argparse.ArgumentError``."""
+
+    _given = None   # (namespace, option string, value) of this parse
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        value = self.const if self.nargs == 0 else values
+        given = self._given
+        if given is not None and given[0] is namespace and given[1] != option_string and given[2] != value:
+            raise argparse.ArgumentError(self, f"{given[1]} {_shown(given[2])} and {option_string} {_shown(value)} "
+                                               "are two spellings of one setting with two values: give one")
+        self._given = (namespace, option_string, value)
+        super().__call__(parser, namespace, values, option_string)
+
+
+def _shown(value) -> str:
+    return "(set)" if value is True else "(unset)" if value is False else str(value)
+
+
 # --------------------------------------------------------------------------- argparse types
 # (``type=``: argparse names the flag and the value in its error, exit 2)
 

@@ -34,9 +34,13 @@ from .format import (
     SEQ_BIN_SUFFIX,
     SEQ_DTYPE,
     SEQ_IDX_HEADER_SIZE,
+    SEQ_IDX_SOURCES_VERSION,
     SEQ_IDX_SUFFIX,
+    SEQ_IDX_VERSION,
+    SOURCE_DTYPE,
     TOKEN_DTYPES,
     UINT16_MAX,
+    FLAG_SOURCES,
     DType,
     IdxHeader,
     Rule,
@@ -44,7 +48,7 @@ from .format import (
     ShardPaths,
     choose_token_dtype,
 )
-from .metadata import FileDigest, PackingStats, ShardMetadata, ShardSet, split_user_metadata
+from .metadata import FileDigest, PackingStats, ShardMetadata, ShardSet, ShardSource, split_user_metadata
 from .packing.padding import pad_offset
 from .version import __version__
 
@@ -52,6 +56,7 @@ _BLOCK = 1 << 16          # entries per int32 block of per-pack buffers
 _COPY_CHUNK = 1 << 24     # elements per chunk when streaming a whole file
 _INT32_MAX = int(np.iinfo(np.int32).max)
 _SEQ_NP = SEQ_DTYPE.numpy
+_SOURCES_SPILL = ".src"   # the source ids while a shard is written (a temporary only: they end in .seq.idx)
 
 
 class _Int32Blocks:
@@ -209,7 +214,7 @@ class IndexedDatasetBuilder:
                                        replace_with="overwrite=True")
         directory = os.path.dirname(os.path.abspath(self.prefix))
         os.makedirs(directory, exist_ok=True)
-        _atomic.clear_stale_temporaries(self.paths)
+        _atomic.clear_stale_temporaries(tuple(self.paths) + (self.prefix + _SOURCES_SPILL,))
 
         self._tmp = {suffix: _atomic.temporary_path(self.prefix + suffix) for suffix in PUBLISH_ORDER}
         self._bin = _CrcWriter(self._tmp[BIN_SUFFIX])
@@ -225,6 +230,10 @@ class IndexedDatasetBuilder:
         self._max_samples = 0
         self._min_packed = None
         self._min_runtime = None  # min over packs of packed_len - sequences (Bridge's min_packed_seqlen)
+        # format 1.2: each sequence's source (metadata "sources"), spilled to a temporary file
+        self._sources = self._user_metadata.get("sources")
+        self._source_counts = np.zeros(len(self._sources) if self._sources else 0, dtype=np.int64)
+        self._src = _CrcWriter(_atomic.temporary_path(self.prefix + _SOURCES_SPILL)) if self._sources else None
         self._max_packed = 0
         self._state = "open"
         self.metadata: Optional[ShardMetadata] = None
@@ -251,12 +260,13 @@ class IndexedDatasetBuilder:
             raise BuilderStateError(f"the builder is {self._state}; no more packs can be added",
                                     path=self.prefix)
 
-    def add_packed(self, input_ids, loss_mask, seq_start_id) -> int:
+    def add_packed(self, input_ids, loss_mask, seq_start_id, source_ids=None) -> int:
         """Append one pack after checking every invariant (:class:`~megatron_sft_idx.format.Rule`).
 
         ``loss_mask`` is label-aligned (1 at j trains predicting token j+1) and may
         be bool or integer; ``seq_start_id`` lists each sequence's first position.
-        Returns the pack's index.
+        ``source_ids`` (a builder whose metadata names ``sources``, and only then): each
+        sequence's source, an index into them. Returns the pack's index.
 
         Raises:
             InvariantError: naming the pack index and the rule; nothing of the pack
@@ -267,6 +277,7 @@ class IndexedDatasetBuilder:
         ids = _int_array(input_ids, "input_ids", index)
         loss = _int_array(loss_mask, "loss_mask", index, allow_bool=True)
         starts = _int_array(seq_start_id, "seq_start_id", index)
+        sources = self._checked_sources(source_ids, starts.size, index)
         rule, pos, max_len, min_len, loss_sum = _kernels.check_pack(
             ids, loss, starts, self.pack_size or 0, self._check_max, self.vocab_size or 0, self._pad_mult,
             self._pad_offset)
@@ -277,8 +288,39 @@ class IndexedDatasetBuilder:
         self._bin.write(ids.astype(self._token_np))
         self._loss.write(loss.astype(np.uint8))
         self._seq.write(starts.astype(_SEQ_NP))
+        if sources is not None:
+            self._src.write(sources.astype(SOURCE_DTYPE))
+            self._source_counts += np.bincount(sources, minlength=self._source_counts.size)
         self._record(ids.size, starts.size, loss_sum, max_len, min_len)
         return index
+
+    def _checked_sources(self, source_ids, count: int, index: int) -> Optional[np.ndarray]:
+        """``source_ids`` as int64, one per sequence and each naming a source, for a builder that
+        records sources (None for one that does not, which takes none).
+
+        Raises:
+            InvariantError: missing, given to a builder without sources, of the wrong length, or
+                naming no source.
+        """
+        if not self._sources:
+            if source_ids is not None:
+                raise InvariantError("source_ids given, but the builder's metadata names no sources", pack=index,
+                                     field="source_ids", hint="pass metadata={'sources': [{'name': ...}, ...]}")
+            return None
+        if source_ids is None:
+            raise InvariantError("this builder records each sequence's source: pass source_ids", pack=index,
+                                 field="source_ids")
+        ids = _int_array(source_ids, "source_ids", index)
+        if ids.size != count or (ids.size and (ids.min() < 0 or ids.max() >= len(self._sources))):
+            raise InvariantError(f"source_ids must hold one id in [0, {len(self._sources)}) per sequence", pack=index,
+                                 field="source_ids", expected=f"{count} ids", actual=ids.tolist()[:8],
+                                 hint="fix the pack; the builder is still usable")
+        return ids
+
+    def _refuse_without_sources(self, what: str) -> None:
+        if self._sources:
+            raise BuilderStateError(f"{what} cannot record sources: this builder records each sequence's source; "
+                                    "add its packs with add_packed(..., source_ids=...)", path=self.prefix)
 
     def add_sequences(self, tokens, loss_mask, lengths) -> int:
         """Append many one-sequence packs at once: pack i is ``tokens[o_i:o_i + lengths[i]]``
@@ -289,6 +331,7 @@ class IndexedDatasetBuilder:
             InvariantError: naming the first bad pack; nothing of the batch is written.
         """
         self._require_open()
+        self._refuse_without_sources("add_sequences")
         first = len(self._lengths)
         lengths = np.ascontiguousarray(lengths, dtype=np.int64)
         ids = _int_array(tokens, "input_ids", first)
@@ -400,7 +443,12 @@ class IndexedDatasetBuilder:
         from .reader import MMapIndexedDataset
 
         self._require_open()
+        self._refuse_without_sources("add_shard")
         src = MMapIndexedDataset(prefix)
+        if src.metadata.sources is not None:
+            raise ShardError("the shard records its sequences' sources, which add_shard would drop", path=src.prefix,
+                             field="sources", hint="merging shards of a mixture is not supported: repack the "
+                                                  "mixture (repack-sft --mix) instead")
         if src.is_pretrain:
             raise ShardError("add_shard takes SFT shards; this prefix holds upstream pretrain data "
                              "without a loss mask or sequence starts", path=src.prefix,
@@ -457,6 +505,7 @@ class IndexedDatasetBuilder:
                 run and by ``source`` (the input's path); nothing of the run is written.
         """
         self._require_open()
+        self._refuse_without_sources("add_packs")
         label = self.prefix if source is None else str(source)
         token_offsets = np.ascontiguousarray(token_offsets, dtype=np.int64)
         seq_offsets = np.ascontiguousarray(seq_offsets, dtype=np.int64)
@@ -533,9 +582,11 @@ class IndexedDatasetBuilder:
         n = len(self._lengths)
         meta_bytes = metadata.encode()
         ShardMetadata.decode(meta_bytes, path=self.paths.seq_idx)  # never write what a reader refuses
+        version = SEQ_IDX_SOURCES_VERSION if self._sources else SEQ_IDX_VERSION   # (no sources: 1.1's bytes)
+        flags = FLAG_SOURCES if self._sources else 0
         header = SeqIdxHeader(token_dtype_code=int(self.dtype), pack_count=n,
                               sequence_count=self._sequences, token_count=self._tokens,
-                              metadata_length=len(meta_bytes))
+                              metadata_length=len(meta_bytes), version_minor=version[1], flags=flags)
         path = self._tmp[SEQ_IDX_SUFFIX]
         with open(path, "wb") as f:
             f.write(b"\0" * SEQ_IDX_HEADER_SIZE)
@@ -556,10 +607,19 @@ class IndexedDatasetBuilder:
                 tail = np.array([acc], dtype=POINTER_DTYPE) if block.size else np.empty(0, POINTER_DTYPE)
                 f.write(tail.tobytes())
                 crc = crc32(tail, crc)
+            if self._sources:   # the source ids, 64-byte aligned after the offsets (FORMAT.md)
+                gap = b"\0" * (header.sources_offset - header.csr_offset - header.csr_nbytes)
+                f.write(gap)
+                crc = crc32(gap, crc)
+                with open(self._src.path, "rb") as src:
+                    for block in iter(lambda: src.read(_COPY_CHUNK), b""):
+                        f.write(block)
+                        crc = crc32(block, crc)
             f.seek(0)
             f.write(SeqIdxHeader(token_dtype_code=int(self.dtype), pack_count=n,
                                  sequence_count=self._sequences, token_count=self._tokens,
-                                 metadata_length=len(meta_bytes), body_crc32=crc).pack())
+                                 metadata_length=len(meta_bytes), body_crc32=crc, version_minor=version[1],
+                                 flags=flags).pack())
         if os.path.getsize(path) != header.file_size:
             raise ShardError("internal error: .seq.idx size disagrees with its header", path=path,
                              expected=header.file_size, actual=os.path.getsize(path))
@@ -575,7 +635,7 @@ class IndexedDatasetBuilder:
             if not len(self._lengths):
                 raise BuilderStateError("no packs were added; an empty shard is not written",
                                         path=self.prefix)
-            for writer in (self._bin, self._loss, self._seq):
+            for writer in (self._bin, self._loss, self._seq) + ((self._src,) if self._src else ()):
                 writer.close()
             idx_digest = self._write_idx()
             known = dict(self._user_metadata)
@@ -589,22 +649,33 @@ class IndexedDatasetBuilder:
                 tokenizer=known.get("tokenizer"),
                 packing=known.get("packing"), parallelism=known.get("parallelism"),
                 source=known.get("source"), extra=known["extra"],
-                shard_set=ShardSet.from_dict(known["set"]) if known.get("set") else None)
+                shard_set=ShardSet.from_dict(known["set"]) if known.get("set") else None,
+                sources=self._counted_sources())
             self._write_seq_idx(self.metadata)
             publishing.commit_shard(self._tmp, self.prefix)
+            if self._src is not None:
+                _atomic.remove_quietly([self._src.path])
         except BaseException:
             self.abort()
             raise
         self._state = "finalized"
         return self.metadata
 
+    def _counted_sources(self) -> Optional[tuple]:
+        """The metadata's ``sources`` with each one's sequence count (None without sources)."""
+        if not self._sources:
+            return None
+        return tuple(ShardSource(s["name"], int(c), {k: v for k, v in s.items() if k not in ("name", "sequences")})
+                     for s, c in zip(self._sources, self._source_counts))
+
     def abort(self) -> None:
         """Discard everything written; no file appears under the final names."""
         if self._state == "open":
             self._state = "aborted"
-        for writer in (self._bin, self._loss, self._seq):
+        src = getattr(self, "_src", None)
+        for writer in (self._bin, self._loss, self._seq) + ((src,) if src else ()):
             writer.close()
-        _atomic.remove_quietly(self._tmp.values())
+        _atomic.remove_quietly(list(self._tmp.values()) + ([src.path] if src else []))
 
     def __enter__(self) -> "IndexedDatasetBuilder":
         return self

@@ -31,7 +31,7 @@ P.seq.bin     every pack's ``seq_start_id`` concatenated, int32
     34+12N        8D    int64[D]   document_indices   [0, 1, ..., N] (non-decreasing, ends at N)
     file size == 34 + 12N + 8D
 
-``P.seq.idx`` (version 1.0)::
+``P.seq.idx`` (version 1.2; 1.0 and 1.1 have no ``source_ids`` and no flag)::
 
     offset  size  type   name              constraint
     0       8     bytes  magic             b"MSFTSEQ\\x00"
@@ -40,7 +40,7 @@ P.seq.bin     every pack's ``seq_start_id`` concatenated, int32
     12      1     u8     token_dtype_code  == P.idx dtype_code; 8 (uint16) or 4 (int32)
     13      1     u8     seq_dtype_code    == 4 (int32): dtype of P.seq.bin
     14      1     u8     loss_dtype_code   == 1 (uint8): dtype of P.loss.bin
-    15      1     u8     flags             == 0 (reserved)
+    15      1     u8     flags             bit 0 FLAG_SOURCES (1.2); the other bits 0 (reserved)
     16      8     u64    pack_count        N == P.idx sequence_count; 1 <= N <= MAX_COUNT
     24      8     u64    sequence_count    S: values in P.seq.bin; N <= S <= MAX_COUNT
     32      8     u64    token_count       T: elements of P.bin == bytes of P.loss.bin; N <= T <= MAX_COUNT
@@ -51,7 +51,10 @@ P.seq.bin     every pack's ``seq_start_id`` concatenated, int32
     64      L     utf-8  metadata          JSON object (see ``megatron_sft_idx.metadata``)
     csr     8N+8  int64  seq_offsets       [0] == 0, strictly increasing, [N] == S;
                                            pack i's starts are P.seq.bin[seq_offsets[i]:seq_offsets[i+1]]
-    file size == csr_offset + 8 * (N + 1)
+    src     2S    uint16 source_ids        only with FLAG_SOURCES (1.2): src == align64(csr + 8N + 8), the
+                                           bytes between zero; sequence j's source, an index into the
+                                           metadata's ``sources`` (fewer than len(sources))
+    file size == csr_offset + 8 * (N + 1), or src + 2 * S with FLAG_SOURCES
 
 Pack ``i`` is ``input_ids = P.bin[ptr_i / itemsize : + len_i]`` (``ptr_i`` =
 ``sequence_pointers[i]``), ``loss_mask = P.loss.bin[ptr_i / itemsize : + len_i]``,
@@ -194,6 +197,7 @@ METADATA_FIELD_RANGES = {
     "files.*.crc32": (0, UINT32_MAX),
     "set.count": (1, INT32_MAX),
     "set.index": (0, INT32_MAX - 1),
+    "sources[].sequences": (0, INT64_MAX),
 }
 #: Longest ``set.id`` / ``set.name`` string (characters) a shard may record.
 MAX_SET_TEXT = 256
@@ -282,6 +286,17 @@ class IdxHeader:
 
 SEQ_IDX_MAGIC = b"MSFTSEQ\x00"
 SEQ_IDX_VERSION = (1, 1)  # 1.1 added metadata pad_layout and stats.min_packed_runtime_len
+#: The version of a shard that records each sequence's source (flag :data:`FLAG_SOURCES`, metadata
+#: ``sources``); a shard without sources is still written as :data:`SEQ_IDX_VERSION`, byte for byte.
+SEQ_IDX_SOURCES_VERSION = (1, 2)
+#: ``flags`` bit 0 (1.2): a source id per sequence follows the CSR offsets (:attr:`SeqIdxHeader.sources_offset`).
+FLAG_SOURCES = 0x01
+#: Every flag bit this version knows; any other bit set is refused.
+KNOWN_FLAGS = FLAG_SOURCES
+#: The dtype of a sequence's source id (an index into the metadata's ``sources``).
+SOURCE_DTYPE = np.dtype("<u2")
+#: The most sources a shard records (a source id is a uint16).
+MAX_SOURCES = 65535
 SUPPORTED_SEQ_IDX_MAJORS = (1,)
 ALIGNMENT = 64
 #: magic, major, minor, token_dtype_code, seq_dtype_code, loss_dtype_code, flags,
@@ -321,7 +336,19 @@ class SeqIdxHeader:
         return POINTER_DTYPE.itemsize * (self.pack_count + 1)
 
     @property
+    def has_sources(self) -> bool:
+        return bool(self.flags & FLAG_SOURCES)
+
+    @property
+    def sources_offset(self) -> Optional[int]:
+        """Where the source ids start (``align64`` of the CSR offsets' end; the bytes between are
+        zero), None without :data:`FLAG_SOURCES`."""
+        return align(self.csr_offset + self.csr_nbytes) if self.has_sources else None
+
+    @property
     def file_size(self) -> int:
+        if self.has_sources:
+            return self.sources_offset + SOURCE_DTYPE.itemsize * self.sequence_count
         return self.csr_offset + self.csr_nbytes
 
     @property
@@ -372,8 +399,13 @@ class SeqIdxHeader:
         if lcode != int(LOSS_DTYPE):
             raise DTypeError("loss mask dtype code must be uint8", path=path,
                              field="loss_dtype_code", expected=int(LOSS_DTYPE), actual=lcode)
-        if flags != 0:
-            raise HeaderError("reserved flags are set", path=path, field="flags", expected=0, actual=flags)
+        if flags & ~KNOWN_FLAGS:
+            raise HeaderError("reserved flags are set", path=path, field="flags", expected=f"bits of {KNOWN_FLAGS}",
+                              actual=flags)
+        if flags & FLAG_SOURCES and (major, minor) < SEQ_IDX_SOURCES_VERSION:
+            raise HeaderError(f"the sources flag needs version {SEQ_IDX_SOURCES_VERSION[0]}."
+                              f"{SEQ_IDX_SOURCES_VERSION[1]}", path=path, field="flags",
+                              expected=f"version >= {SEQ_IDX_SOURCES_VERSION}", actual=(major, minor))
         if mlen > MAX_METADATA_LENGTH:
             raise HeaderError("metadata length is implausible", path=path, field="metadata_length",
                               expected=f"<= {MAX_METADATA_LENGTH}", actual=mlen)
@@ -403,7 +435,8 @@ class SeqIdxHeader:
                      loss_dtype_code=lcode, flags=flags, csr_offset=csr)
         if header.file_size != file_size:
             err = TruncatedFileError if header.file_size > file_size else SizeMismatchError
-            raise err(".seq.idx size disagrees with its header", path=path, field="pack_count/csr_offset",
+            raise err(".seq.idx size disagrees with its header", path=path,
+                      field="pack_count/sequence_count/csr_offset" if header.has_sources else "pack_count/csr_offset",
                       expected=header.file_size, actual=file_size)
         return header
 

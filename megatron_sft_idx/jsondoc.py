@@ -15,8 +15,11 @@ The limits, by use (docs/FORMAT.md "Limits", docs/INPUTS.md "Limits"):
   ``MAX_METADATA_DEPTH`` deep, every integer within int64 (manifests: ``MAX_MANIFEST_BYTES``;
   the index cache's receipt: ``RECEIPT_MAX_BYTES``);
 * an input record: its size bounded by the reader (``--max-record-bytes``), at most
-  :data:`RECORD_MAX_DEPTH` deep, integers of any size (token ids are checked later);
-* a JSON string inside a record: :data:`RECORD_JSON_MAX_BYTES`, :data:`RECORD_MAX_DEPTH` deep;
+  :data:`RECORD_MAX_DEPTH` deep, integers of any size (token ids are checked later), and one
+  meaning per key: an object that names a key twice is refused (JSON leaves it to the reader
+  which one counts; a record is never trained by one reader's choice);
+* a JSON string inside a record: :data:`RECORD_JSON_MAX_BYTES`, :data:`RECORD_MAX_DEPTH` deep,
+  no key twice in an object;
 * a tokenizer's own serialised configuration: :data:`TOKENIZER_MAX_BYTES`.
 
 :class:`Doc` wraps one JSON object of one file; each accessor returns a value only when it has
@@ -69,6 +72,26 @@ class _OverLimit(Exception):
     """Raised from inside json's number hooks; not a ValueError, so it is never taken for a syntax error."""
 
 
+class _Duplicate(Exception):
+    """Raised from inside the record decoder's object hook: an object names ``key`` twice."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_object(pairs) -> dict:
+    """The object of ``pairs`` (the decoder's), refused when a key comes twice."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _Duplicate(key)
+            seen.add(key)
+    return obj
+
+
 def _parse_int(text: str) -> int:
     if len(text) > _MAX_INT_LITERAL:
         raise _OverLimit(f"an integer of {len(text.lstrip('-'))} digits is outside int64")
@@ -102,23 +125,30 @@ def _too_deep(obj: Any, limit: int) -> bool:
     return False
 
 
-#: the decoders :func:`parse_json` reads with, built once (``json.loads`` with hooks builds one a call)
-_DECODERS = {int64: json.JSONDecoder(parse_int=_parse_int if int64 else None, parse_float=_parse_float,
-                                     parse_constant=_refuse_constant) for int64 in (True, False)}
+#: the decoders :func:`parse_json` reads with, built once (``json.loads`` with hooks builds one a call),
+#: by ``(int64, unique keys)``
+_DECODERS = {(int64, unique): json.JSONDecoder(parse_int=_parse_int if int64 else None, parse_float=_parse_float,
+                                               parse_constant=_refuse_constant,
+                                               object_pairs_hook=_unique_object if unique else None)
+             for int64 in (True, False) for unique in (True, False)}
 
 
 def parse_json(raw: Union[bytes, bytearray, memoryview, str], path: Optional[str] = None, *,
                max_length: int = MAX_METADATA_LENGTH, max_depth: int = MAX_METADATA_DEPTH,
                int64: bool = True, what: str = "metadata", error: Type[ShardError] = MetadataError,
-               limit_error: Optional[Type[ShardError]] = MetadataLimitError, hint: Optional[str] = None) -> Any:
+               limit_error: Optional[Type[ShardError]] = MetadataLimitError, hint: Optional[str] = None,
+               unique_keys: bool = False) -> Any:
     """``raw`` (UTF-8 bytes, or text) as a JSON value, within the limits (module doc).
 
     Strict UTF-8 and RFC 8259 JSON (no ``NaN``/``Infinity``); at most ``max_length`` bytes;
     containers nested at most ``max_depth`` deep (a deeper document is refused, however deep:
     never a ``RecursionError``); every number finite as a double and, with ``int64``, every
-    integer within int64 -- anywhere in the document. ``what`` names the document in messages,
+    integer within int64 -- anywhere in the document; with ``unique_keys``, no object naming a key
+    twice (an error whose ``duplicate`` is the key). ``what`` names the document in messages,
     ``path`` the file; ``error`` is raised for bytes that are not JSON and ``limit_error``
-    (``error`` when None) for a limit exceeded.
+    (``error`` when None) for a limit exceeded. With ``unique_keys`` a key given twice in one
+    object is refused (``error``, its field the key) instead of keeping the last value: for a
+    file a person writes (a mixture), where a repeated key is a mistake.
 
     Every error carries ``detail`` (the reason alone, for a caller that words its own message);
     a limit error also ``limit``: ``"bytes"``, ``"depth"`` or ``"number"``.
@@ -148,9 +178,15 @@ def parse_json(raw: Union[bytes, bytearray, memoryview, str], path: Optional[str
             text = raw.decode("utf-8")
         if text.startswith("\ufeff"):   # (as json.loads refuses it)
             raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)
-        obj = _DECODERS[int64].decode(text)
+        obj = _DECODERS[int64, unique_keys].decode(text)
     except _OverLimit as exc:
         raise limit(str(exc)) from None
+    except _Duplicate as exc:
+        why = f"an object names the key {exc.key!r} twice, so it has no one meaning"
+        err = error(f"{what} is not one JSON reading: {why}", path=path, field=exc.key,
+                    hint=hint or f"the {what} names a key twice; keep one")
+        err.detail, err.duplicate = why, exc.key
+        raise err from None
     except RecursionError:
         raise limit(f"containers nested deeper than {max_depth}", "depth") from None
     except (UnicodeDecodeError, ValueError) as exc:
@@ -173,12 +209,15 @@ def parse_record_json(raw: Union[bytes, str], what: str = "record", max_length: 
     ids are checked against the vocabulary later; a literal beyond Python's digit limit is not
     JSON), every other number finite.
 
-    The caller names the record (``file:line``) in its own error, from the error's ``detail``
-    and ``limit`` (:func:`parse_json`).
+    An object naming a key twice is refused (``{"role": "user", ..., "role": "assistant"}``
+    has no one meaning: JSON decoders differ in which one counts).
+
+    The caller names the record (``file:line``) in its own error, from the error's ``detail``,
+    ``limit`` and ``duplicate`` (:func:`parse_json`).
 
     Raises:
         MetadataLimitError: beyond the limits (catch it before MetadataError).
-        MetadataError: not UTF-8 JSON.
+        MetadataError: not UTF-8 JSON; a key twice in an object (``duplicate``: the key).
     """
     hint = "fix the record, or pass --skip-bad"
     if not isinstance(raw, str) and isinstance(raw, (bytes, bytearray, memoryview)):
@@ -197,7 +236,7 @@ def parse_record_json(raw: Union[bytes, str], what: str = "record", max_length: 
             err.detail = str(exc)
             raise err from None
     return parse_json(raw, None, max_length=max_length, max_depth=RECORD_MAX_DEPTH, int64=False, what=what,
-                      hint=hint)
+                      hint=hint, unique_keys=True)
 
 
 def load_json(path: str, error: Type[ShardError] = MetadataError, *, max_length: int = MAX_METADATA_LENGTH,

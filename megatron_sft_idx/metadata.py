@@ -22,6 +22,7 @@ packing                no        algorithm, seed, ...
 parallelism            no        the CP/TP/SP the shard was padded for
 source                 no        inputs (names, hashes)
 set                    no        the set the shard was written in (see :class:`ShardSet`)
+sources                1.2       the sources its sequences' ids name (see :class:`ShardSource`)
 extra                  no        anything the producer wants to keep
 =====================  ========  ====================================================
 
@@ -36,13 +37,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 from .errors import MetadataError
 from .format import (
     CHECKSUMMED_SUFFIXES,
     LOSS_MASK_CONVENTION,
     MAX_SET_TEXT,
+    MAX_SOURCES,
     METADATA_FIELD_RANGES,
     PAD_LAYOUT_STORED,
     PAD_LAYOUTS,
@@ -57,7 +59,7 @@ RESERVED_KEYS = frozenset(
 )
 #: Optional keys with a known meaning; anything else a caller passes goes under ``extra``.
 OPTIONAL_KEYS = ("pad_seq_to_mult", "pad_layout", "tokenizer", "packing", "parallelism", "source", "set",
-                 "extra")
+                 "sources", "extra")
 
 
 @dataclass(frozen=True)
@@ -185,6 +187,60 @@ class ShardSet:
 
 
 @dataclass(frozen=True)
+class ShardSource:
+    """One source of a shard that records its sequences' sources (format 1.2, metadata ``sources``):
+    its ``name`` (1 to 256 bytes of UTF-8, unique in the shard), how many of the shard's sequences
+    are from it (``sequences``), and what else the producer records of it (``extra``: e.g. the
+    ``store_id`` of the sequence store it was read from). Source id ``j`` of a sequence names
+    ``sources[j]``."""
+
+    name: str
+    sequences: int
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dict(self.extra, name=self.name, sequences=self.sequences)
+
+    @classmethod
+    def from_dict(cls, raw: Any, path: Optional[str], field: str, counted: bool = True) -> "ShardSource":
+        """Parse one ``sources`` entry (``counted``: ``sequences`` is required, as in a shard).
+
+        Raises:
+            MetadataError: naming ``field`` and the key at fault.
+        """
+        if not isinstance(raw, Mapping):
+            raise MetadataError(f"metadata key '{field}' must be an object", path=path, field=field, actual=raw)
+        name = raw.get("name")
+        if not isinstance(name, str) or not 1 <= len(name.encode("utf-8", "surrogatepass")) <= MAX_SET_TEXT:
+            raise MetadataError(f"metadata key '{field}.name' must be a string of 1 to {MAX_SET_TEXT} bytes",
+                                path=path, field=f"{field}.name", actual=name)
+        sequences = raw.get("sequences", 0 if not counted else None)
+        if not _is_int(sequences):
+            raise MetadataError(f"metadata key '{field}.sequences' has the wrong type", path=path,
+                                field=f"{field}.sequences", expected="int", actual=sequences)
+        _check_range(sequences, "sources[].sequences", f"{field}.sequences", path)
+        return cls(name, sequences, {k: v for k, v in raw.items() if k not in ("name", "sequences")})
+
+
+def parse_sources(raw: Any, path: Optional[str], counted: bool = True) -> Tuple[ShardSource, ...]:
+    """The metadata's ``sources``: 1 to :data:`~megatron_sft_idx.format.MAX_SOURCES` entries of
+    distinct names (:class:`ShardSource`).
+
+    Raises:
+        MetadataError: not a list of that length, an entry malformed, a name given twice.
+    """
+    if not isinstance(raw, list) or not 1 <= len(raw) <= MAX_SOURCES:
+        raise MetadataError(f"metadata key 'sources' must be a list of 1 to {MAX_SOURCES} sources", path=path,
+                            field="sources", actual=type(raw).__name__ if not isinstance(raw, list) else len(raw))
+    out = tuple(ShardSource.from_dict(item, path, f"sources[{k}]", counted) for k, item in enumerate(raw))
+    names = [s.name for s in out]
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise MetadataError("metadata key 'sources' names a source twice", path=path, field="sources", actual=dup)
+    return out
+
+
+@dataclass(frozen=True)
 class FileDigest:
     size: int
     crc32: int
@@ -211,6 +267,8 @@ class ShardMetadata:
     shard_set: Optional[ShardSet] = None  # metadata key "set"
     #: "sft" for shards of this format; "pretrain" when the reader synthesised it for bin/idx only.
     kind: str = "sft"
+    #: format 1.2: the source each sequence's id names (None: the shard records no sources)
+    sources: Optional[Tuple[ShardSource, ...]] = None
 
     def to_dict(self) -> Dict[str, Any]:
         out: Dict[str, Any] = {
@@ -231,6 +289,8 @@ class ShardMetadata:
                 out[key] = value
         if self.shard_set is not None:
             out["set"] = self.shard_set.to_dict()
+        if self.sources is not None:
+            out["sources"] = [s.to_dict() for s in self.sources]
         if self.extra:
             out["extra"] = self.extra
         return out
@@ -313,12 +373,17 @@ class ShardMetadata:
                                     actual=value)
             optional[key] = value
         shard_set = None if obj.get("set") is None else ShardSet.from_dict(obj["set"], path)
+        sources = None if obj.get("sources") is None else parse_sources(obj["sources"], path)
+        if sources is not None and sum(s.sequences for s in sources) != stats.sequence_count:
+            raise MetadataError("the sources' sequences do not add up to stats.sequence_count", path=path,
+                                field="sources", expected=stats.sequence_count,
+                                actual=sum(s.sequences for s in sources))
         return cls(pack_size=pack_size, token_dtype=token_dtype, vocab_size=vocab_size, stats=stats,
                    files=files, producer=producer, loss_mask_convention=convention, pad_seq_to_mult=pad,
                    pad_layout=layout,
                    tokenizer=optional["tokenizer"], packing=optional["packing"],
                    parallelism=optional["parallelism"], source=optional["source"],
-                   extra=optional["extra"] or {}, shard_set=shard_set)
+                   extra=optional["extra"] or {}, shard_set=shard_set, sources=sources)
 
 
 def _check_range(value: int, rule: str, key: str, path: Optional[str]) -> None:
@@ -368,6 +433,8 @@ def split_user_metadata(metadata: Optional[Mapping[str, Any]]) -> Dict[str, Any]
             known[key] = dict(value)
         elif key == "set":
             known[key] = None if value is None else ShardSet.from_dict(value).to_dict()
+        elif key == "sources":   # the builder counts each source's sequences
+            known[key] = None if value is None else [s.to_dict() for s in parse_sources(value, None, counted=False)]
         elif key != "extra":
             extra[key] = value
     known["extra"] = extra

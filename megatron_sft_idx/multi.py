@@ -34,7 +34,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from .errors import ShardNotFoundError, ShardSetError, SizeMismatchError
+from .errors import IncompatibleShardsError, ShardNotFoundError, ShardSetError, SizeMismatchError
 from .format import IDX_SUFFIX, SEQ_IDX_SUFFIX
 from .manifest import (MANIFEST_FORMAT, MANIFEST_SUFFIX, Manifest, is_manifest, load_manifest,
                        manifest_document, open_entry, read_manifest, require_entries_present)
@@ -304,6 +304,27 @@ class MultiShardDataset:
             for j, pack in zip(where.tolist(), self.shard(k).get_many(idx[where] - int(self.starts[k]))):
                 out[j] = pack
         return out
+
+    @property
+    def sources(self) -> Optional[tuple]:
+        """The names of the sources the shards' source ids name (format 1.2: a mixture's set, whose
+        shards share them), None when they record none. Opens the first shard."""
+        return self.shard(0).sources
+
+    def source_ids(self, i) -> np.ndarray:
+        """Each sequence's source id of global pack ``i`` (uint16; an index into :attr:`sources`).
+
+        Raises:
+            ShardError: the shards record no sources; IncompatibleShardsError: the pack's shard names
+                other sources than the first shard (shards of different mixtures).
+        """
+        k, local = self.shard_of(i)
+        shard = self.shard(k)
+        if shard.sources != self.sources:
+            raise IncompatibleShardsError("the shards name different sources (shards of different mixtures?)",
+                                          path=self.prefixes[k], field="sources", expected=self.sources,
+                                          actual=shard.sources, hint="read the shards of one mixture together")
+        return shard.source_ids(local)
 
     @property
     def open_shards(self) -> List[int]:

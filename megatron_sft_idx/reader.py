@@ -55,6 +55,7 @@ from .format import (
     SEQ_IDX_HEADER_SIZE,
     SEQ_IDX_SUFFIX,
     SFT_SUFFIXES,
+    SOURCE_DTYPE,
     READABLE_TOKEN_DTYPES,
     TOKEN_DTYPES,
     IdxHeader,
@@ -191,6 +192,7 @@ class MMapIndexedDataset:
             raise ShardError("this reader supports little-endian hosts only", path=str(prefix))
         self.check_packs = check_packs
         self._tokens = None  # mapped lazily, on first access
+        self._sources = None  # the source ids (format 1.2), mapped with the rest
         self._hot = None     # everything the per-pack path reads, as one tuple (set by _map_files)
         self._map_lock = threading.Lock()
         self._source = _open_source(prefix, config, cache_dir, block_size, object_storage_config)
@@ -255,6 +257,11 @@ class MMapIndexedDataset:
               ih.dtype_code, h.token_dtype_code)
         agree("metadata token_dtype differs from the header", self.paths.seq_idx, "token_dtype",
               self.dtype.name, m.token_dtype, MetadataError)
+        if h.has_sources != (m.sources is not None):
+            raise MetadataError("the .seq.idx header and metadata disagree on whether the shard records sources",
+                                path=self.paths.seq_idx, field="sources",
+                                expected="both" if h.has_sources else "neither",
+                                actual="the metadata's sources" if m.sources is not None else "the header's flag")
         for field, value in (("pack_count", h.pack_count), ("sequence_count", h.sequence_count),
                              ("token_count", h.token_count)):
             agree("metadata statistics disagree with the header", self.paths.seq_idx, f"stats.{field}",
@@ -315,7 +322,10 @@ class MMapIndexedDataset:
             self._off_mv = self._loss = self._starts = None
         else:
             h = self.seq_header
-            self._offsets = _view(source.map(SEQ_IDX_SUFFIX)[0], POINTER_DTYPE, self._n + 1, h.csr_offset)
+            seq_idx = source.map(SEQ_IDX_SUFFIX)[0]
+            self._offsets = _view(seq_idx, POINTER_DTYPE, self._n + 1, h.csr_offset)
+            if h.has_sources:   # format 1.2: each sequence's source, after the offsets
+                self._sources = _view(seq_idx, SOURCE_DTYPE, h.sequence_count, h.sources_offset)
             self._off_mv = memoryview(self._offsets).cast("B").cast("q")
             self._loss = source.data_array(LOSS_SUFFIX, np.uint8, h.token_count, self._pack_end, itemsize)
             self._starts = source.data_array(SEQ_BIN_SUFFIX, SEQ_DTYPE.numpy, h.sequence_count)
@@ -533,6 +543,41 @@ class MMapIndexedDataset:
             return np.arange(self._n + 1, dtype=np.int64)
         self._ensure_maps()
         return self._offsets
+
+    @property
+    def sources(self) -> Optional[tuple]:
+        """The names of the sources the shard's source ids name (format 1.2), None when it records none."""
+        recorded = self.metadata.sources
+        return None if recorded is None else tuple(s.name for s in recorded)
+
+    @property
+    def sequence_source_ids(self) -> np.ndarray:
+        """uint16 source id of every sequence of the shard (``P.seq.bin`` order): an index into
+        :attr:`sources`.
+
+        Raises:
+            ShardError: the shard records no sources (it was not written from a mixture).
+        """
+        if self.sources is None:
+            raise ShardError("the shard records no sources (it was not written from a mixture)",
+                             path=self.paths.seq_idx, field="sources",
+                             hint="write it with preprocess-sft/repack-sft --mix to record each sequence's source")
+        self._ensure_maps()
+        return self._sources
+
+    def source_ids(self, idx: int) -> np.ndarray:
+        """The source id of each sequence of pack ``idx`` (uint16, read-only; an index into
+        :attr:`sources`): what a trainer logs loss per source by.
+
+        Raises:
+            ShardError: the shard records no sources; an index out of range; a corrupt offset.
+        """
+        ids = self.sequence_source_ids
+        idx = pack_index(idx, self._n, self.prefix)
+        s0, s1 = int(self._offsets[idx]), int(self._offsets[idx + 1])
+        if s0 < 0 or s1 <= s0 or s1 > self._seq_count:
+            raise self._corrupt_offsets(idx, s0, s1)
+        return ids[s0:s1]
 
     @property
     def is_mapped(self) -> bool:

@@ -45,7 +45,7 @@ from .format import LOSS_MASK_CONVENTION, METADATA_FIELD_RANGES, PAD_LAYOUTS, TO
 from .metadata import ShardMetadata, ShardSet
 
 __all__ = ["ShardIdentity", "Agreement", "Difference", "require_compatible", "require_whole_sets",
-           "identity_difference", "SELECTED_BY"]
+           "identity_difference", "tokenizer_difference", "SELECTED_BY"]
 
 #: How shards were named: each kind but ``prefix`` selects shards the caller did not name one by one.
 SELECTED_BY = ("prefix", "directory", "glob", "manifest")
@@ -186,7 +186,7 @@ def _short(digest: Any) -> str:
     return str(digest)[:12] if digest else "none"
 
 
-def _tokenizer_difference(a: Mapping, b: Mapping) -> Optional[Difference]:
+def tokenizer_difference(a: Mapping, b: Mapping) -> Optional[Difference]:
     """Tokenizer files first (named with their hashes), then the chat template, in words."""
     if a.get("files_sha256") and b.get("files_sha256"):
         if a["files_sha256"] != b["files_sha256"]:
@@ -213,7 +213,7 @@ def _tokenizer_difference(a: Mapping, b: Mapping) -> Optional[Difference]:
 
 
 def _same_tokenizer(a: Optional[Mapping], b: Optional[Mapping]) -> bool:
-    return a is not None and b is not None and _tokenizer_difference(a, b) is None
+    return a is not None and b is not None and tokenizer_difference(a, b) is None
 
 
 def _parallelism_words(value: Optional[Mapping]) -> str:
@@ -265,7 +265,7 @@ class Agreement:
             return Difference("loss_mask_convention", a.loss_mask_convention, b.loss_mask_convention,
                               "different loss-mask conventions")
         if "tokenizer" in ref and b.tokenizer is not None:
-            diff = _tokenizer_difference(ref["tokenizer"].tokenizer, b.tokenizer)
+            diff = tokenizer_difference(ref["tokenizer"].tokenizer, b.tokenizer)
             if diff is not None:
                 return diff
         v = ref.get("vocab_size")

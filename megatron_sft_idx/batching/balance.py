@@ -41,7 +41,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -141,16 +141,19 @@ def _checked_labels(labels, n: int, algorithm: str, slack) -> np.ndarray:
 def plan_order(costs, topology: Topology, cost_model: CostModel, *, seed: int, epochs: int = 1,
                first_epoch: int = 0, algorithm: str = DEFAULT_ALGORITHM, exchange_window: int = 1,
                refine_rounds: Optional[int] = None, source: Optional[dict] = None,
-               trained: Optional[TrainedCounts] = None, balance_labels: bool = False,
-               label_rule: str = STORED, label_slack: float = DEFAULT_LABEL_SLACK) -> Order:
+               base_order: Optional[Callable[[int], np.ndarray]] = None, trained: Optional[TrainedCounts] = None,
+               balance_labels: bool = False, label_rule: str = STORED,
+               label_slack: float = DEFAULT_LABEL_SLACK) -> Order:
     """An :class:`~.order.Order` of ``epochs`` balanced epochs from ``first_epoch`` on.
 
+    ``base_order(epoch)``: the step membership to balance instead of the adapters' shuffle (a
+    permutation of the packs: a mixture's interleaved order, :mod:`.interleave`).
     ``trained`` (the data's counts, :func:`~.trained.trained_counts`) is recorded with the order:
     every planned step's denominators (:meth:`~.order.Order.step_trained`); ``balance_labels``
     evens trained tokens under ``label_rule`` too (module doc). ``stats`` records, over the
     planned epochs, the predicted straggler overhead (max rank cost / mean - 1 per complete step)
-    of the adapters' shuffle and of this order (see :mod:`.report`), and with ``trained`` how
-    even each one's trained tokens are (:func:`~.report.trained_summary`).
+    of the base order (``"shuffle"``) and of this order (see :mod:`.report`), and with ``trained``
+    how even each one's trained tokens are (:func:`~.report.trained_summary`).
 
     Raises:
         ShardError: as :func:`balanced_permutation`; ``epochs`` below 1; counts of another
@@ -171,7 +174,7 @@ def plan_order(costs, topology: Topology, cost_model: CostModel, *, seed: int, e
     labels = trained.pack(label_rule) if balance_labels else None
     rows, bases = [], []
     for e in range(int(first_epoch), int(first_epoch) + int(epochs)):
-        base = base_permutation(n, seed, e)
+        base = base_permutation(n, seed, e) if base_order is None else base_order(e)
         rows.append(balanced_permutation(costs, topology, seed=seed, epoch=e, algorithm=algorithm,
                                          exchange_window=exchange_window, refine_rounds=refine_rounds, base=base,
                                          labels=labels, label_slack=label_slack))

@@ -226,6 +226,8 @@ class Order:
         """A sentence saying how ``topology`` differs from the planned one, or None."""
         if topology == self.topology:
             return None
+        if self.algorithm == "shuffle" and topology.global_batch_size == self.topology.global_batch_size:
+            return None   # (an order that deals no step to ranks fixes steps only: any DP and micro-batch)
         return (f"the pack order was balanced for {self.topology.describe()}, but training runs with "
                 f"{topology.describe()}: steps keep their packs but ranks get unbalanced slices; re-plan "
                 "the order for this topology")

@@ -29,7 +29,7 @@ from ..errors import ShardError
 if TYPE_CHECKING:   # (.order imports the numba kernels: an adapter without a balanced order never needs them)
     from .order import Order
 
-__all__ = ["sample_index", "PackOrder"]
+__all__ = ["sample_index", "PackOrder", "sources_of", "token_sources"]
 
 #: ``order(source, packs, rng) -> packs permuted``: one epoch's order in place of
 #: ``rng.permutation(packs)`` (e.g. :class:`~megatron_sft_idx.locality.BlockLocalOrder`).
@@ -78,6 +78,32 @@ def sample_index(num_samples: int, packs: Union[int, np.ndarray], *, seed: int, 
                                       else order(source, packs, rng))
         out = out[:count]
     out.flags.writeable = False
+    return out
+
+
+def sources_of(source, path: Optional[str] = None) -> tuple:
+    """The source names of a packed ``source`` whose shards record each sequence's source (format
+    1.2: a mixture's; :attr:`~megatron_sft_idx.reader.MMapIndexedDataset.sources`): what the
+    adapters' ``source_ids`` index.
+
+    Raises:
+        ShardError: the data records no sources.
+    """
+    names = getattr(source, "sources", None)
+    if not names:
+        raise ShardError("return_source_ids needs data that records each sequence's source", path=path,
+                         field="return_source_ids",
+                         hint="write it with preprocess-sft/repack-sft --mix (docs/PREPROCESSING.md, Mixtures)")
+    return tuple(names)
+
+
+def token_sources(sequence_sources, lengths, size: int) -> np.ndarray:
+    """Each position's source id (int64[size]): sequence ``k``'s id over its ``lengths[k]``
+    positions, in order, then -1 (padding)."""
+    out = np.full(int(size), -1, dtype=np.int64)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    n = int(lengths.sum())
+    out[:n] = np.repeat(np.asarray(sequence_sources, dtype=np.int64), lengths)
     return out
 
 

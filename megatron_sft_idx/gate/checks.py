@@ -180,6 +180,9 @@ def _run_arrays(ctx: ShardContext, vocab: Optional[int], options: Options) -> No
     if ctx.csr_ok:
         content.check_offsets(ctx)
         report.checks.append("csr-offsets")
+        if ctx.seq_header.has_sources:
+            content.check_sources(ctx)
+            report.checks.append("sources")
     else:
         ctx.skip("CSR offsets pass", "the .seq.idx header or size is wrong")
     if ctx.pointers_ok and ctx.offsets_ok and ctx.sizes_ok:

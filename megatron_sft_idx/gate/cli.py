@@ -20,6 +20,7 @@ from .._signals import INTERRUPTS, exit_code, raise_if_signalled, signal_name, s
 from ..errors import ShardError
 from ..format import METADATA_FIELD_RANGES
 from ..storage.destination import destination_for
+from ..storage.urls import url_refusal
 from .checks import check
 from .promote import promote_report
 
@@ -56,9 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after a pass, move the five files into directory DEST atomically (.idx last); "
                         "DEST may be s3://bucket/dir or msc://profile/dir (uploaded, .idx last)")
     p.add_argument("--link", action="store_true", help="with --promote: hard-link instead of moving")
-    p.add_argument("--overwrite", "--replace", dest="overwrite", action="store_true",
-                   help="with --promote: replace a shard of the same name at DEST (its .idx goes first; "
-                        "--replace is another name of it)")
+    _cli.add_aliased(p, "--overwrite", "--replace", dest="overwrite", action="store_true",
+                     help="with --promote: replace a shard of the same name at DEST (its .idx goes first; "
+                          "--replace is another name of it)")
     return p
 
 
@@ -101,6 +102,9 @@ def _usage_problem(args) -> Optional[str]:
         return "--link and --overwrite need --promote DEST"
     if args.link and not destination_for(args.promote).moves:
         return "--link needs a local destination (hard links cannot point into object storage); drop --link to upload"
+    refused = url_refusal([("--promote", args.promote, True)])
+    if refused:
+        return refused
     if args.workers < 1:
         return "--workers must be >= 1"
     if args.sample < 0:

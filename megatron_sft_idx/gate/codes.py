@@ -77,6 +77,11 @@ CODES: Dict[str, Code] = {
                              "match", _RECOPY),
     "SEQ_IDX_OFFSETS": Code(ERROR, ".seq.idx", "CSR seq_offsets do not start at 0, are not strictly "
                             "increasing, or do not end at the number of values in .seq.bin", _REBUILD),
+    "SOURCES_MISMATCH": Code(ERROR, ".seq.idx", "format 1.2: the header's sources flag and the metadata's "
+                             "sources disagree, or a source's recorded sequence count is not the number of "
+                             "source ids naming it", _REBUILD),
+    "SOURCE_ID_OUT_OF_RANGE": Code(ERROR, ".seq.idx", "format 1.2: a sequence's source id names no source of "
+                                   "the metadata's sources", _REBUILD),
     "METADATA_UNPARSABLE": Code(ERROR, ".seq.idx", "the metadata is not valid UTF-8 JSON (cut short, "
                                 "overwritten)", _REBUILD),
     "METADATA_INVALID": Code(ERROR, ".seq.idx", "a required metadata key is missing or has the wrong type "

@@ -27,11 +27,14 @@ from ..format import (
     IDX_SUFFIX,
     LENGTH_DTYPE,
     LOSS_SUFFIX,
+    MAX_SOURCES,
+    METADATA_OFFSET,
     PAD_LAYOUT_STORED,
     POINTER_DTYPE,
     SEQ_BIN_SUFFIX,
     SEQ_DTYPE,
     SEQ_IDX_SUFFIX,
+    SOURCE_DTYPE,
     Rule,
 )
 from ..packing.padding import pad_offset
@@ -168,6 +171,39 @@ def check_offsets(ctx: ShardContext) -> None:
                 pack=min(bad, h.pack_count - 1), offset=h.csr_offset + POINTER_DTYPE.itemsize * bad)
         return
     ctx.offsets_ok = True
+
+
+# --------------------------------------------------------------------------- sources (format 1.2)
+
+
+def check_sources(ctx: ShardContext) -> None:
+    """Every sequence's source id names a source of the metadata, and each source's recorded
+    sequence count is the number of ids naming it (a chunk of ids resident at a time)."""
+    h, meta = ctx.seq_header, ctx.metadata
+    if h is None or not h.has_sources or meta is None or meta.sources is None:
+        return
+    ids = ctx.view(SEQ_IDX_SUFFIX, SOURCE_DTYPE, h.sequence_count, h.sources_offset)
+    n = len(meta.sources)
+    counts = np.zeros(MAX_SOURCES + 1, dtype=np.int64)
+    for a in range(0, h.sequence_count, _SOURCE_CHUNK):
+        b = min(h.sequence_count, a + _SOURCE_CHUNK)
+        with resident(ctx, (SEQ_IDX_SUFFIX, h.sources_offset + 2 * a, h.sources_offset + 2 * b)):
+            chunk = np.asarray(ids[a:b])
+            counts += np.bincount(chunk, minlength=counts.size)
+            if int(chunk.max()) >= n:
+                bad = a + int(np.flatnonzero(chunk >= n)[0])
+                ctx.add("SOURCE_ID_OUT_OF_RANGE", f"sequence {bad}'s source id is {int(ids[bad])}; the metadata names "
+                        f"{n} sources", SEQ_IDX_SUFFIX, offset=h.sources_offset + SOURCE_DTYPE.itemsize * bad)
+                return
+    for j, src in enumerate(meta.sources):
+        if int(counts[j]) != src.sequences:
+            ctx.add("SOURCES_MISMATCH", f"sources[{j}] ({src.name!r}) records {src.sequences} sequences; "
+                    f"{int(counts[j])} source ids name it", SEQ_IDX_SUFFIX, offset=METADATA_OFFSET)
+            return
+
+
+#: Source ids checked (and resident) at a time.
+_SOURCE_CHUNK = 1 << 22
 
 
 # --------------------------------------------------------------------------- packs

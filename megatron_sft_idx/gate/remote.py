@@ -123,6 +123,9 @@ def _run(ctx: RemoteShardContext, options) -> None:
     if ctx.csr_ok:
         content.check_offsets(ctx)
         report.checks.append("csr-offsets")
+        if ctx.seq_header.has_sources:
+            content.check_sources(ctx)
+            report.checks.append("sources")
     if not (ctx.pointers_ok and ctx.offsets_ok and ctx.sizes_ok):
         ctx.skip("streamed pack scan and read-back", "an earlier structural finding makes the arrays untrustworthy")
         return

@@ -31,8 +31,8 @@ from ..format import (
     SEQ_IDX_HEADER,
     SEQ_IDX_HEADER_CRC_SPAN,
     SEQ_IDX_HEADER_SIZE,
+    SEQ_IDX_SOURCES_VERSION,
     SEQ_IDX_SUFFIX,
-    SEQ_IDX_VERSION,
     SFT_SUFFIXES,
     TOKEN_DTYPES,
     DType,
@@ -224,10 +224,10 @@ def parse_seq_idx(ctx: ShardContext) -> None:
         break
     else:
         return
-    if header.version_minor > SEQ_IDX_VERSION[1]:
+    newest = SEQ_IDX_SOURCES_VERSION
+    if header.version_minor > newest[1]:
         ctx.add("SEQ_IDX_NEWER_MINOR", f"version {header.version_major}.{header.version_minor} is newer than "
-                f"{SEQ_IDX_VERSION[0]}.{SEQ_IDX_VERSION[1]}", SEQ_IDX_SUFFIX,
-                offset=SEQ_IDX_OFFSETS["version_minor"])
+                f"{newest[0]}.{newest[1]}", SEQ_IDX_SUFFIX, offset=SEQ_IDX_OFFSETS["version_minor"])
     _read_metadata(ctx, header, size)
     _check_body(ctx, header, size)
 
@@ -236,7 +236,8 @@ def _seq_idx_size_from_fields(raw: bytes) -> int:
     fields = dict(zip(SEQ_IDX_FIELDS, SEQ_IDX_HEADER.unpack_from(raw)))
     header = SeqIdxHeader(token_dtype_code=fields["token_dtype_code"], pack_count=fields["pack_count"],
                           sequence_count=fields["sequence_count"], token_count=fields["token_count"],
-                          metadata_length=fields["metadata_length"], csr_offset=fields["csr_offset"])
+                          metadata_length=fields["metadata_length"], csr_offset=fields["csr_offset"],
+                          flags=fields["flags"])
     return header.file_size
 
 
@@ -283,6 +284,12 @@ def _check_body(ctx: ShardContext, header: SeqIdxHeader, size: int) -> None:
     if crc != header.body_crc32:
         ctx.add("SEQ_IDX_BODY_CRC", f"body CRC-32 is {crc:#010x}, the header records {header.body_crc32:#010x}",
                 SEQ_IDX_SUFFIX, offset=SEQ_IDX_OFFSETS["body_crc32"])
+    if header.has_sources:   # format 1.2: the bytes between the CSR offsets and the source ids
+        end = header.csr_offset + header.csr_nbytes
+        gap = data[end:min(size, header.sources_offset)]
+        if gap.size and gap.any():
+            ctx.add("SEQ_IDX_BAD_PADDING", "non-zero byte between the CSR offsets and the source ids",
+                    SEQ_IDX_SUFFIX, offset=end + int(gap.nonzero()[0][0]))
 
 
 # --------------------------------------------------------------------------- cross-file
@@ -337,6 +344,11 @@ def _against_metadata(ctx: ShardContext, meta: ShardMetadata) -> bool:
         ok = False
         ctx.add("DTYPE_MISMATCH", f"metadata token_dtype is {meta.token_dtype}, .idx says "
                 f"{DType(ih.dtype_code).name}", SEQ_IDX_SUFFIX, offset=METADATA_OFFSET)
+    if sh is not None and sh.has_sources != (meta.sources is not None):
+        ok = False
+        ctx.add("SOURCES_MISMATCH", "the .seq.idx header's sources flag is " + ("set" if sh.has_sources else "clear")
+                + ", but the metadata " + ("names no sources" if meta.sources is None else "names sources"),
+                SEQ_IDX_SUFFIX, offset=SEQ_IDX_OFFSETS["flags"])
     if sh is not None:
         for name in ("pack_count", "sequence_count", "token_count"):
             header_value, meta_value = getattr(sh, name), getattr(meta.stats, name)

@@ -9,7 +9,9 @@ values some open bin has, with a stack of bins per value.
 Memory: the per-sequence arrays are the caller's lengths, one int32 order and
 one int32 bin id (index arrays are int64 only past 2**31 sequences); everything
 else is per *bin* and grows by doubling as bins open, so a packing of N
-sequences into B bins needs ~8 N + ~16 B bytes beyond its input. The caller
+sequences into B bins needs ~8 N + ~16 B bytes beyond its input. Every kernel releases the GIL
+(``nogil``): a planner may pack several sets at once in threads (a mixture packs each source
+alone, for its report, beside the global packing). The caller
 allocates every per-sequence output with the index dtype it wants.
 """
 
@@ -20,7 +22,7 @@ import numpy as np
 from .._numba import numba
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _tree_size(n):
     size = 1
     while size < n:
@@ -28,7 +30,7 @@ def _tree_size(n):
     return size
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def descending_order(lengths, capacity, order):
     """Fill ``order`` with indices by length descending, ties by index ascending.
 
@@ -46,7 +48,7 @@ def descending_order(lengths, capacity, order):
         start[key] += 1
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _grow_tree(tree, leaves, capacity):
     """Double the number of leaves: new bins (never opened) hold the full capacity."""
     new_leaves = 2 * leaves
@@ -57,7 +59,7 @@ def _grow_tree(tree, leaves, capacity):
     return grown, new_leaves
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def first_fit_into(lengths, order, use_order, capacity, init_remaining, bin_of):
     """Place ``lengths[order[k]]`` (or ``lengths[k]`` without ``use_order``) into the leftmost
     bin with room, writing ``bin_of``; returns the number of bins.
@@ -96,14 +98,14 @@ def first_fit_into(lengths, order, use_order, capacity, init_remaining, bin_of):
     return n_bins
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _grown(arr, fill):
     out = np.full(2 * arr.shape[0], fill, dtype=arr.dtype)
     out[:arr.shape[0]] = arr
     return out
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def best_fit_into(lengths, order, capacity, bin_of):
     """Place each item into the open bin whose remaining capacity is the smallest that fits.
 
@@ -140,7 +142,7 @@ def best_fit_into(lengths, order, capacity, bin_of):
     return n_bins
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _leftmost_present_at_least(present, leaves, value):
     """Smallest leaf index >= value whose flag is set, or -1 (O(log C))."""
     node = leaves + value
@@ -160,7 +162,7 @@ def _leftmost_present_at_least(present, leaves, value):
     return node - leaves
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _set_present(value, flag, present, leaves):
     node = leaves + value
     present[node] = flag
@@ -170,7 +172,7 @@ def _set_present(value, flag, present, leaves):
         node //= 2
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _push(b, value, head, nxt, prv, count, present, leaves):
     nxt[b] = head[value]
     prv[b] = -1
@@ -182,7 +184,7 @@ def _push(b, value, head, nxt, prv, count, present, leaves):
         _set_present(value, 1, present, leaves)
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _unlink(b, value, head, nxt, prv, count, present, leaves):
     if prv[b] >= 0:
         nxt[prv[b]] = nxt[b]
@@ -195,7 +197,7 @@ def _unlink(b, value, head, nxt, prv, count, present, leaves):
         _set_present(value, 0, present, leaves)
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _find(parent, i):
     """Union-find 'next free slot' lookup with path halving (``parent[i] == i`` means free)."""
     while parent[i] != i:
@@ -204,7 +206,7 @@ def _find(parent, i):
     return i
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _largest_fitting(items, lengths, parent_next, room):
     """Index into ``items`` (lengths descending) of the largest unused one with length <= room, or -1."""
     n = items.shape[0]
@@ -219,13 +221,13 @@ def _largest_fitting(items, lengths, parent_next, room):
     return i if i < n else -1
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _take(i, parent_next, parent_prev):
     parent_next[i] = i + 1
     parent_prev[i + 1] = i  # parent_prev is offset by one: slot i+1 stands for item i
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _free_slots(n, like):
     """Union-find parents ``0..n`` (all free), in the index dtype of ``like``."""
     out = np.empty(n + 1, dtype=like.dtype)
@@ -234,7 +236,7 @@ def _free_slots(n, like):
     return out
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def mffd_phases(sorted_items, lengths, capacity, bin_of):
     """Johnson & Garey's modified first fit decreasing, phases 1-4.
 
@@ -291,7 +293,7 @@ def mffd_phases(sorted_items, lengths, capacity, bin_of):
     return remaining
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def unplaced_in_order(order, bin_of, out):
     """Copy the items of ``order`` whose bin is still -1 into ``out``; returns how many."""
     k = 0
@@ -302,7 +304,7 @@ def unplaced_in_order(order, bin_of, out):
     return k
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def group_by_bin(bin_of, n_bins, items):
     """CSR of items per bin, items ascending inside a bin: fills ``items``, returns ``offsets int64[B+1]``."""
     counts = np.zeros(n_bins + 1, dtype=np.int64)
@@ -318,7 +320,7 @@ def group_by_bin(bin_of, n_bins, items):
     return counts
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def bin_loads(bin_of, lengths, n_bins):
     loads = np.zeros(n_bins, dtype=np.int64)
     for i in range(bin_of.shape[0]):

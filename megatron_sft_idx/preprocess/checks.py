@@ -71,6 +71,8 @@ class _Checker:
     def check(self, raw, ids, mask, name: str, line: int, ordinal: int) -> str:
         """'' when the sequence is right, else why not."""
         try:
+            if isinstance(raw, (bytes, str)):
+                sc.one_meaning(raw)   # (its own reading of the bytes, not the mapping's decoder)
             record = parse_record_json(raw, max_length=sys.maxsize) if isinstance(raw, (bytes, str)) else raw
             shape = sc.shape_of(record, self.encode["input_format"], self.encode["prompt_key"])
             if shape == "tokens":

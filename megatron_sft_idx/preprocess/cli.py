@@ -25,13 +25,14 @@ import os
 import sys
 
 from .. import _cli
+from .._extras import MissingExtraError
 from .._cli import percent, positive_int, seconds, size_arg
 from .._progress import DEFAULT_LOG_INTERVAL, Progress, add_verbosity_arguments
 from .._signals import Terminated, exit_code, tool_scope
 from ..errors import ShardError
 from ..jsondoc import parse_json
 from ..packing import ALGORITHMS, DEFAULT_ALGORITHM
-from ..storage.urls import local_only
+from ..storage.urls import local_only, url_refusal
 from .records.chat import LOSS_MODES
 from .config import BalanceSettings, Config, PackSettings, RepackConfig, RunSettings, TokenizeSettings
 from .records.encode import SPAN_METHODS
@@ -40,6 +41,7 @@ from .records.fast_tokenizer import BACKENDS
 from .records.inputs import INPUT_FORMATS
 from .records.policy import EMPTY_REASONING_LOSS, REASONING_LOSS, TOOL_CALL_LOSS
 from .records.partitions import DEFAULT_MAX_RECORD_BYTES
+from .mixreport import plot_mixture
 from .summary import decision_warnings, format_plan_summary, format_summary
 
 PROG = "preprocess-sft"
@@ -139,13 +141,18 @@ def add_balance_arguments(p: argparse.ArgumentParser) -> None:
                     help="let W neighbouring steps trade packs; above 1 this CHANGES step membership (default: 1)")
     bl.add_argument("--balance-labels", action="store_true",
                     help="also even out trained tokens per rank and micro-batch (per step with --exchange-window > 1)")
+    bl.add_argument("--step-size", type=positive_int, metavar="GBS",
+                    help="with --mix and without --balance-for: packs per training step (the global batch size); "
+                         "writes OUT.order, the mixture's packs interleaved so every window of steps holds the "
+                         "shares, not dealt to ranks (any data-parallel size) (default: none)")
 
 
 def balance_settings_of(args) -> BalanceSettings:
     """The balanced-order flags (:func:`add_balance_arguments`) as settings."""
     return BalanceSettings(balance_for=args.balance_for, cost_model=args.cost_model,
                            balance_epochs=args.balance_epochs, balance_seed=args.balance_seed,
-                           exchange_window=args.exchange_window, balance_labels=args.balance_labels)
+                           exchange_window=args.exchange_window, step_size=args.step_size,
+                           balance_labels=args.balance_labels)
 
 
 def add_run_arguments(p: argparse.ArgumentParser, workers_help: str) -> None:
@@ -184,6 +191,19 @@ def add_run_arguments(p: argparse.ArgumentParser, workers_help: str) -> None:
                             verbose_help="also log each phase's time and the decisions taken")
 
 
+def add_mix_argument(group, sources: str) -> None:
+    """``--mix FILE`` (both commands) and ``--mix-plot``."""
+    group.add_argument("--mix", metavar="FILE",
+                       help="a mixture file (JSON, or YAML with PyYAML; docs/PREPROCESSING.md \"Mixtures\"): "
+                            f"sources, each with inputs {sources}, and their weights in trained tokens (default), "
+                            "tokens, sequences or epochs; the packs hold them at those shares per split, every "
+                            "sequence's source recorded; the summary reports target and realised shares against "
+                            "a data_path blend of the same weights (default: no mixture)")
+    group.add_argument("--mix-plot", metavar="PNG",
+                       help="with --mix: also plot the target, realised and data_path shares per split and "
+                            "source to PNG (matplotlib) (default: none)")
+
+
 def add_staging_argument(group) -> None:
     """``--staging-dir``, shared by preprocess_sft and repack_sft (an s3:// / msc:// output)."""
     group.add_argument("--staging-dir", metavar="DIR",
@@ -198,10 +218,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     io = p.add_argument_group("input and output")
-    io.add_argument("--input", nargs="+", required=True, metavar="PATH",
+    io.add_argument("--input", nargs="+", metavar="PATH",
                     help="input files, globs or directories: .jsonl, .json, .parquet, .arrow [.gz|.zst], saved "
                          "datasets; or s3:// / msc:// URLs of objects, prefixes (s3://b/data/) or globs "
-                         "(s3://b/data/*.jsonl), read with ranged GETs")
+                         "(s3://b/data/*.jsonl), read with ranged GETs (required unless --mix)")
+    add_mix_argument(io, "tokenized into its store (a store already made from them is reused once it "
+                         "verifies), or whose store is given")
     io.add_argument("--output-prefix", required=True,
                     help="output shard prefix; shards are PREFIX[_train|_valid|_test][_000000...]; "
                          "s3://bucket/dir/NAME or msc://profile/dir/NAME uploads them (see --staging-dir)")
@@ -343,8 +365,8 @@ def _config(args) -> Config:
         empty_reasoning_loss=args.empty_reasoning_loss, reasoning_tags=tuple(args.reasoning_tags),
         tokenizer_backend=args.tokenizer_backend, span_method=args.span_method, batch_size=args.batch_size,
         partition_bytes=args.partition_bytes, max_record_bytes=args.max_record_bytes, skip_report=args.skip_report)
-    return Config(args.input, args.output_prefix, store=args.store, tokenize=tokenize, pack=pack_settings_of(args),
-                  run=run_settings_of(PROG, args), balance=balance_settings_of(args))
+    return Config(args.input or [], args.output_prefix, store=args.store, mix=args.mix, tokenize=tokenize,
+                  pack=pack_settings_of(args), run=run_settings_of(PROG, args), balance=balance_settings_of(args))
 
 
 def progress_of(prog: str, args) -> Progress:
@@ -359,11 +381,25 @@ def usage_problem(args) -> str:
                 "pass --overlong drop --skip-bad to skip and count overlong ones, or drop --skip-bad")
     if args.verify_masks < 0:
         return "--verify-masks takes a count >= 0"
-    if args.balance_for is None and (args.balance_seed is not None or args.exchange_window != 1 or args.balance_labels
-                                     or args.balance_epochs != 1 or args.cost_model != "llama3-8b"):
-        return ("--cost-model, --balance-epochs, --balance-seed, --exchange-window and --balance-labels shape the "
-                "order of --balance-for: give it")
-    if args.balance_for is not None and getattr(args, "plan_only", None):
+    mix = getattr(args, "mix", None)
+    if mix and (getattr(args, "input", None) or getattr(args, "store", None)):
+        return ("--mix names each source's inputs and store itself: give it without "
+                + ("--input" if getattr(args, "input", None) else "--store"))
+    if mix and args.verify_masks:
+        return ("--verify-masks checks the sources' stores one at a time: run it on each source's store "
+                "(preprocess-sft --input ... --store DIR --verify-masks N), not on a mixture")
+    if getattr(args, "mix_plot", None) and not mix:
+        return "--mix-plot plots a mixture's shares: give --mix"
+    if args.step_size is not None and (args.balance_for is not None or not getattr(args, "mix", None)):
+        return ("--step-size orders a mixture's packs by steps without a topology: give it with --mix and "
+                "without --balance-for (which holds the global batch size)")
+    if args.balance_for is None and args.step_size is None and (
+            args.balance_seed is not None or args.exchange_window != 1 or args.balance_epochs != 1
+            or args.cost_model != "llama3-8b"):
+        return "--cost-model, --balance-epochs, --balance-seed and --exchange-window shape the order of --balance-for: give it"
+    if args.balance_for is None and args.balance_labels:
+        return "--balance-labels evens out the trained tokens of each rank of --balance-for's topology: give it"
+    if (args.balance_for is not None or args.step_size is not None) and getattr(args, "plan_only", None):
         return "--balance-for writes an order beside shards; --plan-only writes none (plan-batches plans one for them)"
     if args.balance_for is not None:
         try:
@@ -373,6 +409,11 @@ def usage_problem(args) -> str:
         except ShardError as exc:
             return f"--balance-for/--cost-model: {exc}"
     store, output = getattr(args, "store", None) or "", getattr(args, "output_prefix", None) or ""
+    refused = url_refusal([("--store", store, False), ("--output-prefix", output, False),
+                           ("--input", getattr(args, "input", None), True),
+                           ("--tokenizer", getattr(args, "tokenizer", None), True)])
+    if refused:
+        return refused
     if store.startswith("msc://") and getattr(args, "input", None):
         return (f"--store {store}: a store written in object storage is locked by conditional writes, which "
                 "msc:// does not offer; give its s3:// URL (repack-sft reads an msc:// store)")
@@ -381,7 +422,7 @@ def usage_problem(args) -> str:
                 "conditional writes, which msc:// does not offer; give its s3:// URL, or --staging-dir DIR "
                 "on a filesystem every node mounts")
     return local_only((flag, getattr(args, flag[2:].replace("-", "_"), None)) for flag in
-                      ("--staging-dir", "--summary-json", "--plan-only"))
+                      ("--staging-dir", "--summary-json", "--plan-only", "--mix", "--mix-plot"))
 
 
 def run_and_report(prog: str, run, cfg, args, formatter=None) -> int:
@@ -411,6 +452,12 @@ def _report(prog: str, run, cfg, args, formatter) -> int:
         with open(args.summary_json, "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=2, sort_keys=True)
             f.write("\n")
+    if getattr(args, "mix_plot", None) and summary.get("mixture"):
+        try:
+            plot_mixture(summary["mixture"], args.mix_plot)
+        except (ShardError, MissingExtraError) as exc:
+            print(f"{prog}: error: {exc}", file=sys.stderr)
+            return 1
     if args.json:
         print(json.dumps(summary, indent=2, sort_keys=True))
     elif not args.quiet:
@@ -423,6 +470,8 @@ def main(argv=None) -> int:
     args = _cli.start(parser, argv)
     if isinstance(args, int):
         return args
+    if not args.input and not args.mix:
+        return _cli.usage_error(parser, "--input is required (or --mix FILE, whose sources name their inputs)")
     if not args.tokenizer and args.input_format not in ("tokens",) and args.vocab_size is None:
         return _cli.usage_error(parser, "--tokenizer is required (or --input-format tokens with --vocab-size)")
     if args.chat_template and not args.tokenizer:
@@ -459,9 +508,10 @@ def build_repack_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=REPACK_PROG, description=REPACK_DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     io = p.add_argument_group("input and output")
-    io.add_argument("--store", required=True, metavar="DIR|URL",
+    io.add_argument("--store", metavar="DIR|URL",
                     help="a sequence store kept by preprocess-sft --store DIR|URL (complete); a URL's is "
-                         "mirrored on each node's disk and verified")
+                         "mirrored on each node's disk and verified (required unless --mix)")
+    add_mix_argument(io, "already tokenized into its store (repack-sft never tokenizes)")
     io.add_argument("--output-prefix", help="output shard prefix, as preprocess-sft's (required unless "
                                             "--plan-only)")
     io.add_argument("--plan-only", metavar="PATH",
@@ -477,8 +527,8 @@ def build_repack_parser() -> argparse.ArgumentParser:
 
 
 def _repack_config(args) -> RepackConfig:
-    return RepackConfig(args.store, args.output_prefix, plan_only=args.plan_only, tokenizer=args.tokenizer,
-                        pack=pack_settings_of(args), run=run_settings_of(REPACK_PROG, args),
+    return RepackConfig(args.store, args.output_prefix, plan_only=args.plan_only, mix=args.mix,
+                        tokenizer=args.tokenizer, pack=pack_settings_of(args), run=run_settings_of(REPACK_PROG, args),
                         balance=balance_settings_of(args))
 
 
@@ -489,6 +539,8 @@ def repack_main(argv=None) -> int:
         return args
     if not args.output_prefix and not args.plan_only:
         return _cli.usage_error(parser, "--output-prefix is required (or --plan-only PATH)")
+    if not args.store and not args.mix:
+        return _cli.usage_error(parser, "--store is required (or --mix FILE, whose sources name their stores)")
     problem = usage_problem(args)
     if problem:
         return _cli.usage_error(parser, problem)

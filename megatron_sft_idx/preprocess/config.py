@@ -6,8 +6,8 @@ Given (one field per flag; the CLI fills them, the API takes them)::
     BalanceSettings   the balanced pack order written beside them preprocess-sft and repack-sft
     RunSettings       how the run executes, what it checks       preprocess-sft and repack-sft
     TokenizeSettings  how records become sequences               preprocess-sft
-    Config            inputs, output, --store + the groups        preprocess-sft
-    RepackConfig      a store, output or --plan-only + pack, balance, run   repack-sft
+    Config            inputs (or a --mix file), output, --store + the groups   preprocess-sft
+    RepackConfig      a store (or a --mix file), output or --plan-only + pack, balance, run   repack-sft
 
 Resolved once per run, by the driver (:mod:`.driver`)::
 
@@ -34,6 +34,7 @@ from ..format import PAD_LAYOUTS
 from ..packing import ALGORITHMS, DEFAULT_ALGORITHM, pad_multiple_for, padded_length, truncation_length
 from ..storage import is_remote
 from . import outputs
+from .mixture import Mixture
 from .records.encode import EncodeSettings
 from .records.partitions import DEFAULT_MAX_RECORD_BYTES
 
@@ -104,6 +105,7 @@ class BalanceSettings:
     """
 
     balance_for: Optional[Tuple[int, int, int]] = None   # (DP, micro-batch, global batch); None: no order
+    step_size: Optional[int] = None   # a mixture without balance_for: packs per step of its interleaved order
     cost_model: str = "llama3-8b"                         # a preset name, or "LINEAR,ATTENTION" FLOP coefficients
     balance_epochs: int = 1
     balance_seed: Optional[int] = None                    # None: --seed (it must be the training data seed)
@@ -116,11 +118,17 @@ class BalanceSettings:
         Raises:
             ShardError: not a consistent DP, micro-batch, global batch.
         """
-        if self.balance_for is None:
-            return None
-        from ..batching.layout import Topology
+        from ..batching.layout import Topology   # (start-up: only a run that writes an order)
 
+        if self.balance_for is None:
+            return None if self.step_size is None else Topology(1, 1, self.step_size)
         return Topology(*self.balance_for)
+
+    @property
+    def algorithm(self) -> str:
+        """How the order deals each step's packs: balanced to ranks (``--balance-for``), or not at all
+        (``step_size``: steps alone, for any data-parallel size)."""
+        return "kk" if self.balance_for is not None else "shuffle"
 
     def model(self, pad_multiple: int, pad_layout: str):
         """The cost model, pricing each sequence as the kernel sees it in ``pad_layout``.
@@ -134,9 +142,11 @@ class BalanceSettings:
 
     def to_dict(self) -> Optional[dict]:
         """What the run key digests (None without ``balance_for``: keys of unbalanced runs are unchanged)."""
-        if self.balance_for is None:
+        if self.balance_for is None and self.step_size is None:
             return None
         out = asdict(self)
+        if self.step_size is None:   # (keys of runs with --balance-for alone are unchanged)
+            del out["step_size"]
         if not self.balance_labels:   # (keys of runs planned before label balancing are unchanged)
             del out["balance_labels"]
         return out
@@ -226,6 +236,7 @@ class Config(_Grouped):
     inputs: Sequence[str]
     output_prefix: str
     store: Optional[str]                 # keep the sequence store here (for repack-sft)
+    mix: Optional[str]                   # a mixture file (docs/PREPROCESSING.md "Mixtures"): its sources, not inputs
     tokenize: TokenizeSettings
     pack: PackSettings
     run: RunSettings
@@ -234,11 +245,13 @@ class Config(_Grouped):
     _GROUPS = {"tokenize": TokenizeSettings, "pack": PackSettings, "run": RunSettings, "balance": BalanceSettings}
 
     def __init__(self, inputs: Sequence[str], output_prefix: str, *, store: Optional[str] = None,
-                 tokenize: Optional[TokenizeSettings] = None, pack: Optional[PackSettings] = None,
-                 run: Optional[RunSettings] = None, balance: Optional[BalanceSettings] = None, **flat) -> None:
+                 mix: Optional[str] = None, tokenize: Optional[TokenizeSettings] = None,
+                 pack: Optional[PackSettings] = None, run: Optional[RunSettings] = None,
+                 balance: Optional[BalanceSettings] = None, **flat) -> None:
         groups = _compose("Config", self._GROUPS, {"tokenize": tokenize, "pack": pack, "run": run,
                                                    "balance": balance}, flat)
-        self._set(dict(inputs=inputs, output_prefix=output_prefix, store=store, **groups))
+        _refuse_mix_with(mix, store=store, inputs=inputs)
+        self._set(dict(inputs=inputs, output_prefix=output_prefix, store=store, mix=mix, **groups))
 
 
 @dataclass(frozen=True, init=False)
@@ -250,9 +263,10 @@ class RepackConfig(_Grouped):
         TypeError: a keyword that is no field of the configuration or of its groups.
     """
 
-    store: str
+    store: Optional[str]                 # None with ``mix``
     output_prefix: Optional[str]
     plan_only: Optional[str]             # write only the pack plan here
+    mix: Optional[str]                   # a mixture file: its sources' stores, packed together
     tokenizer: Optional[str]             # for --verify-masks (default: where the store found it)
     pack: PackSettings
     run: RunSettings
@@ -260,15 +274,31 @@ class RepackConfig(_Grouped):
 
     _GROUPS = {"pack": PackSettings, "run": RunSettings, "balance": BalanceSettings}
 
-    def __init__(self, store: str, output_prefix: Optional[str] = None, *, plan_only: Optional[str] = None,
-                 tokenizer: Optional[str] = None, pack: Optional[PackSettings] = None,
-                 run: Optional[RunSettings] = None, balance: Optional[BalanceSettings] = None, **flat) -> None:
+    def __init__(self, store: Optional[str] = None, output_prefix: Optional[str] = None, *,
+                 plan_only: Optional[str] = None, mix: Optional[str] = None, tokenizer: Optional[str] = None,
+                 pack: Optional[PackSettings] = None, run: Optional[RunSettings] = None,
+                 balance: Optional[BalanceSettings] = None, **flat) -> None:
         groups = _compose("RepackConfig", self._GROUPS, {"pack": pack, "run": run, "balance": balance}, flat)
         if plan_only is not None and is_remote(plan_only):
             raise ShardError("--plan-only writes a local file", path=plan_only, field="plan_only",
                              hint="give a local path (VirtualPackedDataset reads the plan and the store locally)")
-        self._set(dict(store=store, output_prefix=output_prefix, plan_only=plan_only, tokenizer=tokenizer,
+        _refuse_mix_with(mix, store=store)
+        if store is None and mix is None:
+            raise ShardError("repack-sft packs a store: give --store DIR|URL, or --mix FILE", field="store")
+        self._set(dict(store=store, output_prefix=output_prefix, plan_only=plan_only, mix=mix, tokenizer=tokenizer,
                        **groups))
+
+
+def _refuse_mix_with(mix: Optional[str], *, store: Optional[str] = None, inputs: Sequence[str] = ()) -> None:
+    """A mixture names its sources' stores and inputs itself: ``--store`` and ``--input`` go with it.
+
+    Raises:
+        ShardError: ``mix`` given with a ``store`` or ``inputs``.
+    """
+    if mix is not None and (store or inputs):
+        raise ShardError("--mix names each source's inputs and store itself: give it without "
+                         + ("--store" if store else "--input"), path=mix, field="mix",
+                         hint="move the inputs and the store into the mixture file's sources")
 
 
 # --------------------------------------------------------------------------- resolved
@@ -376,11 +406,13 @@ class PackJob:
     vocab_size: Optional[int]
     tokenizer_path: Optional[str] = None  # for --verify-masks
     balance: BalanceSettings = BalanceSettings()
+    mixture: Optional[Mixture] = None    # --mix: the packs hold its sources at their shares
 
     @classmethod
     def resolve(cls, output_prefix: Optional[str], pack: PackSettings, run: RunSettings,
                 vocab_size: Optional[int], default_pad_id: Optional[int],
-                tokenizer_path: Optional[str] = None, balance: Optional[BalanceSettings] = None) -> "PackJob":
+                tokenizer_path: Optional[str] = None, balance: Optional[BalanceSettings] = None,
+                mixture: Optional[Mixture] = None) -> "PackJob":
         """Resolve the pad id (``pack.pad_id``, else ``default_pad_id``) and the plan settings.
 
         Raises:
@@ -391,7 +423,7 @@ class PackJob:
         balance.topology()   # (refused now, not after the shards are written)
         balance.model(1, "stored")
         return cls(output_prefix or "", pack, run, pack.plan_settings(vocab_size), pad_id, vocab_size,
-                   tokenizer_path, balance)
+                   tokenizer_path, balance, mixture)
 
     @property
     def parallelism(self) -> Tuple[int, int, bool]:

@@ -6,6 +6,10 @@
     repack(cfg)   a kept store, verified  ----> plan -> materialize -> check -> publish -> record
     plan_only()   a kept store, verified  ----> plan (one file, no shards)
 
+    --mix FILE    (both commands) per source: its inputs tokenized into its store (preprocess-sft;
+                  a store made from them already is reused, verified) or its store verified, then
+                  one plan over the stores (:mod:`.mixplan`) -> materialize -> ... as above
+
 Each stage is a step whose units an engine runs (:mod:`.engines`), each unit committed by a
 receipt (:mod:`.receipts`), so ``--resume`` continues a killed run from its completed units:
 
@@ -65,13 +69,18 @@ from .done import check_outputs, owned_files, record_outputs, run_books
 from .engines import make_engine
 from .files import Files
 from .materialize import MaterializeStep, OutputShard, VerifyShardStep, materialize_schema, output_shards, resumed_shards
+from .mixplan import MixPlanStep, write_mix_plan
+from .mixreport import mixture_report
+from .mixrun import kept_store, source_inputs, tokenize_key
+from .mixture import load_mixture
 from .plan import PlanStep, VerifyPlanStep, plan_schema, resumed_plan, write_plan
 from .publish import StagedSet, StagedShard, publish
 from .receipts import ReceiptBook, settings_key
 from .records.errors import output_error
 from .records.partitions import Partition, auto_partition_bytes, sha256_file
 from .skips import SkipReportStep, write_skip_report
-from .store import REBUILD_HINT, SequenceStore, VerifyStoreStep, part_prefix, verify_chunks
+from .store import REBUILD_HINT, SequenceStore, VerifyStoreStep, part_prefix, read_store_file, verify_chunks
+from .stores import StoreSet, store_argument
 from .summary import PackResult, build_summary, inputs_left
 from .tokenize import (IndexStep, Inputs, TokenizeStep, describe_store, index_schema, part_metadata, partition_sizes,
                        recorded_template_date, resolve_inputs)
@@ -90,6 +99,8 @@ def run(cfg: Config) -> dict:
             without ``overwrite``, a failed check; OutputError: the filesystem refused a write.
         KeyboardInterrupt, Terminated: interrupted (the work directory is kept for ``--resume``).
     """
+    if cfg.mix is not None:
+        return _mixture(cfg, tokenize=True)
     times: Dict[str, float] = {}
     t = time.perf_counter()
     inputs = resolve_inputs(cfg)
@@ -132,6 +143,8 @@ def repack(cfg: RepackConfig) -> dict:
             failed check; OutputError: the filesystem refused a write.
         KeyboardInterrupt, Terminated: interrupted (the work directory stays for --resume).
     """
+    if cfg.mix is not None:
+        return _mixture(cfg, tokenize=False)
     times: Dict[str, float] = {}
     t = time.perf_counter()
     if cfg.plan_only:   # (planned here, from the whole store: a URL's is mirrored here)
@@ -154,24 +167,98 @@ def repack(cfg: RepackConfig) -> dict:
     return stages.summary
 
 
-def plan_only(store: SequenceStore, job: PackJob, path: str) -> dict:
-    """Write only the pack plan of ``store`` to the local file ``path`` (for virtual packs;
-    a URL is refused by :class:`~.config.RepackConfig`); returns its summary.
+def plan_only(store, job: PackJob, path: str) -> dict:
+    """Write only the pack plan of ``store`` (a mixture's: a :class:`~.stores.StoreSet`) to the
+    local file ``path`` (for virtual packs; a URL is refused by :class:`~.config.RepackConfig`);
+    returns its summary (a mixture's with its report: what each source will get).
 
     Raises:
         ShardError: the store does not verify; OutputError: the write failed.
     """
     t = time.perf_counter()
     try:
-        store.verify()   # a plan is made from the rows, and it is served from the tokens
+        for one in getattr(store, "stores", [store]):
+            one.verify()   # a plan is made from the rows, and it is served from the tokens
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        meta = write_plan(store, job.settings, path)
+        meta = (write_plan(store, job.settings, path) if job.mixture is None
+                else write_mix_plan(store, job.mixture, job.settings, path))
     except OSError as exc:
         raise output_error(exc, resumable=False) from None
-    return {"plan": path, "conversations": meta["conversations"], "truncated": meta["truncated"],
-            "splits": {s["name"]: {k: v for k, v in s.items() if k not in ("arrays", "name")}
-                       for s in meta["splits"]},
-            "empty_splits": meta["empty_splits"], "seconds": {"plan": round(time.perf_counter() - t, 3)}}
+    out = {"plan": path, "conversations": meta["conversations"], "truncated": meta["truncated"],
+           "splits": {s["name"]: {k: v for k, v in s.items() if k not in ("arrays", "name", "sources")}
+                      for s in meta["splits"]},
+           "empty_splits": meta["empty_splits"], "seconds": {"plan": round(time.perf_counter() - t, 3)}}
+    if job.mixture is not None:
+        out["mixture"] = mixture_report(meta)
+    return out
+
+
+def _mixture(cfg, tokenize: bool) -> dict:
+    """``--mix FILE`` of either command: each source's store (tokenized from its inputs by
+    ``preprocess-sft`` -- a store made from them already is reused once it verifies -- or kept),
+    then one plan over all of them, packed, checked and published as one run (module doc).
+
+    Raises:
+        ShardError: a bad mixture file (naming the field), a source's store missing, incomplete or
+            of another tokenizer, template or loss policy, a source empty after filtering, targets
+            the caps cannot meet; as :func:`run` otherwise.
+    """
+    times: Dict[str, float] = {}
+    t = time.perf_counter()
+    mixture = load_mixture(cfg.mix)
+    names = mixture.names
+    inputs = source_inputs(cfg, mixture) if tokenize else {}
+    if getattr(cfg, "plan_only", None):   # (planned here, from the whole stores: a URL's is mirrored here)
+        ws = None
+        kept = {i: kept_store(None, mixture, i, tokenize) for i in range(len(names))}
+    else:
+        ws = workspace_for(cfg.output_prefix, cfg.run.engine, cfg.run.staging_dir,
+                           stores=[s.store for s in mixture.sources])
+        kept = {i: kept_store(ws, mixture, i, tokenize) for i in range(len(names)) if i not in inputs}
+    first = next(iter(inputs.values()), None)
+    if first is not None:
+        vocab, pad, tok_path = first[1].options.vocab_size, first[1].pad_id, first[1].options.tokenizer_path
+    else:
+        store0 = kept[0]
+        vocab, pad = store0.vocab_size, (store0.tokenizer or {}).get("pad_id")
+        tok_path = getattr(cfg, "tokenizer", None) or store0.tokenizer_path
+    job = PackJob.resolve(cfg.output_prefix, cfg.pack, cfg.run, vocab, pad, tok_path, cfg.balance, mixture)
+    if getattr(cfg, "plan_only", None):
+        return plan_only(StoreSet([kept[i] for i in range(len(names))], names), job, cfg.plan_only)
+    key = settings_key({"job": _job_key(job), "stores": list(ws.kept_stores),
+                        "tokenize": {str(i): tokenize_key(c, inp) for i, (c, inp) in inputs.items()}})
+    times["inputs"] = time.perf_counter() - t
+    stages = _Run(job, key, times, ws)
+    summary = stages.finished(_prove_mixture(ws, inputs, len(names), cfg.run.workers))
+    if summary is not None:
+        return summary
+    with stages.started():
+        stores = []
+        for i in range(len(names)):
+            if i in inputs:
+                stores.append(stages.tokenize(inputs[i][0], inputs[i][1], index=i, resume=True))
+            else:
+                stores.append(stages.verified(kept[i]))
+        stages.pack(StoreSet(stores, names))
+    return stages.summary
+
+
+def _prove_mixture(ws: Workspace, inputs: Dict[int, tuple], count: int, workers: int) -> Callable[[dict], None]:
+    """A ``prove`` for :meth:`_Run.finished` of a mixture: every source's store is the one the
+    finished run packed (its id), and the inputs of those it tokenized are the bytes it read."""
+    def prove(record: dict) -> None:
+        recorded = record["summary"]["mixture"]["stores"]
+        for i in range(count):
+            ws.peek_store(i)
+            now = read_store_file(os.path.join(ws.store_dirs[i], "store.json"))["store_id"]
+            if now != recorded[i]["store_id"]:
+                raise ShardError("a source's store changed since the run finished", path=ws.kept_stores[i],
+                                 field="store_id", expected=recorded[i]["store_id"], actual=now)
+            if i in inputs:
+                mine = inputs[i][1]
+                theirs = [r for r in record["inputs"] if r["name"] in set(mine.names)]
+                prove_inputs(mine, workers)({"inputs": theirs})
+    return prove
 
 
 def _job_key(job: PackJob) -> dict:
@@ -181,6 +268,8 @@ def _job_key(job: PackJob) -> dict:
            "pad_id": job.pad_id, "vocab_size": job.vocab_size, "parallelism": list(job.parallelism)}
     if job.balance.to_dict() is not None:   # (keys of runs without --balance-for are unchanged)
         key["balance"] = job.balance.to_dict()
+    if job.mixture is not None:
+        key["mixture"] = job.mixture.to_dict()
     return key
 
 
@@ -230,6 +319,7 @@ class _Run:
         self.replaced: List[str] = []    # existing outputs --overwrite replaces
         self.summary: Optional[dict] = None
         self.orders_not_written: Dict[str, str] = {}   # split -> why (--balance-for: BalanceStep)
+        self.windows: Dict[str, dict] = {}   # a mixture's split -> its window report (BalanceStep)
 
     def finished(self, prove: Optional[Callable[[dict], None]] = None) -> Optional[dict]:
         """With ``--resume``, the summary of this run if it already finished and nothing changed
@@ -315,12 +405,15 @@ class _Run:
 
     # ------------------------------------------------------------------ the store
 
-    def tokenize(self, cfg: Config, inputs: Inputs) -> SequenceStore:
+    def tokenize(self, cfg: Config, inputs: Inputs, index: int = 0, resume: Optional[bool] = None) -> SequenceStore:
         """Index the inputs and tokenize every partition not yet in the store: the run's own, or
-        the ``--store`` (locked meanwhile)."""
-        lock = self.ws.take_store(self.job.run.resume, self.job.run.overwrite)
+        the ``--store`` (locked meanwhile); ``index``: which of a mixture's stores, continued
+        (``resume``) whatever the run's ``--resume`` says: a store already made from these inputs
+        is used as it is, once it verifies."""
+        resume = self.job.run.resume if resume is None else resume
+        lock = self.ws.take_store(resume, self.job.run.overwrite, index)
         try:
-            directory = self.ws.store_dir
+            directory = self.ws.store_dirs[index]
             index = self._index(inputs, cfg.tokenize.partition_bytes, directory)
             return self._tokenize(cfg, inputs, index, directory)
         finally:
@@ -343,11 +436,11 @@ class _Run:
                             lambda r: (index.__setitem__(r["unit"], r), bar.update(sizes[r["unit"]])))
         same = [i for i, r in before.items()
                 if (r["sha256"], r["partitions"]) == (index[i]["sha256"], index[i]["partitions"])]
-        self.resumed["index"] = len(same)
+        self.resumed["index"] = self.resumed.get("index", 0) + len(same)   # (a mixture: every store)
         for i in sorted(set(before) - set(same)):
             log.warning("input %s changed since the last attempt (sha256 %s, was %s)", inputs.names[i],
                         index[i]["sha256"][:16], before[i]["sha256"][:16])
-        self.times["index"] = time.perf_counter() - t
+        self.times["index"] = self.times.get("index", 0.0) + time.perf_counter() - t
         return index
 
     def _tokenize(self, cfg: Config, inputs: Inputs, index: Dict[int, dict], directory: str) -> SequenceStore:
@@ -365,8 +458,8 @@ class _Run:
                                   overwrite=self.job.run.overwrite, files=self.files)
         t_verify = time.perf_counter()
         done = self._verified_partitions(directory)
-        self.times["verify_store"] = time.perf_counter() - t_verify
-        self.resumed["tokenize"] = len(done)
+        self.times["verify_store"] = self.times.get("verify_store", 0.0) + time.perf_counter() - t_verify
+        self.resumed["tokenize"] = self.resumed.get("tokenize", 0) + len(done)
         meta = tuple(part_metadata(inputs, info, tk.input_format) for info in infos)
         step = TokenizeStep(directory, store_id, tuple(inputs.paths), tuple(inputs.names), tuple(parts),
                             inputs.options, tk.batch_size, tk.max_record_bytes, meta,
@@ -385,7 +478,7 @@ class _Run:
                                  byte_unit=byte_unit) as bar:
             self.engine.map(step, todo, lambda r: bar.update(size[r["unit"]] - reported.get(r["unit"], 0)),
                             on_progress if byte_unit else None)
-        self.times["tokenize"] = time.perf_counter() - t
+        self.times["tokenize"] = self.times.get("tokenize", 0.0) + time.perf_counter() - t
         return SequenceStore(directory, files=self.files)
 
     def _store_problems(self, directory: str, partitions) -> Dict[int, str]:
@@ -408,7 +501,7 @@ class _Run:
             k = min(problems)
             raise ShardError(f"store partition {k} does not verify: {problems[k]}",
                              path=part_prefix(store.directory, k), hint=REBUILD_HINT)
-        self.times["verify_store"] = time.perf_counter() - t
+        self.times["verify_store"] = self.times.get("verify_store", 0.0) + time.perf_counter() - t
         return store
 
     def _verified_partitions(self, directory: str) -> set:
@@ -447,7 +540,7 @@ class _Run:
         staged = _staged_set(shards, plan, self.job)
         result = PackResult(plan, [done[u] for u in range(len(shards))], manifests=[p for p, _ in staged.manifests],
                             times=self.times, resumed=self.resumed, engine=self.engine.describe(),
-                            kept_store=self.ws.kept_store)
+                            kept_store=self.ws.kept_store if self.job.mixture is None else None)
         moved = published if self.destination.moves else set()   # (where a publish moves the staged files)
         located = [replace(s, staged=s.final) if u in moved else s for u, s in enumerate(shards)]
         checked = books["checks"].read(0)
@@ -459,17 +552,23 @@ class _Run:
         staged = self._balance(staged, shards, located)
         result.orders = [o.final for o in staged.orders]
         result.orders_not_written = dict(self.orders_not_written)
+        result.windows = dict(self.windows)
         written = self._publish(staged, published, books)
         self._commit(store, build_summary(store, self.job, result), staged, result.shards, written)
 
     def _plan(self, store: SequenceStore, book: ReceiptBook) -> dict:
         """The plan receipt: an earlier attempt's when its plan verifies, else a new plan's."""
         t = time.perf_counter()
-        check = VerifyPlanStep(book, self.work.plan, store.directory, self.job.settings, self.files)
+        store_dir, names = store_argument(store)
+        check = VerifyPlanStep(book, self.work.plan, store_dir, self.job.settings, self.files, names=names)
         plan = resumed_plan(book, lambda: self._verdicts(check, [0]).get(0, ""))
         self.resumed["plan"] = int(plan is not None)
         if plan is None:
-            step = PlanStep(store.directory, self.job.settings, self.work.plan, book, self.files)
+            if self.job.mixture is None:
+                step = PlanStep(store.directory, self.job.settings, self.work.plan, book, self.files)
+            else:
+                step = MixPlanStep(store_dir, names, self.job.mixture, self.job.settings, self.work.plan, book,
+                                   self.files)
             validated: List[float] = []   # the plan's bug guard, run by the plan unit
 
             def on_done(receipt: dict) -> None:
@@ -500,8 +599,9 @@ class _Run:
             self.times["verify_shards"] = time.perf_counter() - t
             t = time.perf_counter()
         self.resumed["materialize"] = len(done)
-        step = MaterializeStep(store.directory, self.work.plan, tuple(shards), self.job.pad_id, self.job.vocab_size,
-                               books["materialize"])
+        store_dir, names = store_argument(store)
+        step = MaterializeStep(store_dir, self.work.plan, tuple(shards), self.job.pad_id, self.job.vocab_size,
+                               books["materialize"], names=names)
         todo = [u for u in range(len(shards)) if u not in done]
         total = sum(sp["packs"] for sp in plan["splits"]) - sum(r["packs"] for r in done.values())
         with self.progress.phase("write", total, unit="packs") as bar:
@@ -517,7 +617,8 @@ class _Run:
         """``--verify-masks`` and ``--check`` on the staged shards; raises when either fails."""
         out = {"verify": None, "gate": None}
         job, times = self.job, self.times
-        count = verify_count(job, store)   # --check also checks a sample against the source
+        # --check also checks a sample against the source (a mixture's sources: each in its own run)
+        count = verify_count(job, store) if job.mixture is None else 0
         if count:
             t = time.perf_counter()
             with self.progress.phase("verify-masks", count, unit="conversations") as bar:
@@ -543,11 +644,13 @@ class _Run:
     def _balance(self, staged: StagedSet, shards: Sequence[OutputShard], located: Sequence[OutputShard]) -> StagedSet:
         """The staged set with its balanced orders (``--balance-for``), planned again on every
         attempt: derived data, the same bytes from the same packs."""
-        if self.job.balance.balance_for is None:
+        if self.job.balance.topology() is None:
             return staged
         t = time.perf_counter()
-        got = self._one(BalanceStep(self.job, tuple(shards), tuple(located), tuple(staged.manifests)))
+        got = self._one(BalanceStep(self.job, tuple(shards), tuple(located), tuple(staged.manifests),
+                                    plan_path=self.work.plan if self.job.mixture is not None else ""))
         orders, self.orders_not_written = got["orders"], got["not_written"]
+        self.windows = got.get("windows", {})
         self.times["balance"] = time.perf_counter() - t
         for split, why in self.orders_not_written.items():
             log.warning("balance: no order for split %s: %s", split, why)

@@ -19,7 +19,7 @@ import logging
 import os
 import resource
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -35,7 +35,8 @@ from .config import PackJob
 from .integrity import verify_shard
 from .planfile import PackPlan
 from .receipts import REDO_HINT, ReceiptBook, settings_key
-from .store import SequenceStore, encoding_extra, part_prefix
+from .store import SequenceStore, encoding_extra
+from .stores import SHARED_ENCODE_KEYS, StoreSet, open_stores
 
 log = logging.getLogger("megatron_sft_idx.preprocess")
 
@@ -56,13 +57,17 @@ class OutputShard:
 
 @dataclass(frozen=True)
 class MaterializeStep:
-    store_dir: str
+    """Unit ``u``: output shard ``u`` (module doc). ``store_dir``: the store, or a mixture's stores
+    (a tuple, with ``names``: then every sequence's source is recorded with the shard)."""
+
+    store_dir: Union[str, Tuple[str, ...]]
     plan_path: str
     shards: Tuple[OutputShard, ...]
     pad_id: int
     vocab_size: int
     book: ReceiptBook
     name: str = "materialize"
+    names: Tuple[str, ...] = ()
 
     @property
     def writes_to(self) -> str:
@@ -70,7 +75,7 @@ class MaterializeStep:
 
     def run(self, unit: int) -> dict:
         out = self.shards[unit]
-        store = SequenceStore(self.store_dir)
+        store = open_stores(self.store_dir, self.names)
         plan = PackPlan(self.plan_path)
         settings = plan.settings
         gather = Gatherer(store, settings.pack_size, settings.pad_multiple, self.pad_id, settings.pad_layout,
@@ -82,14 +87,25 @@ class MaterializeStep:
                                        pack_size=settings.pack_size, metadata=out.metadata) as builder:
                 for b0, b1 in chunks(arrays["pack_offsets"], arrays["pack_loads"], first, last):
                     ids, mask, starts, ends = gather.packs(arrays, b0, b1)
+                    sources = _chunk_sources(store, arrays, b0, b1)
                     for k in range(b1 - b0):
                         lo, hi = int(ends[k]), int(ends[k + 1])
-                        builder.add_packed(ids[lo:hi], mask[lo:hi], starts[k] - lo)
+                        builder.add_packed(ids[lo:hi], mask[lo:hi], starts[k] - lo,
+                                           None if sources is None else sources[k])
         finally:
             gather.close()
         body = {"final": out.final, "packs": last - first, "metadata": builder.metadata.to_dict(),
                 "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
         return self.book.write(unit, body, [out.staged + s for s in PUBLISH_ORDER], pinned=[out.staged + SEQ_IDX_SUFFIX])
+
+
+def _chunk_sources(store, arrays: dict, b0: int, b1: int) -> Optional[List[np.ndarray]]:
+    """Each pack's source ids (a mixture's stores), None for one store."""
+    if not isinstance(store, StoreSet):
+        return None
+    offsets = np.asarray(arrays["pack_offsets"][b0:b1 + 1], dtype=np.int64)
+    ids = store.source_of(arrays["sequence_ids"][offsets[0]:offsets[-1]])
+    return np.split(ids, offsets[1:-1] - offsets[0])
 
 
 def materialize_schema(doc) -> None:
@@ -127,7 +143,15 @@ def shard_metadata(store: SequenceStore, job: PackJob, split: str, shard: int, c
         meta["set"] = {"id": set_id, "name": split, "index": shard, "count": count}
     if s.truncated_turn_loss != "keep":  # absent means keep (the default; the bytes of earlier shards)
         meta["extra"]["truncated_turn_loss"] = s.truncated_turn_loss
-    meta["extra"].update(encoding_extra(encode))  # loss policy, prompt format: absent means the defaults
+    if job.mixture is None:
+        meta["extra"].update(encoding_extra(encode))  # loss policy, prompt format: absent means the defaults
+    else:   # a mixture: its sources, each with how its records were read (the rest is one for all)
+        meta["source"] = {"inputs": store.inputs, "mixture": job.mixture.to_dict()}
+        meta["extra"].update({k: v for k, v in encoding_extra(encode).items() if k in SHARED_ENCODE_KEYS})
+        meta["sources"] = [dict({k: v for k, v in encoding_extra(st.identity["encode"]).items()
+                                 if k not in SHARED_ENCODE_KEYS}, name=name, store_id=st.store_id,
+                                input_format=st.identity["encode"]["input_format"])
+                           for name, st in zip(store.names, store.stores)]
     if meta["tokenizer"] is None:  # pre-tokenized input without a tokenizer
         del meta["tokenizer"]
     return meta
@@ -142,10 +166,14 @@ def set_id(store: SequenceStore, job: PackJob, split: str) -> str:
     settings = job.settings.to_dict()
     if settings.get("split"):  # weights as given by the CLI (floats) or the API (maybe ints): one spelling
         settings["split"] = [float(w) for w in settings["split"]]
-    return settings_key({"set": 1, "store": store.identity, "inputs": store.inputs, "settings": settings,
-                         "pad_id": job.pad_id, "vocab_size": job.vocab_size,
-                         "parallelism": [int(job.parallelism[0]), int(job.parallelism[1]), bool(job.parallelism[2])],
-                         "split": split})
+    key = {"set": 1, "store": store.identity, "inputs": store.inputs, "settings": settings,
+           "pad_id": job.pad_id, "vocab_size": job.vocab_size,
+           "parallelism": [int(job.parallelism[0]), int(job.parallelism[1]), bool(job.parallelism[2])],
+           "split": split}
+    if job.mixture is not None:   # (sets of one store keep their ids)
+        key["mixture"] = job.mixture.to_dict()
+        key["stores"] = [[n, st.store_id] for n, st in zip(store.names, store.stores)]
+    return settings_key(key)
 
 
 def output_shards(store: SequenceStore, job: PackJob, plan: dict, staged_dir: str) -> List[OutputShard]:
@@ -298,7 +326,7 @@ class Gatherer:
     def _part(self, k: int) -> "_PartFiles":
         files = self._files.get(k)
         if files is None:
-            files = self._files[k] = _PartFiles(self.store.part(k), part_prefix(self.store.directory, k))
+            files = self._files[k] = _PartFiles(self.store.part(k), self.store.part_prefix(k))
         return files
 
     def close(self) -> None:

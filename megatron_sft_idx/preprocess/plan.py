@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -34,6 +34,7 @@ from .planfile import PLAN_FORMAT, PackPlan, PlanWriter
 from .receipts import REDO_HINT, ReceiptBook
 from .files import LOCAL, Files
 from .store import SequenceStore, rows_paths
+from .stores import open_stores
 from .summary import merged_skips, skipped_text
 
 log = logging.getLogger("megatron_sft_idx.preprocess")
@@ -318,23 +319,24 @@ class VerifyPlanStep:
 
     receipts: ReceiptBook
     path: str
-    store_dir: str
+    store_dir: Union[str, Tuple[str, ...]]   # the store, or a mixture's stores (with ``names``)
     settings: PlanSettings
     files: Files = LOCAL
     name: str = "verify-plan"
+    names: Tuple[str, ...] = ()
 
     @property
     def writes_to(self) -> str:
         return self.path
 
     def reads(self, unit: int) -> List[str]:
-        return [self.path] + rows_paths(self.store_dir)
+        dirs = [self.store_dir] if isinstance(self.store_dir, str) else list(self.store_dir)
+        return [self.path] + [p for d in dirs for p in rows_paths(d)]
 
     def run(self, unit: int) -> dict:
         receipt = self.receipts.read(0)
-        why = "no plan receipt" if receipt is None else plan_problem(receipt, self.receipts, self.path,
-                                                                     SequenceStore(self.store_dir, files=self.files),
-                                                                     self.settings)
+        why = "no plan receipt" if receipt is None else plan_problem(
+            receipt, self.receipts, self.path, open_stores(self.store_dir, self.names, self.files), self.settings)
         return {"unit": unit, "problem": why}
 
 

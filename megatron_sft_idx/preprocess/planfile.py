@@ -27,14 +27,22 @@ from .._container import HEADER, HEADER_SIZE, Kind  # (HEADER: the container's l
 from ..errors import HeaderError, ShardError
 from ..jsondoc import HEX, Doc, check_int, parse_json
 from .config import PlanSettings
+from .mixture import UNITS
 
 PLAN_MAGIC = b"MSFTPLN\x00"
 PLAN_VERSION = (1, 0)
+#: A mixture's plan (:mod:`.mixplan`): ``stores`` instead of ``store``, per split ``sources`` and
+#: ``pack_measures`` (a plan of one store is still written as 1.0, byte for byte as before).
+MIX_PLAN_VERSION = (1, 1)
 PLAN_FORMAT = "megatron_sft_idx.plan"
 _KIND = Kind(PLAN_MAGIC, PLAN_VERSION, "plan", "a plan", "a pack plan", "re-plan with this version")
+_KINDS = {PLAN_VERSION: _KIND, MIX_PLAN_VERSION: Kind(PLAN_MAGIC, MIX_PLAN_VERSION, "plan", "a plan", "a pack plan",
+                                                      "re-plan with this version")}
 _DTYPES = {"int32": np.dtype("<i4"), "int64": np.dtype("<i8")}
 _VALIDATE_PACKS = 1 << 18   # packs whose sequence ids are checked at once
 SPLIT_NAMES = ("train", "valid", "test", "all")
+_ARRAYS = ("shard_starts", "pack_offsets", "pack_loads", "sequence_ids")
+_MIX_ARRAYS = _ARRAYS + ("pack_measures",)
 
 
 class PlanWriter:
@@ -73,12 +81,12 @@ class PlanWriter:
             count += chunk.size
         return [start, count, dtype]
 
-    def close(self, metadata: dict) -> None:
+    def close(self, metadata: dict, version=PLAN_VERSION) -> None:
         meta = json.dumps(metadata, sort_keys=True, separators=(",", ":")).encode()
         meta_offset = self.offset
         self._write(meta)
         self.file.seek(0)
-        self.file.write(_KIND.pack_header(meta_offset, len(meta), self.crc))
+        self.file.write(_KINDS[tuple(version)].pack_header(meta_offset, len(meta), self.crc))
         self.file.flush()
         os.fsync(self.file.fileno())
         self.file.close()
@@ -150,10 +158,15 @@ class PackPlan:
         doc = Doc(self.metadata, self.path, error=HeaderError)
         self.settings = PlanSettings.from_doc(doc.doc("settings"))
         pack_size = self.settings.pack_size
-        store = doc.doc("store")
-        store.str("store_id", pattern=HEX[32])
-        sequences = store.int("sequences", lo=0)
-        conversations = doc.int("conversations", lo=0, hi=sequences)
+        self.mixed = "stores" in self.metadata
+        if self.mixed:   # a mixture's plan (MIX_PLAN_VERSION): its stores, one after another
+            sequences = self._check_stores(doc)
+            conversations = doc.int("conversations", lo=0)
+        else:
+            store = doc.doc("store")
+            store.str("store_id", pattern=HEX[32])
+            sequences = store.int("sequences", lo=0)
+            conversations = doc.int("conversations", lo=0, hi=sequences)
         for key in ("truncated", "padding_tokens"):
             doc.int(key, lo=0)
         doc.ints("skipped", lo=0)
@@ -174,8 +187,50 @@ class PackPlan:
             raise HeaderError("the splits' conversations do not add up", path=self.path, field="conversations",
                               expected=total, actual=conversations)
 
+    def _check_stores(self, doc: Doc) -> int:
+        """A mixture's ``stores`` (name, store id, sequences each) and ``mixture``; returns the
+        total of the stores' sequences (the range of the global ids)."""
+        stores = doc.docs("stores")
+        if not stores:
+            raise doc.fail("a mixture's plan names at least one store", "stores")
+        names = []
+        for st in stores:
+            names.append(st.str("name"))
+            st.str("store_id", pattern=HEX[32])
+            st.int("sequences", lo=0)
+        if len(set(names)) != len(names):
+            raise doc.fail("a mixture's plan names each source once", "stores", actual=names)
+        mixture = doc.doc("mixture")
+        mixture.str("unit", choices=UNITS)
+        if len(mixture.list("sources")) != len(stores):
+            raise doc.fail("the mixture's sources are not the plan's stores", "mixture.sources",
+                           expected=len(stores), actual=len(mixture.list("sources")))
+        self.store_offsets = np.concatenate(([0], np.cumsum([st.obj["sequences"] for st in stores]))).astype(np.int64)
+        return int(self.store_offsets[-1])
+
+    def _check_sources(self, split: Doc, conversations: int) -> None:
+        """A mixture split's ``sources``: one record per store, whose sequences add up."""
+        sources = split.docs("sources")
+        if len(sources) != len(self.metadata["stores"]):
+            raise split.fail("one record per source", "sources", expected=len(self.metadata["stores"]),
+                             actual=len(sources))
+        total = 0
+        for src in sources:
+            src.str("name")
+            for key in ("members", "sequences", "epoch_amount", "amount", "tokens", "trained_tokens", "epoch_tokens",
+                        "epoch_trained_tokens"):
+                src.int(key, lo=0)
+            src.number("target_epochs", 0.0, float("inf"))
+            alone = src.doc("packed_alone")
+            for key in ("packs", "tokens", "trained_tokens", "amount"):
+                alone.int(key, lo=0)
+            total += src.obj["sequences"]
+        if total != conversations:
+            raise split.fail("the sources' sequences do not add up to the split's", "sources",
+                             expected=conversations, actual=total)
+
     def _check_split(self, split: Doc, pack_size: int, sequences: int) -> int:
-        conversations = split.int("conversations", lo=1, hi=sequences)
+        conversations = split.int("conversations", lo=1, hi=None if self.mixed else sequences)
         packs = split.int("packs", lo=1, hi=conversations)
         shards = split.int("shards", lo=1, hi=packs)
         split.number("packing_efficiency", 0.0, 1.0)
@@ -183,6 +238,9 @@ class PackPlan:
         arrays = split.doc("arrays")
         expected = {"shard_starts": (shards + 1, ("int64",)), "pack_offsets": (packs + 1, ("int64",)),
                     "pack_loads": (packs, ("int32",)), "sequence_ids": (conversations, ("int32", "int64"))}
+        if self.mixed:
+            self._check_sources(split, conversations)
+            expected["pack_measures"] = (packs * len(self.metadata["stores"]), ("int32",))
         spans = []
         for name, (count, dtypes) in expected.items():
             entry = arrays.list(name, length=3)
@@ -217,19 +275,21 @@ class PackPlan:
         Raises:
             HeaderError: the first value that breaks a rule, naming the split and the array.
         """
-        sequences = self.metadata["store"]["sequences"]
+        meta = self.metadata
+        sequences = int(self.store_offsets[-1]) if self.mixed else meta["store"]["sequences"]
         padded = None
         if store is not None:
             padded = self._store_lengths(store)
-        meta = self.metadata
-        if meta["conversations"] + sum(meta["skipped"].values()) != sequences:
+        if not self.mixed and meta["conversations"] + sum(meta["skipped"].values()) != sequences:
             raise HeaderError("planned and skipped conversations do not add up to the store's", path=self.path,
                               field="conversations", expected=sequences - sum(meta["skipped"].values()),
                               actual=meta["conversations"])
-        seen = np.zeros(sequences, dtype=np.bool_)
+        # one plan: each sequence planned once; a mixture's: in one split only (1 + its split), per
+        # source as often as the split records
+        seen = np.zeros(sequences, dtype=np.int8 if self.mixed else np.bool_)
         for i, split in enumerate(self.splits):
             self._validate_split(i, split, seen, padded)
-        if int(np.count_nonzero(seen)) != meta["conversations"]:
+        if not self.mixed and int(np.count_nonzero(seen)) != meta["conversations"]:
             raise HeaderError("a store sequence is planned twice", path=self.path, field="sequence_ids",
                               expected=meta["conversations"], actual=int(np.count_nonzero(seen)))
 
@@ -241,7 +301,14 @@ class PackPlan:
     def _store_lengths(self, store) -> np.ndarray:
         """Padded, cut length of every store sequence, or -1 for one the settings drop."""
         meta, s = self.metadata, self.settings
-        if meta["store"]["store_id"] != store.store_id or meta["store"]["sequences"] != store.sequence_count:
+        if self.mixed:
+            mine = [[st["name"], st["store_id"], st["sequences"]] for st in meta["stores"]]
+            theirs = [[n, st.store_id, st.sequence_count] for n, st in zip(getattr(store, "names", [None]),
+                                                                             getattr(store, "stores", [store]))]
+            if mine != theirs:
+                raise HeaderError("the plan was made from other sequence stores", path=self.path, field="stores",
+                                  expected=theirs, actual=mine)
+        elif meta["store"]["store_id"] != store.store_id or meta["store"]["sequences"] != store.sequence_count:
             raise HeaderError("the plan was made from another sequence store", path=self.path, field="store",
                               expected=[store.store_id, store.sequence_count],
                               actual=[meta["store"]["store_id"], meta["store"]["sequences"]])
@@ -265,6 +332,7 @@ class PackPlan:
             if arr[0] != 0 or arr[-1] != end or (np.diff(arr) <= 0).any():
                 raise self._fail(i, name, f"must rise strictly from 0 to {end}")
         pack_size = self.settings.pack_size
+        counted = np.zeros(self.store_offsets.size - 1 if self.mixed else 0, dtype=np.int64)
         if loads.min() < 1 or loads.max() > pack_size:
             raise self._fail(i, "pack_loads", f"every load must be in [1, {pack_size}]",
                              actual=[int(loads.min()), int(loads.max())])
@@ -276,15 +344,24 @@ class PackPlan:
                 raise self._fail(i, "sequence_ids", f"ids must be in [0, {seen.size})",
                                  actual=[int(chunk.min()), int(chunk.max())])
             first = np.asarray(offsets[p0:p1], dtype=np.int64) - s0   # each pack's first id in ``chunk``
-            rising = np.diff(chunk) > 0
+            rising = np.diff(chunk) >= 0 if self.mixed else np.diff(chunk) > 0   # (a mixture may repeat one)
             rising[first[1:] - 1] = True                               # a new pack may start lower
             if not rising.all():
                 raise self._fail(i, "sequence_ids", "ids must ascend inside each pack",
                                  pack=int(np.searchsorted(first, np.flatnonzero(~rising)[0], side="right") - 1 + p0))
-            if seen[chunk].any():
+            if self.mixed:
+                other = (seen[chunk] != 0) & (seen[chunk] != i + 1)
+                if other.any():
+                    raise self._fail(i, "sequence_ids", "a store sequence is planned in two splits",
+                                     actual=int(chunk[other][0]))
+                seen[chunk] = i + 1
+                counted += np.bincount(np.searchsorted(self.store_offsets, chunk, side="right") - 1,
+                                       minlength=counted.size)
+            elif seen[chunk].any():
                 raise self._fail(i, "sequence_ids", "a store sequence is planned twice",
                                  actual=int(chunk[seen[chunk]][0]))
-            seen[chunk] = True
+            else:
+                seen[chunk] = True
             if padded is not None:
                 lengths = padded[chunk]
                 if lengths.min() < 0:
@@ -296,6 +373,13 @@ class PackPlan:
                     raise self._fail(i, "pack_loads", "a pack's load is not its sequences' padded lengths",
                                      pack=int(bad[0] + p0), expected=int(want[bad[0]]),
                                      actual=int(loads[p0 + bad[0]]))
+        if self.mixed:
+            recorded = [src["sequences"] for src in split["sources"]]
+            if counted.tolist() != recorded:
+                raise self._fail(i, "sequence_ids", "the sequences of each source are not what the split records",
+                                 expected=recorded, actual=counted.tolist())
+            if (a["pack_measures"] < 0).any():
+                raise self._fail(i, "pack_measures", "a pack's measure of a source is negative")
 
     # ------------------------------------------------------------------ access
 
@@ -317,8 +401,9 @@ class PackPlan:
             self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
             if self._map.shape[0] < self._arrays_end:
                 raise HeaderError("the plan file shrank after it was opened", path=self.path, field="file_size")
+        known = _MIX_ARRAYS if self.mixed else _ARRAYS   # (only the arrays checked at open)
         return {name: np.frombuffer(self._map, dtype=_DTYPES[dtype], count=count, offset=offset)
-                for name, (offset, count, dtype) in self.splits[split]["arrays"].items()}
+                for name, (offset, count, dtype) in self.splits[split]["arrays"].items() if name in known}
 
     def __getstate__(self):
         return {"path": self.path}

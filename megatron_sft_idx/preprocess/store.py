@@ -24,13 +24,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
-from .._atomic import write_file_atomically
+from .._atomic import remove_tree, write_file_atomically
+from .._kernels import segment_sums
 from ..errors import InvariantError, MetadataError, ShardError
 from ..format import PUBLISH_ORDER
 from ..reader import MMapIndexedDataset
@@ -55,8 +55,13 @@ REBUILD_HINT = ("the sequence store changed after it was written; rerun the prep
                 "with --store DIR --resume (it tokenizes again every partition that does not verify)")
 
 
-#: Every file of a store partition: its shard's, its rows, its skipped records.
-PART_SUFFIXES = PUBLISH_ORDER + (ROWS_SUFFIX, SKIPS_SUFFIX)
+#: a partition's trained positions per conversation (int32, the rows' order): what a mixture weighted
+#: by trained tokens measures (absent in stores made before mixtures: then read from the loss mask)
+TRAINED_SUFFIX = ".trained"
+TRAINED_DTYPE = np.dtype("<i4")
+
+#: Every file of a store partition: its shard's, its rows, its trained counts, its skipped records.
+PART_SUFFIXES = PUBLISH_ORDER + (ROWS_SUFFIX, TRAINED_SUFFIX, SKIPS_SUFFIX)
 
 
 def part_prefix(directory: str, unit: int) -> str:
@@ -81,8 +86,8 @@ def empty_store(directory: str) -> None:
             os.unlink(os.path.join(directory, name))
         except FileNotFoundError:
             pass
-    shutil.rmtree(os.path.join(directory, "parts"), ignore_errors=True)
-    shutil.rmtree(os.path.join(directory, "receipts", "tokenize"), ignore_errors=True)
+    remove_tree(os.path.join(directory, "parts"), directory)
+    remove_tree(os.path.join(directory, "receipts", "tokenize"), directory)
 
 
 def write_store_file(directory: str, identity: dict, inputs: List[dict], partitions: List[Partition],
@@ -182,6 +187,10 @@ def _tokenize_schema(doc: Doc) -> None:
     if doc.obj["artifacts"][rows] != ROW_DTYPE.itemsize * sequences:
         raise doc.fail("the rows' size disagrees with the sequence count", "artifacts",
                        expected=ROW_DTYPE.itemsize * sequences, actual=doc.obj["artifacts"][rows])
+    trained = os.path.relpath(part_prefix("", doc.obj["unit"]) + TRAINED_SUFFIX)
+    if trained in doc.obj["artifacts"] and doc.obj["artifacts"][trained] != TRAINED_DTYPE.itemsize * sequences:
+        raise doc.fail("the trained counts' size disagrees with the sequence count", "artifacts",
+                       expected=TRAINED_DTYPE.itemsize * sequences, actual=doc.obj["artifacts"][trained])
 
 
 def tokenize_book(directory: str, store_id: str, files: Files = LOCAL) -> ReceiptBook:
@@ -291,6 +300,43 @@ class SequenceStore:
                              expected=expected, actual=rows.size, hint="rebuild the store")
         return rows
 
+    def has_trained(self, unit: int) -> bool:
+        """Whether partition ``unit``'s receipt commits its trained counts (stores made before
+        mixtures do not: :meth:`trained` then reads the loss mask)."""
+        rel = os.path.relpath(part_prefix(self.directory, unit) + TRAINED_SUFFIX, self.directory)
+        return rel in self._receipts[unit]["artifacts"]
+
+    def trained(self, unit: int) -> np.ndarray:
+        """Trained positions of every conversation of partition ``unit`` (int32, the rows' order):
+        its ``.trained`` file, or counted from its loss mask where the store has none.
+
+        Raises:
+            ShardError: the file is missing or of another size than the receipt says.
+        """
+        expected = self._receipts[unit]["sequences"]
+        if not self.has_trained(unit):
+            ds = self.part(unit)
+            if ds is None:
+                return np.empty(0, dtype=TRAINED_DTYPE)
+            out = np.empty(expected, dtype=np.int64)
+            ends = np.concatenate(([0], np.cumsum(np.asarray(ds.sequence_lengths, dtype=np.int64))))
+            segment_sums(ds.arrays().loss_mask, ends, out)
+            ds.release_pages()
+            return out.astype(TRAINED_DTYPE)
+        path = part_prefix(self.directory, unit) + TRAINED_SUFFIX
+        try:
+            trained = np.fromfile(path, dtype=TRAINED_DTYPE)
+        except OSError as exc:
+            raise ShardError(f"cannot read the store's trained counts ({exc.strerror})", path=path) from None
+        if trained.size != expected:
+            raise ShardError("store trained counts disagree with the partition's receipt", path=path, field="trained",
+                             expected=expected, actual=trained.size, hint=REBUILD_HINT)
+        return trained
+
+    def part_prefix(self, unit: int) -> str:
+        """Where partition ``unit``'s files are (their prefix)."""
+        return part_prefix(self.directory, unit)
+
     def skips(self, unit: int) -> List[Tuple[int, str]]:
         """``(line, reason)`` of every record partition ``unit`` skipped, in input order.
 
@@ -370,6 +416,13 @@ class SequenceStore:
                         actual=(len(ds), header.sequence_count, header.token_count))
         if not np.array_equal(ds.sequence_lengths, rows["length"]):
             raise wrong("row lengths differ from its shard's sequence lengths", "length")
+        if self.has_trained(k):
+            trained = self.trained(k)
+            if ((trained < 0).any() or (trained > rows["length"]).any()
+                    or int(trained.sum()) != ds.metadata.stats.loss_token_count):
+                raise wrong("its trained counts disagree with its shard's loss mask", "trained",
+                            path=prefix + TRAINED_SUFFIX, expected=ds.metadata.stats.loss_token_count,
+                            actual=int(trained.sum()))
         extra = ds.metadata.extra
         if extra.get("store_id") != self.store_id or extra.get("partition") != part.to_list():
             raise wrong("its shard belongs to another store or partition", "extra.store_id/partition",

@@ -7,6 +7,8 @@ import resource
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Dict, List, Optional
 
+from .mixreport import format_mixture, mixture_report
+
 if TYPE_CHECKING:   # (annotations only)
     from .config import PackJob
     from .store import SequenceStore
@@ -27,6 +29,7 @@ class PackResult:
     kept_store: Optional[str] = None    # the --store directory (kept for repack-sft), if any
     orders: List[str] = field(default_factory=list)      # balanced pack orders written (--balance-for)
     orders_not_written: Dict[str, str] = field(default_factory=dict)   # split -> why it has no order
+    windows: Dict[str, dict] = field(default_factory=dict)   # a mixture's split -> its window report (an order's)
 
 
 def peak_rss_mib(receipts: List[dict]) -> Dict[str, float]:
@@ -160,6 +163,10 @@ def build_summary(store: SequenceStore, job: PackJob, result: PackResult) -> dic
         out["orders"] = list(result.orders)
     if result.orders_not_written:
         out["orders_not_written"] = dict(result.orders_not_written)
+    if job.mixture is not None:   # (--mix: what each source will really get, per split)
+        out["mixture"] = mixture_report(result.plan)
+        for split, windows in result.windows.items():
+            out["mixture"]["splits"][split]["windows"] = windows
     if store.tokenizer_path:   # where the tokenizer was found: inspect-idx --pack looks there first
         path = store.tokenizer_path
         out["tokenizer_path"] = path if "://" in path else os.path.abspath(path)
@@ -242,11 +249,41 @@ def check_summary(doc) -> None:
         if entry:
             check(doc.doc(key))
     doc.str("store", default=None)
+    if doc.raw("mixture", None) is not None:
+        check_mixture(doc.doc("mixture"))
     doc.ints("resumed_units", lo=0, default={})
     doc.mapping("seconds", lambda v, f: _number(doc, v, f, inf))
     rss = doc.doc("peak_rss_mib")
     rss.number("main", 0.0, inf)
     rss.number("workers_max", 0.0, inf)
+
+
+def check_mixture(doc) -> None:
+    """A summary's ``mixture`` (:func:`~.mixreport.mixture_report`), as :func:`~.mixreport.format_mixture` reads it."""
+    doc.str("unit")
+    doc.int("window_steps", lo=1)
+    splits = doc.doc("splits")
+    for name in splits.obj:
+        split = splits.doc(name)
+        split.int("packs", lo=0)
+        for key in ("max_share_deviation", "data_path_max_share_deviation"):
+            split.number(key, 0.0, 1.0)
+        for src in split.docs("sources"):
+            src.str("name")
+            for key in ("target_share", "share", "trained_share"):
+                src.number(key, 0.0, 1.0)
+            src.number("epochs", 0.0, float("inf"))
+            for key in ("sequences", "trained_tokens", "tokens"):
+                src.int(key, lo=0)
+            blend = src.doc("data_path")
+            for key in ("share", "trained_share"):
+                blend.number(key, 0.0, 1.0)
+            blend.number("epochs", 0.0, float("inf"))
+        windows = split.doc("windows", none=True) if "windows" in split.obj else None
+        if windows is not None:
+            windows.str("topology")
+            for key in ("interleaved", "shuffle"):
+                windows.doc(key).number("max", 0.0, 1.0)
 
 
 def _number(doc, value, field, hi):
@@ -291,8 +328,9 @@ def format_summary(s: dict) -> str:
         for f in files if len(files) > 1 else ():
             lines.append(f"  {f['name']}: {plural(f['records'], 'record')} -> "
                          f"{plural(f['sequences'], 'sequence')}, skipped {skipped_text(f['skipped'])}")
+        taken = "taken by the mixture" if s.get("mixture") else "kept"   # (a mixture takes some, some twice)
         lines += [f"records             {s['records_read']:,} read, skipped {skipped_text(s['records_skipped'])}",
-                  f"sequences           {s['sequences_stored']:,} from the records, {s['conversations']:,} kept, "
+                  f"sequences           {s['sequences_stored']:,} from the records, {s['conversations']:,} {taken}, "
                   f"dropped {skipped_text(s['sequences_dropped'])}"]
         if s.get("ignored_keys"):
             lines.append("ignored keys        " + ", ".join(f"{k.partition(':')[2]} ({k.partition(':')[0]}) {n:,}"
@@ -331,6 +369,8 @@ def format_summary(s: dict) -> str:
         lines.append(f"manifests           {', '.join(s['manifests'])}")
     if s.get("orders"):
         lines.append(f"balanced orders     {', '.join(s['orders'])}")
+    if s.get("mixture"):
+        lines += format_mixture(s["mixture"])
     for split, why in (s.get("orders_not_written") or {}).items():
         lines.append(f"no order for {split:<6} {why} (train this split without one)")
     if s.get("store"):
@@ -372,6 +412,8 @@ def format_plan_summary(s: dict) -> str:
         lines.append(f"split {name:<13} {plural(sp['conversations'], 'conversation')} -> "
                      f"{plural(sp['packs'], 'pack')} in {plural(sp['shards'], 'shard')}, "
                      f"efficiency {100 * sp['packing_efficiency']:.2f}%")
+    if s.get("mixture"):
+        lines += format_mixture(s["mixture"])
     return "\n".join(lines)
 
 

@@ -23,6 +23,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from .._atomic import write_files_atomically
+from .._kernels import segment_sums
 from ..builder import IndexedDatasetBuilder
 from ..errors import InputError, ObjectChangedError, RemoteStorageError, ShardError
 from ..packing import exclusive_cumsum
@@ -37,8 +38,8 @@ from .records.sources import InputSource, input_source
 from .records.tokenizer_source import is_tokenizer_reference, resolve_tokenizer
 from .receipts import ReceiptBook
 from .files import LOCAL, Files
-from .store import (ROW_DTYPE, ROWS_SUFFIX, SKIPS_SUFFIX, STORE_FILE, SequenceStore, empty_store, encoding_extra,
-                    part_prefix, read_store_file, tokenize_book, write_store_file)
+from .store import (ROW_DTYPE, ROWS_SUFFIX, SKIPS_SUFFIX, STORE_FILE, TRAINED_DTYPE, TRAINED_SUFFIX, SequenceStore,
+                    empty_store, encoding_extra, part_prefix, read_store_file, tokenize_book, write_store_file)
 
 log = logging.getLogger("megatron_sft_idx.preprocess")
 
@@ -203,6 +204,7 @@ class PartWriter:
         self.builder = IndexedDatasetBuilder(self.prefix, vocab_size=vocab_size, pack_size=None,
                                              metadata=metadata, overwrite=True)
         self.rows = []
+        self.trained = []   # int32 trained positions per conversation (TRAINED_SUFFIX)
         self.tokens = 0
         self.skips: List[str] = []   # "line<TAB>reason" of every skipped record (SKIPS_SUFFIX)
 
@@ -214,6 +216,7 @@ class PartWriter:
         rows["length"] = batch.lengths
         rows["first_trained"] = first_trained(batch.loss_mask, ends)
         self.rows.append(rows)
+        self.trained.append(trained_counts(batch.loss_mask, ends))
         self.tokens += int(ends[-1]) if ends.size else 0
         self.skips.extend(f"{line}\t{reason}\n" for line, reason in batch.skipped_lines)
 
@@ -225,7 +228,9 @@ class PartWriter:
         artifacts = []
         if rows.size:
             artifacts = [self.prefix + s for s in (".bin", ".idx", ".loss.bin", ".seq.idx", ".seq.bin")]
-        files = {self.prefix + ROWS_SUFFIX: rows.tobytes()}
+        trained = np.concatenate(self.trained).astype(TRAINED_DTYPE) if self.trained else np.empty(0, TRAINED_DTYPE)
+        files = {self.prefix + ROWS_SUFFIX: rows.tobytes(), self.prefix + TRAINED_SUFFIX: trained.tobytes()}
+        artifacts.append(self.prefix + TRAINED_SUFFIX)
         if self.skips:
             files[self.prefix + SKIPS_SUFFIX] = "".join(self.skips).encode()
             artifacts.append(self.prefix + SKIPS_SUFFIX)
@@ -234,6 +239,14 @@ class PartWriter:
 
     def abort(self) -> None:
         self.builder.abort()
+
+
+def trained_counts(mask: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Per sequence ``[ends[k], ends[k+1])``: its trained positions (ones in the loss mask), int32:
+    what a mixture weighted by trained tokens measures each sequence by, without reading masks."""
+    out = np.empty(ends.size - 1, dtype=np.int64)
+    segment_sums(np.asarray(mask, dtype=np.uint8), np.asarray(ends, dtype=np.int64), out)
+    return out.astype(np.int32)
 
 
 def first_trained(mask: np.ndarray, ends: np.ndarray) -> np.ndarray:
@@ -312,7 +325,7 @@ class TokenizeStep:
         body = {"records": records, "sequences": sequences, "tokens": writer.tokens, "skipped": skipped,
                 "first_skipped": first, "ignored": dict(sorted(ignored.items())),
                 "seconds": round(time.perf_counter() - started, 6)}   # (how busy the workers were)
-        pinned = [a for a in artifacts if a.endswith((".seq.idx", ROWS_SUFFIX))]  # small: verified on reuse
+        pinned = [a for a in artifacts if a.endswith((".seq.idx", ROWS_SUFFIX, TRAINED_SUFFIX))]  # small: verified on reuse
         return self.book.write(unit, body, artifacts, pinned)
 
 

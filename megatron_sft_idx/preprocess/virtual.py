@@ -9,6 +9,10 @@ its sequences from the store's partitions (``pread``), so it costs more than a r
 materialized shard (``bench/stages.py`` measures by how much). Pickles as its paths, for
 DataLoader workers.
 
+A mixture's plan (``repack-sft --mix FILE --plan-only``) is served from its stores, given in the
+mixture's order; ``sources`` and ``source_ids(i)`` then say where each sequence came from, as a
+shard written from it does.
+
 Example::
 
     repack_sft --store /data/store --plan-only /tmp/cp4.plan --pack-size 8192 --cp 4
@@ -28,13 +32,15 @@ from ..reader import Pack, pack_index
 from .materialize import Gatherer
 from .planfile import PackPlan
 from .store import SequenceStore
+from .stores import StoreSet
 
 
 class VirtualPackedDataset:
     """The packs of one split of a plan (optionally one output shard of it), read from the store.
 
     Args:
-        store: the sequence store directory the plan was made from.
+        store: the sequence store directory the plan was made from (a mixture's plan: the list of
+            its stores' directories, in the mixture's order).
         plan: the plan file (``repack_sft --plan-only``, or a run's ``plan/out.plan``).
         split: the split's name (``all`` without ``--split``); needed when the plan has several.
         shard: serve only the packs of this output shard of the split.
@@ -51,13 +57,11 @@ class VirtualPackedDataset:
     def __init__(self, store: str, plan: str, split: Optional[str] = None, shard: Optional[int] = None,
                  pad_id: Optional[int] = None, verify: bool = True) -> None:
         self._args = (store, plan, split, shard, pad_id)
-        self.store = SequenceStore(store)
         self.plan = PackPlan(plan, verify=verify)
-        if self.plan.metadata["store"]["store_id"] != self.store.store_id:
-            raise ShardError("the plan was made from another sequence store", path=plan, field="store_id",
-                             expected=self.store.store_id, actual=self.plan.metadata["store"]["store_id"])
+        self.store = self._stores(store, plan)
         if verify:
-            self.store.verify()
+            for one in getattr(self.store, "stores", [self.store]):
+                one.verify()
             self.plan.validate(self.store)
         names = [s["name"] for s in self.plan.splits]
         if split is None and len(names) != 1:
@@ -81,6 +85,44 @@ class VirtualPackedDataset:
         self.pad_layout = settings.pad_layout
         self._gather = Gatherer(self.store, self.pack_size, self.pad_seq_to_mult, int(pad_id), self.pad_layout,
                                 settings.truncated_turn_loss)
+
+    def _stores(self, store, plan: str):
+        """The store (or a mixture's stores) the plan names, by store id.
+
+        Raises:
+            ShardError: another store, or one store for a mixture's plan (or several for one store's)."""
+        meta = self.plan.metadata
+        if isinstance(store, (list, tuple)) != self.plan.mixed:
+            raise ShardError("a mixture's plan is served from its stores (a list, in the mixture's order), a plan of "
+                             "one store from that store", path=plan, field="store",
+                             expected=[s["name"] for s in meta["stores"]] if self.plan.mixed else "one directory")
+        if self.plan.mixed:
+            out = StoreSet([SequenceStore(d) for d in store], [s["name"] for s in meta["stores"]])
+            mine, theirs = [s.store_id for s in out.stores], [s["store_id"] for s in meta["stores"]]
+        else:
+            out = SequenceStore(store)
+            mine, theirs = out.store_id, meta["store"]["store_id"]
+        if mine != theirs:
+            raise ShardError("the plan was made from another sequence store", path=plan, field="store_id",
+                             expected=mine, actual=theirs)
+        return out
+
+    @property
+    def sources(self) -> Optional[tuple]:
+        """A mixture's source names (what :meth:`source_ids` index), None for one store's plan."""
+        return tuple(self.store.names) if isinstance(self.store, StoreSet) else None
+
+    def source_ids(self, idx) -> np.ndarray:
+        """Each sequence's source of pack ``idx`` (uint16), as a shard of the mixture records it.
+
+        Raises:
+            ShardError: a plan of one store (no sources)."""
+        if self.sources is None:
+            raise ShardError("a plan of one store has no sources", path=self.plan.path, field="sources")
+        b = self._first + pack_index(idx, self._n, self.plan.path)
+        offsets = self._arrays["pack_offsets"]
+        ids = self._arrays["sequence_ids"][int(offsets[b]):int(offsets[b + 1])]
+        return self.store.source_of(ids).astype(np.uint16)
 
     def __len__(self) -> int:
         return self._n
@@ -114,7 +156,8 @@ class VirtualPackedDataset:
         self.__init__(*state["args"], verify=False)   # (verified where it was made)
 
     def __repr__(self) -> str:
-        return (f"VirtualPackedDataset({self.store.directory!r}, {self.plan.path!r}, split={self.split!r}, "
+        where = getattr(self.store, "directories", None) or self.store.directory
+        return (f"VirtualPackedDataset({where!r}, {self.plan.path!r}, split={self.split!r}, "
                 f"packs={self._n})")
 
 

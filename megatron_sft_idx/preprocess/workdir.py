@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import glob
 import os
-import shutil
 from typing import Optional, Protocol
 
-from .._atomic import _alive
+from .._atomic import _alive, remove_tree
 from ..errors import ShardError
 
 _LEGACY_TAG = ".work-"  # work directories of the pre-staged pipeline: .<name>.work-<pid>
@@ -152,7 +151,7 @@ class WorkDir:
             if owner is not None and owner != os.getpid() and _alive(owner):
                 self.lock.acquire()  # raises, naming the owner
             if not resume:
-                shutil.rmtree(self.path)
+                remove_tree(self.path, self.parent, ignore_errors=False)
         for sub in ("plan", "staged", "receipts"):
             os.makedirs(os.path.join(self.path, sub), exist_ok=True)
         self.lock.acquire()
@@ -167,7 +166,7 @@ class WorkDir:
         for stale in glob.glob(os.path.join(self.parent, glob.escape(f".{self.name}{_LEGACY_TAG}") + "*")):
             pid = stale.rsplit(_LEGACY_TAG, 1)[-1]
             if pid.isdigit() and not _alive(int(pid)):
-                shutil.rmtree(stale, ignore_errors=True)
+                remove_tree(stale, self.parent)
         for stale in self.finished():
             remove_receipts_last(stale)
 
@@ -215,7 +214,7 @@ def keep_only_record(path: str) -> None:
             if full == kept or kept.startswith(full + os.sep):
                 continue
             if os.path.isdir(full) and not os.path.islink(full):
-                shutil.rmtree(full, ignore_errors=True)
+                remove_tree(full, path)
             else:
                 os.unlink(full)
 
@@ -225,8 +224,8 @@ def remove_receipts_last(path: str) -> None:
     for name in os.listdir(path):
         if name != "receipts":
             full = os.path.join(path, name)
-            if os.path.isdir(full):
-                shutil.rmtree(full, ignore_errors=True)
+            if os.path.isdir(full) and not os.path.islink(full):
+                remove_tree(full, path)
             else:
                 os.unlink(full)
-    shutil.rmtree(path, ignore_errors=True)
+    remove_tree(path, os.path.dirname(os.path.abspath(path)))

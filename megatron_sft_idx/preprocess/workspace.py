@@ -19,6 +19,10 @@ bucket        the store or the work directory (or both) in object storage, each 
               written conditionally (:class:`~..storage.lease.ObjectLock`)
 ============  ==============================================================================
 
+A mixture (``--mix``) reads several kept stores, each a directory or a URL: the workspace holds
+them all (``store_dirs``, ``kept_stores``, one mirror each where it is a URL), and every method
+about a store takes its ``index`` (0 by default: the run's one store).
+
 Both offer one interface -- the store and work locations, the destination, the ``files`` view,
 taking and releasing the locks with ``--resume`` / ``--overwrite`` (one rule for a store
 wherever it is: :func:`take_store`), "is a run holding this", the engine wrapper, syncing the
@@ -31,11 +35,12 @@ from __future__ import annotations
 import logging
 import os
 from abc import ABC, abstractmethod
-from typing import Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from ..errors import ShardError, ShardExistsError
-from ..storage.urls import ObjectURL, is_remote
+from ..storage.urls import ObjectURL, check_url, is_remote
 from ..storage.destination import Destination, destination_for
+from ..storage.lease import ObjectLock
 from ..storage.mirror import Mirror
 from .engines.base import Engine
 from .engines.mirrored import MirroredEngine
@@ -129,29 +134,40 @@ class Workspace(ABC):
 
     * ``work``: the :class:`~.workdir.WorkDir` (local, or a mirror's local tree);
     * ``destination``: the output's :class:`~..storage.destination.Destination`;
-    * ``store_dir``: the local path every step reads the store at (the run's own: under ``work``);
-    * ``kept_store``: the ``--store`` as the user named it (absolute path or URL), None for the run's own;
+    * ``store_dirs``: the local path every step reads each store at (the run's own: under ``work``);
+    * ``kept_stores``: the ``--store`` (or a mixture's stores) as the user named them (absolute
+      paths or URLs), empty for the run's own store;
     * ``files``: how the driver sees the run's files (:mod:`.files`).
     """
 
     work: WorkDir
     destination: Destination
-    store_dir: str
-    kept_store: Optional[str]
+    store_dirs: Tuple[str, ...]
+    kept_stores: Tuple[str, ...]
     files: Files
 
     @property
+    def store_dir(self) -> str:
+        """The store's local path (a mixture's: its first store's)."""
+        return self.store_dirs[0]
+
+    @property
+    def kept_store(self) -> Optional[str]:
+        """The ``--store`` as the user named it, None for the run's own (a mixture's: its first)."""
+        return self.kept_stores[0] if self.kept_stores else None
+
+    @property
     def own_store(self) -> bool:
-        return self.kept_store is None
+        return not self.kept_stores
 
     @abstractmethod
-    def peek_store(self) -> None:
-        """Make the store's description (``store.json``) readable at :attr:`store_dir` as it is
+    def peek_store(self, index: int = 0) -> None:
+        """Make the store's description (``store.json``) readable at ``store_dirs[index]`` as it is
         now, without taking any lock (a resumed run reads the template date it records)."""
 
     @abstractmethod
-    def open_kept_store(self) -> str:
-        """:attr:`store_dir` of a kept ``--store`` a run packs again (``repack-sft``), what the
+    def open_kept_store(self, index: int = 0) -> str:
+        """``store_dirs[index]`` of a kept store a run packs again (``repack-sft``), what the
         driver reads of it made readable here.
 
         Raises:
@@ -170,8 +186,8 @@ class Workspace(ABC):
             ShardError: another live run holds it (naming it)."""
 
     @abstractmethod
-    def take_store(self, resume: bool, overwrite: bool) -> Optional[RunLock]:
-        """The lock of a ``--store`` (:func:`take_store`), None for the run's own store."""
+    def take_store(self, resume: bool, overwrite: bool, index: int = 0) -> Optional[RunLock]:
+        """The lock of a kept store (:func:`take_store`), None for the run's own store."""
 
     @abstractmethod
     def engine(self, engine: Engine) -> Engine:
@@ -202,16 +218,16 @@ class LocalWorkspace(Workspace):
 
     files = LOCAL
 
-    def __init__(self, work: WorkDir, destination: Destination, store: Optional[str]) -> None:
+    def __init__(self, work: WorkDir, destination: Destination, stores: Sequence[str] = ()) -> None:
         self.work, self.destination = work, destination
-        self.kept_store = os.path.abspath(store) if store else None
-        self.store_dir = self.kept_store or work.store
+        self.kept_stores = tuple(os.path.abspath(s) for s in stores)
+        self.store_dirs = self.kept_stores or (work.store,)
 
-    def peek_store(self) -> None:
+    def peek_store(self, index: int = 0) -> None:
         pass
 
-    def open_kept_store(self) -> str:
-        return self.store_dir
+    def open_kept_store(self, index: int = 0) -> str:
+        return self.store_dirs[index]
 
     def busy(self) -> Optional[str]:
         return self.work.lock.holder()
@@ -219,8 +235,8 @@ class LocalWorkspace(Workspace):
     def claim(self, resume: bool) -> None:
         pass   # (the work directory's own lock is all: WorkDir.open)
 
-    def take_store(self, resume: bool, overwrite: bool) -> Optional[RunLock]:
-        return None if self.own_store else take_store(_LocalStore(self.kept_store), resume, overwrite)
+    def take_store(self, resume: bool, overwrite: bool, index: int = 0) -> Optional[RunLock]:
+        return None if self.own_store else take_store(_LocalStore(self.kept_stores[index]), resume, overwrite)
 
     def engine(self, engine: Engine) -> Engine:
         return engine
@@ -244,35 +260,41 @@ class BucketWorkspace(Workspace):
     Args:
         work: the local work directory, or None when it is the mirror of ``work_mirror``.
         work_mirror: the work directory in the bucket (or None), ``what`` naming its output.
-        store: a local ``--store`` directory, or None; ``store_mirror``: a ``--store`` URL's mirror.
+        stores: the kept stores (local directories or URLs; none: the run's own), and
+            ``store_mirrors`` the mirror of each one that is a URL (None for a directory).
     """
 
     def __init__(self, destination: Destination, work: Optional[WorkDir], work_mirror: Optional[Mirror],
-                 what: str, store: Optional[str], store_mirror: Optional[Mirror]) -> None:
+                 what: str, stores: Sequence[str] = (), store_mirrors: Sequence[Optional[Mirror]] = ()) -> None:
         self.destination = destination
-        self.work_mirror, self.store_mirror = work_mirror, store_mirror
+        self.work_mirror = work_mirror
+        self.store_mirrors: Tuple[Optional[Mirror], ...] = tuple(store_mirrors) or (None,) * len(stores)
         self.work = work if work_mirror is None else WorkDir(work_mirror.local, what)
         self.what = what
-        self.mirrors: Tuple[Mirror, ...] = tuple(m for m in (store_mirror, work_mirror) if m is not None)
+        self.mirrors: Tuple[Mirror, ...] = tuple(m for m in self.store_mirrors + (work_mirror,) if m is not None)
         self.files = MirroredFiles(self.mirrors)
-        if store_mirror is not None:
-            self.kept_store, self.store_dir = store_mirror.url, store_mirror.local
-        else:
-            self.kept_store = os.path.abspath(store) if store else None
-            self.store_dir = self.kept_store or self.work.store
+        self.kept_stores = tuple(m.url if m is not None else os.path.abspath(s)
+                                 for s, m in zip(stores, self.store_mirrors))
+        self.store_dirs = tuple(m.local if m is not None else os.path.abspath(s)
+                                for s, m in zip(stores, self.store_mirrors)) or (self.work.store,)
         self._work_lock = None
-        self._store_lock = None
+        self._store_locks: List[RunLock] = []
 
-    def peek_store(self) -> None:
-        if self.store_mirror is not None:
-            self.store_mirror.pull(STORE_FILE, only=STORE_FILE.__eq__)
+    def _store_mirror(self, index: int) -> Optional[Mirror]:
+        return self.store_mirrors[index] if self.store_mirrors else None
+
+    def peek_store(self, index: int = 0) -> None:
+        mirror = self._store_mirror(index)
+        if mirror is not None:
+            mirror.pull(STORE_FILE, only=STORE_FILE.__eq__)
         elif self.own_store and self.work_mirror is not None:
             self.work_mirror.pull("store/" + STORE_FILE, only=("store/" + STORE_FILE).__eq__)
 
-    def open_kept_store(self) -> str:
-        if self.store_mirror is not None:
-            mirrored_store(self.store_mirror, is_metadata)
-        return self.store_dir
+    def open_kept_store(self, index: int = 0) -> str:
+        mirror = self._store_mirror(index)
+        if mirror is not None:
+            mirrored_store(mirror, is_metadata)
+        return self.store_dirs[index]
 
     def _lock(self):
         return self.work_mirror.lock(self.what)
@@ -296,20 +318,24 @@ class BucketWorkspace(Workspace):
             self.release()
             raise
 
-    def take_store(self, resume: bool, overwrite: bool) -> Optional[RunLock]:
+    def take_store(self, resume: bool, overwrite: bool, index: int = 0) -> Optional[RunLock]:
         if self.own_store:
             return None
-        store = _LocalStore(self.kept_store) if self.store_mirror is None else _BucketStore(self.store_mirror)
-        self._store_lock = take_store(store, resume, overwrite)
-        return self._store_lock
+        mirror = self._store_mirror(index)
+        store = _LocalStore(self.kept_stores[index]) if mirror is None else _BucketStore(mirror)
+        lock = take_store(store, resume, overwrite)
+        self._store_locks.append(lock)
+        return lock
 
     def engine(self, engine: Engine) -> Engine:
-        store = self.store_mirror.url if self.store_mirror else (
-            self.work_mirror.url + "/store" if self.own_store and self.work_mirror else None)
-        plan = self.work_mirror.url + "/plan" if self.work_mirror else None
-        pulls = {"materialize": tuple(u for u in (store, plan) if u)}   # (the other steps name what they read)
+        stores = [m.url for m in self.store_mirrors if m is not None]
+        if self.own_store and self.work_mirror:
+            stores.append(self.work_mirror.url + "/store")
+        plan = [self.work_mirror.url + "/plan"] if self.work_mirror else []
+        pulls = {"materialize": tuple(stores + plan)}   # (the other steps name what they read)
         return MirroredEngine(engine, self.mirrors, pulls,
-                              lambda: [k for k in (self._work_lock, self._store_lock) if k is not None])
+                              lambda: [k for k in [self._work_lock] + self._store_locks
+                                       if isinstance(k, ObjectLock)])   # (a local store's pid lock: not pushed to)
 
     def sync(self) -> None:
         if self.work_mirror is not None:
@@ -339,7 +365,8 @@ class BucketWorkspace(Workspace):
             self._work_lock = None
 
 
-def workspace_for(output_prefix: str, engine: str, staging_dir: Optional[str], store: Optional[str]) -> Workspace:
+def workspace_for(output_prefix: str, engine: str, staging_dir: Optional[str], store: Optional[str] = None,
+                  stores: Sequence[str] = ()) -> Workspace:
     """The run's workspace (module doc): the one place that tells where its data lives.
 
     Args:
@@ -348,18 +375,25 @@ def workspace_for(output_prefix: str, engine: str, staging_dir: Optional[str], s
             directory is in the bucket beside the output.
         staging_dir: where a URL output is built (a filesystem every worker sees), if given.
         store: ``--store`` (a directory or a URL), or None for the run's own.
+        stores: a mixture's stores (each a directory or a URL), instead of ``store``.
+
+    Raises:
+        ShardError: a URL with an empty, ``.`` or ``..`` level, or a store at a bucket's root
+            (:func:`~..storage.urls.url_problem`).
     """
+    stores = tuple(stores) or ((store,) if store else ())
     destination = destination_for(output_prefix)
     what = f"output {output_prefix}"
     work_mirror = None
     if is_remote(output_prefix) and engine == "ray" and not staging_dir:
-        url = ObjectURL.parse(output_prefix)
+        url = ObjectURL.parse(check_url(output_prefix, "--output-prefix", root=False))
         work_mirror = Mirror(str(url.parent.join(f".{url.name}.preprocess")), commit_rank)
-    store_mirror = Mirror(store, commit_rank) if store and is_remote(store) else None
+    store_mirrors = tuple(Mirror(check_url(s, "--store", root=False), commit_rank) if is_remote(s) else None
+                          for s in stores)
     work = None if work_mirror else WorkDir.beside(destination.work_prefix(output_prefix, staging_dir))
-    if work_mirror is None and store_mirror is None:
-        return LocalWorkspace(work, destination, store)
-    return BucketWorkspace(destination, work, work_mirror, what, store, store_mirror)
+    if work_mirror is None and not any(store_mirrors):
+        return LocalWorkspace(work, destination, stores)
+    return BucketWorkspace(destination, work, work_mirror, what, stores, store_mirrors)
 
 
 __all__ = ["Workspace", "LocalWorkspace", "BucketWorkspace", "workspace_for", "take_store"]

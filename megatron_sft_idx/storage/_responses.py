@@ -19,6 +19,13 @@ For a listing, :class:`PageGuard` refuses a page that cannot be progress: a cont
 token seen before, "more results" without a token, a key listed twice, more pages than
 ``max_list_pages``.
 
+A write is checked like a read (:func:`check_write`): the answer to a PUT (an object, or one part
+of a multipart upload) must prove the server holds the bytes sent -- its ``x-amz-checksum-crc32``
+equal to the CRC-32 of those bytes, or, when it gives none, its ETag their MD5 -- and a completed
+multipart upload's ETag must be the one its parts make (:func:`check_multipart`). An answer that
+proves neither is :class:`~megatron_sft_idx.errors.ResponseMismatchError`: a server that stored
+other bytes than were sent never makes a write look done.
+
 Both run as botocore event handlers (:func:`instrument`), so the same checks hold for our
 boto3 client and for multi-storage-client's, whose ``read`` returns a body it read itself.
 """
@@ -26,11 +33,13 @@ boto3 client and for multi-storage-client's, whose ``read`` returns a body it re
 from __future__ import annotations
 
 import base64
+import hashlib
 import re
 import threading
 import zlib
-from typing import Optional, Set, Tuple
+from typing import List, Optional, Sequence, Set, Tuple
 
+from .._crc import crc32
 from ..errors import ObjectChangedError, ResponseMismatchError
 from ._deadline import check_attempt
 from ._retry import ShortReadError
@@ -40,6 +49,8 @@ PIECE = 1 << 20
 _CONTENT_RANGE = re.compile(r"bytes (\d{1,19})-(\d{1,19})/(\d{1,19}|\*)")
 _RANGE = re.compile(r"bytes=(\d{1,19})-(\d{1,19})")
 _DIGITS = re.compile(r"\d{1,19}")
+_MD5 = re.compile(r"[0-9a-f]{32}")
+_MULTIPART_ETAG = re.compile(r"([0-9a-f]{32})-(\d{1,5})")
 
 _local = threading.local()
 
@@ -140,6 +151,65 @@ def read_exactly(raw, length: int, path: str, crc32: Optional[int] = None) -> me
     if release is not None:
         release()
     return view.toreadonly()
+
+
+def check_write(path: str, data, answer: dict, what: str = "the upload") -> str:
+    """The ETag of the server's ``answer`` (a parsed PutObject / UploadPart response) to ``data``
+    sent to ``path``, once the answer proves the server holds those bytes: its
+    ``ChecksumCRC32`` equal to their CRC-32, else (no checksum answered) its ETag their MD5.
+    Returns the ETag as answered. ``what`` names the write in the error.
+
+    Raises:
+        ResponseMismatchError: the answer names other bytes, or proves nothing (no checksum, an
+            ETag that is not an MD5)."""
+    etag = answer.get("ETag") or ""
+    checksum = answer.get("ChecksumCRC32")
+    if checksum:
+        sent = base64.b64encode(crc32(data).to_bytes(4, "big")).decode()
+        if checksum != sent:
+            raise ResponseMismatchError(f"the server's answer to {what} carries the CRC-32 of other bytes than "
+                                        "were sent: it stored something else", path=path,
+                                        field="x-amz-checksum-crc32", expected=sent, actual=checksum,
+                                        hint="the object cannot be trusted; write it again, and check the store "
+                                             "or the proxy in front of it")
+        return etag
+    tag = normalize_etag(etag)
+    if not _MD5.fullmatch(tag):
+        raise ResponseMismatchError(f"the server's answer to {what} proves nothing of what it stored (no "
+                                    "CRC-32 checksum, and an ETag that is not an MD5)", path=path, field="ETag",
+                                    actual=etag or None, hint="use a store that answers x-amz-checksum-crc32 "
+                                                              "(S3 and S3-compatible stores do for boto3 uploads)")
+    sent = hashlib.md5(data).hexdigest()
+    if tag != sent:
+        raise ResponseMismatchError(f"the server's answer to {what} is the ETag (MD5) of other bytes than were "
+                                    "sent: it stored something else", path=path, field="ETag", expected=sent,
+                                    actual=tag, hint="the object cannot be trusted; write it again, and check the "
+                                                     "store or the proxy in front of it")
+    return etag
+
+
+def check_multipart(path: str, parts: Sequence[str], answer: dict) -> str:
+    """The ETag of a completed multipart upload (``answer``) whose parts were answered with the
+    ETags ``parts`` (each already proven by :func:`check_write`): when every part's ETag is an MD5,
+    the object's must be S3's composite of them (the MD5 of their digests, ``-`` the part count).
+    Returns the ETag as answered.
+
+    Raises:
+        ResponseMismatchError: the completed object is not the parts sent."""
+    etag = answer.get("ETag") or ""
+    tags: List[str] = [normalize_etag(p) for p in parts]
+    if all(_MD5.fullmatch(t) for t in tags):
+        want = f"{hashlib.md5(b''.join(bytes.fromhex(t) for t in tags)).hexdigest()}-{len(tags)}"
+        if normalize_etag(etag) != want:
+            raise ResponseMismatchError("the completed multipart upload is not the parts that were sent (its ETag "
+                                        "is not theirs)", path=path, field="ETag", expected=want, actual=etag or None,
+                                        hint="the object cannot be trusted; upload it again")
+    return etag
+
+
+def is_md5_etag(etag: str) -> bool:
+    """Whether ``etag`` is of the form a single-part upload's MD5 ETag has."""
+    return bool(_MD5.fullmatch(normalize_etag(etag)))
 
 
 class BoundedBody:

@@ -14,7 +14,10 @@ at open, so a shard replaced mid-read fails with
 :class:`~megatron_sft_idx.errors.ObjectChangedError` instead of mixing generations.
 Every GET response is checked against its request before its body is read, and the
 body is read in bounded pieces, never past the length asked for; listing pages are
-guarded against repeating forever (:mod:`._responses`). For ``msc://`` the same
+guarded against repeating forever (:mod:`._responses`). Every write is checked the same way:
+the answer to an upload (each part of a multipart one, and the completed object) must prove the
+server holds the bytes sent -- a CRC-32 checksum, or an MD5 ETag -- and a server-side copy of a
+single-part object must answer the source's ETag. For ``msc://`` the same
 checks run as handlers on MSC's own boto3 client (profiles on S3-compatible storage);
 a profile on another backend gets the deadlines and a length check after the read.
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as futures
+import hashlib
 import io
 import os
 import re
@@ -146,6 +150,10 @@ class ObjectStore:
     def __init__(self, config: StorageConfig) -> None:
         self.config = config
 
+    def endpoint(self, url: ObjectURL) -> str:
+        """Where requests for ``url`` go, as a message names it."""
+        return f"{url.scheme}://{url.bucket}"
+
     def _retry(self, op, what: str, url: ObjectURL, nbytes: int = 0, deadline: Optional[Deadline] = None,
                request_seconds: Optional[float] = None):
         """``op`` as one operation (or a step of ``deadline``'s), each attempt within its budget."""
@@ -161,11 +169,11 @@ class ObjectStore:
     # The primitives each client implements (one attempt each, client exceptions allowed).
     def _head(self, url: ObjectURL) -> ObjectInfo: raise NotImplementedError
     def _get(self, url: ObjectURL, start: int, length: int, etag: str): raise NotImplementedError
-    def _put(self, url: ObjectURL, path: str, size: int) -> None: raise NotImplementedError
+    def _put(self, url: ObjectURL, path: str, size: int) -> str: raise NotImplementedError
     def _delete(self, url: ObjectURL) -> None: raise NotImplementedError
     def _put_data(self, url: ObjectURL, data: bytes, create_only: bool, if_match: str) -> str:
         raise NotImplementedError
-    def _copy(self, source: ObjectURL, url: ObjectURL, info: ObjectInfo) -> None: raise NotImplementedError
+    def _copy(self, source: ObjectURL, url: ObjectURL, info: ObjectInfo) -> str: raise NotImplementedError
 
     # ------------------------------------------------------------------ public, retried
 
@@ -219,31 +227,38 @@ class ObjectStore:
             for data in self.read_chunks(url, info.size, info.etag, chunk):
                 f.write(data)
 
-    def upload(self, path: str, url: ObjectURL) -> None:
+    def upload(self, path: str, url: ObjectURL) -> str:
         """Upload local file ``path`` to ``url``: one PUT, or above ``config.part_size`` a
         multipart upload where the client has one (:meth:`_multipart`): one operation whose
-        steps are retried on their own within its deadline."""
+        steps are retried on their own within its deadline. Returns the object's ETag, once the
+        server's answer proved it holds the bytes sent (:func:`._responses.check_write`).
+
+        Raises:
+            ResponseMismatchError: the answer names other bytes than were sent."""
         size = os.path.getsize(path)
         if size > self.config.part_size and self.multipart:
             return self._multipart(url, path, size)
-        self._retry(lambda: self._put(url, path, size), "PUT", url, size)
+        return self._retry(lambda: self._put(url, path, size), "PUT", url, size)
 
     multipart = False
 
-    def _multipart(self, url: ObjectURL, path: str, size: int) -> None: raise NotImplementedError
+    def _multipart(self, url: ObjectURL, path: str, size: int) -> str: raise NotImplementedError
 
-    def put_bytes(self, url: ObjectURL, data: bytes, create_only: bool = False, if_match: str = "") -> str:
+    def put_bytes(self, url: ObjectURL, data: bytes, create_only: bool = False, if_match: str = "",
+                  deadline: Optional[Deadline] = None) -> str:
         """One PUT of ``data`` (a small object: a receipt, a lock); returns its new ETag.
         ``create_only``: only if no object is there (``If-None-Match: *``); ``if_match``: only if
         the object there is still that ETag (``If-Match``). A retried conditional PUT whose first
         attempt landed fails its condition: the caller reads the object back to tell (a lock does).
+        ``deadline``: the operation's budget (default: the configured one).
 
         Raises:
             PreconditionError: the condition does not hold (naming the URL and the condition).
+            ResponseMismatchError: the answer names other bytes than were sent.
         """
         try:
             return self._retry(lambda: self._put_data(url, bytes(data), create_only, if_match), "PUT", url,
-                               len(data))
+                               len(data), deadline)
         except ObjectChangedError:
             rule = "If-None-Match: * (create only)" if create_only else f"If-Match: {if_match}"
             raise PreconditionError("the object is not as this write requires: another writer created or "
@@ -251,23 +266,29 @@ class ObjectStore:
 
     def copy(self, source: ObjectURL, url: ObjectURL) -> ObjectInfo:
         """Copy ``source`` to ``url`` inside the store (server-side: no byte passes through this
-        process): one request up to ``config.copy_limit``, else part by part. The copy's size is
-        checked against the source's after; returns the source's ObjectInfo.
+        process): one request up to ``config.copy_limit``, else part by part. The copy's answer is
+        checked (a single-part source's ETag is its MD5: the copy's must be the same; parts
+        copied must make the completed object), then its size against the source's; returns the
+        copy's ObjectInfo (its size and ETag as listed after).
 
         Raises:
             ShardNotFoundError: no ``source``; SizeMismatchError: the copy is not the source's size;
-            ObjectChangedError: the source was replaced during the copy.
+            ObjectChangedError: the source was replaced during the copy; ResponseMismatchError:
+            the copy's answer is not the source's content.
         """
         info = self.head(source)
         if info is None:
             raise ShardNotFoundError("no object to copy", path=str(source), hint="check the URL")
-        self._copy(source, url, info)
+        answered = self._copy(source, url, info)
         got = self.head(url)
         if got is None or got.size != info.size:
             raise SizeMismatchError("the server-side copy differs in size from its source", path=str(url),
                                     field="size", expected=info.size, actual=None if got is None else got.size,
                                     hint=f"copy {source} again")
-        return info
+        if answered and _responses.normalize_etag(got.etag) != _responses.normalize_etag(answered):
+            raise ObjectChangedError("the object copied is not the one listed after the copy (another writer "
+                                     "replaced it)", path=str(url), field="ETag", expected=answered, actual=got.etag)
+        return got
 
     def delete(self, url: ObjectURL) -> None:
         try:
@@ -298,6 +319,9 @@ class S3Store(ObjectStore):
                                      read_timeout=config.request_timeout)
         self.client = boto3.session.Session().client("s3", config=cfg)
         _responses.instrument(self.client)
+
+    def endpoint(self, url: ObjectURL) -> str:
+        return f"{self.client.meta.endpoint_url} (bucket {url.bucket})"
 
     def stat_files(self, url: ObjectURL, suffixes: Sequence[str]) -> Dict[str, ObjectInfo]:
         """One LIST of the keys starting with ``url.key + "."``; HEADs where listing is denied
@@ -360,7 +384,8 @@ class S3Store(ObjectStore):
         _count("put")
         with open(path, "rb") as f:
             data = f.read()
-        self.client.put_object(Bucket=url.bucket, Key=url.key, Body=_Body(data))
+        return _responses.check_write(str(url), data,
+                                      self.client.put_object(Bucket=url.bucket, Key=url.key, Body=_Body(data)))
 
     def _multipart(self, url, path, size):
         """Parts in parallel, each retried on its own; any failure aborts the upload (no
@@ -385,19 +410,24 @@ class S3Store(ObjectStore):
                 _count("put_part", len(data))
                 r = self.client.upload_part(Bucket=url.bucket, Key=url.key, UploadId=upload_id,
                                             PartNumber=k + 1, Body=_Body(data))
-                return {"PartNumber": k + 1, "ETag": r["ETag"]}
+                out = {"PartNumber": k + 1, "ETag": _responses.check_write(str(url), data, r, f"part {k + 1}")}
+                if r.get("ChecksumCRC32"):   # (completing names each part's checksum where parts had one)
+                    out["ChecksumCRC32"] = r["ChecksumCRC32"]
+                return out
 
             return self._retry(op, f"PUT part {k + 1}/{len(starts)}", url, len(data), deadline)
 
         def complete(parts):
             _count("put")
-            self.client.complete_multipart_upload(Bucket=url.bucket, Key=url.key, UploadId=upload_id,
-                                                  MultipartUpload={"Parts": parts})
+            r = self.client.complete_multipart_upload(Bucket=url.bucket, Key=url.key, UploadId=upload_id,
+                                                      MultipartUpload={"Parts": parts})
+            return _responses.check_multipart(str(url), [p["ETag"] for p in parts], r)
 
         try:
             with futures.ThreadPoolExecutor(max_workers=self.config.concurrency) as pool:
                 parts = list(pool.map(send, range(len(starts))))
-            self._retry(lambda: complete(parts), "POST (complete the multipart upload)", url, deadline=deadline)
+            return self._retry(lambda: complete(parts), "POST (complete the multipart upload)", url,
+                               deadline=deadline)
         except BaseException:
             try:  # best effort, one short operation of its own: the original error matters
                 self._retry(lambda: self.client.abort_multipart_upload(Bucket=url.bucket, Key=url.key,
@@ -419,7 +449,7 @@ class S3Store(ObjectStore):
             kwargs["IfNoneMatch"] = "*"
         if if_match:
             kwargs["IfMatch"] = if_match
-        return self.client.put_object(**kwargs).get("ETag", "")
+        return _responses.check_write(str(url), data, self.client.put_object(**kwargs), "the write")
 
     def _copy(self, source, url, info):
         """CopyObject pinned to the source's ETag; above ``copy_limit`` UploadPartCopy in
@@ -429,7 +459,15 @@ class S3Store(ObjectStore):
         if info.size <= self.config.copy_limit:
             def one():
                 _count("copy", info.size)
-                self.client.copy_object(Bucket=url.bucket, Key=url.key, CopySource=where, **pin)
+                r = self.client.copy_object(Bucket=url.bucket, Key=url.key, CopySource=where, **pin)
+                etag = (r.get("CopyObjectResult") or {}).get("ETag", "")
+                if _responses.is_md5_etag(info.etag) and \
+                        _responses.normalize_etag(etag) != _responses.normalize_etag(info.etag):
+                    raise ResponseMismatchError("the server's answer to the copy is the ETag (MD5) of other bytes "
+                                                "than the source's: it stored something else", path=str(url),
+                                                field="ETag", expected=info.etag, actual=etag or None,
+                                                hint=f"copy {source} again")
+                return etag
 
             return self._retry(one, f"COPY from {source}", url, deadline=Deadline(self.config.operation_seconds()))
         deadline = Deadline(self.config.operation_seconds())
@@ -460,10 +498,11 @@ class S3Store(ObjectStore):
 
             def complete():
                 _count("put")
-                self.client.complete_multipart_upload(Bucket=url.bucket, Key=url.key, UploadId=upload_id,
-                                                      MultipartUpload={"Parts": parts})
+                r = self.client.complete_multipart_upload(Bucket=url.bucket, Key=url.key, UploadId=upload_id,
+                                                          MultipartUpload={"Parts": parts})
+                return _responses.check_multipart(str(url), [p["ETag"] for p in parts], r)
 
-            self._retry(complete, "POST (complete the multipart copy)", url, deadline=deadline)
+            return self._retry(complete, "POST (complete the multipart copy)", url, deadline=deadline)
         except BaseException:
             try:
                 self._retry(lambda: self.client.abort_multipart_upload(Bucket=url.bucket, Key=url.key,
@@ -580,6 +619,25 @@ class MscStore(ObjectStore):
     def _put(self, url, path, size):
         _count("put")
         _unwrapped(lambda: self._client(url).upload_file(url.key, path))
+        return self._written(url, size, lambda: _file_md5(path))
+
+    def _written(self, url, size: int, md5) -> str:
+        """MSC gives no answer to a write: the object is asked for (HEAD) instead, and must be
+        ``size`` bytes and, when its ETag is an MD5 (a single-part upload), ``md5()``; a multipart
+        upload's ETag cannot be recomputed without MSC's part size (its size is checked).
+
+        Raises:
+            ResponseMismatchError: the object is not what was sent."""
+        meta = _unwrapped(lambda: self._client(url).info(url.key))
+        etag = getattr(meta, "etag", "") or ""
+        length = getattr(meta, "content_length", None)
+        if length is None or int(length) != size:
+            raise ResponseMismatchError("the object written is not the size that was sent", path=str(url),
+                                        field="size", expected=size, actual=length)
+        if _responses.is_md5_etag(etag) and _responses.normalize_etag(etag) != md5():
+            raise ResponseMismatchError("the object written has the ETag (MD5) of other bytes than were sent",
+                                        path=str(url), field="ETag", actual=etag)
+        return etag
 
     def _delete(self, url):
         _count("delete")
@@ -592,7 +650,7 @@ class MscStore(ObjectStore):
                              hint="give the store or work directory as an s3:// URL of the same bucket")
         _count("put")
         _unwrapped(lambda: self._client(url).write(url.key, data))
-        return ""
+        return self._written(url, len(data), lambda: hashlib.md5(data).hexdigest())
 
     def _copy(self, source, url, info):
         if source.bucket != url.bucket:
@@ -600,6 +658,15 @@ class MscStore(ObjectStore):
                              actual=str(source))
         _count("copy", info.size)
         _unwrapped(lambda: self._client(url).copy(source.key, url.key))
+        return ""
+
+
+def _file_md5(path: str) -> str:
+    h = hashlib.md5()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(16 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def _unwrapped(call):

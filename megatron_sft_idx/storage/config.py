@@ -28,7 +28,9 @@ environment, which wins over the default::
                                    larger ones part by part (default 5G, S3's single-copy limit)
     MEGATRON_SFT_IDX_LEASE_SECONDS how long a lock in object storage holds without a renewal
                                    (default 60; renewed every third of it): a killed holder's
-                                   lock is taken over once its lease has run out
+                                   lock is taken over once its lease has run out. At least
+                                   1.5 x the request timeout and 1 s, checked when a lock is
+                                   taken (:meth:`StorageConfig.lease_floor`)
 
 The deadlines are wall-clock (docs/STORAGE.md): a server that stalls, or trickles a
 response a byte at a time, ends in a RemoteTimeoutError within them.
@@ -84,6 +86,9 @@ ENV_VARS = {"BLOCK_SIZE": "block_size", "SEQ_BIN_LIMIT": "seq_bin_limit", "PART_
             "REQUEST_TIMEOUT": "request_timeout", "OPERATION_TIMEOUT": "operation_timeout",
             "COPY_LIMIT": "copy_limit", "LEASE_SECONDS": "lease_seconds"}
 _EXAMPLES = {"size": "e.g. 4194304, 4M, 512K", "count": "a whole number, e.g. 8", "seconds": "e.g. 20 or 2.5"}
+#: The shortest lease whatever the request timeout: a lease renews every third of itself, so a
+#: shorter one would put several renewals a second on the store.
+LEASE_MIN_SECONDS = 1.0
 
 
 def parse_size(text, name: str = "size") -> int:
@@ -200,6 +205,28 @@ class StorageConfig:
         """Wall-clock budget of one operation moving ``nbytes`` in all: every attempt and pause."""
         return self.operation_timeout + max(0, nbytes) / self.min_throughput
 
+    def lease_floor(self) -> float:
+        """The shortest ``lease_seconds`` a renewal can keep alive: the heartbeat renews a third
+        into the lease, and that renewal -- one request, within ``request_timeout`` -- must land
+        in the two thirds left (and never below :data:`LEASE_MIN_SECONDS`)."""
+        return max(LEASE_MIN_SECONDS, 1.5 * self.request_timeout)
+
+    def check_lease(self) -> None:
+        """What a lock checks before it is taken (:class:`~.lease.ObjectLock`): the lease is at
+        least :meth:`lease_floor`. (Checked there, not here: a run that takes no lock may raise the
+        request timeout without the lease.)
+
+        Raises:
+            ShardError: naming the variable, the floor and why, in one line."""
+        floor = self.lease_floor()
+        if self.lease_seconds < floor:
+            raise ShardError(f"{ENV_PREFIX}LEASE_SECONDS (lease_seconds) {self.lease_seconds:g} s is below the floor "
+                             f"of {floor:g} s: a lock's lease is renewed a third into it, and the renewal (one "
+                             f"request, up to {ENV_PREFIX}REQUEST_TIMEOUT = {self.request_timeout:g} s) must land "
+                             "before the lease ends", field="lease_seconds", actual=self.lease_seconds,
+                             expected=f">= {floor:g}", hint=f"raise {ENV_PREFIX}LEASE_SECONDS (default 60), or lower "
+                                                            f"{ENV_PREFIX}REQUEST_TIMEOUT; see docs/STORAGE.md")
+
     def _validate(self) -> None:
         for name in RANGES:
             _setting(name, getattr(self, name), name)
@@ -219,4 +246,4 @@ def _from_env(base: StorageConfig) -> dict:
     return out
 
 
-__all__ = ["StorageConfig", "default_cache_dir", "parse_size", "MIB", "RANGES", "ENV_VARS"]
+__all__ = ["StorageConfig", "default_cache_dir", "parse_size", "MIB", "RANGES", "ENV_VARS", "LEASE_MIN_SECONDS"]

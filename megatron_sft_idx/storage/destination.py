@@ -28,7 +28,6 @@ import concurrent.futures as futures
 import contextlib
 import hashlib
 import os
-import shutil
 import tempfile
 from dataclasses import dataclass
 from typing import (Callable, ContextManager, Dict, Hashable, Iterable, Iterator, List, Mapping, Optional,
@@ -36,10 +35,10 @@ from typing import (Callable, ContextManager, Dict, Hashable, Iterable, Iterator
 
 from .. import _atomic
 from .._crc import crc32
-from ..errors import ShardError, ShardNotFoundError, SizeMismatchError
+from ..errors import ObjectChangedError, ShardError, ShardNotFoundError, SizeMismatchError
 from ..format import ALL_SUFFIXES
 from .config import StorageConfig
-from .urls import ObjectURL, is_remote
+from .urls import ObjectURL, check_url, is_remote, plain_name
 
 __all__ = ["Destination", "LocalDestination", "ObjectDestination", "destination_for", "Expect"]
 
@@ -217,16 +216,33 @@ class Destination(abc.ABC):
         Raises:
             ShardError: unreadable (RemoteStorageError, ShortReadError for an object)."""
 
+    def listed(self, paths: Sequence[str]) -> Dict[str, Tuple[int, Optional[Hashable]]]:
+        """``{path: (size, identity)}`` of those of ``paths`` that exist, the identity in the form
+        :meth:`placed` records (None where the place gives none)."""
+        return {p: (s, None) for p, s in self.sizes(paths).items()}
+
+    def placed(self, path: str) -> Optional[Hashable]:
+        """The identity of the file this destination put at ``path`` in this process (a local
+        file's device and inode, an object's ETag as its upload's answer proved it), or None."""
+        return self.__dict__.get("_placed", {}).get(self.normal(path))
+
+    def _place(self, path: str, identity: Optional[Hashable]) -> None:
+        if identity is not None:
+            self.__dict__.setdefault("_placed", {})[self.normal(path)] = identity
+
     def read_back(self, expected: Sequence["Expect"]) -> List[Tuple[str, str]]:
-        """Read the destination back against ``expected``: sizes from one listing per directory,
-        then the CRC-32s and first bytes asked for. Returns ``(path, what is there now)`` for
-        every file missing, left over, or different (empty: the destination is whole). A listing
-        or read that fails is itself a problem named; nothing is raised for what is found."""
+        """Read the destination back against ``expected``: sizes and identities from one listing
+        per directory (a file this destination placed must still be the one it placed: the data
+        files' identity, not only their sizes), then the CRC-32s and first bytes asked for.
+        Returns ``(path, what is there now)`` for every file missing, left over, or different
+        (empty: the destination is whole). A listing or read that fails is itself a problem
+        named; nothing is raised for what is found."""
         problems: List[Tuple[str, str]] = []
         try:
-            sizes = self.sizes([e.path for e in expected])
+            found = self.listed([e.path for e in expected])
         except (ShardError, OSError) as exc:
             return [(expected[0].path, f"cannot list the destination to read it back: {exc}")] if expected else []
+        sizes = {p: s for p, (s, _) in found.items()}
         for e in expected:
             size = sizes.get(e.path)
             if e.size is None:
@@ -238,6 +254,11 @@ class Destination(abc.ABC):
                 continue
             if size != e.size:
                 problems.append((e.path, f"{size} bytes, {e.size} were published"))
+                continue
+            placed = self.placed(e.path)
+            if placed is not None and found[e.path][1] != placed:
+                problems.append((e.path, f"it is not the file this publication placed there (now {found[e.path][1]}, "
+                                         f"placed {placed}): another writer replaced it"))
                 continue
             try:
                 if e.crc32 is not None:
@@ -331,7 +352,7 @@ class LocalDestination(Destination):
         try:
             yield os.path.join(staging, os.path.basename(output))
         finally:
-            shutil.rmtree(staging, ignore_errors=True)
+            _atomic.remove_tree(staging, directory)
 
     def prepare(self, sources) -> None:
         _atomic.fsync_files(sources)   # concurrently: one sync's wait, not one per file
@@ -351,6 +372,18 @@ class LocalDestination(Destination):
             # rename() of two links to one inode succeeds and does nothing (POSIX): the final
             # name already holds this content (a rerun of a killed promotion).
             os.unlink(source)
+        self._place(final, self.stamp(final))
+
+    def listed(self, paths: Sequence[str]) -> Dict[str, Tuple[int, Optional[Hashable]]]:
+        """``{path: (size, (device, inode))}`` of those of ``paths`` that exist."""
+        out = {}
+        for path in paths:
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            out[path] = (st.st_size, (st.st_dev, st.st_ino))
+        return out
 
     def finish(self, prefix: str, files: Mapping[str, str]) -> None:
         _atomic.fsync_dir(prefix)
@@ -426,8 +459,11 @@ class ObjectDestination(Destination):
 
     def copying(self, copies: Callable[[str], Optional[str]]) -> "ObjectDestination":
         """An object destination of the same settings whose :meth:`put` copies the object
-        ``copies(local path)`` names server-side instead of uploading the local file."""
-        return ObjectDestination(self.config, copies)
+        ``copies(local path)`` names server-side instead of uploading the local file (what either
+        places is :meth:`placed` by both)."""
+        out = ObjectDestination(self.config, copies)
+        out._placed = self.__dict__.setdefault("_placed", {})
+        return out
 
     # ---- names
     def join(self, directory: str, name: str) -> str:
@@ -451,13 +487,13 @@ class ObjectDestination(Destination):
         url = ObjectURL.parse(prefix)
         store = self._store(url)
         os.makedirs(directory, exist_ok=True)
-        local = os.path.join(directory, url.name)
+        local = os.path.join(directory, plain_name(url.name, "the shard's name"))
         try:
             for suffix, info in store.stat_files(url, ALL_SUFFIXES).items():
                 store.download(url.with_suffix(suffix), local + suffix, info)
             yield local
         finally:
-            shutil.rmtree(directory, ignore_errors=True)
+            _atomic.remove_tree(directory, os.path.dirname(os.path.abspath(directory)))
 
     # ---- listing
     def listing(self, prefix: str) -> Dict[str, int]:
@@ -476,10 +512,14 @@ class ObjectDestination(Destination):
 
     def sizes(self, paths: Sequence[str]) -> Dict[str, int]:
         """``{url: size}`` of those of ``paths`` that exist: one LIST per directory they are in."""
-        out: Dict[str, int] = {}
+        return {u: size for u, (size, _) in self.listed(paths).items()}
+
+    def listed(self, paths: Sequence[str]) -> Dict[str, Tuple[int, Optional[Hashable]]]:
+        """``{url: (size, ETag)}`` of those of ``paths`` that exist: one LIST per directory."""
+        out: Dict[str, Tuple[int, str]] = {}
         for parent in sorted({u.rsplit("/", 1)[0] + "/" for u in paths}):
             url = ObjectURL.parse(parent)
-            out.update((str(obj), info.size) for obj, info in self._store(url).list(url))
+            out.update((str(obj), (info.size, _etag(info.etag))) for obj, info in self._store(url).list(url))
         normal = {u: str(ObjectURL.parse(u)) for u in paths}
         return {u: out[normal[u]] for u in paths if normal[u] in out}
 
@@ -489,6 +529,8 @@ class ObjectDestination(Destination):
         if not url.key or url.key.endswith("/"):
             raise ShardError("an output prefix in object storage must end in the shards' name", path=prefix,
                              field="output", hint="e.g. s3://bucket/sft/ds writes s3://bucket/sft/ds_train_000000...")
+        check_url(prefix, "the output prefix", root=False)
+        plain_name(url.name, "the output's name")
         return url
 
     def work_prefix(self, prefix: str, staging_dir: Optional[str] = None) -> str:
@@ -510,7 +552,7 @@ class ObjectDestination(Destination):
         try:
             yield os.path.join(directory, name)
         finally:
-            shutil.rmtree(directory, ignore_errors=True)
+            _atomic.remove_tree(directory, os.path.dirname(os.path.abspath(directory)))
 
     # ---- publishing primitives
     def prepare(self, sources) -> None:
@@ -543,9 +585,10 @@ class ObjectDestination(Destination):
         if not is_remote(source) and self.copies is not None:
             source = self.copies(source) or source
         if is_remote(source):
-            self._store(url).copy(ObjectURL.parse(source), url)
+            etag = self._store(url).copy(ObjectURL.parse(source), url).etag
         else:
-            self._store(url).upload(source, url)
+            etag = self._store(url).upload(source, url)
+        self._place(final, _etag(etag) or None)
 
     def put_many(self, pairs: Sequence[Tuple[str, str]]) -> None:
         """Upload each ``(local file, URL)``, in parallel (``config.concurrency`` at most)."""
@@ -555,10 +598,11 @@ class ObjectDestination(Destination):
             list(pool.map(lambda pair: self.put(*pair), pairs))
 
     def finish(self, prefix: str, files: Mapping[str, str]) -> None:
-        """The uploaded objects' listed sizes equal the local files'.
+        """The uploaded objects' listed sizes equal the local files', and each is the object its
+        upload's answer proved (its ETag).
 
         Raises:
-            SizeMismatchError: naming the object.
+            SizeMismatchError: naming the object; ObjectChangedError: another object is there.
         """
         url = ObjectURL.parse(prefix)
         listed = self._store(url).stat_files(url, ALL_SUFFIXES)
@@ -570,6 +614,11 @@ class ObjectDestination(Destination):
                                         path=str(url.with_suffix(suffix)), field="size", expected=want,
                                         actual=None if got is None else got.size,
                                         hint="upload the shard again (replace=True)")
+            placed = self.placed(str(url.with_suffix(suffix)))
+            if placed is not None and _etag(got.etag) != placed:
+                raise ObjectChangedError("the object listed after the upload is not the one uploaded (another "
+                                         "writer replaced it)", path=str(url.with_suffix(suffix)), field="ETag",
+                                         expected=placed, actual=got.etag, hint="upload the shard again")
 
     def _size(self, source: str) -> int:
         """The size of a source: a local file's, or (a URL) the object's."""
@@ -589,7 +638,9 @@ class ObjectDestination(Destination):
             PreconditionError: the condition does not hold."""
         if create_only or if_match:
             url = ObjectURL.parse(path)
-            return self._store(url).put_bytes(url, data, create_only=create_only, if_match=if_match)
+            etag = self._store(url).put_bytes(url, data, create_only=create_only, if_match=if_match)
+            self._place(path, _etag(etag) or None)
+            return etag
         with tempfile.TemporaryDirectory(prefix="msi-put-") as tmp:
             local = os.path.join(tmp, "object")
             with open(local, "wb") as f:
@@ -630,6 +681,12 @@ class ObjectDestination(Destination):
             return bytes(self._store(url).read_range(url, 0, size))
         except ShardNotFoundError:
             return None
+
+
+def _etag(tag: str) -> str:
+    """An ETag as compared: without quotes and a weak marker."""
+    text = (tag or "").strip()
+    return (text[2:] if text.startswith("W/") else text).strip('"')
 
 
 def destination_for(path: str, config: Optional[StorageConfig] = None) -> Destination:

@@ -4,9 +4,10 @@
 mapped from local disk, as megatron-core caches ``.idx`` files (``ObjectStorageConfig.
 path_to_idx_cache``) — but without a barrier: the processes of a node (ranks, DataLoader
 workers) take an ``flock`` on one lock file per shard; the first downloads, the others
-wait on the lock and then find the files in place (``<key>.lock`` beside the entries).
+wait on the lock and then find the files in place (``<digest>.lock`` beside the entries).
 
-Layout: ``<root>/<scheme>/<bucket>/<key>@<generation>/`` holds ``shard.idx``,
+Layout: ``<root>/<scheme>/<digest>@<generation>/`` (the digest of the shard's URL: no local name
+is taken from a key) holds ``shard.idx``,
 ``shard.seq.idx``, ``shard.seq.bin`` and ``receipt.json``. The *generation* is a digest
 of the five objects' sizes and ETags as listed at open, so a re-uploaded shard gets a
 new directory: files of two generations never share a directory, and nothing a
@@ -38,7 +39,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import threading
 from typing import Dict, Iterable, Optional, Tuple
 
@@ -58,7 +58,6 @@ RECEIPT_VERSION = 2
 #: A receipt is a few hundred bytes; anything much larger is not one.
 RECEIPT_MAX_BYTES = 64 << 10
 LOCAL_NAME = "shard"
-_SAFE = re.compile(r"[^A-Za-z0-9._=+,@-]")
 _GENERATION = re.compile(r"[0-9a-f]{16}")
 _CHUNK = 16 << 20
 logger = logging.getLogger("megatron_sft_idx.storage")
@@ -76,15 +75,9 @@ def generation(infos: Dict[str, ObjectInfo]) -> str:
 
 
 def entry_dir(root: str, url: ObjectURL, gen: str) -> str:
-    """``<root>/<scheme>/<bucket>/<key>@<gen>``, each key component made filesystem-safe."""
-    parts = [_safe(p) for p in url.key.split("/") if p not in ("", ".")]
-    parts[-1] = f"{parts[-1]}@{gen}" if parts else f"@{gen}"
-    return os.path.join(root, url.scheme, _safe(url.bucket), *parts)
-
-
-def _safe(part: str) -> str:
-    part = _SAFE.sub("_", part)
-    return "_" + part if part in ("..", "") else part
+    """``<root>/<scheme>/<digest of the URL>@<gen>``: named by digest alone, never by a key (a key
+    may hold ``..`` or any character a local path cannot; the receipt names the URL)."""
+    return os.path.join(root, url.scheme, hashlib.sha256(str(url).encode("utf-8")).hexdigest()[:32] + f"@{gen}")
 
 
 def open_cached(store: ObjectStore, url: ObjectURL, infos: Dict[str, ObjectInfo], suffixes: Iterable[str],
@@ -400,7 +393,7 @@ def _remove_older_generations(directory: str) -> None:
         return
     for other in siblings:
         if other != name and other.rsplit("@", 1)[0] == stem and _GENERATION.fullmatch(other.rsplit("@", 1)[-1]):
-            shutil.rmtree(os.path.join(parent, other), ignore_errors=True)
+            _atomic.remove_tree(os.path.join(parent, other), parent)
 
 
 __all__ = ["open_cached", "parse_receipt", "generation", "entry_dir", "IDX_SUFFIX"]

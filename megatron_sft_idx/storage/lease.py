@@ -5,6 +5,10 @@ store's conditional writes can. The lock is the object ``URL`` (``.../lock``), a
 
     {"host": "node-3", "pid": 4242, "nonce": "9f2c...", "expires": 1764300000.0, "what": "..."}
 
+* **the store**: a lock is only as good as the store's conditional writes. The first lock of a
+  bucket in a process probes them (a create-only PUT of a probe object beside the lock, a second
+  one that must be refused, a PUT pinned to a wrong ETag that must be refused); a store that
+  ignores them is refused by name before the lock is trusted.
 * **acquire**: ``PUT`` with ``If-None-Match: *`` (create only). If an object is there, it is read:
   a live lease (``expires`` still ahead, or the holder a live process of this host) refuses the
   run, naming its holder; an expired one (or a dead process of this host) is taken over by a
@@ -30,11 +34,13 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from typing import Optional
 
 from .._atomic import _alive
 from ..errors import PreconditionError, ShardError
 from ..jsondoc import Doc, parse_json
+from ._deadline import Deadline
 from .config import StorageConfig
 from .urls import ObjectURL
 
@@ -47,8 +53,10 @@ _MAX_LOCK_BYTES = 64 << 10
 class ObjectLock:
     """The lock ``url`` (see the module doc); ``what`` names what it guards in messages.
 
-    Raises (:meth:`acquire`):
-        ShardError: another live holder has it (its host and pid named).
+    Raises:
+        ShardError: (made) the lease is below its floor (:meth:`.StorageConfig.lease_floor`);
+            (:meth:`acquire`) another live holder has it (its host and pid named), or the store
+            ignores conditional writes (its endpoint named).
     """
 
     def __init__(self, url: str, what: str, config: Optional[StorageConfig] = None) -> None:
@@ -57,6 +65,7 @@ class ObjectLock:
         self.url = ObjectURL.parse(url)
         self.what = what
         self.config = StorageConfig.resolve(config)
+        self.config.check_lease()
         self.store = store_for(self.url, self.config)
         self.nonce = uuid.uuid4().hex
         self.etag = ""
@@ -120,7 +129,10 @@ class ObjectLock:
     # ------------------------------------------------------------------ acquire, renew, release
 
     def acquire(self) -> None:
-        """Create the lock, or take over an expired one (see the module doc); start the heartbeat."""
+        """Create the lock, or take over an expired one (see the module doc); start the heartbeat.
+        The first lock of a bucket in this process proves the store honours conditional writes
+        (:func:`require_conditional_writes`)."""
+        require_conditional_writes(self.store, self.url)
         for _ in range(4):
             try:
                 self.etag = self.store.put_bytes(self.url, self._body(), create_only=True)
@@ -160,8 +172,9 @@ class ObjectLock:
             with self._mutex:
                 if not self.held:
                     return
-                try:
-                    self.etag = self.store.put_bytes(self.url, self._body(), if_match=self.etag)
+                try:   # (within the lease left: a renewal that cannot land in time is no renewal)
+                    self.etag = self.store.put_bytes(self.url, self._body(), if_match=self.etag,
+                                                     deadline=Deadline(2 * period))
                 except PreconditionError:
                     self.lost = "another run took the lock over (this run did not renew it in time)"
                     log.error("lost the lock %s: %s", self.url, self.lost)
@@ -192,4 +205,61 @@ class ObjectLock:
             log.warning("could not release the lock %s: %s", self.url, exc)
 
 
-__all__ = ["ObjectLock"]
+#: ``{store: {bucket: '' (honours conditional writes) or what it ignores}}``: probed once per
+#: bucket of each store client of this process (a new client, after the endpoint changed, probes again)
+_PROBED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_PROBE_LOCK = threading.Lock()
+#: The prefix of a probe object's name beside the lock (never mirrored: storage/mirror.py)
+PROBE_SUFFIX = ".probe-"
+
+
+def require_conditional_writes(store, url: ObjectURL) -> None:
+    """Prove, once per bucket of ``store`` (an endpoint's client), that the server honours
+    conditional writes before a lock at ``url`` is trusted: a create-only PUT (``If-None-Match:
+    *``) of a new probe object ``url`` + ``.probe-<nonce>`` succeeds, a second one is refused
+    (412), and a PUT with ``If-Match`` on an ETag the object does not have is refused; the probe is
+    deleted. Stores that ignore the headers (older MinIO and Ceph RGW, several gateways, S3
+    before 2024-08) would let two runs hold one lock.
+
+    Raises:
+        ShardError: the server ignores a condition (naming the endpoint and which), or
+            (``msc://``) offers none.
+    """
+    with _PROBE_LOCK:
+        known = _PROBED.setdefault(store, {}).get(url.bucket)
+        if known is None:
+            known = _PROBED[store][url.bucket] = _probe(store, url)
+    if known:
+        raise ShardError(f"the object store at {store.endpoint(url)} {known}: a lock there cannot keep two runs "
+                         "from writing one place", path=str(url), field="precondition",
+                         hint="use a store that honours If-None-Match and If-Match on PUT (AWS S3 since "
+                              "2024-08, recent MinIO and Ceph RGW), or keep the store and work directory on "
+                              "a shared filesystem")
+
+
+def _probe(store, url: ObjectURL) -> str:
+    """'' when conditional PUTs hold at ``url``'s bucket, else what the server ignored."""
+    probe = url.with_suffix(f"{PROBE_SUFFIX}{uuid.uuid4().hex[:12]}")
+    try:
+        try:
+            store.put_bytes(probe, b"probe", create_only=True)
+        except PreconditionError:
+            pass   # (an attempt of ours landed before its retry: the probe exists)
+        try:
+            store.put_bytes(probe, b"probe again", create_only=True)
+            return "ignores If-None-Match: * (a create-only PUT replaced an existing object)"
+        except PreconditionError:
+            pass
+        try:
+            store.put_bytes(probe, b"probe again", if_match='"' + "0" * 32 + '"')
+            return "ignores If-Match (a PUT pinned to another ETag replaced the object)"
+        except PreconditionError:
+            return ""
+    finally:
+        try:
+            store.delete(probe)
+        except ShardError:
+            pass   # (a leftover probe holds nothing; the lock's own errors follow)
+
+
+__all__ = ["ObjectLock", "require_conditional_writes"]

@@ -31,21 +31,23 @@ from __future__ import annotations
 import concurrent.futures as futures
 import hashlib
 import os
-import shutil
 import tempfile
 import uuid
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from .._atomic import remove_tree
 from ..errors import ShardError
 from .config import StorageConfig
-from .lease import ObjectLock
-from .urls import ObjectURL
+from .lease import PROBE_SUFFIX, ObjectLock
+from .urls import ObjectURL, check_url, url_problem
 
 _HOME_TAG = "msi-area-"
 _TREE = "tree"
 _ETAGS = ".etags"
 #: Names under a root that are never mirrored: the lock is an object of its own.
 _NOT_MIRRORED = ("lock",)
+#: A lock's probe objects (:func:`~.lease.require_conditional_writes`), never mirrored.
+_PROBES = "lock" + PROBE_SUFFIX
 
 #: ``rank(rel) -> sortable``: the order files are written in (smallest first); deletions go in
 #: the reverse order. The default writes in name order.
@@ -66,13 +68,18 @@ class Mirror:
     """A URL root and this node's local mirror of it (see the module doc).
 
     Args:
-        url: the root (``s3://bucket/prefix`` or ``msc://profile/path``).
+        url: the root (``s3://bucket/prefix`` or ``msc://profile/path``): no empty, ``.`` or ``..``
+            level, not a bucket's root (:func:`~.urls.url_problem`).
         rank: the order files are written in (see :data:`Rank`).
         config: storage settings (retries, concurrency, part size, lease).
+
+    Raises:
+        ShardError: ``url`` names no prefix a mirror can be made of (see ``url``); from
+            :meth:`listing` (so :meth:`pull`): an object under it whose key has such a level.
     """
 
     def __init__(self, url: str, rank: Rank = _by_name, config: Optional[StorageConfig] = None) -> None:
-        self.url = str(ObjectURL.parse(url)).rstrip("/")
+        self.url = check_url(str(ObjectURL.parse(url)).rstrip("/"), "the prefix mirrored", root=False)
         self.root = ObjectURL.parse(self.url)
         self.home = local_home(self.url)
         self.local = os.path.join(self.home, _TREE)
@@ -187,7 +194,12 @@ class Mirror:
         out = {}
         for obj, info in self.objects.list(url, recursive=True):
             rel = obj.key[len(base):]
-            if rel and rel not in _NOT_MIRRORED:
+            if rel and rel not in _NOT_MIRRORED and not rel.startswith(_PROBES):
+                if url_problem(f"{self.root.scheme}://{self.root.bucket}/{rel}"):
+                    raise ShardError("an object under the mirrored prefix has a key that names no local file "
+                                     "(an empty, '.' or '..' level): mirroring it would write outside the mirror",
+                                     path=str(obj), field="key", expected=f"objects under {self.url}/",
+                                     hint="remove or rename that object; nothing of this run wrote it")
                 out[rel] = info
         return out
 
@@ -253,9 +265,7 @@ class Mirror:
                 with open(path, "rb") as f:
                     etag = store.put_bytes(url, f.read())
             else:
-                store.upload(path, url)
-                info = store.head(url)
-                etag = info.etag if info is not None else ""
+                etag = store.upload(path, url)
             self._remember(rel, etag)
 
     def in_order(self, paths: Iterable[str]) -> List[str]:
@@ -298,7 +308,7 @@ class Mirror:
 
     def remove_local(self) -> None:
         """Remove this node's copy (the tree and what is known of it); the bucket is untouched."""
-        shutil.rmtree(self.home, ignore_errors=True)
+        remove_tree(self.home, os.path.dirname(self.home))
 
     def object_of(self, path: str) -> Optional[str]:
         """The URL of the object the local file ``path`` is an unchanged copy of (pulled or

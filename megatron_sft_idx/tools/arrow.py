@@ -19,6 +19,11 @@ loss mask; computed from it), ``input_ids`` (large_list of the token dtype; int3
 shards of both dtypes are listed, then copied), ``loss_mask`` (large_list<uint8>),
 ``seq_start_id`` (large_list<int32>).
 
+:class:`SequenceTable` is one row per *sequence* of the same shards: ``shard``, ``shard_index``,
+``pack`` (global), ``sequence`` (its position in the pack), ``length`` (int32), ``trainable_tokens``
+(int64) and, for shards written from a mixture (format 1.2), ``source_id`` (int32) and ``source``
+(string, its name; both null for shards that record no sources): ``GROUP BY source``.
+
 A :class:`PackTable` implements the Arrow PyCapsule stream protocol
 (``__arrow_c_stream__``), and each call starts a fresh pass, so a query engine may scan
 it several times. Every batch's offsets are checked against the shard's lengths before
@@ -166,6 +171,58 @@ class PackTable:
         if name == "loss_mask":
             return _large_list(parts["loss"], parts["token_offsets"], pa.uint8())
         return _large_list(parts["starts"], parts["seq_offsets"], pa.int32())
+
+
+SEQUENCE_COLUMNS = ("shard", "shard_index", "pack", "sequence", "length", "trainable_tokens", "source_id", "source")
+
+
+class SequenceTable(PackTable):
+    """One row per sequence of the shards (module doc), re-scannable as :class:`PackTable`.
+
+    Raises:
+        as :class:`PackTable`; FormatError: an unknown column.
+    """
+
+    def __init__(self, spec, columns: Optional[Sequence[str]] = None, batch_packs: int = BATCH_PACKS) -> None:
+        pa = _pa()
+        unknown = [c for c in (columns or ()) if c not in SEQUENCE_COLUMNS]
+        if unknown:
+            raise FormatError(f"unknown column(s) {unknown}", field="columns", expected=list(SEQUENCE_COLUMNS))
+        super().__init__(spec, columns=("pack",), batch_packs=batch_packs)
+        self.columns = tuple(SEQUENCE_COLUMNS if columns is None else columns)
+        types = {"shard": pa.string(), "shard_index": pa.int32(), "pack": pa.int64(), "sequence": pa.int32(),
+                 "length": pa.int32(), "trainable_tokens": pa.int64(), "source_id": pa.int32(), "source": pa.string()}
+        self.schema = pa.schema([(c, types[c]) for c in self.columns])
+
+    def _shard_batches(self, shard: MMapIndexedDataset, k: int, base: int) -> Iterator:
+        pa = _pa()
+        arrays = shard.arrays()
+        names = shard.sources
+        for number, a in enumerate(range(0, len(shard), self.batch_packs)):
+            b = min(len(shard), a + self.batch_packs)
+            parts = _batch_parts(shard, arrays, a, b)
+            counts = np.diff(parts["seq_offsets"])
+            starts = parts["starts"].astype(np.int64) + np.repeat(parts["token_offsets"][:-1], counts)
+            ends = np.append(starts[1:], parts["token_offsets"][-1])
+            ends[np.cumsum(counts) - 1] = parts["token_offsets"][1:]   # each pack's last sequence ends with it
+            trained = np.empty(starts.size, dtype=np.int64)
+            _kernels.segment_sums(parts["loss"], np.append(starts, ends[-1]), trained)
+            ids = (None if names is None else
+                   np.asarray(shard.sequence_source_ids[int(arrays.seq_offsets[a]):int(arrays.seq_offsets[b])]))
+            values = {"shard": lambda: pa.repeat(pa.scalar(self.prefixes[k], pa.string()), starts.size),
+                      "shard_index": lambda: pa.array(np.full(starts.size, k, dtype=np.int32)),
+                      "pack": lambda: pa.array(base + a + np.repeat(np.arange(b - a, dtype=np.int64), counts)),
+                      "sequence": lambda: pa.array((np.arange(starts.size) - np.repeat(
+                          np.cumsum(counts) - counts, counts)).astype(np.int32)),
+                      "length": lambda: pa.array((ends - starts).astype(np.int32)),
+                      "trainable_tokens": lambda: pa.array(trained),
+                      "source_id": lambda: (pa.nulls(starts.size, pa.int32()) if ids is None
+                                            else pa.array(ids.astype(np.int32))),
+                      "source": lambda: (pa.nulls(starts.size, pa.string()) if ids is None
+                                         else pa.array(np.asarray(names, dtype=object)[ids], pa.string()))}
+            yield pa.RecordBatch.from_arrays([values[c]() for c in self.columns], schema=self.schema)
+            if number % _RELEASE_EVERY == _RELEASE_EVERY - 1:
+                shard.release_pages()
 
 
 def _batch_parts(shard: MMapIndexedDataset, arrays, a: int, b: int) -> Dict[str, np.ndarray]:

@@ -13,7 +13,7 @@ from typing import List, Optional
 
 from ..format import ALL_SUFFIXES, PAD_LAYOUTS
 from ..packing import ALGORITHMS, DEFAULT_ALGORITHM
-from ..storage.urls import local_only
+from ..storage.urls import local_only, url_refusal
 from .. import _cli
 from .convert import OVERLONG, SOURCE_FORMATS, TARGETS, ConvertOptions, ConvertResult, convert, detect_source
 
@@ -74,7 +74,8 @@ def _usage_problem(args) -> Optional[str]:
             return f"--{flag.replace('_', '-')} must be positive"
     if args.to != "parquet" and not args.output.endswith((".parquet", ".pq")) and args.output.endswith(ALL_SUFFIXES):
         return f"OUTPUT is a shard prefix: drop the file suffix from {args.output!r}"
-    return local_only([("--staging-dir", args.staging_dir)]) or None
+    return (local_only([("--staging-dir", args.staging_dir)])
+            or url_refusal([("OUTPUT", args.output, False), ("INPUT", args.input, True)]) or None)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

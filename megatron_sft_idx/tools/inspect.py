@@ -11,7 +11,7 @@ sequences per pack (from the CSR offsets), pack fill (packed length / pack size,
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -117,8 +117,20 @@ def summarize(prefixes: Sequence[str], bins: int = BINS) -> Dict[str, Any]:
         "sequence_length": {"min": min(s.min_seqlen for s in stats), "max": max(s.dataset_max_seqlen for s in stats),
                             "mean": round(tokens / sequences, 1)},
         "bytes": files, "histograms": hist.to_dict(), "provenance": _provenance(shards[0].metadata),
+        "sources": _sources(shards),
         "provenance_differs": any(_provenance(s.metadata) != _provenance(shards[0].metadata) for s in shards[1:]),
     }
+
+
+def _sources(shards) -> Optional[Dict[str, int]]:
+    """A mixture's sequences per source over the shards (format 1.2), None when they record none."""
+    if any(s.metadata.sources is None for s in shards):
+        return None
+    out: Dict[str, int] = {}
+    for shard in shards:
+        for src in shard.metadata.sources:
+            out[src.name] = out.get(src.name, 0) + src.sequences
+    return out
 
 
 def _one(values: list):
@@ -158,6 +170,9 @@ def format_summary(s: Dict[str, Any]) -> str:
         f"  on disk      {human_bytes(s['bytes'])}",
     ]
     lines += _provenance_lines(prov, s["vocab_size"])
+    if s.get("sources"):
+        lines.append("  sources      " + ", ".join(f"{name} {n:,}" for name, n in s["sources"].items())
+                     + " sequences (--sql over 'sequences' groups by source)")
     if s["provenance_differs"]:
         lines.append("  (provenance of the first shard; the shards differ: --json lists each)")
     h = s["histograms"]

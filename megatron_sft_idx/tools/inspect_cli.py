@@ -35,8 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--pack", type=int, default=None, metavar="N", help="show pack N (global index; -1 = last)")
     mode.add_argument("--sql", default=None, metavar="QUERY",
                       help="run QUERY over the table 'packs' (columns: pack, packed_len, num_sequences, "
-                           "trainable_tokens, input_ids, loss_mask, seq_start_id, shard (its prefix), shard_index); "
-                           "needs duckdb")
+                           "trainable_tokens, input_ids, loss_mask, seq_start_id, shard (its prefix), shard_index) "
+                           "or 'sequences' (shard, shard_index, pack, sequence, length, trainable_tokens, source, "
+                           "source_id: a mixture's, GROUP BY source); needs duckdb")
     mode.add_argument("--order", nargs="?", const="auto", default=None, metavar="FILE|auto",
                       help="report a balanced pack order for this data next to the shuffled order (default "
                            "auto: PREFIX.order beside a shard or manifest)")

@@ -18,7 +18,7 @@ from .. import _cli
 from .._progress import Progress, _isatty
 from .._units import human_bytes, plural
 from ..format import ALL_SUFFIXES
-from ..storage.urls import local_only
+from ..storage.urls import local_only, url_refusal
 from .merge import MergeResult, merge_shards
 
 log = logging.getLogger("megatron_sft_idx.tools.merge")
@@ -66,8 +66,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         return _cli.usage_error(parser, "--pack-size must be positive")
     if args.output.endswith(ALL_SUFFIXES):
         return _cli.usage_error(parser, f"OUT is a prefix: drop the file suffix from {args.output!r}")
-    if local_only([("--staging-dir", args.staging_dir)]):
-        return _cli.usage_error(parser, local_only([("--staging-dir", args.staging_dir)]))
+    problem = (local_only([("--staging-dir", args.staging_dir)])
+               or url_refusal([("OUT", args.output, False), ("IN", args.inputs, True)]))
+    if problem:
+        return _cli.usage_error(parser, problem)
 
     # periodic lines when stderr is not a terminal (a batch job's log), per input with -v
     progress = Progress(parser.prog, "off" if args.quiet or _isatty(sys.stderr) else "log")

@@ -50,7 +50,7 @@ from ..format import PAD_LAYOUTS, PAD_LAYOUT_STORED
 from ..multi import MultiShardDataset
 from ..preprocess.sequences import StoreSequences, sequence_lengths
 from ..publishing import write_bytes
-from ..storage.urls import local_only
+from ..storage.urls import local_only, url_refusal
 
 PROG = "plan-batches"
 
@@ -76,23 +76,24 @@ def build_parser() -> argparse.ArgumentParser:
     topo.add_argument("--micro-batch-size", type=int, metavar="N", help="alias: MBS of --balance-for (default: 1)")
     topo.add_argument("--global-batch-size", type=int, metavar="N", help="alias: GBS of --balance-for")
     cost = p.add_argument_group("cost model")
-    cost.add_argument("--cost-model", "--model", dest="cost_model", default="llama3-8b",
-                      metavar="PRESET|LINEAR,ATTENTION",
-                      help=f"price of a pack: a model preset ({', '.join(sorted(PRESETS))}) or FLOPs per token and "
-                           "per token squared (default: llama3-8b; --model is another name of it)")
+    _cli.add_aliased(cost, "--cost-model", "--model", dest="cost_model", default=None,
+                     metavar="PRESET|LINEAR,ATTENTION",
+                     help=f"price of a pack: a model preset ({', '.join(sorted(PRESETS))}) or FLOPs per token and "
+                          "per token squared (default: llama3-8b; --model is another name of it)")
     cost.add_argument("--linear", type=float, help="alias: LINEAR of --cost-model LINEAR,ATTENTION (with --attention)")
     cost.add_argument("--attention", type=float, help="alias: ATTENTION of --cost-model LINEAR,ATTENTION")
     cost.add_argument("--recompute", action="store_true", help="full activation recomputation (with a preset)")
-    cost.add_argument("--pad-seq-to-mult", "--pad-multiple", dest="pad_seq_to_mult", type=int, default=1, metavar="N",
-                      help="the multiple the kernel pads each sequence to: the shards' pad_seq_to_mult, the CP/SP "
-                           "multiple (default: 1; --pad-multiple is another name of it)")
+    _cli.add_aliased(cost, "--pad-seq-to-mult", "--pad-multiple", dest="pad_seq_to_mult", type=int, default=1,
+                     metavar="N",
+                     help="the multiple the kernel pads each sequence to: the shards' pad_seq_to_mult, the CP/SP "
+                          "multiple (default: 1; --pad-multiple is another name of it)")
     cost.add_argument("--pad-layout", default=PAD_LAYOUT_STORED, choices=list(PAD_LAYOUTS),
                       help="stored: the kernel sees L (Megatron-LM); runtime: L-1 (Bridge)")
     plan = p.add_argument_group("order")
-    plan.add_argument("--balance-seed", "--seed", dest="balance_seed", type=int, default=1234, metavar="SEED",
-                      help="the training run's data seed (default: 1234; --seed is another name of it)")
-    plan.add_argument("--balance-epochs", "--epochs", dest="balance_epochs", type=int, default=1, metavar="N",
-                      help="epochs to plan (default: 1; --epochs is another name of it)")
+    _cli.add_aliased(plan, "--balance-seed", "--seed", dest="balance_seed", type=int, default=1234, metavar="SEED",
+                     help="the training run's data seed (default: 1234; --seed is another name of it)")
+    _cli.add_aliased(plan, "--balance-epochs", "--epochs", dest="balance_epochs", type=int, default=1, metavar="N",
+                     help="epochs to plan (default: 1; --epochs is another name of it)")
     plan.add_argument("--algorithm", default="kk", choices=list(ALGORITHMS),
                       help="kk (Karmarkar-Karp), lpt, or shuffle (no balancing) (default: kk)")
     plan.add_argument("--exchange-window", type=int, default=1,
@@ -122,14 +123,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: ``--cost-model`` when neither it nor ``--linear``/``--attention`` is given
+_DEFAULT_COST_MODEL = "llama3-8b"
+
+
 class _Usage(Exception):
     """A usage problem found after parsing: reported as argparse reports its own (exit 2)."""
 
 
 def _cost_model(args, parser):
-    spec = args.cost_model
+    spec = args.cost_model or _DEFAULT_COST_MODEL
     if args.linear is not None:
-        if spec != parser.get_default("cost_model"):
+        if args.cost_model is not None:   # (given, even as the default: two spellings of one setting)
             raise _Usage("--linear/--attention are another spelling of --cost-model LINEAR,ATTENTION: give one")
         spec = f"{args.linear!r},{args.attention!r}"
     return CostModel.parse(spec, pad_multiple=args.pad_seq_to_mult, pad_layout=args.pad_layout,
@@ -184,7 +189,7 @@ def _usage_problem(args) -> Optional[str]:
         return "--balance-labels deals packs: use --algorithm kk or lpt"
     if (args.linear is None) != (args.attention is None):
         return "--linear and --attention go together"
-    return local_only([("--plot", args.plot)])
+    return local_only([("--plot", args.plot)]) or url_refusal([("--store", args.store, False)])
 
 
 def _dynamic(args) -> int:

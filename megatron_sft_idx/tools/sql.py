@@ -3,9 +3,11 @@
     from megatron_sft_idx.tools.sql import query
     query("/data/train_*", "SELECT num_sequences, count(*) AS packs FROM packs GROUP BY 1 ORDER BY 1")
 
-The table is ``packs`` (columns in :mod:`.arrow`). Only the columns a query names are
-produced: ``trainable_tokens`` costs a pass over the loss mask, the list columns cost
-nothing until the engine reads them. DuckDB is an optional dependency (extra ``[tools]``).
+The tables are ``packs`` (one row per pack) and ``sequences`` (one per sequence, with its source for
+shards written from a mixture: ``SELECT source, sum(trainable_tokens) FROM sequences GROUP BY 1``);
+columns in :mod:`.arrow`. Only the tables and columns a query names are produced:
+``trainable_tokens`` costs a pass over the loss mask, the list columns cost nothing until the
+engine reads them. DuckDB is an optional dependency (extra ``[tools]``).
 """
 
 from __future__ import annotations
@@ -15,29 +17,47 @@ from typing import Optional, Sequence, Tuple
 
 from .._extras import require_extra
 from ..errors import QueryError
-from .arrow import COLUMNS, PackTable
+from .arrow import COLUMNS, SEQUENCE_COLUMNS, PackTable, SequenceTable
 
 TABLE = "packs"
+SEQUENCES = "sequences"
 _COUNT_STAR = re.compile(r"count\s*\(\s*\*\s*\)", re.IGNORECASE)
 
 
-def columns_for_query(sql: str) -> Tuple[str, ...]:
-    """The columns a query may read: every column named in it, or all of them when it has a
+def columns_for_query(sql: str, columns: Sequence[str] = COLUMNS, least: str = "pack") -> Tuple[str, ...]:
+    """The ``columns`` a query may read: every column named in it, or all of them when it has a
     ``*`` other than ``count(*)`` (a string literal naming a column only costs that column)."""
     if "*" in _COUNT_STAR.sub("", sql):
-        return COLUMNS
-    named = tuple(c for c in COLUMNS if re.search(rf"\b{c}\b", sql, re.IGNORECASE))
-    return named or ("pack",)
+        return tuple(columns)
+    named = tuple(c for c in columns if re.search(rf"\b{c}\b", sql, re.IGNORECASE))
+    return named or (least,)
 
 
 def _connect(spec, sql: str, columns: Optional[Sequence[str]]):
     require_extra("tools", "duckdb")
     import duckdb
 
-    table = PackTable(spec, columns=columns or columns_for_query(sql))
     con = duckdb.connect()
-    con.register(TABLE, table)
-    return duckdb, con, table
+    tables = []
+    if columns is not None or re.search(rf"\b{TABLE}\b", sql, re.IGNORECASE) or \
+            not re.search(rf"\b{SEQUENCES}\b", sql, re.IGNORECASE):
+        tables.append(PackTable(spec, columns=columns or columns_for_query(sql)))
+        con.register(TABLE, tables[-1])
+    if re.search(rf"\b{SEQUENCES}\b", sql, re.IGNORECASE):   # (only when the query names it)
+        tables.append(SequenceTable(spec, columns=columns_for_query(sql, SEQUENCE_COLUMNS)))
+        con.register(SEQUENCES, tables[-1])
+    return duckdb, con, _Tables(tables)
+
+
+class _Tables:
+    """The tables of one query, as :func:`_failed` asks them for a failure."""
+
+    def __init__(self, tables) -> None:
+        self.tables = tables
+
+    @property
+    def failure(self):
+        return next((t.failure for t in self.tables if t.failure is not None), None)
 
 
 def _failed(exc: Exception, table: PackTable, sql: str) -> BaseException:
@@ -51,7 +71,8 @@ def _failed(exc: Exception, table: PackTable, sql: str) -> BaseException:
 
 
 def query(spec, sql: str, *, columns: Optional[Sequence[str]] = None):
-    """Run ``sql`` over the table ``packs`` of ``spec``'s shards; return a ``pyarrow.Table``.
+    """Run ``sql`` over the tables ``packs`` and ``sequences`` of ``spec``'s shards; return a
+    ``pyarrow.Table`` (``columns``: those of ``packs`` to produce, default the ones ``sql`` names).
 
     Raises:
         QueryError: DuckDB refused or failed the query (its message's first line).

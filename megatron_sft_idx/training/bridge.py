@@ -36,7 +36,7 @@ require_extra("train", "torch")
 import torch  # noqa: E402
 
 from ..batching.denominators import STEP_TOKENS_KEY, served_counts
-from ..batching.samples import sample_index
+from ..batching.samples import sample_index, sources_of
 from ..batching.trained import BRIDGE_06 as RULE_BRIDGE_06
 from ..batching.trained import STORED
 from ..errors import ShardError
@@ -103,6 +103,9 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         bridge_semantics: the Megatron-Bridge collate to reproduce: ``"0.6"``, ``"next"`` (its
             main branch) or ``"pr5610"`` (main with PR #5610 as its 2026-08-17 head had it; only
             when asked); :mod:`.collate`. Default: the installed Bridge's.
+        return_source_ids: add each sequence's source to the items (``source_ids``) and every
+            runtime position's to the batch (``source_ids``, -1 on padding): data written from a
+            mixture (``--mix``); :attr:`sources` names them.
 
     Raises:
         ShardError: the source does not open; options contradict its statistics; or it is
@@ -118,12 +121,15 @@ class PackedSFTDataset(torch.utils.data.Dataset):
                  pad_cu_seqlens: bool = False, pack_metadata_file_path: Optional[str] = None,
                  return_cu_seqlen: bool = True, answer_only_loss: bool = True,
                  stats: Optional[BridgePackingStats] = None, order=None, balanced_order=None,
-                 topology=None, bridge_semantics: Optional[str] = None) -> None:
+                 topology=None, bridge_semantics: Optional[str] = None, return_source_ids: bool = False) -> None:
         eos = eos_id if eos_id is not None else (pad_id if pad_id is not None else 0)
         data_path = source if isinstance(source, str) else None
         if isinstance(source, (str, list, tuple)) or hasattr(source, "__fspath__"):
             source = open_packed(source, pad_seq_to_mult=pad_seq_to_mult, pad_layout=pad_layout)
         self.source = source
+        self.return_source_ids = bool(return_source_ids)
+        if self.return_source_ids:
+            sources_of(source, data_path)   # (refused now, not at the first sample)
         self.summary: PackSummary = summarize(source)
         self.max_seq_length = int(max_seq_length or self.summary.capacity)
         mult = int(pad_seq_to_mult or self.summary.pad_seq_to_mult)
@@ -176,11 +182,21 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         if is_padding:
             loss = np.zeros_like(loss)
         item = {"input_ids": pack.input_ids, "seq_boundaries": pack.seq_boundaries, "loss_mask": loss}
+        if self.return_source_ids:
+            item["source_ids"] = np.asarray(self.source.source_ids(idx), dtype=np.int64)
         if self._served is not None:
             if not is_padding:
                 self._served.check(idx, pack.input_ids, pack.loss_mask, pack.seq_start_id)
             item[STEP_TOKENS_KEY] = 0 if is_padding else self._served.at(position)
         return item
+
+    @property
+    def sources(self) -> tuple:
+        """The names ``source_ids`` index (data written from a mixture).
+
+        Raises:
+            ShardError: the data records no sources."""
+        return sources_of(self.source)
 
 
 def _bridge_rule(semantics: str, answer_only_loss: bool) -> Optional[str]:

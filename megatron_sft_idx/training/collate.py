@@ -260,6 +260,14 @@ class PackedCollator:
         }
         if all(STEP_TOKENS_KEY in item for item in batch):   # served with a balanced order's counts
             out[STEP_TOKENS_KEY] = torch.tensor(max(int(item[STEP_TOKENS_KEY]) for item in batch), dtype=torch.int64)
+        if "source_ids" in batch[0]:   # (a mixture's data: each runtime position's source, -1 on padding)
+            per_seq = np.concatenate([np.asarray(item["source_ids"], dtype=np.int64) for item in batch])
+            if per_seq.shape[0] != seg.shape[0]:
+                raise ShardError("source_ids must hold one id per sequence of each row", field="source_ids",
+                                 expected=int(seg.shape[0]), actual=int(per_seq.shape[0]))
+            sources = np.full(n_rows * max_length, -1, dtype=np.int64)
+            sources[flat] = per_seq[sid]
+            out["source_ids"] = torch.from_numpy(sources.reshape(n_rows, max_length))
         logical = seg
         if self.pad_seq_to_mult > 1:
             # Logical length: up to the sequence's last input that counts (alignment padding excluded):

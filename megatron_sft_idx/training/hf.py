@@ -49,7 +49,7 @@ import torch  # noqa: E402
 
 from ..batching.denominators import STEP_TOKENS_KEY, served_counts
 from ..batching.layout import Topology
-from ..batching.samples import sample_index
+from ..batching.samples import sample_index, sources_of, token_sources
 from ..batching.trained import STORED
 from ..errors import ShardError
 from ..open import open_packed
@@ -96,18 +96,24 @@ class PaddingFreeDataset(torch.utils.data.Dataset):
             stored order).
         topology: a :class:`~megatron_sft_idx.batching.Topology`; warns when the order was
             planned for another.
+        return_source_ids: add ``source_ids`` (each position's source) to the rows, which
+            :class:`PaddingFreeCollator` flattens with them: data written from a mixture
+            (``--mix``); :attr:`sources` names them.
 
     Raises:
         ShardError: the source does not open; an order of another seed or other packs.
     """
 
     def __init__(self, source, *, answer_only_loss: bool = True, balanced_order=None, seed: int = 1234,
-                 max_num_samples: Optional[int] = None, topology=None) -> None:
+                 max_num_samples: Optional[int] = None, topology=None, return_source_ids: bool = False) -> None:
         data_path = source if isinstance(source, str) else None
         if isinstance(source, (str, list, tuple)) or hasattr(source, "__fspath__"):
             source = open_packed(source)
         self.source = source
         self.answer_only_loss = bool(answer_only_loss)
+        self.return_source_ids = bool(return_source_ids)
+        if self.return_source_ids:
+            sources_of(source, data_path)   # (refused now, not at the first row)
         self.order = None
         if balanced_order is not None:
             from ..batching.serve import served_order   # (the numba kernels: only with a balanced order)
@@ -162,10 +168,20 @@ class PaddingFreeDataset(torch.utils.data.Dataset):
                "labels": pack_labels(ids, pack.loss_mask, bounds, self.answer_only_loss),
                "seq_lengths": [int(n) for n in lengths],
                "position_ids": np.arange(ids.shape[0], dtype=np.int64) - np.repeat(bounds[:-1], lengths)}
+        if self.return_source_ids:
+            row["source_ids"] = token_sources(self.source.source_ids(idx), lengths, ids.shape[0])
         if self._served is not None:
             self._served.check(idx, pack.input_ids, pack.loss_mask, pack.seq_start_id)
             row[STEP_TOKENS_KEY] = self._served.at(position)
         return row
+
+    @property
+    def sources(self) -> tuple:
+        """The names ``source_ids`` index (data written from a mixture).
+
+        Raises:
+            ShardError: the data records no sources."""
+        return sources_of(self.source)
 
 
 class PaddingFreeCollator:
@@ -230,6 +246,11 @@ class PaddingFreeCollator:
             out["seq_idx"] = torch.from_numpy(np.repeat(np.arange(lengths.shape[0], dtype=np.int32), lengths)[None])
         if all(STEP_TOKENS_KEY in r for r in rows):   # a balanced order's step count (every row: one step)
             out[STEP_TOKENS_KEY] = torch.tensor(max(int(r[STEP_TOKENS_KEY]) for r in rows), dtype=torch.int64)
+        if "source_ids" in rows[0]:   # (a mixture's data: each position's source, -1 on padding)
+            sources = np.full(ids.shape[0], -1, dtype=np.int64)
+            flat = np.concatenate([np.asarray(r["source_ids"], dtype=np.int64) for r in rows])
+            sources[:flat.shape[0]] = flat
+            out["source_ids"] = torch.from_numpy(sources[None])
         return out
 
 

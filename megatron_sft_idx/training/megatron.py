@@ -69,7 +69,7 @@ from megatron.core.datasets.utils import Split
 from .._atomic import write_file_atomically
 from ..batching.denominators import STEP_TOKENS_KEY, served_counts
 from ..batching.layout import Topology
-from ..batching.samples import sample_index
+from ..batching.samples import sample_index, sources_of, token_sources
 from ..batching.trained import STORED
 from ..errors import ShardError
 from ..format import PAD_LAYOUT_STORED
@@ -184,6 +184,11 @@ class SFTIndexedDatasetConfig(BlendedMegatronDatasetConfig):
 
     global_batch_size: Optional[int] = None
     """Megatron-LM's ``--global-batch-size`` (see ``micro_batch_size``)."""
+
+    return_source_ids: bool = False
+    """Add ``source_ids`` to each sample: every position's source (an index into the dataset's
+    ``sources``; -1 on padding), for data written from a mixture (``--mix``), so a trainer can
+    log the loss per source."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -319,6 +324,9 @@ class SFTIndexedDataset(MegatronDataset):
         self.unique_description_hash = hashlib.md5(self.unique_description.encode("utf-8"),
                                                    usedforsecurity=False).hexdigest()
         self.pad_token_id = _pad_token(config)
+        self.return_source_ids = bool(getattr(config, "return_source_ids", False))
+        if self.return_source_ids:
+            sources_of(self.dataset, self.dataset_path)   # (refused now, not at the first sample)
         self._sample_index_path: Optional[str] = None
         self.sample_index = self._build_sample_index()
         self._served = _served_counts(self._balanced, self.sample_index, config, self.dataset_path)
@@ -406,17 +414,28 @@ class SFTIndexedDataset(MegatronDataset):
         """Sample ``idx`` (``None``: a padding sample with zero loss, as ``GPTDataset``). With a
         balanced order that records counts, ``step_trained_tokens`` too (0-d int64: the global
         trained positions of the sample's step; 0 for a padding sample), its pack checked first."""
-        pack_id = int(self.sample_index[0 if idx is None else idx])
-        pack = self.dataset[pack_id]
-        sample = _layout_pack(pack, int(self.config.sequence_length), self.pad_token_id,
-                              self.dataset_path)
+        i = int(self.sample_index[0 if idx is None else idx])
+        pack = self.dataset[i]
+        seq_len = int(self.config.sequence_length)
+        sample = _layout_pack(pack, seq_len, self.pad_token_id, self.dataset_path)
         if idx is None:
             sample["loss_mask"] = torch.zeros_like(sample["loss_mask"])
+        if self.return_source_ids:
+            sample["source_ids"] = torch.from_numpy(token_sources(self.dataset.source_ids(i), pack.seq_lengths,
+                                                                  seq_len))
         if self._served is not None:
             if idx is not None:
-                self._served.check(pack_id, pack.input_ids, pack.loss_mask, pack.seq_start_id)
+                self._served.check(i, pack.input_ids, pack.loss_mask, pack.seq_start_id)
             sample[STEP_TOKENS_KEY] = torch.tensor(0 if idx is None else self._served.at(idx), dtype=torch.int64)
         return sample
+
+    @property
+    def sources(self) -> tuple:
+        """The names ``source_ids`` index (data written from a mixture).
+
+        Raises:
+            ShardError: the data records no sources."""
+        return sources_of(self.dataset, self.dataset_path)
 
     def __getstate__(self):
         state = self.__dict__.copy()

@@ -425,3 +425,40 @@ class BuilderMachine(RuleBasedStateMachine):
 
 TestBuilderMachine = BuilderMachine.TestCase
 TestBuilderMachine.settings = settings(max_examples=25, stateful_step_count=15, deadline=None)
+
+
+# --------------------------------------------------------------------------- sources (format 1.2)
+
+
+def test_source_ids_are_checked_per_pack_and_counted(tmp_path):
+    from megatron_sft_idx.errors import BuilderStateError, InvariantError
+
+    meta = {"sources": [{"name": "a", "store_id": "x"}, {"name": "b"}]}
+    ids, loss = np.array([1, 2, 3, 4]), np.array([1, 0, 1, 0])
+    with IndexedDatasetBuilder(str(tmp_path / "s"), vocab_size=32, pack_size=8, metadata=meta) as b:
+        for bad, words in (([2, 0], "one id in"), ([0], "one id in"), (None, "pass source_ids"), ([-1, 0], "one id in")):
+            with pytest.raises(InvariantError, match=words):
+                b.add_packed(ids, loss, np.array([0, 2]), source_ids=bad)
+        with pytest.raises(BuilderStateError, match="cannot record sources"):
+            b.add_sequences(ids, loss, np.array([2, 2]))
+        b.add_packed(ids, loss, np.array([0, 2]), source_ids=[1, 1])   # the builder is still usable
+        b.add_packed(ids, loss, np.array([0]), source_ids=np.array([0], np.uint8))
+    ds = MMapIndexedDataset(str(tmp_path / "s"))
+    assert [(s.name, s.sequences, s.extra) for s in ds.metadata.sources] == [("a", 1, {"store_id": "x"}), ("b", 2, {})]
+    assert ds.seq_header.version_minor == 2 and ds.source_ids(0).tolist() == [1, 1]
+    with IndexedDatasetBuilder(str(tmp_path / "plain"), vocab_size=32, pack_size=8) as b:
+        with pytest.raises(InvariantError, match="names no sources"):
+            b.add_packed(ids, loss, np.array([0]), source_ids=[0])
+        with pytest.raises(ShardError, match="add_shard would drop"):
+            b.add_shard(str(tmp_path / "s"))
+        b.add_packed(ids, loss, np.array([0]))
+    assert MMapIndexedDataset(str(tmp_path / "plain")).seq_header.version_minor == 1
+
+
+def test_an_aborted_builder_leaves_no_source_spill(tmp_path):
+    meta = {"sources": [{"name": "a"}]}
+    with pytest.raises(RuntimeError):
+        with IndexedDatasetBuilder(str(tmp_path / "s"), vocab_size=32, pack_size=8, metadata=meta) as b:
+            b.add_packed(np.array([1, 2]), np.array([1, 0]), np.array([0]), source_ids=[0])
+            raise RuntimeError("stop")
+    assert os.listdir(tmp_path) == []

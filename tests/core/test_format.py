@@ -128,7 +128,9 @@ SIZE = seq_header().file_size
     (reheader(GOOD, "B", 12, 77), SIZE, DTypeError, "token dtype code 77"),
     (reheader(GOOD, "B", 13, 8), SIZE, DTypeError, "seq_start_id dtype code"),
     (reheader(GOOD, "B", 14, 4), SIZE, DTypeError, "loss mask dtype code"),
-    (reheader(GOOD, "B", 15, 1), SIZE, HeaderError, "reserved flags"),
+    (reheader(GOOD, "B", 15, 2), SIZE, HeaderError, "reserved flags"),
+    (reheader(GOOD, "B", 15, 0x81), SIZE, HeaderError, "reserved flags"),
+    (reheader(GOOD, "B", 15, 1), SIZE, HeaderError, r"sources flag needs version 1\.2"),   # (GOOD is 1.1)
     (reheader(GOOD, "Q", 40, 1 << 40), SIZE, HeaderError, "metadata length is implausible"),
     (reheader(GOOD, "Q", 48, 64), SIZE, HeaderError, "CSR offset"),
     (reheader(GOOD, "Q", 16, 0), SIZE, HeaderError, "at least one pack"),

@@ -10,11 +10,13 @@ import numpy as np
 import pytest
 
 from megatron_sft_idx import MMapIndexedDataset
+from megatron_sft_idx.errors import ShardError
 from megatron_sft_idx.format import ALL_SUFFIXES, METADATA_OFFSET, SeqIdxHeader
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: golden/ lives there
 GOLDEN = os.path.join(HERE, "golden", "v1_1", "tiny")  # the current version
 GOLDEN_V1_0 = os.path.join(HERE, "golden", "v1_0", "tiny")
+GOLDEN_V1_2 = os.path.join(HERE, "golden", "v1_2", "tiny")  # the same packs, recording their sources
 
 
 def _load_maker():
@@ -46,7 +48,7 @@ def test_golden_files_are_committed():
         assert os.path.isfile(GOLDEN + suffix), f"missing golden file {GOLDEN + suffix}"
 
 
-@pytest.mark.parametrize("golden", [GOLDEN, GOLDEN_V1_0], ids=["v1_1", "v1_0"])
+@pytest.mark.parametrize("golden", [GOLDEN, GOLDEN_V1_0, GOLDEN_V1_2], ids=["v1_1", "v1_0", "v1_2"])
 def test_reader_reads_the_golden_packs(golden):
     ds = MMapIndexedDataset(golden, check_packs=True)
     assert len(ds) == len(make_golden.PACKS) and ds.dtype.name == "uint16"
@@ -67,17 +69,27 @@ def test_reader_reads_the_golden_packs(golden):
     assert m.pad_layout == "stored"  # 1.0 has no pad_layout: the stored layout
     # New in 1.1 (Megatron-Bridge's min_packed_seqlen); a 1.0 shard does not record it.
     assert s.min_packed_runtime_len == (None if golden == GOLDEN_V1_0 else 2)  # pack 1: 3 - 1 = 5 - 3
-    assert ds.seq_header.version_minor == (0 if golden == GOLDEN_V1_0 else 1)
+    assert ds.seq_header.version_minor == {GOLDEN_V1_0: 0, GOLDEN: 1, GOLDEN_V1_2: 2}[golden]
+    if golden == GOLDEN_V1_2:   # 1.2: each sequence's source
+        assert ds.sources == ("chat", "math") and ds.seq_header.flags == 1
+        assert [ds.source_ids(i).tolist() for i in range(len(ds))] == make_golden.SOURCE_IDS
+        assert [(s.name, s.sequences, s.extra) for s in m.sources] == [("chat", 3, {"store_id": "0" * 32}),
+                                                                      ("math", 3, {"store_id": "f" * 32})]
+    else:
+        assert ds.sources is None and m.sources is None and ds.seq_header.flags == 0
+        with pytest.raises(ShardError, match="records no sources"):
+            ds.source_ids(0)
 
 
 def test_the_gate_passes_every_golden_version():
     from megatron_sft_idx.gate import check
 
-    report = check([GOLDEN, GOLDEN_V1_0], level="deep")
+    report = check([GOLDEN, GOLDEN_V1_0, GOLDEN_V1_2], level="deep")
     assert report.passed, report.format_text()
+    assert "sources" in report.shards[2].checks
 
 
-@pytest.mark.parametrize("golden", [GOLDEN, GOLDEN_V1_0], ids=["v1_1", "v1_0"])
+@pytest.mark.parametrize("golden", [GOLDEN, GOLDEN_V1_0, GOLDEN_V1_2], ids=["v1_1", "v1_0", "v1_2"])
 def test_recorded_checksums_match_the_committed_files(golden):
     m = MMapIndexedDataset(golden).metadata
     for suffix, digest in m.files.items():
@@ -88,18 +100,20 @@ def test_recorded_checksums_match_the_committed_files(golden):
     assert h.body_crc32 == zlib.crc32(raw[METADATA_OFFSET:])
 
 
+@pytest.mark.parametrize("sources", [False, True], ids=["v1_1", "v1_2"])
 @pytest.mark.parametrize("producer_version", [None, "99.100.101.dev5+gabcdef0123456789abcdef"])
-def test_building_the_same_packs_today_gives_the_same_bytes(tmp_path, monkeypatch, producer_version):
+def test_building_the_same_packs_today_gives_the_same_bytes(tmp_path, monkeypatch, producer_version, sources):
     if producer_version is not None:  # a later release: the metadata grows, the CSR moves
         from megatron_sft_idx import builder
 
         monkeypatch.setattr(builder, "__version__", producer_version)
     prefix = str(tmp_path / "tiny")
-    make_golden.build(prefix)
+    golden = GOLDEN_V1_2 if sources else GOLDEN
+    make_golden.build(prefix, sources=sources)
     for suffix in (".bin", ".idx", ".loss.bin", ".seq.bin"):
-        assert read(prefix + suffix) == read(GOLDEN + suffix), suffix
+        assert read(prefix + suffix) == read(golden + suffix), suffix
     new_h, new_meta, new_csr = split_seq_idx(read(prefix + ".seq.idx"))
-    old_h, old_meta, old_csr = split_seq_idx(read(GOLDEN + ".seq.idx"))
+    old_h, old_meta, old_csr = split_seq_idx(read(golden + ".seq.idx"))
     # Only the producer version may differ, and with it the lengths/CRCs that cover it.
     varying = {"metadata_length", "csr_offset", "body_crc32"}
     for field in SeqIdxHeader.__dataclass_fields__:
@@ -131,6 +145,20 @@ def test_pinned_bytes():
     assert read(GOLDEN + ".bin") == np.array([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 31, 0, 5, 5, 12], "<u2").tobytes()
     assert read(GOLDEN + ".loss.bin") == bytes([0, 1, 1, 0, 1, 1, 1, 0, 1, 1, 0, 0, 0, 1, 1, 0])
     assert read(GOLDEN + ".seq.bin") == np.array([0, 4, 0, 0, 1, 2], "<i4").tobytes()
+
+
+def test_pinned_bytes_of_the_sources():
+    """1.2: the flag, the minor version, and the source ids 64-byte aligned after the offsets."""
+    seq_idx = read(GOLDEN_V1_2 + ".seq.idx")
+    assert struct.unpack_from("<HHBBBB", seq_idx, 8) == (1, 2, 8, 4, 1, 1)
+    mlen, csr = struct.unpack_from("<QQ", seq_idx, 40)
+    assert np.frombuffer(seq_idx, "<i8", 4, csr).tolist() == [0, 2, 3, 6]
+    src = (csr + 32 + 63) // 64 * 64
+    assert seq_idx[csr + 32:src] == b"\0" * (src - csr - 32)
+    assert np.frombuffer(seq_idx, "<u2", 6, src).tolist() == [0, 1, 1, 0, 0, 1]
+    assert len(seq_idx) == src + 12
+    for suffix in (".bin", ".idx", ".loss.bin", ".seq.bin"):   # the sources change nothing else
+        assert read(GOLDEN_V1_2 + suffix) == read(GOLDEN + suffix), suffix
 
 
 def test_make_golden_cli_writes_a_shard(tmp_path):

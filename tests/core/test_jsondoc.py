@@ -82,3 +82,15 @@ def test_load_json_names_the_file_and_bounds_its_read(tmp_path):
     path.write_text(nested(100_000))
     with pytest.raises(MetadataError, match="nested deeper than 64"):
         load_json(str(path))
+
+
+def test_unique_keys_refuses_a_key_given_twice_at_any_depth():
+    from megatron_sft_idx.errors import MetadataError
+    from megatron_sft_idx.jsondoc import parse_json
+
+    assert parse_json('{"a": 1, "a": 2}') == {"a": 2}   # (metadata: the last one, as the format says)
+    assert parse_json('{"a": {"b": 1}, "c": [{"b": 2}]}', unique_keys=True) == {"a": {"b": 1}, "c": [{"b": 2}]}
+    for text in ('{"a": 1, "a": 2}', '{"x": [{"k": 1, "k": 1}]}'):
+        with pytest.raises(MetadataError, match="is given twice") as err:
+            parse_json(text, "f.json", unique_keys=True)
+        assert err.value.path == "f.json" and err.value.field in ("a", "k")

@@ -109,7 +109,31 @@ def mutate_header(rng, prefix):
     return f".idx @{offset}={value}"
 
 
-MUTATIONS = (lambda rng, p: mutate(rng, p), mutate_data_sealed, mutate_metadata, mutate_header)
+def mutate_sources(rng, prefix):
+    """A shard that records sources (format 1.2): a source id or a recorded count changed, resealed;
+    elsewhere (no sources) the flag set with nothing behind it."""
+    from megatron_sft_idx.format import SeqIdxHeader
+
+    path = prefix + ".seq.idx"
+    raw = bytearray(pathlib.Path(path).read_bytes())
+    h = SeqIdxHeader.parse(bytes(raw[:64]), path, len(raw))
+    if not h.has_sources:
+        set_field(path, 15, "B", 1, fix_crc=True)
+        return "flag without sources"
+    if rng.random() < 0.5:
+        j = int(rng.integers(h.sequence_count))
+        struct.pack_into("<H", raw, h.sources_offset + 2 * j, int(rng.choice([0, 1, 2, 3, 255, 65535])))
+        pathlib.Path(path).write_bytes(bytes(raw))
+        reseal(prefix)
+        return f"source id {j}"
+
+    def edit(obj):
+        obj["sources"][int(rng.integers(len(obj["sources"])))]["sequences"] += int(rng.choice([-1, 1]))
+    reseal(prefix, edit=edit)
+    return "source count"
+
+
+MUTATIONS = (lambda rng, p: mutate(rng, p), mutate_data_sealed, mutate_metadata, mutate_header, mutate_sources)
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +147,11 @@ def bases(tmp_path_factory):
         prefix = str(root / name)
         write_shard(prefix, random_packs(rng, 16, vocab=kw["vocab_size"], pad_mult=pad), **kw)
         out.append(prefix)
+    rng = np.random.default_rng(99)   # format 1.2: a shard recording each sequence's source
+    packs = [p + (rng.integers(0, 3, p[2].size),) for p in random_packs(rng, 16, vocab=1000)]
+    write_shard(str(root / "src"), packs, vocab_size=1000,
+                metadata={"sources": [{"name": "a"}, {"name": "b"}, {"name": "c"}]})
+    out.append(str(root / "src"))
     return out
 
 

@@ -198,3 +198,57 @@ def test_replace_leaves_no_stale_order_in_object_storage(run, s3, bucket, capsys
     assert code == 0, report
     assert "ds_train.order" not in keys(s3, bucket, "promoted/") and "ds_train.json" in keys(s3, bucket, "promoted/")
     assert len(open_packed(dest + "ds_train.json")) > 0
+
+
+# --------------------------------------------------------------------------- the data files' identity (issue 41)
+
+
+@pytest.mark.parametrize("suffix", [".bin", ".loss.bin", ".seq.bin"])
+def test_a_server_that_stores_other_bytes_than_sent_fails_the_promotion(run, s3, bucket, capsys, suffix):
+    """The proxy flips a byte of one data file's upload (and drops its checksum headers): the
+    server answers for the bytes it stored, which are not those sent. The promotion fails (exit 1)
+    naming the object, the sources stay, and nothing points at the shard; a rerun finishes."""
+    plain = run[1]
+    before = visible(plain)
+    dest = f"s3://{bucket}/promoted/"
+    victim = "ds_train_000001" + suffix
+    s3.inject("corrupt-write", lambda m, k, h: m == "PUT" and k.endswith("/promoted/" + victim), times=1000)
+    code, report = promote(capsys, plain, "--promote", dest)
+    assert code == 1 and not report["passed"]
+    failed = findings(report, "PROMOTION_FAILED")
+    assert failed and "other bytes than were sent" in failed[0]["message"] and victim in failed[0]["message"], failed
+    assert visible(plain) == before                                   # the sources are kept
+    assert "ds_train.json" not in keys(s3, bucket, "promoted/")
+    assert "ds_train_000001.idx" not in keys(s3, bucket, "promoted/")  # the shard's commit point never sent
+    s3.clear()
+    code, report = promote(capsys, plain, "--promote", dest, "--replace")
+    assert code == 0 and visible(plain) == []
+    assert len(open_packed(dest + "ds_train.json")) > 0
+
+
+def test_a_data_file_replaced_before_the_read_back_fails_the_promotion(run, s3, bucket, capsys, monkeypatch):
+    """Another writer replaces a data file after its upload with as many other bytes: its size and
+    the headers read back are right, its identity is not (the ETag its upload's answer proved)."""
+    from megatron_sft_idx.storage.destination import ObjectDestination
+
+    plain = run[1]
+    before = visible(plain)
+    dest = f"s3://{bucket}/promoted/"
+    real = ObjectDestination.read_back
+
+    def read_back(self, expected):
+        client = s3.client()
+        key = "promoted/ds_train_000000.bin"
+        body = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+        body[len(body) // 2] ^= 0xFF
+        client.put_object(Bucket=bucket, Key=key, Body=bytes(body))
+        return real(self, expected)
+
+    monkeypatch.setattr(ObjectDestination, "read_back", read_back)
+    code, report = promote(capsys, plain, "--promote", dest)
+    assert code == 1 and not report["passed"]
+    incomplete = findings(report, "DESTINATION_INCOMPLETE")
+    assert incomplete and "another writer replaced it" in incomplete[0]["message"], incomplete
+    assert dest + "ds_train_000000.bin" in {f["file"] for f in incomplete}
+    kept = visible(plain)                           # that shard's source is kept, with its manifest
+    assert {n for n in before if n.startswith("ds_train_000000.")} | {"ds_train.json"} <= set(kept), kept

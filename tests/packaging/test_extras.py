@@ -45,6 +45,8 @@ NOT_HIDDEN = {
     "packaging": "transformers and megatron-core import it too: hiding it would break the extra itself",
     "pytest": "test tools", "hypothesis": "test tools", "pytest-xdist": "test tools", "tomli": "test tools",
     "pytest-timeout": "test tools",
+    "pyyaml": "transformers (the same extra) imports it at start-up: hiding it would break the extra itself; "
+              "a YAML --mix file without it is one error (tests/preprocess/test_mixture_file.py)",
     "import-linter": "test tools: the import contract of tests/project/test_architecture.py",
     "setuptools": "test tools", "megatron-sft-idx": "an extra that names other extras",
     "pandas": "test tools: HF datasets needs it in the Megatron-Bridge compat stack (tests/compat)",

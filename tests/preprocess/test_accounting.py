@@ -46,16 +46,45 @@ def test_a_record_level_key_holding_text_is_refused_by_name_in_every_shape(make)
 
 
 def test_metadata_and_keys_without_text_are_ignored_and_counted_by_rule():
-    record = dict(CHAT, id="r-17", source="oasst", points=4.5, turns_rated=[1, 2], license="cc-by-4.0",
-                  empty="", absent=None, nested=[[1, 2.5, True]], struct={"a": None, "b": None})
+    record = dict(CHAT, id="r-17", source="oasst", num_tokens=45, turn_count=[1, 2], license="cc-by-4.0",
+                  empty="", absent=None, row=[[1, 2, 3]], struct={"a": None, "b": None})
     ignored = {}
     for _ in range(3):
         parse(record, ignored=ignored)
-    assert ignored == {"metadata:id": 3, "metadata:source": 3, "metadata:license": 3, "no-text:points": 3,
-                       "no-text:turns_rated": 3, "no-text:nested": 3}   # (null and "" are absent: not counted)
+    assert ignored == {"metadata:id": 3, "metadata:source": 3, "metadata:license": 3, "no-text:num_tokens": 3,
+                       "no-text:turn_count": 3, "no-text:row": 3}   # (null and "" are absent: not counted)
     refused(dict(CHAT, meta_notes={"k": [1, "text inside"]}), "meta_notes")   # text at any depth
-    refused(dict(CHAT, labels={"helpful": 1}), "labels")   # (an object's keys are text too)
+    refused(dict(CHAT, num_tokens="forty-five"), "num_tokens")   # a documented count holding text
     assert {"id", "source", "category", "license", "generator", "version"} <= METADATA_KEYS
+
+
+@pytest.mark.parametrize("key,value", [("points", 4.5), ("turns_rated", [1, 2]), ("nested", [[1, 2.5, True]]),
+                                       ("is_good", True)])
+def test_a_number_or_a_flag_under_an_undocumented_name_is_refused(key, value):
+    """"No text" is no rule by itself (issue 41): a value's type does not say it carries nothing."""
+    e = refused(dict(CHAT, **{key: value}), key)
+    assert repr(value)[:20] in str(e)
+    ignored = {}
+    parse(dict(CHAT, **{key: value}), ignored=ignored, ignore_fields=(key,))
+    assert ignored == {f"ignore-field:{key}": 1}
+
+
+@pytest.mark.parametrize("key,value", [("label", False), ("train", False), ("loss", 0), ("mask", [0, 1]),
+                                       ("chosen", "The better reply."), ("rejected", True), ("reward", -1.5),
+                                       ("is_harmful", True), ("labels", {"helpful": 1}), ("weight", 0)])
+def test_a_flag_that_decides_what_is_trained_is_refused_unless_ignored(key, value):
+    """A preference-style "label": false (an undesirable completion) was ignored as "no text" and
+    the completion trained; every such flag is now refused by its own reason, in every shape."""
+    for make in (lambda: dict(CHAT), lambda: glaive(1), lambda: alpaca(2, True), lambda: xlam(3)):
+        record = make()
+        record[key] = value
+        with pytest.raises(InputError) as e:
+            parse(record)
+        assert e.value.reason == "training_flag" and e.value.field == key, str(e.value)
+        assert f"--ignore-field {key}" in str(e.value) and "trained" in str(e.value)
+        ignored = {}
+        parse(record, ignored=ignored, ignore_fields=(key,))
+        assert ignored.get(f"ignore-field:{key}") == 1
 
 
 def test_a_flag_is_metadata_only_with_its_documented_values():

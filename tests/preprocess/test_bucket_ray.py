@@ -113,7 +113,8 @@ def test_a_second_run_on_the_work_directory_is_refused_and_an_expired_lease_take
         cluster, s3, bucket, local_run, tmp_path, capsys, monkeypatch):
     """The run's lock in the bucket (.ds.preprocess/lock) held by a run on another host refuses this
     one, naming its holder; once that holder's lease runs out (it stopped renewing), it is taken over."""
-    monkeypatch.setenv("MEGATRON_SFT_IDX_LEASE_SECONDS", "2")
+    monkeypatch.setenv("MEGATRON_SFT_IDX_LEASE_SECONDS", "3")
+    monkeypatch.setenv("MEGATRON_SFT_IDX_REQUEST_TIMEOUT", "2")   # (the lease's floor: 1.5 x the request timeout)
     out = f"s3://{bucket}/out/ds"
     code = ("import socket,sys; socket.gethostname=lambda: 'elsewhere';"
             "from megatron_sft_idx.storage.lease import ObjectLock; ObjectLock(sys.argv[1], 'w').acquire();"
@@ -125,7 +126,7 @@ def test_a_second_run_on_the_work_directory_is_refused_and_an_expired_lease_take
     err = capsys.readouterr().err
     assert "another process (pid " in err and " on elsewhere) is writing output " + out in err, err
     assert bucket_files(s3, bucket, "out/") == {}                 # nothing written
-    time.sleep(2.1)
+    time.sleep(3.1)
     assert preprocess_main(args + ["--resume"]) == 0
     assert bucket_files(s3, bucket, "out/") == local_files(local_run / "out")
 

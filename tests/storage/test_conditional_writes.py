@@ -14,7 +14,7 @@ from megatron_sft_idx.storage.objects import store_for
 from megatron_sft_idx.storage.urls import ObjectURL
 from megatron_sft_idx.storage.config import MIB, StorageConfig
 from megatron_sft_idx.storage.destination import ObjectDestination
-from megatron_sft_idx.storage.lease import ObjectLock
+from megatron_sft_idx.storage.lease import ObjectLock, require_conditional_writes
 
 
 def _store(**settings):
@@ -83,13 +83,15 @@ def test_a_lock_refuses_a_second_holder_naming_the_first(bucket):
 
 def test_a_killed_holders_lease_is_taken_over_and_a_live_one_renewed(bucket, monkeypatch):
     monkeypatch.setenv("MEGATRON_SFT_IDX_LEASE_SECONDS", "1.5")
+    monkeypatch.setenv("MEGATRON_SFT_IDX_REQUEST_TIMEOUT", "1")   # (the lease's floor: 1.5 x the request timeout)
     url = f"s3://{bucket}/work/lock"
+    taker = ObjectLock(url, "w")
+    require_conditional_writes(taker.store, taker.url)   # (probed first: the acquire below is one read)
     # a holder on "another host" (the lease alone decides), killed: it never renews
     code = ("import socket,sys; socket.gethostname=lambda: 'elsewhere';"
             "from megatron_sft_idx.storage.lease import ObjectLock; l=ObjectLock(sys.argv[1], 'w'); l.acquire();"
             "import os; os._exit(0)")
     subprocess.run([sys.executable, "-c", code, url], check=True, env=dict(os.environ))
-    taker = ObjectLock(url, "w")
     with pytest.raises(ShardError, match="pid .* on elsewhere"):
         taker.acquire()                           # its lease still runs
     time.sleep(1.6)
@@ -103,3 +105,33 @@ def test_a_killed_holders_lease_is_taken_over_and_a_live_one_renewed(bucket, mon
         taker.check()
     finally:
         taker.release()
+
+
+@pytest.mark.parametrize("lease,timeout", [("0.001", "20"), ("0.9", "0.1"), ("29", "20")])
+def test_a_lease_shorter_than_a_renewal_needs_is_refused_naming_the_floor(bucket, monkeypatch, lease, timeout):
+    """A 1 ms lease is "a positive number", but a renewal (one request) sent a third into it can
+    never land in time: the lock is refused before anything is written, the floor named (issue 41)."""
+    monkeypatch.setenv("MEGATRON_SFT_IDX_LEASE_SECONDS", lease)
+    monkeypatch.setenv("MEGATRON_SFT_IDX_REQUEST_TIMEOUT", timeout)
+    floor = max(1.0, 1.5 * float(timeout))
+    with pytest.raises(ShardError, match=rf"below the floor of {floor:g} s") as e:
+        ObjectLock(f"s3://{bucket}/st/lock", "w")
+    assert "MEGATRON_SFT_IDX_LEASE_SECONDS" in str(e.value) and "\n" not in str(e.value)
+    assert store_for(ObjectURL.parse(f"s3://{bucket}/x"), StorageConfig.resolve()).list(
+        ObjectURL.parse(f"s3://{bucket}/"), recursive=True) == []
+    monkeypatch.setenv("MEGATRON_SFT_IDX_LEASE_SECONDS", str(floor))
+    ObjectLock(f"s3://{bucket}/st/lock", "w")     # at the floor: taken
+
+
+def test_preprocess_refuses_a_store_lock_below_the_floor(bucket, s3, monkeypatch, tmp_path, capsys):
+    from megatron_sft_idx.preprocess.cli import main as preprocess_main
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    monkeypatch.setenv("MEGATRON_SFT_IDX_LEASE_SECONDS", "0.001")
+    s3.clear()
+    assert preprocess_main(["--input", os.path.join(root, "examples", "conversations.jsonl"), "--tokenizer",
+                            os.path.join(root, "examples", "tokenizer"), "--pack-size", "256", "--quiet",
+                            "--store", f"s3://{bucket}/st", "--output-prefix", str(tmp_path / "ds")]) == 1
+    err = capsys.readouterr().err
+    assert "below the floor of 30 s" in err and len(err.strip().splitlines()) == 1, err
+    assert s3.count("PUT") == 0 and not (tmp_path / "ds").exists(), s3.requests

@@ -216,3 +216,92 @@ def test_preprocess_whose_destination_check_never_ends(hostile, shard, tmp_path,
     assert len(err.splitlines()) == 1 and url in err and "Traceback" not in err, err
     assert ("listing" in err) if action != "stall" else ("no complete response" in err), err
     assert not (tmp_path / "stage").exists()  # refused before any work
+
+
+# --------------------------------------------------------------------------- conditional writes (issue 41)
+
+
+def test_a_store_that_ignores_conditional_writes_is_refused_before_a_lock_is_trusted(hostile, shard):
+    """A gateway that forwards PUTs without If-None-Match / If-Match would give two runs one lock
+    (each create-only PUT "succeeds") and let a release delete the live holder's lock. The first
+    lock of a bucket probes the store and refuses it by its endpoint; a faithful store passes."""
+    from megatron_sft_idx.errors import ShardError
+    from megatron_sft_idx.storage.lease import ObjectLock
+
+    url = f"s3://{BUCKET}/locks/a/lock"
+    hostile.inject("ignore-conditional", method="PUT", times=10_000)
+    with pytest.raises(ShardError) as e:
+        ObjectLock(url, "w").acquire()
+    assert "ignores If-None-Match" in str(e.value) and hostile.endpoint in str(e.value), e.value
+    assert not bucket_files(hostile, "locks/")                      # no lock left, the probe deleted
+    reset_clients()                                                 # (a new process: probed afresh)
+    hostile.clear()
+    hostile.inject("ignore-if-match", method="PUT", times=10_000)   # create-only honoured, If-Match not
+    with pytest.raises(ShardError, match="ignores If-Match"):
+        ObjectLock(url, "w").acquire()
+    reset_clients()
+    hostile.clear()
+    first = ObjectLock(url, "w")
+    first.acquire()
+    try:
+        with pytest.raises(ShardError, match="is writing w"):
+            ObjectLock(url, "w").acquire()                          # the store honours them: one holder
+    finally:
+        first.release()
+    assert not bucket_files(hostile, "locks/")
+
+
+def test_preprocess_refuses_a_store_on_a_server_that_ignores_conditional_writes(hostile, shard, tmp_path, capsys):
+    from megatron_sft_idx.preprocess.cli import main as preprocess_main
+
+    hostile.inject("ignore-conditional", method="PUT", times=10_000)
+    store = f"s3://{BUCKET}/cond/st"
+    assert preprocess_main(SETTINGS + ["--store", store, "--output-prefix", str(tmp_path / "o" / "ds")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "ignores If-None-Match" in err and hostile.endpoint in err, err
+    assert not bucket_files(hostile, "cond/")
+    assert not (tmp_path / "o").exists() or not local_files(tmp_path / "o")     # nothing published
+
+
+# --------------------------------------------------------------------------- what a write answers (issue 41)
+
+
+@pytest.mark.parametrize("suffix", ["/cw/s.bin", "/cw/s.idx"])
+def test_an_upload_the_server_stores_otherwise_is_an_error_naming_the_object(hostile, shard, suffix):
+    """A server (or a proxy in front of it) that stores other bytes than were sent answers for
+    those bytes: the upload's answer is compared with what was sent and the upload fails, the
+    .idx never sent after a bad data file; a clean retry gives the shard."""
+    url = f"s3://{BUCKET}/cw/s"
+    hostile.inject("corrupt-write", method="PUT", suffix=suffix, times=1000)
+    with pytest.raises(ResponseMismatchError, match="other bytes than were sent") as e:
+        upload_shard(shard, url, replace=True)
+    assert url + suffix[len("/cw/s"):] in str(e.value)
+    hostile.clear()
+    if suffix.endswith(".bin"):
+        does_not_open(url)
+    upload_shard(shard, url, replace=True)
+    assert same_shard(url, shard)
+
+
+def test_a_multipart_part_or_a_small_write_stored_otherwise_is_an_error(hostile, tmp_path, monkeypatch):
+    from megatron_sft_idx.storage.config import StorageConfig
+    from megatron_sft_idx.storage.objects import store_for
+    from megatron_sft_idx.storage.urls import ObjectURL
+
+    monkeypatch.setenv("MEGATRON_SFT_IDX_PART_SIZE", "5M")
+    reset_clients()
+    path = str(tmp_path / "blob")
+    with open(path, "wb") as f:
+        f.write(np.random.default_rng(1).bytes(11 << 20))
+    url = ObjectURL.parse(f"s3://{BUCKET}/cw/blob")
+    store = store_for(url, StorageConfig.resolve())
+    hostile.inject("corrupt-write", method="PUT", suffix="/cw/blob", query="partNumber=2", times=1000)
+    with pytest.raises(ResponseMismatchError, match="part 2"):
+        store.upload(path, url)
+    assert store.head(url) is None                                  # aborted: nothing completed
+    hostile.clear()
+    etag = store.upload(path, url)
+    assert etag.strip('"').endswith("-3") and store.head(url).etag == etag
+    hostile.inject("corrupt-write", method="PUT", suffix="/cw/receipt.json", times=1000)
+    with pytest.raises(ResponseMismatchError):
+        store.put_bytes(ObjectURL.parse(f"s3://{BUCKET}/cw/receipt.json"), b'{"done": true}')

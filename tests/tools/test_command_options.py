@@ -109,3 +109,56 @@ def test_an_alias_says_so_in_its_help(command, alias):
     assert canonical in action.option_strings or (action.help or "").startswith("alias:"), (command, alias)
     if canonical in action.option_strings:
         assert alias in (action.help or ""), f"{command} {canonical}: its help does not name {alias}"
+
+
+# --------------------------------------------------------------------------- two spellings, two values (issue 41)
+
+#: (command, argv besides the two spellings, first spelling and value, second spelling and value)
+CONFLICTS = [
+    ("plan-batches", ["s", "--balance-for", "1,1,2"], ("--balance-epochs", "2"), ("--epochs", "5")),
+    ("plan-batches", ["s", "--balance-for", "1,1,2"], ("--seed", "7"), ("--balance-seed", "8")),
+    ("plan-batches", ["s", "--balance-for", "1,1,2"], ("--cost-model", "llama3-8b"), ("--model", "qwen2.5-7b")),
+    ("plan-batches", ["s", "--balance-for", "1,1,2"], ("--pad-multiple", "4"), ("--pad-seq-to-mult", "8")),
+]
+
+
+def run_tool(command, argv):
+    module, function = TOOLS[command].target.split(":")
+    return getattr(import_module(module), function)(argv)
+
+
+def test_every_setting_with_two_spellings_refuses_two_values():
+    """Structurally: every action with more than one long option string goes through
+    ``_cli.add_aliased`` (so a new alias cannot forget it)."""
+    from megatron_sft_idx._cli import _Aliased
+
+    for command, parser in parsers().items():
+        for action in parser._actions:
+            if len([s for s in action.option_strings if s.startswith("--")]) > 1:
+                assert isinstance(action, _Aliased), (command, action.option_strings)
+
+
+@pytest.mark.parametrize("command, argv, first, second", CONFLICTS)
+def test_two_spellings_with_two_values_are_refused_naming_both(command, argv, first, second, capsys):
+    assert run_tool(command, argv + [*first, *second]) == 2
+    err = capsys.readouterr().err
+    line = next(line for line in err.splitlines() if "error:" in line)
+    assert f"{first[0]} {first[1]} and {second[0]} {second[1]}" in line and "two spellings" in line, err
+
+
+def test_one_value_under_two_spellings_or_one_spelling_repeated_is_kept(tmp_path, capsys):
+    from megatron_sft_idx.tools.plan_batches_cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["s", "--balance-epochs", "3", "--epochs", "3", "--seed", "1", "--seed", "2"])
+    assert args.balance_epochs == 3 and args.balance_seed == 2            # last wins within one spelling
+    args = parser.parse_args(["s", "--epochs", "5"])
+    assert args.balance_epochs == 5
+    again = build_parser().parse_args(["s", "--balance-epochs", "2"])     # a fresh parse forgets the last
+    assert again.balance_epochs == 2
+
+
+def test_a_part_given_beside_its_whole_even_at_the_default_is_refused(capsys):
+    assert run_tool("plan-batches", ["s", "--balance-for", "1,1,2", "--cost-model", "llama3-8b", "--linear", "1",
+                                     "--attention", "2"]) == 2
+    assert "another spelling of --cost-model" in capsys.readouterr().err

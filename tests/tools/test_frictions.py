@@ -55,16 +55,16 @@ def test_merge_refuses_different_loss_policies_naming_the_flag(shards, tmp_path,
     assert status == 0, err
 
 
-def test_tokenizer_differences_name_the_vocabularies():
-    from megatron_sft_idx.sets import _tokenizer_difference
+def testtokenizer_differences_name_the_vocabularies():
+    from megatron_sft_idx.sets import tokenizer_difference
 
     a = {"name": "a", "files_sha256": "1" * 64, "vocab_size": 1024}
     b = {"name": "b", "files_sha256": "2" * 64, "vocab_size": 32000}
-    words = _tokenizer_difference(a, b).words
+    words = tokenizer_difference(a, b).words
     assert words == ("tokenized with different tokenizers: 'a' (files sha256 111111111111, vocab 1,024) and "
                      "'b' (files sha256 222222222222, vocab 32,000)")
     same_files = dict(b, files_sha256="1" * 64, chat_template_sha256="3" * 64)
-    assert _tokenizer_difference(dict(a, chat_template_sha256="4" * 64), same_files).words.startswith(
+    assert tokenizer_difference(dict(a, chat_template_sha256="4" * 64), same_files).words.startswith(
         "chat template differs: the same tokenizer ('a') with different chat templates")
 
 

@@ -169,3 +169,54 @@ def test_missing_duckdb_names_the_extra(shards):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "needs the 'tools' extra" in proc.stderr \
         and "pip install 'megatron_sft_idx[tools]'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# --------------------------------------------------------------------------- sequences (and sources)
+
+
+def test_sequences_table_groups_by_source(tmp_path):
+    """One row per sequence, its source named (format 1.2): the counts and trained tokens per source
+    are those the reader's own source ids and loss masks give."""
+    from megatron_sft_idx import MMapIndexedDataset
+    from support.shardgen import random_packs, write_shard
+
+    rng = np.random.default_rng(4)
+    packs = [p + (rng.integers(0, 2, p[2].size),) for p in random_packs(rng, 300)]
+    prefix = str(tmp_path / "mixed")
+    write_shard(prefix, packs, metadata={"sources": [{"name": "chat"}, {"name": "code"}]})
+    got = query(prefix, "SELECT source, count(*) AS n, sum(trainable_tokens) AS t FROM sequences GROUP BY 1 ORDER BY 1")
+    ds = MMapIndexedDataset(prefix)
+    want = {"chat": [0, 0], "code": [0, 0]}
+    for i in range(len(ds)):
+        pack, ids = ds[i], ds.source_ids(i)
+        b = pack.seq_boundaries
+        for k, src in enumerate(ids):
+            name = ds.sources[src]
+            want[name][0] += 1
+            want[name][1] += int(pack.loss_mask[b[k]:b[k + 1]].sum())
+    assert {r["source"]: [r["n"], int(r["t"])] for r in got.to_pylist()} == want
+    rows = query(prefix, "SELECT pack, sequence, length FROM sequences WHERE pack = 7 ORDER BY sequence").to_pylist()
+    assert [r["length"] for r in rows] == np.diff(ds[7].seq_boundaries).tolist()
+    both = query(prefix, "SELECT (SELECT count(*) FROM packs) AS packs, (SELECT count(*) FROM sequences) AS seqs")
+    assert both.to_pylist() == [{"packs": len(ds), "seqs": int(ds.seq_header.sequence_count)}]
+
+
+def test_sequences_of_shards_without_sources_have_null_sources(shards):
+    got = query(shards[0], "SELECT count(*) AS n, count(source) AS named FROM sequences").to_pylist()
+    assert got[0]["n"] > 0 and got[0]["named"] == 0
+
+
+def test_inspect_summary_counts_the_sources(tmp_path, capsys):
+    from support.shardgen import random_packs, write_shard
+
+    rng = np.random.default_rng(8)
+    prefix = str(tmp_path / "mixed")
+    packs = [p + (rng.integers(0, 2, p[2].size),) for p in random_packs(rng, 40)]
+    write_shard(prefix, packs, metadata={"sources": [{"name": "chat"}, {"name": "code"}]})
+    assert inspect_main([prefix, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    ds = MMapIndexedDataset(prefix)
+    ids = np.asarray(ds.sequence_source_ids)
+    assert summary["sources"] == {"chat": int((ids == 0).sum()), "code": int((ids == 1).sum())}
+    assert inspect_main([prefix]) == 0
+    assert "sources      chat" in capsys.readouterr().out

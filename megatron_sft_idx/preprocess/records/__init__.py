@@ -11,6 +11,7 @@ shape, and the registry that tells them apart), :mod:`.accounting` (nothing rend
 record does not hold), :mod:`.rendering` (what a template renders), :mod:`.policy` (loss
 policies), :mod:`.chat` (chat templates and masks), :mod:`.spans` (trained spans located in a
 rendering), :mod:`.encode` (records to tokens, batched), :mod:`.fast_tokenizer`,
-:mod:`.source_check` (the independent check against the source record), :mod:`.errors` (input
+:mod:`.source_check` (the independent check against the source record) with :mod:`.key_scan`
+(its own reading of a record's bytes for a key named twice), :mod:`.errors` (input
 and output errors naming ``file:line``).
 """

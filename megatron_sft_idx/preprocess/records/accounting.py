@@ -9,7 +9,11 @@ Each tool definition the template wrote as JSON -- an object holding ``"name": N
 (its ``tools`` / ``functions`` as the record gives them, a JSON string parsed, ``null`` counting
 as absent at every depth): every key the rendering shows is one the source has, with the same
 value. A template may show less (Mistral's keeps ``name``, ``description``, ``parameters``), never
-more: Parquet's struct nulls rendered as ``"altitude": null`` fail here, naming the tool.
+more: Parquet's struct nulls rendered as ``"altitude": null`` fail here, naming the tool. The
+same holds around a definition: one the template writes inside a ``{"type": "function",
+"function": ...}`` wrapper must have a wrapper the record's holds (its own wrapper's keys, or the
+mapping's ``{"type": "function"}`` around a bare definition) -- a key a template adds beside the
+definition is refused as one added inside it is.
 Each tool call written as JSON (the call's ``name`` with ``arguments``, or Llama 3.1's
 ``parameters`` holding values) is compared in order: the n-th call of ``NAME`` shown must have
 arguments held by the record's n-th call of ``NAME`` (as the mapping received it, before any
@@ -50,6 +54,25 @@ def _without_nulls(value):
     if isinstance(value, list):
         return [_without_nulls(v) for v in value]
     return value
+
+
+def source_wrappers(tools) -> Dict[str, List[dict]]:
+    """``{name: [wrapper, ...]}`` of the record's ``tools`` value (as :func:`source_definitions`
+    reads it): each definition's wrapper without its ``function`` (``{"type": "function"}`` for a
+    bare definition, which the mapping wraps so)."""
+    if isinstance(tools, str):
+        tools = _parsed(tools)
+    out: Dict[str, List[dict]] = {}
+    for tool in (tools if isinstance(tools, list) else (tools,)):
+        if not isinstance(tool, dict):
+            continue
+        fn = tool.get("function")
+        wrapper = {k: v for k, v in tool.items() if k != "function" and v is not None} if isinstance(fn, dict) \
+            else {"type": "function"}
+        name = (fn if isinstance(fn, dict) else tool).get("name")
+        if isinstance(name, str):
+            out.setdefault(name, []).append(wrapper)
+    return out
 
 
 def source_definitions(tools) -> Tuple[Dict[str, List[dict]], Dict[str, Tuple[str, ...]]]:
@@ -342,6 +365,13 @@ def check_rendered_tools(text: str, tools, path: str, line: int, calls=(),
     definitions, written = source_definitions(tools) if tools else ({}, {})
     arguments = source_arguments(calls) if calls else {}
     shown_calls: Dict[str, int] = {}   # calls of each tool shown so far
+    wrappers: List[Optional[Dict[str, List[dict]]]] = [None]   # (read when a wrapper is not the plain one)
+
+    def wrapped(start: int, end: int, name: str) -> None:
+        if wrappers[0] is None:
+            wrappers[0] = source_wrappers(tools)
+        _check_wrapper(text, start, end, name, wrappers[0], path, line)
+
     for m in _NAME_KEY.finditer(text):   # (one loop, few calls: this runs on every tool record)
         name = m.group(1)
         if "\\" in name:
@@ -362,18 +392,27 @@ def check_rendered_tools(text: str, tools, path: str, line: int, calls=(),
                 continue
             if defs:   # a definition as the record holds it, no null shown: its text, or compared in C
                 if name in written and text.startswith(written[name], at - 1):
+                    end = at - 1 + len(next(w for w in written[name] if text.startswith(w, at - 1)))
+                    if not _plainly_wrapped(text, at - 1, end):
+                        wrapped(at - 1, end, name)
                     continue
                 shown, end = _read_object(text, at - 1, name)
                 if shown in defs and "arguments" not in shown and text.find("null", at, end) < 0:
+                    if not _plainly_wrapped(text, at - 1, end):
+                        wrapped(at - 1, end, name)
                     continue
         shown, start, end = _object_at(text, at)
         nulls = text.find("null", start, end) >= 0
         if _definition(shown, name):
             if defs and not nulls and shown in defs:
+                if not _plainly_wrapped(text, start, end):
+                    wrapped(start, end, name)
                 continue   # as the record holds it, and no null shown
             if "description" in shown or not args or (defs and any(held(shown, _without_nulls(d)) for d in defs)):
                 if defs:   # (else Llama's call form, below)
                     _check_definition(shown, nulls, defs, name, path, line)
+                    if not _plainly_wrapped(text, start, end):
+                        wrapped(start, end, name)
                 continue
         values = _call_values(shown, name) if args is not None else _NO_CALL
         if values is _NO_CALL:
@@ -391,6 +430,45 @@ def check_rendered_tools(text: str, tools, path: str, line: int, calls=(),
                               reason="rendered_not_in_source",
                               hint="the template (or the mapping) changed the call's arguments; report "
                                    "it, or pass --skip-bad to skip and count such records")
+
+
+_PLAIN_WRAPPER = '{"type": "function", "function": '
+_FUNCTION_KEY = re.compile(r'"function"\s*:\s*\Z')
+
+
+def _plainly_wrapped(text: str, start: int, end: int) -> bool:
+    """True when the definition at ``text[start:end]`` stands bare, or inside exactly the wrapper
+    every record's definition is given (``{"type": "function", "function": DEF}``, as ``tojson``
+    writes it): nothing beside it to compare."""
+    if text.startswith(_PLAIN_WRAPPER, start - len(_PLAIN_WRAPPER)):
+        return text.startswith("}", end)
+    return _FUNCTION_KEY.search(text, max(0, start - 64), start) is None
+
+
+def _check_wrapper(text: str, start: int, end: int, name: str, wrappers: Dict[str, List[dict]], path: str,
+                   line: int) -> None:
+    """The wrapper around the definition of ``name`` at ``text[start:end]`` (the object whose
+    ``function`` it is) is held by one of the record's wrappers of ``name``: every other key it
+    shows the source's, with the same value.
+
+    Raises:
+        InputError: a key beside the definition the record does not hold (``rendered_not_in_source``)."""
+    if _FUNCTION_KEY.search(text, max(0, start - 64), start) is None:
+        return   # (a bare definition)
+    shown, _, _ = _object_at(text, start - 1)
+    if not isinstance(shown, dict) or not isinstance(shown.get("function"), dict) \
+            or shown["function"].get("name") != name:
+        return   # (not a wrapper this scan can read: the definition itself was compared)
+    outer = {k: v for k, v in shown.items() if k != "function"}
+    if any(held(outer, w) for w in wrappers.get(name, ())):
+        return
+    held_by = wrappers.get(name) or [{}]
+    extra = next((k for k in outer if all(k not in w or not held(outer[k], w[k]) for w in held_by)), None)
+    raise input_error(f"the rendering shows tool '{name}' in a wrapper with {repr(extra) + ' as' if extra else 'what'} "
+                      "the record does not hold", path, line,
+                      field=f"tools.{name}(wrapper)" + (f".{extra}" if extra else ""), reason="rendered_not_in_source",
+                      hint="the template (or the mapping) added to the tool definition's wrapper; report it, or pass "
+                           "--skip-bad to skip and count such records")
 
 
 def _call_as_written(text: str, after: int, args: list, shown: int) -> bool:

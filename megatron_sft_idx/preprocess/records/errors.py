@@ -9,7 +9,7 @@ import errno
 
 from ...errors import InputError, OutputError
 
-__all__ = ["InputError", "OutputError", "input_error", "output_error"]
+__all__ = ["InputError", "OutputError", "input_error", "output_error", "duplicate_key"]
 
 _OS_REASONS = {
     errno.ENOSPC: ("no space left on the device", "free space or choose another --output-prefix / --store"),
@@ -30,6 +30,16 @@ def input_error(message: str, path: str, line: int, field=None, reason: str = "b
     err = InputError(message, path=f"{path}:{line}", field=field, hint=hint)
     err.reason = reason
     return err
+
+
+def duplicate_key(key: str, path: str, line: int, where) -> InputError:
+    """The refusal of a record (or a JSON string inside it, ``where``) whose object names ``key``
+    twice: JSON readers differ in which one counts, so the record has no one meaning (reason
+    ``duplicate_key``)."""
+    inside = f"'{where}' holds" if where else "the record holds"
+    return input_error(f"{inside} an object that names the key {key!r} twice: JSON readers differ in which one "
+                       "counts, so it has no one meaning", path, line, field=where or key, reason="duplicate_key",
+                       hint="keep one of them (fix the producer), or pass --skip-bad to skip and count such records")
 
 
 def output_error(exc: OSError, resumable: bool = True, where=None) -> OutputError:

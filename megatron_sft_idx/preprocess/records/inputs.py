@@ -34,7 +34,8 @@ from ..._extras import require_extra
 from ...errors import MetadataError, MetadataLimitError
 from ...jsondoc import MAX_METADATA_LENGTH, load_json, parse_json, parse_record_json
 from ...storage import ObjectURL, is_remote
-from .errors import InputError, input_error
+from ...storage.urls import check_url
+from .errors import InputError, duplicate_key, input_error
 from .shapes import KINDS, SchemaOptions, detect, map_record
 from .sources import InputSource, ObjectInput
 
@@ -220,7 +221,7 @@ def _remote_files(spec: str, left: Optional[List[str]], sizes: Dict[str, int]) -
     # (start-up: the object-store layer loads for a URL only)
     from ...storage.objects import list_objects, stat_object
 
-    url = ObjectURL.parse(spec)
+    url = ObjectURL.parse(check_url(spec, "--input"))
     if url.has_magic():
         literal = url.key[: min(url.key.find(c) for c in "*?[" if c in url.key)]
         listed = list_objects(str(ObjectURL(url.scheme, url.bucket, literal)))
@@ -380,7 +381,8 @@ def parse_record(raw, path: str, line: int, input_format: str, prompt_key: str, 
     counts the record-level keys ignored by a rule, as ``rule:key`` (:func:`.shapes.account_keys`).
 
     Raises:
-        InputError: malformed JSON, a record of no known shape, or what :mod:`.schemas` refuses.
+        InputError: malformed JSON, a key twice in one object (``duplicate_key``), a record of no
+            known shape, or what :mod:`.schemas` refuses.
     """
     if isinstance(raw, OversizedRecord):
         raise input_error(f"record of {raw.size} bytes exceeds --max-record-bytes", path, line,
@@ -398,6 +400,9 @@ def parse_record(raw, path: str, line: int, input_format: str, prompt_key: str, 
                               reason="json_too_deep",
                               hint="no conversation needs this nesting; fix the record or pass --skip-bad") from None
         except MetadataError as exc:
+            key = getattr(exc, "duplicate", None)
+            if key is not None:
+                raise duplicate_key(key, path, line, None) from None
             raise input_error(f"malformed JSON ({exc.detail})", path, line, reason="malformed_json") from None
     else:
         record = raw

@@ -18,9 +18,12 @@ on fixed probe conversations:
 (never a rendering without the calls). :func:`check_rendered` then proves, on every rendering,
 that each message's text appears in order (system messages and tool definitions anywhere, since
 templates move them): content, reasoning of trained turns, each tool call's name and argument
-keys and values (as JSON), each tool result. A template that renders something nowhere -- an
-unknown role skipped, content dropped next to tool calls, a system prompt kept only for a final
-user turn, reasoning stripped -- is an error naming the source field.
+keys and values (as JSON), each tool result, and each message's ``name`` in its message's place
+(who spoke, in multi-party data; a tool result's ``name`` that names a call of the turn it
+answers is that call's name, checked with the call). A template that renders something nowhere
+-- an unknown role skipped, content dropped next to tool calls, a system prompt kept only for a
+final user turn, reasoning stripped, a speaker's name dropped -- is an error naming the source
+field (``--ignore-field name`` drops the names before rendering, counted).
 """
 
 from __future__ import annotations
@@ -196,12 +199,21 @@ _CONSTANTS = {None: ("null",), True: ("true",), False: ("false",)}
 
 def items_of(conv: Conversation, reasoning_required: Sequence[int], policy: LossPolicy, text_calls: bool = False):
     """``(ordered, anywhere)``: ``(field, what, forms)`` of every text the rendering must hold
-    (``text_calls``: the template writes call arguments as text, :mod:`.call_text`)."""
+    (``text_calls``: the template writes call arguments as text, :mod:`.call_text`). A message's
+    ``name`` is ordered, as ``"<role> name"``, before its message's texts (it is looked for from
+    where the message begins, and does not move that place: a template may write it before or
+    after the content)."""
     leaves = text_leaves if text_calls else json_leaves
     ordered, anywhere = [], []
+    called: set = set()   # names of the calls of the last assistant turn that made some
     for k, m in enumerate(conv.messages):
         where = conv.where(k)
         role = m["role"]
+        if m.get("tool_calls"):
+            called = {c["function"]["name"] for c in m["tool_calls"]}
+        name = m.get("name")
+        if name and not (role == "tool" and name in called):
+            ordered.append((f"{where}.name", f"{role} name", (name,)))
         if role == "assistant" and "reasoning_content" in m and k in reasoning_required \
                 and policy.reasoning != "drop":
             ordered.append((where, "reasoning", (m["reasoning_content"].strip(),)))
@@ -241,6 +253,8 @@ def check_rendered(text: str, conv: Conversation, reasoning_required: Sequence[i
         found = _find(text, forms, pos)
         if found < 0:
             raise _dropped(where, what, _find(text, forms, 0) >= 0, path, line)
+        if what.endswith(" name"):
+            continue   # (in its message's place, which it does not move)
         pos = found
         _own_span(text, what, forms, found, own)
     for where, what, forms in anywhere:
@@ -333,8 +347,12 @@ def _first(text: str, forms: Sequence[str], pos: int) -> int:
 
 def _dropped(where: str, what: str, elsewhere: bool, path: str, line: int):
     how = "out of order" if elsewhere else "nowhere"
+    if what.endswith(" name"):
+        hint = ("use a chat template that renders who speaks (--chat-template), pass --ignore-field name if the "
+                "names carry nothing the model should see (they are dropped and counted), or pass --skip-bad")
+    else:
+        hint = ("use a chat template that renders it (--chat-template), change the loss policy "
+                "(--reasoning-loss drop drops reasoning on purpose), or pass --skip-bad")
     return input_error(f"the chat template renders the {what} of {where} {how}: the conversation would be "
-                       "trained without it", path, line, field=where, reason="template_dropped_content",
-                       hint="use a chat template that renders it (--chat-template), change the loss policy "
-                            "(--reasoning-loss drop drops reasoning on purpose), or pass --skip-bad")
+                       "trained without it", path, line, field=where, reason="template_dropped_content", hint=hint)
 

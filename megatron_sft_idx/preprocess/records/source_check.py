@@ -22,7 +22,13 @@ trained. Then, on the tokens of one written sequence, it proves:
    turn that renders no text (an empty reply: its end-of-turn alone);
 
 and counts the trained tokens per role (``assistant``, ``tool_call``, ``reasoning``, and any
-``user``/``system``/``tool`` ones, which fail the check). A mapping that dropped a text, a
+``user``/``system``/``tool`` ones, which fail the check).
+
+Before any of it, the record's bytes -- and every JSON string it reads inside them (arguments, a
+``function_call`` value, ``tools``, xLAM ``answers``) -- are read once more by this module's own
+small scanner (:func:`duplicate_key`), not the decoder the mapping reads with: an object that
+names a key twice has no one meaning, and a mapping whose decoder picked one silently
+(``{"role": "user", ..., "role": "assistant"}`` trained as a reply) fails here. A mapping that dropped a text, a
 template that rendered it nowhere, a turn left untrained or a turn trained that must not be,
 each fails here, whatever the pipeline's own normalisation believed.
 """
@@ -38,6 +44,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from ...jsondoc import parse_record_json
+from .key_scan import duplicate_key
 
 _SHAREGPT = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
              "model": "assistant", "function_call": "assistant", "observation": "tool", "tool": "tool",
@@ -48,6 +55,13 @@ _OPENAI = {"system": "system", "developer": "system", "user": "user", "assistant
 
 class Unverifiable(Exception):
     """The source record cannot be read as the settings say (the check fails with this message)."""
+
+
+def one_meaning(raw, where: str = "the record") -> None:
+    """Raises Unverifiable when the JSON text ``raw`` (of the field ``where``) names a key twice."""
+    key = duplicate_key(raw)
+    if key is not None:
+        raise Unverifiable(f"{where} holds an object that names the key {key!r} twice: it has no one meaning")
 
 
 @dataclass
@@ -88,8 +102,14 @@ def _forms(value) -> Tuple[str, ...]:
     return (json.dumps(value),)
 
 
+#: words a reasoning field may hold that are a switch, not reasoning (docs/INPUTS.md: ``"off"``)
+_SWITCHES = ("on", "off")
+
+
 def _has_text(value) -> bool:
-    """A string or text parts with a non-blank text in them."""
+    """A string or text parts with a non-blank text in them (a switch word is none)."""
+    if isinstance(value, str) and value.strip().lower() in _SWITCHES:
+        return False
     if isinstance(value, list):
         return any(_has_text(p.get("text") if isinstance(p, dict) else p) for p in value)
     return isinstance(value, str) and bool(value.strip())
@@ -174,6 +194,7 @@ class _Reader:
         fn = call.get("function", call) if isinstance(call, dict) else {}
         name, arguments = fn.get("name"), fn.get("arguments")
         if isinstance(arguments, str):
+            one_meaning(arguments, where + ".arguments")
             try:
                 arguments = parse_record_json(arguments)
                 if isinstance(arguments, str) and arguments.lstrip().startswith("{"):   # encoded twice
@@ -208,6 +229,7 @@ class _Reader:
             value = m.get("value")
             if source == "function_call":
                 value = self.thought(t, value, where)  # (a thought block may open the calls)
+                one_meaning(value if isinstance(value, str) else "", where + ".value")
                 try:
                     calls = parse_record_json(value)
                 except (TypeError, ValueError):
@@ -221,6 +243,7 @@ class _Reader:
 
     def tools(self, value) -> List[Text]:
         if isinstance(value, str) and value.strip():
+            one_meaning(value, "tools")
             value = parse_record_json(value)
         if isinstance(value, dict):
             value = [value]
@@ -266,6 +289,7 @@ def read_source(record: dict, shape: str, settings: dict) -> SourceConversation:
         t = r.turn("assistant", "answers")
         answers = record.get("answers")
         if isinstance(answers, str):
+            one_meaning(answers, "answers")
             try:
                 answers = parse_record_json(answers)
             except ValueError:

@@ -10,8 +10,11 @@ that exist; ``tokenizer.json`` must), at most :data:`MAX_TOKENIZER_BYTES` in all
 run ships to its tasks with the step (Ray's object store holds the step; forked workers inherit
 it). Each process then :meth:`~TokenizerFiles.materialize`\\ s them into its own node's
 temporary directory (``tempfile.gettempdir()``, never a path the driver chose), in a directory
-named as the source's last level, so the tokenizer loads, names itself and hashes
-(``files_sha256``) exactly as a local copy of the same files does: the same shards.
+named by the digest of the files, holding one directory named as the source's last level (one
+plain name: a URL with an empty, ``.`` or ``..`` level is refused before anything is read), so
+the tokenizer loads, names itself and hashes (``files_sha256``) exactly as a local copy of the
+same files does: the same shards. Nothing is deleted outside that digest's directory
+(:func:`~megatron_sft_idx._atomic.remove_tree`).
 """
 
 from __future__ import annotations
@@ -19,15 +22,16 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import shutil
 import tempfile
 import threading
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
+from ..._atomic import remove_tree
 from ..._extras import require_extra
 from ...errors import ShardError
 from ...storage import ObjectURL, is_remote
+from ...storage.urls import check_url, plain_name
 
 #: The files of a tokenizer that are shipped (and hashed into its identity, :mod:`.chat`).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -73,7 +77,7 @@ class TokenizerFiles:
         a copy found there is used when its bytes verify, else written again).
 
         Raises:
-            ShardError: the temporary directory cannot be written.
+            ShardError: the temporary directory cannot be written; ``name`` is no plain name.
         """
         with _LOCK:
             temp = tempfile.gettempdir()
@@ -82,7 +86,7 @@ class TokenizerFiles:
             if known is not None and os.path.isdir(known):
                 return known
             parent = os.path.join(temp, _ROOT, self.digest[:32])
-            target = os.path.join(parent, self.name)
+            target = os.path.join(parent, plain_name(self.name, "the tokenizer's directory name"))
             try:
                 if not _holds(target, self.files):
                     _write_directory(parent, target, self.files)
@@ -134,7 +138,7 @@ def _write_directory(parent: str, target: str, files) -> None:
         if os.path.isdir(target):   # a copy that did not verify (or another process's, just made)
             if _holds(target, files):
                 return
-            shutil.rmtree(target, ignore_errors=True)
+            remove_tree(target, parent)
         try:
             os.rename(staging, target)
             staging = None
@@ -143,7 +147,7 @@ def _write_directory(parent: str, target: str, files) -> None:
                 raise
     finally:
         if staging is not None:
-            shutil.rmtree(staging, ignore_errors=True)
+            remove_tree(staging, parent)
 
 
 def tokenizer_origin(value: Optional[str]) -> str:
@@ -196,7 +200,7 @@ def _too_large(value: str, size: int) -> ShardError:
 def _from_storage(value: str) -> TokenizerFiles:
     from ...storage.objects import list_objects, open_object   # (start-up: the object-store layer loads for a URL only)
 
-    url = ObjectURL.parse(value)
+    url = ObjectURL.parse(check_url(value, "--tokenizer"))
     if url.name in TOKENIZER_FILES and not value.endswith("/"):   # a tokenizer.json named directly
         url = url.parent
     directory = str(url).rstrip("/") + "/"

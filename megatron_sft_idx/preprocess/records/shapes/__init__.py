@@ -52,14 +52,14 @@ module              holds
 from .base import check_json_texts, check_text, drop_nulls, split_inline_reasoning, turns
 from .chat import CHAT_ROLES, as_conversation
 from .conversation import REASONING_TAGS, Conversation, SchemaOptions
-from .keys import (APPLIED_RULES, DECODED_TWICE, IGNORE_RULES, METADATA_FLAGS, METADATA_KEYS, SYSTEM_KEYS,
-                   account_keys, ignore_rule)
+from .keys import (APPLIED_RULES, DECODED_TWICE, IGNORE_RULES, METADATA_FLAGS, METADATA_KEYS, NO_TEXT_KEYS,
+                   REASONING_SWITCHES, SYSTEM_KEYS, TRAINING_FLAGS, account_keys, ignore_rule)
 from .mapper import Mapper
 from .registry import KINDS, SHAPE_FIELDS, detect, map_record
 from .sharegpt import SHAREGPT_ROLES
 from .tokens import token_record
 
 __all__ = ["APPLIED_RULES", "CHAT_ROLES", "Conversation", "DECODED_TWICE", "IGNORE_RULES", "KINDS",
-           "METADATA_FLAGS", "METADATA_KEYS", "Mapper", "REASONING_TAGS", "SHAPE_FIELDS", "SHAREGPT_ROLES",
-           "SYSTEM_KEYS", "SchemaOptions", "account_keys", "as_conversation", "check_json_texts", "check_text",
+           "METADATA_FLAGS", "METADATA_KEYS", "Mapper", "NO_TEXT_KEYS", "REASONING_SWITCHES", "REASONING_TAGS",
+           "SHAPE_FIELDS", "SHAREGPT_ROLES", "SYSTEM_KEYS", "TRAINING_FLAGS", "SchemaOptions", "account_keys", "as_conversation", "check_json_texts", "check_text",
            "detect", "drop_nulls", "ignore_rule", "map_record", "split_inline_reasoning", "token_record", "turns"]

@@ -97,7 +97,7 @@ def message(mapper: Mapper, m, where: str) -> None:
     if role == "assistant":
         content = mapper.reasoning(m, content, where, out)
     else:
-        hit = next((k for k in REASONING_FIELDS if m.get(k) is not None), None)
+        hit = next((k for k in REASONING_FIELDS if m.get(k) is not None and not mapper.switch(m, k, where)), None)
         if hit:
             raise mapper.error(f"{where} is a '{source}' message with '{hit}'; only assistant messages reason",
                                f"{where}.{hit}", "unknown_field")
@@ -112,7 +112,9 @@ def message(mapper: Mapper, m, where: str) -> None:
             raise mapper.error(f"{where} is a '{source}' message with 'tool_call_id'", where + ".tool_call_id",
                                "unknown_field")
         out["tool_call_id"] = mapper.text(m["tool_call_id"], where + ".tool_call_id")
-    if m.get("name") is not None:
+    if m.get("name") is not None and "name" in mapper.opts.ignore_fields and source != "function":
+        mapper.count("ignore-field", where + ".name")   # (dropped: the rendering never sees it)
+    elif m.get("name") is not None:
         out["name"] = mapper.text(m["name"], where + ".name")
     elif source == "function":
         raise mapper.error(f"{where} is a legacy 'function' result without 'name'", where + ".name", "missing_key")

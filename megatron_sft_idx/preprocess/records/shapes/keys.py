@@ -1,6 +1,8 @@
 """Record-level keys: the ones a shape reads, the ones ignored by a named rule (documented
-metadata, ``--ignore-field``, holding no text; counted as ``rule:key``), and the refusal of the
-rest (``docs/INPUTS.md``)."""
+metadata, ``--ignore-field``, documented counts holding no text; counted as ``rule:key``), and the
+refusal of the rest (``docs/INPUTS.md``). A rule is keyed on a key's name, never on its value's
+type alone: ``"label": false`` (an undesirable completion) holds no text, and decides whether the
+record should be trained at all."""
 
 from __future__ import annotations
 
@@ -26,6 +28,23 @@ METADATA_KEYS = frozenset({
 #: record-level flags that are metadata only with one of these values (Llama-Nemotron's
 #: ``reasoning: "on" | "off"``); with other text they are refused like any unknown key
 METADATA_FLAGS = {"reasoning": frozenset({"on", "off"})}
+#: words that are a reasoning switch, not reasoning text: a message's ``reasoning: "off"`` (how
+#: some exports of Llama-Nemotron's data carry the record's flag) is read as the flag
+REASONING_SWITCHES = frozenset({"on", "off"})
+#: record-level keys documented as counts and positions: ignored when they hold no text (rule
+#: ``no-text``); any other key, whatever its value's type, is read, ignored by another rule, or refused
+NO_TEXT_KEYS = frozenset({
+    "num_tokens", "n_tokens", "token_count", "num_chars", "char_count", "num_words", "word_count",
+    "turn_count", "n_turns", "row", "row_id", "row_idx", "line", "index", "position", "offset", "views"})
+#: record-level keys that decide what is trained -- a preference or safety label, a training switch,
+#: a reward, a mask: refused whatever they hold (``training_flag``) unless ``--ignore-field`` says
+#: they carry nothing (this run trains every record it keeps, as written)
+TRAINING_FLAGS = frozenset({
+    "label", "labels", "train", "training", "trainable", "is_train", "do_train", "use_for_training", "loss",
+    "loss_mask", "loss_weight", "mask", "masked", "weight", "weights", "sample_weight", "chosen", "rejected",
+    "preferred", "is_preferred", "preference", "reward", "rewards", "advantage", "is_harmful", "harmful",
+    "is_safe", "safe", "unsafe", "is_toxic", "toxic", "toxicity", "accepted", "is_accepted", "keep", "exclude",
+    "excluded", "skip", "filtered", "is_valid", "valid", "correct", "is_correct", "flagged"})
 #: the rules a record-level key is ignored by (the summary counts ``rule:key``)
 IGNORE_RULES = ("metadata", "ignore-field", "no-text")
 #: rules that read a value in a second documented form, counted like the ignore rules (as
@@ -38,13 +57,16 @@ APPLIED_RULES = (DECODED_TWICE,)
 
 def ignore_rule(key: str, value, opts: SchemaOptions) -> Optional[str]:
     """The rule a record-level key outside its shape is ignored by (:data:`IGNORE_RULES`), or None
-    when none covers it: it holds text, and dropping it would lose what the producer wrote."""
+    when none covers it: it holds text, and dropping it would lose what the producer wrote, or it
+    is no documented name (a number or a flag may decide what is trained)."""
     if key in opts.ignore_fields:
         return "ignore-field"
+    if key in TRAINING_FLAGS:
+        return None
     if key in METADATA_KEYS or (key in METADATA_FLAGS and isinstance(value, str)
                                 and value.lower() in METADATA_FLAGS[key]):
         return "metadata"
-    return None if holds_text(value) else "no-text"
+    return "no-text" if key in NO_TEXT_KEYS and not holds_text(value) else None
 
 
 def account_keys(record: dict, used: FrozenSet[str], opts: SchemaOptions, path: str, line: int,
@@ -54,14 +76,24 @@ def account_keys(record: dict, used: FrozenSet[str], opts: SchemaOptions, path: 
     counted in ``ignored`` as ``rule:key``.
 
     Raises:
-        InputError: a key holding text that no rule covers (``unknown_field``), naming it.
+        InputError: a key that decides what is trained (``training_flag``), or another that no rule
+            covers (``unknown_field``), naming it.
     """
     for key, value in record.items():
         if key in used or not present(value) or not present(drop_nulls(value)):
             continue
         rule = ignore_rule(key, value, opts)
+        if rule is None and key in TRAINING_FLAGS:
+            raise input_error(f"record-level key '{key}' ({_shown(value)}) may decide whether or how this record "
+                              "is trained (a label, a preference, a reward, a training switch); this run trains "
+                              "every record it keeps as written", path, line, field=key, reason="training_flag",
+                              hint=f"filter or split the data by '{key}' first; if it carries nothing, pass "
+                                   f"--ignore-field {key} (counted in the summary), or pass --skip-bad")
         if rule is None:
-            raise input_error(f"record-level key '{key}' holds text the run does not use", path, line, field=key,
+            what = ("holds text the run does not use" if holds_text(value) else
+                    f"holds {_shown(value)}, which the run does not use: no rule says it carries nothing (a number or "
+                    "a flag may decide what is trained)")
+            raise input_error(f"record-level key '{key}' {what}", path, line, field=key,
                               reason="unknown_field",
                               hint=f"if '{key}' carries nothing the model should see, pass --ignore-field {key} "
                                    "(it is counted in the summary); else map it into the conversation, or pass "
@@ -69,3 +101,9 @@ def account_keys(record: dict, used: FrozenSet[str], opts: SchemaOptions, path: 
         if ignored is not None:
             name = f"{rule}:{key}"
             ignored[name] = ignored.get(name, 0) + 1
+
+
+def _shown(value) -> str:
+    """A value as a message shows it: short."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."

@@ -11,10 +11,10 @@ from typing import Dict, FrozenSet, List, Optional
 
 from ....errors import MetadataError, MetadataLimitError
 from ....jsondoc import parse_record_json
-from ..errors import input_error
+from ..errors import duplicate_key, input_error
 from .base import check_json_texts, check_text, drop_nulls, may_hold_null, present, split_inline_reasoning
 from .conversation import Conversation, SchemaOptions
-from .keys import DECODED_TWICE, SYSTEM_KEYS
+from .keys import DECODED_TWICE, REASONING_SWITCHES, SYSTEM_KEYS
 
 _WHITESPACE_STARTS = frozenset(" \t\n\r\x0b\x0c\x1c\x1d\x1e\x1f\x85\xa0\u1680\u2028\u2029\u202f\u205f\u3000"
                                + "".join(chr(c) for c in range(0x2000, 0x200B)))
@@ -23,6 +23,8 @@ REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")
 _TEXT_PARTS = ("text", "input_text", "output_text")
 _INDEX = re.compile(r"\[\d+\]")
 _TOOL_CALL_FIELDS = frozenset({"id", "type", "function", "name", "arguments", "index"})
+#: the keys of a tool definition's wrapper, ``{"type": "function", "function": {...}}``
+_WRAPPER_FIELDS = frozenset({"type", "function"})
 
 
 @functools.lru_cache(maxsize=8)
@@ -56,14 +58,17 @@ class Mapper:
 
         Raises:
             InputError: ``not_json`` (reason ``bad_tool_call``) for text that is not JSON;
-                reason ``json_too_deep`` for JSON beyond the limits.
+                reason ``json_too_deep`` for JSON beyond the limits; ``duplicate_key`` for an
+                object naming a key twice.
         """
         try:
             return parse_record_json(text, what=where)
         except MetadataLimitError as exc:
             raise self.error(f"'{where}' holds JSON beyond the record limits ({exc.detail})",
                              where, "json_too_deep" if exc.limit == "depth" else "bad_tool_call") from None
-        except MetadataError:
+        except MetadataError as exc:
+            if getattr(exc, "duplicate", None) is not None:
+                raise duplicate_key(exc.duplicate, self.path, self.line, where) from None
             raise self.error(not_json, where, "bad_tool_call") from None
 
     def done(self, tools, source=None) -> Conversation:
@@ -123,14 +128,18 @@ class Mapper:
                              "unknown_field")
         return check_text(part["text"], self.path, self.line, where + ".text")
 
+    def count(self, rule: str, field: str) -> None:
+        """Count ``field`` (``messages[3].name``) as ignored by ``rule``, as ``rule:messages[].name``."""
+        if self.ignored is not None:
+            name = f"{rule}:{_INDEX.sub('[]', field)}"
+            self.ignored[name] = self.ignored.get(name, 0) + 1
+
     def unknown(self, message: dict, known: FrozenSet[str], where: str) -> None:
         for key, value in message.items():
             if key in known or value is None:
                 continue
             if key in self.opts.ignore_fields:
-                if self.ignored is not None:
-                    name = f"ignore-field:{_INDEX.sub('[]', where)}.{key}"
-                    self.ignored[name] = self.ignored.get(name, 0) + 1
+                self.count("ignore-field", f"{where}.{key}")
                 continue
             raise self.error(f"'{where}' has field '{key}' the run does not use", f"{where}.{key}",
                              "unknown_field", f"if '{key}' carries nothing the model should see, pass "
@@ -138,12 +147,23 @@ class Mapper:
 
     # ------------------------------------------------------------------ reasoning
 
+    def switch(self, message: dict, key: str, where: str) -> bool:
+        """True when the reasoning field ``key`` of ``message`` holds a switch word, not reasoning
+        (``"reasoning": "off"``, :data:`.keys.REASONING_SWITCHES`): read as the flag, counted as
+        ``metadata:<field>``; never trained as the turn's reasoning."""
+        value = message.get(key)
+        if isinstance(value, str) and value.strip().lower() in REASONING_SWITCHES:
+            self.count("metadata", f"{where}.{key}")
+            return True
+        return False
+
     def reasoning(self, message: dict, content: str, where: str, out: dict) -> str:
         """Move the message's reasoning (a field, or inline tags) to ``out['reasoning_content']``;
-        returns the content without it. Whitespace-only reasoning is no reasoning."""
+        returns the content without it. Whitespace-only reasoning is no reasoning, and a switch
+        word (``"off"``) is the flag it says (:meth:`switch`)."""
         # a blank field is how columnar exports write an absent one: then inline tags are the reasoning
         given = [(k, message[k]) for k in REASONING_FIELDS if message.get(k) is not None
-                 and not (isinstance(message[k], str) and not message[k].strip())]
+                 and not (isinstance(message[k], str) and not message[k].strip()) and not self.switch(message, k, where)]
         if len(given) > 1:
             raise self.error(f"'{where}' gives its reasoning twice ('{given[0][0]}' and '{given[1][0]}')",
                              f"{where}.{given[1][0]}", "unknown_field")
@@ -229,7 +249,9 @@ class Mapper:
         return value
 
     def tools(self, value, where: str) -> Optional[List[dict]]:
-        """A tools list (or its JSON string), each entry as ``{"type": "function", "function": {...}}``."""
+        """A tools list (or its JSON string), each entry as ``{"type": "function", "function": {...}}``;
+        a key beside the definition in its wrapper is refused (``unknown_field``) unless
+        ``--ignore-field`` names it (then dropped, counted)."""
         if not present(value):
             return None
         if isinstance(value, str):
@@ -248,6 +270,9 @@ class Mapper:
                     tool = drop_nulls(tool)
             if isinstance(tool, dict) and tool.get("type") == "function" and isinstance(tool.get("function"), dict):
                 fn = tool["function"]
+                if len(tool) > 2:   # a key beside the definition reaches the template too: refused or ignored
+                    self.unknown(tool, _WRAPPER_FIELDS, w)
+                    tool = {"type": "function", "function": fn}
             elif isinstance(tool, dict) and "type" not in tool and isinstance(tool.get("name"), str):
                 fn = tool
                 tool = {"type": "function", "function": fn}
