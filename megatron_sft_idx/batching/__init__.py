@@ -8,7 +8,13 @@ Modules (imported on first use; only :mod:`.loaders` needs torch):
   adapters' per-epoch shuffle;
 * :mod:`.balance` — ``plan_order`` / ``balanced_permutation``: each step's packs re-dealt among
   its ranks and micro-batches, step membership unchanged;
-* :mod:`.order` — ``Order`` and its strict file (``save`` / ``load``);
+* :mod:`.order` — ``Order`` and its strict file (``save`` / ``load``), with every step's
+  trained-token denominators when planned with them;
+* :mod:`.trained` — ``trained_counts``: every sequence's trained tokens under each consumer's
+  rule, read from the loss masks; ``step_table``: their sums per step, micro-batch and rank;
+* :mod:`.denominators` — what the adapters serve: each step's global count
+  (``step_trained_tokens``), each pack checked against the order;
+* :mod:`.audit` — ``audit_order``: each trainer's loss normalisation replayed on the steps;
 * :mod:`.serve` — ``resolve_order`` (an order by path, or ``"auto"``: the one beside the
   data), ``checked_order`` (its seed and pack costs proven against the data and the run) and
   ``served_order`` (both, as the adapters take an order);
@@ -38,6 +44,11 @@ _PUBLIC = {
     "balanced_permutation": ".balance",
     "plan_order": ".balance",
     "Order": ".order",
+    "TrainedCounts": ".trained",
+    "trained_counts": ".trained",
+    "step_table": ".trained",
+    "audit_order": ".audit",
+    "AUDIT_RULES": ".audit",
     "TopologyMismatchWarning": ".order",
     "resolve_order": ".serve",
     "checked_order": ".serve",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._numba import numba
+from ._label_kernels import refine_labels  # (balance_epoch's numba cache misses its edits: clear __pycache__)
 
 _NO_PAD = -1
 
@@ -273,14 +274,16 @@ def _where(g, dp, mbs, gbs):
 
 
 @numba.njit(cache=True)
-def balance_epoch(base, costs, g0, dp, mbs, gbs, window, algorithm, refine_rounds, out):
+def balance_epoch(base, costs, labels, slack, g0, dp, mbs, gbs, window, algorithm, refine_rounds, out):
     """Re-deal the packs of ``base`` (pack ids at epoch positions; epoch position i is global
     position ``g0 + i``) inside each group of ``window`` steps, writing ``out``.
 
     A group's bins are (step in the group, rank); a bin's capacity is the number of its
     positions in the group (fewer at the epoch's edges). Inside a bin, the packs go to its
     micro-batches by LPT (equal cost), the costliest micro-batch to the earliest position, and
-    inside a micro-batch the costliest pack first. Returns (groups, refining swaps).
+    inside a micro-batch the costliest pack first. With ``labels`` (per pack; empty: off), the
+    bins, then each bin's micro-batches, are evened in labels within a cost band of ``slack``
+    (:func:`._label_kernels.refine_labels`). Returns (groups, refining swaps).
     """
     n = base.shape[0]
     span = window * gbs
@@ -290,6 +293,8 @@ def balance_epoch(base, costs, g0, dp, mbs, gbs, window, algorithm, refine_round
     bin_of = np.empty(span, dtype=np.int64)
     loads = np.zeros(nb_max, dtype=np.float64)
     local_costs = np.empty(span, dtype=np.float64)
+    local_labels = np.zeros(span, dtype=np.float64)
+    with_labels = labels.shape[0] > 0
     pos_bin = np.empty(span, dtype=np.int64)
     pos_m = np.empty(span, dtype=np.int64)
     groups, swaps = 0, 0
@@ -307,17 +312,24 @@ def balance_epoch(base, costs, g0, dp, mbs, gbs, window, algorithm, refine_round
             pos_m[t] = m
             caps[b] += 1
             local_costs[t] = costs[base[lo + t]]
+            if with_labels:
+                local_labels[t] = labels[base[lo + t]]
         nb = (((g0 + hi - 1) // gbs) - first_step + 1) * dp
         swaps += partition(local_costs[:k], caps[:nb], algorithm, refine_rounds, bin_of[:k], loads[:nb])
-        _place_bins(base, lo, k, local_costs, bin_of, pos_bin, pos_m, nb, num_micro, mbs, out)
+        if with_labels:
+            swaps += refine_labels(local_costs[:k], local_labels[:k], caps[:nb], bin_of[:k], loads[:nb], slack,
+                                   8 * nb)
+        _place_bins(base, lo, k, local_costs, local_labels, with_labels, slack, bin_of, pos_bin, pos_m, nb,
+                    num_micro, mbs, out)
         groups += 1
         lo = hi
     return groups, swaps
 
 
 @numba.njit(cache=True)
-def _place_bins(base, lo, k, costs, bin_of, pos_bin, pos_m, nb, num_micro, mbs, out):
-    """Inside each bin: LPT of its packs over its micro-batches, then write them to its positions."""
+def _place_bins(base, lo, k, costs, labels, with_labels, slack, bin_of, pos_bin, pos_m, nb, num_micro, mbs, out):
+    """Inside each bin: LPT of its packs over its micro-batches (then evened in labels, with
+    ``with_labels``), then write them to its positions."""
     items = np.empty(k, dtype=np.int64)
     slots = np.empty(k, dtype=np.int64)
     mcaps = np.zeros(num_micro, dtype=np.int64)
@@ -342,6 +354,8 @@ def _place_bins(base, lo, k, costs, bin_of, pos_bin, pos_m, nb, num_micro, mbs, 
         nm = pos_m[slots[ns - 1]] - first_m + 1
         sub = costs[items[:ni]].copy()
         partition(sub, mcaps[:nm], 0, 0, mb_of[:ni], mloads[:nm])
+        if with_labels and mbs > 1:
+            refine_labels(sub, labels[items[:ni]].copy(), mcaps[:nm], mb_of[:ni], mloads[:nm], slack, 8 * nm)
         # micro-batches of equal capacity take positions costliest first; unequal ones keep theirs
         target = np.arange(nm)
         _costliest_first(mcaps[:nm], mloads[:nm], target)

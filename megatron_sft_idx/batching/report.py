@@ -26,7 +26,7 @@ from . import _kernels
 from .layout import Topology, base_permutation
 
 __all__ = ["StragglerReport", "step_costs", "straggler_report", "summarize_overhead", "format_report", "order_reports",
-           "plot_report", "FEW_PACKS_PER_RANK"]
+           "plot_report", "FEW_PACKS_PER_RANK", "trained_summary", "format_trained"]
 
 #: Packs per rank per step below which balancing alone leaves much of the overhead (bench/balance.py).
 FEW_PACKS_PER_RANK = 4
@@ -173,3 +173,44 @@ def order_reports(order, epochs: Optional[Sequence[int]] = None,
     ours = np.concatenate([order.permutation(e) for e in chosen]) if chosen else np.empty(0, np.int64)
     return {"shuffle": straggler_report(base, order.costs, topology, start),
             "balanced": straggler_report(ours, order.costs, topology, start)}
+
+
+def _spread(values: np.ndarray) -> np.ndarray:
+    """Per row: ``(max - min) / mean`` (0 for a row of zeros)."""
+    mean = values.mean(axis=1)
+    return np.divide(values.max(axis=1) - values.min(axis=1), mean, out=np.zeros_like(mean), where=mean > 0)
+
+
+def trained_summary(table: np.ndarray) -> Dict[str, float]:
+    """How even the trained tokens of a step table (``[steps, micro-batches, dp]``,
+    :func:`~.trained.step_table`) are: per step, its total (``step_mean``, and ``step_cv``, the
+    coefficient of variation over steps); the spread ``(max - min) / mean`` over ranks of each
+    step (``rank_spread_mean``, ``_p99``, ``_max``) and over its micro-batches of every rank
+    (``microbatch_spread_mean``, ``_max``). Fractions, not %."""
+    table = np.asarray(table, dtype=np.float64)
+    if table.shape[0] == 0:
+        return {"steps": 0}
+    totals = table.sum(axis=(1, 2))
+    ranks = _spread(table.sum(axis=1))
+    micro = _spread(table.reshape(table.shape[0], -1))
+    mean = float(totals.mean())
+    return {"steps": int(table.shape[0]), "step_mean": mean, "step_min": float(totals.min()),
+            "step_max": float(totals.max()), "step_cv": float(totals.std() / mean) if mean else 0.0,
+            "rank_spread_mean": float(ranks.mean()), "rank_spread_p99": float(np.percentile(ranks, 99)),
+            "rank_spread_max": float(ranks.max()), "microbatch_spread_mean": float(micro.mean()),
+            "microbatch_spread_max": float(micro.max())}
+
+
+def format_trained(summaries: Dict[str, Dict[str, float]]) -> str:
+    """A text table of :func:`trained_summary` results, one row per named order."""
+    head = ["order", "tokens/step", "step CV %", "rank spread mean %", "p99 %", "max %", "micro-batch spread mean %"]
+    rows = []
+    for name, s in summaries.items():
+        if not s.get("steps"):
+            rows.append([name] + ["-"] * (len(head) - 1))
+            continue
+        rows.append([name, f"{s['step_mean']:,.0f}", f"{100 * s['step_cv']:.2f}"]
+                    + [f"{100 * s[k]:.2f}" for k in ("rank_spread_mean", "rank_spread_p99", "rank_spread_max",
+                                                     "microbatch_spread_mean")])
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    return "\n".join("  ".join(str(x).rjust(w) for x, w in zip(row, widths)) for row in [head, *rows])

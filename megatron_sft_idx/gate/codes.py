@@ -165,8 +165,10 @@ CODES: Dict[str, Code] = {
                            "name a shard's prefix alone to check just that shard"),
     # ---- promotion: what travels with a set, and the destination read back (appended)
     "TRAVELLER_INVALID": Code(ERROR, "shard", "a file that travels with the shard (a balanced order) is not "
-                              "whole (its own CRC-32s), is not the order its manifest records, or is missing "
-                              "though the manifest records it: refused before anything moved",
+                              "whole (its own CRC-32s and step denominators), is not the order its manifest "
+                              "records, is not these shards' order (a pack's cost or trained tokens, recomputed "
+                              "from the shards, differ), or is missing though the manifest records it: refused "
+                              "before anything moved",
                               "re-plan the order (--balance-for, or plan-batches --out) and check again"),
     "DESTINATION_INCOMPLETE": Code(ERROR, "shard", "after promotion the destination, read back, is not whole: "
                                    "a shard's file, an order or a manifest is missing or differs, or an old "

@@ -9,8 +9,10 @@ the shards without it would leave it pointing at nothing. So promotion:
 2. refuses, before anything moves, to promote part of what a manifest lists (the shards it
    lists that are not promoted -- not given, or failing -- are named), to put a manifest or an
    order where one of that name exists (without ``--replace``), or to carry an order that is
-   not whole (its own CRC-32s, :meth:`megatron_sft_idx.batching.Order.from_bytes`) or is not the
-   order its manifest records (size and CRC-32): ``TRAVELLER_INVALID``;
+   not whole (its own CRC-32s and step denominators, :meth:`megatron_sft_idx.batching.Order.from_bytes`),
+   is not the order its manifest records (size and CRC-32), or is not these shards' (every
+   pack's cost, and every sequence's trained tokens when it records them, recomputed from the
+   shards): ``TRAVELLER_INVALID``;
 3. commits everything as one set (:func:`megatron_sft_idx.publishing.commit_set`): the
    manifests withdrawn at the destination, what of an old generation the new one does not
    bring removed (with ``--replace``: an order beside a manifest or shard that now has none,
@@ -39,10 +41,14 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
+
 from .. import publishing
 from ..batching.order import MAX_ORDER_BYTES, Order, read_file
+from ..batching.trained import TrainedCounts, trained_counts
 from ..errors import ShardError
 from ..format import ALL_SUFFIXES, ORDER_SUFFIX
+from ..reader import MMapIndexedDataset
 from ..manifest import MANIFEST_SUFFIX, MAX_MANIFEST_BYTES, MANIFEST_FORMAT, OrderRecord, parse_manifest
 from ..storage.destination import Destination, LocalDestination
 from .report import Report, ShardReport, make_finding
@@ -171,7 +177,7 @@ def plan(shards: Sequence[ShardReport], dest: str, destination: Destination, *, 
             out.refused[prefix] = ("PROMOTION_REFUSED", f"a balanced order exists at {target} "
                                    "(pass --replace to replace it)")
         elif os.path.isfile(order):
-            data, why = _verified_order(order, None)
+            data, why = _verified_order(order, None, [prefix])
             if why:
                 out.refused[prefix] = ("TRAVELLER_INVALID", why)
             else:
@@ -205,25 +211,51 @@ def _travelling_order(m: Travelling) -> Optional[str]:
                     "beside it: promoting the manifest would point training at nothing; restore the order "
                     "(or re-plan it with plan-batches --out) and check again")
         return None
-    data, why = _verified_order(m.order, m.record)
+    data, why = _verified_order(m.order, m.record, m.listed)
     m.order_bytes = data
     return why
 
 
-def _verified_order(path: str, record: Optional[OrderRecord]) -> Tuple[bytes, Optional[str]]:
-    """``(bytes, None)`` of the balanced order at ``path`` when it is whole (its own CRC-32s) and
-    is the order ``record`` (a manifest's) names; else ``(b"", why)``."""
+def _verified_order(path: str, record: Optional[OrderRecord],
+                    prefixes: Sequence[str] = ()) -> Tuple[bytes, Optional[str]]:
+    """``(bytes, None)`` of the balanced order at ``path`` when it is whole (its own CRC-32s), is
+    the order ``record`` (a manifest's) names, and is the order of the shards ``prefixes`` (its
+    pack costs, and its trained-token counts when it records them, recomputed from them); else
+    ``(b"", why)``."""
     try:
         data = _bytes_of(path)
-        Order.from_bytes(data, path)
+        order = Order.from_bytes(data, path)
     except ShardError as exc:
         return b"", (f"the balanced order that travels with it is not whole: {exc}; re-plan it "
+                     "(preprocess/repack --balance-for, or plan-batches --out) and check again")
+    try:
+        if prefixes:
+            _check_order_data(order, prefixes, path)
+    except ShardError as exc:
+        return b"", (f"the balanced order that travels with it is not the order of these shards: {exc}; re-plan it "
                      "(preprocess/repack --balance-for, or plan-batches --out) and check again")
     if record is not None and (record.size != len(data) or record.crc32 != zlib.crc32(data)):
         return b"", (f"the balanced order {path} is not the one its manifest records (size {len(data)}, "
                      f"CRC-32 {zlib.crc32(data)}; recorded {record.size}, {record.crc32}): it "
                      "was replaced or altered since; re-plan it with the run that wrote the manifest")
     return data, None
+
+
+def _check_order_data(order, prefixes: Sequence[str], path: str) -> None:
+    """Refuse an order whose pack costs or trained-token counts (its step denominators) are not
+    those of the shards ``prefixes``, in order (reads their indexes, and their loss masks when
+    the order records counts).
+
+    Raises:
+        ShardError: naming the first pack that differs.
+    """
+    from ..batching.cost import shard_pack_costs   # (start-up: the numba kernels, only when an order travels)
+
+    shards = [MMapIndexedDataset(p) for p in prefixes]
+    order.check_costs(np.concatenate([shard_pack_costs(s, order.cost_model) for s in shards]), path=path)
+    if order.trained is not None:
+        order.check_trained(TrainedCounts.concat(trained_counts(s, eos_id=order.trained.eos_id) for s in shards),
+                            path=path)
 
 
 def _refuse(out: Plan, keys: Dict[str, str], m: Travelling, code: str, why: str) -> None:

@@ -10,6 +10,9 @@ published after the shards and before the manifests, which record it
 single shard ``P``, ``BASE.order`` beside a set's ``BASE.json``
 (:func:`~megatron_sft_idx.batching.serve.order_path_for`).
 
+The order records every planned step's trained-token denominators, counted from the staged
+shards' loss masks (:mod:`megatron_sft_idx.batching.trained`; the stored mask's rule: what
+Megatron-LM, Bridge ``main`` and TRL train), and with ``--balance-labels`` evens them out too.
 The order is derived data: the shards' bytes never depend on it, and a resumed run plans it
 again from the same packs and settings (the same bytes).
 
@@ -37,6 +40,7 @@ import numpy as np
 from ..batching.balance import plan_order
 from ..batching.cost import shard_pack_costs
 from ..batching.serve import order_path_for, order_record
+from ..batching.trained import TrainedCounts, trained_counts
 from ..format import PUBLISH_ORDER
 from ..batching.interleave import interleave
 from ..batching.layout import base_permutation
@@ -86,6 +90,7 @@ def stage_orders(job: PackJob, shards: Sequence, located: Sequence, manifests: S
                                             f"{topology.global_batch_size:,} ({topology.describe()}): no step to balance")
             continue
         costs = np.concatenate([shard_pack_costs(p, model) for p in parts])   # the set's global pack index
+        counts = TrainedCounts.concat(trained_counts(p) for p in parts)       # every step's denominators
         source = {"path": os.path.basename(data_path), "shards": [os.path.basename(f) for f in finals],
                   "packs": [len(p) for p in parts]}
         base_order, mixed = None, None
@@ -96,7 +101,7 @@ def stage_orders(job: PackJob, shards: Sequence, located: Sequence, manifests: S
             source["interleave"] = {"unit": job.mixture.unit, "window_steps": job.mixture.window_steps}
         order = plan_order(costs, topology, model, seed=seed, epochs=balance.balance_epochs,
                            exchange_window=balance.exchange_window, source=source, base_order=base_order,
-                           algorithm=balance.algorithm)
+                           algorithm=balance.algorithm, trained=counts, balance_labels=balance.balance_labels)
         if mixed is not None:
             windows[name_of(shards, split)] = _windows(order, mixed, topology, job, seed)
         data, final = order.to_bytes(), order_path_for(data_path)

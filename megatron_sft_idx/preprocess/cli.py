@@ -139,6 +139,8 @@ def add_balance_arguments(p: argparse.ArgumentParser) -> None:
                          "order must start from (default: --seed)")
     bl.add_argument("--exchange-window", type=positive_int, default=1, metavar="W",
                     help="let W neighbouring steps trade packs; above 1 this CHANGES step membership (default: 1)")
+    bl.add_argument("--balance-labels", action="store_true",
+                    help="also even out trained tokens per rank and micro-batch (per step with --exchange-window > 1)")
     bl.add_argument("--step-size", type=positive_int, metavar="GBS",
                     help="with --mix and without --balance-for: packs per training step (the global batch size); "
                          "writes OUT.order, the mixture's packs interleaved so every window of steps holds the "
@@ -149,7 +151,8 @@ def balance_settings_of(args) -> BalanceSettings:
     """The balanced-order flags (:func:`add_balance_arguments`) as settings."""
     return BalanceSettings(balance_for=args.balance_for, cost_model=args.cost_model,
                            balance_epochs=args.balance_epochs, balance_seed=args.balance_seed,
-                           exchange_window=args.exchange_window, step_size=args.step_size)
+                           exchange_window=args.exchange_window, step_size=args.step_size,
+                           balance_labels=args.balance_labels)
 
 
 def add_run_arguments(p: argparse.ArgumentParser, workers_help: str) -> None:
@@ -394,6 +397,8 @@ def usage_problem(args) -> str:
             args.balance_seed is not None or args.exchange_window != 1 or args.balance_epochs != 1
             or args.cost_model != "llama3-8b"):
         return "--cost-model, --balance-epochs, --balance-seed and --exchange-window shape the order of --balance-for: give it"
+    if args.balance_for is None and args.balance_labels:
+        return "--balance-labels evens out the trained tokens of each rank of --balance-for's topology: give it"
     if (args.balance_for is not None or args.step_size is not None) and getattr(args, "plan_only", None):
         return "--balance-for writes an order beside shards; --plan-only writes none (plan-batches plans one for them)"
     if args.balance_for is not None:

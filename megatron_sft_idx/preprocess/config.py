@@ -112,6 +112,7 @@ class BalanceSettings:
     balance_epochs: int = 1
     balance_seed: Optional[int] = None                    # None: --seed (it must be the training data seed)
     exchange_window: int = 1                              # > 1 CHANGES step membership
+    balance_labels: bool = False                          # even out trained tokens per rank (and step) too
 
     def topology(self):
         """The :class:`~megatron_sft_idx.batching.Topology` of ``balance_for`` (None without it).
@@ -145,6 +146,8 @@ class BalanceSettings:
         out = asdict(self)
         if self.step_size is None:   # (keys of runs with --balance-for alone are unchanged)
             del out["step_size"]
+        if not self.balance_labels:   # (keys of runs planned before label balancing are unchanged)
+            del out["balance_labels"]
         return out
 
 

@@ -1,12 +1,22 @@
 """``plan-batches SHARD... --balance-for DP,MBS,GBS [...]``: balance packed data for a topology.
 
-Reads the shards' sequence boundaries (``.idx``, ``.seq.idx``, ``.seq.bin``; never tokens),
-prices every pack with the cost model, and plans balanced per-epoch pack orders for Megatron's
+Reads the shards' sequence boundaries (``.idx``, ``.seq.idx``, ``.seq.bin``) and loss masks
+(``.loss.bin``; tokens only with ``--eos-id``), prices every pack with the cost model, counts
+every sequence's trained tokens, and plans balanced per-epoch pack orders for Megatron's
 sampler: every step keeps the packs of the adapters' seeded shuffle; only which rank (and
 micro-batch) trains which of them changes. Prints the predicted straggler overhead (max rank
-cost / mean - 1 per step) of the plain shuffle and of the balanced order; ``--out`` writes the
-order file that training serves (``docs/BATCHING.md``), ``--plot`` draws the overhead
-(matplotlib, the ``tools`` extra).
+cost / mean - 1 per step) of the plain shuffle and of the balanced order, and how even their
+trained tokens are per step, rank and micro-batch; ``--out`` writes the order file that
+training serves, with every step's trained-token denominators (``docs/BATCHING.md``),
+``--plot`` draws the overhead (matplotlib, the ``tools`` extra). ``--no-counts`` reads the
+index only (an order without denominators).
+
+``--balance-labels`` evens out trained tokens per rank and micro-batch as well (per step too
+with ``--exchange-window`` > 1, which changes step membership). ``--audit`` replays each
+trainer's loss normalisation (Megatron-LM per-token and per-micro-batch with its CP split,
+Megatron-Bridge's defaults, NeMo-RL token and sequence level, TRL / transformers) on the
+planned steps -- of ``--order FILE``, or of the shuffle, the balanced and the label-balanced
+orders -- and prints how far each token's weight is from the step's exact token mean.
 
 SHARD is a prefix, a directory or glob of shards, or a manifest; several are concatenated in
 the order given (the pack ids the order permutes).
@@ -27,12 +37,14 @@ import sys
 from typing import List, Optional
 
 from .. import _cli
-from ..batching.balance import plan_order
+from ..batching.audit import audit_order, format_audit
+from ..batching.balance import DEFAULT_LABEL_SLACK, plan_order
 from ..batching.cost import PRESETS, CostModel, shard_pack_costs
 from ..batching.dynamic import plan_dynamic
 from ..batching.layout import Topology
-from ..batching.order import ALGORITHMS
-from ..batching.report import format_report, order_reports, plot_report
+from ..batching.order import ALGORITHMS, Order
+from ..batching.report import format_report, format_trained, order_reports, plot_report
+from ..batching.trained import trained_counts
 from ..errors import ShardError, ShardNotFoundError
 from ..format import PAD_LAYOUTS, PAD_LAYOUT_STORED
 from ..multi import MultiShardDataset
@@ -86,6 +98,25 @@ def build_parser() -> argparse.ArgumentParser:
                       help="kk (Karmarkar-Karp), lpt, or shuffle (no balancing) (default: kk)")
     plan.add_argument("--exchange-window", type=int, default=1,
                       help="steps whose packs may trade places (default 1; more CHANGES step membership)")
+    labels = p.add_argument_group("trained tokens (denominators, label balancing, the audit)")
+    labels.add_argument("--eos-id", type=int, metavar="ID",
+                        help="the tokenizer's EOS: count Megatron-Bridge 0.6's trained tokens too "
+                             "(it zeroes EOS inputs)")
+    labels.add_argument("--no-counts", action="store_true",
+                        help="read the index only: no trained-token counts (an order without denominators)")
+    labels.add_argument("--balance-labels", action="store_true",
+                        help="even out trained tokens per rank and micro-batch too "
+                             "(per step with --exchange-window > 1)")
+    labels.add_argument("--label-slack", type=float, default=DEFAULT_LABEL_SLACK, metavar="FRACTION",
+                        help="how far label balancing may move a rank's cost from the mean, a fraction "
+                             f"(default {DEFAULT_LABEL_SLACK})")
+    labels.add_argument("--audit", action="store_true",
+                        help="replay each trainer's loss normalisation on the planned steps (docs/BATCHING.md)")
+    labels.add_argument("--order", metavar="FILE|URL", help="with --audit: audit this order file instead of planning")
+    labels.add_argument("--cp", type=int, default=1, metavar="N",
+                        help="with --audit: the context-parallel size (default 1)")
+    labels.add_argument("--seq-length", type=int, metavar="N",
+                        help="with --audit: Megatron-LM's --seq-length (default: the packs' size)")
     p.add_argument("--out", help="write the order file here (*.order; a local path or an s3:// / msc:// URL)")
     p.add_argument("--plot", help="draw the per-step overhead into this PNG")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -118,6 +149,8 @@ def _topology(args, parser):
             raise _Usage("--dp, --micro-batch-size and --global-batch-size are the parts of --balance-for: give one")
         text = args.balance_for
     elif args.dp is None or args.global_batch_size is None:
+        if args.order and not any(v is not None for v in parts):
+            return None   # --audit --order: the order's own
         raise _Usage("give the topology: --balance-for DP,MBS,GBS")
     else:
         text = f"{args.dp},{1 if args.micro_batch_size is None else args.micro_batch_size},{args.global_batch_size}"
@@ -138,10 +171,22 @@ def _usage_problem(args) -> Optional[str]:
             return "--dynamic needs --max-tokens-per-microbatch"
         if args.out or args.plot or args.exchange_window != 1 or args.algorithm != "kk":
             return "--out, --plot, --algorithm and --exchange-window are for balanced orders, not --dynamic"
+        if args.balance_labels or args.audit or args.eos_id is not None or args.no_counts:
+            return "--balance-labels, --audit, --eos-id and --no-counts are for balanced orders, not --dynamic"
     elif args.store or args.max_tokens_per_microbatch is not None or args.sequence_length_round != 1:
         return "--store, --max-tokens-per-microbatch and --sequence-length-round go with --dynamic"
     elif not args.shards:
         return "give the shards to balance"
+    elif args.no_counts and (args.balance_labels or args.audit or args.eos_id is not None):
+        return "--balance-labels, --audit and --eos-id count trained tokens: drop --no-counts"
+    elif (args.order or args.cp != 1 or args.seq_length is not None) and not args.audit:
+        return "--order, --cp and --seq-length go with --audit"
+    elif args.order and (args.out or args.balance_labels or args.plot):
+        return "--audit --order audits an existing order: --out, --plot and --balance-labels plan a new one"
+    elif args.cp < 1 or args.label_slack < 0:
+        return "--cp must be >= 1 and --label-slack >= 0"
+    elif args.balance_labels and args.algorithm == "shuffle":
+        return "--balance-labels deals packs: use --algorithm kk or lpt"
     if (args.linear is None) != (args.attention is None):
         return "--linear and --attention go together"
     return local_only([("--plot", args.plot)]) or url_refusal([("--store", args.store, False)])
@@ -200,7 +245,6 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     if args.dynamic:
         return _dynamic(args)
-    topology = args.topology
     try:
         source = MultiShardDataset.open(args.shards if len(args.shards) > 1 else args.shards[0])
     except ShardNotFoundError as exc:
@@ -209,37 +253,101 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ShardError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 1 if exc.path else 2
-    if args.out and len(source) < topology.global_batch_size:   # an order with no step: nothing to write
+    topology = args.topology
+    if topology is not None and (args.out or args.audit) and len(source) < topology.global_batch_size:
         print(f"{PROG}: error: {len(source):,} packs, fewer than one global batch of {topology.global_batch_size:,} "
-              f"({topology.describe()}): an order would hold no step; no order written (train this data "
-              "without one, or balance for a smaller global batch)", file=sys.stderr)
+              f"({topology.describe()}): an order would hold no step; no order "
+              f"{'audited' if args.audit else 'written'} (train this data without one, or balance for a smaller "
+              "global batch)", file=sys.stderr)
         return 2
     try:
-        costs = shard_pack_costs(source, model)
-        order = plan_order(costs, topology, model, seed=args.balance_seed, epochs=args.balance_epochs,
-                           algorithm=args.algorithm,
-                           exchange_window=args.exchange_window,
-                           source={"shards": list(source.prefixes), "packs": [int(c) for c in source.counts]})
+        counts = None if args.no_counts else trained_counts(source, eos_id=args.eos_id)
+        if args.order:
+            return _audit_given(args, source, counts)
+        orders = _plan(args, source, model, counts)
+        order = orders["labels" if args.balance_labels else "shuffle" if args.algorithm == "shuffle" else "balanced"]
         if args.out:   # whole: a rename locally, one PUT to object storage (as a manifest is written)
             write_bytes(args.out, order.to_bytes())
+        audits = ({name: audit_order(o, counts, cp=args.cp, source=source, seq_length=_seq_length(args, source))
+                   for name, o in orders.items()} if args.audit else None)
     except ShardError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 1 if exc.path else 2
+    _print_plan(args, order, orders, model, audits)
+    return 0
+
+
+def _seq_length(args, source) -> int:
+    return args.seq_length if args.seq_length is not None else int(source.summary.capacity)
+
+
+def _plan(args, source, model, counts) -> dict:
+    """The order asked for, and with ``--audit`` the ones it is compared with: ``{"shuffle",
+    "balanced", "labels"}`` (those planned)."""
+    costs = shard_pack_costs(source, model)
+    common = dict(seed=args.balance_seed, epochs=args.balance_epochs, exchange_window=args.exchange_window,
+                  source={"shards": list(source.prefixes), "packs": [int(c) for c in source.counts]},
+                  trained=counts, label_slack=args.label_slack)
+    wanted = {"shuffle"} if args.algorithm == "shuffle" else {"labels"} if args.balance_labels else {"balanced"}
+    if args.audit:
+        wanted = {"shuffle", "balanced", "labels"}
+    algorithm = "kk" if args.algorithm == "shuffle" else args.algorithm
+    out = {}
+    for name in ("shuffle", "balanced", "labels"):
+        if name in wanted:
+            out[name] = plan_order(costs, args.topology, model, algorithm="shuffle" if name == "shuffle" else algorithm,
+                                   balance_labels=name == "labels", **common)
+    return out
+
+
+def _audit_given(args, source, counts) -> int:
+    """``--audit --order FILE``: the order, proven to be this data's, audited for its topology
+    (or the one given)."""
+    order = Order.load(args.order)
+    order.check_costs(shard_pack_costs(source, order.cost_model), path=args.order)
+    if order.trained is not None:
+        order.check_trained(counts, path=args.order)
+    audits = {"order": audit_order(order, counts, topology=args.topology, cp=args.cp, source=source,
+                                   seq_length=_seq_length(args, source))}
+    if args.json:
+        print(json.dumps({"order": args.order, "topology": (args.topology or order.topology).to_dict(), "cp": args.cp,
+                          "audit": {k: [r.summary() for r in v] for k, v in audits.items()}}))
+    else:
+        print(f"{args.order}: {order.num_packs:,} packs, {(args.topology or order.topology).describe()}, CP "
+              f"{args.cp}; each token's weight against its step's exact token mean (|w * N - 1|):")
+        print(format_audit(audits))
+    return 0
+
+
+def _print_plan(args, order, orders, model, audits) -> None:
+    topology = args.topology
     reports = order_reports(order)
     notes = reports["balanced"].warnings() if args.exchange_window == 1 else []
     if args.plot:
         plot_report(reports, args.plot)
+    trained = order.stats.get("trained")
+    if audits is not None:
+        trained = {"rule": trained["rule"], **{name: o.stats["trained"]["balanced"] for name, o in orders.items()}}
     if args.json:
         print(json.dumps({"topology": topology.to_dict(), "cost_model": model.to_dict(), "packs": order.num_packs,
                           "epochs": order.epochs, "out": args.out, "warnings": notes,
-                          **{k: r.summary for k, r in reports.items()}}))
-    else:
-        print(f"{order.num_packs:,} packs, {topology.describe()}, cost model {model.name}; predicted straggler "
-              "overhead per step (max rank cost / mean - 1):")
-        print(format_report(reports, notes))
-        if args.out:
-            print(f"wrote {args.out}")
-    return 0
+                          **{k: r.summary for k, r in reports.items()}, "trained": trained,
+                          **({"cp": args.cp, "audit": {k: [r.summary() for r in v] for k, v in audits.items()}}
+                             if audits is not None else {})}))
+        return
+    print(f"{order.num_packs:,} packs, {topology.describe()}, cost model {model.name}; predicted straggler "
+          "overhead per step (max rank cost / mean - 1):")
+    print(format_report(reports, notes))
+    if trained is not None:
+        print(f"trained tokens ({trained['rule']!r} rule) per step, and their spread (max - min) / mean over ranks "
+              "and micro-batches:")
+        print(format_trained({k: v for k, v in trained.items() if k != "rule"}))
+    if audits is not None:
+        print(f"each trainer's loss normalisation, CP {args.cp}: each token's weight against its step's exact token "
+              "mean (|w * N - 1|, mean and max over steps):")
+        print(format_audit(audits))
+    if args.out:
+        print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,10 @@ from .._extras import require_extra
 require_extra("train", "torch")
 import torch  # noqa: E402
 
+from ..batching.denominators import STEP_TOKENS_KEY, served_counts
 from ..batching.samples import sample_index, sources_of
+from ..batching.trained import BRIDGE_06 as RULE_BRIDGE_06
+from ..batching.trained import STORED
 from ..errors import ShardError
 from ..format import PAD_LAYOUT_RUNTIME
 from ..jsondoc import load_json
@@ -147,11 +150,14 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         self.samples_mapping = (None if max_num_samples is None else
                                 sample_index(int(max_num_samples), len(source), seed=seed, order=order,
                                              source=source, balanced=balanced, path=data_path))
+        semantics = resolve_bridge_semantics(bridge_semantics)
+        self._served = None if balanced is None else served_counts(
+            balanced, self.samples_mapping, _bridge_rule(semantics, answer_only_loss), eos_id=eos, path=data_path,
+            global_batch_size=getattr(topology, "global_batch_size", None))
         if pad_cu_seqlens and stats is None:
             stats = (bridge_metadata_stats(pack_metadata_file_path) if pack_metadata_file_path
                      else bridge_stats(source))
         self.stats = stats
-        semantics = resolve_bridge_semantics(bridge_semantics)
         if semantics != BRIDGE_06:
             _warn_if_normalised_for_06(source, semantics)
         self.collate_fn = PackedCollator(
@@ -164,7 +170,10 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         return len(self.samples_mapping) if self.samples_mapping is not None else len(self.source)
 
     def __getitem__(self, idx) -> dict:
-        idx = int(idx)
+        """Bridge's packed sample; with a balanced order that records counts also
+        ``step_trained_tokens`` (int: the global trained positions of the sample's step under this
+        Bridge's rule, 0 for a padding sample), the pack checked against the order first."""
+        position = idx = int(idx)
         is_padding = idx < 0
         if self.samples_mapping is not None:
             idx = int(self.samples_mapping[idx])
@@ -175,6 +184,10 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         item = {"input_ids": pack.input_ids, "seq_boundaries": pack.seq_boundaries, "loss_mask": loss}
         if self.return_source_ids:
             item["source_ids"] = np.asarray(self.source.source_ids(idx), dtype=np.int64)
+        if self._served is not None:
+            if not is_padding:
+                self._served.check(idx, pack.input_ids, pack.loss_mask, pack.seq_start_id)
+            item[STEP_TOKENS_KEY] = 0 if is_padding else self._served.at(position)
         return item
 
     @property
@@ -184,6 +197,15 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         Raises:
             ShardError: the data records no sources."""
         return sources_of(self.source)
+
+
+def _bridge_rule(semantics: str, answer_only_loss: bool) -> Optional[str]:
+    """The positions a Bridge version trains, as a counting rule (:mod:`megatron_sft_idx.batching.trained`):
+    0.6 zeroes EOS inputs; ``main`` keeps the stored mask under ``answer_only_loss``; without it
+    every non-EOS input trains, which no recorded rule counts (None)."""
+    if not answer_only_loss:
+        return None
+    return RULE_BRIDGE_06 if semantics == BRIDGE_06 else STORED
 
 
 class ConvertedLossWarning(UserWarning):

@@ -32,7 +32,10 @@ applies them:
   (physical) segment, shape ``(B, 1)``;
 * rows of one batch are equalised with zero-length segments; ``attention_mask`` is None;
 * ``return_cu_seqlen=False``: no boundaries, a dense causal ``attention_mask``
-  ``(B, 1, L, L)`` (True = masked) instead.
+  ``(B, 1, L, L)`` (True = masked) instead;
+* not Bridge's: items that carry ``step_trained_tokens`` (a balanced order's step count,
+  :mod:`megatron_sft_idx.batching.denominators`) give the batch that key, a 0-d int64 (every
+  micro-batch lies in one step).
 
 Three versions of these rules (``bridge_semantics``; default: the installed Megatron-Bridge's,
 :func:`installed_bridge_semantics`, which never picks ``"pr5610"``):
@@ -69,6 +72,7 @@ require_extra("train", "torch")
 import torch  # noqa: E402
 from packaging.version import InvalidVersion, Version  # noqa: E402  (the [train] extra, as torch)
 
+from ..batching.denominators import STEP_TOKENS_KEY
 from ..errors import ShardError
 
 __all__ = ["PackedCollator", "BridgePackingStats", "collate_fn", "BRIDGE_SEMANTICS", "installed_bridge_semantics",
@@ -252,6 +256,8 @@ class PackedCollator:
             "position_ids": torch.from_numpy(positions.reshape(n_rows, max_length)),
             "token_count": [int(c) for c in row_count],
         }
+        if all(STEP_TOKENS_KEY in item for item in batch):   # served with a balanced order's counts
+            out[STEP_TOKENS_KEY] = torch.tensor(max(int(item[STEP_TOKENS_KEY]) for item in batch), dtype=torch.int64)
         if "source_ids" in batch[0]:   # (a mixture's data: each runtime position's source, -1 on padding)
             per_seq = np.concatenate([np.asarray(item["source_ids"], dtype=np.int64) for item in batch])
             if per_seq.shape[0] != seg.shape[0]:

@@ -31,7 +31,9 @@ column removal; the collator rebuilds the sequence lengths from it).
 A balanced order (docs/BATCHING.md) becomes the dataset's sample order; the trainer must
 then read it sequentially (``train_sampling_strategy="sequential"``, checked by
 :func:`check_training_args`). accelerate gives rank ``r`` batch ``k * W + r``: each group of
-``W`` consecutive micro-batches is one step's data-parallel slice, Megatron's layout.
+``W`` consecutive micro-batches is one step's data-parallel slice, Megatron's layout. An order
+that records trained-token counts adds ``step_trained_tokens`` to every row and batch: the
+step's global ``num_items_in_batch``; :class:`StepDenominators` makes the trainer use it.
 """
 
 from __future__ import annotations
@@ -45,13 +47,15 @@ from .._extras import require_extra
 require_extra("train", "torch")
 import torch  # noqa: E402
 
+from ..batching.denominators import STEP_TOKENS_KEY, served_counts
 from ..batching.layout import Topology
 from ..batching.samples import sample_index, sources_of, token_sources
+from ..batching.trained import STORED
 from ..errors import ShardError
 from ..open import open_packed
 
 __all__ = ["PaddingFreeDataset", "PaddingFreeCollator", "pack_labels", "check_training_args", "flatten_sequences",
-           "IGNORE_INDEX"]
+           "IGNORE_INDEX", "StepDenominators"]
 
 #: The label value the loss ignores (transformers' and TRL's ``-100``).
 IGNORE_INDEX = -100
@@ -119,6 +123,9 @@ class PaddingFreeDataset(torch.utils.data.Dataset):
         self.samples_mapping = (None if max_num_samples is None else
                                 sample_index(int(max_num_samples), len(source), seed=seed, balanced=self.order,
                                              path=data_path))
+        self._served = None if self.order is None else served_counts(
+            self.order, self.samples_mapping, STORED if self.answer_only_loss else None, path=data_path,
+            global_batch_size=getattr(topology, "global_batch_size", None))
 
     @property
     def ordered(self) -> bool:
@@ -147,7 +154,10 @@ class PaddingFreeDataset(torch.utils.data.Dataset):
         return len(self.samples_mapping) if self.samples_mapping is not None else len(self.source)
 
     def __getitem__(self, idx) -> dict:
-        idx = int(idx)
+        """One pack as TRL's packed row; with a balanced order that records counts also
+        ``step_trained_tokens`` (int: the global trained positions of the row's step), the pack
+        checked against the order first."""
+        position = idx = int(idx)
         if self.samples_mapping is not None:
             idx = int(self.samples_mapping[idx])
         pack = self.source[idx]
@@ -160,6 +170,9 @@ class PaddingFreeDataset(torch.utils.data.Dataset):
                "position_ids": np.arange(ids.shape[0], dtype=np.int64) - np.repeat(bounds[:-1], lengths)}
         if self.return_source_ids:
             row["source_ids"] = token_sources(self.source.source_ids(idx), lengths, ids.shape[0])
+        if self._served is not None:
+            self._served.check(idx, pack.input_ids, pack.loss_mask, pack.seq_start_id)
+            row[STEP_TOKENS_KEY] = self._served.at(position)
         return row
 
     @property
@@ -231,12 +244,53 @@ class PaddingFreeCollator:
             out["max_length_q"] = out["max_length_k"] = int(lengths.max())
         if self.return_seq_idx:
             out["seq_idx"] = torch.from_numpy(np.repeat(np.arange(lengths.shape[0], dtype=np.int32), lengths)[None])
+        if all(STEP_TOKENS_KEY in r for r in rows):   # a balanced order's step count (every row: one step)
+            out[STEP_TOKENS_KEY] = torch.tensor(max(int(r[STEP_TOKENS_KEY]) for r in rows), dtype=torch.int64)
         if "source_ids" in rows[0]:   # (a mixture's data: each position's source, -1 on padding)
             sources = np.full(ids.shape[0], -1, dtype=np.int64)
             flat = np.concatenate([np.asarray(r["source_ids"], dtype=np.int64) for r in rows])
             sources[:flat.shape[0]] = flat
             out["source_ids"] = torch.from_numpy(sources[None])
         return out
+
+
+class StepDenominators:
+    """Mixin for transformers' ``Trainer`` and TRL's ``SFTTrainer``: ``num_items_in_batch`` is
+    the step count the batches carry (``step_trained_tokens``, from a balanced order's counts),
+    not a count gathered from every process -- the same number, with no all-reduce.
+
+    ``class Trainer(StepDenominators, SFTTrainer): pass``. The trainer keeps the key through its
+    column removal, takes it out of every gradient-accumulation batch before the forward, and
+    falls back to its own count when a batch carries none. Needs
+    ``average_tokens_across_devices=True`` (the default: the loss is then multiplied by the
+    process count and DDP averages, so each token weighs ``1 / N`` of its step). Uses two
+    ``Trainer`` hooks (``_set_signature_columns_if_needed``, ``_get_num_items_in_batch``),
+    tested with transformers 5.25 and TRL 1.16 (``tests/training/test_step_denominators.py``).
+
+    Raises:
+        ShardError: the micro-batches of one step carry different counts (the trainer's steps
+            are not the order's: another batch size or world size), or
+            ``average_tokens_across_devices=False``.
+    """
+
+    def _set_signature_columns_if_needed(self) -> None:
+        super()._set_signature_columns_if_needed()
+        if STEP_TOKENS_KEY not in self._signature_columns:
+            self._signature_columns.append(STEP_TOKENS_KEY)
+
+    def _get_num_items_in_batch(self, batch_samples: list, device):
+        served = [b.pop(STEP_TOKENS_KEY) for b in batch_samples if isinstance(b, dict) and STEP_TOKENS_KEY in b]
+        if not served or len(served) != len(batch_samples):
+            return super()._get_num_items_in_batch(batch_samples, device)
+        values = {int(v) for v in served}
+        if len(values) != 1:
+            raise ShardError("the micro-batches of one optimizer step carry different step counts: the trainer's "
+                             "steps are not the order's", field=STEP_TOKENS_KEY, actual=sorted(values),
+                             hint="train with the topology the order was planned for (check_training_args)")
+        if not self.args.average_tokens_across_devices:
+            raise ShardError("the served step count is the global one: keep average_tokens_across_devices=True",
+                             field="average_tokens_across_devices", expected=True, actual=False)
+        return torch.tensor(values.pop(), device=device)
 
 
 def _row_lengths(row: dict) -> np.ndarray:

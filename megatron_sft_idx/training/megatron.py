@@ -39,7 +39,9 @@ upstream caches its indices, so samples after ``consumed_samples = k`` are the
 same in a restarted run. With ``pack_order_file`` (a balanced order, docs/BATCHING.md)
 the train split's samples are the order's positions instead: each step keeps the packs
 this shuffle gives it, dealt so that the data-parallel ranks' shares cost the same
-(:func:`balanced_order` says what is refused first).
+(:func:`balanced_order` says what is refused first); an order that records trained-token
+counts adds ``step_trained_tokens`` to every sample: the global trained positions of its
+step (:mod:`megatron_sft_idx.batching.denominators`), the divisor of the exact token mean.
 """
 
 from __future__ import annotations
@@ -65,8 +67,10 @@ from megatron.core.datasets.megatron_dataset import MegatronDataset
 from megatron.core.datasets.utils import Split
 
 from .._atomic import write_file_atomically
+from ..batching.denominators import STEP_TOKENS_KEY, served_counts
 from ..batching.layout import Topology
 from ..batching.samples import sample_index, sources_of, token_sources
+from ..batching.trained import STORED
 from ..errors import ShardError
 from ..format import PAD_LAYOUT_STORED
 from ..multi import MultiShardDataset, identities_of
@@ -325,6 +329,7 @@ class SFTIndexedDataset(MegatronDataset):
             sources_of(self.dataset, self.dataset_path)   # (refused now, not at the first sample)
         self._sample_index_path: Optional[str] = None
         self.sample_index = self._build_sample_index()
+        self._served = _served_counts(self._balanced, self.sample_index, config, self.dataset_path)
         self._balanced = None   # (served through the sample index; workers need not pickle it)
 
     @staticmethod
@@ -406,7 +411,9 @@ class SFTIndexedDataset(MegatronDataset):
         return int(self.sample_index.shape[0])
 
     def __getitem__(self, idx: Optional[int]) -> Dict[str, torch.Tensor]:
-        """Sample ``idx`` (``None``: a padding sample with zero loss, as ``GPTDataset``)."""
+        """Sample ``idx`` (``None``: a padding sample with zero loss, as ``GPTDataset``). With a
+        balanced order that records counts, ``step_trained_tokens`` too (0-d int64: the global
+        trained positions of the sample's step; 0 for a padding sample), its pack checked first."""
         i = int(self.sample_index[0 if idx is None else idx])
         pack = self.dataset[i]
         seq_len = int(self.config.sequence_length)
@@ -416,6 +423,10 @@ class SFTIndexedDataset(MegatronDataset):
         if self.return_source_ids:
             sample["source_ids"] = torch.from_numpy(token_sources(self.dataset.source_ids(i), pack.seq_lengths,
                                                                   seq_len))
+        if self._served is not None:
+            if idx is not None:
+                self._served.check(i, pack.input_ids, pack.loss_mask, pack.seq_start_id)
+            sample[STEP_TOKENS_KEY] = torch.tensor(0 if idx is None else self._served.at(idx), dtype=torch.int64)
         return sample
 
     @property
@@ -476,6 +487,15 @@ def balanced_order(dataset: "SFTIndexedDataset", config):
     if order.file_crc32 is None:
         order.to_bytes()
     return order
+
+
+def _served_counts(order, sample_index, config, path: Optional[str]):
+    """The step counts served with a balanced order (the stored mask's: what this dataset trains),
+    for the run's global batch size; None without an order (or counts)."""
+    if order is None:
+        return None
+    return served_counts(order, sample_index, STORED, path=path,
+                         global_batch_size=getattr(config, "global_batch_size", None))
 
 
 def _layout_pack(pack, seq_len: int, pad: int, path: Optional[str]) -> Dict[str, torch.Tensor]:

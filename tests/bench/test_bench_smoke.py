@@ -213,3 +213,20 @@ def test_balance_benchmark_entry_point(tmp_path, monkeypatch):
     assert all(d["identical"] for d in doc["dynamic"])
     assert doc["scale"]["packs"] > 0 and doc["scale"]["dynamic_microbatches"] > 0
     assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_labels_benchmark_entry_point(tmp_path, monkeypatch):
+    from bench import labels
+
+    monkeypatch.setattr("bench._common.RESULTS_DIR", tmp_path)
+    assert labels.main(["--quick", "--work", str(tmp_path / "w")]) == 0
+    doc = json.loads((tmp_path / "labels.json").read_text())
+    assert set(doc["corpora"]) == {"sft-mixture", "chat"}
+    for corpus in doc["corpora"].values():
+        for row in corpus["topologies"]:
+            orders = {o["order"]: o for o in row["orders"]}
+            assert list(orders) == [name for name, _ in labels.ORDERS]
+            if orders["shuffle"]["trained"]["steps"]:   # label balancing evens the ranks out
+                assert (orders["labels"]["trained"]["rank_spread_mean"]
+                        < orders["shuffle"]["trained"]["rank_spread_mean"])
+    assert "megatron-lm:per-micro-batch" in doc["audit_chat_dp8_mbs4_cp2"]

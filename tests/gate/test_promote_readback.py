@@ -123,6 +123,34 @@ def test_a_damaged_order_is_refused_before_anything_moves(run, tmp_path, capsys,
     assert visible(balanced) == before and (not dest.exists() or visible(dest) == [])
 
 
+def test_an_order_whose_denominators_are_not_the_shards_is_refused(run, tmp_path, capsys):
+    """A whole order, the one its manifest records, but counting one more trained token in the
+    first sequence than the shards hold: the promotion recounts them and refuses it."""
+    import zlib
+
+    from megatron_sft_idx.batching import Order
+
+    balanced = run[0]
+    path, manifest = os.path.join(balanced, "ds_train.order"), os.path.join(balanced, "ds_train.json")
+    order = Order.load(path)
+    order.trained.sequence["stored"][0] += 1
+    order.trained._packs.clear()
+    data = order.to_bytes()   # (its step denominators follow from the edited count: it is whole)
+    with open(path, "wb") as f:
+        f.write(data)
+    doc = json.load(open(manifest))
+    doc["order"].update(size=len(data), crc32=zlib.crc32(data))
+    with open(manifest, "w") as f:
+        json.dump(doc, f)
+    before = visible(balanced)
+    code, report = promote(capsys, balanced, "--promote", str(tmp_path / "storage"))
+    refused = findings(report, "TRAVELLER_INVALID")
+    assert code == 1 and refused and len(refused) == len(report["shards"]), report
+    assert "not the order of these shards" in refused[0]["message"]
+    assert "pack 0's trained tokens" in refused[0]["message"]
+    assert visible(balanced) == before
+
+
 def test_a_missing_recorded_order_is_refused(run, tmp_path, capsys):
     balanced = run[0]
     os.remove(os.path.join(balanced, "ds_train.order"))

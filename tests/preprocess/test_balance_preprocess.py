@@ -117,11 +117,11 @@ def test_the_balance_flags_fill_the_same_settings_for_both_commands():
     pre_args = ["--input", "a.jsonl", "--output-prefix", "/o/ds", "--tokenizer", "tok"]
     re_args = ["--store", "/s", "--output-prefix", "/o/ds"]
     flags = ["--balance-for", "8,2,64", "--cost-model", "qwen2.5-7b", "--balance-epochs", "3", "--balance-seed", "9",
-             "--exchange-window", "2"]
+             "--exchange-window", "2", "--balance-labels"]
     pre = _config(build_parser().parse_args(pre_args + flags)).balance
     re = _repack_config(build_repack_parser().parse_args(re_args + flags)).balance
     assert pre == re == BalanceSettings(balance_for=(8, 2, 64), cost_model="qwen2.5-7b", balance_epochs=3,
-                                        balance_seed=9, exchange_window=2)
+                                        balance_seed=9, exchange_window=2, balance_labels=True)
     for f in dataclasses.fields(BalanceSettings):   # every field moved off its default by its flag
         if f.name != "step_size":   # (a mixture's alternative to --balance-for: below)
             assert getattr(pre, f.name) != getattr(BalanceSettings(), f.name), f.name

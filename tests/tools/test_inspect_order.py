@@ -69,3 +69,26 @@ def test_an_order_of_other_data_and_a_missing_one_are_refused(data, capsys):
 def test_topology_flags_need_order(data, capsys):
     assert main([data[0], "--dp", "2"]) == 2
     assert "goes with --order" in capsys.readouterr().err
+
+
+def test_an_order_with_counts_shows_each_steps_denominator_and_refuses_other_masks(tmp_path, capsys):
+    from megatron_sft_idx.batching.trained import trained_counts
+
+    prefix = str(tmp_path / "c")
+    packs = random_packs(np.random.default_rng(4), 40, pack_size=64, max_seqs=4)
+    write_shard(prefix, packs)
+    ds = MMapIndexedDataset(prefix)
+    model = CostModel(1.0, 1.0)
+    order = plan_order(shard_pack_costs(ds, model), Topology(2, 2, 8), model, seed=5, trained=trained_counts(ds))
+    order.save(prefix + ".order")
+    assert main([prefix, "--order", "--json"]) == 0
+    steps = json.loads(capsys.readouterr().out)["denominators"]["rules"]["stored"]["steps"]
+    assert steps == order.step_trained("stored").sum(axis=(1, 2)).tolist() and len(steps) == 5
+    assert main([prefix, "--order"]) == 0
+    assert f"step: global (rank min..max): 0: {steps[0]:,}" in capsys.readouterr().out
+    ids, loss, starts = packs[3]
+    packs[3] = (ids, np.zeros_like(loss), starts)   # the same index, other masks
+    write_shard(str(tmp_path / "d"), packs)
+    order.save(str(tmp_path / "d.order"))
+    assert main([str(tmp_path / "d"), "--order"]) != 0
+    assert "pack 3's trained tokens" in capsys.readouterr().err
