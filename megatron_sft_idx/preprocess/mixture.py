@@ -29,7 +29,7 @@ from typing import Any, List, Optional, Tuple
 
 from ..errors import ShardError
 from ..jsondoc import Doc, normal_json, parse_json
-from ..storage.urls import is_remote
+from ..storage.paths import beside, comparable
 
 MIXTURE_VERSION = 1
 #: The units a weight may be stated in (the first is the default).
@@ -175,9 +175,8 @@ def _source(doc: Doc, base: str, unit: str) -> MixSource:
 def _location(doc: Doc, key: str, value: str, base: str) -> str:
     if "\0" in value or not value.strip():
         raise doc.fail("must be a path or a URL", key, actual=value)
-    if is_remote(value):
-        return value.rstrip("/")
-    return os.path.normpath(os.path.join(base, os.path.expanduser(value)))
+    place = comparable(beside(os.path.join(base, ""), os.path.expanduser(value)))
+    return place.rstrip("/") or place   # (a URL's trailing "/" names the same prefix)
 
 
 def _positive(doc: Doc, key: str, none: bool = False) -> Optional[float]:
