@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="count the positions each consumer trains (Megatron-LM, Megatron-Bridge 0.6 and "
                            "next, TRL padding-free); reads .bin and .loss.bin")
     p.add_argument("--eos-id", type=int, default=None, metavar="ID",
-                   help="with --consumers: the tokenizer's EOS id (default: the one a conversion recorded)")
+                   help="with --consumers: the tokenizer's EOS id (default: the one a conversion recorded, else the "
+                        "recorded tokenizer's)")
     p.add_argument("--dp", type=int, default=None, metavar="N",
                    help="alias: DP of --balance-for (the others the order's)")
     p.add_argument("--micro-batch-size", type=int, default=None, metavar="N",

@@ -97,3 +97,30 @@ def test_a_promoted_run_in_a_bucket_is_summarized_set_by_set(promoted, s3, bucke
         assert [s["set"]["name"] for s in doc["sets"]] == ["train", "valid", "test"]
         assert [s["summary"]["packs"] for s in doc["sets"]] == [
             _packs(promoted / f"ds_{n}.json") for n in ("train", "valid", "test")]
+
+
+def test_a_promoted_pack_is_detokenized_with_the_tokenizer_its_run_recorded(promoted, tmp_path, monkeypatch,
+                                                                              capsys):
+    """Issue 44 item 2: the run record stays in staging/ after the promotion; --pack still finds
+    the tokenizer it names (no --tokenizer), and says in one line when it cannot load it."""
+    from megatron_sft_idx.tools import pack_view
+    from support.stages import TOKENIZER
+
+    monkeypatch.setattr(pack_view, "EXAMPLE_TOKENIZER", str(tmp_path / "no-checkout"))   # only the record helps
+    monkeypatch.delenv(pack_view.TOKENIZER_PATH_ENV, raising=False)
+    shard = str(promoted / "ds_train_000000")
+    assert not any(n.endswith(".preprocess") for n in os.listdir(promoted))   # the record stayed behind
+    assert pack_view.run_recorded(shard) == [os.path.abspath(TOKENIZER)]
+    status, out, err = _run([str(promoted / "ds_train.json"), "--pack", "0", "--json"], capsys)
+    assert status == 0, err
+    view = json.loads(out)
+    assert view["tokenizer_note"] is None and all("text" in s for s in view["sequences"])
+    # the recorded tokenizer's files hash as recorded but its tokenizer.json does not load: ids, one line
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "tokenizer.json").write_text("{not json\nsecond line")
+    monkeypatch.setattr(pack_view, "find_tokenizer", lambda recorded, run_paths=(): str(broken))
+    status, out, err = _run([shard, "--pack", "0"], capsys)
+    assert status == 0, err
+    notes = [line for line in out.splitlines() if "cannot load the tokenizer" in line]
+    assert len(notes) == 1 and "showing token ids" in notes[0]
