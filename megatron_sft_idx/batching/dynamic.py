@@ -157,12 +157,13 @@ def _overlong(order: np.ndarray, lengths: np.ndarray, gbs: int, budget: int, rnd
     fits = int(need.max())
     rounded = f", rounded up to a multiple of {rnd}" if rnd > 1 else ""
     count = int(over.sum())
+    verb = "does" if count == 1 else "do"
     return ShardError(
-        f"{count:,} of the {lens.size:,} sequences served {'does' if count == 1 else 'do'} not fit one micro-batch of {budget:,} tokens; the "
-        f"longest is sequence {seq} ({length:,} tokens{rounded})", field="max_tokens_per_microbatch", pack=None,
-        expected=f">= {fits:,} (fits every sequence)", actual=budget,
-        hint=f"raise max_tokens_per_microbatch (--max-tokens-per-microbatch) to {fits} or more, or truncate sequences to {budget:,} tokens "
-             "(preprocess-sft --overlong truncate --pack-size N)")
+        f"{count:,} of the {lens.size:,} sequences served {verb} not fit one micro-batch of {budget:,} tokens; "
+        f"the longest is sequence {seq} ({length:,} tokens{rounded})", field="max_tokens_per_microbatch",
+        pack=None, expected=f">= {fits:,} (fits every sequence)", actual=budget,
+        hint=f"raise max_tokens_per_microbatch (--max-tokens-per-microbatch) to {fits} or more, or truncate "
+             f"sequences to {budget:,} tokens (preprocess-sft --overlong truncate --pack-size N)")
 
 
 def plan_dynamic(lengths, *, global_batch_size: int, data_parallel_size: int, max_tokens_per_microbatch: int,

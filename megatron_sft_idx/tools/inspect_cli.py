@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from typing import List, Optional
 
@@ -131,7 +132,7 @@ def _run(args) -> int:
             f"this directory holds {len(sets)} whole sets ("
             + ", ".join(s.describe() for s, _ in sets) + "); --pack, --consumers and --plot read one",
             path=args.shards[0], field="set", expected="one set", actual=f"{len(sets)} sets",
-            hint=f"give one set's manifest or a glob of its shards (e.g. {sets[0][1][0]}.json); "
+            hint=f"give one set's manifest or a glob of its shards (e.g. {_manifest_of(sets[0][1][0])}); "
                  "without a mode, inspect-idx summarizes each set")
     prefixes = sets[0][1]
     if args.consumers:
@@ -158,11 +159,17 @@ def _run(args) -> int:
     return _cli.EXIT_OK
 
 
+def _manifest_of(prefix: str) -> str:
+    """``BASE.json``, the manifest a producer writes beside the shards ``BASE_NNNNNN`` of a set."""
+    return re.sub(r"_\d{6}$", "", prefix) + ".json"
+
+
 def _summaries(args, sets) -> int:
     """One summary per set of a directory holding several (the splits of one run), each named."""
     from .inspect import format_summary, summarize   # (start-up: this mode only)
 
-    out = [{"set": {"id": s.id, "name": s.name, "shards": s.count}, "summary": summarize(prefixes, bins=args.bins)} for s, prefixes in sets]
+    out = [{"set": {"id": s.id, "name": s.name, "shards": s.count}, "summary": summarize(prefixes, bins=args.bins)}
+           for s, prefixes in sets]
     if args.json:
         _cli.emit(json.dumps({"source": args.shards[0], "sets": out}, indent=1))
         return _cli.EXIT_OK

@@ -57,6 +57,7 @@ def test_modes_that_read_one_set_say_how_to_name_it(promoted, capsys):
     assert status == 1 and err.count("\n") == 1 and "Traceback" not in err
     assert "holds 3 whole sets" in err and "--pack, --consumers and --plot read one" in err
     assert "--resume" not in err  # nothing was interrupted
+    assert f"(e.g. {promoted / 'ds_train.json'})" in err   # the manifest the run wrote, not a shard's name
     status, out, err = _run([str(promoted / "ds_valid.json"), "--pack", "0", "--no-text"], capsys)
     assert status == 0, err
 
