@@ -21,8 +21,14 @@ by its user + system time.
 Corpora (:func:`bench.preprocess_speed.make_corpus`): ``realistic`` (plain multi-turn chat, a
 128k+ production tokenizer), ``example`` (the bundled generator and 1k BPE), ``tools``.
 
+``--input FILE.jsonl --tokenizer DIR`` measures your own conversations with your model's
+tokenizer instead (the row ``yours``): the rate the README quotes depends on the vocabulary
+(the encoder's cost per token), the text (tokens per character, turn lengths) and how much of
+it is tool calls or reasoning; this is the command that gives it for your data.
+
     python -m bench.floor                              # realistic and example, 20k conversations
     python -m bench.floor --corpora realistic,tools --count 5000 --rounds 5
+    python -m bench.floor --input /data/chat.jsonl --tokenizer /models/your-tokenizer
 """
 
 from __future__ import annotations
@@ -125,20 +131,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--corpora", default="realistic,example",
                    help=f"comma-separated, of {', '.join(CORPORA)} (default: realistic,example)")
     p.add_argument("--rounds", type=int, default=3, help="rounds; medians over them (default: 3)")
+    p.add_argument("--input", default=None, metavar="FILE.jsonl",
+                   help="your conversations (one local JSONL file of chat records), measured instead of the corpora")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="with --input: your model's tokenizer (a directory or a Hugging Face name)")
     return p
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+def _corpora(args, tmp: str):
+    """``(name, path, tokenizer, description)`` of each corpus measured: yours, or the generated ones."""
+    if args.input is not None:
+        if not args.tokenizer or not os.path.isfile(args.input) or not args.input.endswith(".jsonl"):
+            raise SystemExit("--input takes one local .jsonl file, with --tokenizer DIR")
+        return [("yours", args.input, args.tokenizer, f"{args.input} with {args.tokenizer}")]
+    if args.tokenizer is not None:
+        raise SystemExit("--tokenizer goes with --input")
     corpora = [c for c in args.corpora.split(",") if c]
     unknown = sorted(set(corpora) - set(CORPORA))
     if unknown:
         raise SystemExit(f"unknown corpus {unknown[0]!r}: choose from {', '.join(CORPORA)}")
+    return [(kind, *make_corpus(kind, os.path.join(tmp, f"{kind}.jsonl"), args.count, tmp)) for kind in corpora]
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     results = {"count": args.count, "rounds": args.rounds, "corpora": {}}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for kind in corpora:
-            path, tok, desc = make_corpus(kind, os.path.join(tmp, f"{kind}.jsonl"), args.count, tmp)
+        for kind, path, tok, desc in _corpora(args, tmp):
             r = run_child("bench.floor:child_floor", path=path, tokenizer=tok, out=os.path.join(tmp, kind, "out"),
                           rounds=args.rounds)
             r["corpus"] = desc

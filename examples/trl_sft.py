@@ -12,12 +12,54 @@ flattens them (``padding_free=True``, no dataset preparation); with a transforme
 ``Trainer``, :class:`~megatron_sft_idx.training.hf.PaddingFreeCollator` does the same.
 ``--balanced-order auto`` serves the order planned beside the data (docs/BATCHING.md).
 docs/TRAINING.md has the details.
+
+Memory: the model's float32 logits are ``batch size x tokens per row x vocabulary x 4`` bytes,
+and the loss holds about as much again for their gradient. Packs of 4,096 tokens, two per batch
+and a 151,936-token vocabulary (Qwen's) make 5.0 GB of logits alone, so ``--max-length`` (default 1024)
+keeps the first N tokens of each pack (whole sequences, then the start of the one it cuts):
+1.2 GB of logits for that vocabulary; ``--max-length 0`` trains whole packs. With the bundled
+1k-vocabulary tokenizer it does not matter. The cut is for trying the wiring on a CPU; a real
+run packs to the length it trains (``preprocess-sft --pack-size``).
 """
 
 import argparse
 import os
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class Cut:
+    """The rows of a ``PaddingFreeDataset`` cut to their first ``n`` tokens (``seq_lengths``
+    shortened to match: the sequences that end within them, then the part of the one cut)."""
+
+    def __init__(self, dataset, n: int) -> None:
+        self.dataset, self.n = dataset, n
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i) -> dict:
+        row = dict(self.dataset[i])
+        total, lengths = 0, []
+        for length in row["seq_lengths"]:
+            if total >= self.n:
+                break
+            lengths.append(min(length, self.n - total))
+            total += lengths[-1]
+        row["seq_lengths"] = lengths
+        for key in ("input_ids", "labels", "position_ids", "source_ids"):
+            if key in row:
+                row[key] = row[key][:self.n]
+        return row
+
+    def as_iterable_dataset(self):
+        import datasets   # (the [hf] extra: only for TRL's trainer)
+
+        def rows():
+            for i in range(len(self)):
+                yield self[i]
+
+        return datasets.IterableDataset.from_generator(rows)
 
 
 def main(argv=None) -> int:
@@ -30,7 +72,14 @@ def main(argv=None) -> int:
     parser.add_argument("--balanced-order", default=None, help="an order file, or 'auto'")
     parser.add_argument("--seed", type=int, default=1234, help="the run's data seed")
     parser.add_argument("--out", default="out/trl_sft", help="output directory of the trainer")
+    parser.add_argument("--max-length", type=int, default=1024, metavar="N",
+                        help="tokens of each pack trained (its first N; default 1024; 0 = whole packs): logits "
+                             "take batch x N x vocabulary x 4 bytes")
     args = parser.parse_args(argv)
+    if args.max_length < 0:
+        parser.error("--max-length must be >= 0")
+    if args.max_length and args.balanced_order:
+        parser.error("--balanced-order counts each step's trained tokens over whole packs: use --max-length 0")
 
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -45,6 +94,7 @@ def main(argv=None) -> int:
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     model = LlamaForCausalLM(config)
+    rows = Cut(dataset, args.max_length) if args.max_length else dataset
     common = dict(output_dir=args.out, max_steps=args.steps, per_device_train_batch_size=args.batch_size,
                   learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
                   seed=args.seed, train_sampling_strategy="sequential" if dataset.ordered else "random")
@@ -54,18 +104,19 @@ def main(argv=None) -> int:
         config = SFTConfig(padding_free=True, max_length=None, dataset_kwargs={"skip_prepare_dataset": True},
                            **common)
         check_training_args(dataset, config)
-        trainer = SFTTrainer(model=model, args=config, train_dataset=dataset.as_iterable_dataset(),
+        trainer = SFTTrainer(model=model, args=config, train_dataset=rows.as_iterable_dataset(),
                              processing_class=tokenizer)
     else:
         from transformers import Trainer, TrainingArguments
 
         config = TrainingArguments(**common)
         check_training_args(dataset, config)
-        trainer = Trainer(model=model, args=config, train_dataset=dataset,
+        trainer = Trainer(model=model, args=config, train_dataset=rows,
                           data_collator=PaddingFreeCollator(tokenizer.pad_token_id))
     result = trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    print(f"trained {result.global_step} steps on {len(dataset)} packs; loss per step: "
+    print(f"trained {result.global_step} steps on {len(dataset)} packs"
+          + (f" (their first {args.max_length} tokens)" if args.max_length else "") + "; loss per step: "
           + ", ".join(f"{x:.3f}" for x in losses))
     return 0
 

@@ -76,6 +76,33 @@ def add_verbosity_arguments(parser, quiet_help: str = "errors only: no progress 
     g.add_argument("-v", "--verbose", action="store_true", help=verbose_help)
 
 
+_PEAK_SEEN = [0.0]   # the largest peak this process has read: a reset of VmHWM never lowers it
+
+
+def own_peak_rss_mib() -> float:
+    """This process's own peak resident memory (MiB): the kernel's high-water mark of its
+    address space (``VmHWM`` in ``/proc/self/status``), which starts afresh at ``exec``.
+
+    Not ``ru_maxrss``: on Linux it keeps the peak of the process image replaced by ``exec``, so
+    a tool started from a large process (a notebook, a test runner, a launcher) would report
+    its parent's size. A forked child (no ``exec``) counts the pages it shares with its parent
+    at the fork, as the kernel does. The value never decreases within a process, even if
+    something resets the mark after a read (``/proc/self/clear_refs``). Where ``/proc`` is missing (macOS),
+    ``ru_maxrss`` (bytes there, KiB on Linux).
+    """
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith((b"VmHWM:", b"VmRSS:")):
+                    _PEAK_SEEN[0] = max(_PEAK_SEEN[0], int(line.split()[1]) / 1024)
+        if _PEAK_SEEN[0]:
+            return _PEAK_SEEN[0]
+    except (OSError, ValueError, IndexError):
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1 << 20) if sys.platform == "darwin" else peak / 1024
+
+
 def rss_mib() -> float:
     """This process's resident memory now (MiB); its peak where /proc is missing."""
     try:

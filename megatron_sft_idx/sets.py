@@ -32,7 +32,9 @@ tokenizer between two that record different ones does not hide the difference.
 Shards selected by a directory, a glob or a manifest must hold every member of each set
 they touch, each once; a directory or a glob must moreover hold one set only (or only
 shards that belong to no set). A shard named by its own prefix is read whatever set it
-belongs to.
+belongs to. Tools that look at each set on its own (``inspect-idx DIR``) take a directory
+of several whole sets of distinct names apart with :func:`whole_sets` (the splits of one
+run, promoted together).
 """
 
 from __future__ import annotations
@@ -46,10 +48,11 @@ from .format import LOSS_MASK_CONVENTION, METADATA_FIELD_RANGES, PAD_LAYOUTS, TO
 from .metadata import ShardMetadata, ShardSet
 
 __all__ = ["ShardIdentity", "Agreement", "Difference", "require_compatible", "require_whole_sets",
-           "identity_difference", "tokenizer_difference", "SELECTED_BY"]
+           "identity_difference", "tokenizer_difference", "whole_sets", "SELECTED_BY"]
 
 #: How shards were named: each kind but ``prefix`` selects shards the caller did not name one by one.
 SELECTED_BY = ("prefix", "directory", "glob", "manifest")
+_SPLIT_ORDER = {"train": 0, "valid": 1, "test": 2}
 _LAYOUT_WORDS = {"stored": "Megatron-LM's 'stored' layout", "runtime": "Megatron-Bridge's 'runtime' layout"}
 _HINTS = {
     "token_dtype": "pass --widen to write int32 tokens for all inputs",
@@ -431,3 +434,28 @@ def require_whole_sets(members: Sequence[Tuple[str, Optional[ShardSet]]], *, sou
                      "--resume; a copy: copy every shard); to read part of a set on purpose, name its "
                      "shards' prefixes one by one")
 
+
+
+def whole_sets(members: Sequence[Tuple[str, Optional[ShardSet]]], *, source: str,
+               selected_by: str) -> List[Tuple[Optional[ShardSet], List[str]]]:
+    """The sets ``members`` hold, each whole: ``[(set, prefixes in index order)]``, ordered
+    train, valid, test first, then by name, or ``[(None or the one set, the prefixes as given)]`` when there is one.
+
+    Several sets are accepted (for a caller that shows each on its own) only when every set
+    is complete, each index once, their names are distinct (``train``, ``valid``, ``test``
+    of one run) and no shard belongs to no set; two sets of one name (two generations) or a
+    partial set are refused with :func:`require_whole_sets`'s message.
+
+    Raises:
+        ShardSetError: as :func:`require_whole_sets`.
+    """
+    found, strangers = _group(members, source)
+    names = [g.shard_set.name for g in found.values()]
+    whole = all(len(ps) == 1 for g in found.values() for ps in g.by_index.values()) and all(
+        g.present() == g.shard_set.count for g in found.values())
+    if len(found) < 2 or strangers or None in names or len(set(names)) < len(names) or not whole:
+        require_whole_sets(members, source=source, selected_by=selected_by)
+        return [(next(iter(found.values())).shard_set if found else None, [p for p, _ in members])]
+    groups = sorted(found.values(), key=lambda g: (_SPLIT_ORDER.get(g.shard_set.name, len(_SPLIT_ORDER)),
+                                                   g.shard_set.name, g.shard_set.id))
+    return [(g.shard_set, [g.by_index[k][0] for k in range(g.shard_set.count)]) for g in groups]

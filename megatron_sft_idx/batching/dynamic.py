@@ -141,6 +141,31 @@ def _positive(name: str, value) -> int:
     return int(value)
 
 
+def _overlong(order: np.ndarray, lengths: np.ndarray, gbs: int, budget: int, rnd: int,
+              width_mult: int) -> ShardError:
+    """The error for sequences wider than the budget: how many of the sequences served, the
+    longest (its id and length) and the smallest budget that fits them all, in one message.
+    A sequence's width is its length rounded up to ``rnd``, capped at its step's width (the
+    step's longest rounded up to ``width_mult``), as the kernel computes it."""
+    ids = order.reshape(-1, gbs)
+    lens = lengths[ids].astype(np.int64)
+    step_width = -(-lens.max(axis=1, keepdims=True) // width_mult) * width_mult
+    need = np.minimum(-(-lens // rnd) * rnd, step_width)
+    over = need > budget
+    longest = int(np.argmax(np.where(over, lens, 0)))
+    seq, length = int(ids.flat[longest]), int(lens.flat[longest])
+    fits = int(need.max())
+    rounded = f", rounded up to a multiple of {rnd}" if rnd > 1 else ""
+    count = int(over.sum())
+    verb = "does" if count == 1 else "do"
+    return ShardError(
+        f"{count:,} of the {lens.size:,} sequences served {verb} not fit one micro-batch of {budget:,} tokens; "
+        f"the longest is sequence {seq} ({length:,} tokens{rounded})", field="max_tokens_per_microbatch",
+        pack=None, expected=f">= {fits:,} (fits every sequence)", actual=budget,
+        hint=f"raise max_tokens_per_microbatch (--max-tokens-per-microbatch) to {fits} or more, or truncate "
+             f"sequences to {budget:,} tokens (preprocess-sft --overlong truncate --pack-size N)")
+
+
 def plan_dynamic(lengths, *, global_batch_size: int, data_parallel_size: int, max_tokens_per_microbatch: int,
                  sequence_length_round: int = 1, seed: int = 0, epoch: int = 0, batch_width_multiple: int = 1,
                  order=None) -> DynamicBatchPlan:
@@ -156,8 +181,9 @@ def plan_dynamic(lengths, *, global_batch_size: int, data_parallel_size: int, ma
         order: the epoch's sequence order to cut into steps (default: the adapters' shuffle).
 
     Raises:
-        ShardError: a bad setting or length; a sequence whose rounded length exceeds the budget
-            (naming it): raise the budget or truncate such sequences first.
+        ShardError: a bad setting or length; sequences whose rounded length exceeds the budget
+            (how many, the longest, and the budget that fits them all): raise the budget or
+            truncate such sequences first.
     """
     gbs = _positive("global_batch_size", global_batch_size)
     dp = _positive("data_parallel_size", data_parallel_size)
@@ -186,11 +212,7 @@ def plan_dynamic(lengths, *, global_batch_size: int, data_parallel_size: int, ma
     bad = _kernels.dynamic_microbatches(order, lengths, gbs, dp, budget, rnd, width_mult, served, mb_offsets,
                                         mb_bounds, mb_widths)
     if bad >= 0:
-        seq = int(order[bad])
-        raise ShardError(f"sequence {seq} ({int(lengths[seq])} tokens, rounded up to a multiple of {rnd}) does not "
-                         f"fit one micro-batch of {budget} tokens", field="max_tokens_per_microbatch", pack=None,
-                         expected=f">= {-(-int(lengths[seq]) // rnd) * rnd}", actual=budget,
-                         hint="raise max_tokens_per_microbatch or truncate sequences to it")
+        raise _overlong(order, lengths, gbs, budget, rnd, width_mult)
     used = int(mb_offsets[-1])
     return DynamicBatchPlan(served=served, mb_offsets=mb_offsets, mb_bounds=mb_bounds[:used].copy(),
                             mb_widths=mb_widths[:used].copy(), lengths=lengths, global_batch_size=gbs,

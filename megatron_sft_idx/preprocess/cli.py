@@ -374,8 +374,17 @@ def progress_of(prog: str, args) -> Progress:
     return Progress(prog, "off" if args.quiet else "auto", args.log_interval)
 
 
+#: Options of preprocess-sft and repack-sft that take a local path only (docs/TOOLS.md "URLs").
+LOCAL_ONLY_FLAGS = ("--staging-dir", "--summary-json", "--plan-only", "--mix", "--mix-plot", "--skip-report",
+                    "--chat-template")
+
+
 def usage_problem(args) -> str:
-    """A combination of flags that cannot mean what it says, as one line naming the options ('' if none)."""
+    """A combination of flags that cannot mean what it says, as one line naming the options ('' if none);
+    first, a URL given to an option that takes a local path only (before anything else is judged)."""
+    remote = local_only((flag, getattr(args, flag[2:].replace("-", "_"), None)) for flag in LOCAL_ONLY_FLAGS)
+    if remote:
+        return remote
     if args.overlong == "error" and args.skip_bad:
         return ("--overlong error stops at the first overlong conversation, but --skip-bad would skip it: "
                 "pass --overlong drop --skip-bad to skip and count overlong ones, or drop --skip-bad")
@@ -421,8 +430,7 @@ def usage_problem(args) -> str:
         return (f"--output-prefix {output}: with --engine ray the work directory goes beside it, locked by "
                 "conditional writes, which msc:// does not offer; give its s3:// URL, or --staging-dir DIR "
                 "on a filesystem every node mounts")
-    return local_only((flag, getattr(args, flag[2:].replace("-", "_"), None)) for flag in
-                      ("--staging-dir", "--summary-json", "--plan-only", "--mix", "--mix-plot"))
+    return ""
 
 
 def run_and_report(prog: str, run, cfg, args, formatter=None) -> int:

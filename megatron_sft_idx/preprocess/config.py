@@ -250,6 +250,7 @@ class Config(_Grouped):
         groups = _compose("Config", self._GROUPS, {"tokenize": tokenize, "pack": pack, "run": run,
                                                    "balance": balance}, flat)
         _refuse_mix_with(mix, store=store, inputs=inputs)
+        _refuse_remote(groups)
         self._set(dict(inputs=inputs, output_prefix=output_prefix, store=store, mix=mix, **groups))
 
 
@@ -282,10 +283,26 @@ class RepackConfig(_Grouped):
             raise ShardError("--plan-only writes a local file", path=plan_only, field="plan_only",
                              hint="give a local path (VirtualPackedDataset reads the plan and the store locally)")
         _refuse_mix_with(mix, store=store)
+        _refuse_remote(groups)
         if store is None and mix is None:
             raise ShardError("repack-sft packs a store: give --store DIR|URL, or --mix FILE", field="store")
         self._set(dict(store=store, output_prefix=output_prefix, plan_only=plan_only, mix=mix, tokenizer=tokenizer,
                        **groups))
+
+
+#: ``(group, field, flag)`` of the settings that name a local file or directory only: an
+#: ``s3://`` / ``msc://`` URL is refused when a configuration is made, before any work.
+LOCAL_ONLY = (("tokenize", "skip_report", "--skip-report"), ("tokenize", "chat_template", "--chat-template"),
+              ("run", "staging_dir", "--staging-dir"))
+
+
+def _refuse_remote(groups: Dict[str, object]) -> None:
+    """Raises: ShardError: a :data:`LOCAL_ONLY` setting of ``groups`` is a URL (naming its flag)."""
+    for group, name, flag in LOCAL_ONLY:
+        value = getattr(groups.get(group), name, None)
+        if local_only([(flag, value)]):
+            raise ShardError(f"{flag} takes a local path, not a URL", path=value, field=f"{group}.{name}",
+                             hint="give a local path (shard outputs, stores, inputs and tokenizers may be URLs)")
 
 
 def _refuse_mix_with(mix: Optional[str], *, store: Optional[str] = None, inputs: Sequence[str] = ()) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import resource
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
@@ -25,6 +24,7 @@ import numpy as np
 
 from ..builder import IndexedDatasetBuilder
 from .._files import open_generation
+from .._progress import own_peak_rss_mib
 from ..errors import MetadataError, ShardError
 from ..format import BIN_SUFFIX, LOSS_SUFFIX, PUBLISH_ORDER, SEQ_IDX_SUFFIX, ShardPaths
 from ..metadata import ShardMetadata
@@ -95,7 +95,7 @@ class MaterializeStep:
         finally:
             gather.close()
         body = {"final": out.final, "packs": last - first, "metadata": builder.metadata.to_dict(),
-                "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+                "peak_rss_mib": round(own_peak_rss_mib(), 1)}
         return self.book.write(unit, body, [out.staged + s for s in PUBLISH_ORDER], pinned=[out.staged + SEQ_IDX_SUFFIX])
 
 

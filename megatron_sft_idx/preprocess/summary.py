@@ -7,6 +7,7 @@ import resource
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Dict, List, Optional
 
+from .._progress import own_peak_rss_mib
 from .._units import human_bytes, plural
 from .records.inputs import left_reason
 from .records.policy import LossPolicy
@@ -37,9 +38,10 @@ class PackResult:
 
 
 def peak_rss_mib(receipts: List[dict]) -> Dict[str, float]:
-    """This process's peak RSS, and the largest of its children's and of the receipts' (Ray
-    workers report their own)."""
-    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """This process's own peak RSS (:func:`~megatron_sft_idx._progress.own_peak_rss_mib`: not
+    its parent's, when started from a large process), and the largest of its children's and of
+    the receipts' (workers report their own)."""
+    own = own_peak_rss_mib()
     kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     reported = [r.get("peak_rss_mib", 0.0) for r in receipts]
     return {"main": round(own, 1), "workers_max": round(max([kids] + reported), 1)}

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from typing import List, Optional
 
 from .. import _cli
-from ..errors import ShardError
+from ..errors import ShardError, ShardSetError
 from ..storage.urls import local_only
 from .plot import plot_summary
 
@@ -46,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="count the positions each consumer trains (Megatron-LM, Megatron-Bridge 0.6 and "
                            "next, TRL padding-free); reads .bin and .loss.bin")
     p.add_argument("--eos-id", type=int, default=None, metavar="ID",
-                   help="with --consumers: the tokenizer's EOS id (default: the one a conversion recorded)")
+                   help="with --consumers: the tokenizer's EOS id (default: the one a conversion recorded, else the "
+                        "recorded tokenizer's)")
     p.add_argument("--dp", type=int, default=None, metavar="N",
                    help="alias: DP of --balance-for (the others the order's)")
     p.add_argument("--micro-batch-size", type=int, default=None, metavar="N",
@@ -110,7 +112,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _run(args) -> int:
-    from .merge_plan import resolve_inputs   # (start-up: numba, as each mode's modules below; --help never)
+    from .merge_plan import resolve_sets   # (start-up: numba, as each mode's modules below; --help never)
 
     if args.sql:
         return _sql(args)
@@ -122,7 +124,17 @@ def _run(args) -> int:
         reports = view.pop("reports")
         _cli.emit(json.dumps(view, indent=1) if args.json else format_order_view(dict(view, reports=reports)))
         return _cli.EXIT_OK
-    prefixes = resolve_inputs(args.shards)
+    sets = resolve_sets(args.shards)
+    if len(sets) > 1:
+        if args.pack is None and not args.consumers and not args.plot:
+            return _summaries(args, sets)
+        raise ShardSetError(
+            f"this directory holds {len(sets)} whole sets ("
+            + ", ".join(s.describe() for s, _ in sets) + "); --pack, --consumers and --plot read one",
+            path=args.shards[0], field="set", expected="one set", actual=f"{len(sets)} sets",
+            hint=f"give one set's manifest or a glob of its shards (e.g. {_manifest_of(sets[0][1][0])}); "
+                 "without a mode, inspect-idx summarizes each set")
+    prefixes = sets[0][1]
     if args.consumers:
         from .inspect_consumers import consumer_audit, format_consumer_audit   # (start-up: this mode only)
 
@@ -144,6 +156,28 @@ def _run(args) -> int:
     if args.plot and not args.json:
         text += f"\nplot written to {summary['plot']}"
     _cli.emit(text)
+    return _cli.EXIT_OK
+
+
+def _manifest_of(prefix: str) -> str:
+    """``BASE.json``, the manifest a producer writes beside the shards ``BASE_NNNNNN`` of a set."""
+    return re.sub(r"_\d{6}$", "", prefix) + ".json"
+
+
+def _summaries(args, sets) -> int:
+    """One summary per set of a directory holding several (the splits of one run), each named."""
+    from .inspect import format_summary, summarize   # (start-up: this mode only)
+
+    out = [{"set": {"id": s.id, "name": s.name, "shards": s.count}, "summary": summarize(prefixes, bins=args.bins)}
+           for s, prefixes in sets]
+    if args.json:
+        _cli.emit(json.dumps({"source": args.shards[0], "sets": out}, indent=1))
+        return _cli.EXIT_OK
+    head = (f"{args.shards[0]}: {len(sets)} sets ("
+            + ", ".join(f"{s.name} {len(p)} shard{'s' if len(p) > 1 else ''}" for s, p in sets) + ")")
+    blocks = [f"== {s.describe()}, {s.count} shard{'s' if s.count > 1 else ''}\n{format_summary(o['summary'])}"
+              for (s, _), o in zip(sets, out)]
+    _cli.emit("\n\n".join([head] + blocks))
     return _cli.EXIT_OK
 
 

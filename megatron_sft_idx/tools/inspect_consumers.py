@@ -7,13 +7,15 @@ adapter train the stored mask; Megatron-Bridge 0.6's collate zeroes it at EOS in
 reads ``.bin`` and ``.loss.bin`` a chunk of packs at a time (bounded memory) and counts, per
 consumer, the positions trained, plus the EOS inputs the two Bridge versions disagree on and,
 for context-parallel data, the trained EOS alignment padding. The EOS id comes from
-``--eos-id``, else from a conversion's record (``source.converted_from.bridge_eos_id``); without
-one, Bridge 0.6's count is unknown and says so.
+``--eos-id``, else from a conversion's record (``source.converted_from.bridge_eos_id``), else
+from the tokenizer the shard records (``tokenizer.eos_id``: the id Bridge's tokenizer gives as
+``eos_id``); each shard's ``eos_from`` says which. Without any, Bridge 0.6's count is unknown
+and says so.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -27,6 +29,7 @@ __all__ = ["consumer_audit", "format_consumer_audit", "CHUNK_TOKENS"]
 CHUNK_TOKENS = 1 << 20
 _SUMMED = ("megatron-lm", "megatron-bridge-0.6", "megatron-bridge-next", "trl-padding-free",
            "eos_inputs_trained", "alignment_padding_trained")
+_FROM = {"--eos-id": "--eos-id", "conversion": "the conversion's record", "tokenizer": "the recorded tokenizer"}
 
 
 def _shard_counts(shard: MMapIndexedDataset, eos_id: Optional[int]) -> Dict[str, Any]:
@@ -55,6 +58,19 @@ def _shard_counts(shard: MMapIndexedDataset, eos_id: Optional[int]) -> Dict[str,
     return total
 
 
+def _eos_of(metadata, given: Optional[int]) -> Tuple[Optional[int], Optional[str]]:
+    """``(EOS id, where it came from)``: ``--eos-id``, a conversion's record, the recorded tokenizer."""
+    if given is not None:
+        return given, "--eos-id"
+    converted = converted_eos_id(metadata)
+    if converted is not None:
+        return converted, "conversion"
+    recorded = (metadata.tokenizer or {}).get("eos_id")
+    if isinstance(recorded, int) and not isinstance(recorded, bool) and recorded >= 0:
+        return recorded, "tokenizer"
+    return None, None
+
+
 def consumer_audit(prefixes: Sequence[str], eos_id: Optional[int] = None) -> Dict[str, Any]:
     """Per shard and in total: positions each consumer trains (module doc); JSON-ready.
 
@@ -64,9 +80,9 @@ def consumer_audit(prefixes: Sequence[str], eos_id: Optional[int] = None) -> Dic
     shards = []
     for prefix in prefixes:
         shard = MMapIndexedDataset(prefix)
-        eos = eos_id if eos_id is not None else converted_eos_id(shard.metadata)
+        eos, origin = _eos_of(shard.metadata, eos_id)
         counts = _shard_counts(shard, eos)
-        shards.append({"shard": shard.prefix, "eos_id": eos, "tokens": int(shard.num_tokens),
+        shards.append({"shard": shard.prefix, "eos_id": eos, "eos_from": origin, "tokens": int(shard.num_tokens),
                        "pad_seq_to_mult": int(shard.metadata.pad_seq_to_mult or 1),
                        "converted_loss": converted_loss_state(shard.metadata), **counts})
     total = {k: (None if any(s[k] is None for s in shards) else sum(s[k] for s in shards)) for k in _SUMMED}
@@ -77,7 +93,9 @@ def format_consumer_audit(audit: Dict[str, Any]) -> str:
     """The audit as text: one line per consumer, then what to know."""
     total, shards = audit["total"], audit["shards"]
     where = shards[0]["shard"] if len(shards) == 1 else f"{len(shards)} shards ({shards[0]['shard']}, ...)"
-    lines: List[str] = [f"{where}: positions each consumer trains"]
+    origins = sorted({f"{s['eos_id']} from {_FROM[s['eos_from']]}" for s in shards if s["eos_id"] is not None})
+    lines: List[str] = [f"{where}: positions each consumer trains"
+                        + (f" (EOS id {', '.join(origins)})" if origins else "")]
     for name, rule in audit["rules"].items():
         value = total[name]
         count = f"{value:,}" if value is not None else "unknown (pass --eos-id)"

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -46,7 +46,8 @@ from ..errors import IncompatibleShardsError, InvariantError, ShardError
 from ..format import DType
 from ..reader import MMapIndexedDataset
 from ..storage.destination import destination_for
-from ..sets import Agreement, ShardIdentity
+from ..metadata import ShardSet
+from ..sets import Agreement, ShardIdentity, whole_sets
 from ..multi import Selection, check_selections, require_present, select_shards, selection_identities
 
 #: Keys the merge recomputes, combines by its own rule or compares through ``sets.Agreement``;
@@ -106,6 +107,28 @@ def resolve_inputs(inputs: Sequence[str]) -> List[str]:
     require_present(selections)
     check_selections(selections, selection_identities(selections))
     return [p for s in selections for p in s.prefixes]
+
+
+def resolve_sets(inputs: Sequence[str]) -> List[Tuple[Optional[ShardSet], List[str]]]:
+    """Like :func:`resolve_inputs`, for a tool that shows each set on its own: one directory
+    or glob holding several whole sets of distinct names (the splits of one run:
+    ``chat_train``, ``chat_valid``, ``chat_test``) gives each set with its prefixes; every
+    other input gives one group ``(None, prefixes)``.
+
+    Raises:
+        as :func:`resolve_inputs` (a partial set, two sets of one name, shards of no set
+        beside a set: ShardSetError).
+    """
+    selections = resolve_selections(inputs)
+    if len(selections) != 1 or selections[0].kind not in ("directory", "glob"):
+        require_present(selections)
+        check_selections(selections, selection_identities(selections))
+        return [(None, [p for s in selections for p in s.prefixes])]
+    only = selections[0]
+    identities = selection_identities(selections)
+    groups = whole_sets([(p, identities[p].shard_set) for p in only.prefixes], source=only.source,
+                        selected_by=only.kind)
+    return groups if len(groups) > 1 else [(None, groups[0][1])]
 
 
 #: The loss policy preprocess records in ``extra`` (``loss_on``, ``loss_policy``: defaults left

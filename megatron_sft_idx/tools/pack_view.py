@@ -66,16 +66,34 @@ EXAMPLE_TOKENIZER = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname
                                  "examples", "tokenizer")
 
 
+#: Sibling directories searched for the record of a run whose shards were promoted (bounded).
+MAX_SIBLINGS = 64
+
+
 def run_recorded(prefix: Optional[str]) -> List[str]:
     """Where the runs that published the shard ``prefix`` found their tokenizer: the
     ``tokenizer_path`` of each finished run's record beside it (``preprocess-sft`` /
     ``repack-sft`` keep ``.<name>.preprocess/receipts/done/000000.json`` next to their outputs,
-    its summary listing them). A record that does not read or does not list the shard is passed
-    over; a path is a candidate only, used if its files hash to the shard's record."""
+    its summary listing them), else beside a sibling directory (``check-idx out/staging
+    --promote out/sft`` moves the shards and leaves the record in ``out/staging``; at most
+    :data:`MAX_SIBLINGS` of them). A record that does not read or does not list a shard of this
+    name is passed over; a path is a candidate only, used if its files hash to the shard's record."""
     if not prefix or "://" in prefix:
         return []
-
     parent, name = os.path.split(os.path.abspath(prefix))
+    found = _recorded_in(parent, name)
+    if found:
+        return found
+    grand = os.path.dirname(parent)
+    try:
+        siblings = sorted(e.path for e in os.scandir(grand) if e.is_dir() and e.path != parent)
+    except OSError:
+        return []
+    return [p for d in siblings[:MAX_SIBLINGS] for p in _recorded_in(d, name)]
+
+
+def _recorded_in(parent: str, name: str) -> List[str]:
+    """The ``tokenizer_path`` of each run record in ``parent`` whose outputs list a shard ``name``."""
     out = []
     for record in sorted(glob.glob(os.path.join(glob.escape(parent), ".*.preprocess", RECORD))):
         try:
@@ -173,7 +191,8 @@ def load_tokenizer(recorded: Optional[dict], override: Optional[str] = None, pre
     except ImportError:
         return None, "the 'tokenizers' package is not installed: pip install 'megatron_sft_idx[preprocess]'"
     except Exception as exc:  # the tokenizers library raises its own exception type for a bad file
-        return None, f"cannot load {file}: {exc}"
+        words = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return None, f"cannot load the tokenizer {file} ({words}): showing token ids"
 
 
 def describe_pack(prefixes: Sequence[str], index: int, tokenizer_path: Optional[str] = None,

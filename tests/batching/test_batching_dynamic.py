@@ -116,12 +116,30 @@ def test_resume_continues_at_the_consumed_step():
 
 def test_a_sequence_over_the_budget_is_named():
     lengths = np.array([10, 20, 4000, 30])
-    with pytest.raises(ShardError, match="sequence 2 \\(4000 tokens") as err:
+    with pytest.raises(ShardError, match="1 of the 4 sequences served does not fit.* sequence 2 \\(4,000 tokens") \
+            as err:
         plan_dynamic(lengths, global_batch_size=4, data_parallel_size=1, max_tokens_per_microbatch=2048,
                      order=np.arange(4))
-    assert "raise max_tokens_per_microbatch" in str(err.value)
+    assert "raise max_tokens_per_microbatch (--max-tokens-per-microbatch) to 4000" in str(err.value)
     # rounding alone can push a sequence over the budget
     with pytest.raises(ShardError, match="sequence 0"):
+        plan_dynamic(np.array([1000, 5]), global_batch_size=2, data_parallel_size=1, max_tokens_per_microbatch=1000,
+                     sequence_length_round=64, batch_width_multiple=64, order=np.arange(2))
+
+
+def test_every_sequence_over_the_budget_is_counted_in_one_error():
+    """Issue 44 item 4: the count, the longest (not the first met) and a budget that fits them all."""
+    lengths = np.array([10, 3000, 20, 5000, 4100, 30, 2500, 40])
+    with pytest.raises(ShardError) as err:
+        plan_dynamic(lengths, global_batch_size=4, data_parallel_size=1, max_tokens_per_microbatch=2048,
+                     order=np.arange(8))
+    text = str(err.value)
+    assert "4 of the 8 sequences served do not fit one micro-batch of 2,048 tokens" in text
+    assert "the longest is sequence 3 (5,000 tokens)" in text and "to 5000 or more" in text
+    assert "\n" not in text and err.value.expected == ">= 5,000 (fits every sequence)"
+    plan_dynamic(lengths, global_batch_size=4, data_parallel_size=1, max_tokens_per_microbatch=5000,
+                 order=np.arange(8))   # the budget it names fits
+    with pytest.raises(ShardError, match="1 of the 2 sequences .*does not fit.* a multiple of 64.* to 1024 or"):
         plan_dynamic(np.array([1000, 5]), global_batch_size=2, data_parallel_size=1, max_tokens_per_microbatch=1000,
                      sequence_length_round=64, batch_width_multiple=64, order=np.arange(2))
 

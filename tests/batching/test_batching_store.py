@@ -6,6 +6,7 @@ import json
 import os
 import pickle
 import random
+import re
 
 import numpy as np
 import pytest
@@ -97,6 +98,28 @@ def test_plan_batches_dynamic_from_a_store_and_from_one_sequence_packs(built, ca
     assert one["sequences"] == len(MMapIndexedDataset(part))
     assert plan_batches([built["store"] + "/parts/part_00000[01]", "--dynamic", "--dp", "2", "--global-batch-size",
                          "24", "--max-tokens-per-microbatch", "512"]) == 0
+    capsys.readouterr()
+
+
+def test_a_budget_too_small_names_the_longest_and_a_budget_that_fits(built, capsys):
+    """Issue 44 item 4: one run tells the budget that works (no rerun to find the next one)."""
+    lengths = StoreSequences(built["store"]).lengths
+    args = ["--store", built["store"], "--dynamic", "--dp", "2", "--global-batch-size", "24",
+            "--sequence-length-round", "16", "--seed", "3"]
+    small = int(np.quantile(lengths, 0.5))
+    assert plan_batches([*args, "--max-tokens-per-microbatch", str(small)]) == 2   # a setting, not the data
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    served = plan_dynamic(lengths, global_batch_size=24, data_parallel_size=2, max_tokens_per_microbatch=10**9,
+                          sequence_length_round=16, seed=3).served
+    steps = lengths[served].reshape(-1, 24)
+    need = np.minimum(-(-steps // 16) * 16, steps.max(axis=1, keepdims=True))   # capped at the step's width
+    fits = int(need.max())
+    assert f"{int((need > small).sum()):,} of the {len(served):,} sequences served do not fit" in err
+    named = re.search(r"the longest is sequence (\d+) \(([\d,]+) tokens", err)
+    assert int(named[2].replace(",", "")) == lengths[int(named[1])] == lengths[served].max()
+    assert f"to {fits} or more" in err
+    assert plan_batches([*args, "--max-tokens-per-microbatch", str(fits)]) == 0
     capsys.readouterr()
 
 

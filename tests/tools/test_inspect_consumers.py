@@ -104,3 +104,21 @@ def test_the_gate_warns_on_trained_alignment_padding_of_a_bridge_written_pack(tm
     assert len(found) == 1 and found[0].severity == "warning" and found[0].pack is not None
     assert bad.passed and not check(str(tmp_path / "bad"), strict=True).passed
     assert "BRIDGE_ALIGNMENT_PADDING_TRAINED" not in good.codes() + ours.codes()  # not Bridge-written: no claim
+
+
+def test_the_eos_id_comes_from_the_recorded_tokenizer_unless_given(tmp_path, capsys):
+    """Issue 44 item 2: a shard that records its tokenizer needs no --eos-id; the flag still wins."""
+    packs = cp_packs(np.random.default_rng(9), 6, mult=1)
+    tokenizer = {"name": "t", "files_sha256": "a" * 64, "eos_id": EOS, "vocab_size": 1000}
+    write_shard(tmp_path / "s", packs, vocab_size=1000, metadata={"tokenizer": tokenizer})
+    assert inspect_main([str(tmp_path / "s"), "--consumers"]) == 0
+    out = capsys.readouterr().out
+    assert "unknown" not in out and "EOS id 2 from the recorded tokenizer" in out
+    assert inspect_main([str(tmp_path / "s"), "--consumers", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["total"] == {**doc["total"], **reference(packs, EOS, 1)}
+    assert (doc["shards"][0]["eos_id"], doc["shards"][0]["eos_from"]) == (EOS, "tokenizer")
+    assert inspect_main([str(tmp_path / "s"), "--consumers", "--eos-id", "7", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["shards"][0]["eos_id"], doc["shards"][0]["eos_from"]) == (7, "--eos-id")
+    assert doc["total"] == {**doc["total"], **reference(packs, 7, 1)}

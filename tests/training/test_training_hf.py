@@ -154,7 +154,7 @@ def test_the_example_trains_a_tiny_model(shard, tmp_path, trainer):
                           env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
-    assert last.startswith("trained 3 steps on 6 packs; loss per step: "), last
+    assert last.startswith("trained 3 steps on 6 packs (their first 1024 tokens); loss per step: "), last
     losses = [float(x) for x in last.split(": ")[1].split(", ")]
     assert len(losses) == 3 and all(np.isfinite(losses))
 
@@ -215,3 +215,30 @@ def test_bad_batches_are_refused():
         collate([{"input_ids": [1, 2, 3], "labels": [1, 2]}])
     with pytest.raises(ShardError, match="pad_to_multiple_of"):
         PaddingFreeCollator(0, 0)
+
+
+def test_the_example_cuts_rows_to_max_length_whole_sequences_first(shard):
+    """Issue 44 item 5: ``examples/trl_sft.py --max-length N`` trains each pack's first N tokens;
+    the cut row is a prefix of the whole one, its sequences the ones that end within N then the
+    start of the one cut, and TRL's padding-free collator takes it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("trl_sft_example", EXAMPLES / "trl_sft.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    whole = PaddingFreeDataset(shard)
+    cut = example.Cut(whole, 24)
+    collate = trl_sft.DataCollatorForLanguageModeling(pad_token_id=PAD, padding_free=True, return_position_ids=True)
+    cut_any = False
+    for i in range(len(whole)):
+        a, b = whole[i], cut[i]
+        n = min(24, len(a["input_ids"]))
+        cut_any |= len(a["input_ids"]) > 24
+        for key in ("input_ids", "labels", "position_ids"):
+            assert np.array_equal(np.asarray(b[key]), np.asarray(a[key])[:n]), key
+        assert sum(b["seq_lengths"]) == n and b["seq_lengths"][:-1] == a["seq_lengths"][:len(b["seq_lengths"]) - 1]
+        starts = np.repeat(np.cumsum([0] + b["seq_lengths"][:-1]), b["seq_lengths"])
+        assert np.array_equal(np.asarray(b["position_ids"]), np.arange(n) - starts)
+    assert cut_any
+    batch = collate([{k: cut[i][k] for k in ("input_ids", "labels", "position_ids")} for i in range(3)])
+    assert batch["input_ids"].shape == (1, sum(min(24, len(whole[i]["input_ids"])) for i in range(3)))
