@@ -105,6 +105,8 @@ class RayEngine:
         task = ray.remote(num_cpus=0, max_retries=0)(fn)
         refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False))
                 .remote(*args) for node in ray.nodes() if node.get("Alive")]
+        if not refs:
+            return 0
         ready, late = ray.wait(refs, num_returns=len(refs), timeout=timeout)
         done = 0
         for ref in ready:
