@@ -79,7 +79,7 @@ from .receipts import ReceiptBook, settings_key
 from .records.errors import output_error
 from .records.partitions import Partition, auto_partition_bytes, sha256_file
 from .skips import SkipReportStep, write_skip_report
-from .store import REBUILD_HINT, SequenceStore, VerifyStoreStep, part_prefix, read_store_file, verify_chunks
+from .store import REBUILD_HINT, SequenceStore, VerifyStoreStep, part_prefix, read_once, read_store_file, verify_chunks
 from .stores import StoreSet, store_argument
 from .summary import PackResult, build_summary, inputs_left
 from .tokenize import (IndexStep, Inputs, TokenizeStep, describe_store, index_schema, part_metadata, partition_sizes,
@@ -153,11 +153,12 @@ def repack(cfg: RepackConfig) -> dict:
         return _mixture(cfg, tokenize=False)
     times: Dict[str, float] = {}
     t = time.perf_counter()
-    if cfg.plan_only:   # (planned here, from the whole store: a URL's is mirrored here)
-        store = SequenceStore(cfg.store)
-        job = PackJob.resolve(cfg.output_prefix, cfg.pack, cfg.run, store.vocab_size,
-                              (store.tokenizer or {}).get("pad_id"), cfg.tokenizer or store.tokenizer_path, cfg.balance)
-        return plan_only(store, job, cfg.plan_only)
+    if cfg.plan_only:   # (planned here, from the whole store: a URL's is mirrored here for the plan)
+        with read_once([cfg.store]):
+            store = SequenceStore(cfg.store)
+            job = PackJob.resolve(cfg.output_prefix, cfg.pack, cfg.run, store.vocab_size, (store.tokenizer or {})
+                                  .get("pad_id"), cfg.tokenizer or store.tokenizer_path, cfg.balance)
+            return plan_only(store, job, cfg.plan_only)
     ws = workspace_for(cfg.output_prefix, cfg.run.engine, cfg.run.staging_dir, cfg.store)
     with ws.in_use():   # (this node's mirrors of a bucket: removed after success)
         return _repack(cfg, ws, times, t)
@@ -221,9 +222,11 @@ def _mixture(cfg, tokenize: bool) -> dict:
     names = mixture.names
     inputs = source_inputs(cfg, mixture) if tokenize else {}
     if getattr(cfg, "plan_only", None):   # (planned here, from the whole stores: a URL's is mirrored here)
-        kept = {i: kept_store(None, mixture, i, tokenize) for i in range(len(names))}
-        return _mixed(cfg, mixture, inputs, kept, None, times, t)
-    ws = workspace_for(cfg.output_prefix, cfg.run.engine, cfg.run.staging_dir, stores=[s.store for s in mixture.sources])
+        with read_once(s.store for s in mixture.sources):
+            kept = {i: kept_store(None, mixture, i, tokenize) for i in range(len(names))}
+            return _mixed(cfg, mixture, inputs, kept, None, times, t)
+    ws = workspace_for(cfg.output_prefix, cfg.run.engine, cfg.run.staging_dir,
+                       stores=[s.store for s in mixture.sources])
     with ws.in_use():   # (this node's mirrors of a bucket: removed after success)
         kept = {i: kept_store(ws, mixture, i, tokenize) for i in range(len(names)) if i not in inputs}
         return _mixed(cfg, mixture, inputs, kept, ws, times, t)

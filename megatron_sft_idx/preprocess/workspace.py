@@ -356,9 +356,9 @@ class BucketWorkspace(Workspace):
             stores.append(self.work_mirror.url + "/store")
         plan = [self.work_mirror.url + "/plan"] if self.work_mirror else []
         pulls = {"materialize": tuple(stores + plan)}   # (the other steps name what they read)
-        self._engine = MirroredEngine(engine, self.mirrors, pulls,
+        self._engine = MirroredEngine(engine, self.mirrors, pulls,   # (a local store's pid lock: not pushed to)
                                       lambda: [k for k in [self._work_lock] + self._store_locks
-                                               if isinstance(k, ObjectLock)])   # (a local store's pid lock: not pushed to)
+                                               if isinstance(k, ObjectLock)])
         return self._engine
 
     def sync(self) -> None:

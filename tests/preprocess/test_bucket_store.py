@@ -116,6 +116,10 @@ def test_repack_plan_batches_and_virtual_packs_from_a_store_url(s3, bucket, loca
     capsys.readouterr()
     assert plan_batches_main(dyn + ["--store", store]) == 0
     remote = capsys.readouterr().out
+    assert not os.path.exists(Mirror(store).home)   # a one-shot reader's mirror: gone after it (issue 44, item 8)
+    assert repack_main(["--store", store, "--output-prefix", str(tmp_path / "po" / "ds"), "--plan-only",
+                        str(tmp_path / "plan.json")] + again) == 0
+    assert os.path.isfile(tmp_path / "plan.json") and not os.path.exists(Mirror(store).home)
     assert plan_batches_main(dyn + ["--store", str(local_run / "store")]) == 0
     assert remote == capsys.readouterr().out and json.loads(remote)["sequences"] > 0
     # virtual packs from the store URL: the packs of the local store
