@@ -79,7 +79,7 @@ from .receipts import ReceiptBook, settings_key
 from .records.errors import output_error
 from .records.partitions import Partition, auto_partition_bytes, sha256_file
 from .skips import SkipReportStep, write_skip_report
-from .store import REBUILD_HINT, SequenceStore, VerifyStoreStep, part_prefix, read_store_file, verify_chunks
+from .store import REBUILD_HINT, SequenceStore, VerifyStoreStep, part_prefix, read_once, read_store_file, verify_chunks
 from .stores import StoreSet, store_argument
 from .summary import PackResult, build_summary, inputs_left
 from .tokenize import (IndexStep, Inputs, TokenizeStep, describe_store, index_schema, part_metadata, partition_sizes,
@@ -107,6 +107,12 @@ def run(cfg: Config) -> dict:
     job = PackJob.resolve(cfg.output_prefix, cfg.pack, cfg.run, inputs.options.vocab_size, inputs.pad_id,
                           inputs.options.tokenizer_path, cfg.balance)
     ws = workspace_for(job.output_prefix, job.run.engine, job.run.staging_dir, cfg.store)
+    with ws.in_use():   # (this node's mirrors of a bucket: removed after success)
+        return _run(cfg, inputs, job, ws, times, t)
+
+
+def _run(cfg: Config, inputs: Inputs, job: PackJob, ws: Workspace, times: Dict[str, float], t: float) -> dict:
+    """:func:`run` once its workspace is chosen (``t``: when the inputs stage started)."""
     if cfg.tokenize.partition_bytes is None:   # auto: from the inputs' size (resolved once, recorded in the key)
         cfg = replace(cfg, tokenize=replace(cfg.tokenize, partition_bytes=auto_partition_bytes(
             sum(size for _, size, _ in inputs.stat()))))
@@ -147,12 +153,19 @@ def repack(cfg: RepackConfig) -> dict:
         return _mixture(cfg, tokenize=False)
     times: Dict[str, float] = {}
     t = time.perf_counter()
-    if cfg.plan_only:   # (planned here, from the whole store: a URL's is mirrored here)
-        store = SequenceStore(cfg.store)
-        job = PackJob.resolve(cfg.output_prefix, cfg.pack, cfg.run, store.vocab_size,
-                              (store.tokenizer or {}).get("pad_id"), cfg.tokenizer or store.tokenizer_path, cfg.balance)
-        return plan_only(store, job, cfg.plan_only)
+    if cfg.plan_only:   # (planned here, from the whole store: a URL's is mirrored here for the plan)
+        with read_once([cfg.store]):
+            store = SequenceStore(cfg.store)
+            job = PackJob.resolve(cfg.output_prefix, cfg.pack, cfg.run, store.vocab_size, (store.tokenizer or {})
+                                  .get("pad_id"), cfg.tokenizer or store.tokenizer_path, cfg.balance)
+            return plan_only(store, job, cfg.plan_only)
     ws = workspace_for(cfg.output_prefix, cfg.run.engine, cfg.run.staging_dir, cfg.store)
+    with ws.in_use():   # (this node's mirrors of a bucket: removed after success)
+        return _repack(cfg, ws, times, t)
+
+
+def _repack(cfg: RepackConfig, ws: Workspace, times: Dict[str, float], t: float) -> dict:
+    """:func:`repack` once its workspace is chosen (``t``: when the inputs stage started)."""
     store = SequenceStore(ws.open_kept_store(), files=ws.files)
     job = PackJob.resolve(cfg.output_prefix, cfg.pack, cfg.run, store.vocab_size,
                           (store.tokenizer or {}).get("pad_id"), cfg.tokenizer or store.tokenizer_path, cfg.balance)
@@ -209,12 +222,20 @@ def _mixture(cfg, tokenize: bool) -> dict:
     names = mixture.names
     inputs = source_inputs(cfg, mixture) if tokenize else {}
     if getattr(cfg, "plan_only", None):   # (planned here, from the whole stores: a URL's is mirrored here)
-        ws = None
-        kept = {i: kept_store(None, mixture, i, tokenize) for i in range(len(names))}
-    else:
-        ws = workspace_for(cfg.output_prefix, cfg.run.engine, cfg.run.staging_dir,
-                           stores=[s.store for s in mixture.sources])
+        with read_once(s.store for s in mixture.sources):
+            kept = {i: kept_store(None, mixture, i, tokenize) for i in range(len(names))}
+            return _mixed(cfg, mixture, inputs, kept, None, times, t)
+    ws = workspace_for(cfg.output_prefix, cfg.run.engine, cfg.run.staging_dir,
+                       stores=[s.store for s in mixture.sources])
+    with ws.in_use():   # (this node's mirrors of a bucket: removed after success)
         kept = {i: kept_store(ws, mixture, i, tokenize) for i in range(len(names)) if i not in inputs}
+        return _mixed(cfg, mixture, inputs, kept, ws, times, t)
+
+
+def _mixed(cfg, mixture, inputs: dict, kept: dict, ws: Optional[Workspace], times: Dict[str, float],
+           t: float) -> dict:
+    """:func:`_mixture` once its stores are found (``ws`` None: ``--plan-only``)."""
+    names = mixture.names
     first = next(iter(inputs.values()), None)
     if first is not None:
         vocab, pad, tok_path = first[1].options.vocab_size, first[1].pad_id, first[1].options.tokenizer_path
@@ -694,9 +715,9 @@ class _Run:
         self.summary = summary
         committed()  # (a signal from here on is ignored by the tool, or caught by started())
         with signals_deferred():  # committed: finish the cleanup whatever arrives now
+            self.ws.retire()   # (before the engine closes: it cleans up on the engine's nodes)
             self.engine.close()
             self.engine = None
-            self.ws.retire()
 
 
 def _staged_set(shards: Sequence[OutputShard], plan: dict, job: PackJob) -> StagedSet:

@@ -21,6 +21,7 @@ planned from. Nothing in it depends on the pack size, padding, split or algorith
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -209,6 +210,21 @@ def mirrored_store(mirror: Mirror, only: Optional[Callable[[str], bool]] = None)
                          hint="give the --store URL of a preprocess-sft run")
     mirror.pull(only=only)
     return mirror.local
+
+
+@contextlib.contextmanager
+def read_once(stores: Iterable[Optional[str]]):
+    """A one-shot reader of ``stores`` (``plan-batches --dynamic --store``, ``--plan-only``): this
+    node's mirror of each URL among them is held while the block runs and removed when it ends
+    without an exception, as a run's are (a reader that keeps reading, virtual packs, keeps its
+    mirror). Directories and None are left alone."""
+    mirrors = [Mirror(s, commit_rank) for s in stores if s and is_remote(s)]
+    with contextlib.ExitStack() as held:
+        for mirror in mirrors:
+            held.enter_context(mirror.in_use())
+        yield
+    for mirror in mirrors:
+        mirror.remove_if_unused()
 
 
 class SequenceStore:

@@ -27,11 +27,14 @@ Both offer one interface -- the store and work locations, the destination, the `
 taking and releasing the locks with ``--resume`` / ``--overwrite`` (one rule for a store
 wherever it is: :func:`take_store`), "is a run holding this", the engine wrapper, syncing the
 driver's own writes, the source a staged shard is published from, and retiring the work
-directory after the commit -- so the driver (:mod:`.driver`) never asks which kind it holds.
+directory after the commit, and what the run keeps on this node (:meth:`Workspace.in_use`: a
+bucket workspace's mirrors, removed after success, kept after a failure for ``--resume``) -- so the
+driver (:mod:`.driver`) never asks which kind it holds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from abc import ABC, abstractmethod
@@ -160,6 +163,13 @@ class Workspace(ABC):
     def own_store(self) -> bool:
         return not self.kept_stores
 
+    @contextlib.contextmanager
+    def in_use(self):
+        """The whole run, from its first read of the store or work directory to its end: what it
+        keeps on this node for them stays while the block runs, and is removed when the block ends
+        without an exception (kept after a failure or an interruption, for ``--resume``)."""
+        yield self
+
     @abstractmethod
     def peek_store(self, index: int = 0) -> None:
         """Make the store's description (``store.json``) readable at ``store_dirs[index]`` as it is
@@ -279,6 +289,19 @@ class BucketWorkspace(Workspace):
                                 for s, m in zip(stores, self.store_mirrors)) or (self.work.store,)
         self._work_lock = None
         self._store_locks: List[RunLock] = []
+        self._engine: Optional[MirroredEngine] = None
+
+    @contextlib.contextmanager
+    def in_use(self):
+        """(Workspace.in_use) This node's mirrors are held (:meth:`~..storage.mirror.Mirror.in_use`)
+        and removed after success unless another run on this node holds one of them."""
+        with contextlib.ExitStack() as held:
+            for mirror in self.mirrors:
+                held.enter_context(mirror.in_use())
+            yield self
+        for mirror in self.mirrors:   # (success alone: an exception skipped this)
+            if not mirror.remove_if_unused():
+                log.info("this node's copy of %s is kept: another run here uses it", mirror.url)
 
     def _store_mirror(self, index: int) -> Optional[Mirror]:
         return self.store_mirrors[index] if self.store_mirrors else None
@@ -333,9 +356,10 @@ class BucketWorkspace(Workspace):
             stores.append(self.work_mirror.url + "/store")
         plan = [self.work_mirror.url + "/plan"] if self.work_mirror else []
         pulls = {"materialize": tuple(stores + plan)}   # (the other steps name what they read)
-        return MirroredEngine(engine, self.mirrors, pulls,
-                              lambda: [k for k in [self._work_lock] + self._store_locks
-                                       if isinstance(k, ObjectLock)])   # (a local store's pid lock: not pushed to)
+        self._engine = MirroredEngine(engine, self.mirrors, pulls,   # (a local store's pid lock: not pushed to)
+                                      lambda: [k for k in [self._work_lock] + self._store_locks
+                                               if isinstance(k, ObjectLock)])
+        return self._engine
 
     def sync(self) -> None:
         if self.work_mirror is not None:
@@ -349,6 +373,8 @@ class BucketWorkspace(Workspace):
         return staged if url is None else url
 
     def retire(self) -> None:
+        if self._engine is not None:   # (the other nodes' copies; this one's: in_use)
+            self._engine.remove_copies()
         self.work.retire()
         if self.work_mirror is not None:   # (the driver's mirror never held the units' data)
             self.work_mirror.delete_all_but([RECORD.replace(os.sep, "/")])

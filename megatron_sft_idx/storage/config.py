@@ -4,7 +4,8 @@ Every field has an environment variable, so a training launcher can set it for e
 rank and DataLoader worker without touching code; an explicit argument wins over the
 environment, which wins over the default::
 
-    MEGATRON_SFT_IDX_CACHE         directory of the per-node index cache
+    MEGATRON_SFT_IDX_CACHE         directory of the per-node index cache (and, under
+                                   tokenizers/, of the shipped tokenizers' copies)
                                    (default: $XDG_CACHE_HOME/megatron_sft_idx, else
                                    ~/.cache/megatron_sft_idx)
     MEGATRON_SFT_IDX_BLOCK_SIZE    bytes of .bin per ranged GET (default 1 MiB; suffixes

@@ -16,7 +16,10 @@ so; the mirror moves bytes between the two roots:
 * :meth:`Mirror.push` uploads files in the order given (the caller puts commit points last);
 * :meth:`Mirror.sync` pushes what changed locally and deletes the objects of files removed
   locally, in the order of the mirror's ``rank`` (commit points last when writing, first when
-  deleting); :meth:`Mirror.clear` empties the prefix and the local tree.
+  deleting); :meth:`Mirror.clear` empties the prefix and the local tree;
+* :meth:`Mirror.in_use` holds this node's copy for a run (a shared ``flock`` on
+  ``msi-area-<digest>.use``) and :meth:`Mirror.remove_if_unused` removes it (the tree, what is
+  known and the lock file) unless a run holds it: a run's copy lasts as long as the run.
 
 What is known of each local file (the ETag it came from, its size and mtime) is kept beside the
 tree, under ``msi-area-<digest>/.etags/``, so renaming or deleting the tree is seen by the next
@@ -29,6 +32,8 @@ Nothing here knows what the files are: their order is the ``rank`` its owner giv
 from __future__ import annotations
 
 import concurrent.futures as futures
+import contextlib
+import fcntl
 import hashlib
 import os
 import tempfile
@@ -42,6 +47,9 @@ from .lease import PROBE_SUFFIX, ObjectLock
 from .urls import ObjectURL, check_url, url_problem
 
 _HOME_TAG = "msi-area-"
+#: The lock file beside a home (``msi-area-<digest>.use``): shared by every run using the mirror,
+#: taken exclusively (without waiting) to remove it.
+_USE = ".use"
 _TREE = "tree"
 _ETAGS = ".etags"
 #: Names under a root that are never mirrored: the lock is an object of its own.
@@ -310,6 +318,32 @@ class Mirror:
         """Remove this node's copy (the tree and what is known of it); the bucket is untouched."""
         remove_tree(self.home, os.path.dirname(self.home))
 
+    @contextlib.contextmanager
+    def in_use(self):
+        """This node's copy held for a run (a shared ``flock`` on ``<home>.use``): while held, no
+        :meth:`remove_if_unused` of another run (another process) removes it."""
+        fd = _locked(self.home + _USE, fcntl.LOCK_SH)
+        try:
+            yield self
+        finally:
+            os.close(fd)
+
+    def remove_if_unused(self) -> bool:
+        """Remove this node's copy (as :meth:`remove_local`) and its lock file unless a run holds it
+        (:meth:`in_use`, including one of this process); returns whether it was removed. The
+        bucket is untouched: a later run pulls what it needs again."""
+        path = self.home + _USE
+        try:
+            fd = _locked(path, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        try:
+            self.remove_local()
+            os.unlink(path)   # (under the lock: a run that opened it before re-opens it, see _locked)
+        finally:
+            os.close(fd)
+        return True
+
     def object_of(self, path: str) -> Optional[str]:
         """The URL of the object the local file ``path`` is an unchanged copy of (pulled or
         pushed as that ETag, and the object still that ETag), else None."""
@@ -323,6 +357,27 @@ class Mirror:
     def lock(self, what: str) -> ObjectLock:
         """The lock object of this root (never mirrored)."""
         return ObjectLock(str(self.url_of("lock")), what, self.config)
+
+
+def _locked(path: str, operation: int) -> int:
+    """A descriptor of the file ``path`` (created if missing) locked by ``operation``; a file
+    unlinked by a remover while this waited for it is opened again (so a lock is only ever held
+    on the file the path names).
+
+    Raises:
+        BlockingIOError: ``LOCK_NB`` and another holder; OSError: the file cannot be made."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, operation)
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                return fd
+        except FileNotFoundError:
+            pass
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
 
 
 __all__ = ["Mirror", "Rank", "local_home"]

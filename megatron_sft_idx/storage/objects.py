@@ -103,6 +103,20 @@ class ObjectFile(io.RawIOBase):
         return length
 
 
+    def readall(self) -> bytes:
+        """The rest of the object, in GETs of at most :data:`MAX_GET` bytes (``read()`` of the
+        buffered file lands here: :class:`io.RawIOBase`'s own would GET 8 KiB at a time)."""
+        out = bytearray(max(0, self.size - self._pos))
+        view, got = memoryview(out), 0
+        while got < len(out):
+            n = self.readinto(view[got:])
+            if not n:
+                break
+            got += n
+        view.release()
+        return bytes(out[:got])
+
+
 def open_object(url: str, etag: str = "", config: Optional[StorageConfig] = None,
                 info: Optional[ObjectInfo] = None, read_ahead: int = READ_AHEAD,
                 stop: Optional[int] = None) -> io.BufferedReader:

@@ -49,6 +49,7 @@ from ..errors import ShardError, ShardNotFoundError
 from ..format import PAD_LAYOUTS, PAD_LAYOUT_STORED
 from ..multi import MultiShardDataset
 from ..preprocess.sequences import StoreSequences, sequence_lengths
+from ..preprocess.store import read_once
 from ..publishing import write_bytes
 from ..storage.urls import local_only, url_refusal
 
@@ -195,11 +196,12 @@ def _usage_problem(args) -> Optional[str]:
 def _dynamic(args) -> int:
     """``--dynamic``: plan each epoch's dynamic micro-batches and print their statistics."""
     try:
-        if args.store:
-            source = StoreSequences(args.store)
-        else:
-            source = MultiShardDataset.open(args.shards if len(args.shards) > 1 else args.shards[0])
-        lengths = sequence_lengths(source)
+        with read_once([args.store]):   # (a store URL's mirror on this node: gone after the lengths are read)
+            if args.store:
+                source = StoreSequences(args.store)
+            else:
+                source = MultiShardDataset.open(args.shards if len(args.shards) > 1 else args.shards[0])
+            lengths = sequence_lengths(source)
         topology = args.topology
         epochs = [plan_dynamic(lengths, global_batch_size=topology.global_batch_size,
                                data_parallel_size=topology.data_parallel_size,

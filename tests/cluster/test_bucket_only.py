@@ -206,6 +206,9 @@ def test_bucket_only_gives_the_local_bytes_on_several_nodes_and_repacks_them(clu
     assert uploads == [], uploads[:5]
     assert _driver_files(cluster) == []   # nothing staged on the driver's disk: receipts and its tokenizer only
     assert cluster.findings(mark) == {}
+    # the run's success removed its mirrors from every node and from the driver (issue 44, item 8)
+    for where in [cluster.driver_dir] + [cluster.node_dir(n) for n in cluster.names]:
+        assert not [n for n in os.listdir(os.path.join(where, "tmp")) if n.startswith("msi-area-")], where
 
     # repack-sft from the bucket's store on the cluster: the bytes of a local repack of the local store
     proc = cluster.run([sys.executable, REPACK, "--engine", "ray", "--ray-address", cluster.address, "--store",

@@ -82,8 +82,9 @@ def test_store_and_work_directory_in_the_bucket_give_the_local_bytes(cluster, wo
     assert preprocess_main(SETTINGS + ["--engine", "ray", "--ray-address", cluster, "--store", store,
                                        "--output-prefix", out, "--check", "--json", "--resume"]) == 0
     assert json.loads(capsys.readouterr().out)["resumed_units"] == {"done": 1}
-    # the tasks mirrored the areas under their own temporary directory, never the driver's paths
-    assert [n for n in os.listdir(workers_tmp) if n.startswith("msi-area-")]
+    # the run's success removed its mirrors from every node (issue 44, item 8): the workers' own
+    # temporary directory (a node of its own here) is back to no mirror at all
+    assert not [n for n in os.listdir(workers_tmp) if n.startswith("msi-area-")]
     # repack-sft on the cluster from the store URL to an output URL: the bytes of a local repack
     assert repack_main(["--engine", "ray", "--ray-address", cluster, "--store", store, "--output-prefix",
                         f"s3://{bucket}/out2/ds", "--pack-size", "512", "--quiet"]) == 0
@@ -373,7 +374,7 @@ def test_verify_masks_pulls_what_its_sample_reads(cluster, workers_tmp, s3, buck
     def map(self, step, units, on_done, on_progress=None):
         if step.name == "verify-masks":   # a node that holds nothing yet
             for name in os.listdir(workers_tmp):
-                if name.startswith("msi-area-"):
+                if name.startswith("msi-area-") and not name.endswith(".use"):   # (not the lock file beside it)
                     shutil.rmtree(os.path.join(workers_tmp, name))
         real(self, step, units, on_done, on_progress)
         if step.name == "verify-masks":

@@ -116,6 +116,10 @@ def test_repack_plan_batches_and_virtual_packs_from_a_store_url(s3, bucket, loca
     capsys.readouterr()
     assert plan_batches_main(dyn + ["--store", store]) == 0
     remote = capsys.readouterr().out
+    assert not os.path.exists(Mirror(store).home)   # a one-shot reader's mirror: gone after it (issue 44, item 8)
+    assert repack_main(["--store", store, "--output-prefix", str(tmp_path / "po" / "ds"), "--plan-only",
+                        str(tmp_path / "plan.json")] + again) == 0
+    assert os.path.isfile(tmp_path / "plan.json") and not os.path.exists(Mirror(store).home)
     assert plan_batches_main(dyn + ["--store", str(local_run / "store")]) == 0
     assert remote == capsys.readouterr().out and json.loads(remote)["sequences"] > 0
     # virtual packs from the store URL: the packs of the local store
@@ -199,3 +203,76 @@ def test_msc_cannot_hold_a_store_being_written_or_a_ray_work_directory(tmp_path,
     assert repack_main(["--store", str(tmp_path / "s"), "--output-prefix", "msc://p/out/ds", "--engine", "ray"]) == 2
     err = capsys.readouterr().err
     assert "--output-prefix msc://p/out/ds: with --engine ray the work directory goes beside it" in err, err
+
+
+def test_a_run_leaves_no_mirror_after_success_and_keeps_it_after_a_failure(s3, bucket, local_run, tmp_path,
+                                                                            monkeypatch, capsys):
+    """Issue 44, item 8: this node's mirror of a bucket store (and the tokenizer's copy, which
+    belongs in the cache) is gone from the temporary directory after a successful run, kept after a
+    failed one (for --resume), and removed by the resumed run's success; repack-sft the same."""
+    import tempfile
+
+    from megatron_sft_idx.errors import ShardError
+    from megatron_sft_idx.preprocess import driver
+
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))            # this process and its forked workers
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    client = s3.client()
+    tokenizer = os.path.join(EXAMPLES, "tokenizer")
+    for name in os.listdir(tokenizer):
+        client.put_object(Bucket=bucket, Key=f"tok/{name}", Body=open(os.path.join(tokenizer, name), "rb").read())
+    store = f"s3://{bucket}/stores/s5"
+    settings = [a if a != tokenizer else f"s3://{bucket}/tok/" for a in SETTINGS] + ["--store", store, "--workers", "2"]
+    assert preprocess_main(settings + ["--output-prefix", str(tmp_path / "ok" / "ds")]) == 0
+    assert os.listdir(temp) == []                                         # nothing left behind
+    assert local_files(tmp_path / "ok") == local_files(local_run / "out")
+    copies = os.listdir(os.path.join(os.environ["MEGATRON_SFT_IDX_CACHE"], "tokenizers"))
+    assert len(copies) == 1                                               # the tokenizer: in the cache
+    assert repack_main(["--store", store, "--pack-size", "512", "--quiet",
+                        "--output-prefix", str(tmp_path / "re" / "ds")]) == 0
+    assert os.listdir(temp) == [] and local_files(tmp_path / "re")
+
+    def fail(self, store):
+        raise ShardError("injected after the store was made")
+
+    with monkeypatch.context() as m:
+        m.setattr(driver._Run, "pack", fail)
+        assert preprocess_main(settings + ["--output-prefix", str(tmp_path / "failed" / "ds"), "--overwrite"]) == 1
+    assert "injected after the store was made" in capsys.readouterr().err
+    mirror = Mirror(store)
+    assert os.listdir(temp) and os.path.isfile(os.path.join(mirror.local, "store.json"))   # kept for --resume
+    assert preprocess_main(settings + ["--output-prefix", str(tmp_path / "failed" / "ds"), "--resume"]) == 0
+    assert os.listdir(temp) == []
+    assert local_files(tmp_path / "failed") == local_files(local_run / "out")
+
+
+def test_a_mirror_another_run_holds_is_not_removed(tmp_path, monkeypatch):
+    """Two runs of one node on one store share its mirror: the first to succeed leaves it to the other."""
+    import multiprocessing as mp
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    mirror = Mirror("s3://bkt/stores/shared")
+    os.makedirs(mirror.local)
+    open(os.path.join(mirror.local, "store.json"), "w").close()
+    ctx = mp.get_context("fork")
+    holding, done = ctx.Event(), ctx.Event()
+
+    def other_run():
+        with Mirror("s3://bkt/stores/shared").in_use():
+            holding.set()
+            done.wait(60)
+
+    proc = ctx.Process(target=other_run)
+    proc.start()
+    try:
+        assert holding.wait(60)
+        with mirror.in_use():
+            pass
+        assert not mirror.remove_if_unused() and os.path.isfile(os.path.join(mirror.local, "store.json"))
+    finally:
+        done.set()
+        proc.join(60)
+    assert mirror.remove_if_unused() and os.listdir(tmp_path) == []     # the tree, what is known, the lock file

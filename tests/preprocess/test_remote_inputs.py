@@ -378,10 +378,10 @@ def test_a_tokenizer_from_the_bucket_gives_the_bytes_of_the_local_directory(tmp_
     assert remote["tokenizer_path"] == url and local["tokenizer_path"] == TOKENIZER   # where it was found
     shipped = resolve_tokenizer(url)
     assert [n for n, _ in shipped.files] == sorted(os.listdir(TOKENIZER))   # the tokenizer's files, not the weights
-    # this process's copy, in its own tmp (asked for: an encoder an earlier test of this process
+    # this process's copy, in its cache (asked for: an encoder an earlier test of this process
     # cached for the same files may have served the run without writing one here)
     copy = shipped.materialize()
-    assert copy == os.path.join(tempfile.gettempdir(), "megatron_sft_idx-tokenizers", shipped.digest[:32], "tokenizer")
+    assert copy == os.path.join(os.environ["MEGATRON_SFT_IDX_CACHE"], "tokenizers", shipped.digest[:32], "tokenizer")
     assert sorted(os.listdir(copy)) == sorted(os.listdir(TOKENIZER))
     for name in os.listdir(TOKENIZER):
         assert open(os.path.join(copy, name), "rb").read() == open(os.path.join(TOKENIZER, name), "rb").read()
@@ -433,7 +433,7 @@ def test_a_hugging_face_name_is_taken_from_the_local_cache_offline(tmp_path, mon
 def test_ray_tasks_read_the_inputs_and_the_shipped_tokenizer_themselves(tmp_path, s3, bucket):
     """A one-node Ray cluster whose workers have their own temporary directory: the index and
     tokenize tasks GET the input object (the driver reads only the tokenizer's files, once),
-    each worker materializes the shipped tokenizer in its own tmp, and the shards are the local
+    each worker materializes the shipped tokenizer in its own cache, and the shards are the local
     engine's on the local copy."""
     ray = pytest.importorskip("ray", reason="the [ray] extra is not installed")
     from megatron_sft_idx.storage import request_counts
@@ -444,7 +444,8 @@ def test_ray_tasks_read_the_inputs_and_the_shipped_tokenizer_themselves(tmp_path
     size = os.path.getsize(tmp_path / "data" / "a.jsonl")
     worker_tmp = tmp_path / "worker-tmp"
     worker_tmp.mkdir()
-    env = dict(s3.env(), PYTHONPATH=ROOT, TMPDIR=str(worker_tmp), MEGATRON_SFT_IDX_RETRIES="4")
+    env = dict(s3.env(), PYTHONPATH=ROOT, TMPDIR=str(worker_tmp), MEGATRON_SFT_IDX_RETRIES="4",
+               MEGATRON_SFT_IDX_CACHE=str(worker_tmp / "cache"))
     ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False, runtime_env={"env_vars": env})
     try:
         s3.clear()
@@ -460,8 +461,8 @@ def test_ray_tasks_read_the_inputs_and_the_shipped_tokenizer_themselves(tmp_path
     assert mine.get("get_bytes", 0) == tokenizer_bytes          # the driver: the tokenizer's files only
     input_bytes = sum(n for k, _, n in object_gets(s3, bucket, ranged=True) if k == f"/{bucket}/in/a.jsonl")
     assert input_bytes >= 2 * size                               # the tasks: the index's and the partitions' reads
-    copies = os.listdir(worker_tmp / "megatron_sft_idx-tokenizers")
-    assert len(copies) == 1 and sorted(os.listdir(worker_tmp / "megatron_sft_idx-tokenizers" / copies[0] /
+    copies = os.listdir(worker_tmp / "cache" / "tokenizers")
+    assert len(copies) == 1 and sorted(os.listdir(worker_tmp / "cache" / "tokenizers" / copies[0] /
                                                   "tok")) == sorted(os.listdir(TOKENIZER))   # named as the URL's level
     driver.run(config([tmp_path / "data" / "a.jsonl"], tmp_path / "local" / "ds", partition_bytes=50_000))
     data_files = lambda d: {k: v for k, v in shard_files(d).items() if not k.endswith(".seq.idx")}  # noqa: E731

@@ -7,7 +7,6 @@ mirrored and wrote under the key ``st/..``, and ``--tokenizer s3://b/tok/..`` de
 run's tokenizer copy on the node."""
 
 import os
-import tempfile
 
 import pytest
 
@@ -111,7 +110,7 @@ def test_a_mirror_of_a_url_with_such_a_level_is_never_made():
 def test_a_tokenizer_copy_is_never_named_out_of_its_digests_directory(tmp_path, monkeypatch):
     """The guard under the argument check: a copy whose name is '..' is refused, and the other runs'
     copies on the node stay (before issue 41 the copy's directory was the tokenizers' root, emptied)."""
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("MEGATRON_SFT_IDX_CACHE", str(tmp_path))
     monkeypatch.setattr(ts, "_MATERIALIZED", {})
     files = {n: open(os.path.join(TOKENIZER, n), "rb").read() for n in os.listdir(TOKENIZER)}
     other = ts.TokenizerFiles.of("s3://b/other/tok/", "tok", dict(files, **{"added_tokens.json": b"{}"}))
@@ -132,7 +131,7 @@ def test_nothing_reaches_the_bucket_or_the_tokenizer_copies(s3, bucket, tmp_path
     for name in os.listdir(TOKENIZER):
         with open(os.path.join(TOKENIZER, name), "rb") as f:
             client.put_object(Bucket=bucket, Key=f"tok/../{name}", Body=f.read())
-    root = os.path.join(tempfile.gettempdir(), "megatron_sft_idx-tokenizers", "0" * 32, "tok")
+    root = os.path.join(os.environ["MEGATRON_SFT_IDX_CACHE"], "tokenizers", "0" * 32, "tok")
     os.makedirs(root, exist_ok=True)
     with open(os.path.join(root, "tokenizer.json"), "w") as f:
         f.write("{}")                                       # another run's copy on this node

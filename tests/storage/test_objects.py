@@ -63,6 +63,19 @@ def test_sequential_reads_are_gets_of_the_read_ahead_and_stop_at_the_range_end(b
         assert f.read(10) == data[stop:stop + 10]   # (reading past it still works)
 
 
+def test_reading_the_whole_rest_is_one_get_not_one_per_8_kib(blob, s3):
+    """Issue 44, item 3: ``read()`` to the end (how a tokenizer's files are read) asked 8 KiB per
+    GET (io.RawIOBase.readall): 860 GETs for a 7 MB tokenizer.json."""
+    url, _, data = blob
+    with open_object(url) as f:
+        assert f.read() == data
+    assert [r for r, _ in gets(s3)] == [f"bytes=0-{SIZE - 1}"]
+    s3.clear()
+    with open_object(url, read_ahead=1 << 20) as f:
+        assert f.read(100) == data[:100] and f.read() == data[100:] and f.read() == b""
+    assert sum(n for _, n in gets(s3)) == SIZE and len(gets(s3)) == 2
+
+
 def test_a_replaced_object_fails_at_open_or_at_the_next_get(blob, s3, bucket):
     url, _, data = blob
     info = stat_object(url)

@@ -11,7 +11,8 @@ local or the Ray engine so that every step it maps runs as :class:`Mirrored`, on
 2. what the unit reads is pulled: the URLs the engine was told the step reads whole, or --
    for a step that names its reads (``reads(unit)``: local paths) -- the mirrors' metadata
    (receipts, ``store.json``) and those files alone;
-3. the unit runs; a step with a ``book`` then pushes the artifacts its receipt lists (commit
+3. the unit runs (holding this node's copies: :meth:`~megatron_sft_idx.storage.mirror.Mirror.in_use`);
+   a step with a ``book`` then pushes the artifacts its receipt lists (commit
    points last) and then its receipt -- only while the run that started it still holds its
    locks (checked before the artifacts and again before the receipt), so a task a killed
    driver left running never commits into the run that took over. A step without a ``book``
@@ -23,6 +24,7 @@ units pushed are pulled: the driver holds receipts and ``store.json`` only.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import os
@@ -94,6 +96,13 @@ class Mirrored:
         here = self.mirrors   # (unpickled on a node, a mirror's local root is that node's)
         roots = {old: m.local for old, m in zip(self.roots, here) if old != m.local}
         step = rebase(self.step, roots, MirroredFiles(tuple(here)))
+        with contextlib.ExitStack() as held:   # (no other run's cleanup removes this node's copy meanwhile)
+            for mirror in here:
+                held.enter_context(mirror.in_use())
+            return self._run(step, unit)
+
+    def _run(self, step, unit: int) -> dict:
+        here = self.mirrors
         self._pull(step, unit)
         receipt = step.run(unit)
         book = getattr(step, "book", None)
@@ -171,8 +180,23 @@ class MirroredEngine:
     def describe(self) -> dict:
         return dict(self.engine.describe(), bucket_areas=[m.url for m in self.mirrors])
 
+    def remove_copies(self) -> None:
+        """After the run's success: every node's copy of the mirrors removed, but where a run of
+        that node holds one (:meth:`~megatron_sft_idx.storage.mirror.Mirror.remove_if_unused`;
+        the driver's own, held until the run ends, is removed by its workspace). An engine whose
+        units run on the driver's node alone has nothing to do here."""
+        every = getattr(self.engine, "on_every_node", None)
+        if every is not None:
+            every(_remove_copies, self.mirrors)
+
     def close(self) -> None:
         self.engine.close()
+
+
+def _remove_copies(mirrors) -> None:
+    """On a node: its copies of ``mirrors`` removed unless a run there holds one."""
+    for mirror in mirrors:
+        mirror.remove_if_unused()
 
 
 def _directories(root: str) -> List[str]:

@@ -26,6 +26,8 @@ from ..._extras import MissingExtraError, require_extra
 from ...errors import ShardError
 from .base import OnDone, Step, run_unit
 
+log = logging.getLogger("megatron_sft_idx.preprocess")
+
 
 def _require_ray():
     require_extra("ray", "ray")
@@ -92,6 +94,30 @@ class RayEngine:
         except self._ray.exceptions.RayError as exc:  # the worker died, the node was lost, ...
             raise ShardError(f"{step.name} unit {unit} failed on the Ray cluster: {exc.__class__.__name__}: {exc}",
                              hint="rerun with --resume to continue from the completed units") from None
+
+    def on_every_node(self, fn, *args, timeout: float = 60.0) -> int:
+        """``fn(*args)`` once on every alive node of the cluster (a zero-CPU task pinned to it);
+        returns on how many it ran. Best effort: a node that fails or does not answer within
+        ``timeout`` seconds is logged (cleaning up after a run never fails the run)."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy   # (ray: the optional extra)
+
+        ray = self._ray
+        task = ray.remote(num_cpus=0, max_retries=0)(fn)
+        refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False))
+                .remote(*args) for node in ray.nodes() if node.get("Alive")]
+        if not refs:
+            return 0
+        ready, late = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        done = 0
+        for ref in ready:
+            try:
+                ray.get(ref)
+                done += 1
+            except ray.exceptions.RayError as exc:
+                log.warning("a node's cleanup after the run failed: %s", exc)
+        if late:
+            log.warning("%d node(s) did not clean up within %.0f s", len(late), timeout)
+        return done
 
     def close(self) -> None:
         if self._started:

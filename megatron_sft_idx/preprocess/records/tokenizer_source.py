@@ -8,13 +8,16 @@ it is reachable, else the cache) is *resolved once* by the driver into
 :class:`TokenizerFiles` -- the bytes of the tokenizer's files (those of :data:`TOKENIZER_FILES`
 that exist; ``tokenizer.json`` must), at most :data:`MAX_TOKENIZER_BYTES` in all -- which the
 run ships to its tasks with the step (Ray's object store holds the step; forked workers inherit
-it). Each process then :meth:`~TokenizerFiles.materialize`\\ s them into its own node's
-temporary directory (``tempfile.gettempdir()``, never a path the driver chose), in a directory
+it). Each process then :meth:`~TokenizerFiles.materialize`\\ s them into its own node's cache
+directory (``<cache>/tokenizers/``, ``<cache>`` the index cache's: ``MEGATRON_SFT_IDX_CACHE``,
+else ``$XDG_CACHE_HOME/megatron_sft_idx``; never a path the driver chose), in a directory
 named by the digest of the files, holding one directory named as the source's last level (one
 plain name: a URL with an empty, ``.`` or ``..`` level is refused before anything is read), so
 the tokenizer loads, names itself and hashes (``files_sha256``) exactly as a local copy of the
-same files does: the same shards. Nothing is deleted outside that digest's directory
-(:func:`~megatron_sft_idx._atomic.remove_tree`).
+same files does: the same shards. The copies are a cache a later run reuses, bounded: each use
+marks its copy's directory (its mtime), and the copies beyond the :data:`CACHE_KEEP` most recently
+used, or unused for :data:`CACHE_MAX_AGE` seconds, are removed when a copy is materialized.
+Nothing is deleted outside ``<cache>/tokenizers/`` (:func:`~megatron_sft_idx._atomic.remove_tree`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import os
 import re
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
@@ -31,6 +35,7 @@ from ..._atomic import remove_tree
 from ..._extras import require_extra
 from ...errors import ShardError
 from ...storage import ObjectURL, is_remote
+from ...storage.config import StorageConfig
 from ...storage.urls import check_url, plain_name
 
 #: The files of a tokenizer that are shipped (and hashed into its identity, :mod:`.chat`).
@@ -39,7 +44,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 #: The most bytes a shipped tokenizer's files may hold together.
 MAX_TOKENIZER_BYTES = 64 << 20
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
-_ROOT = "megatron_sft_idx-tokenizers"
+_ROOT = "tokenizers"
+#: Tokenizer copies a node's cache keeps (the most recently used), and the seconds an unused one stays.
+CACHE_KEEP, CACHE_MAX_AGE = 8, 30 * 86400
 
 
 @dataclass(frozen=True, eq=False)
@@ -80,21 +87,23 @@ class TokenizerFiles:
             ShardError: the temporary directory cannot be written; ``name`` is no plain name.
         """
         with _LOCK:
-            temp = tempfile.gettempdir()
-            key = (self.digest, self.name, temp)   # (the name can be the identity's; a changed TMPDIR: a new copy)
+            root = os.path.join(StorageConfig.resolve().cache_root, _ROOT)
+            key = (self.digest, self.name, root)   # (the name can be the identity's; another cache: a new copy)
             known = _MATERIALIZED.get(key)
             if known is not None and os.path.isdir(known):
                 return known
-            parent = os.path.join(temp, _ROOT, self.digest[:32])
+            parent = os.path.join(root, self.digest[:32])
             target = os.path.join(parent, plain_name(self.name, "the tokenizer's directory name"))
             try:
                 if not _holds(target, self.files):
                     _write_directory(parent, target, self.files)
+                os.utime(parent)   # (used now: the bound keeps the most recently used)
             except OSError as exc:
-                raise ShardError(f"cannot write the tokenizer's files to this node's temporary directory "
+                raise ShardError(f"cannot write the tokenizer's files to this node's cache directory "
                                  f"({exc.strerror or exc})", path=getattr(exc, "filename", None) or parent,
-                                 field="tokenizer", hint="free space in the temporary directory, or set TMPDIR") \
-                    from None
+                                 field="tokenizer", hint="free space there, or set MEGATRON_SFT_IDX_CACHE to a "
+                                                         "writable local directory") from None
+            _evict(root, keep=parent)
             _MATERIALIZED[key] = target
             return target
 
@@ -123,6 +132,20 @@ def _holds(directory: str, files) -> bool:
     except OSError:
         return False
     return True
+
+
+def _evict(root: str, keep: str) -> None:
+    """Remove the copies under ``root`` beyond the :data:`CACHE_KEEP` most recently used, or
+    unused for :data:`CACHE_MAX_AGE` seconds (never ``keep``, the copy in use). Best effort: a
+    copy another process removes or renews meanwhile is left to it."""
+    try:
+        entries = [(os.stat(os.path.join(root, n)).st_mtime, os.path.join(root, n)) for n in os.listdir(root)]
+    except OSError:
+        return
+    oldest = time.time() - CACHE_MAX_AGE
+    for rank, (mtime, path) in enumerate(sorted(entries, reverse=True)):
+        if path != keep and (rank >= CACHE_KEEP or mtime < oldest):
+            remove_tree(path, root)
 
 
 def _write_directory(parent: str, target: str, files) -> None:
