@@ -36,11 +36,17 @@ SETTINGS = ["--input", os.path.join(EXAMPLES, "conversations.jsonl"), "--tokeniz
 LIST_ACTIONS = ["list-forever", "list-cycle", "list-fresh", "list-no-token"]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def hostile_bucket(hostile_server):
+    """The module's bucket, made before any of its tests (each runs alone too: ``-k``, xdist)."""
+    hostile_server.make_bucket(BUCKET)
+    return BUCKET
+
+
 @pytest.fixture(scope="module")
-def shard(tmp_path_factory, hostile_server):
+def shard(tmp_path_factory):
     prefix = str(tmp_path_factory.mktemp("w") / "s")
     write_shard(prefix, random_packs(np.random.default_rng(0), 200, pack_size=256), pack_size=256, vocab_size=1000)
-    hostile_server.make_bucket(BUCKET)
     return prefix
 
 
