@@ -133,9 +133,11 @@ class Stops:
             InputError: a trained reply that ends otherwise (reason ``template_error``).
         """
         t = trained.astype(bool, copy=False)
-        ends = np.flatnonzero(t & ~np.append(t[1:], False))
+        ends = np.flatnonzero(t[:-1] > t[1:]).tolist()   # (a trained token before an untrained one)
+        if t.size and t[-1]:
+            ends.append(t.size - 1)
         stops = self.ids
-        bad = [e for e, token in zip(ends.tolist(), ids[ends].tolist()) if token not in stops]
+        bad = [e for e in ends if int(ids[e]) not in stops]
         if bad:
             raise input_error(f"a trained reply ends with {decode(ids[bad[0]:bad[0] + 1])!r}, not a stop token: "
                               "the model would not learn to stop", path, line, field="loss_mask",
