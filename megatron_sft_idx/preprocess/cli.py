@@ -260,8 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "takes ~330x its size in memory, so this bounds a worker's peak (default: 2M)")
     io.add_argument("--partition-bytes", type=_partition_bytes, default=None, metavar="SIZE|auto",
                     help="input bytes per unit of tokenization work (a resumed run redoes at most one unit per "
-                         "worker); auto: the inputs' size / 64, within 1M..64M, so every worker has units to "
-                         "take; never changes the output's bytes (default: auto)")
+                         "worker); auto: the inputs' size cut into 64 equal units, each 8M..64M (fewer units "
+                         "under 512M of input: a unit's fixed cost stays ~2%% of its work), so workers have "
+                         "units to take; never changes the output's bytes (default: auto)")
     add_staging_argument(io)
     tk = p.add_argument_group("tokenization")
     tk.add_argument("--tokenizer", metavar="PATH|URL|NAME",

@@ -153,20 +153,25 @@ def test_per_turn_counts_records_and_sequences_apart(tmp_path, families):
     assert warning.startswith("1 of 10 records (10.0%) were skipped: ")
 
 
-def test_partitions_follow_the_input_size_and_never_change_the_bytes(tmp_path):
+def test_partitions_follow_the_input_size_and_never_change_the_bytes(tmp_path, monkeypatch):
+    from megatron_sft_idx.preprocess.records import partitions
     from megatron_sft_idx.preprocess.records.partitions import MIN_PARTITION_BYTES, auto_partition_bytes
 
-    assert auto_partition_bytes(0) == MIN_PARTITION_BYTES and auto_partition_bytes(1 << 40) == 64 << 20
-    assert auto_partition_bytes(int(47.5 * (1 << 20))) == MIN_PARTITION_BYTES   # 48 units, not one
+    mib = 1 << 20
+    assert auto_partition_bytes(0) == MIN_PARTITION_BYTES == 8 * mib and auto_partition_bytes(1 << 40) == 64 * mib
+    assert auto_partition_bytes(int(47.5 * mib)) == int(9.5 * mib)   # 5 equal units, not 48 of 1 MiB nor one
+    assert auto_partition_bytes(15 * mib) == 15 * mib and auto_partition_bytes(16 * mib) == 8 * mib
+    assert auto_partition_bytes(600 * mib) == -(-600 * mib // 64)   # 64 units, none under 8 MiB
+    monkeypatch.setattr(partitions, "MIN_PARTITION_BYTES", mib)   # (the run's rule on a small file)
     filler = "word " * 400
     records = [{"messages": [{"role": "user", "content": f"{i} {filler}"}, {"role": "assistant", "content": f"{i}"}]}
-               for i in range(1500)]
+               for i in range(1700)]
     path = write_jsonl(tmp_path / "big.jsonl", records)
     size = os.path.getsize(path)
-    assert 2 * MIN_PARTITION_BYTES < size < 64 << 20
+    assert 3 * mib < size < 4 * mib
     auto = run(cfg(tmp_path, [path], name="auto", workers=2))
     one = run(cfg(tmp_path, [path], name="one", partition_bytes=64 << 20))
-    assert auto["units"]["tokenize"] == -(-size // MIN_PARTITION_BYTES) and one["units"]["tokenize"] == 1
+    assert auto["units"]["tokenize"] == 3 and one["units"]["tokenize"] == 1
     assert 0 < auto["workers_busy"]["tokenize"] <= 1
     assert shard_bytes(auto["outputs"][0]) == shard_bytes(one["outputs"][0])   # source order, whatever the cut
     assert "work units          index 1, tokenize 3, materialize 1 (2 workers; tokenize kept them" in \

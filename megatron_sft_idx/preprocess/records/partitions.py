@@ -53,19 +53,24 @@ from .inputs import (ARROW_SUFFIXES, BLOCK, COMPRESSED_SUFFIXES, PARQUET_SUFFIXE
 from .sources import InputSource, input_source
 
 DEFAULT_PARTITION_BYTES = 64 << 20   # the largest unit --partition-bytes auto cuts
-MIN_PARTITION_BYTES = 1 << 20        # the smallest (a unit costs a store shard and a receipt)
+MIN_PARTITION_BYTES = 8 << 20        # the smallest (see auto_partition_bytes)
 AUTO_UNITS = 64                      # --partition-bytes auto aims at this many units of input
 
 
 def auto_partition_bytes(total_bytes: int) -> int:
-    """``--partition-bytes auto``: the inputs' bytes over :data:`AUTO_UNITS`, within
-    [:data:`MIN_PARTITION_BYTES`, :data:`DEFAULT_PARTITION_BYTES`] -- enough units to keep every
-    worker of a machine busy (a 47.5 MiB file gives 48 units, not one), large enough to amortise
-    each unit's store shard and receipt. It follows the input size alone, not ``--workers``: a
-    run resumed with another worker count cuts the same partitions, so its tokenized ones are
-    kept (the partitions never change the output's bytes, only how the work is shared).
+    """``--partition-bytes auto``: the inputs' bytes cut into :data:`AUTO_UNITS` equal units, or
+    fewer so that none is under :data:`MIN_PARTITION_BYTES` (the units are then equal, between 8
+    and 16 MiB: a 47.5 MiB file gives 5 units of 9.5 MiB, not 48 of 1 MiB), and none over
+    :data:`DEFAULT_PARTITION_BYTES`. Enough units to keep a machine's workers busy and to resume
+    close to where a run stopped; few enough that each unit's fixed cost (its store shard's files,
+    receipt and syncs: ~10 ms of CPU and a few sync waits) stays ~2% of its work (8 MiB of chat is
+    ~0.6 CPU-s to tokenize; 1 MiB units made it ~15%, issue 45). It follows the input size alone,
+    not ``--workers``: a run resumed with another worker count cuts the same partitions, so its
+    tokenized ones are kept (the partitions never change the output's bytes, only how the work is
+    shared).
     """
-    return int(min(DEFAULT_PARTITION_BYTES, max(MIN_PARTITION_BYTES, -(-total_bytes // AUTO_UNITS))))
+    units = max(1, min(AUTO_UNITS, total_bytes // MIN_PARTITION_BYTES))
+    return int(min(DEFAULT_PARTITION_BYTES, max(MIN_PARTITION_BYTES, -(-total_bytes // units))))
 DEFAULT_MAX_RECORD_BYTES = 2 << 20
 KINDS = ("lines", "array", "stream", "array_stream", "rows", "arrow")
 
