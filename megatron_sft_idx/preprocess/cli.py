@@ -31,7 +31,7 @@ from .._progress import DEFAULT_LOG_INTERVAL, Progress, add_verbosity_arguments
 from .._signals import Terminated, exit_code, tool_scope
 from ..errors import ShardError
 from ..jsondoc import parse_json
-from ..packing import ALGORITHMS, DEFAULT_ALGORITHM
+from ..packing import ALGORITHMS, DEFAULT_ALGORITHM, FP8_BLOCK
 from ..storage.urls import local_only, url_refusal
 from .records.chat import LOSS_MODES
 from .config import BalanceSettings, Config, PackSettings, RepackConfig, RunSettings, TokenizeSettings
@@ -104,6 +104,11 @@ def add_packing_arguments(p: argparse.ArgumentParser) -> None:
     pk.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size to pad for (default: 1)")
     pk.add_argument("--sp", action="store_true",
                     help="sequence parallelism: pad to lcm(2*CP, CP*TP) instead of 2*CP (default: off)")
+    pk.add_argument("--fp8", choices=sorted(FP8_BLOCK), metavar="RECIPE",
+                    help="Megatron's --fp8-recipe to pad for too: each sequence a multiple of the recipe's block "
+                         "(16; mxfp8 32; blockwise 128) times 2*CP (CP > 1) times TP (with --sp), so every "
+                         f"rank's share of a pack is whole blocks; one of {', '.join(sorted(FP8_BLOCK))} "
+                         "(default: none)")
     pk.add_argument("--pad-id", type=int, help="pad token id (default: the tokenizer's pad, else its EOS)")
     pk.add_argument("--split", type=_split, metavar="W[,W[,W]]",
                     help="seeded split of conversations into PREFIX_train/_valid/_test, e.g. 98,1,1 (default: none)")
@@ -326,7 +331,7 @@ def pack_settings_of(args) -> PackSettings:
     return PackSettings(
         pack_size=args.pack_size, algorithm=args.packing_algorithm, seed=args.seed, overlong=args.overlong,
         truncated_turn_loss=args.truncated_turn_loss, pad_seq_to_mult=args.pad_seq_to_mult,
-        pad_layout=args.pad_layout, cp=args.cp, tp=args.tp, sp=args.sp, pad_id=args.pad_id, split=args.split,
+        pad_layout=args.pad_layout, cp=args.cp, tp=args.tp, sp=args.sp, fp8=args.fp8, pad_id=args.pad_id, split=args.split,
         max_packs_per_shard=args.max_packs_per_shard, max_shard_bytes=args.max_shard_bytes,
         skip_bad=args.skip_bad)
 
