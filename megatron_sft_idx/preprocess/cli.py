@@ -35,7 +35,7 @@ from ..packing import ALGORITHMS, DEFAULT_ALGORITHM, FP8_BLOCK
 from ..storage.urls import local_only, url_refusal
 from .records.chat import LOSS_MODES
 from .config import BalanceSettings, Config, PackSettings, RepackConfig, RunSettings, TokenizeSettings
-from .records.encode import SPAN_METHODS
+from .records.encode import PROMPT_ONLY, PROMPT_ONLY_DROPPED, SPAN_METHODS
 from .engines import ENGINES
 from .records.fast_tokenizer import BACKENDS
 from .records.inputs import INPUT_FORMATS
@@ -296,6 +296,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "rendered as the template renders a conversation ending at that turn, loss on that "
                          "turn: for thinking templates that drop <think> from the history); or all (every "
                          "token, prompts included) (default: assistant)")
+    tk.add_argument("--prompt-only", choices=PROMPT_ONLY, default="error",
+                    help="a record with no trained token (no assistant turn, or every one untrained): error (a "
+                         "bad record: stop, or skip and count it with --skip-bad); keep (store it with an all-zero "
+                         "mask, for schedulers that expect prompt-only sequences); drop (skip and count it as "
+                         f"{PROMPT_ONLY_DROPPED}, no --skip-bad needed). The metadata records keep and drop "
+                         "(default: error)")
     tk.add_argument("--tool-call-loss", choices=TOOL_CALL_LOSS, default="train",
                     help="an assistant turn with tool calls: train it as assistant output, or mask it whole "
                          "(tool results, system and user turns are never trained) (default: train)")
@@ -365,7 +371,7 @@ def _config(args) -> Config:
         tokenizer=args.tokenizer, vocab_size=args.vocab_size, loss_on=args.loss_on, input_format=args.input_format,
         prompt_key=args.prompt_key, completion_key=args.completion_key, prompt_format=args.prompt_format,
         chat_template=args.chat_template, template_date=args.template_date, ignore_fields=tuple(args.ignore_field),
-        template_args=tuple(args.template_arg),
+        template_args=tuple(args.template_arg), prompt_only=args.prompt_only,
         tool_call_loss=args.tool_call_loss, reasoning_loss=args.reasoning_loss,
         empty_reasoning_loss=args.empty_reasoning_loss, reasoning_tags=tuple(args.reasoning_tags),
         tokenizer_backend=args.tokenizer_backend, span_method=args.span_method, batch_size=args.batch_size,

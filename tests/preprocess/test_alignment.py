@@ -162,3 +162,69 @@ def test_bridge_adapter_refuses_a_pad_multiple_the_data_does_not_satisfy(cp2_sha
         B.PackedSFTDataset(cp2_shard["runtime"], eos_id=0, pad_seq_to_mult=8)
     assert info.value.field == "pad_seq_to_mult" and info.value.actual == 8
     assert "padded to multiples of 4 (for CP 2, TP 1)" in str(info.value) and "pad_seq_to_mult is 8" in str(info.value)
+
+
+# ---------------------------------------------------------------- prompt-only sequences
+
+PROMPT_ONLY_CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "only a question"}]
+RECORDS = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]},
+           {"messages": PROMPT_ONLY_CHAT},
+           {"input_ids": [5, 6, 7, 8], "loss_mask": [0, 0, 0, 0]},
+           {"messages": [{"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"}]}]
+
+
+def prompt_only_run(tmp_path, *extra):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    prefix = tmp_path / "out" / "ds"
+    summary = tmp_path / "summary.json"
+    rc = main(["--input", str(data), "--tokenizer", TOKENIZER, "--output-prefix", str(prefix), "--pack-size", "256",
+               "--quiet", "--summary-json", str(summary), *extra])
+    return rc, prefix, (json.loads(summary.read_text()) if rc == 0 else None)
+
+
+def sequences(prefix):
+    ds = MMapIndexedDataset(str(prefix), check_packs=True)
+    out = []
+    for i in range(len(ds)):
+        p = ds[i]
+        for a, b in zip(p.seq_boundaries[:-1], p.seq_boundaries[1:]):
+            out.append((p.input_ids[a:b].tolist(), p.loss_mask[a:b].tolist()))
+    return ds.metadata, out
+
+
+def test_prompt_only_error_is_todays_rule(tmp_path, capsys):
+    rc, _, _ = prompt_only_run(tmp_path)
+    assert rc == 1 and "d.jsonl:2: no token is trained" in capsys.readouterr().err
+    rc, prefix, s = prompt_only_run(tmp_path, "--skip-bad", "--overwrite")
+    meta, _ = sequences(prefix)
+    assert s["records_skipped"] == {"no_trainable_tokens": 2} and "prompt_only" not in s
+    assert "prompt_only" not in meta.extra
+
+
+def test_prompt_only_keep_stores_them_whole_with_no_loss(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    rc, prefix, s = prompt_only_run(tmp_path, "--prompt-only", "keep")
+    meta, seqs = sequences(prefix)
+    assert rc == 0 and s["conversations"] == 4 and s["records_skipped"] == {}
+    assert s["prompt_only"] == {"policy": "keep", "stored": 2, "dropped": 0}
+    assert meta.extra["prompt_only"] == "keep"
+    tok = transformers.AutoTokenizer.from_pretrained(TOKENIZER)
+    text = tok.apply_chat_template(PROMPT_ONLY_CHAT, tokenize=False)
+    rendered = tok(text, add_special_tokens=False)["input_ids"]
+    untrained = sorted(ids for ids, mask in seqs if not any(mask))
+    assert untrained == sorted([rendered, [5, 6, 7, 8]])
+    assert sum(any(mask) for _, mask in seqs) == 2   # the two trained conversations, as without the flag
+
+
+def test_prompt_only_drop_counts_them_without_skip_bad(tmp_path):
+    rc, prefix, s = prompt_only_run(tmp_path, "--prompt-only", "drop")
+    meta, seqs = sequences(prefix)
+    assert rc == 0 and s["conversations"] == 2 and all(any(mask) for _, mask in seqs)
+    assert s["records_skipped"] == {"prompt_only_dropped": 2}
+    assert s["prompt_only"] == {"policy": "drop", "stored": 0, "dropped": 2}
+    assert meta.extra["prompt_only"] == "drop"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [\n')   # a bad record is still an error: drop is about prompt-only ones
+    assert main(["--input", str(bad), "--tokenizer", TOKENIZER, "--output-prefix", str(tmp_path / "b"),
+                 "--prompt-only", "drop", "--quiet"]) == 1
