@@ -14,6 +14,8 @@ DEPS = .deps
 PIP_TARGET = $(PIP_BASE) --no-deps --ignore-requires-python --target
 STACK_CORE_016 = $(DEPS)/megatron-core-0.16.1
 STACK_BRIDGE_062 = $(DEPS)/megatron-bridge-0.6.2
+# transformers beside the environment's (tests/training/test_compat_transformers.py), pure Python.
+STACK_TRANSFORMERS_524 = $(DEPS)/transformers-5.24.0
 
 .PHONY: install install-test install-compat demo test test-fast bench
 
@@ -27,7 +29,7 @@ install-test:
 	$(PIP) -e '.[all]'
 	$(MAKE) install-compat
 
-install-compat: $(STACK_CORE_016)/.installed $(STACK_BRIDGE_062)/.installed
+install-compat: $(STACK_CORE_016)/.installed $(STACK_BRIDGE_062)/.installed $(STACK_TRANSFORMERS_524)/.installed
 
 $(STACK_CORE_016)/.installed:
 	rm -rf $(STACK_CORE_016)
@@ -38,6 +40,11 @@ $(STACK_BRIDGE_062)/.installed:
 	rm -rf $(STACK_BRIDGE_062)
 	$(PIP_TARGET) $(STACK_BRIDGE_062) megatron-core==0.19.2 megatron-bridge==0.6.2 \
 		datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0
+	touch $@
+
+$(STACK_TRANSFORMERS_524)/.installed:
+	rm -rf $(STACK_TRANSFORMERS_524)
+	$(PIP_TARGET) $(STACK_TRANSFORMERS_524) transformers==5.24.0
 	touch $@
 
 demo: install

@@ -220,12 +220,14 @@ def _same_tokenizer(a: Optional[Mapping], b: Optional[Mapping]) -> bool:
     return a is not None and b is not None and tokenizer_difference(a, b) is None
 
 
-def _parallelism_words(value: Optional[Mapping]) -> str:
+def parallelism_words(value: Optional[Mapping]) -> str:
     if not value:
         return "no recorded CP/TP/SP"
     parts = [f"CP {value.get('cp', 1)}", f"TP {value.get('tp', 1)}"]
     if value.get("sp"):
         parts.append("SP")
+    if value.get("fp8"):
+        parts.append(f"FP8 {value['fp8']}")
     return ", ".join(parts)
 
 
@@ -290,8 +292,8 @@ class Agreement:
                               f"{_LAYOUT_WORDS.get(b.pad_layout, b.pad_layout)}")
         if a.pad_seq_to_mult > 1 and a.parallelism != b.parallelism:
             return Difference("parallelism", a.parallelism, b.parallelism,
-                              f"padded for different parallelism: {_parallelism_words(a.parallelism)} and "
-                              f"{_parallelism_words(b.parallelism)}")
+                              f"padded for different parallelism: {parallelism_words(a.parallelism)} and "
+                              f"{parallelism_words(b.parallelism)}")
         return None
 
 

@@ -182,6 +182,13 @@ CODES: Dict[str, Code] = {
                                              "train with bridge_semantics='0.6' to keep 0.6's loss, or fix the "
                                              "mask at the source (Bridge's prompt-template packer with "
                                              "pad_seq_to_mult > 1) and re-pack; inspect-idx --consumers counts it"),
+    # ---- the padding a shard records (appended)
+    "PAD_MULTIPLE_BELOW_PARALLELISM": Code(ERROR, ".seq.idx", "the metadata pad_seq_to_mult is not a multiple of "
+                                           "the one its recorded parallelism needs (CP, TP, SP and FP8 recipe: "
+                                           "docs/FORMAT.md \"FP8 alignment\"): the shard claims a layout its "
+                                           "sequences were not padded for",
+                                           "re-pack with the --cp/--tp/--sp/--fp8 the metadata records "
+                                           "(repack-sft), or fix the producer's metadata"),
 }
 
 #: Each pack invariant's finding code.

@@ -41,6 +41,8 @@ from ..format import (
 )
 from ..jsondoc import parse_json
 from ..metadata import ShardMetadata
+from ..packing import pad_multiple_for
+from ..sets import parallelism_words
 from ._context import ShardContext
 
 IDX_FIELDS = ("magic", "version", "dtype_code", "sequence_count", "document_count")
@@ -261,6 +263,28 @@ def _read_metadata(ctx: ShardContext, header: SeqIdxHeader, size: int) -> None:
     except MetadataError as exc:
         ctx.add("METADATA_INVALID", f"{_describe(exc)} [key {exc.field}]", SEQ_IDX_SUFFIX,
                 offset=METADATA_OFFSET)
+        return
+    _check_recorded_padding(ctx, ctx.metadata)
+
+
+def _check_recorded_padding(ctx: ShardContext, meta: ShardMetadata) -> None:
+    """``PAD_MULTIPLE_BELOW_PARALLELISM``: the recorded parallelism (``cp``, ``tp``, ``sp``, ``fp8``)
+    needs a multiple (:func:`~megatron_sft_idx.packing.pad_multiple_for`) the recorded
+    ``pad_seq_to_mult`` is not a multiple of; a record the rule cannot read is ``METADATA_INVALID``.
+    A shard that records no parallelism (or no multiple) claims nothing to check."""
+    par = meta.parallelism
+    if not par:
+        return
+    try:
+        need = pad_multiple_for(par.get("cp", 1), par.get("tp", 1), bool(par.get("sp", False)), par.get("fp8"))
+    except (ShardError, TypeError, ValueError) as exc:
+        ctx.add("METADATA_INVALID", f"parallelism {par!r}: {getattr(exc, 'message', exc)} [key parallelism]",
+                SEQ_IDX_SUFFIX, offset=METADATA_OFFSET)
+        return
+    have = int(meta.pad_seq_to_mult or 1)
+    if have % need:
+        ctx.add("PAD_MULTIPLE_BELOW_PARALLELISM", f"pad_seq_to_mult is {have}; the recorded parallelism "
+                f"({parallelism_words(par)}) needs a multiple of {need}", SEQ_IDX_SUFFIX, offset=METADATA_OFFSET)
 
 
 #: Bytes of the ``.seq.idx`` body checksummed (and resident) at a time.

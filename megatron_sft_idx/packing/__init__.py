@@ -2,12 +2,13 @@
 
 from .algorithms import ALGORITHMS, DEFAULT_ALGORITHM, PackAssignment, pack_lengths, pack_lengths_csr
 from .fill import exclusive_cumsum, fill_sequences
-from .padding import is_padded, pad_multiple_for, pad_offset, padded_length, padded_lengths, truncation_length
+from .padding import FP8_BLOCK, is_padded, pad_multiple_for, pad_offset, padded_length, padded_lengths, truncation_length
 from .stats import packing_summary
 
 __all__ = [
     "ALGORITHMS",
     "DEFAULT_ALGORITHM",
+    "FP8_BLOCK",
     "PackAssignment",
     "pack_lengths",
     "pack_lengths_csr",

@@ -31,11 +31,11 @@ from .._progress import DEFAULT_LOG_INTERVAL, Progress, add_verbosity_arguments
 from .._signals import Terminated, exit_code, tool_scope
 from ..errors import ShardError
 from ..jsondoc import parse_json
-from ..packing import ALGORITHMS, DEFAULT_ALGORITHM
+from ..packing import ALGORITHMS, DEFAULT_ALGORITHM, FP8_BLOCK
 from ..storage.urls import local_only, url_refusal
 from .records.chat import LOSS_MODES
 from .config import BalanceSettings, Config, PackSettings, RepackConfig, RunSettings, TokenizeSettings
-from .records.encode import SPAN_METHODS
+from .records.encode import PROMPT_ONLY, PROMPT_ONLY_DROPPED, SPAN_METHODS
 from .engines import ENGINES
 from .records.fast_tokenizer import BACKENDS
 from .records.inputs import INPUT_FORMATS
@@ -104,6 +104,11 @@ def add_packing_arguments(p: argparse.ArgumentParser) -> None:
     pk.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size to pad for (default: 1)")
     pk.add_argument("--sp", action="store_true",
                     help="sequence parallelism: pad to lcm(2*CP, CP*TP) instead of 2*CP (default: off)")
+    pk.add_argument("--fp8", choices=sorted(FP8_BLOCK), metavar="RECIPE",
+                    help="Megatron's --fp8-recipe to pad for too: each sequence a multiple of the recipe's block "
+                         "(16; mxfp8 32; blockwise 128) times 2*CP (CP > 1) times TP (with --sp), so every "
+                         f"rank's share of a pack is whole blocks; one of {', '.join(sorted(FP8_BLOCK))} "
+                         "(default: none)")
     pk.add_argument("--pad-id", type=int, help="pad token id (default: the tokenizer's pad, else its EOS)")
     pk.add_argument("--split", type=_split, metavar="W[,W[,W]]",
                     help="seeded split of conversations into PREFIX_train/_valid/_test, e.g. 98,1,1 (default: none)")
@@ -292,6 +297,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "rendered as the template renders a conversation ending at that turn, loss on that "
                          "turn: for thinking templates that drop <think> from the history); or all (every "
                          "token, prompts included) (default: assistant)")
+    tk.add_argument("--prompt-only", choices=PROMPT_ONLY, default="error",
+                    help="a record with no trained token (no assistant turn, or every one untrained): error (a "
+                         "bad record: stop, or skip and count it with --skip-bad); keep (store it with an all-zero "
+                         "mask, for schedulers that expect prompt-only sequences); drop (skip and count it as "
+                         f"{PROMPT_ONLY_DROPPED}, no --skip-bad needed). The metadata records keep and drop "
+                         "(default: error)")
     tk.add_argument("--tool-call-loss", choices=TOOL_CALL_LOSS, default="train",
                     help="an assistant turn with tool calls: train it as assistant output, or mask it whole "
                          "(tool results, system and user turns are never trained) (default: train)")
@@ -327,7 +338,7 @@ def pack_settings_of(args) -> PackSettings:
     return PackSettings(
         pack_size=args.pack_size, algorithm=args.packing_algorithm, seed=args.seed, overlong=args.overlong,
         truncated_turn_loss=args.truncated_turn_loss, pad_seq_to_mult=args.pad_seq_to_mult,
-        pad_layout=args.pad_layout, cp=args.cp, tp=args.tp, sp=args.sp, pad_id=args.pad_id, split=args.split,
+        pad_layout=args.pad_layout, cp=args.cp, tp=args.tp, sp=args.sp, fp8=args.fp8, pad_id=args.pad_id, split=args.split,
         max_packs_per_shard=args.max_packs_per_shard, max_shard_bytes=args.max_shard_bytes,
         skip_bad=args.skip_bad)
 
@@ -361,7 +372,7 @@ def _config(args) -> Config:
         tokenizer=args.tokenizer, vocab_size=args.vocab_size, loss_on=args.loss_on, input_format=args.input_format,
         prompt_key=args.prompt_key, completion_key=args.completion_key, prompt_format=args.prompt_format,
         chat_template=args.chat_template, template_date=args.template_date, ignore_fields=tuple(args.ignore_field),
-        template_args=tuple(args.template_arg),
+        template_args=tuple(args.template_arg), prompt_only=args.prompt_only,
         tool_call_loss=args.tool_call_loss, reasoning_loss=args.reasoning_loss,
         empty_reasoning_loss=args.empty_reasoning_loss, reasoning_tags=tuple(args.reasoning_tags),
         tokenizer_backend=args.tokenizer_backend, span_method=args.span_method, batch_size=args.batch_size,

@@ -62,6 +62,7 @@ class PackSettings:
     cp: int = 1
     tp: int = 1
     sp: bool = False
+    fp8: Optional[str] = None                    # --fp8 RECIPE: pad for its block too (packing/padding.py)
     pad_id: Optional[int] = None                 # None: the tokenizer's (or the store's)
     split: Optional[Sequence[float]] = None      # weights of train[, valid[, test]]
     max_packs_per_shard: Optional[int] = None
@@ -74,12 +75,12 @@ class PackSettings:
         return self.cp, self.tp, self.sp
 
     def pad_multiple(self) -> int:
-        """``lcm(pad_seq_to_mult, the multiple for cp/tp/sp)``.
+        """``lcm(pad_seq_to_mult, the multiple for cp/tp/sp/fp8)``.
 
         Raises:
-            ShardError: the multiple exceeds the pack size (or cp/tp below 1).
+            ShardError: the multiple exceeds the pack size (or cp/tp below 1, an unknown FP8 recipe).
         """
-        mult = int(np.lcm(max(1, self.pad_seq_to_mult), pad_multiple_for(self.cp, self.tp, self.sp)))
+        mult = int(np.lcm(max(1, self.pad_seq_to_mult), pad_multiple_for(self.cp, self.tp, self.sp, self.fp8)))
         if mult > self.pack_size:
             raise ShardError(f"padding multiple {mult} exceeds --pack-size {self.pack_size}", field="pack_size")
         return mult
@@ -444,6 +445,11 @@ class PackJob:
     @property
     def parallelism(self) -> Tuple[int, int, bool]:
         return self.pack.parallelism
+
+    @property
+    def fp8(self) -> Optional[str]:
+        """The FP8 recipe the padding is for (None: none; absent from keys and metadata then)."""
+        return self.pack.fp8
 
     @property
     def bases(self) -> List[str]:

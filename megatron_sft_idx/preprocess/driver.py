@@ -287,6 +287,8 @@ def _job_key(job: PackJob) -> dict:
     key = {"output_prefix": destination_for(job.output_prefix).normal(job.output_prefix),
            "settings": job.settings.to_dict(),
            "pad_id": job.pad_id, "vocab_size": job.vocab_size, "parallelism": list(job.parallelism)}
+    if job.fp8 is not None:   # (keys of runs without --fp8 are unchanged)
+        key["fp8"] = job.fp8
     if job.balance.to_dict() is not None:   # (keys of runs without --balance-for are unchanged)
         key["balance"] = job.balance.to_dict()
     if job.mixture is not None:

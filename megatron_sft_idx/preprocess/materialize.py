@@ -141,6 +141,8 @@ def shard_metadata(store: SequenceStore, job: PackJob, split: str, shard: int, c
     }
     if set_id is not None:
         meta["set"] = {"id": set_id, "name": split, "index": shard, "count": count}
+    if job.fp8 is not None:   # absent means no FP8 alignment (the bytes of earlier shards)
+        meta["parallelism"]["fp8"] = job.fp8
     if s.truncated_turn_loss != "keep":  # absent means keep (the default; the bytes of earlier shards)
         meta["extra"]["truncated_turn_loss"] = s.truncated_turn_loss
     if job.mixture is None:
@@ -170,6 +172,8 @@ def set_id(store: SequenceStore, job: PackJob, split: str) -> str:
            "pad_id": job.pad_id, "vocab_size": job.vocab_size,
            "parallelism": [int(job.parallelism[0]), int(job.parallelism[1]), bool(job.parallelism[2])],
            "split": split}
+    if job.fp8 is not None:   # (sets without --fp8 keep their ids)
+        key["fp8"] = job.fp8
     if job.mixture is not None:   # (sets of one store keep their ids)
         key["mixture"] = job.mixture.to_dict()
         key["stores"] = [[n, st.store_id] for n, st in zip(store.names, store.stores)]

@@ -521,4 +521,5 @@ def encoding_extra(encode: dict) -> dict:
     made with them keep the bytes of earlier versions), and the date a template that reads the
     clock rendered (absent for every other template), and the template's switches (``--template-arg``,
     absent when none was given)."""
-    return {k: encode[k] for k in ("loss_policy", "prompt_format", "template_date", "template_args") if k in encode}
+    return {k: encode[k] for k in ("loss_policy", "prompt_format", "template_date", "template_args", "prompt_only")
+            if k in encode}

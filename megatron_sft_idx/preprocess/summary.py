@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 
 from .._progress import own_peak_rss_mib
 from .._units import human_bytes, plural
+from .records.encode import PROMPT_ONLY_DROPPED
 from .records.inputs import left_reason
 from .records.policy import LossPolicy
 from .records.shapes import APPLIED_RULES
@@ -62,6 +63,17 @@ def merged_skips(store: SequenceStore, plan: dict):
 def _add(into: Dict[str, int], counts: Dict[str, int]) -> None:
     for key, n in counts.items():
         into[key] = into.get(key, 0) + n
+
+
+def prompt_only_counts(store: SequenceStore, policy: str, records_skipped: Dict[str, int]) -> dict:
+    """``--prompt-only``'s policy and what it did: ``stored``, sequences of the store that train
+    nothing (``keep``: read from the store's rows, ``first_trained == length``; the plan may still
+    drop an overlong one, counted in ``sequences_dropped``), and ``dropped``, records ``drop`` skipped."""
+    stored = 0
+    for k in range(len(store.partitions)):
+        rows = store.rows(k)
+        stored += int((rows["first_trained"] == rows["length"]).sum())
+    return {"policy": policy, "stored": stored, "dropped": int(records_skipped.get(PROMPT_ONLY_DROPPED, 0))}
 
 
 def input_files(store: SequenceStore) -> List[dict]:
@@ -161,6 +173,8 @@ def build_summary(store: SequenceStore, job: PackJob, result: PackResult) -> dic
         "seconds": {k: round(v, 3) for k, v in result.times.items()},
         "peak_rss_mib": peak_rss_mib(store.receipts + result.shards),
     }
+    if "prompt_only" in encode:   # (summaries of runs without --prompt-only keep/drop are unchanged)
+        out["prompt_only"] = prompt_only_counts(store, encode["prompt_only"], records_skipped)
     if result.orders:   # (summaries of runs without --balance-for are unchanged)
         out["orders"] = list(result.orders)
     if result.orders_not_written:
@@ -298,6 +312,7 @@ def _number(doc, value, field, hi):
 _REASONS = {"overlong_dropped": "overlong, dropped",
             "overlong_untrainable_after_truncation": "nothing trained after truncation",
             "overlong": "overlong", "no_trainable_tokens": "nothing trained",
+            "prompt_only_dropped": "prompt-only, dropped (--prompt-only drop)",
             "bad_record": "bad record"}
 
 

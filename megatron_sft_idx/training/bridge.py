@@ -46,7 +46,7 @@ from ..legacy import LOSS_BRIDGE_06, converted_loss_state
 from ..multi import MultiShardDataset, identities_of
 from ..open import open_packed
 from ..packed import PackSummary, runtime_min_packed, summarize
-from ..sets import require_compatible
+from ..sets import parallelism_words, require_compatible
 from .collate import BRIDGE_06, BridgePackingStats, PackedCollator, resolve_bridge_semantics
 
 __all__ = ["PackedSFTDataset", "build_samples_mapping", "bridge_datasets", "bridge_stats",
@@ -108,7 +108,8 @@ class PackedSFTDataset(torch.utils.data.Dataset):
             mixture (``--mix``); :attr:`sources` names them.
 
     Raises:
-        ShardError: the source does not open; options contradict its statistics; or it is
+        ShardError: the source does not open; options contradict its statistics; a
+            ``pad_seq_to_mult`` the recorded padding is not a multiple of; or it is
             padded for context parallelism in Megatron-LM's ``"stored"`` layout, which
             Bridge's runtime segments would break; a balanced order of another seed or other
             packs, or given with ``order``.
@@ -133,6 +134,14 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         self.summary: PackSummary = summarize(source)
         self.max_seq_length = int(max_seq_length or self.summary.capacity)
         mult = int(pad_seq_to_mult or self.summary.pad_seq_to_mult)
+        if mult > 1 and self.summary.pad_seq_to_mult % mult:
+            raise ShardError(
+                f"this data is padded to multiples of {self.summary.pad_seq_to_mult} (for "
+                f"{parallelism_words(_recorded_parallelism(source))}); this run's pad_seq_to_mult is {mult}, "
+                "so its context-parallel segments would not split evenly",
+                path=getattr(source, "path", None) or getattr(source, "prefix", None), field="pad_seq_to_mult",
+                expected=f"a divisor of {self.summary.pad_seq_to_mult}", actual=mult,
+                hint="re-pack the data (repack-sft --pad-layout runtime) with this run's --cp/--tp/--sp/--fp8")
         if mult > 1 and self.summary.pad_seq_to_mult > 1 and self.summary.pad_layout != PAD_LAYOUT_RUNTIME:
             raise ShardError(
                 "this data is padded for context parallelism in the 'stored' layout (Megatron-LM's): "
@@ -222,6 +231,12 @@ def _warn_if_normalised_for_06(source, semantics: str) -> None:
                       f"with --eos-id): under Bridge main's rules (bridge_semantics={semantics!r}) it trains fewer "
                       "positions than Bridge trains on the original file; re-convert from the original with this "
                       "version, or pass bridge_semantics='0.6'", ConvertedLossWarning, stacklevel=3)
+
+
+def _recorded_parallelism(source) -> Optional[dict]:
+    """The parallelism the (first) shard of ``source`` records its padding for (None: none recorded)."""
+    found = identities_of(source)
+    return found[0][1].parallelism if found else None
 
 
 def _shard_metadata(source, prefix):

@@ -28,9 +28,10 @@ Build-time refusals (:class:`ShardError`, naming the shard): datasets of one ble
 (:mod:`megatron_sft_idx.sets`; ``IncompatibleShardsError`` naming both entries and what
 differs in words); a directory, glob or manifest entry that holds part of a set or
 several sets (``ShardSetError``); a shard whose pack size exceeds ``sequence_length``; a shard whose recorded ``pad_seq_to_mult`` is
-not a multiple of the run's context-parallel padding divisor (``2*CP`` when CP > 1,
-times the sequence-parallel size), so sequence lengths would not split evenly
-across CP ranks; a ``sequence_length`` that is not a multiple of that divisor.
+not a multiple of the run's padding divisor (``2*CP`` when CP > 1, times the
+sequence-parallel size; with ``fp8_recipe`` also the recipe's block times those: docs/FORMAT.md
+"FP8 alignment"), so sequence lengths would not split evenly across the ranks -- the error names
+the shard's recorded topology and the run's; a ``sequence_length`` that is not a multiple of that divisor.
 
 The sample order is a deterministic function of the config: each epoch of the
 split's packs is a permutation drawn from ``RandomState(random_seed)`` (or the
@@ -76,7 +77,8 @@ from ..format import PAD_LAYOUT_STORED
 from ..multi import MultiShardDataset, identities_of
 from ..open import open_packed, records_no_identity
 from ..packed import PackSummary, summarize
-from ..sets import require_compatible
+from ..packing import FP8_BLOCK
+from ..sets import parallelism_words, require_compatible
 
 __all__ = [
     "SFTIndexedDataset",
@@ -160,6 +162,10 @@ class SFTIndexedDatasetConfig(BlendedMegatronDatasetConfig):
 
     data_parallel_size: int = 1
 
+    fp8_recipe: Optional[str] = None
+    """Megatron's ``--fp8-recipe`` when FP8 is on (None: off): the divisor also takes its block
+    (:data:`~megatron_sft_idx.packing.FP8_BLOCK`; docs/FORMAT.md "FP8 alignment")."""
+
     pad_token_id: Optional[int] = None
     """Token for padding positions (default: the tokenizer's pad, else its EOD, else 0)."""
 
@@ -198,14 +204,37 @@ class SFTIndexedDatasetConfig(BlendedMegatronDatasetConfig):
 
 
 def padding_divisor(config) -> int:
-    """The token multiple CP/SP need every sequence to be (upstream SFT's rule)."""
+    """The token multiple CP/SP need every sequence to be (upstream SFT's rule), and with
+    ``fp8_recipe`` also the recipe's block times that CP/SP split (docs/FORMAT.md "FP8 alignment").
+
+    Raises:
+        ShardError: an ``fp8_recipe`` that is not a key of :data:`~megatron_sft_idx.packing.FP8_BLOCK`.
+    """
     cp = getattr(config, "context_parallel_size", None) or 1
     sp = getattr(config, "sequence_parallel_size", None) or 1
     if getattr(config, "hybrid_context_parallel", False):
         cp_pad = (getattr(config, "data_parallel_size", None) or 1) * cp * 2
     else:
         cp_pad = cp * 2 if cp > 1 else 1
-    return cp_pad * sp
+    fp8 = getattr(config, "fp8_recipe", None)
+    if fp8 is None:
+        return cp_pad * sp
+    if fp8 not in FP8_BLOCK:
+        raise ShardError("unknown FP8 recipe", field="fp8_recipe", expected=sorted(FP8_BLOCK), actual=fp8,
+                         hint="give Megatron's --fp8-recipe name, or None without FP8")
+    return math.lcm(cp_pad * sp, FP8_BLOCK[fp8] * cp_pad * sp)
+
+
+def _run_words(config) -> str:
+    """The run's padding topology in words, for a refusal that names it beside the shard's."""
+    parts = [f"CP {getattr(config, 'context_parallel_size', None) or 1}"]
+    if getattr(config, "sequence_parallel_size", None):
+        parts.append(f"SP over TP {config.sequence_parallel_size}")
+    if getattr(config, "hybrid_context_parallel", False):
+        parts.append(f"hybrid CP over DP {getattr(config, 'data_parallel_size', None) or 1}")
+    if getattr(config, "fp8_recipe", None):
+        parts.append(f"FP8 {config.fp8_recipe}")
+    return ", ".join(parts)
 
 
 def _pad_token(config) -> int:
@@ -233,15 +262,17 @@ def check_compatible(source, config, path: str) -> None:
     seq_len = int(config.sequence_length)
     divisor = padding_divisor(config)
     if divisor > 1 and seq_len % divisor:
-        raise ShardError("sequence_length is not a multiple of the context-parallel divisor",
+        raise ShardError(f"sequence_length is not a multiple of the padding divisor of this run ({_run_words(config)})",
                          path=path, field="sequence_length", expected=f"multiple of {divisor}",
-                         actual=seq_len, hint="choose a seq-length divisible by 2*CP (times SP)")
+                         actual=seq_len, hint="choose a seq-length divisible by 2*CP (times SP, times the FP8 block)")
     if isinstance(source, MultiShardDataset):
         parts = list(zip(source.prefixes, source.summaries))
     else:
         parts = [(path, summarize(source))]
-    for where, summary in parts:
-        _check_summary(where, summary, seq_len, divisor)
+    recorded = {p: i.parallelism for p, i in identities_of(source)}
+    for k, (where, summary) in enumerate(parts):
+        shard = source.prefixes[k] if isinstance(source, MultiShardDataset) else getattr(source, "prefix", None)
+        _check_summary(where, summary, seq_len, divisor, _run_words(config), recorded.get(shard))
 
 
 def blend_paths(config) -> List[str]:
@@ -280,7 +311,8 @@ def check_blend(config) -> None:
     config.__dict__["_sft_idx_blend_checked"] = paths
 
 
-def _check_summary(path: str, summary: PackSummary, seq_len: int, divisor: int) -> None:
+def _check_summary(path: str, summary: PackSummary, seq_len: int, divisor: int, run: str = "",
+                   parallelism: Optional[dict] = None) -> None:
     if divisor > 1 and summary.pad_seq_to_mult > 1 and summary.pad_layout != PAD_LAYOUT_STORED:
         raise ShardError("shard is padded for Megatron-Bridge's runtime segments (pad_layout "
                          f"{summary.pad_layout!r}): with context parallelism Megatron-LM needs every stored "
@@ -292,10 +324,12 @@ def _check_summary(path: str, summary: PackSummary, seq_len: int, divisor: int) 
                          field="pack_size", expected=f"<= {seq_len}", actual=summary.capacity,
                          hint="raise --seq-length to the pack size or re-pack the data for this length")
     if divisor > 1 and summary.pad_seq_to_mult % divisor:
-        raise ShardError("shard sequences are not padded to the context-parallel multiple", path=path,
-                         field="pad_seq_to_mult", expected=f"a multiple of {divisor} (2*CP*SP)",
+        raise ShardError(f"shard sequences are padded to multiples of {summary.pad_seq_to_mult} (for "
+                         f"{parallelism_words(parallelism)}); this run ({run or 'its CP/SP'}) needs multiples "
+                         f"of {divisor}", path=path, field="pad_seq_to_mult",
+                         expected=f"a multiple of {divisor} (2*CP*SP, times the FP8 block)",
                          actual=summary.pad_seq_to_mult,
-                         hint="re-pack the data with --pad-seq-to-mult set for this CP size")
+                         hint="re-pack the data (repack-sft) with this run's --cp/--tp/--sp/--fp8")
 
 
 # --------------------------------------------------------------------------- dataset
@@ -535,7 +569,7 @@ def config_from_args(args, tokenizer=None) -> SFTIndexedDatasetConfig:
 
     Reads ``--data-path`` or ``--train/valid/test-data-path``, ``--split``,
     ``--seq-length``, ``--seed``, ``--data-cache-path``, ``--num-dataset-builder-threads``,
-    ``--context-parallel-size``, ``--sequence-parallel`` (with TP size),
+    ``--context-parallel-size``, ``--sequence-parallel`` (with TP size), ``--fp8-recipe`` (with ``--fp8-format``),
     ``--micro-batch-size``, ``--global-batch-size``, ``--mid-level-dataset-surplus`` and
     ``pack_order_file`` (an argument a training script adds: a balanced order) when present.
     """
@@ -545,6 +579,8 @@ def config_from_args(args, tokenizer=None) -> SFTIndexedDatasetConfig:
     blend = None if blend_per_split else parse_data_path(getattr(args, "data_path", None))
     sp = getattr(args, "tensor_model_parallel_size", 1) if getattr(args, "sequence_parallel", False) else 0
     extra = {}
+    if getattr(args, "fp8", None):   # (Megatron-LM: --fp8-format sets args.fp8, --fp8-recipe the recipe)
+        extra["fp8_recipe"] = getattr(args, "fp8_recipe", None) or "delayed"
     if getattr(args, "mid_level_dataset_surplus", None) is not None:
         extra["mid_level_dataset_surplus"] = args.mid_level_dataset_surplus
     return SFTIndexedDatasetConfig(

@@ -33,6 +33,16 @@ STACKS = {
 }
 
 
+#: transformers versions the padding-free adapter is also tested against, beside the environment's
+#: (``.ci/constraints.txt``): each installed by ``make install-compat`` with ``pip install --no-deps
+#: --target .deps/<name>`` and put first on PYTHONPATH by tests/training/test_compat_transformers.py.
+TRANSFORMERS = {"transformers-5.24.0": "5.24.0"}
+
+
+def transformers_path(name: str) -> str:
+    return os.path.join(DEPS, name)
+
+
 def current() -> Stack:
     name = os.environ.get("MEGATRON_SFT_IDX_STACK")
     if name not in STACKS:

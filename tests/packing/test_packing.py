@@ -9,6 +9,7 @@ from hypothesis import given, settings, strategies as st
 from megatron_sft_idx.errors import ShardError
 from megatron_sft_idx.packing import (
     ALGORITHMS,
+    FP8_BLOCK,
     pack_lengths,
     pad_multiple_for,
     packing_summary,
@@ -157,6 +158,39 @@ def test_unknown_algorithm_is_refused():
 ])
 def test_pad_multiple_for_parallelism(cp, tp, sp, expected):
     assert pad_multiple_for(cp, tp, sp) == expected
+
+
+def nemo_rl_packed_row_multiple(cp, tp, sp, recipe):
+    """NeMo-RL's packed-row divisor (nemo_rl/models/megatron/data.py at 7ea279ab,
+    ``_get_pack_sequence_parameters_for_megatron``), restated in its own order of steps."""
+    divisor = {"blockwise": 128, "mxfp8": 32}.get(recipe, 16)
+    out = divisor
+    if cp > 1:
+        out *= cp * 2
+    if tp > 1 and sp:
+        out *= tp
+    return out
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "mxfp8", "blockwise"])
+@pytest.mark.parametrize("cp,tp,sp", [(1, 1, False), (2, 1, False), (1, 4, True), (2, 4, True), (4, 2, False),
+                                      (3, 3, True), (1, 2, False)])
+def test_pad_multiple_for_fp8_is_nemo_rls_row_rule_per_sequence(cp, tp, sp, recipe):
+    mult = pad_multiple_for(cp, tp, sp, recipe)
+    row = nemo_rl_packed_row_multiple(cp, tp, sp, recipe)
+    assert mult % pad_multiple_for(cp, tp, sp) == 0   # the CP/TP rule still holds
+    assert mult == row   # each sequence a multiple of it: so is every pack's sum of sequences
+    lengths = padded_lengths(np.random.default_rng(cp * 10 + tp).integers(1, 3000, 50), mult)
+    share = lengths.sum() // (cp * (tp if sp else 1))   # one rank's tokens once CP and SP split the row
+    assert lengths.sum() % (cp * (tp if sp else 1)) == 0 and share % FP8_BLOCK[recipe] == 0
+
+
+def test_pad_multiple_for_fp8_values_and_refusal():
+    assert pad_multiple_for(fp8="mxfp8") == 32 and pad_multiple_for(fp8="tensorwise") == 16
+    assert pad_multiple_for(2, 4, True, "mxfp8") == 512 and pad_multiple_for(2, 1, False, "blockwise") == 512
+    with pytest.raises(ShardError, match="unknown FP8 recipe") as info:
+        pad_multiple_for(2, 1, False, "nvfp4")
+    assert info.value.field == "fp8"
 
 
 def test_pad_helpers():

@@ -19,7 +19,7 @@ RE = ["--store", "/s", "--output-prefix", "/o/ds"]
 # A value other than the default for every packing, execution and check flag both commands take.
 SHARED = ["--pack-size", "2048", "--packing-algorithm", "best_fit_decreasing", "--seed", "7", "--overlong", "drop",
           "--truncated-turn-loss", "drop", "--pad-seq-to-mult", "8", "--pad-layout", "runtime", "--cp", "2",
-          "--tp", "4", "--sp", "--pad-id", "3", "--split", "98,1,1", "--max-packs-per-shard", "10",
+          "--tp", "4", "--sp", "--fp8", "mxfp8", "--pad-id", "3", "--split", "98,1,1", "--max-packs-per-shard", "10",
           "--max-shard-bytes", "1G", "--skip-bad", "--workers", "3", "--engine", "ray", "--ray-address", "h:1",
           "--resume", "--overwrite", "--check", "--verify-masks", "5", "--staging-dir", "/st"]
 

@@ -28,10 +28,21 @@ from megatron_sft_idx.training.hf import (IGNORE_INDEX, PaddingFreeCollator, Pad
 
 trl_sft = pytest.importorskip("trl.trainer.sft_trainer", reason="trl is in the test extra")
 from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments  # noqa: E402
+import transformers  # noqa: E402
 
 PAD = 0
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
+
+
+def test_the_transformers_under_test_is_the_one_asked_for():
+    """Under tests/training/test_compat_transformers.py: the stack's version, from its directory."""
+    asked = os.environ.get("MEGATRON_SFT_IDX_TRANSFORMERS")
+    if asked is None:   # the environment's own (.ci/constraints.txt): whatever it is
+        return
+    version, path = asked.split("@", 1)
+    assert transformers.__version__ == version
+    assert os.path.realpath(transformers.__file__).startswith(os.path.realpath(path) + os.sep)
 
 
 @pytest.fixture(scope="module")

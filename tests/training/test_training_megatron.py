@@ -163,10 +163,10 @@ def test_refuses_pad_multiple_not_fitting_context_parallel(tmp_path):
                         [10, 0, 0])
     starts = train[0]["cu_seqlens"]
     assert (starts % 4 == 0).all()
-    with pytest.raises(ShardError, match="context-parallel multiple") as info:
+    with pytest.raises(ShardError, match="padded to multiples of 2") as info:
         build(make_config(blend=([bad], None), split="1,0,0", context_parallel_size=2), [10, 0, 0])
     assert info.value.path == bad and info.value.field == "pad_seq_to_mult"
-    with pytest.raises(ShardError, match="context-parallel multiple"):  # CP=2 with SP=2 needs 8
+    with pytest.raises(ShardError, match="padded to multiples of 2"):  # CP=2 with SP=2 needs 8
         build(make_config(blend=([str(tmp_path / "bad")], None), split="1,0,0",
                           context_parallel_size=2, sequence_parallel_size=2), [10, 0, 0])
     with pytest.raises(ShardError, match="sequence_length is not a multiple"):

@@ -50,6 +50,13 @@ SAMPLE_EVERY = 256
 #: batch's records alive, and the garbage collector walks them)
 READ_BACK_EVERY = 64
 SPAN_METHODS = ("auto", "prefix")
+#: What ``--prompt-only`` may say of a record with no trained token (a prompt-only sequence):
+#: ``error`` (a bad record: stop, or skip and count it under ``--skip-bad``; the default, as
+#: before the flag), ``keep`` (store it whole with an all-zero mask, for schedulers that expect
+#: such sequences) or ``drop`` (skip and count it, ``prompt_only_dropped``, without ``--skip-bad``).
+PROMPT_ONLY = ("error", "keep", "drop")
+#: The skip reason of a record ``--prompt-only drop`` dropped.
+PROMPT_ONLY_DROPPED = "prompt_only_dropped"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,6 +85,7 @@ class EncodeSettings:
     # switches the chat template reads (--template-arg NAME=VALUE: enable_thinking, thinking, thinking_mode),
     # given to every rendering: (name, JSON value) pairs, sorted (a dict from the API is taken too)
     template_args: Tuple[Tuple[str, object], ...] = ()
+    prompt_only: str = "error"        # error | keep | drop: a record with no trained token (PROMPT_ONLY)
 
     def __post_init__(self) -> None:   # (lists from the API: the options are a dict key of the workers)
         object.__setattr__(self, "ignore_fields", tuple(self.ignore_fields))
@@ -143,6 +151,8 @@ class EncodeOptions(EncodeSettings):
             out["template_date"] = self.template_date
         if self.template_args:  # (absent: stores as before the flag)
             out["template_args"] = dict(self.template_args)
+        if self.prompt_only != EncodeSettings.prompt_only:  # (absent: stores as before the flag)
+            out["prompt_only"] = self.prompt_only
         return out
 
 
@@ -425,13 +435,18 @@ class RecordEncoder:
         skipped: Dict[str, int] = {}
         first: Dict[str, str] = {}
         skipped_lines: List[Tuple[int, str]] = []
-        for (line, _), items in zip(records, results):
+        for (line, raw), items in zip(records, results):
             for item in items:
                 if isinstance(item, ShardError) and not isinstance(item, InputError):
                     raise item  # not a bad record: e.g. the tokenizer has no chat template
+                if (isinstance(item, InputError) and getattr(item, "reason", None) == "no_trainable_tokens"
+                        and o.prompt_only == "keep"):
+                    item = self._prompt_only(line, raw, path) or item
                 if isinstance(item, InputError):
                     reason = getattr(item, "reason", "bad_record")
-                    if not o.skip_bad:
+                    if reason == "no_trainable_tokens" and o.prompt_only == "drop":
+                        reason = PROMPT_ONLY_DROPPED   # (a policy, not a bad record: no --skip-bad needed)
+                    elif not o.skip_bad:
                         raise item
                     skipped[reason] = skipped.get(reason, 0) + 1
                     first.setdefault(reason, str(item))
@@ -443,6 +458,24 @@ class RecordEncoder:
                 lines.append(line)
         return EncodedBatch(_cat(ids, np.int64), _cat(masks, np.uint8), np.asarray(lengths, dtype=np.int64),
                             np.asarray(lines, dtype=np.int64), skipped, first, skipped_lines)
+
+
+    def _prompt_only(self, line, raw, path) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+        """``(ids, all-zero mask)`` of a record that trains nothing, under ``--prompt-only keep``: a
+        chat record rendered whole by its template (as ``--loss-on all`` renders it) and tokenized
+        the reference way, a token record as given; None for a prompt/completion record (its
+        empty completion stays the error it was)."""
+        o = self.options
+        kind, payload = parse_record(raw, path, line, o.input_format, o.prompt_key, o.completion_key, self.schema, {})
+        if kind == "tokens":
+            ids = np.asarray(payload[0], dtype=np.int64)
+        elif kind == "chat" and self.tok is not None:
+            conv = self.tok.prepare(payload, self.policy, path, line)
+            text, _ = self.tok.chat_text_and_spans(conv, "all", path, line, self.policy)
+            ids = np.asarray(self.tok.backend.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+        else:
+            return None
+        return ids, np.zeros(ids.size, dtype=np.uint8)
 
 
 def _cat(parts, dtype) -> np.ndarray:
