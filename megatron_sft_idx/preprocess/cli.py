@@ -567,6 +567,9 @@ def _conversations_main(parser, args) -> int:
     if args.mix or args.plan_only:
         return _cli.usage_error(parser, f"--for {MEGATRON_LM_5017} writes one store's conversations: "
                                         "give --store and --output-prefix, not --mix or --plan-only")
+    refused = local_only([("--output-prefix", args.output_prefix)])   # the pair is written locally
+    if refused:
+        return _cli.usage_error(parser, refused)
     with tool_scope():
         try:
             out = write_conversations(args.store, args.output_prefix, overwrite=args.overwrite,

@@ -90,3 +90,5 @@ def test_cli(store, tmp_path, capsys):
     assert "longer than --pack-size 100, which SFTDataset drops" in capsys.readouterr().out
     assert repack_main(argv + ["--plan-only", str(tmp_path / "plan")]) == 2
     assert "not --mix or --plan-only" in capsys.readouterr().err
+    assert repack_main(argv[:4] + ["--output-prefix", "s3://b/chat"]) == 2
+    assert "--output-prefix s3://b/chat" in capsys.readouterr().err and not os.path.exists("s3:")
