@@ -19,6 +19,7 @@ import numpy as np
 
 from ..errors import ShardError
 from . import _kernels
+from .megatron_lm import megatron_lm_bins
 
 ALGORITHMS = (
     "first_fit_decreasing",
@@ -26,6 +27,7 @@ ALGORITHMS = (
     "first_fit",
     "best_fit_decreasing",
     "modified_first_fit_decreasing",
+    "megatron_lm_mffd",   # Megatron-LM #5017's run-time packs (packing/megatron_lm.py)
 )
 DEFAULT_ALGORITHM = "first_fit_decreasing"
 
@@ -151,6 +153,11 @@ def _place(lengths: np.ndarray, capacity: int, algorithm: str, seed: int, bin_of
         order = np.arange(n, dtype=index_dtype(n))
         np.random.default_rng(seed).shuffle(order)
         return _kernels.first_fit_into(lengths, order, True, capacity, no_bins, bin_of)
+    if algorithm == "megatron_lm_mffd":
+        bins = megatron_lm_bins(lengths, capacity)
+        for b, members in enumerate(bins):
+            bin_of[members] = b
+        return len(bins)
     order = descending_order(lengths, capacity)
     if algorithm == "first_fit_decreasing":
         return _kernels.first_fit_into(lengths, order, True, capacity, no_bins, bin_of)

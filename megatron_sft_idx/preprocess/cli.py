@@ -41,6 +41,7 @@ from .records.fast_tokenizer import BACKENDS
 from .records.inputs import INPUT_FORMATS
 from .records.policy import EMPTY_REASONING_LOSS, REASONING_LOSS, TOOL_CALL_LOSS
 from .records.partitions import DEFAULT_MAX_RECORD_BYTES
+from .conversations import MEGATRON_LM_5017, write_conversations
 from .mixreport import plot_mixture
 from .summary import decision_warnings, format_plan_summary, format_summary
 
@@ -515,12 +516,17 @@ New packed shards from a sequence store kept by preprocess-sft --store, without 
 A new pack size, pad multiple (--cp/--tp/--sp), algorithm, seed, split or shard size only
 plans and writes again; the shards are byte-identical to those of a fresh preprocess-sft with
 the same inputs and settings. --plan-only PATH writes just the pack plan, to serve packs
-virtually (VirtualPackedDataset) without writing any token.
+virtually (VirtualPackedDataset) without writing any token. --for megatron-lm-5017 writes
+instead one upstream .bin/.idx pair, one sequence per conversation, for Megatron-LM's
+SFTDataset of PR #5017, which packs and masks at run time (docs/TRAINING.md says what it
+trains differently); --pack-size is then only its --seq-length, to count what it will drop.
 
 Example:
 
   repack-sft --store /data/sft/store --output-prefix /data/sft/cp4/chat \\
       --pack-size 8192 --cp 4 --split 98,1,1 --workers 8
+  repack-sft --store /data/sft/store --for megatron-lm-5017 --output-prefix /data/sft/lm/chat \\
+      --pack-size 8192
 """
 
 
@@ -536,6 +542,9 @@ def build_repack_parser() -> argparse.ArgumentParser:
                                             "--plan-only)")
     io.add_argument("--plan-only", metavar="PATH",
                     help="write only the pack plan to PATH (for VirtualPackedDataset); no shards")
+    io.add_argument("--for", dest="consumer", choices=("shards", MEGATRON_LM_5017), default="shards",
+                    help="shards (default): packed shards of this project; megatron-lm-5017: one .bin/.idx "
+                         "pair, a sequence per conversation, for Megatron-LM's SFTDataset (PR #5017)")
     io.add_argument("--tokenizer", metavar="PATH|URL|NAME",
                     help="tokenizer for --verify-masks, as preprocess-sft takes it (default: where the store "
                          "found it)")
@@ -561,6 +570,8 @@ def repack_main(argv=None) -> int:
         return _cli.usage_error(parser, "--output-prefix is required (or --plan-only PATH)")
     if not args.store and not args.mix:
         return _cli.usage_error(parser, "--store is required (or --mix FILE, whose sources name their stores)")
+    if args.consumer == MEGATRON_LM_5017:
+        return _conversations_main(parser, args)
     problem = usage_problem(args)
     if problem:
         return _cli.usage_error(parser, problem)
@@ -569,3 +580,27 @@ def repack_main(argv=None) -> int:
 
     formatter = format_plan_summary if args.plan_only else None
     return run_and_report(REPACK_PROG, repack, _repack_config(args), args, formatter)
+
+
+def _conversations_main(parser, args) -> int:
+    """``repack-sft --for megatron-lm-5017``: the store's conversations as one bin/idx pair."""
+    if args.mix or args.plan_only:
+        return _cli.usage_error(parser, f"--for {MEGATRON_LM_5017} writes one store's conversations: "
+                                        "give --store and --output-prefix, not --mix or --plan-only")
+    refused = local_only([("--output-prefix", args.output_prefix)])   # the pair is written locally
+    if refused:
+        return _cli.usage_error(parser, refused)
+    with tool_scope():
+        try:
+            out = write_conversations(args.store, args.output_prefix, overwrite=args.overwrite,
+                                      seq_length=args.pack_size)
+        except ShardError as exc:
+            print(f"{REPACK_PROG}: error: {exc}", file=sys.stderr)
+            return 1
+    if args.json:
+        print(json.dumps(out, indent=2, sort_keys=True))
+    elif not args.quiet:
+        print(f"wrote {out['paths'][0]} and .idx: {out['conversations']:,} conversations, {out['tokens']:,} "
+              f"tokens ({out['dtype']}) from store {out['store_id'][:12]}; {out['longer_than_seq_length']:,} "
+              f"longer than --pack-size {out['seq_length']:,}, which SFTDataset drops at that --seq-length")
+    return 0
