@@ -26,7 +26,7 @@ from typing import Optional
 
 import numpy as np
 
-from .._atomic import temporary_path, write_file_atomically
+from .._atomic import write_file_atomically
 from ..errors import ShardError
 from ..format import LENGTH_DTYPE, POINTER_DTYPE, DType, IdxHeader
 from .store import SequenceStore
@@ -89,24 +89,20 @@ def write_conversations(store_dir: str, output_prefix: str, *, overwrite: bool =
 
 def _write_bin(store: SequenceStore, path: str, dtype: DType) -> int:
     """Every partition's tokens, concatenated in store order, as ``dtype``; returns their count."""
-    tmp = temporary_path(path)
     total = 0
-    try:
-        with open(tmp, "wb") as f:
-            for k in range(len(store.partitions)):
-                part = store.part(k)
-                if part is None:   # every record of the partition was skipped: no shard, no sequence
-                    continue
-                tokens = part.arrays().tokens   # one pack per conversation, contiguous, no padding
-                for a in range(0, tokens.size, _CHUNK):
-                    f.write(np.ascontiguousarray(tokens[a:a + _CHUNK], dtype=dtype.numpy).tobytes())
-                total += int(tokens.size)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+
+    def write(f) -> None:
+        nonlocal total
+        for k in range(len(store.partitions)):
+            part = store.part(k)
+            if part is None:   # every record of the partition was skipped: no shard, no sequence
+                continue
+            tokens = part.arrays().tokens   # one pack per conversation, contiguous, no padding
+            for a in range(0, tokens.size, _CHUNK):
+                f.write(np.ascontiguousarray(tokens[a:a + _CHUNK], dtype=dtype.numpy).tobytes())
+            total += int(tokens.size)
+
+    write_file_atomically(path, write)
     return total
 
 
