@@ -236,5 +236,14 @@ def list_of_floats(text: str) -> List[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
 
+def chosen_corpora(text: str, known: Sequence[str]) -> List[str]:
+    """The corpora a comma-separated ``--corpora`` names, in its order; one known to the bench each."""
+    corpora = [c for c in text.split(",") if c]
+    unknown = sorted(set(corpora) - set(known))
+    if unknown:
+        raise SystemExit(f"unknown corpus {unknown[0]!r}: choose from {', '.join(known)}")
+    return corpora
+
+
 if __name__ == "__main__":
     sys.exit(_child_main(sys.argv[1:]))

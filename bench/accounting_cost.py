@@ -38,7 +38,7 @@ import sys
 import tempfile
 import time
 
-from bench._common import ROOT, format_table, run_child, write_json
+from bench._common import ROOT, chosen_corpora, format_table, run_child, write_json
 from bench.preprocess_speed import export_baseline
 
 BASELINE_REF = "main"
@@ -147,10 +147,7 @@ def _measure(corpus: str, args, base: str, tmp: str) -> dict:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    corpora = [c for c in args.corpora.split(",") if c]
-    unknown = sorted(set(corpora) - set(CORPORA))
-    if unknown:
-        raise SystemExit(f"unknown corpus {unknown[0]!r}: choose from {', '.join(CORPORA)}")
+    corpora = chosen_corpora(args.corpora, CORPORA)
     results = {"count": args.count, "rounds": args.rounds, "processes": args.processes,
                "baseline_ref": args.baseline_ref, "corpora": {}}
     rows = []

@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 
-from bench._common import format_table, run_child, write_json
+from bench._common import chosen_corpora, format_table, run_child, write_json
 from bench.preprocess_speed import make_corpus
 
 CORPORA = ("realistic", "example", "tools")
@@ -146,10 +146,7 @@ def _corpora(args, tmp: str):
         return [("yours", args.input, args.tokenizer, f"{args.input} with {args.tokenizer}")]
     if args.tokenizer is not None:
         raise SystemExit("--tokenizer goes with --input")
-    corpora = [c for c in args.corpora.split(",") if c]
-    unknown = sorted(set(corpora) - set(CORPORA))
-    if unknown:
-        raise SystemExit(f"unknown corpus {unknown[0]!r}: choose from {', '.join(CORPORA)}")
+    corpora = chosen_corpora(args.corpora, CORPORA)
     return [(kind, *make_corpus(kind, os.path.join(tmp, f"{kind}.jsonl"), args.count, tmp)) for kind in corpora]
 
 

@@ -39,7 +39,7 @@ import tempfile
 import time
 from typing import Dict, List, Optional
 
-from bench._common import ROOT, format_table, ratio, run_child, write_json
+from bench._common import ROOT, chosen_corpora, format_table, ratio, run_child, write_json
 from bench.preprocess_speed import export_baseline, make_corpus
 
 #: the last release of the main job (issue 45); one place to change when the next one is cut
@@ -159,10 +159,7 @@ def _measure(kind: str, args, release: str, tmp: str) -> dict:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    corpora = [c for c in args.corpora.split(",") if c]
-    unknown = sorted(set(corpora) - set(CORPORA))
-    if unknown:
-        raise SystemExit(f"unknown corpus {unknown[0]!r}: choose from {', '.join(CORPORA)}")
+    corpora = chosen_corpora(args.corpora, CORPORA)
     _settings(args)
     results = {"count": args.count, "rounds": args.rounds, "release_ref": args.release_ref, "corpora": {}}
     rows, stages = [], []
