@@ -37,6 +37,8 @@ __all__ = [
     "IncompatibleShardsError",
     "ShardSetError",
     "FormatError",
+    "MixtureFileError",
+    "InfeasibleMixtureError",
     "QueryError",
     "RemoteStorageError",
     "ObjectChangedError",
@@ -223,6 +225,18 @@ class ShardSetError(ShardError):
 
 class FormatError(ShardError):
     """An input is not in the format a tool expected, or in no format it recognises."""
+
+
+class MixtureFileError(ShardError):
+    """A mixture file (``--mix``) that is not one valid document: unparsable, a key unknown or
+    given twice, a value out of range. Nothing is published (exit 1)."""
+
+    default_hint = "fix the mixture file (docs/PREPROCESSING.md, \"Mixtures\", states every key)"
+
+
+class InfeasibleMixtureError(ShardError):
+    """A mixture's targets cannot be met under its caps, or a source has nothing to give in a
+    split; the message says the largest total the caps allow."""
 
 
 class QueryError(ShardError):

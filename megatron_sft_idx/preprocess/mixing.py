@@ -13,7 +13,7 @@ after truncation, as the pack will train them), its padded length (``tokens``), 
 ``min_k cap_k * M[s,k] / t_k``, where a source's cap (in epochs) is its ``max_epochs`` (default 1
 without a total: nothing is repeated unless the file says so; unlimited with one) and its
 ``max_tokens`` over its tokens of all splits. With the ``epochs`` unit, ``e[s,k] = w_k``.
-A target above a cap is refused, saying the largest total the caps allow (:class:`Infeasible`).
+A target above a cap is refused, saying the largest total the caps allow (:class:`~megatron_sft_idx.errors.InfeasibleMixtureError`).
 
 **Realisation.** ``e = W + r`` (``W`` whole epochs): every sequence ``W`` times, then the
 sequences of a seeded permutation (per split and source) in order, as many as bring the
@@ -32,14 +32,10 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from ..errors import ShardError
+from ..errors import InfeasibleMixtureError, ShardError
 
 #: Units whose measure of a sequence is 1 (the share arithmetic then counts sequences).
 COUNTED_UNITS = ("sequences", "epochs")
-
-
-class Infeasible(ShardError):
-    """The mixture's targets cannot be met under its caps (or a source has nothing to give)."""
 
 
 def derived_seed(seed: int, store_id: str, *salt: int) -> int:
@@ -80,13 +76,13 @@ def split_epochs(unit: str, weights: Sequence[float], names: Sequence[str], amou
         total: this split's total in the unit, or None for the largest the caps allow.
 
     Raises:
-        Infeasible: a target above a cap (saying the largest total the caps allow), or a source
+        InfeasibleMixtureError: a target above a cap (saying the largest total the caps allow), or a source
             with nothing in this split.
     """
     amounts = np.asarray(amounts, dtype=np.float64)
     for k, name in enumerate(names):
         if not amounts[k] > 0:
-            raise Infeasible(f"source {name!r} has no sequence in split {split!r}: its share cannot be realised "
+            raise InfeasibleMixtureError(f"source {name!r} has no sequence in split {split!r}: its share cannot be realised "
                              "there", path=path, field=f"sources[{k}]",
                              hint="give that split more weight (--split), or leave the source out")
     cap = np.array([c.epochs for c in caps], dtype=np.float64)
@@ -95,7 +91,7 @@ def split_epochs(unit: str, weights: Sequence[float], names: Sequence[str], amou
         over = np.flatnonzero(e > cap * (1 + 1e-12))
         if over.size:
             k = int(over[0])
-            raise Infeasible(f"source {names[k]!r} is asked for {e[k]:g} epochs, but its max_tokens allows "
+            raise InfeasibleMixtureError(f"source {names[k]!r} is asked for {e[k]:g} epochs, but its max_tokens allows "
                              f"{cap[k]:.4g}", path=path, field=f"sources[{k}].weight", expected=f"<= {cap[k]:.6g}",
                              actual=e[k], hint="lower the weight or raise max_tokens")
         return e
@@ -104,13 +100,13 @@ def split_epochs(unit: str, weights: Sequence[float], names: Sequence[str], amou
     best = float(np.min(cap * amounts / t))   # the largest total every cap allows
     if total is None:
         if not math.isfinite(best):   # (cannot happen: without a total every cap is finite)
-            raise Infeasible("the mixture has no total and no source is capped", path=path, field="total")
+            raise InfeasibleMixtureError("the mixture has no total and no source is capped", path=path, field="total")
         total = best
     e = total * t / amounts
     over = np.flatnonzero(e > cap * (1 + 1e-9))
     if over.size:
         k = int(over[0])
-        raise Infeasible(f"targets are infeasible under the caps in split {split!r}: source {names[k]!r} would "
+        raise InfeasibleMixtureError(f"targets are infeasible under the caps in split {split!r}: source {names[k]!r} would "
                          f"need {e[k]:.4g} epochs of itself, its cap is {cap[k]:.4g}; the largest total the caps "
                          f"allow there is {best:.6g} {unit.replace('_', ' ')}", path=path, field="total",
                          expected=f"<= {best:.6g}", actual=total,
@@ -179,5 +175,5 @@ def target_shares(unit: str, weights: Sequence[float], epochs: np.ndarray, amoun
     return shares(np.asarray(weights, dtype=np.float64))
 
 
-__all__ = ["Infeasible", "Caps", "Realised", "derived_seed", "source_caps", "split_epochs", "realise",
+__all__ = ["Caps", "Realised", "derived_seed", "source_caps", "split_epochs", "realise",
            "remainder_count", "shares", "target_shares", "COUNTED_UNITS"]

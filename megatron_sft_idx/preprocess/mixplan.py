@@ -166,7 +166,7 @@ def write_mix_plan(stores: StoreSet, mixture: Mixture, s: PlanSettings, path: st
     its metadata (module doc).
 
     Raises:
-        ShardError: a source empty after filtering; Infeasible: targets the caps cannot meet;
+        ShardError: a source empty after filtering; InfeasibleMixtureError: targets the caps cannot meet;
         InputError: see :func:`~.plan.load_kept`.
     """
     names = stores.names

@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
-from ..errors import ShardError
+from ..errors import MixtureFileError, ShardError
 from ..jsondoc import Doc, normal_json, parse_json
 from ..storage.paths import beside, comparable
 
@@ -44,7 +44,7 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _TOP_KEYS = ("version", "unit", "total", "window_steps", "sources")
 _SOURCE_KEYS = ("name", "store", "inputs", "weight", "max_epochs", "max_tokens")
 _YAML_SUFFIXES = (".yaml", ".yml")
-_HINT = "fix the mixture file (docs/PREPROCESSING.md, \"Mixtures\", states every key)"
+_HINT = MixtureFileError.default_hint
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ def parse_mixture(value: Any, path: str) -> Mixture:
     Raises:
         ShardError: see :func:`load_mixture`.
     """
-    doc = Doc(value, path, error=_MixtureError)
+    doc = Doc(value, path, error=MixtureFileError)
     _refuse_unknown(doc, _TOP_KEYS)
     version = doc.int("version")
     if version != MIXTURE_VERSION:
@@ -139,12 +139,6 @@ def parse_mixture(value: Any, path: str) -> Mixture:
     sources = tuple(_source(s, base, unit) for s in doc.docs("sources"))
     _refuse_duplicates(doc, sources)
     return Mixture(path=path, sources=sources, unit=unit, total=total, window_steps=window)
-
-
-class _MixtureError(ShardError):
-    """A mixture file that is not one valid document (a ShardError: exit 1, nothing published)."""
-
-    default_hint = _HINT
 
 
 def _source(doc: Doc, base: str, unit: str) -> MixSource:
@@ -211,8 +205,8 @@ def _refuse_duplicates(doc: Doc, sources: Tuple[MixSource, ...]) -> None:
 
 
 def _load_json(raw: bytes, path: str) -> Any:
-    return parse_json(raw, path, max_length=MAX_MIXTURE_BYTES, what="mixture file", error=_MixtureError,
-                      limit_error=_MixtureError, hint=_HINT, unique_keys=True)
+    return parse_json(raw, path, max_length=MAX_MIXTURE_BYTES, what="mixture file", error=MixtureFileError,
+                      limit_error=MixtureFileError, hint=_HINT, unique_keys=True)
 
 
 def _load_yaml(raw: bytes, path: str) -> Any:
@@ -226,14 +220,14 @@ def _load_yaml(raw: bytes, path: str) -> Any:
         text = raw.decode("utf-8")
         for event in yaml.parse(text, Loader=yaml.SafeLoader):
             if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
-                raise _MixtureError("YAML anchors and aliases are not accepted in a mixture file", path=path,
+                raise MixtureFileError("YAML anchors and aliases are not accepted in a mixture file", path=path,
                                     field="(document)")
         value = yaml.load(text, Loader=_strict_loader(yaml))
-    except _MixtureError as exc:
-        raise _MixtureError(exc.message, path=path, field=exc.field) from None
+    except MixtureFileError as exc:
+        raise MixtureFileError(exc.message, path=path, field=exc.field) from None
     except (UnicodeDecodeError, yaml.YAMLError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise _MixtureError(f"the mixture file is not one valid YAML document ({first})", path=path,
+        raise MixtureFileError(f"the mixture file is not one valid YAML document ({first})", path=path,
                             field="(document)") from None
     _json_only(value, path, "", 0)
     return value
@@ -251,7 +245,7 @@ def _strict_loader(yaml):
         for key_node, value_node in node.value:
             key = loader.construct_object(key_node, deep=True)
             if key in out:
-                raise _MixtureError(f"key {key!r} is given twice in one mapping (line {key_node.start_mark.line + 1})",
+                raise MixtureFileError(f"key {key!r} is given twice in one mapping (line {key_node.start_mark.line + 1})",
                                     field=str(key))
             out[key] = loader.construct_object(value_node, deep=True)
         return out
@@ -264,17 +258,17 @@ def _json_only(value: Any, path: str, where: str, depth: int) -> None:
     """Refuse what JSON cannot hold (YAML dates, binary, sets, non-string keys), and nesting
     beyond 16 levels (a mixture file is shallow)."""
     if depth > 16:
-        raise _MixtureError("the mixture file nests deeper than 16 levels", path=path, field=where or "(document)")
+        raise MixtureFileError("the mixture file nests deeper than 16 levels", path=path, field=where or "(document)")
     if isinstance(value, dict):
         for key, item in value.items():
             if not isinstance(key, str):
-                raise _MixtureError("keys must be strings", path=path, field=where or "(document)", actual=key)
+                raise MixtureFileError("keys must be strings", path=path, field=where or "(document)", actual=key)
             _json_only(item, path, f"{where}.{key}" if where else key, depth + 1)
     elif isinstance(value, list):
         for k, item in enumerate(value):
             _json_only(item, path, f"{where}[{k}]", depth + 1)
     elif value is not None and not isinstance(value, (str, int, float, bool)):
-        raise _MixtureError(f"a {type(value).__name__} is not a JSON value (quote it)", path=path,
+        raise MixtureFileError(f"a {type(value).__name__} is not a JSON value (quote it)", path=path,
                             field=where or "(document)")
 
 

@@ -12,7 +12,7 @@ import pytest
 from megatron_sft_idx.errors import HeaderError, IncompatibleShardsError, ShardError
 from megatron_sft_idx.packing import fill_sequences
 from megatron_sft_idx.preprocess.config import PackSettings
-from megatron_sft_idx.preprocess.mixing import Infeasible
+from megatron_sft_idx.errors import InfeasibleMixtureError
 from megatron_sft_idx.preprocess.mixplan import trained_after_cut, write_mix_plan
 from megatron_sft_idx.preprocess.mixture import parse_mixture
 from megatron_sft_idx.preprocess.planfile import PackPlan
@@ -179,7 +179,7 @@ def test_a_source_empty_after_filtering_and_infeasible_caps_are_refused(tmp_path
     capped = mixture(tmp_path, [{"name": "chat", "store": stores["chat"], "weight": 1},
                                 {"name": "share", "store": stores["share"], "weight": 1, "max_epochs": 2}],
                      total=10 ** 9)
-    with pytest.raises(Infeasible, match="largest total the caps allow"):
+    with pytest.raises(InfeasibleMixtureError, match="largest total the caps allow"):
         plan(tmp_path, stores, ["chat", "share"], capped, settings())
     assert not (tmp_path / "m.plan").exists()
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from megatron_sft_idx.errors import ShardError
-from megatron_sft_idx.preprocess.mixing import (Caps, Infeasible, derived_seed, realise, remainder_count,
-                                                source_caps, split_epochs)
+from megatron_sft_idx.errors import InfeasibleMixtureError, ShardError
+from megatron_sft_idx.preprocess.mixing import (Caps, derived_seed, realise, remainder_count, source_caps,
+                                                split_epochs)
 
 measures = st.lists(st.integers(1, 5000), min_size=1, max_size=300).map(lambda v: np.asarray(v, dtype=np.float64))
 
@@ -48,7 +48,7 @@ def test_a_total_sets_each_sources_epochs_and_a_cap_is_refused_saying_what_is_ac
     caps = [Caps(math.inf), Caps(2.0)]
     e = split_epochs("tokens", [1, 1], ["a", "b"], amounts, caps, 400.0, "train")
     assert e.tolist() == [0.2, 2.0]
-    with pytest.raises(Infeasible) as err:
+    with pytest.raises(InfeasibleMixtureError) as err:
         split_epochs("tokens", [1, 1], ["a", "b"], amounts, caps, 401.0, "train", path="/m.json")
     msg = str(err.value)
     assert "'b' would need 2.005 epochs" in msg and "largest total the caps allow there is 400 tokens" in msg
@@ -68,12 +68,12 @@ def test_epochs_unit_takes_the_weights_as_epochs_and_a_token_cap_bounds_them():
     amounts = np.array([10.0, 20.0])
     caps = source_caps([None, None], [None, 100], [50, 40], repeats=True)
     assert split_epochs("epochs", [2, 1.5], ["a", "b"], amounts, caps, None, "t").tolist() == [2.0, 1.5]
-    with pytest.raises(Infeasible, match="'b' is asked for 3 epochs, but its max_tokens allows 2.5"):
+    with pytest.raises(InfeasibleMixtureError, match="'b' is asked for 3 epochs, but its max_tokens allows 2.5"):
         split_epochs("epochs", [2, 3], ["a", "b"], amounts, caps, None, "t")
 
 
 def test_a_source_with_nothing_in_a_split_is_refused_naming_it():
-    with pytest.raises(Infeasible, match="source 'b' has no sequence in split 'valid'"):
+    with pytest.raises(InfeasibleMixtureError, match="source 'b' has no sequence in split 'valid'"):
         split_epochs("sequences", [1, 1], ["a", "b"], np.array([5.0, 0.0]), [Caps(1), Caps(1)], None, "valid")
 
 
