@@ -26,7 +26,9 @@ What it does:
    :data:`PACK_SIZE` and ``megatron_sft_pad_token`` :data:`PAD_TOKEN`: every row's datum at
    context parallelism 1 and 2 (tensors, dtypes, non-tensor values, the key set), the
    overflow rows' datums, its split of each row (``split_megatron_sft_conversations``), and what
-   it raises with its default identity pad token ``<unk>``, which this tokenizer lacks;
+   it raises with its default identity pad token ``<unk>``, which this tokenizer lacks; and it
+   runs its collate (``rl_collate_fn``) on every row ``NemoRLPackedDataset`` serves from our
+   shard at each CP size, failing if it refuses one (recorded: how many it took);
 4. writes ``golden.json`` and ``arrays.npz``. Running it twice at one commit writes the same bytes.
 """
 
@@ -93,14 +95,18 @@ def file_sha256(path: str) -> str:
         return hashlib.sha256(f.read()).hexdigest()
 
 
-def compute(out_dir: str, jsonl: str, tokenizer_dir: str, doc: dict) -> None:
+def compute(out_dir: str, jsonl: str, tokenizer_dir: str, shard: str, doc: dict) -> None:
     """Phase 3, with the PR's package first on the path: its code on the JSONL."""
     import numpy as np
     from transformers import AutoTokenizer
 
     import nemo_rl
+    from nemo_rl.data.collate_fn import rl_collate_fn
     from nemo_rl.data.datasets.response_datasets import MegatronSFTPackedDataset
     from nemo_rl.data.megatron_sft_packed import split_megatron_sft_conversations
+
+    from megatron_sft_idx.errors import ShardError
+    from megatron_sft_idx.training.nemo_rl import NemoRLPackedDataset
 
     if not os.path.realpath(nemo_rl.__file__).startswith(os.path.realpath(os.environ["NEMO_RL_3380_SRC"])):
         raise SystemExit(f"{nemo_rl.__file__} is not the PR's package")
@@ -142,6 +148,17 @@ def compute(out_dir: str, jsonl: str, tokenizer_dir: str, doc: dict) -> None:
             doc["default_pad_token"] = "accepted"
         except Exception as exc:   # what its identity default pad "<unk>" does with this tokenizer
             doc["default_pad_token"] = f"{type(exc).__name__}: {exc}"
+    for cp in CP_SIZES:   # its collate on our dataset's rows (the packs it would not cut)
+        ours = NemoRLPackedDataset(shard, context_parallel_size=cp)
+        taken = 0
+        for i in range(len(ours)):
+            try:
+                row = ours[i]
+            except ShardError:
+                continue
+            rl_collate_fn([row], megatron_sft_context_parallel_size=cp)
+            taken += 1
+        doc.setdefault("collated_rows_of_ours", {})[str(cp)] = taken
     doc["values"] = values
     os.makedirs(out_dir, exist_ok=True)
     np.savez_compressed(os.path.join(out_dir, "arrays.npz"), **arrays)
@@ -159,10 +176,11 @@ def main(argv=None) -> int:
     parser.add_argument("--compute", metavar="DOC_JSON", help=argparse.SUPPRESS)
     parser.add_argument("--jsonl", help=argparse.SUPPRESS)
     parser.add_argument("--tokenizer", help=argparse.SUPPRESS)
+    parser.add_argument("--shard", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.compute:
         with open(args.compute) as f:
-            compute(args.out, args.jsonl, args.tokenizer, json.load(f))
+            compute(args.out, args.jsonl, args.tokenizer, args.shard, json.load(f))
         return 0
     if not args.nemo_rl_repo or not args.side_packages:
         parser.error("--nemo-rl-repo and --side-packages are required")
@@ -190,7 +208,8 @@ def main(argv=None) -> int:
         env = dict(os.environ, NEMO_RL_3380_SRC=src, PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1",
                    PYTHONPATH=os.pathsep.join([src, os.path.abspath(args.side_packages), ROOT]))
         subprocess.run([sys.executable, os.path.abspath(__file__), "--compute", doc_path, "--out",
-                        os.path.abspath(args.out), "--jsonl", inputs["jsonl"], "--tokenizer", inputs["tokenizer"]],
+                        os.path.abspath(args.out), "--jsonl", inputs["jsonl"], "--tokenizer", inputs["tokenizer"],
+                        "--shard", inputs["shard"]],
                        check=True, env=env, cwd=ROOT)
     print(f"wrote {args.out} from NeMo-RL {commit} ({args.commit})")
     return 0

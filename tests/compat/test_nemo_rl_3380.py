@@ -183,6 +183,8 @@ def test_our_dataset_is_its_datum_key_for_key_with_our_masks(golden, inputs, cp)
         assert not (mask.astype(bool) & ~kept).any()   # every trained label is the next token
         compared += 1
     assert compared == (30 if cp == 1 else 24)
+    # and its collate (rl_collate_fn) took every one of those rows when the golden was made
+    assert doc["collated_rows_of_ours"][str(cp)] == compared
 
 
 def turn_of(tokenizer, ids, p):
