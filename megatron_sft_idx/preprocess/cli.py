@@ -43,6 +43,8 @@ from .records.policy import EMPTY_REASONING_LOSS, REASONING_LOSS, TOOL_CALL_LOSS
 from .records.partitions import DEFAULT_MAX_RECORD_BYTES
 from .conversations import MEGATRON_LM_5017, write_conversations
 from .mixreport import plot_mixture
+from .nemo_rl import NEMO_RL_3380, write_nemo_rl_jsonl
+from .store import SequenceStore
 from .summary import decision_warnings, format_plan_summary, format_summary
 
 PROG = "preprocess-sft"
@@ -520,12 +522,18 @@ virtually (VirtualPackedDataset) without writing any token. --for megatron-lm-50
 instead one upstream .bin/.idx pair, one sequence per conversation, for Megatron-LM's
 SFTDataset of PR #5017, which packs and masks at run time (docs/TRAINING.md says what it
 trains differently); --pack-size is then only its --seq-length, to count what it will drop.
+--for nemo-rl-3380 writes the shards and, beside each, P.nemo_rl.jsonl: one row of text
+messages per pack for NeMo-RL's MegatronSFTPackedDataset (PR #3380) under its identity
+prompt format, each sequence checked to re-tokenize to its stored ids (no CP padding: NeMo-RL
+pads itself).
 
 Example:
 
   repack-sft --store /data/sft/store --output-prefix /data/sft/cp4/chat \\
       --pack-size 8192 --cp 4 --split 98,1,1 --workers 8
   repack-sft --store /data/sft/store --for megatron-lm-5017 --output-prefix /data/sft/lm/chat \\
+      --pack-size 8192
+  repack-sft --store /data/sft/store --for nemo-rl-3380 --output-prefix /data/sft/rl/chat \\
       --pack-size 8192
 """
 
@@ -542,12 +550,14 @@ def build_repack_parser() -> argparse.ArgumentParser:
                                             "--plan-only)")
     io.add_argument("--plan-only", metavar="PATH",
                     help="write only the pack plan to PATH (for VirtualPackedDataset); no shards")
-    io.add_argument("--for", dest="consumer", choices=("shards", MEGATRON_LM_5017), default="shards",
+    io.add_argument("--for", dest="consumer", choices=("shards", MEGATRON_LM_5017, NEMO_RL_3380), default="shards",
                     help="shards (default): packed shards of this project; megatron-lm-5017: one .bin/.idx "
-                         "pair, a sequence per conversation, for Megatron-LM's SFTDataset (PR #5017)")
+                         "pair, a sequence per conversation, for Megatron-LM's SFTDataset (PR #5017); "
+                         "nemo-rl-3380: the shards and a JSONL of text rows beside each, for NeMo-RL's "
+                         "MegatronSFTPackedDataset (PR #3380, identity prompt format)")
     io.add_argument("--tokenizer", metavar="PATH|URL|NAME",
-                    help="tokenizer for --verify-masks, as preprocess-sft takes it (default: where the store "
-                         "found it)")
+                    help="tokenizer for --verify-masks, as preprocess-sft takes it, and the tokenizer.json "
+                         "--for nemo-rl-3380 decodes with (default: where the store found it)")
     add_staging_argument(io)
     add_packing_arguments(p)
     add_balance_arguments(p)
@@ -572,6 +582,10 @@ def repack_main(argv=None) -> int:
         return _cli.usage_error(parser, "--store is required (or --mix FILE, whose sources name their stores)")
     if args.consumer == MEGATRON_LM_5017:
         return _conversations_main(parser, args)
+    if args.consumer == NEMO_RL_3380:
+        refused = _nemo_rl_refusal(args)
+        if refused:
+            return _cli.usage_error(parser, refused)
     problem = usage_problem(args)
     if problem:
         return _cli.usage_error(parser, problem)
@@ -579,7 +593,45 @@ def repack_main(argv=None) -> int:
     from .driver import repack   # (start-up: the driver, after HF_HUB_OFFLINE is set)
 
     formatter = format_plan_summary if args.plan_only else None
+    if args.consumer == NEMO_RL_3380:
+        return run_and_report(REPACK_PROG, _with_nemo_rl_jsonl(repack, _nemo_rl_tokenizer(args), args.overwrite),
+                              _repack_config(args), args, _format_nemo_rl)
     return run_and_report(REPACK_PROG, repack, _repack_config(args), args, formatter)
+
+
+def _nemo_rl_refusal(args) -> str:
+    """Why ``--for nemo-rl-3380`` cannot run with these arguments ('' when it can)."""
+    if args.plan_only:
+        return f"--for {NEMO_RL_3380} writes shards and their JSONL: give --output-prefix, not --plan-only"
+    if args.cp > 1 or args.tp > 1 or args.sp or args.fp8 or (args.pad_seq_to_mult or 1) > 1:
+        return (f"--for {NEMO_RL_3380} writes unpadded sequences: NeMo-RL pads each itself "
+                "(megatron_sft_context_parallel_size); drop --cp/--tp/--sp/--fp8/--pad-seq-to-mult")
+    if args.mix and not args.tokenizer:
+        return f"--for {NEMO_RL_3380} with --mix needs --tokenizer (the tokenizer.json to decode with)"
+    return local_only([("--output-prefix", args.output_prefix)])   # the JSONL is written locally
+
+
+def _nemo_rl_tokenizer(args) -> str:
+    return args.tokenizer or SequenceStore(args.store).tokenizer_path
+
+
+def _with_nemo_rl_jsonl(repack, tokenizer: str, overwrite: bool):
+    """``repack``, then each output shard's JSONL (``summary["nemo_rl_3380"]``, one entry a shard)."""
+    def run(cfg) -> dict:
+        summary = repack(cfg)
+        summary[NEMO_RL_3380] = [write_nemo_rl_jsonl(p, tokenizer, overwrite=overwrite)
+                                 for p in summary["outputs"]]
+        return summary
+    return run
+
+
+def _format_nemo_rl(summary: dict) -> str:
+    lines = [format_summary(summary)]
+    for out in summary[NEMO_RL_3380]:
+        lines.append(f"wrote {out['path']}: {out['rows']:,} rows, {out['sequences']:,} sequences, {out['tokens']:,} "
+                     f"tokens, each re-tokenized to its ids; NeMo-RL: megatron_sft_prompt_format identity, "
+                     f"max_input_seq_length {out['max_seq_length']}, megatron_sft_pad_token {out['pad_token']!r}")
+    return "\n".join(lines)
 
 
 def _conversations_main(parser, args) -> int:
