@@ -82,7 +82,8 @@ def convert(name: str, out: str) -> dict:
     controls = [own.id_to_piece(i) for i in range(own.num_special_tokens)]
     for id_, piece in enumerate(controls):
         # (SentencePiece's <unk> is no control token: its spelling in a text is text, as in mistral_common)
-        whole = piece == "<unk>" and not name.startswith("tekken") or hf.encode(piece, add_special_tokens=False).ids == [id_]
+        whole = (piece == "<unk>" and not name.startswith("tekken")
+                 or hf.encode(piece, add_special_tokens=False).ids == [id_])
         if hf.token_to_id(piece) != id_ or not whole:
             sys.exit(f"the converted {name} gives the control token {piece} another id than mistral_common ({id_})")
     if hf.get_vocab_size() != own.n_words:
