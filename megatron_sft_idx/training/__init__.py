@@ -6,7 +6,8 @@ Modules (imported on first use, so importing this package costs nothing):
   ``parse_data_path``, the Megatron-LM dataset provider (imports megatron-core);
 * :mod:`.bridge` — ``PackedSFTDataset`` with Bridge's packed interface;
 * :mod:`.collate` — ``PackedCollator``: Bridge's packed batch, vectorised;
-* :mod:`.hf` — ``PaddingFreeDataset``, ``PaddingFreeCollator``: TRL / transformers padding-free batches.
+* :mod:`.hf` — ``PaddingFreeDataset``, ``PaddingFreeCollator``: TRL / transformers padding-free batches;
+* :mod:`.global_batch` — ``GlobalBatchSequences``: Bridge 0.7's global-batch packing samples, one a sequence.
 
 The data sources they read are named here too, from the modules below training that own them:
 ``open_packed`` (:mod:`megatron_sft_idx.open`, the one dispatcher), ``MultiShardDataset``
@@ -33,6 +34,7 @@ _PUBLIC = {
     "collate_fn": ".collate",
     "PaddingFreeDataset": ".hf",
     "PaddingFreeCollator": ".hf",
+    "GlobalBatchSequences": ".global_batch",
     "PackSummary": "..packed",
     "summarize": "..packed",
     "FlatPackedSource": "..packed",
