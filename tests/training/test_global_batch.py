@@ -55,7 +55,8 @@ def test_a_sample_has_the_documented_keys_dtypes_and_shapes():
     assert s["loss_mask"].dtype == torch.float32 and tuple(s["loss_mask"].shape) == (8,)
     for key in ("original_seq_len", "padded_seq_len"):
         assert s[key].dtype == torch.int32 and tuple(s[key].shape) == (1,)
-    assert s["tokens"].tolist() == [10, 11, 12, 13, 14, 15, 3, 3] and s["labels"].tolist() == [11, 12, 13, 14, 15, 16, 3, 3]
+    assert s["tokens"].tolist() == [10, 11, 12, 13, 14, 15, 3, 3]
+    assert s["labels"].tolist() == [11, 12, 13, 14, 15, 16, 3, 3]
     assert s["loss_mask"].tolist() == [0, 0, 1, 1, 1, 0, 0, 0] and s["position_ids"].tolist() == list(range(8))
     assert (int(s["original_seq_len"]), int(s["padded_seq_len"])) == (6, 8)
     folded = unpacked_sample(np.arange(10, 17), np.zeros(7), pad_to_multiple_of=4, fold_alignment_padding=True)
