@@ -174,9 +174,9 @@ RECORDS = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"
            {"messages": [{"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"}]}]
 
 
-def prompt_only_run(tmp_path, *extra):
+def prompt_only_run(tmp_path, *extra, records=RECORDS):
     data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
     prefix = tmp_path / "out" / "ds"
     summary = tmp_path / "summary.json"
     rc = main(["--input", str(data), "--tokenizer", TOKENIZER, "--output-prefix", str(prefix), "--pack-size", "256",
@@ -242,11 +242,8 @@ def test_prompt_only_keep_passes_verify_masks_under_each_loss_mode(tmp_path, los
     """Every sequence checked, the kept prompt-only ones included: a chat record rendered whole
     (as --loss-on all renders it) with no trained token, a token record as given. Per-turn once
     refused them (its reference path has no turn to render)."""
-    RECORDS.append(TWO_TURNS)
-    try:
-        rc, prefix, s = prompt_only_run(tmp_path, "--prompt-only", "keep", "--loss-on", loss_on, "--verify-masks", "50")
-    finally:
-        RECORDS.pop()
+    rc, prefix, s = prompt_only_run(tmp_path, "--prompt-only", "keep", "--loss-on", loss_on, "--verify-masks", "50",
+                                    records=RECORDS + [TWO_TURNS])
     _, seqs = sequences(prefix)
     assert rc == 0 and s["prompt_only"] == {"policy": "keep", "stored": 2, "dropped": 0}
     assert len(seqs) == (6 if loss_on == "per-turn" else 5)   # per-turn: one sequence per reply
