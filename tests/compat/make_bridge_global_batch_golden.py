@@ -34,7 +34,8 @@ What it does:
 
 ``--compare`` (no ``--megatron-lm-repo``): for when Bridge's own code can be read (a 0.7 wheel,
 or a snapshot holding #6127): ``--bridge-repo PATH [--bridge-commit REF]`` loads its
-``megatron/bridge/data/packing/global_batch.py``, checks its ``REQUIRED_SAMPLE_KEYS`` against
+``megatron/bridge/data/packing/global_batch.py`` (what it imports of Bridge must be importable:
+the wheel installed, or the repository's ``src/`` on PYTHONPATH), checks its ``REQUIRED_SAMPLE_KEYS`` against
 ours and builds its sample of every stored sequence of each cell with its
 ``build_unpacked_sequence_sample`` (and ``fold_alignment_padding`` where the cell folds),
 printing, per key, how many samples differ from ours (dtype, shape or values); it exits 1 when
