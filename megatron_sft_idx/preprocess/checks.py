@@ -66,6 +66,7 @@ class _Checker:
                          "empty_reasoning": policy.get("empty_reasoning", "mask"),
                          "reasoning_tags": tuple(policy.get("reasoning_tags", ("<think>", "</think>")))}
         self.counts: Dict[str, int] = {}
+        self._kept = False   # the last sequence _reference read is a kept prompt-only one
         if tok is not None:
             self.special_ids = {tok.backend.token_to_id(t) for t in tok.special_tokens} - {None}
             self.generation_prompt = _generation_prompt(tok)
@@ -91,6 +92,11 @@ class _Checker:
                 return why
             source = sc.read_source(record, shape, self.settings)
             loss_on = self.settings["loss_on"]
+            if self._kept:   # --prompt-only keep: every text rendered, none trained
+                verdict = sc.check_sequence(source, [], text, starts, ids, mask, self.settings, self.special_ids,
+                                            self.generation_prompt)
+                self._count(verdict.trained)
+                return verdict.problem
             trained = sc.trained_turns(source, "assistant" if loss_on in ("per-turn", "all") else loss_on,
                                        self.settings)
             if loss_on == "per-turn":
@@ -109,32 +115,57 @@ class _Checker:
             self.counts[role] = self.counts.get(role, 0) + n
 
     def _reference(self, raw, ids, mask, name, line, ordinal):
-        """``(why, rendering, token starts)``: the record through the reference path, compared."""
+        """``(why, rendering, token starts)``: the record through the reference path, compared.
+
+        Under ``--prompt-only keep`` a record the path trains nothing of (it refuses it as
+        ``no_trainable_tokens``, or its mask comes out all zero) is rendered whole, as
+        ``--loss-on all`` renders it, with an all-zero mask: what the encoder stored for it
+        (``self._kept`` says so to :meth:`check`)."""
         tok, loss_on = self.tok, self.settings["loss_on"]
+        keep = self.encode.get("prompt_only") == "keep"
+        self._kept = False
         try:
             kind, payload = parse_record(raw, name, line, self.encode["input_format"], self.encode["prompt_key"],
                                          self.encode["completion_key"], self.schema)
             conv = tok.prepare(payload, self.policy, name, line)
-            if loss_on == "per-turn":
-                text, spans = tok.turn_texts_and_spans(conv, name, line, self.policy)[ordinal]
-            else:
-                text, spans = tok.chat_text_and_spans(conv, loss_on, name, line, self.policy)
+            try:
+                if loss_on == "per-turn":
+                    text, spans = tok.turn_texts_and_spans(conv, name, line, self.policy)[ordinal]
+                else:
+                    text, spans = tok.chat_text_and_spans(conv, loss_on, name, line, self.policy)
+            except ShardError as exc:
+                if not (keep and getattr(exc, "reason", None) == "no_trainable_tokens"):
+                    raise
+                text = None
+            enc, want = self._encoded(text, spans) if text is not None else (None, None)
+            if keep and (want is None or not want.any()):
+                self._kept = True
+                text, _ = tok.chat_text_and_spans(conv, "all", name, line, self.policy)
+                enc, want = self._encoded(text, None)
         except (ShardError, IndexError) as exc:
             return f"the reference path refuses this record ({exc})", "", None
-        enc = tok.backend.encode(text, add_special_tokens=False)
         starts = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)[:, 0]
-        if loss_on == "all":
+        if not np.array_equal(np.asarray(enc.ids, dtype=np.int64), ids):
+            return "token ids differ from the reference encoding" + self._clock(), "", None
+        if not np.array_equal(want, mask):
+            return "loss mask differs from the reference encoding" + self._clock(), "", None
+        return "", text, np.append(starts, len(text))
+
+    def _encoded(self, text: str, spans):
+        """``(encoding, label-aligned mask)`` of a rendering: ``spans`` trained (None: nothing;
+        under ``--loss-on all`` every token but the first)."""
+        enc = self.tok.backend.encode(text, add_special_tokens=False)
+        starts = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)[:, 0]
+        if spans is None:
+            trained = np.zeros(starts.size, dtype=np.uint8)
+        elif self.settings["loss_on"] == "all":
             trained = np.ones(starts.size, dtype=np.uint8)
             trained[:1] = 0
         else:
             trained = trained_from_offsets(starts, spans)
         want = np.zeros(trained.size, dtype=np.uint8)
         want[:-1] = trained[1:]
-        if not np.array_equal(np.asarray(enc.ids, dtype=np.int64), ids):
-            return "token ids differ from the reference encoding" + self._clock(), "", None
-        if not np.array_equal(want, mask):
-            return "loss mask differs from the reference encoding" + self._clock(), "", None
-        return "", text, np.append(starts, len(text))
+        return enc, want
 
     def _clock(self) -> str:
         """For a template that reads the clock: the date the check rendered, and the store's."""

@@ -7,7 +7,8 @@ Modules (imported on first use, so importing this package costs nothing):
 * :mod:`.bridge` — ``PackedSFTDataset`` with Bridge's packed interface;
 * :mod:`.collate` — ``PackedCollator``: Bridge's packed batch, vectorised;
 * :mod:`.hf` — ``PaddingFreeDataset``, ``PaddingFreeCollator``: TRL / transformers padding-free batches;
-* :mod:`.nemo_rl` — ``NemoRLPackedDataset``: NeMo-RL's pre-packed SFT datum (PR #3380) with our masks.
+* :mod:`.nemo_rl` — ``NemoRLPackedDataset``: NeMo-RL's pre-packed SFT datum (PR #3380) with our masks;
+* :mod:`.global_batch` — ``GlobalBatchSequences``: Bridge 0.7's global-batch packing samples, one a sequence.
 
 The data sources they read are named here too, from the modules below training that own them:
 ``open_packed`` (:mod:`megatron_sft_idx.open`, the one dispatcher), ``MultiShardDataset``
@@ -35,6 +36,7 @@ _PUBLIC = {
     "PaddingFreeDataset": ".hf",
     "PaddingFreeCollator": ".hf",
     "NemoRLPackedDataset": ".nemo_rl",
+    "GlobalBatchSequences": ".global_batch",
     "PackSummary": "..packed",
     "summarize": "..packed",
     "FlatPackedSource": "..packed",

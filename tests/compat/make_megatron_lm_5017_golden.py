@@ -28,7 +28,9 @@ What it does:
    default ``SFTDatasetConfig`` (assistant replies, reasoning and tool calls trained) at
    :data:`SEQ_LENGTH`: ``pack_samples``' bins (and its bins of :func:`synthetic_lengths`), the dataset's document / sample / shuffle
    indices, every ``__getitem__`` (``tokens``, ``labels``, ``loss_mask``, ``cu_seqlens``)
-   and ``preprocess_sft_batch`` of each sample at context parallelism 1 and 2;
+   and ``preprocess_sft_batch`` of each sample at context parallelism 1 and 2 (TP 1), and at CP 2
+   with sequence parallelism over TP 2 (:data:`CP_TP_CELLS`: its per-conversation multiple becomes
+   ``2*CP*TP``); its CP sharding (Transformer Engine) is not run;
 4. writes ``golden.json`` (settings, the commit, each file's SHA-256, the digests of the
    bin/idx it read, non-tensor values) and ``arrays.npz``. Running it twice at one commit
    writes the same bytes.
@@ -52,6 +54,9 @@ STACK = "megatron-bridge-0.6.2"
 SEQ_LENGTH = 512
 SEED = 1234
 CP_SIZES = (1, 2)
+#: Batch-step cells beyond ``CP_SIZES`` (which run with TP 1, no SP): (key, cp, tp, sp). #5017 multiplies its
+#: per-conversation multiple ``2*CP`` by TP when SP is on (``preprocess_sft_batch``).
+CP_TP_CELLS = (("cp2tp2sp", 2, 2, True),)
 PAD_ID = 0   # the stand-in tokenizer's <|endoftext|>
 #: The PR's files written over the installed stack (every other module stays 0.19.2's).
 PR_FILES = (
@@ -170,18 +175,20 @@ def compute(out_dir: str, prefix: str, tokenizer_dir: str, doc: dict) -> None:
     for key in ("tokens", "labels", "loss_mask", "cu_seqlens"):
         arrays[f"item_{key}"] = torch.cat([s[key] for s in samples]).numpy()
         arrays[f"item_{key}_sizes"] = np.array([s[key].numel() for s in samples], np.int64)
-    for cp in CP_SIZES:
-        outs = [preprocess_sft_batch({k: v.unsqueeze(0) for k, v in s.items()}, tp_rank=0, cp_size=cp, tp_size=1,
-                                     sp=False, padding_token_id=PAD_ID, padding_label_id=lm.IGNORE_INDEX,
+    cells = [(str(cp), f"cp{cp}", cp, 1, False) for cp in CP_SIZES]
+    cells += [(k, k, cp, tp, sp) for k, cp, tp, sp in CP_TP_CELLS]
+    for name, stem, cp, tp, sp in cells:
+        outs = [preprocess_sft_batch({k: v.unsqueeze(0) for k, v in s.items()}, tp_rank=0, cp_size=cp, tp_size=tp,
+                                     sp=sp, padding_token_id=PAD_ID, padding_label_id=lm.IGNORE_INDEX,
                                      max_seq_len=SEQ_LENGTH) for s in samples]
         for key in ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens", "cu_seqlens_padded", "max_seqlen"):
             values = [o[key] for o in outs]
             if values[0] is None:
-                doc.setdefault("none_keys", {})[str(cp)] = sorted(set(doc.get("none_keys", {}).get(str(cp), [])) | {key})
+                doc.setdefault("none_keys", {})[name] = sorted(set(doc.get("none_keys", {}).get(name, [])) | {key})
                 continue
-            arrays[f"cp{cp}_{key}"] = torch.cat([v.reshape(-1) for v in values]).numpy()
-            arrays[f"cp{cp}_{key}_sizes"] = np.array([v.numel() for v in values], np.int64)
-            doc.setdefault("dtypes", {})[f"cp{cp}_{key}"] = str(values[0].dtype).replace("torch.", "")
+            arrays[f"{stem}_{key}"] = torch.cat([v.reshape(-1) for v in values]).numpy()
+            arrays[f"{stem}_{key}_sizes"] = np.array([v.numel() for v in values], np.int64)
+            doc.setdefault("dtypes", {})[f"{stem}_{key}"] = str(values[0].dtype).replace("torch.", "")
     for key in ("tokens", "labels", "loss_mask", "cu_seqlens"):
         doc.setdefault("dtypes", {})[f"item_{key}"] = str(samples[0][key].dtype).replace("torch.", "")
     doc.update(conversations=n, packed_samples=len(bins), len_dataset=len(ds),
@@ -229,6 +236,7 @@ def main(argv=None) -> int:
         doc = {"megatron_lm_repository": "https://github.com/NVIDIA/Megatron-LM", "megatron_lm_commit": commit,
                "megatron_lm_ref": args.commit, "base_stack": STACK, "seq_length": SEQ_LENGTH, "seed": SEED,
                "cp_sizes": list(CP_SIZES), "pad_id": PAD_ID,
+               "cp_tp_cells": [{"key": k, "cp": cp, "tp": tp, "sp": sp} for k, cp, tp, sp in CP_TP_CELLS],
                "files_sha256": {p: hashlib.sha256(s).hexdigest() for p, s in sorted(sources.items())},
                "input_sha256": {ext: file_sha256(inputs["prefix"] + ext) for ext in (".bin", ".idx")},
                "generated_by": "tests/compat/make_megatron_lm_5017_golden.py"}

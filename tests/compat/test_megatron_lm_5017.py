@@ -12,7 +12,10 @@ changed #5017) and compared with the store and with our shards of it packed by
 * the same conversations, minus those longer than the sequence length, which #5017 drops;
 * its packs, reproduced by our packer (bins, their order, the order inside each);
 * tokens equal; masks equal up to its one-token shift, every other difference named and
-  counted (the figures docs/TRAINING.md "Megatron-LM #5017" gives).
+  counted (the figures docs/TRAINING.md "Megatron-LM #5017" gives);
+* its CP-padded batches (CP 2, and CP 2 with SP over TP 2) against our adapter's output from
+  shards padded for CP 2, conversation by conversation: tokens and positions equal, every other
+  difference named and counted (its 2*CP*TP multiple, its t[:-1], its -100 labels, its overflow).
 """
 
 import json
@@ -22,10 +25,11 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from make_megatron_lm_5017_golden import GOLDEN, SEQ_LENGTH, build_inputs, file_sha256
+from make_megatron_lm_5017_golden import CP_TP_CELLS, GOLDEN, PAD_ID, SEQ_LENGTH, build_inputs, file_sha256
 
-from megatron_sft_idx.packing import pack_lengths
+from megatron_sft_idx.packing import pack_lengths, pad_multiple_for, padded_length
 from megatron_sft_idx.packing.megatron_lm import megatron_lm_bins
+from megatron_sft_idx.preprocess import RepackConfig, repack
 from megatron_sft_idx.preprocess.store import SequenceStore
 from megatron_sft_idx.reader import MMapIndexedDataset
 
@@ -213,17 +217,16 @@ def test_masks_equal_up_to_its_shift_and_every_difference_named(golden, inputs):
     assert trained["ours"] - ours_only + (sum(diffs.values()) - ours_only) == trained["theirs"]
 
 
-@pytest.mark.parametrize("cp", [1, 2])
-def test_its_batch_padding_joins_the_last_conversation(golden, inputs, cp):
+@pytest.mark.parametrize("stem,mult", [("cp1", 1), ("cp2", 4), ("cp2tp2sp", 8)])
+def test_its_batch_padding_joins_the_last_conversation(golden, inputs, stem, mult):
     """What its batch step (``preprocess_sft_batch``) hands the model, stated in docs/TRAINING.md:
-    each conversation padded to ``2*cp`` when ``cp > 1``, then the sample padded to the sequence
+    each conversation padded to ``2*cp`` when ``cp > 1`` (``2*cp*tp`` with SP), then the sample padded to the sequence
     length *inside its last conversation* (its ``cu_seqlens`` end at the sequence length, its
     positions run on through the padding); padding labels -100, loss 0."""
     _, arrays = golden
     convs = inputs["conversations"]
     doc_index, sample_index, shuffle = arrays["document_index"], arrays["sample_index"], arrays["shuffle_index"]
-    got = {k: split(arrays, f"cp{cp}_{k}") for k in ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens")}
-    mult = 2 * cp if cp > 1 else 1
+    got = {k: split(arrays, f"{stem}_{k}") for k in ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens")}
     for i, p in enumerate(shuffle):
         lengths = [len(convs[g][0]) for g in doc_index[sample_index[p]:sample_index[p + 1]]]
         padded = [-(-n // mult) * mult for n in lengths]
@@ -234,3 +237,118 @@ def test_its_batch_padding_joins_the_last_conversation(golden, inputs, cp):
         assert len(got["tokens"][i]) == SEQ_LENGTH
         pads = got["labels"][i] == -100
         assert not got["loss_mask"][i][pads].any() and pads.sum() >= SEQ_LENGTH - sum(lengths)
+
+
+# ------------------------------------------------------------- its CP-padded batches against our adapter's
+
+CELLS = {"cp2": (2, 1, False)} | {k: (cp, tp, sp) for k, cp, tp, sp in CP_TP_CELLS}
+
+
+@pytest.fixture(scope="module")
+def our_cp_samples(inputs, tmp_path_factory):
+    """Per conversation (its first store index), its segment in what our Megatron-LM adapter
+    (``SFTIndexedDataset``, built by megatron-core's builder) returns from our shards of the store
+    padded for CP 2 (``repack-sft --cp 2``, stored layout, #5017's packer, pad id #5017's): the
+    sequence with its stored CP padding, the pack's last one stretched to the sequence length."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+
+    from megatron_sft_idx.training import megatron as M
+
+    out = repack(RepackConfig(inputs["store"], str(tmp_path_factory.mktemp("cp2") / "chat"), pack_size=SEQ_LENGTH,
+                              overlong="drop", algorithm="megatron_lm_mffd", cp=2, pad_id=PAD_ID, progress=False))
+    cfg = M.SFTIndexedDatasetConfig(random_seed=1, sequence_length=SEQ_LENGTH,
+                                    blend=M.parse_data_path(out["outputs"][0]),
+                                    split="100,0,0", path_to_cache=None, tokenizer=None, context_parallel_size=2,
+                                    pad_token_id=PAD_ID)
+    ds = BlendedMegatronDatasetBuilder(M.SFTIndexedDataset, [None, 0, 0], lambda: True, cfg).build()[0]
+    first = {}
+    for g, (t, _) in enumerate(inputs["conversations"]):
+        first.setdefault(t.tobytes(), g)
+    ours = {}
+    for i in range(len(ds)):
+        s = ds[i]
+        cu = s["cu_seqlens"].numpy()
+        bounds = cu[:int(np.flatnonzero(cu == SEQ_LENGTH)[0]) + 1]
+        tokens = s["tokens"].numpy()
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            g = next(first[k] for k in (tokens[a:a + n].tobytes() for n in range(b - a, 0, -1)) if k in first)
+            ours[g] = {k: s[k].numpy()[a:b] for k in ("tokens", "labels", "loss_mask", "position_ids")}
+    return ours
+
+
+def cp_differences(golden, inputs, ours, stem, factor):
+    """Its batch step's output at ``stem`` against our adapter's, conversation by conversation, over
+    its CP-padded segment (``cu_seqlens_padded``; not the stretch to the sequence length): where
+    each key differs (the conversation's tokens, its last position, the padding), and what its
+    truncation of an overfull sample costs."""
+    _, arrays = golden
+    convs = inputs["conversations"]
+    first = {}
+    for g, (t, _) in enumerate(convs):
+        first.setdefault(t.tobytes(), g)
+    got = {k: split(arrays, f"{stem}_{k}") for k in ("tokens", "labels", "loss_mask", "position_ids",
+                                                       "cu_seqlens_padded")}
+    doc_index, sample_index, shuffle = arrays["document_index"], arrays["sample_index"], arrays["shuffle_index"]
+    out = Counter()
+    for i, p in enumerate(shuffle):
+        members = doc_index[sample_index[p]:sample_index[p + 1]]
+        lens = [len(convs[g][0]) for g in members]
+        cup = got["cu_seqlens_padded"][i]
+        if sum(-(-n // factor) * factor for n in lens) > SEQ_LENGTH:   # its sample overflows: it cuts the tail
+            out["samples it truncates"] += 1
+            start, n = int(cup[-2]), lens[len(cup) - 2] - (len(cup) - 1 == len(members))
+            cut = n - max(0, min(n, SEQ_LENGTH - start)) + sum(lens[len(cup) - 1:])
+            assert cut == sum(lens) - 1 - int(np.count_nonzero(got["labels"][i] != -100))   # its labels agree
+            out["conversation tokens it cuts"] += cut
+        for k, g in enumerate(members[:len(cup) - 1]):
+            n, last = lens[k], k == len(members) - 1
+            a, b = int(cup[k]), int(cup[k + 1])
+            theirs_len, ours_len = -(-n // factor) * factor, int(padded_length([n], pad_multiple_for(cp=2))[0])
+            out[("CP-padded length", "equal" if theirs_len == ours_len else "longer (its 2*CP*TP)")] += 1
+            out["its padding beyond ours"] += theirs_len - ours_len
+            mine = ours[first[convs[g][0].tobytes()]]
+            m = min(theirs_len, ours_len, b - a)
+            for key in ("tokens", "labels", "loss_mask", "position_ids"):
+                for j in np.flatnonzero(got[key][i][a:a + m] != mine[key][:m]):
+                    where = "conversation" if j < n - 1 else "its last position" if j == n - 1 else "padding"
+                    out[(key, where + (" (a sample's last conversation)" if last else ""))] += 1
+    return out
+
+
+#: Per cell, every difference (measured on the golden; docs/TRAINING.md "Megatron-LM PR #5017").
+#: Inside every conversation tokens and positions are equal, labels too but at its last position.
+LAST = " (a sample's last conversation)"
+_BOTH = {
+    ("labels", "its last position"): 38,   # its label is the next conversation's first token, ours our CP pad
+    ("labels", "padding"): 61,             # its padding labels are -100, ours the pad id (loss 0 on both sides)
+    # the loss masks' named differences (EXPECTED_DIFFERENCES: 144 + 162 labels), at the same positions
+    ("loss_mask", "conversation"): 197,
+    ("loss_mask", "conversation" + LAST): 109,
+}
+EXPECTED_CP = {
+    # a sample's last conversation: its tokens stop one short at the last position (t[:-1]: padding
+    # there, ours the token; its label -100); it packs unpadded lengths and pads after, so a sample
+    # can overflow the sequence length and lose its tail ("samples it truncates")
+    "cp2": _BOTH | {("CP-padded length", "equal"): 67,
+                    ("labels", "its last position" + LAST): 21, ("tokens", "its last position" + LAST): 21,
+                    ("labels", "padding" + LAST): 31, "samples it truncates": 5, "conversation tokens it cuts": 6},
+    # with SP it pads to 2*CP*TP = 8 where lcm(2*CP, CP*TP) = 4 suffices (ours; Bridge's rule too)
+    "cp2tp2sp": _BOTH | {("CP-padded length", "equal"): 33, ("CP-padded length", "longer (its 2*CP*TP)"): 34,
+                         "its padding beyond ours": 136,
+                         ("labels", "its last position" + LAST): 16, ("tokens", "its last position" + LAST): 16,
+                         ("labels", "padding" + LAST): 24, "samples it truncates": 10,
+                         "conversation tokens it cuts": 38},
+}
+
+
+@pytest.mark.parametrize("stem", sorted(CELLS))
+def test_its_cp_padded_batches_against_our_adapters(golden, inputs, our_cp_samples, stem):
+    """Its ``preprocess_sft_batch`` at CP 2 (and with SP over TP 2) against what our adapter reads
+    from shards padded for CP 2 (our multiple ``lcm(2*CP, CP*TP)`` is 4 in both cells): tokens
+    and positions equal inside every conversation; the differences are counted and named."""
+    cp, tp, sp = CELLS[stem]
+    factor = 2 * cp * (tp if tp > 1 and sp else 1)
+    diffs = cp_differences(golden, inputs, our_cp_samples, stem, factor)
+    assert {k: v for k, v in diffs.items() if v} == EXPECTED_CP[stem]
+    assert diffs[("loss_mask", "conversation")] + diffs[("loss_mask", "conversation" + LAST)] == \
+        sum(EXPECTED_DIFFERENCES.values())

@@ -2,6 +2,7 @@
 alignment"), from preprocess-sft's flags to the metadata, the gate and the Megatron adapters."""
 
 import json
+from collections import Counter
 import os
 
 import numpy as np
@@ -173,9 +174,9 @@ RECORDS = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"
            {"messages": [{"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"}]}]
 
 
-def prompt_only_run(tmp_path, *extra):
+def prompt_only_run(tmp_path, *extra, records=RECORDS):
     data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
     prefix = tmp_path / "out" / "ds"
     summary = tmp_path / "summary.json"
     rc = main(["--input", str(data), "--tokenizer", TOKENIZER, "--output-prefix", str(prefix), "--pack-size", "256",
@@ -228,3 +229,72 @@ def test_prompt_only_drop_counts_them_without_skip_bad(tmp_path):
     bad.write_text('{"messages": [\n')   # a bad record is still an error: drop is about prompt-only ones
     assert main(["--input", str(bad), "--tokenizer", TOKENIZER, "--output-prefix", str(tmp_path / "b"),
                  "--prompt-only", "drop", "--quiet"]) == 1
+
+
+# ------------------------------------------- prompt-only sequences: --verify-masks, per-turn, --mix
+
+TWO_TURNS = {"messages": [{"role": "user", "content": "first"}, {"role": "assistant", "content": "one"},
+                          {"role": "user", "content": "second"}, {"role": "assistant", "content": "two"}]}
+
+
+@pytest.mark.parametrize("loss_on", ["assistant", "per-turn", "last-turn"])
+def test_prompt_only_keep_passes_verify_masks_under_each_loss_mode(tmp_path, loss_on):
+    """Every sequence checked, the kept prompt-only ones included: a chat record rendered whole
+    (as --loss-on all renders it) with no trained token, a token record as given. Per-turn once
+    refused them (its reference path has no turn to render)."""
+    rc, prefix, s = prompt_only_run(tmp_path, "--prompt-only", "keep", "--loss-on", loss_on, "--verify-masks", "50",
+                                    records=RECORDS + [TWO_TURNS])
+    _, seqs = sequences(prefix)
+    assert rc == 0 and s["prompt_only"] == {"policy": "keep", "stored": 2, "dropped": 0}
+    assert len(seqs) == (6 if loss_on == "per-turn" else 5)   # per-turn: one sequence per reply
+    v = s["verify_masks"]
+    assert v["failures"] == 0 and v["checked"] == v["eligible"] == len(seqs)
+    assert sum(not any(mask) for _, mask in seqs) == 2
+
+
+def test_verify_masks_catches_a_kept_prompt_only_sequence_stored_wrong(tmp_path, monkeypatch, capsys):
+    """Fault injection: the encoder keeps a prompt-only chat record with one trained label; the
+    check, which renders it the way --prompt-only keep must, refuses the run."""
+    from megatron_sft_idx.preprocess.records.encode import RecordEncoder
+
+    keep = RecordEncoder._prompt_only
+
+    def one_trained(self, line, raw, path):
+        out = keep(self, line, raw, path)
+        if out is not None and len(out[0]) > 4:
+            out[1][2] = 1
+        return out
+
+    monkeypatch.setattr(RecordEncoder, "_prompt_only", one_trained)
+    for loss_on in ("assistant", "per-turn"):
+        rc, _, _ = prompt_only_run(tmp_path, "--prompt-only", "keep", "--loss-on", loss_on, "--verify-masks", "50",
+                                   "--overwrite")
+        assert rc == 1 and "loss mask differs from the reference encoding" in capsys.readouterr().err
+
+
+def test_prompt_only_keep_in_a_mixture_with_per_turn(tmp_path):
+    """--mix: each source's store keeps its prompt-only records; the shards hold them with no
+    loss under their source, and record the policy per source (``sources[i].prompt_only``: a
+    mixture's sources may come from stores made with other policies)."""
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in RECORDS + [TWO_TURNS]))
+    mix = tmp_path / "mix.json"
+    mix.write_text(json.dumps({"version": 1, "unit": "sequences", "sources": [
+        {"name": "chat", "inputs": [CONVERSATIONS], "store": str(tmp_path / "stores" / "chat"), "weight": 1},
+        {"name": "prompts", "inputs": [str(data)], "store": str(tmp_path / "stores" / "prompts"), "weight": 1}]}))
+    prefix = tmp_path / "out" / "ds"
+    summary = tmp_path / "summary.json"
+    assert main(["--mix", str(mix), "--tokenizer", TOKENIZER, "--output-prefix", str(prefix), "--pack-size", "2048",
+                 "--loss-on", "per-turn", "--prompt-only", "keep", "--quiet", "--summary-json", str(summary)]) == 0
+    s = json.loads(summary.read_text())
+    assert s["prompt_only"]["policy"] == "keep" and s["prompt_only"]["stored"] == 2
+    ds = MMapIndexedDataset(str(prefix), check_packs=True)
+    assert [src.name for src in ds.metadata.sources] == ["chat", "prompts"]
+    assert all(src.extra["prompt_only"] == "keep" for src in ds.metadata.sources)
+    untrained, replies = Counter(), Counter()
+    for i in range(len(ds)):
+        p, src = ds[i], ds.source_ids(i)
+        for k, (a, b) in enumerate(zip(p.seq_boundaries[:-1], p.seq_boundaries[1:])):
+            (replies if p.loss_mask[a:b].any() else untrained)[ds.sources[src[k]]] += 1
+    assert untrained == {"prompts": 2}                 # the two prompt-only records, whole, no loss
+    assert replies["prompts"] == 4                     # per-turn: one sequence per reply (1 + 1 + 2)
