@@ -51,7 +51,8 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import replace
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -296,6 +297,21 @@ def _job_key(job: PackJob) -> dict:
     return key
 
 
+def _result(future: Future):
+    """``future.result()`` in timed waits: a signal the kernel delivers to another thread (a
+    process-directed SIGINT may land on any thread that does not block it) runs its Python
+    handler only once this, the main, thread wakes; an untimed wait would sleep through it."""
+    while True:
+        try:
+            return future.result(timeout=_WAKE_S)
+        except FutureTimeout:
+            continue
+
+
+#: How often a waiting main thread wakes to run the handlers of signals other threads received.
+_WAKE_S = 0.2
+
+
 def prove_inputs(inputs: Inputs, workers: int) -> Callable[[dict], None]:
     """A ``prove`` for :meth:`_Run.finished`: the inputs are the bytes a finished run read (each
     hashed again, ``workers`` at a time)."""
@@ -309,7 +325,7 @@ def prove_inputs(inputs: Inputs, workers: int) -> Callable[[dict], None]:
             with ThreadPoolExecutor(max(1, workers)) as pool:  # hashlib releases the GIL
                 futures = [pool.submit(sha256_file, path, stop) for path in inputs.paths]
                 try:
-                    digests = [f.result() for f in futures]
+                    digests = [_result(f) for f in futures]
                 finally:
                     stop.set()
         except OSError as exc:

@@ -350,17 +350,21 @@ import os, signal, sys, threading, time
 from megatron_sft_idx.preprocess import driver
 from megatron_sft_idx.preprocess.cli import main
 def endless(path, stop=None):       # an input too large to hash before the signal: only ``stop`` ends it
+    time.sleep(0.5)                 # (the main thread is waiting for the hashes by now)
+    signal.pthread_kill(threading.get_ident(), signal.SIGINT)   # Ctrl-C, given by the kernel to this thread
     while stop is None or not stop.is_set():
         time.sleep(0.01)
 driver.sha256_file = endless
-threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
 sys.exit(main(sys.argv[1:]))
 """
 
 
 def test_ctrl_c_while_a_finished_run_proves_its_inputs_ends_the_tool(corpus, tmp_path):
     """--resume of a finished run hashes its inputs in threads: an interrupt stops them within a
-    block, and the tool exits 130 (the subprocess timeout is a hang guard)."""
+    block, and the tool exits 130 (the subprocess timeout is a hang guard). The SIGINT lands on
+    another thread than the main one, as the kernel may deliver a terminal's Ctrl-C: the main
+    thread, waiting for the hashes, must still wake to run its handler (it slept through it once,
+    under load, until the 120 s guard)."""
     prefix = tmp_path / "out" / "ds"
     assert subprocess.run(cmd(prefix, corpus / "small.jsonl"), env=ENV, capture_output=True, timeout=600).returncode == 0
     proc = subprocess.run([sys.executable, "-c", SLOW_PROOF, *cmd(prefix, corpus / "small.jsonl", "--resume")[2:]],
