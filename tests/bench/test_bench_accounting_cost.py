@@ -35,7 +35,7 @@ def test_accounting_cost_runs_both_trees_with_and_without(tmp_path, monkeypatch)
     import bench._common as common
 
     monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
-    assert accounting_cost.main(["--count", "30", "--rounds", "2", "--processes", "1", "--corpora", "tools,pool"]) == 0
+    assert accounting_cost.main(["--count", "30", "--rounds", "1", "--processes", "1", "--corpora", "tools,pool"]) == 0
     doc = json.loads((tmp_path / "accounting_cost.json").read_text())
     assert set(doc["corpora"]) == {"tools", "pool"} and doc["baseline_ref"] == accounting_cost.BASELINE_REF
     for corpus in doc["corpora"].values():
@@ -43,7 +43,7 @@ def test_accounting_cost_runs_both_trees_with_and_without(tmp_path, monkeypatch)
             system = corpus["systems"][name]
             assert system["tokens"] > 0 and system["cpu_s_on"] > 0 and system["cpu_s_off"] > 0
             runs = system["runs"]
-            assert len(runs["on"]) == len(runs["off"]) == 2 and {r["conversations"] for r in runs["on"]} == {30}
+            assert len(runs["on"]) == len(runs["off"]) == 1 and {r["conversations"] for r in runs["on"]} == {30}
             assert all(r["check_s"] > 0 for r in runs["on"]) and all(r["check_s"] == 0 for r in runs["off"])
 
 

@@ -14,11 +14,11 @@ def test_floor_renders_encodes_and_runs_the_main_job(tmp_path, monkeypatch):
     import bench._common as common
 
     monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
-    assert floor.main(["--count", "40", "--rounds", "2", "--corpora", "example,tools"]) == 0
+    assert floor.main(["--count", "40", "--rounds", "1", "--corpora", "example,tools"]) == 0
     doc = json.loads((tmp_path / "floor.json").read_text())
     for kind in ("example", "tools"):
         r = doc["corpora"][kind]
-        assert r["conversations"] == 40 and len(r["runs"]) == 2
+        assert r["conversations"] == 40 and len(r["runs"]) == 1
         # the floor encodes the whole rendering; the job writes it (nothing truncated at this size)
         assert r["floor_tokens"] == r["job_tokens"] > 0
         assert r["render_s"] > 0 and r["encode_s"] > 0 and r["job_cpu_s"] > 0
