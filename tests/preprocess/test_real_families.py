@@ -12,6 +12,7 @@ calls and no end token: GLM-4.7); the whole matrix is ``slow``. The Mistral rows
 interpreter): not installed, they fail under CI (``CI`` set) and are skipped elsewhere.
 """
 
+import functools
 import json
 import os
 
@@ -189,6 +190,13 @@ def train(tmp_path, family, records, **settings):
     return s, decode_output(f"{directory}/tokenizer.json", str(tmp_path / "out" / "s"))
 
 
+@functools.lru_cache(maxsize=None)
+def _token_ids(family):
+    """``{stop token: id}`` of the family's table row (its tokenizer loaded once per process)."""
+    tok = ChatTokenizer(family_dir(family))
+    return {t: tok.backend.token_to_id(t) for t in TABLE[family][0]}
+
+
 def check_family(tmp_path, family, shapes=SHAPES, **settings):
     _require(family)
     records, refused = records_of(family, shapes, settings=settings)
@@ -196,8 +204,7 @@ def check_family(tmp_path, family, shapes=SHAPES, **settings):
     s, decoded = train(tmp_path, family, records, **settings)
     assert s["skipped"] == refused, (family, s["skipped"], s.get("skipped_examples"))
     assert s["verify_masks"]["failures"] == 0
-    tok = ChatTokenizer(family_dir(family))
-    stops = {tok.backend.token_to_id(t) for t in TABLE[family][0]}
+    stops = {_token_ids(family)[t] for t in TABLE[family][0]}
     checked = 0
     for i, (name, record) in enumerate(records):
         if refused_shapes.get(name):

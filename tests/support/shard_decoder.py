@@ -14,6 +14,7 @@ Records are found in the shards by a marker each test record carries in its firs
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -82,9 +83,17 @@ class Decoded:
         self.record = int(m.group(1)) if m else -1
 
 
+@functools.lru_cache(maxsize=4)
+def _tokenizer(tokenizer_json: str, stamp: tuple) -> Tokenizer:
+    """The decoder's own ``tokenizers`` load, once per file and version of it in a test process
+    (a 150k-vocabulary tokenizer.json takes ~1 s to load; decoding does not change it)."""
+    return Tokenizer.from_file(tokenizer_json)
+
+
 def decode_output(tokenizer_json: str, output_prefix: str) -> Dict[int, List[Decoded]]:
     """Every sequence the run wrote, by the record number its marker names."""
-    tok = Tokenizer.from_file(tokenizer_json)
+    st = os.stat(tokenizer_json)
+    tok = _tokenizer(os.path.realpath(tokenizer_json), (st.st_size, st.st_mtime_ns, st.st_ino))
     out: Dict[int, List[Decoded]] = {}
     for prefix in shard_prefixes(output_prefix):
         for ids, mask in read_shard(prefix):
