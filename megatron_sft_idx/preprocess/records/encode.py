@@ -363,7 +363,7 @@ class RecordEncoder:
         turns = trained_turns(conv, loss_on, self.policy)
         require_trainable(conv, turns, self.policy, path, line)
         try:
-            text, spans = self.locator.locate(conv.template_messages, turns, conv.tools)
+            text, spans = self.locator.locate(conv.template_messages, turns, conv.tools, plain=conv.plain)
         except Exception as exc:
             raise template_rejected(exc, path, line) from None
         if spans is None:
