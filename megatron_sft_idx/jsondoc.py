@@ -131,6 +131,7 @@ _DECODERS = {(int64, unique): json.JSONDecoder(parse_int=_parse_int if int64 els
                                                parse_constant=_refuse_constant,
                                                object_pairs_hook=_unique_object if unique else None)
              for int64 in (True, False) for unique in (True, False)}
+_RECORD_DECODER = _DECODERS[False, True]   # (parse_record_json's)
 
 
 def parse_json(raw: Union[bytes, bytearray, memoryview, str], path: Optional[str] = None, *,
@@ -230,11 +231,23 @@ def parse_record_json(raw: Union[bytes, str], what: str = "record", max_length: 
             err.limit, err.detail = "bytes", f"{len(raw)} bytes, more than {max_length}"
             raise err
         try:
-            raw = raw.decode(json.detect_encoding(raw), "surrogatepass")
+            # (an object's "{" then a byte other than NUL: json.detect_encoding says UTF-8 there)
+            raw = raw.decode("utf-8" if raw[:1] == b"{" and raw[1:2] != b"\0" else json.detect_encoding(raw),
+                             "surrogatepass")
         except UnicodeDecodeError as exc:
             err = MetadataError(f"{what} is not valid UTF-8 JSON ({exc})", field=what, hint=hint)
             err.detail = str(exc)
             raise err from None
+    if isinstance(raw, str) and len(raw) * 4 <= max_length and not raw.startswith("\ufeff"):
+        # The common case without parse_json's generality: a record that parses, within the
+        # limits, is the value parse_json returns; anything else goes to parse_json, for its error.
+        try:
+            obj = _RECORD_DECODER.decode(raw)
+        except (_OverLimit, _Duplicate, RecursionError, ValueError):
+            obj = None
+        else:
+            if raw.count("[") + raw.count("{") <= RECORD_MAX_DEPTH or not _too_deep(obj, RECORD_MAX_DEPTH):
+                return obj
     return parse_json(raw, None, max_length=max_length, max_depth=RECORD_MAX_DEPTH, int64=False, what=what,
                       hint=hint, unique_keys=True)
 

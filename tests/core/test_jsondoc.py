@@ -60,6 +60,30 @@ def test_a_json_string_inside_a_record_is_bounded_in_size():
     assert info.value.limit == "bytes"
     with pytest.raises(MetadataLimitError):
         parse_record_json(b"[" + b" " * 20 + b"]", max_length=10)
+    text = '{"a": "' + "\u00e9" * 10 + '"}'   # 19 characters, 29 bytes: the bytes are bounded
+    with pytest.raises(MetadataLimitError) as info:
+        parse_record_json(text, max_length=28)
+    assert info.value.limit == "bytes"
+    assert parse_record_json(text, max_length=29) == {"a": "\u00e9" * 10}
+
+
+@pytest.mark.parametrize("raw", ['{"a": 1, "a": 2}', '{"a": [' * 1 + nested(RECORD_MAX_DEPTH) + ']}', '{"a": 1e999}',
+                                 '{"a": NaN}', '\ufeff{"a": 1}', '{"a": 1} x', '{"a": "\\ud800"}', '{"a": [1, 2]}'])
+def test_a_record_read_as_text_or_bytes_equals_the_general_reader(raw):
+    """parse_record_json's common case (a text it decodes itself) and its bytes agree with
+    parse_json under the record limits: the same value, or the same error, limit and detail."""
+    def outcome(call):
+        try:
+            return ("value", call())
+        except MetadataError as exc:
+            return (type(exc).__name__, str(exc), getattr(exc, "limit", None), exc.detail,
+                    getattr(exc, "duplicate", None))
+    want = outcome(lambda: parse_json(raw, None, max_length=RECORD_JSON_MAX_BYTES, max_depth=RECORD_MAX_DEPTH,
+                                      int64=False, what="record", hint="fix the record, or pass --skip-bad",
+                                      unique_keys=True))
+    assert outcome(lambda: parse_record_json(raw)) == want
+    if not raw.startswith("\ufeff"):
+        assert outcome(lambda: parse_record_json(raw.encode("utf-8", "surrogatepass"))) == want
 
 
 def test_the_caller_chooses_the_error_class_and_non_text_is_a_type_error():

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from megatron_sft_idx.preprocess.records.chat import ChatTokenizer
-from megatron_sft_idx.preprocess.records.masks import encode_tokens
+from megatron_sft_idx.preprocess.records.masks import encode_tokens, label_aligned, label_aligned_all
 from megatron_sft_idx.preprocess.records.errors import InputError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -129,3 +129,36 @@ def test_tokenizer_identity_is_stable_and_hashes_template(tmp_path, tok):
     assert other["files_sha256"] != a["files_sha256"]
     # a bare tokenizer.json path loads too
     assert ChatTokenizer(os.path.join(EXAMPLE_TOKENIZER, "tokenizer.json")).vocab_size == 1024
+
+
+def test_batch_stop_check_and_label_alignment_equal_each_texts_own(tok):
+    """A batch's stop flags (``Stops.unstopped``) and label-aligned masks (``label_aligned_all``)
+    are each text's own ``Stops.check`` refusal and ``label_aligned`` mask (or refusal), on random
+    batches holding empty texts, one-token texts, runs ending on a stop, on another token, and at
+    a text's end."""
+    rng = np.random.default_rng(45)
+    stops = tok.stops
+    special, plain = sorted(stops.ids), [i for i in range(5, 400) if i not in stops.ids]
+    for _ in range(200):
+        sizes = rng.choice([0, 1, 2, 5, 17], size=rng.integers(1, 9))
+        offsets = np.zeros(sizes.size + 1, dtype=np.int64)
+        np.cumsum(sizes, out=offsets[1:])
+        ids = np.where(rng.random(offsets[-1]) < 0.3, rng.choice(special, offsets[-1]),
+                       rng.choice(plain, offsets[-1])).astype(np.int64)
+        trained = (rng.random(offsets[-1]) < 0.5).astype(np.uint8)
+        flags = stops.unstopped(ids, trained, offsets)
+        masks, untrained = label_aligned_all(trained, offsets)
+        for k in range(sizes.size):
+            a, b = offsets[k], offsets[k + 1]
+            try:
+                stops.check(ids[a:b], trained[a:b], "b.jsonl", k, tok.decode)
+                refused = False
+            except InputError as err:
+                refused = err.reason == "template_error"
+            assert bool(flags[k]) == refused
+            try:
+                want = label_aligned(trained[a:b], "b.jsonl", k)
+            except InputError as err:
+                assert untrained[k] and err.reason == "no_trainable_tokens"
+            else:
+                assert not untrained[k] and masks.dtype == np.uint8 and np.array_equal(masks[a:b], want)

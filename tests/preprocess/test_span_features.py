@@ -22,6 +22,7 @@ from megatron_sft_idx.errors import ShardError
 from megatron_sft_idx.preprocess.records import spans
 from megatron_sft_idx.preprocess.records.chat import ChatTokenizer
 from megatron_sft_idx.preprocess.records.encode import EncodeOptions, RecordEncoder
+from megatron_sft_idx.preprocess.records.inputs import parse_record
 from megatron_sft_idx.preprocess.records.spans import SpanLocator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -126,3 +127,24 @@ def test_the_feature_probes_are_adapted_to_each_template(families, family):
             assert "agrees" in {locator._agrees(m, t) for m, t in probes}
         for messages, tools in probes:   # every probe holds its feature, as the template is given it
             assert feature in spans.features(messages, tools, "<think>")
+
+
+def test_a_plain_conversations_features_are_found_without_walking_its_keys():
+    """``features(..., plain=True)`` (a conversation of role/content messages as given, no tools)
+    equals the full walk on every plain conversation the mapping makes of the corpus, one with
+    reasoning written inside a reply among them; a conversation that is not plain is never told so."""
+    inline = {"messages": [{"role": "user", "content": "Why?"},
+                           {"role": "assistant", "content": "Because <think>so</think> it is."}]}
+    records = corpus() + [(99, json.dumps(inline))]
+    kinds = {True: 0, False: 0}
+    for line, raw in records:
+        kind, conv = parse_record(raw, "corpus.jsonl", line, "auto", "prompt", "completion")
+        if kind != "chat":
+            continue
+        kinds[conv.plain] += 1
+        full = spans.features(conv.messages, conv.tools, "<think>")
+        if conv.plain:
+            assert spans.features(conv.messages, conv.tools, "<think>", plain=True) == full
+            assert all(set(m) == {"role", "content"} for m in conv.messages) and not conv.tools
+    assert kinds[True] >= 3 and kinds[False] >= 10
+    assert spans.features(json.loads(json.dumps(inline))["messages"], None, "<think>", plain=True) == {"reasoning"}

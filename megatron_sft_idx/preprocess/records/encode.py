@@ -37,7 +37,7 @@ from ...errors import ShardError
 from .chat import load_chat_tokenizer, reasoning_turns, template_rejected
 from .errors import InputError, input_error
 from .fast_tokenizer import FastTokenizer
-from .masks import encode_tokens, label_aligned, trained_from_offsets
+from .masks import encode_tokens, label_aligned, label_aligned_all, trained_from_offsets
 from .inputs import parse_record
 from .policy import LossPolicy, require_trainable, trained_turns
 from .rendering import check_rendered, count_history_reasoning, read_back_all
@@ -363,7 +363,7 @@ class RecordEncoder:
         turns = trained_turns(conv, loss_on, self.policy)
         require_trainable(conv, turns, self.policy, path, line)
         try:
-            text, spans = self.locator.locate(conv.template_messages, turns, conv.tools)
+            text, spans = self.locator.locate(conv.template_messages, turns, conv.tools, plain=conv.plain)
         except Exception as exc:
             raise template_rejected(exc, path, line) from None
         if spans is None:
@@ -395,6 +395,11 @@ class RecordEncoder:
         self.stats["fast_tokens"] += int(proven.sum())
         self.stats["reference_tokens"] += len(units) - int(proven.sum())
         ref = dict(zip(redo, self._reference([texts[k] for k in redo], [units[k] for k in redo])))
+        if self.fast is not None and proven.any():
+            # the stop check and the label alignment of every proven text at once; a text either
+            # refuses is asked again on its own below, for its error
+            unstopped = self.tok.stops.unstopped(ids, trained, off)
+            masks, untrained = label_aligned_all(trained, off)
         for k, u in enumerate(units):
             if proven[k]:
                 got = (ids[off[k]:off[k + 1]], trained[off[k]:off[k + 1]])
@@ -403,6 +408,9 @@ class RecordEncoder:
                     raise ShardError(f"{path}:{line}: gigatoken and tokenizers disagree on this conversation "
                                      "(ids or token offsets)", field="tokenizer_backend",
                                      hint="rerun with --tokenizer-backend hf, and report the tokenizer")
+                if not untrained[k] and (u.train_all or not unstopped[k]):
+                    results[u.record].append((got[0], masks[off[k]:off[k + 1]]))
+                    continue
             else:
                 got = ref[k]
             line = records[u.record][0]

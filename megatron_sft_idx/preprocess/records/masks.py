@@ -26,6 +26,20 @@ def label_aligned(trained: np.ndarray, path: str, line: int) -> np.ndarray:
     return mask
 
 
+def label_aligned_all(trained: np.ndarray, offsets: np.ndarray):
+    """:func:`label_aligned` of every text of a batch at once (text ``k``'s flags at
+    ``offsets[k]:offsets[k + 1]``): ``(masks, untrained)``, the label-aligned masks at the same
+    offsets and, per text, whether nothing is trained (:func:`label_aligned` refuses those: the
+    caller asks it, for the error)."""
+    mask = np.zeros(trained.size, dtype=np.uint8)
+    mask[:-1] = trained[1:]
+    sizes = np.diff(offsets)
+    mask[offsets[1:][sizes > 0] - 1] = 0   # (each text's last position)
+    total = np.zeros(trained.size + 1, dtype=np.int64)
+    np.cumsum(mask, out=total[1:])
+    return mask, total[offsets[1:]] == total[offsets[:-1]]
+
+
 def trained_from_offsets(starts: np.ndarray, spans) -> np.ndarray:
     """Token-aligned flags: 1 on every token whose start offset lies inside a span (reference rule)."""
     trained = np.zeros(starts.size, dtype=np.uint8)

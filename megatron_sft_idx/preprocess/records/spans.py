@@ -198,16 +198,17 @@ class SpanLocator:
             return text, None
         return text, first
 
-    def locate(self, messages, turns: List[int], tools=None, every_feature: bool = False
+    def locate(self, messages, turns: List[int], tools=None, every_feature: bool = False, plain: bool = False
                ) -> Tuple[str, Optional[List[Tuple[int, int]]]]:
         """``(full rendering, spans)`` of the assistant messages at ``turns``; spans None when the
         one-render method cannot vouch for this conversation (use the reference); ``every_feature``
-        (the probes) skips the test that the conversation holds only qualified features.
+        (the probes) skips the test that the conversation holds only qualified features; ``plain``:
+        as :func:`features` takes it.
 
         Raises:
             Exception: whatever the template raises (the caller reports it as the reference does).
         """
-        if not every_feature and not features(messages, tools, self.policy.tags[0]) <= self.qualified:
+        if not every_feature and not features(messages, tools, self.policy.tags[0], plain) <= self.qualified:
             return "", None
         text, starts = self.render_recorded(messages, tools)
         if starts is None:
@@ -312,9 +313,15 @@ class SpanLocator:
         return "agrees"
 
 
-def features(messages, tools, opening: str) -> FrozenSet[str]:
+def features(messages, tools, opening: str, plain: bool = False) -> FrozenSet[str]:
     """What a conversation (as the template is given it) holds beyond role and content: the
-    names of :data:`FEATURES`, and ``other`` for anything the probes do not know."""
+    names of :data:`FEATURES`, and ``other`` for anything the probes do not know. ``plain``: the
+    messages are role and content only, as given, of the roles system, user and assistant, and
+    there are no tools (:attr:`.shapes.Conversation.plain`); then only reasoning written inline
+    in a reply can be there, and no message's keys are walked."""
+    if plain:
+        return _INLINE_REASONING if any(m["role"] == "assistant" and opening in m["content"]
+                                        for m in messages) else _NOTHING
     out = set()
     if tools:
         out.add("tools")
@@ -336,6 +343,9 @@ def features(messages, tools, opening: str) -> FrozenSet[str]:
         if role == "assistant" and isinstance(m.get("content"), str) and opening in m["content"]:
             out.add("reasoning")
     return frozenset(out)
+
+_INLINE_REASONING, _NOTHING = frozenset({"reasoning"}), frozenset()
+
 
 def _probe_conversations():
     """Fixed conversations covering roles, orders and awkward contents."""

@@ -42,7 +42,7 @@ def to_conversation(mapper: Mapper, record: dict) -> Conversation:
     Raises:
         InputError: see :mod:`megatron_sft_idx.preprocess.records.shapes`.
     """
-    mapper.system(record, False)
+    mapper.system(record, lambda: False)
     history = record.get("history")
     if present(history):
         if not isinstance(history, list):

@@ -44,7 +44,8 @@ def to_conversation(mapper: Mapper, record: dict) -> Conversation:
         InputError: see :mod:`megatron_sft_idx.preprocess.records.shapes`.
     """
     messages = turns(record.get("messages"), mapper.path, mapper.line, "messages")
-    mapper.system(record, any(isinstance(m, dict) and m.get("role") in ("system", "developer") for m in messages))
+    mapper.system(record, lambda: any(isinstance(m, dict) and m.get("role") in ("system", "developer")
+                                      for m in messages))
     out, fields, maybe = mapper.messages, mapper.fields, mapper.maybe_reasoning
     for i, m in enumerate(messages):
         if type(m) is dict and len(m) == 2:  # the common case, taken fast

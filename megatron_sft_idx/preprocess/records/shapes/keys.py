@@ -83,6 +83,8 @@ def account_keys(record: dict, used: FrozenSet[str], opts: SchemaOptions, path: 
         InputError: a key that decides what is trained (``training_flag``), or another that no rule
             covers (``unknown_field``), naming it.
     """
+    if used.issuperset(record):   # (the common record: only its shape's keys)
+        return
     for key, value in record.items():
         if key in used or not present(value) or not present(drop_nulls(value)):
             continue

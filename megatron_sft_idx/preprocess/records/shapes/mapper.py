@@ -287,9 +287,12 @@ class Mapper:
 
     # ------------------------------------------------------------------ system prompt
 
-    def system(self, record: dict, has_turn: bool) -> None:
+    def system(self, record: dict, has_turn) -> None:
         """A record-level system prompt (:data:`SYSTEM_KEYS`) -> a first system message; refused
-        beside a system turn (``has_turn``) or another such key."""
+        beside a system turn (``has_turn()``, asked only when the record gives one: most records
+        do not, and their turns are not walked for it) or another such key."""
+        if record.keys().isdisjoint(SYSTEM_KEYS):
+            return
         given = [k for k in SYSTEM_KEYS if present(record.get(k))]
         if not given:
             return
@@ -297,7 +300,7 @@ class Mapper:
         if len(given) > 1:
             raise self.error(f"record has '{given[0]}' and '{given[1]}': keep one system prompt", given[1],
                              "ambiguous_record")
-        if has_turn:
+        if has_turn():
             raise self.error(f"record has a '{key}' field and a system turn: keep one", key, "ambiguous_record")
         self.add({"role": "system", "content": self.text(record[key], key)}, key)
 

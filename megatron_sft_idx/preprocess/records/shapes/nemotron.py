@@ -24,7 +24,8 @@ def to_conversation(mapper: Mapper, record: dict) -> Conversation:
         InputError: see :mod:`megatron_sft_idx.preprocess.records.shapes`.
     """
     messages = turns(record.get("input"), mapper.path, mapper.line, "input")
-    mapper.system(record, any(isinstance(m, dict) and m.get("role") in ("system", "developer") for m in messages))
+    mapper.system(record, lambda: any(isinstance(m, dict) and m.get("role") in ("system", "developer")
+                                      for m in messages))
     for i, m in enumerate(messages):
         chat.message(mapper, m, f"input[{i}]")
     mapper.untrained.update(range(len(mapper.messages)))

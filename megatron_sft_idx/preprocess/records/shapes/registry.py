@@ -29,6 +29,10 @@ _SHAPE_KEYS = {"chat": (("conversations",), ("instruction",), ("history",), xlam
                "nemotron": (("messages",), ("conversations",), ("instruction",), xlam.MARKS)}
 
 
+#: per kind, the keys whose presence is worth a closer look (each entry's named key), as one set
+_MARKERS = {kind: frozenset(keys[-1] for keys in entries) for kind, entries in _SHAPE_KEYS.items()}
+
+
 def detect(record: dict, prompt_key: str) -> Optional[str]:
     """The kind of ``record`` by its keys (``--input-format auto``), or None."""
     for key, kind in (("messages", "chat"), ("conversations", "sharegpt"), ("input_ids", "tokens"),
@@ -57,7 +61,7 @@ def map_record(kind: str, record: dict, path: str, line: int, opts: SchemaOption
     m = Mapper(path, line, opts, ignored)
     m.nulls = nulls
     # (a kind named by --input-format is the user's choice; only a detected one can be ambiguous)
-    if detected and kind in _SHAPE_KEYS and any(keys[-1] in record for keys in _SHAPE_KEYS[kind]):
+    if detected and kind in _SHAPE_KEYS and not _MARKERS[kind].isdisjoint(record):
         other = [keys[-1] for keys in _SHAPE_KEYS[kind] if all(present(record.get(k)) for k in keys)]
         if other:
             raise m.error(f"record holds '{other[0]}' beside the {kind} shape's keys: which one is meant?",

@@ -26,8 +26,8 @@ def to_conversation(mapper: Mapper, record: dict) -> Conversation:
         InputError: see :mod:`megatron_sft_idx.preprocess.records.shapes`.
     """
     conversations = turns(record.get("conversations"), mapper.path, mapper.line, "conversations")
-    mapper.system(record, any(isinstance(t, dict) and str(t.get("from", "")).lower() == "system"
-                              for t in conversations))
+    mapper.system(record, lambda: any(isinstance(t, dict) and str(t.get("from", "")).lower() == "system"
+                                      for t in conversations))
     for i, t in enumerate(conversations):
         if type(t) is dict and len(t) == 2 and type(t.get("from")) is str:  # the common case, taken fast
             role = _PLAIN_SHAREGPT.get(t["from"])
