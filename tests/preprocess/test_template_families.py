@@ -149,3 +149,38 @@ def test_production_tokenizer_reasoning_refused_by_r1_template_unless_dropped(tm
     s = run(Config(inputs=[path], output_prefix=str(tmp_path / "b" / "ds"), tokenizer=deepseek_128k,
                    progress=False, reasoning_loss="drop", verify_masks=4))
     assert s["verify_masks"]["trained_tokens_by_role"].keys() == {"assistant"}
+
+
+#: A template that places the system prompt with the last user turn (as Mistral's published ones do)
+SYSTEM_AT_LAST_USER = (
+    "{%- set sys = messages[0]['content'] if messages[0]['role'] == 'system' else '' -%}"
+    "{%- set loop_messages = messages[1:] if sys else messages -%}"
+    "{%- set ns = namespace(last=-1) -%}"
+    "{%- for m in loop_messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- for m in loop_messages -%}"
+    "{%- if m['role'] == 'user' -%}[INST] {% if loop.index0 == ns.last and sys %}{{ sys }}\n\n{% endif %}"
+    "{{ m['content'] }}[/INST]"
+    "{%- else -%}{{ m['content'] }}</s>{%- endif -%}"
+    "{%- endfor -%}")
+
+
+def test_a_prefix_refusal_says_where_the_renderings_part(tmp_path):
+    """A template whose earlier turns depend on later ones is refused naming the message and the
+    first character where its prefix rendering leaves the whole one, and a cause that fits it
+    (not only thinking templates')."""
+    from support.chat_families import with_template
+
+    base = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                        "examples", "tokenizer")
+    tok_dir = with_template(str(tmp_path / "tok"), base, SYSTEM_AT_LAST_USER)
+    data = write_jsonl(tmp_path / "in.jsonl", [{"messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"},
+        {"role": "assistant", "content": "Bye."}]}])
+    with pytest.raises(InputError) as err:
+        run(Config(inputs=[data], tokenizer=tok_dir, output_prefix=str(tmp_path / "out" / "s"), pack_size=256,
+                   progress=False))
+    message = str(err.value)
+    assert "message 2 leaves it at character" in message and "'Hi[/INST]" in message, message
+    assert "'Be brief." in message and "Mistral" in message and err.value.reason == "template_error"

@@ -91,6 +91,14 @@ def tokenizer_files_sha256(path: str) -> Tuple[str, List[str]]:
     return h.hexdigest(), sorted(names)
 
 
+def _divergence(full: str, before: str, after: str, k: int) -> str:
+    """Where the rendering of messages ``[:k]`` (or ``[:k+1]``) first leaves the full one, in words."""
+    part, name = (before, "the prompt before") if not full.startswith(before) else (after, "the rendering through")
+    at = next((i for i, (a, b) in enumerate(zip(part, full)) if a != b), min(len(part), len(full)))
+    return (f"{name} message {k} leaves it at character {at}: {part[at:at + 24]!r} where the whole "
+            f"conversation has {full[at:at + 24]!r}")
+
+
 class ChatTokenizer:
     """A local Hugging Face fast tokenizer plus the encoders the pipeline needs.
 
@@ -381,9 +389,11 @@ class ChatTokenizer:
                         notes.setdefault("dropped", set()).add(k)
             if not (full.startswith(before) and full.startswith(after) and len(before) <= len(after)):
                 raise input_error("the chat template does not render conversation prefixes as prefixes "
-                                  "of the full conversation (its output for earlier turns depends on later "
-                                  "ones, as thinking templates that drop <think> from the history do), so "
-                                  "every assistant turn cannot be trained from one rendering",
+                                  f"of the full conversation ({_divergence(full, before, after, k)}): its "
+                                  "output for earlier turns depends on later ones (a system prompt or tool "
+                                  "list placed by the last user turn, as Mistral's templates do, or reasoning "
+                                  "dropped from the history, as thinking templates do), so every assistant "
+                                  "turn cannot be trained from one rendering",
                                   path, line, field="chat_template", reason="template_error",
                                   hint=PREFIX_HINT if every_turn else LAST_TURN_HINT)
             end = len(after)
