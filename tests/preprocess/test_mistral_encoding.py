@@ -24,6 +24,7 @@ import pytest
 
 from support.real_families import MISTRAL, MISTRAL_STACK, available, family_dir, mistral_child
 from support.sft_fixtures import WEATHER
+from support.side_stacks import require
 from megatron_sft_idx.preprocess.records.chat import ChatTokenizer
 
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
@@ -68,11 +69,7 @@ def encodings(request):
     """``(family, tokenizer, {name: (the template's text, its ids, Mistral's ids)})`` of every
     conversation, with and without a system prompt (one child per family)."""
     family = request.param
-    if not available(family):
-        message = f"{MISTRAL_STACK} is not installed: run `make install-compat`"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+    require(available(family), MISTRAL_STACK)
     tok = ChatTokenizer(family_dir(family))
     conversations = {**CONVERSATIONS, **_with_system(CONVERSATIONS)}
     records = [{"messages": m, "tools": TOOLS if name.split("+")[0] in WITH_TOOLS else None}

@@ -21,6 +21,7 @@ import pytest
 from support.real_families import FAMILIES, LLAMA, MISTRAL, MISTRAL_STACK, available, family_dir
 from support.shard_decoder import check_record, decode_output
 from support.sft_fixtures import WEATHER, CONVERT, write_jsonl
+from support.side_stacks import require
 from megatron_sft_idx.preprocess import Config, run
 from megatron_sft_idx.preprocess.records.chat import ChatTokenizer, load_chat_tokenizer
 from megatron_sft_idx.preprocess.records.policy import DEFAULT_POLICY
@@ -31,11 +32,8 @@ pytestmark = pytest.mark.skipif(not all(available(f) for f in (*FAMILIES, *LLAMA
 
 def _require(family):
     """A Mistral row without its side stack: a failure under CI, a skip elsewhere."""
-    if family in MISTRAL and not available(family):
-        message = f"{MISTRAL_STACK} is not installed: run `make install-compat`"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+    if family in MISTRAL:
+        require(available(family), MISTRAL_STACK)
 
 # --------------------------------------------------------------------------- the table
 

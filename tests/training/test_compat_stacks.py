@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from support.side_stacks import require
 
 pytestmark = [pytest.mark.compat, pytest.mark.slow, pytest.mark.timeout(1800)]  # one stack's suite: up to 1500 s
 
@@ -28,11 +29,7 @@ _spec.loader.exec_module(stacks)
 @pytest.mark.parametrize("name", sorted(stacks.STACKS))
 def test_compat_suite_passes_against_the_installed_stack(name, tmp_path):
     stack = stacks.STACKS[name]
-    if not os.path.isdir(os.path.join(stack.path, "megatron", "core")):
-        message = f"{stack.path} is not installed: run `make install-compat`"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+    require(os.path.isdir(os.path.join(stack.path, "megatron", "core")), stack.path)
     env = dict(os.environ, MEGATRON_SFT_IDX_STACK=name,
                PYTHONPATH=os.pathsep.join([stack.path, ROOT]), PYTHONWARNINGS="ignore")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",

@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+from support.side_stacks import require
 
 pytestmark = [pytest.mark.compat, pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -28,11 +29,7 @@ _spec.loader.exec_module(stacks)
 @pytest.mark.parametrize("name", sorted(stacks.TRANSFORMERS))
 def test_padding_free_suite_passes_against_the_stacks_transformers(name, tmp_path):
     path = stacks.transformers_path(name)
-    if not os.path.isdir(os.path.join(path, "transformers")):
-        message = f"{path} is not installed: run `make install-compat`"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+    require(os.path.isdir(os.path.join(path, "transformers")), path)
     env = dict(os.environ, MEGATRON_SFT_IDX_TRANSFORMERS=f"{stacks.TRANSFORMERS[name]}@{path}",
                PYTHONPATH=os.pathsep.join([path, ROOT]), PYTHONWARNINGS="ignore")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-n", "0",
