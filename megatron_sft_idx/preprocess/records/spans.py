@@ -34,6 +34,15 @@ The result is used only when it can vouch for itself:
 * the batched encoder cross-checks a deterministic sample of conversations against
   the reference and stops the run on any difference.
 
+A template that counts the messages or looks back before rendering (the thinking templates:
+``messages|length``, a pass over every message to find the last user turn) is recorded through
+its *main pass* instead (:mod:`.main_pass`: where its loop hands each message to the body) and
+qualified the same way, the reference's thinking rules applied on both sides (the generation
+prompt's opened block counted as prompt, the notes compared); per conversation,
+:func:`.main_pass.history_safe` and :meth:`.main_pass.MainPassRecorder.looked_ahead` send what the
+rules do not cover to the reference. A template qualified the first way uses the main pass for
+the conversations holding a feature only that method qualified (:attr:`SpanLocator.wider`).
+
 What the recorder cannot see is output a template holds back (in a namespace variable or
 a ``set`` block) and writes after it looked at a later message; the generation-prompt and
 content checks, the probes and the sampled cross-check are what catch such templates, and
