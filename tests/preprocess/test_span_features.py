@@ -83,8 +83,9 @@ def test_auto_equals_prefix_on_every_shape_and_family(families, nextitem, family
         if backend == "auto":   # the batched tokenizer's own path, not a fallback to the reference
             assert enc.stats["fast_tokens"] > 0
         if method == "auto" and family in ("llama3", "qwen25", "example", "nextitem"):
-            assert enc.stats["one_render"] > 0   # (and the features not qualified went to prefix renders)
-            assert enc.stats["prefix_render"] > 0 or family == "example"
+            assert enc.stats["one_render"] > 0   # (and the features not qualified went to prefix renders,
+            # or to the main-pass method where it qualifies them: records/main_pass.py)
+            assert enc.stats["prefix_render"] > 0 or family == "example" or enc.locator.wider is not None
 
 
 def trained_texts(tok, ids, mask):

@@ -363,7 +363,8 @@ class RecordEncoder:
         turns = trained_turns(conv, loss_on, self.policy)
         require_trainable(conv, turns, self.policy, path, line)
         try:
-            text, spans = self.locator.locate(conv.template_messages, turns, conv.tools, plain=conv.plain)
+            text, spans, opened = self.locator.locate(conv.template_messages, turns, conv.tools,
+                                                      plain=conv.plain)
         except Exception as exc:
             raise template_rejected(exc, path, line) from None
         if spans is None:
@@ -373,7 +374,7 @@ class RecordEncoder:
         try:
             check_rendered(text, conv, reasoning_turns(conv, loss_on, self.policy, turns), self.policy, path, line,
                            queued, self.tok.call_text)
-            return self.tok.refined(text, spans, turns, conv, self.policy, path, line), text
+            return self.tok.refined(text, spans, turns, conv, self.policy, path, line, {"opened": opened}), text
         except InputError:
             del queued[first:]
             return None, text

@@ -34,6 +34,15 @@ The result is used only when it can vouch for itself:
 * the batched encoder cross-checks a deterministic sample of conversations against
   the reference and stops the run on any difference.
 
+A template that counts the messages or looks back before rendering (the thinking templates:
+``messages|length``, a pass over every message to find the last user turn) is recorded through
+its *main pass* instead (:mod:`.main_pass`: where its loop hands each message to the body) and
+qualified the same way, the reference's thinking rules applied on both sides (the generation
+prompt's opened block counted as prompt, the notes compared); per conversation,
+:func:`.main_pass.history_safe` and :meth:`.main_pass.MainPassRecorder.looked_ahead` send what the
+rules do not cover to the reference. A template qualified the first way uses the main pass for
+the conversations holding a feature only that method qualified (:attr:`SpanLocator.wider`).
+
 What the recorder cannot see is output a template holds back (in a namespace variable or
 a ``set`` block) and writes after it looked at a later message; the generation-prompt and
 content checks, the probes and the sampled cross-check are what catch such templates, and
@@ -45,7 +54,8 @@ from __future__ import annotations
 from typing import FrozenSet, List, Optional, Tuple
 
 from .errors import InputError
-from .policy import DEFAULT_POLICY, LossPolicy
+from .main_pass import MainPassRecorder, history_safe, recording_template, wrap as wrap_main_pass
+from .policy import DEFAULT_POLICY, LossPolicy, without_opened_block
 from .rendering import adapt
 from .shapes import Conversation
 
@@ -175,16 +185,41 @@ def _wrap(messages, rec: _Recorder) -> _Messages:
 class SpanLocator:
     """One-render span location for one tokenizer's template (see the module docstring)."""
 
-    def __init__(self, tok, policy: LossPolicy = DEFAULT_POLICY) -> None:
+    def __init__(self, tok, policy: LossPolicy = DEFAULT_POLICY, lookback_only: bool = False) -> None:
         self.tok = tok
         self.policy = policy
         self.generation_prompt: Optional[str] = None
         self.qualified: FrozenSet[str] = frozenset()
         self.empty_prefix = tok.empty_prefix()
-        self.enabled = tok.compiled is not None and self.qualify()
+        #: the template counts or looks back, and its main pass is recorded (:mod:`.main_pass`)
+        self.lookback = False
+        self._main_pass = None
+        #: for a template qualified without its main pass: the main-pass method, for conversations
+        #: holding a feature only that method qualified (MiniMax-M3's tool calls and results)
+        self.wider: Optional["SpanLocator"] = None
+        self.enabled = tok.compiled is not None and ((not lookback_only and self.qualify())
+                                                     or self._qualify_lookback())
+        if self.enabled and not self.lookback and not lookback_only and self.qualified != frozenset(FEATURES):
+            wider = SpanLocator(tok, policy, lookback_only=True)
+            if wider.enabled and not wider.qualified <= self.qualified:
+                self.wider = wider
 
-    def render_recorded(self, messages, tools=None) -> Tuple[str, Optional[List[int]]]:
-        """The full rendering and, when safe, the position where each message's output begins."""
+    def _qualify_lookback(self) -> bool:
+        """:meth:`qualify` again, positions taken from the template's main pass (:mod:`.main_pass`)."""
+        self._main_pass = recording_template(self.tok.compiled, self.tok.chat_template)
+        if self._main_pass is None:
+            return False
+        self.lookback = True
+        if self.qualify():
+            return True
+        self.lookback, self._main_pass = False, None
+        return False
+
+    def render_recorded(self, messages, tools=None, turns=()) -> Tuple[str, Optional[List[int]]]:
+        """The full rendering and, when safe, the position where each message's output begins
+        (``turns``: the trained turns, for :meth:`.main_pass.MainPassRecorder.looked_ahead`)."""
+        if self.lookback:
+            return self._render_main_pass(messages, tools, turns)
         rec = _Recorder(len(messages))
         parts = []
         extra = {} if tools is None else {"tools": tools}
@@ -198,45 +233,72 @@ class SpanLocator:
             return text, None
         return text, first
 
+    def _render_main_pass(self, messages, tools, turns) -> Tuple[str, Optional[List[int]]]:
+        rec = MainPassRecorder()
+        parts = []
+        extra = {} if tools is None else {"tools": tools}
+        for chunk in self._main_pass.generate(messages=wrap_main_pass(messages, rec), add_generation_prompt=False,
+                                              **extra, **self.tok.template_kwargs):
+            rec.consumed += len(chunk)
+            parts.append(chunk)
+        text = "".join(parts)
+        first = rec.starts(messages)
+        if (first is None or any(a > b for a, b in zip(first, first[1:]))
+                or rec.looked_ahead(messages, turns, self.policy.tags)):
+            return text, None
+        return text, first
+
     def locate(self, messages, turns: List[int], tools=None, every_feature: bool = False, plain: bool = False
-               ) -> Tuple[str, Optional[List[Tuple[int, int]]]]:
-        """``(full rendering, spans)`` of the assistant messages at ``turns``; spans None when the
-        one-render method cannot vouch for this conversation (use the reference); ``every_feature``
-        (the probes) skips the test that the conversation holds only qualified features; ``plain``:
-        as :func:`features` takes it.
+               ) -> Tuple[str, Optional[List[Tuple[int, int]]], FrozenSet[int]]:
+        """``(full rendering, spans, opened)`` of the assistant messages at ``turns``; spans None
+        when the one-render method cannot vouch for this conversation (use the reference; the
+        text is then "" when nothing was rendered); ``opened``: the turns whose generation prompt's
+        opened block was counted as prompt (the reference's rule, :meth:`.chat.ChatTokenizer.prefix_spans`);
+        ``every_feature`` (the probes) skips the test that the conversation holds only qualified features;
+        ``plain``: as :func:`features` takes it.
 
         Raises:
             Exception: whatever the template raises (the caller reports it as the reference does).
         """
         if not every_feature and not features(messages, tools, self.policy.tags[0], plain) <= self.qualified:
-            return "", None
-        text, starts = self.render_recorded(messages, tools)
+            return ("", None, frozenset()) if self.wider is None else self.wider.locate(messages, turns, tools,
+                                                                                          plain=plain)
+        if self.lookback and not history_safe(messages, turns, self.policy.tags):
+            return "", None, frozenset()
+        text, starts = self.render_recorded(messages, tools, turns)
         if starts is None:
-            return text, None
+            return text, None, frozenset()
         g = self.generation_prompt
-        spans = []
+        spans, opened = [], set()
         for k in turns:
             if k == 0:
-                if tools is not None:  # the empty prefix would hold the tool definitions
-                    return text, None
+                # (with tools, the empty prefix would hold the tool definitions; a template that looks
+                # back may refuse a conversation of one assistant message, as Qwen's do)
+                if tools is not None or self.lookback:
+                    return text, None, frozenset()
                 begin = len(self.empty_prefix)
                 if not text.startswith(self.empty_prefix):
-                    return text, None
-            else:
-                if not text.startswith(g, starts[k]):
-                    return text, None
+                    return text, None, frozenset()
+            elif text.startswith(g, starts[k]):
                 begin = starts[k] + len(g)
+            else:   # (the reference's rule: a generation prompt's opened block the turn omits is prompt)
+                head = without_opened_block(text[:starts[k]] + g, *self.policy.tags) if self.lookback else None
+                if head is None or not text.startswith(head):
+                    return text, None, frozenset()
+                begin = len(head)
+                opened.add(k)
             end = starts[k + 1] if k + 1 < len(messages) else len(text)
             if end < begin:
-                return text, None
+                return text, None, frozenset()
             while end > begin and text[end - 1].isspace():
                 end -= 1
-            if messages[k]["content"].strip() not in text[begin:end]:
-                return text, None
+            content = messages[k]["content"]
+            if isinstance(content, str) and content.strip() not in text[begin:end]:
+                return text, None, frozenset()
             if any(c["function"]["name"] not in text[begin:end] for c in messages[k].get("tool_calls") or ()):
-                return text, None
+                return text, None, frozenset()
             spans.append((begin, end))
-        return text, spans
+        return text, spans, frozenset(opened)
 
     # ------------------------------------------------------------ per-template qualification
 
@@ -256,7 +318,15 @@ class SpanLocator:
         if accepted < 3 or len(prompts) != 1 or None in prompts:
             return False
         self.generation_prompt = prompts.pop()
-        if any(self._agrees(messages) in ("differs", "declined") for messages in _probe_conversations()):
+        probes = _probe_conversations()
+        verdicts = [self._agrees(messages) for messages in probes]
+        if self.lookback:   # (history_safe declines some shapes by rule; the method must agree on the
+            # reference's spans of conversations of several turns, not only of one)
+            several = sum(v == "agrees" and sum(m["role"] == "assistant" for m in messages) > 1
+                          for v, messages in zip(verdicts, probes))
+            if "differs" in verdicts or several < 3:
+                return False
+        elif any(v in ("differs", "declined") for v in verdicts):
             return False   # (declining a plain probe the reference renders: not a template it follows)
         passed = set()
         for feature in FEATURES:
@@ -280,30 +350,36 @@ class SpanLocator:
         return out
 
     def _agrees(self, messages, tools=None) -> str:
-        """``agrees``: the method gives exactly the reference's spans (and each message's output
-        begins where the rendering of the messages before it ends); ``differs``: it gives other
-        spans, or raises; ``declined``: it returns None where the reference gives spans (that
-        conversation would go to the reference); ``rejected``: the template or the reference
-        refuses the conversation, and the method declines it too."""
+        """``agrees``: the method gives exactly the reference's spans and notes (and, for a template
+        that does not look back, each message's output begins where the rendering of the messages
+        before it ends); ``differs``: it gives other spans, or raises; ``declined``: it returns None
+        where the reference gives spans (that conversation would go to the reference);
+        ``rejected``: the template or the reference refuses the conversation, and the method
+        declines it too."""
         turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
         try:
             text = self.tok.render(messages, tools=tools)
         except Exception:
             return "rejected"  # both methods report the template's error
+        notes: dict = {}
         try:
             want = self.tok.prefix_spans(Conversation(messages, tools, rendered=messages), turns, text, "probe", 0,
-                                         policy=self.policy)
+                                         policy=self.policy, notes=notes)
         except Exception:
             want = None
         try:
-            got_text, got = self.locate(messages, turns, tools, every_feature=True)
-            _, starts = self.render_recorded(messages, tools)
+            got_text, got, opened = self.locate(messages, turns, tools, every_feature=True)
+            starts = None if self.lookback else self.render_recorded(messages, tools)[1]
         except Exception:
             return "differs"
-        if got_text != text or (got is not None and got != want):
-            return "differs"
         if got is None:
+            if got_text and got_text != text:
+                return "differs"
             return "rejected" if want is None else "declined"
+        if got_text != text or got != want or opened != notes.get("opened", set()) or notes.get("dropped"):
+            return "differs"
+        if self.lookback:
+            return "agrees"   # (its prefixes render otherwise by the documented rules: the spans are the proof)
         for j in range(1, len(messages)):
             try:
                 if len(self.tok.render(messages[:j], tools=tools)) != starts[j]:
@@ -394,6 +470,9 @@ def _feature_conversations(feature: str):
                 out.append(([u, turn] + results + [a], tools))
                 out.append(([u, turn] + results + [a, dict(u, content="Again."), dict(turn)] + results
                             + [dict(a, content="")], tools))
+                if feature != "results":   # (a call turn a user turn follows: rendered as when it ends
+                    # the conversation? A template choosing its end token by the next message does not)
+                    out.append(([u, turn, dict(u, content="Thanks."), a], tools))
         return out
     thought = {"role": "assistant", "content": "Hi.", "reasoning_content": "They greet me.\nSo I greet back."}
     return [([u, thought], None), ([u, thought, dict(u, content="Again."), dict(thought, content="")], None),
