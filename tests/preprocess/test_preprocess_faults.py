@@ -122,6 +122,14 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
+def clean_signals():
+    """In the child before exec: the signal state a shell gives a foreground command (default
+    dispositions, nothing blocked), whatever the test process inherited or earlier tests left."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+
+
 def start(prefix, inputs, *extra, held=False):
     """The tool in a session of its own; ``held``: its workers wait after their first partition
     (until ``<prefix>.release`` exists, which these tests never create: the signal ends them)."""
@@ -130,7 +138,7 @@ def start(prefix, inputs, *extra, held=False):
         argv = [sys.executable, "-c", _HELD, *argv[1:]]
         env = dict(ENV, MSI_TEST_RELEASE=str(prefix) + ".release")
     return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=clean_signals)
 
 
 def wait_for_workers(proc, prefix, count=2, deadline=120):
@@ -368,7 +376,7 @@ def test_ctrl_c_while_a_finished_run_proves_its_inputs_ends_the_tool(corpus, tmp
     prefix = tmp_path / "out" / "ds"
     assert subprocess.run(cmd(prefix, corpus / "small.jsonl"), env=ENV, capture_output=True, timeout=600).returncode == 0
     proc = subprocess.run([sys.executable, "-c", SLOW_PROOF, *cmd(prefix, corpus / "small.jsonl", "--resume")[2:]],
-                          env=ENV, capture_output=True, text=True, timeout=120)
+                          env=ENV, capture_output=True, text=True, timeout=120, preexec_fn=clean_signals)
     assert proc.returncode == 130 and "Traceback" not in proc.stderr, proc.stderr
     assert outputs(tmp_path / "out") == outputs(corpus / "small_ref")
 

@@ -26,9 +26,8 @@ trained turn -- or a trained turn with reasoning into history -- goes to the ref
 
 from __future__ import annotations
 
+import functools
 from typing import List, Optional, Sequence
-
-from jinja2.runtime import LoopContext, missing
 
 _REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 
@@ -125,43 +124,51 @@ class _Messages(list):
         return list.__getitem__(self, key)
 
 
-class _LoopContext(LoopContext):
-    """jinja's loop context, noting where the loop hands each message to its body (a loop that
-    reads ``loop.last`` or ``loop.nextitem`` pulls the next message early: its position is not
-    where it was pulled, but where the body gets it)."""
+@functools.lru_cache(maxsize=None)
+def _loop_context_class():
+    """:class:`_LoopContext`, defined on first use: jinja2 comes with the ``preprocess`` extra, and
+    the command-line tools import this module before they can say that an extra is missing."""
+    from jinja2.runtime import LoopContext, missing   # (optional: the preprocess extra)
 
-    def __init__(self, iterable, *args, **kwargs) -> None:
-        super().__init__(iterable, *args, **kwargs)
-        if isinstance(self._iterator, _Pass):
-            self._iterator.managed = True
+    class _LoopContext(LoopContext):
+        """jinja's loop context, noting where the loop hands each message to its body (a loop that
+        reads ``loop.last`` or ``loop.nextitem`` pulls the next message early: its position is not
+        where it was pulled, but where the body gets it)."""
 
-    def __next__(self):
-        rv = super().__next__()
-        it = self._iterator
-        if isinstance(it, _Pass):
-            it.starts.append((rv[0]._index, it.rec.consumed))
-            it.rec.current = rv[0]._index
-        return rv
+        def __init__(self, iterable, *args, **kwargs) -> None:
+            super().__init__(iterable, *args, **kwargs)
+            if isinstance(self._iterator, _Pass):
+                self._iterator.managed = True
 
-    def _looks_ahead(self) -> None:
-        it = self._iterator
-        if isinstance(it, _Pass) and self._current is not missing:
-            it.rec.ahead.add(self._current._index)
+        def __next__(self):
+            rv = super().__next__()
+            it = self._iterator
+            if isinstance(it, _Pass):
+                it.starts.append((rv[0]._index, it.rec.consumed))
+                it.rec.current = rv[0]._index
+            return rv
 
-    @property
-    def length(self) -> int:
-        self._looks_ahead()
-        return LoopContext.length.fget(self)
+        def _looks_ahead(self) -> None:
+            it = self._iterator
+            if isinstance(it, _Pass) and self._current is not missing:
+                it.rec.ahead.add(self._current._index)
 
-    @property
-    def last(self) -> bool:
-        self._looks_ahead()
-        return LoopContext.last.fget(self)
+        @property
+        def length(self) -> int:
+            self._looks_ahead()
+            return LoopContext.length.fget(self)
 
-    @property
-    def nextitem(self):
-        self._looks_ahead()
-        return LoopContext.nextitem.fget(self)
+        @property
+        def last(self) -> bool:
+            self._looks_ahead()
+            return LoopContext.last.fget(self)
+
+        @property
+        def nextitem(self):
+            self._looks_ahead()
+            return LoopContext.nextitem.fget(self)
+
+    return _LoopContext
 
 
 def recording_template(compiled, source: str):
@@ -170,7 +177,7 @@ def recording_template(compiled, source: str):
     that cannot be done (the caller then uses the reference)."""
     try:
         template = compiled.environment.from_string(source)
-        template.root_render_func.__globals__["LoopContext"] = _LoopContext
+        template.root_render_func.__globals__["LoopContext"] = _loop_context_class()
     except Exception:   # (a jinja without these internals: prefix renders, same bytes)
         return None
     return template
