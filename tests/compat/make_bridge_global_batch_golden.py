@@ -50,13 +50,15 @@ import hashlib
 import inspect
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(HERE))   # tests/, for support.upstream_git when run as a script
+from support.upstream_git import files_at, git_command, overlaid_stack, resolve  # noqa: E402
+
 GOLDEN = os.path.join(ROOT, "tests", "golden", "bridge_global_batch")
 STACK = "megatron-bridge-0.6.2"
 CONVERSATIONS = 40
@@ -157,10 +159,6 @@ def compute(out_dir: str, store: str, doc: dict) -> None:
         f.write("\n")
 
 
-def _git(repo: str) -> list:
-    return ["git", f"--git-dir={repo}"] if os.path.isfile(os.path.join(repo, "HEAD")) else ["git", "-C", repo]
-
-
 def compare_bridge(repo: str, ref: str) -> int:
     """``--compare``: Bridge's own sample builder at ``ref`` against ours (module doc)."""
     import importlib.util
@@ -170,7 +168,7 @@ def compare_bridge(repo: str, ref: str) -> int:
     from megatron_sft_idx.preprocess.sequences import StoreSequences
     from megatron_sft_idx.training.global_batch import REQUIRED_SAMPLE_KEYS
 
-    shown = subprocess.run(_git(repo) + ["show", f"{ref}:{BRIDGE_FILE}"], capture_output=True)
+    shown = subprocess.run(git_command(repo) + ["show", f"{ref}:{BRIDGE_FILE}"], capture_output=True)
     if shown.returncode != 0:
         print(f"{BRIDGE_FILE} is not at {ref} of {repo}: nothing to compare", file=sys.stderr)
         return 2
@@ -236,19 +234,13 @@ def main(argv=None) -> int:
         return compare_bridge(args.bridge_repo, args.bridge_commit)
     if not args.megatron_lm_repo:
         parser.error("--megatron-lm-repo is required")
-    git = _git(args.megatron_lm_repo)
-    commit = subprocess.run(git + ["rev-parse", f"{args.commit}^{{commit}}"], check=True, capture_output=True,
-                            text=True).stdout.strip()
-    sources = {p: subprocess.run(git + ["show", f"{commit}:{p}"], check=True, capture_output=True).stdout
-               for p in SCHEDULER_FILES}
+    git = git_command(args.megatron_lm_repo)
+    commit = resolve(git, args.commit)
+    sources = files_at(git, commit, SCHEDULER_FILES)
     with tempfile.TemporaryDirectory(prefix="bridge_gb_") as work:
         inputs = build_inputs(work)
-        deps = os.path.join(work, "deps")
-        stack = os.path.join(deps, STACK)
-        shutil.copytree(os.path.join(ROOT, ".deps", STACK), stack, symlinks=True)
-        for path, source in sources.items():
-            with open(os.path.join(stack, path), "wb") as f:
-                f.write(source)
+        stack = overlaid_stack(work, STACK, sources)
+        deps = os.path.dirname(stack)
         doc = {"megatron_lm_repository": "https://github.com/NVIDIA/Megatron-LM", "megatron_lm_commit": commit,
                "megatron_lm_ref": args.commit, "base_stack": STACK, "conversations": CONVERSATIONS, "pad_id": PAD_ID,
                "max_seqlen_per_dp_cp_rank": MAX_SEQLEN_PER_RANK, "dp_size": DP_SIZE,

@@ -219,20 +219,16 @@ def main(argv=None) -> int:
         return 0
     if not args.megatron_lm_repo:
         parser.error("--megatron-lm-repo is required")
-    git = ["git", f"--git-dir={args.megatron_lm_repo}"] if os.path.isfile(os.path.join(args.megatron_lm_repo, "HEAD")) \
-        else ["git", "-C", args.megatron_lm_repo]
-    commit = subprocess.run(git + ["rev-parse", f"{args.commit}^{{commit}}"], check=True, capture_output=True,
-                            text=True).stdout.strip()
-    sources = {p: subprocess.run(git + ["show", f"{commit}:{p}"], check=True, capture_output=True).stdout
-               for p in PR_FILES}
+    sys.path.insert(0, os.path.dirname(HERE))
+    from support.upstream_git import files_at, git_command, overlaid_stack, resolve
+
+    git = git_command(args.megatron_lm_repo)
+    commit = resolve(git, args.commit)
+    sources = files_at(git, commit, PR_FILES)
     with tempfile.TemporaryDirectory(prefix="lm5017_") as work:
         inputs = build_inputs(work)
-        deps = os.path.join(work, "deps")
-        stack = os.path.join(deps, STACK)
-        shutil.copytree(os.path.join(ROOT, ".deps", STACK), stack, symlinks=True)
-        for path, source in sources.items():
-            with open(os.path.join(stack, path), "wb") as f:
-                f.write(source)
+        stack = overlaid_stack(work, STACK, sources)
+        deps = os.path.dirname(stack)
         doc = {"megatron_lm_repository": "https://github.com/NVIDIA/Megatron-LM", "megatron_lm_commit": commit,
                "megatron_lm_ref": args.commit, "base_stack": STACK, "seq_length": SEQ_LENGTH, "seed": SEED,
                "cp_sizes": list(CP_SIZES), "pad_id": PAD_ID,

@@ -184,12 +184,12 @@ def main(argv=None) -> int:
         return 0
     if not args.nemo_rl_repo or not args.side_packages:
         parser.error("--nemo-rl-repo and --side-packages are required")
-    git = ["git", f"--git-dir={args.nemo_rl_repo}"] if os.path.isfile(os.path.join(args.nemo_rl_repo, "HEAD")) \
-        else ["git", "-C", args.nemo_rl_repo]
-    commit = subprocess.run(git + ["rev-parse", f"{args.commit}^{{commit}}"], check=True, capture_output=True,
-                            text=True).stdout.strip()
-    sources = {p: subprocess.run(git + ["show", f"{commit}:{p}"], check=True, capture_output=True).stdout
-               for p in PR_FILES}
+    sys.path.insert(0, os.path.dirname(HERE))
+    from support.upstream_git import files_at, git_command, resolve
+
+    git = git_command(args.nemo_rl_repo)
+    commit = resolve(git, args.commit)
+    sources = files_at(git, commit, PR_FILES)
     archive = subprocess.run(git + ["archive", commit, "nemo_rl"], check=True, capture_output=True).stdout
     with tempfile.TemporaryDirectory(prefix="rl3380_") as work:
         inputs = build_inputs(work)
