@@ -54,6 +54,9 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(HERE))   # tests/, for support.upstream_git when run as a script
+from support.upstream_git import files_at, git_command, overlaid_stack, resolve  # noqa: E402
+
 GOLDEN = os.path.join(ROOT, "tests", "golden", "bridge_next")
 #: The same cells at the head of Bridge PR #5610 (``--commit refs/pull/5610/head --out`` this).
 GOLDEN_PR5610 = os.path.join(ROOT, "tests", "golden", "bridge_pr5610")
@@ -213,16 +216,13 @@ def main(argv=None) -> int:
     if args.compute:
         compute(args.out, args.commit, args.ref, args.file_sha256)
         return 0
-    commit = subprocess.run(["git", "-C", args.bridge_repo, "rev-parse", f"{args.commit}^{{commit}}"], check=True,
-                            capture_output=True, text=True).stdout.strip()
-    source = subprocess.run(["git", "-C", args.bridge_repo, "show", f"{commit}:{UPSTREAM_PATH}"], check=True,
-                            capture_output=True).stdout
+    git = git_command(args.bridge_repo)
+    commit = resolve(git, args.commit)
+    source = files_at(git, commit, [UPSTREAM_PATH])[UPSTREAM_PATH]
     file_sha256 = hashlib.sha256(source).hexdigest()
-    with tempfile.TemporaryDirectory(prefix="next_stack_") as deps:
-        stack = os.path.join(deps, STACK)
-        shutil.copytree(os.path.join(ROOT, ".deps", STACK), stack, symlinks=True)
-        with open(os.path.join(stack, MODULE), "wb") as f:
-            f.write(source)
+    with tempfile.TemporaryDirectory(prefix="next_stack_") as work:
+        stack = overlaid_stack(work, STACK, {MODULE: source})
+        deps = os.path.dirname(stack)
         env = dict(os.environ, MEGATRON_SFT_IDX_STACK=STACK, MEGATRON_SFT_IDX_DEPS=deps,
                    PYTHONPATH=os.pathsep.join([stack, ROOT]), PYTHONWARNINGS="ignore")
         subprocess.run([sys.executable, os.path.abspath(__file__), "--compute", "--out", args.out,
