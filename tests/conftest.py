@@ -214,3 +214,19 @@ def families(tmp_path_factory):
 
     base = tmp_path_factory.mktemp("families")
     return {name: make_tokenizer(str(base / name), name) for name in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def qwen3_store(tmp_path_factory, families):
+    """A sequence store of 30 small records (plain OpenAI chats and reasoning of 1-3 turns) on the
+    Qwen3 stand-in, in several partitions (``partition_bytes`` 2,048), pack size 256: what the
+    repack conversions (``--for megatron-lm-5017``, ``--for nemo-rl-3380``) read."""
+    from megatron_sft_idx.preprocess import Config, run
+    from support.sft_fixtures import openai, reasoning, write_jsonl
+
+    tmp = tmp_path_factory.mktemp("qwen3_store")
+    path = write_jsonl(tmp / "r.jsonl", [openai(i) if i % 2 else reasoning(i, turns=1 + i % 3) for i in range(30)])
+    directory = str(tmp / "store")
+    run(Config(inputs=[path], output_prefix=str(tmp / "o" / "c"), tokenizer=families["qwen3"], store=directory,
+               pack_size=256, partition_bytes=2048, progress=False))
+    return directory

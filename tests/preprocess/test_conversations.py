@@ -13,22 +13,15 @@ import pytest
 
 from megatron_sft_idx.errors import ShardError
 from megatron_sft_idx.format import IDX_HEADER_SIZE, IdxHeader
-from megatron_sft_idx.preprocess import Config, run
 from megatron_sft_idx.preprocess.cli import repack_main
 from megatron_sft_idx.preprocess.conversations import write_conversations
 from megatron_sft_idx.preprocess.store import SequenceStore
 from megatron_sft_idx.reader import MMapIndexedDataset
-from support.sft_fixtures import openai, reasoning, write_jsonl
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory, families):
-    tmp = tmp_path_factory.mktemp("conv")
-    path = write_jsonl(tmp / "r.jsonl", [openai(i) if i % 2 else reasoning(i, turns=1 + i % 3) for i in range(30)])
-    directory = str(tmp / "store")
-    run(Config(inputs=[path], output_prefix=str(tmp / "o" / "c"), tokenizer=families["qwen3"], store=directory,
-               pack_size=256, partition_bytes=2048, progress=False))
-    return directory
+def store(qwen3_store):
+    return qwen3_store
 
 
 def store_sequences(directory):

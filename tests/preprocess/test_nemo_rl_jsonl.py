@@ -14,24 +14,18 @@ import pytest
 from tokenizers import Tokenizer, normalizers
 
 from megatron_sft_idx.errors import ShardError
-from megatron_sft_idx.preprocess import Config, RepackConfig, repack, run
+from megatron_sft_idx.preprocess import RepackConfig, repack
 from megatron_sft_idx.preprocess.cli import repack_main
 from megatron_sft_idx.preprocess.nemo_rl import ROUND_TRIP, sequence_messages, write_nemo_rl_jsonl
 from megatron_sft_idx.reader import MMapIndexedDataset
 from megatron_sft_idx.training.nemo_rl import IGNORE_INDEX, NemoRLPackedDataset
-from support.sft_fixtures import openai, reasoning, write_jsonl
 
 PACK = 256
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory, families):
-    tmp = tmp_path_factory.mktemp("rl")
-    path = write_jsonl(tmp / "r.jsonl", [openai(i) if i % 2 else reasoning(i, turns=1 + i % 3) for i in range(24)])
-    directory = str(tmp / "store")
-    run(Config(inputs=[path], output_prefix=str(tmp / "o" / "c"), tokenizer=families["qwen3"], store=directory,
-               pack_size=PACK, progress=False))
-    return directory
+def store(qwen3_store):
+    return qwen3_store
 
 
 @pytest.fixture(scope="module")
