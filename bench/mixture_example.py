@@ -87,7 +87,8 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, default=2, help="tokenizing workers (default: 2)")
     p.add_argument("--plot", default=None, help="--mix-plot PNG (default: OUT/mixture.png)")
     args = p.parse_args(argv)
-    from megatron_sft_idx.preprocess.cli import main as preprocess_main, repack_main
+    from megatron_sft_idx.preprocess.cli import main as preprocess_main
+    from megatron_sft_idx.preprocess.repack_cli import repack_main
 
     src = make_sources(args.out, args.count)
     mix = os.path.join(args.out, "mix.json")

@@ -33,7 +33,7 @@ TOOLS = {
     "preprocess-sft": Tool("megatron_sft_idx.preprocess.cli:main", "preprocess",
                            ("transformers", "tokenizers", "jinja2", "tqdm", "huggingface_hub")),
     # A store holds tokens already: no tokenizer unless --verify-masks (checked where used).
-    "repack-sft": Tool("megatron_sft_idx.preprocess.cli:repack_main", "preprocess", ("tqdm",)),
+    "repack-sft": Tool("megatron_sft_idx.preprocess.repack_cli:repack_main", "preprocess", ("tqdm",)),
     "check-idx": Tool("megatron_sft_idx.gate.cli:main", None, ()),
     "write-sft-manifest": Tool("megatron_sft_idx.training.manifest_cli:main", None, ()),
     # The shard tools need the core only; --to parquet, --sql and --plot check the 'tools' extra where used.

@@ -47,7 +47,7 @@ MOVED_MODULES: Dict[str, Moved] = {
     # a package attribute cannot be both, so the module is gone; importing it is ModuleNotFoundError.
     "megatron_sft_idx.preprocess.repack": Moved(
         "megatron_sft_idx.preprocess.repack is the repack function (megatron_sft_idx.preprocess.driver); "
-        "RepackConfig from megatron_sft_idx.preprocess.config, plan_only from .driver, the CLI from .cli "
+        "RepackConfig from megatron_sft_idx.preprocess.config, plan_only from .driver, the CLI from .repack_cli "
         "(build_repack_parser, repack_main), format_plan_summary from .summary", "0.1.0", False),
 }
 
@@ -60,6 +60,9 @@ MOVED_NAMES: Dict[str, Moved] = {
        for name in ("upload_shard", "publish", "publish_shard")},
     "megatron_sft_idx.storage.remote.RemoteIndexedDataset": Moved("megatron_sft_idx.MMapIndexedDataset "
                                                                   "(megatron_sft_idx.reader)", "0.1.0", False),
+    **{f"megatron_sft_idx.preprocess.cli.{name}": Moved(f"megatron_sft_idx.preprocess.repack_cli.{name}", "0.1.0",
+                                                         False)
+       for name in ("repack_main", "build_repack_parser", "REPACK_PROG", "REPACK_DESCRIPTION")},
     "megatron_sft_idx.storage.RemoteIndexedDataset": Moved("megatron_sft_idx.MMapIndexedDataset "
                                                            "(megatron_sft_idx.reader)", "0.1.0", False),
 }

@@ -10,7 +10,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_sft_idx.preprocess.cli import build_repack_parser as build_parser, repack_main as main  # noqa: E402
+from megatron_sft_idx.preprocess.repack_cli import build_repack_parser as build_parser, repack_main as main  # noqa: E402
 
 __all__ = ["build_parser", "main"]
 

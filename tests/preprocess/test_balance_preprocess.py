@@ -18,7 +18,8 @@ from megatron_sft_idx.batching import CostModel, Order, Topology, shard_pack_cos
 from megatron_sft_idx.batching.serve import checked_order, resolve_order
 from megatron_sft_idx.errors import ShardError
 from megatron_sft_idx.open import open_packed
-from megatron_sft_idx.preprocess.cli import main, repack_main
+from megatron_sft_idx.preprocess.cli import main
+from megatron_sft_idx.preprocess.repack_cli import repack_main
 from support.token_inputs import tokens_input
 
 
@@ -112,7 +113,8 @@ def test_the_balance_flags_fill_the_same_settings_for_both_commands():
     import dataclasses
 
     from megatron_sft_idx.preprocess import BalanceSettings, Config, RepackConfig
-    from megatron_sft_idx.preprocess.cli import _config, _repack_config, build_parser, build_repack_parser
+    from megatron_sft_idx.preprocess.cli import _config, build_parser
+    from megatron_sft_idx.preprocess.repack_cli import _repack_config, build_repack_parser
 
     pre_args = ["--input", "a.jsonl", "--output-prefix", "/o/ds", "--tokenizer", "tok"]
     re_args = ["--store", "/s", "--output-prefix", "/o/ds"]

@@ -18,7 +18,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 
 ray = pytest.importorskip("ray", reason="the [ray] extra is not installed")
 
-from megatron_sft_idx.preprocess.cli import main as preprocess_main, repack_main  # noqa: E402
+from megatron_sft_idx.preprocess.cli import main as preprocess_main  # noqa: E402
+from megatron_sft_idx.preprocess.repack_cli import repack_main  # noqa: E402
 from megatron_sft_idx.storage import request_counts  # noqa: E402
 
 from support.buckets import bucket_files, local_files, local_reference  # noqa: E402

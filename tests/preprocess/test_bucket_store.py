@@ -11,7 +11,8 @@ import os
 
 import pytest
 
-from megatron_sft_idx.preprocess.cli import main as preprocess_main, repack_main
+from megatron_sft_idx.preprocess.cli import main as preprocess_main
+from megatron_sft_idx.preprocess.repack_cli import repack_main
 from megatron_sft_idx.preprocess.files import commit_rank
 from megatron_sft_idx.storage.mirror import Mirror
 

@@ -13,7 +13,7 @@ import pytest
 
 from megatron_sft_idx.errors import ShardError
 from megatron_sft_idx.format import IDX_HEADER_SIZE, IdxHeader
-from megatron_sft_idx.preprocess.cli import repack_main
+from megatron_sft_idx.preprocess.repack_cli import repack_main
 from megatron_sft_idx.preprocess.conversations import write_conversations
 from megatron_sft_idx.preprocess.store import SequenceStore
 from megatron_sft_idx.reader import MMapIndexedDataset

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from megatron_sft_idx.preprocess.cli import repack_main
+from megatron_sft_idx.preprocess.repack_cli import repack_main
 
 from support.stages import CHAT, preprocess
 

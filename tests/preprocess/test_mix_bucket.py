@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from megatron_sft_idx.preprocess.cli import main as preprocess_main, repack_main
+from megatron_sft_idx.preprocess.cli import main as preprocess_main
+from megatron_sft_idx.preprocess.repack_cli import repack_main
 
 from support.buckets import bucket_files, local_files
 from support.stages import CHAT, TOKENIZER

@@ -13,7 +13,8 @@ import pytest
 from megatron_sft_idx import MMapIndexedDataset
 from megatron_sft_idx.gate import check
 from megatron_sft_idx.open import open_packed
-from megatron_sft_idx.preprocess.cli import main, repack_main
+from megatron_sft_idx.preprocess.cli import main
+from megatron_sft_idx.preprocess.repack_cli import repack_main
 
 from support.stages import CHAT, TOKENIZER, files_of
 

@@ -15,7 +15,7 @@ from tokenizers import Tokenizer, normalizers
 
 from megatron_sft_idx.errors import ShardError
 from megatron_sft_idx.preprocess import RepackConfig, repack
-from megatron_sft_idx.preprocess.cli import repack_main
+from megatron_sft_idx.preprocess.repack_cli import repack_main
 from megatron_sft_idx.preprocess.nemo_rl import ROUND_TRIP, sequence_messages, write_nemo_rl_jsonl
 from megatron_sft_idx.reader import MMapIndexedDataset
 from megatron_sft_idx.training.nemo_rl import IGNORE_INDEX, NemoRLPackedDataset

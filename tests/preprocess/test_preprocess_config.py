@@ -11,7 +11,8 @@ import pytest
 
 from megatron_sft_idx.errors import ShardError
 from megatron_sft_idx.preprocess import Config, PackSettings, RepackConfig, RunSettings, TokenizeSettings
-from megatron_sft_idx.preprocess.cli import _config, _repack_config, build_parser, build_repack_parser
+from megatron_sft_idx.preprocess.cli import _config, build_parser
+from megatron_sft_idx.preprocess.repack_cli import _repack_config, build_repack_parser
 from megatron_sft_idx.preprocess.config import PackJob, PlanSettings
 
 PRE = ["--input", "a.jsonl", "--output-prefix", "/o/ds", "--tokenizer", "tok"]

@@ -13,7 +13,7 @@ import pytest
 from megatron_sft_idx.preprocess.cli import main as preprocess_main
 from megatron_sft_idx.multi import MultiShardDataset
 from megatron_sft_idx.open import open_packed
-from megatron_sft_idx.preprocess.cli import repack_main
+from megatron_sft_idx.preprocess.repack_cli import repack_main
 
 # (bucket_files(..., hidden=True): the run's record stays in the staging directory, nothing hidden
 # may reach the bucket)

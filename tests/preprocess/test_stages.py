@@ -21,7 +21,7 @@ from megatron_sft_idx.preprocess.records.inputs import OversizedRecord
 from megatron_sft_idx.preprocess.records.partitions import Partition, index_file, read_batches
 from megatron_sft_idx.preprocess import Config, RepackConfig, repack, run
 from megatron_sft_idx.preprocess.planfile import PackPlan
-from megatron_sft_idx.preprocess.cli import repack_main
+from megatron_sft_idx.preprocess.repack_cli import repack_main
 from megatron_sft_idx.preprocess.store import ROW_DTYPE, SequenceStore
 from megatron_sft_idx.preprocess.virtual import VirtualPackedDataset
 from megatron_sft_idx.reader import MMapIndexedDataset

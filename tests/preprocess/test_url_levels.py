@@ -13,7 +13,8 @@ import pytest
 from megatron_sft_idx.errors import ShardError
 from megatron_sft_idx.gate.cli import main as check_idx_main
 from megatron_sft_idx.preprocess import Config, run as preprocess
-from megatron_sft_idx.preprocess.cli import main as preprocess_main, repack_main
+from megatron_sft_idx.preprocess.cli import main as preprocess_main
+from megatron_sft_idx.preprocess.repack_cli import repack_main
 from megatron_sft_idx.preprocess.records import tokenizer_source as ts
 from megatron_sft_idx.storage.mirror import Mirror
 from megatron_sft_idx.storage.urls import url_problem

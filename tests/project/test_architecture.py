@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PACKAGE = os.path.join(ROOT, "megatron_sft_idx")
 CONTRACTS = {"floors", "acyclic", "storage-knows-no-dataset", "storage-private", "engines", "engine-choice",
              "clis-on-top", "no-torch-in-core", "ray-in-its-engine", "object-store-clients", "records-know-no-run",
-             "no-old-names"}
+             "no-old-names", "cli-arguments"}
 
 
 def lint_imports(cwd: str) -> subprocess.CompletedProcess:
@@ -61,6 +61,7 @@ BACK_ARROWS = [
     ("preprocess/engines/base.py", "from .ray import RayEngine", {"engines", "acyclic"}),
     ("preprocess/driver.py", "from .engines.local import LocalEngine", {"engine-choice"}),
     ("gate/content.py", "from .cli import main", {"clis-on-top", "acyclic"}),
+    ("preprocess/driver.py", "from .arguments import usage_problem", {"cli-arguments"}),
     ("reader.py", "import torch", {"no-torch-in-core"}),
     ("preprocess/tokenize.py", "import ray", {"ray-in-its-engine"}),
     ("storage/blocks.py", "import boto3", {"object-store-clients"}),
