@@ -38,11 +38,11 @@ from ..errors import InfeasibleMixtureError, ShardError
 COUNTED_UNITS = ("sequences", "epochs")
 
 
-def derived_seed(seed: int, store_id: str, *salt: int) -> int:
-    """A 64-bit seed from the run's ``seed``, a store's id (32 hex digits) and ``salt``: the same
-    numbers give the same seed on every machine, and a source's draws do not depend on where the
-    source is listed."""
-    entropy = [int(seed) % (1 << 64), int(store_id[:16], 16), int(store_id[16:32], 16)] + [int(s) for s in salt]
+def derived_seed(seed: int, content_id: str, *salt: int) -> int:
+    """A 64-bit seed from the run's ``seed``, a store's content id (32 hex digits,
+    :func:`~.store.content_id`) and ``salt``: the same numbers give the same seed on every machine,
+    and a source's draws depend neither on where the source is listed nor on where its files lie."""
+    entropy = [int(seed) % (1 << 64), int(content_id[:16], 16), int(content_id[16:32], 16)] + [int(s) for s in salt]
     return int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0])
 
 

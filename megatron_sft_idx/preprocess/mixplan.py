@@ -136,7 +136,7 @@ def load_source(store: SequenceStore, s: PlanSettings, unit: str, seed: int) -> 
         measure = kept.padded
     else:
         measure = np.ones(kept.padded.size, dtype=np.int8)
-    split_of = split_assignment(kept.padded.size, s.split, derived_seed(seed, store.store_id, 0)) \
+    split_of = split_assignment(kept.padded.size, s.split, derived_seed(seed, store.content_id, 0)) \
         if kept.padded.size else (None if not s.split else np.empty(0, np.int8))
     return SourceKept(kept, trained, measure, split_of)
 
@@ -237,7 +237,7 @@ def _plan_split(writer: PlanWriter, stores: StoreSet, sources: List[SourceKept],
     ids, padded, source, measure, recorded = [], [], [], [], []
     for j, (src, m) in enumerate(zip(sources, members)):
         got = realise(src.measure[m].astype(np.float64), float(epochs[j]),
-                      derived_seed(s.seed, stores.stores[j].store_id, 1, which))
+                      derived_seed(s.seed, stores.stores[j].content_id, 1, which))
         chosen = np.concatenate([np.tile(m, got.whole), m[got.extra]]) if got.whole else m[got.extra]
         chosen.sort(kind="stable")
         ids.append((stores.offsets[j] + store_ids(chosen.astype(np.int64), src.kept.dropped)).astype(_DTYPES[id_dtype]))

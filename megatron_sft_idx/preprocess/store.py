@@ -80,6 +80,14 @@ def _content(body: dict) -> dict:
     return {k: body[k] for k in ("format", "version", "identity", "inputs", "partitions")}
 
 
+def content_id(body: dict) -> str:
+    """The digest of what a store holds, not of where its inputs were found: ``store_id``'s keys
+    with each input's ``name`` left out (its bytes and sha256 stay). What a mixture's draws are
+    seeded by, so the same data gives the same mixture wherever it lies."""
+    inputs = [{k: v for k, v in item.items() if k != "name"} for item in body["inputs"]]
+    return settings_key(dict(_content(body), inputs=inputs))
+
+
 def empty_store(directory: str) -> None:
     """Remove a run's own store (its description first: what remains is no store)."""
     for name in (STORE_FILE,):
@@ -249,6 +257,7 @@ class SequenceStore:
         self.directory = os.path.abspath(directory)
         self.body = body = read_store_file(os.path.join(self.directory, STORE_FILE))
         self.store_id: str = body["store_id"]
+        self.content_id: str = content_id(body)
         self.identity: dict = body["identity"]
         self.inputs: List[dict] = body["inputs"]
         self.partitions = [Partition.from_list(p) for p in body["partitions"]]

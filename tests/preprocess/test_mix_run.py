@@ -81,6 +81,23 @@ def test_the_shards_hold_each_source_at_its_share_per_split(first):
     assert summary["check"]["shards"] == 2 and os.path.exists(d / "out" / "ds_train.order")
 
 
+def test_the_mixture_is_the_same_wherever_its_files_lie(first, tmp_path):
+    """The same files under another directory give the same packs and order: a mixture's draws are
+    seeded by its stores' content, not by the paths their inputs were found at (which the store id
+    records). Only the shards' metadata (which names the store) may differ."""
+    d, _, _ = first
+    where = tmp_path / "elsewhere" / "a" / "much" / "longer" / "path"
+    where.mkdir(parents=True)
+    copies = [str(shutil.copy(path, where / os.path.basename(path))) for path in CHAT[:2]]
+    mix = write_mix(where / "mix.json", [{"name": "chat", "inputs": [copies[0]], "store": "stores/chat", "weight": 1},
+                                         {"name": "share", "inputs": [copies[1]], "store": "stores/share", "weight": 3}])
+    assert main(["--mix", mix, "--tokenizer", TOKENIZER, "--output-prefix", str(where / "out" / "ds"), "-q"] + PACK) == 0
+    for split in ("train", "valid"):
+        for suffix in (".bin", ".loss.bin", ".idx", ".seq.bin", ".order"):
+            name = f"ds_{split}{suffix}"
+            assert (where / "out" / name).read_bytes() == (d / "out" / name).read_bytes(), name
+
+
 def test_repack_gives_the_same_bytes_without_tokenizing(first, tmp_path, capsys):
     d, mix, _ = first
     code, s, err = run_cli(repack_main, ["--mix", mix, "--output-prefix", str(tmp_path / "ds")] + PACK, capsys)
