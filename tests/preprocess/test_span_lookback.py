@@ -15,7 +15,8 @@ import json
 
 import pytest
 
-from support.real_families import FAMILIES, LLAMA, available, family_dir
+from support.real_families import FAMILIES, GEMMA, LLAMA, available, family_dir
+from support.side_stacks import require
 from support.chat_families import with_template
 from preprocess.test_real_families import SHAPES
 from megatron_sft_idx.preprocess.records.chat import ChatTokenizer
@@ -89,8 +90,10 @@ def check_family(family, settings):
     return enc
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES) + sorted(LLAMA))
+@pytest.mark.parametrize("family", sorted(FAMILIES) + sorted(LLAMA) + sorted(GEMMA))
 def test_auto_equals_prefix_on_every_real_family_and_shape(family):
+    if family in GEMMA:
+        require(available(family), GEMMA[family][0])
     enc = check_family(family, {})
     if family in LOOKBACK:
         assert enc.locator is not None and enc.locator.lookback, family

