@@ -443,9 +443,9 @@ def test_real_templates_render_tool_calls_the_source_holds(tmp_path, families, f
 
 
 def _rendered(family):
-    """The tool records the family's template renders (Llama 3.1's one call a turn, Mistral's calls
-    with ids)."""
-    return {"llama3": {0, 1, 2, 4, 5, 6}, "mistral": {0, 4}}.get(family, set(range(8)))   # (Mistral's: ids)
+    """The tool records the family's template renders (Llama 3.1's one call a turn; Mistral's calls
+    need ids, which those without are given: records/shapes/call_ids.py)."""
+    return {"llama3": {0, 1, 2, 4, 5, 6}}.get(family, set(range(8)))
 
 
 def _defect_keep_nulls(monkeypatch):

@@ -44,17 +44,17 @@ def _require(family):
 
 #: family -> (stop tokens, what its template does with the history's reasoning, shapes it refuses by
 #: name under the default loss with the reason): the rows of docs/INPUTS.md
-TOOLS = ("openai", "parallel", "sharegpt", "sharegpt_parallel", "xlam", "toolace")
+TOOLS = ("openai", "parallel", "openai_no_id", "openai_long_id", "sharegpt", "sharegpt_parallel", "xlam", "toolace")
 NO_TOOLS_LIST = {s: "template_no_tool_support" for s in TOOLS}
 STRIPS_REASONING = {s: "template_dropped_content" for s in ("reasoning_field", "reasoning_inline",
                                                               "reasoning_history")}
 #: Llama 3.1/3.2's templates raise "This model only supports single tool-calls at once!"
-ONE_CALL_A_TURN = {s: "template_error" for s in ("parallel", "sharegpt_parallel", "xlam")}
-#: Mistral's templates raise "Tool call IDs should be alphanumeric strings with length 9!" for a call
-#: without one (ShareGPT and xLAM calls have no id), and render the system prompt only when the
-#: conversation ends with a user turn: a record with one renders its prefixes otherwise than the
-#: whole (template_error, under every policy)
-MISTRAL_REFUSES = {s: "template_error" for s in ("plain", "sharegpt", "sharegpt_parallel", "xlam", "toolace")}
+ONE_CALL_A_TURN = {s: "template_error" for s in ("parallel", "openai_no_id", "openai_long_id", "sharegpt_parallel",
+                                                  "xlam")}
+#: Mistral's templates render the system prompt only when the conversation ends with a user turn: a
+#: record with one renders its prefixes otherwise than the whole (template_error, under every
+#: policy). (Calls without an id -- ShareGPT, xLAM -- are given one: shapes.call_ids.)
+MISTRAL_REFUSES = {"plain": "template_error"}
 #: Gemma 2's template raises "System role not supported" (Gemma 3's merges it into the first user turn)
 GEMMA_2_REFUSES = {**NO_TOOLS_LIST, "plain": "template_error"}
 TABLE = {
@@ -119,6 +119,28 @@ def openai(i, parallel=False):
             "tools": [{"type": "function", "function": WEATHER}, {"type": "function", "function": CONVERT}]}
 
 
+def openai_ids(i, ids):
+    """Parallel calls with OpenAI's ids as exports hold them: none (``ids=False``; the results follow
+    in the calls' order), or OpenAI's own ``call_`` + 24 characters, not the 9 Mistral's template
+    requires (the results in the other order, each naming its call)."""
+    r = openai(i, True)
+    calls = r["messages"][1]["tool_calls"]
+    for k, c in enumerate(calls):
+        if ids:
+            c["id"] = f"call_{k}{i:07d}AbCdEfGhIjKlMnOp"
+        else:
+            del c["id"]
+    results = r["messages"][2:4]
+    for c, result in zip(calls, results):
+        if ids:
+            result["tool_call_id"] = c["id"]
+        else:
+            del result["tool_call_id"]
+    if ids:
+        r["messages"][2:4] = results[::-1]
+    return r
+
+
 def sharegpt(i, parallel=False):
     call = {"name": "get_weather", "arguments": {"city": f"Lima{i}"}}
     value = [call, {"name": "get_weather", "arguments": {"city": f"Oslo{i}"}}] if parallel else call
@@ -156,7 +178,9 @@ def reasoning(i, inline=False, turns=1):
     return {"messages": messages}
 
 
-SHAPES = {"plain": plain, "openai": openai, "parallel": lambda i: openai(i, True), "sharegpt": sharegpt,
+SHAPES = {"plain": plain, "openai": openai, "parallel": lambda i: openai(i, True),
+          "openai_no_id": lambda i: openai_ids(i, False), "openai_long_id": lambda i: openai_ids(i, True),
+          "sharegpt": sharegpt,
           "sharegpt_parallel": lambda i: sharegpt(i, True), "xlam": xlam, "toolace": toolace,
           "reasoning_field": reasoning, "reasoning_inline": lambda i: reasoning(i, True),
           "reasoning_history": lambda i: reasoning(i, False, 2)}

@@ -291,6 +291,8 @@ class RecordEncoder:
         else:
             self.tok.require_template()
             conv = self.tok.prepare(payload, self.policy, path, line)
+            for name in conv.applied:   # (tool-call ids the template requires, given: shapes.call_ids)
+                self._ignored[name] = self._ignored.get(name, 0) + 1
             if o.loss_on == "per-turn":
                 units.extend(_Unit(i, text, spans, False, i % SAMPLE_EVERY == 0) for text, spans in
                              self.tok.turn_texts_and_spans(conv, path, line, self.policy, queued))

@@ -38,7 +38,7 @@ from .accounting import check_rendered_tools
 from .call_text import check_text_calls, text_leaves
 from .errors import input_error
 from .policy import LossPolicy
-from .shapes import HISTORY_REASONING, Conversation
+from .shapes import HISTORY_REASONING, Conversation, call_ids
 
 _INDEX = re.compile(r"\[\d+\]")
 
@@ -53,6 +53,8 @@ class TemplateTraits:
     renders_tools: bool              # a ``tools`` list reaches the rendering
     call_form: str = "json"          # "json": arguments written as JSON; "text": keys and values as text
     calls_without_content: bool = False   # calls rendered only in a turn whose content is null (DeepSeek-V3)
+    call_id_length: int = 0          # a call (and its result) renders only with an id of exactly this many
+    #                                  characters (Mistral's: 9); 0: without one too (shapes.call_ids)
 
 
 def _renders(render, messages, needles: Sequence[str], tools=None) -> bool:
@@ -86,10 +88,35 @@ def probe(render) -> TemplateTraits:
                             {"role": "tool", "content": "xqprobe result", "tool_call_id": _ID},
                             {"role": "assistant", "content": "xqprobe answer"}]
                 needles = ["xqprobe_call", f"{quote}xqkey{quote}", f"{quote}xqvalue{quote}", "xqprobe result"]
-                if _renders(render, messages, needles) or (renders_tools and
-                                                           _renders(render, messages, needles, [schema])):
-                    return TemplateTraits(field, name, renders_tools, call_form, content is None)
+                tools = None if _renders(render, messages, needles) else [schema]
+                if tools is None or (renders_tools and _renders(render, messages, needles, tools)):
+                    return TemplateTraits(field, name, renders_tools, call_form, content is None,
+                                          _call_id_length(render, messages, needles, tools))
     return TemplateTraits(field, None, renders_tools)
+
+
+def _call_id_length(render, messages, needles, tools) -> int:
+    """The length of the ids the template requires of a call and its result, when it renders the
+    probe (``messages``, which render with a 9-character id) only with an id, and of the lengths
+    1 to 64 only with that one; else 0 (an id is optional, or of no fixed length: nothing is minted)."""
+    def with_id(value):
+        out = []
+        for m in messages:
+            m = dict(m)
+            if "tool_calls" in m:
+                m["tool_calls"] = [{k: v for k, v in dict(c, id=value).items() if v is not None}
+                                   for c in m["tool_calls"]]
+            if "tool_call_id" in m:
+                m["tool_call_id"] = value
+                if value is None:
+                    del m["tool_call_id"]
+            out.append(m)
+        return out
+
+    if _renders(render, with_id(None), needles, tools):
+        return 0
+    lengths = [n for n in range(1, 65) if _renders(render, with_id(("xq" + "0" * 64)[:n]), needles, tools)]
+    return lengths[0] if len(lengths) == 1 else 0
 
 
 def adapt(conv: Conversation, traits: TemplateTraits, policy: LossPolicy, path: str, line: int) -> Conversation:
@@ -100,6 +127,9 @@ def adapt(conv: Conversation, traits: TemplateTraits, policy: LossPolicy, path: 
     """
     if conv.rendered is not None:
         return conv
+    if traits.call_id_length and call_ids.needs_ids(conv.messages, traits.call_id_length):
+        conv = replace(conv, rendered=None,
+                       **dict(zip(("messages", "applied"), call_ids.assign(conv, traits.call_id_length, path, line))))
     special = sorted({k for k, m in enumerate(conv.messages) if "reasoning_content" in m or "tool_calls" in m}
                      | set(conv.inline))
     if conv.tools and not traits.renders_tools:

@@ -46,20 +46,21 @@ module              holds
 ``keys``            record-level keys: metadata, the ignore rules, the refusal of the rest
 ``base``            value helpers: absent values, text checks, nulls, inline reasoning
 ``conversation``    :class:`Conversation` and :class:`SchemaOptions`
+``call_ids``        tool-call ids for a template that requires them in a fixed form (Mistral's)
 ==================  ===========================================================================
 """
 
 from .base import check_json_texts, check_text, drop_nulls, split_inline_reasoning, turns
 from .chat import CHAT_ROLES, as_conversation
 from .conversation import REASONING_TAGS, Conversation, SchemaOptions
-from .keys import (APPLIED_RULES, DECODED_TWICE, HISTORY_REASONING, IGNORE_RULES, METADATA_FLAGS, METADATA_KEYS, NO_TEXT_KEYS,
+from .keys import (APPLIED_RULES, CALL_ID_MINTED, CALL_ID_REPLACED, DECODED_TWICE, HISTORY_REASONING, IGNORE_RULES, METADATA_FLAGS, METADATA_KEYS, NO_TEXT_KEYS,
                    REASONING_SWITCHES, SYSTEM_KEYS, TRAINING_FLAGS, account_keys, ignore_rule)
 from .mapper import Mapper
 from .registry import KINDS, SHAPE_FIELDS, detect, map_record
 from .sharegpt import SHAREGPT_ROLES
 from .tokens import token_record
 
-__all__ = ["APPLIED_RULES", "CHAT_ROLES", "Conversation", "DECODED_TWICE", "HISTORY_REASONING", "IGNORE_RULES", "KINDS",
+__all__ = ["APPLIED_RULES", "CALL_ID_MINTED", "CALL_ID_REPLACED", "CHAT_ROLES", "Conversation", "DECODED_TWICE", "HISTORY_REASONING", "IGNORE_RULES", "KINDS",
            "METADATA_FLAGS", "METADATA_KEYS", "Mapper", "NO_TEXT_KEYS", "REASONING_SWITCHES", "REASONING_TAGS",
            "SHAPE_FIELDS", "SHAREGPT_ROLES", "SYSTEM_KEYS", "TRAINING_FLAGS", "SchemaOptions", "account_keys", "as_conversation", "check_json_texts", "check_text",
            "detect", "drop_nulls", "ignore_rule", "map_record", "split_inline_reasoning", "token_record", "turns"]

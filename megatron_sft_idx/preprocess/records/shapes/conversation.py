@@ -17,7 +17,8 @@ class Conversation:
     ``untrained`` are messages the producer excluded from the loss (``weight: 0``, the prompt of a
     conversational prompt/completion record); ``inline`` maps an assistant message whose content
     opened with a reasoning block (even an empty one) to its content as written; ``rendered`` is
-    set by :func:`megatron_sft_idx.preprocess.records.rendering.adapt`.
+    set by :func:`megatron_sft_idx.preprocess.records.rendering.adapt`, which names in ``applied``
+    each tool-call id it gave (:mod:`.call_ids`).
     """
 
     messages: List[dict]
@@ -29,6 +30,7 @@ class Conversation:
     plain: bool = False                     # every message is {"role", "content"} as given: nothing to adapt
     source_tools: object = None             # the record's tools value as given (accounting.check_rendered_tools)
     source_calls: tuple = ()                # each tool call as the record gives it (accounting.check_rendered_tools)
+    applied: tuple = ()                     # rule:field per tool-call id given by rendering.adapt (.call_ids)
 
     @property
     def template_messages(self) -> List[dict]:

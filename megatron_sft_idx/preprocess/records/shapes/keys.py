@@ -56,7 +56,12 @@ DECODED_TWICE = "decoded-twice"
 #: only after the last user turn), so a turn is trained as the rendering shows it, without it
 #: (docs/INPUTS.md, "Thinking templates"); counted per message as ``history-reasoning:messages[]``
 HISTORY_REASONING = "history-reasoning"
-APPLIED_RULES = (DECODED_TWICE, HISTORY_REASONING)
+#: tool-call ids a template requires in a fixed form (Mistral's: 9 characters) given where the
+#: record has none, or one not of the form (:mod:`.call_ids`; docs/INPUTS.md, "Tool-call ids");
+#: counted per id as ``call-id-minted:FIELD`` / ``call-id-replaced:FIELD``
+CALL_ID_MINTED = "call-id-minted"
+CALL_ID_REPLACED = "call-id-replaced"
+APPLIED_RULES = (DECODED_TWICE, HISTORY_REASONING, CALL_ID_MINTED, CALL_ID_REPLACED)
 
 
 def ignore_rule(key: str, value, opts: SchemaOptions) -> Optional[str]:
