@@ -170,7 +170,8 @@ class ChatTokenizer:
     @staticmethod
     def _compile(template: Optional[str]):
         """The template compiled once by transformers' own jinja setup (generation tag,
-        raise_exception, tojson), or None to fall back to ``apply_chat_template``."""
+        raise_exception, tojson), its output-only generation blocks inlined
+        (:func:`without_inert_generation`), or None to fall back to ``apply_chat_template``."""
         if template is None:
             return None
         try:
@@ -446,7 +447,7 @@ def without_inert_generation(compiled, source: str):
     the tree is the parser's, after whitespace control, so trimming reads as it did. With no
     such block, or when anything fails, ``compiled`` itself: the tag's own behaviour is kept.
     ``tests/preprocess/test_chat_template_compile.py`` renders both on every real family."""
-    if "generation" not in source:
+    if "endgeneration" not in source:   # (no block: add_generation_prompt alone is no reason to parse)
         return compiled
     try:
         from jinja2 import nodes   # (start-up: jinja2 loads with the template, not at import)
