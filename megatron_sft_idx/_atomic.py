@@ -70,7 +70,10 @@ def clear_stale_temporaries(final_paths: Iterable[str]) -> List[str]:
     removed = []
     for directory, heads in by_dir.items():
         try:
-            names = sorted(os.listdir(directory or "."))
+            # (only names holding the tag can be temporaries: a store's directory holds every
+            # partition's files, and each partition's writer lists it -- matching every name
+            # against every head made the partitions' start quadratic, ~3 ms each at 88)
+            names = sorted(n for n in os.listdir(directory or ".") if _TMP_TAG in n)
         except OSError:   # (as glob: a directory that is missing or unreadable holds none)
             continue
         for head in heads:

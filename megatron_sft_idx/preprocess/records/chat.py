@@ -170,14 +170,16 @@ class ChatTokenizer:
     @staticmethod
     def _compile(template: Optional[str]):
         """The template compiled once by transformers' own jinja setup (generation tag,
-        raise_exception, tojson), or None to fall back to ``apply_chat_template``."""
+        raise_exception, tojson), its output-only generation blocks inlined
+        (:func:`without_inert_generation`), or None to fall back to ``apply_chat_template``."""
         if template is None:
             return None
         try:
             from transformers.utils.chat_template_utils import _compile_jinja_template
-            return _compile_jinja_template(template)
+            compiled = _compile_jinja_template(template)
         except Exception:  # a private helper: any change in transformers means the public path
             return None
+        return without_inert_generation(compiled, template)
 
     # ---------------------------------------------------------------- identity
 
@@ -432,6 +434,47 @@ class ChatTokenizer:
 
 
 _LOADED: dict = {}
+
+
+def without_inert_generation(compiled, source: str):
+    """``compiled`` (the template ``source`` compiled by transformers), or the same template
+    compiled again from its syntax tree without the ``{% generation %}`` blocks that only wrap
+    output: the same text, rendered without a macro call per assistant turn (the blocks matter
+    only to ``apply_chat_template(return_assistant_tokens_mask=True)``, which this project never
+    asks of this object; its masks come from prefix renders). A block goes only when its body
+    is output alone (``{{ ... }}`` and text: no assignment, loop or macro whose scope the block's
+    macro would bound, no ``caller``/``varargs``/``kwargs``) and the call takes no arguments;
+    the tree is the parser's, after whitespace control, so trimming reads as it did. With no
+    such block, or when anything fails, ``compiled`` itself: the tag's own behaviour is kept.
+    ``tests/preprocess/test_chat_template_compile.py`` renders both on every real family."""
+    if "endgeneration" not in source:   # (no block: add_generation_prompt alone is no reason to parse)
+        return compiled
+    try:
+        from jinja2 import nodes   # (start-up: jinja2 loads with the template, not at import)
+        from jinja2.visitor import NodeTransformer
+
+        class _Inline(NodeTransformer):
+            inlined = 0
+
+            def visit_CallBlock(self, node):
+                call = node.call
+                if (isinstance(call, nodes.Call) and isinstance(call.node, nodes.ExtensionAttribute)
+                        and call.node.name == "_generation_support" and not (call.args or call.kwargs
+                                                                           or call.dyn_args or call.dyn_kwargs)
+                        and not node.args and not node.defaults and node.body
+                        and all(type(n) is nodes.Output for n in node.body)
+                        and not any(n.name in ("caller", "varargs", "kwargs") for b in node.body
+                                    for n in b.find_all(nodes.Name))):
+                    self.inlined += 1
+                    return node.body
+                return self.generic_visit(node)
+
+        env = compiled.environment
+        inline = _Inline()
+        tree = inline.visit(env.parse(source))
+        return env.from_string(tree) if inline.inlined else compiled
+    except Exception:  # (jinja's internals changed: the template as transformers compiled it)
+        return compiled
 
 
 def load_chat_tokenizer(path: str, chat_template: Optional[str] = None,
