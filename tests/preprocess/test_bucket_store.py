@@ -214,7 +214,7 @@ def test_a_run_leaves_no_mirror_after_success_and_keeps_it_after_a_failure(s3, b
     import tempfile
 
     from megatron_sft_idx.errors import ShardError
-    from megatron_sft_idx.preprocess import driver
+    from megatron_sft_idx.preprocess import stages
 
     temp = tmp_path / "tmp"
     temp.mkdir()
@@ -239,7 +239,7 @@ def test_a_run_leaves_no_mirror_after_success_and_keeps_it_after_a_failure(s3, b
         raise ShardError("injected after the store was made")
 
     with monkeypatch.context() as m:
-        m.setattr(driver._Run, "pack", fail)
+        m.setattr(stages.Stages, "pack", fail)
         assert preprocess_main(settings + ["--output-prefix", str(tmp_path / "failed" / "ds"), "--overwrite"]) == 1
     assert "injected after the store was made" in capsys.readouterr().err
     mirror = Mirror(store)

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from megatron_sft_idx.errors import InputError, ObjectChangedError
-from megatron_sft_idx.preprocess import driver
+from megatron_sft_idx.preprocess import driver, stages
 from megatron_sft_idx.preprocess.cli import main as preprocess_main
 from megatron_sft_idx.preprocess.config import Config
 from megatron_sft_idx.reader import MMapIndexedDataset
@@ -261,14 +261,14 @@ def test_an_object_replaced_between_index_and_tokenize_fails_by_name(tmp_path, s
     client = s3.client()
     client.put_object(Bucket=bucket, Key="in/a.jsonl", Body=jsonl_bytes(RECORDS))
     url = f"s3://{bucket}/in/a.jsonl"
-    real = driver._Run._index
+    real = stages.Stages._index
 
     def index_then_replace(self, *args, **kwargs):
         index = real(self, *args, **kwargs)
         client.put_object(Bucket=bucket, Key="in/a.jsonl", Body=jsonl_bytes(RECORDS[::-1]))  # same size, other bytes
         return index
 
-    monkeypatch.setattr(driver._Run, "_index", index_then_replace)
+    monkeypatch.setattr(stages.Stages, "_index", index_then_replace)
     with pytest.raises(ObjectChangedError) as info:
         driver.run(config([url], tmp_path / "out" / "ds"))
     message = str(info.value)
@@ -276,7 +276,7 @@ def test_an_object_replaced_between_index_and_tokenize_fails_by_name(tmp_path, s
     assert "--resume" in message
     assert not os.path.exists(tmp_path / "out" / "ds.idx") and not [
         n for n in os.listdir(tmp_path / "out") if n.endswith(".idx")]
-    monkeypatch.setattr(driver._Run, "_index", real)
+    monkeypatch.setattr(stages.Stages, "_index", real)
     # a rerun with --resume indexes the new bytes and gives the run of the new object
     fresh = tmp_path / "fresh"
     write_kind(fresh, "jsonl", RECORDS[::-1])
@@ -531,7 +531,7 @@ def test_a_hostile_store_ends_the_run_in_a_named_error(tmp_path, hostile, monkey
     if action == "stall":
         hostile.inject(action, method="GET", suffix="/a.jsonl", times=1000)
     else:
-        real = driver._Run._index
+        real = stages.Stages._index
 
         def index_then_replace(self, *args, **kwargs):
             index = real(self, *args, **kwargs)
@@ -539,7 +539,7 @@ def test_a_hostile_store_ends_the_run_in_a_named_error(tmp_path, hostile, monkey
             hostile.inject(action, method="GET", suffix="/a.jsonl", times=1000)
             return index
 
-        monkeypatch.setattr(driver._Run, "_index", index_then_replace)
+        monkeypatch.setattr(stages.Stages, "_index", index_then_replace)
     expected = RemoteTimeoutError if action == "stall" else (ResponseMismatchError, ObjectChangedError)
     with pytest.raises(RemoteStorageError) as info:
         driver.run(config([url], tmp_path / "o" / "ds"))

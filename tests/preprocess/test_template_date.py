@@ -135,19 +135,19 @@ def test_default_date_is_recorded_and_reused_the_next_day(tmp_path, clock_tok, m
 
 
 def test_resume_across_midnight_keeps_the_interrupted_run_s_date(tmp_path, clock_tok, monkeypatch):
-    import megatron_sft_idx.preprocess.driver as driver
+    import megatron_sft_idx.preprocess.stages as stages
 
     monkeypatch.setattr(tokenize_stage, "utc_today", lambda: "2024-07-26")
-    real_pack = driver._Run.pack
+    real_pack = stages.Stages.pack
 
     def interrupted(self, store):
         raise KeyboardInterrupt
-    monkeypatch.setattr(driver._Run, "pack", interrupted)
+    monkeypatch.setattr(stages.Stages, "pack", interrupted)
     with pytest.raises(KeyboardInterrupt):
         go(tmp_path, clock_tok, "own", store=None)
     work = tmp_path / "out" / ".own.preprocess"
     assert tokenize_stage.recorded_template_date(str(work / "store")) == "2024-07-26"
-    monkeypatch.setattr(driver._Run, "pack", real_pack)
+    monkeypatch.setattr(stages.Stages, "pack", real_pack)
     monkeypatch.setattr(tokenize_stage, "utc_today", lambda: "2024-07-27")   # the next day
     s = go(tmp_path, clock_tok, "own", store=None, resume=True)
     assert s["resumed_units"]["tokenize"] > 0 and s["verify_masks"]["failures"] == 0
