@@ -40,6 +40,7 @@ class Mapper:
         self.path, self.line, self.opts = path, line, opts
         self.ignored = ignored   # counts of fields ignored by --ignore-field, as "ignore-field:messages[].id"
         self.nulls = True        # the record may hold a null (False: its JSON text has none)
+        self.clean = False       # no value of the record can hold a lone surrogate (:func:`.base.surrogate_free`)
         self.maybe_reasoning = _maybe_reasoning(opts.reasoning_tags[0])
         self.messages: List[dict] = []
         self.fields: list = []
@@ -227,7 +228,8 @@ class Mapper:
             nulls, text = may_hold_null(value)
             if nulls:
                 value = drop_nulls(value)
-        check_json_texts(value, self.path, self.line, where, text)
+        if not self.clean:
+            check_json_texts(value, self.path, self.line, where, text)
         return value
 
     def decoded_twice(self, text: str, where: str) -> dict:
@@ -281,7 +283,8 @@ class Mapper:
                                  "'function')", w, "bad_tool_call")
             if not isinstance(fn.get("name"), str) or not fn["name"]:
                 raise self.error(f"'{w}' needs a function name", w + ".name", "bad_tool_call")
-            check_json_texts(tool, self.path, self.line, w, text)   # (the wrapper added only ASCII keys)
+            if not self.clean:   # (the wrapper added only ASCII keys)
+                check_json_texts(tool, self.path, self.line, w, text)
             out.append(tool)
         return out or None
 
