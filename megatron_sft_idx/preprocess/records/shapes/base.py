@@ -4,6 +4,7 @@ values (``None`` and empty ones), nulls dropped from JSON values, turns, inline 
 from __future__ import annotations
 
 import json
+import re
 from typing import Optional, Tuple
 
 from ..errors import input_error
@@ -100,7 +101,11 @@ def surrogate_free(raw) -> bool:
     ends with the same three characters). Then :func:`check_json_texts` has nothing to find and is
     not made; anything else is checked as before (a false alarm costs only the check)."""
     return (type(raw) is bytes and raw[:1] == b"{" and raw[1:2] != b"\0" and b"\xed" not in raw
-            and b"\\ud" not in raw and b"\\uD" not in raw)
+            and _SURROGATE_ESCAPE.search(raw) is None)
+
+
+#: the escape of a surrogate in a JSON text (:func:`surrogate_free`; one search, faster than two ``in``)
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD]")
 
 
 def may_hold_null(value) -> Tuple[bool, Optional[str]]:
