@@ -36,7 +36,7 @@ from ...jsondoc import MAX_METADATA_LENGTH, load_json, parse_json, parse_record_
 from ...storage import ObjectURL, is_remote
 from ...storage.urls import check_url
 from .errors import InputError, duplicate_key, input_error
-from .shapes import KINDS, SchemaOptions, detect, map_record, surrogate_free
+from .shapes import KINDS, SchemaOptions, detect, map_record
 from .sources import InputSource, ObjectInput
 
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
@@ -417,4 +417,4 @@ def parse_record(raw, path: str, line: int, input_format: str, prompt_key: str, 
                           reason="missing_key", hint="set --input-format/--prompt-key to match the data, or --skip-bad")
     nulls = not isinstance(raw, (bytes, str)) or ("null" in raw if isinstance(raw, str) else b"null" in raw)
     return map_record(kind, record, path, line, schema, detected=input_format == "auto", ignored=ignored,
-                      nulls=nulls, clean=surrogate_free(raw))
+                      nulls=nulls, raw=raw)
