@@ -165,6 +165,86 @@ def test_cesu8_surrogate_bytes_are_refused_too_and_real_pairs_are_fine(tmp_path)
     assert s["conversations"] == 2 and s["skipped"] == {"invalid_unicode": 1}
 
 
+def _tool_record(arguments, tools):
+    return json.dumps({"messages": [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": arguments}}]}], "tools": tools})
+
+
+_TOOLS = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}]
+#: a lone surrogate in a JSON value of a tool record (where the mapping reads values it serialises
+#: rather than texts it walks): as an escape in an object, doubly escaped in a JSON string, as
+#: CESU-8 bytes; each must be refused, whatever shortcut proves other records free of them
+TOOL_SURROGATES = {
+    "arguments_object": (_tool_record({"k": "v\ud800"}, _TOOLS), "messages[1].tool_calls[0].function.arguments"),
+    "arguments_string": (_tool_record(json.dumps({"k": "v\ud800"}), _TOOLS),
+                         "messages[1].tool_calls[0].function.arguments"),
+    "arguments_key": (_tool_record({"k\udfff": 1}, _TOOLS), "messages[1].tool_calls[0].function.arguments"),
+    "tools_description": (_tool_record({}, [{"type": "function", "function": {"name": "f", "description": "\udc00"}}]),
+                          "tools[0]"),
+    "tools_string": (_tool_record({}, json.dumps([{"name": "f", "description": "x\uDBFF"}])), "tools[0]"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TOOL_SURROGATES))
+def test_lone_surrogates_in_tool_values_are_refused(tmp_path, name):
+    line, field = TOOL_SURROGATES[name]
+    line = line.replace("\\\\u", "\\u")   # (json.dumps escaped the test's backslash: the escape itself)
+    path = write(tmp_path / "s.jsonl", [GOOD, line])
+    with pytest.raises(InputError, match=f"^{re.escape(path)}:2: '{re.escape(field)}' holds a lone UTF-16") as e:
+        run(cfg(tmp_path, path))
+    assert e.value.reason == "invalid_unicode"
+
+
+def test_cesu8_surrogate_bytes_in_tool_arguments_are_refused(tmp_path):
+    path = tmp_path / "c.jsonl"
+    with open(path, "wb") as f:
+        f.write(GOOD.encode() + b"\n")
+        f.write(_tool_record({"k": "x"}, _TOOLS).encode().replace(b'"x"', b'"\xed\xa0\x80"') + b"\n")
+        f.write(_tool_record(json.dumps({"k": "x"}), _TOOLS).encode().replace(b'\\"x\\"', b'\\"\xed\xb0\x80\\"')
+                + b"\n")
+    s = run(cfg(tmp_path, str(path), skip_bad=True))
+    assert s["conversations"] == 1 and s["skipped"] == {"invalid_unicode": 2}
+
+
+def test_surrogate_free_says_so_only_of_records_that_cannot_hold_one():
+    """The mapping's shortcut (shapes.base.surrogate_free): True only where no decoded string,
+    at any depth of JSON strings, can hold a lone surrogate."""
+    from megatron_sft_idx.jsondoc import parse_record_json
+    from megatron_sft_idx.preprocess.records.shapes import surrogate_free
+
+    def strings(value):
+        if isinstance(value, str):
+            yield value
+            if value[:1] in "[{":
+                try:
+                    yield from strings(parse_record_json(value))
+                except Exception:
+                    pass
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                yield k
+                yield from strings(v)
+        elif isinstance(value, list):
+            for v in value:
+                yield from strings(v)
+
+    def lone(text):
+        return any(0xD800 <= ord(c) <= 0xDFFF for c in text)
+
+    lines = [_tool_record({"k": "caf\u00e9 \ud83d\ude00"}, _TOOLS).encode(), GOOD.encode(),
+             json.dumps(json.loads(_tool_record({"k": "é 😀"}, _TOOLS)), ensure_ascii=False).encode(),
+             " ".encode() + GOOD.encode()]
+    lines += [line.replace("\\\\u", "\\u").encode() for line, _ in TOOL_SURROGATES.values()]
+    lines += [line.encode() for line, _ in SURROGATES.values()]
+    lines += [_tool_record({"k": "x"}, _TOOLS).encode().replace(b'"x"', b'"\xed\xa0\x80"'),
+              GOOD.encode("utf-16")]
+    verdicts = [surrogate_free(line) for line in lines]
+    assert verdicts[:2] == [False, True] and verdicts[2] is True and not any(verdicts[3:])
+    for line, free in zip(lines, verdicts):
+        if free:
+            assert not any(lone(t) for t in strings(parse_record_json(line)))
+
+
 def test_every_hostile_family_in_one_file_is_counted_under_skip_bad(tmp_path, capsys):
     lines = [GOOD] + list(DEEP.values()) + [line for line, _ in SURROGATES.values()] + ["x" * 600_000, GOOD]
     path = write(tmp_path / "all.jsonl", lines)

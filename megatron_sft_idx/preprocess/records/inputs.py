@@ -417,4 +417,4 @@ def parse_record(raw, path: str, line: int, input_format: str, prompt_key: str, 
                           reason="missing_key", hint="set --input-format/--prompt-key to match the data, or --skip-bad")
     nulls = not isinstance(raw, (bytes, str)) or ("null" in raw if isinstance(raw, str) else b"null" in raw)
     return map_record(kind, record, path, line, schema, detected=input_format == "auto", ignored=ignored,
-                      nulls=nulls)
+                      nulls=nulls, raw=raw)

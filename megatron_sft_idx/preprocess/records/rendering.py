@@ -177,33 +177,40 @@ def adapt(conv: Conversation, traits: TemplateTraits, policy: LossPolicy, path: 
 # --------------------------------------------------------------------------- the rendering check
 
 
-class _Key(str):
-    """A dict key on the traversal stack (so keys and values come out in document order)."""
-
-
 def json_leaves(value) -> List[Tuple[str, ...]]:
     """Each key and scalar of a JSON value in document order, as the texts it may render as
     (``tojson`` keeps non-ASCII; ``json.dumps`` defaults escape it)."""
-    out, stack = [], [value]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, _Key):
-            out.append(_forms(str(v)))
-        elif isinstance(v, dict):
-            for key, item in reversed(list(v.items())):
-                stack.append(item)
-                stack.append(_Key(key))
-        elif isinstance(v, list):
-            stack.extend(reversed(v))
-        else:
-            out.append(_forms(v))
+    out: List[Tuple[str, ...]] = []
+    _leaves(value, out)
     return out
 
 
+def _leaves(value, out: list) -> None:
+    if isinstance(value, dict):
+        for key, item in value.items():
+            out.append(_forms(str(key)))
+            if isinstance(item, (dict, list)):
+                _leaves(item, out)
+            else:
+                out.append(_forms(item))
+    elif isinstance(value, list):
+        for item in value:
+            if isinstance(item, (dict, list)):
+                _leaves(item, out)
+            else:
+                out.append(_forms(item))
+    else:
+        out.append(_forms(value))
+
+
 def _forms(v) -> Tuple[str, ...]:
-    """``json.dumps(v, ensure_ascii=False)`` and ``json.dumps(v)``, by the C encoders for strings."""
+    """``json.dumps(v, ensure_ascii=False)`` and ``json.dumps(v)``, by the C encoders for strings
+    (one form for an ASCII string without DEL, which only the ASCII encoder escapes: the two agree)."""
     if isinstance(v, str):
-        a, b = encode_basestring(v), encode_basestring_ascii(v)
+        a = encode_basestring(v)
+        if v.isascii() and "\x7f" not in v:
+            return (a,)
+        b = encode_basestring_ascii(v)
         return (a,) if a == b else (a, b)
     if v is None or v is True or v is False:
         return _CONSTANTS[v]
@@ -214,37 +221,65 @@ def _forms(v) -> Tuple[str, ...]:
 
 _CONSTANTS = {None: ("null",), True: ("true",), False: ("false",)}
 
+# what an item of the check is (:func:`items_of`): a name (looked for from its message's place,
+# which it does not move), a message's own text (content, reasoning: it may hold a user's JSON),
+# a tool call's argument
+_NAME, _OWN, _ARG = 0, 1, 2
+
 
 def items_of(conv: Conversation, reasoning_required: Sequence[int], policy: LossPolicy, text_calls: bool = False):
     """``(ordered, anywhere)``: ``(field, what, forms)`` of every text the rendering must hold
     (``text_calls``: the template writes call arguments as text, :mod:`.call_text`). A message's
     ``name`` is ordered, as ``"<role> name"``, before its message's texts (it is looked for from
     where the message begins, and does not move that place: a template may write it before or
-    after the content)."""
+    after the content). The check itself walks the same items without naming them
+    (:func:`_items`); a name is made for the error alone (:func:`_described`)."""
+    ordered, anywhere = _items(conv, reasoning_required, policy, text_calls)
+    return ([_described(conv, item) for item in ordered], [_described(conv, item) for item in anywhere])
+
+
+def _items(conv: Conversation, reasoning_required: Sequence[int], policy: LossPolicy, text_calls: bool):
+    """:func:`items_of`'s items as ``(kind, k, j, forms)``: ``kind`` one of ``_NAME``, ``_OWN``,
+    ``_ARG``; ``k`` the message (``-1 - i`` for tool ``i``); ``j`` the call (None, or ``-1`` for
+    a message's own name, ``-2`` for its reasoning)."""
     leaves = text_leaves if text_calls else json_leaves
     ordered, anywhere = [], []
     called: set = set()   # names of the calls of the last assistant turn that made some
+    keep_reasoning = policy.reasoning != "drop"
     for k, m in enumerate(conv.messages):
-        where = conv.where(k)
         role = m["role"]
-        if m.get("tool_calls"):
-            called = {c["function"]["name"] for c in m["tool_calls"]}
+        calls = m.get("tool_calls")
+        if calls:
+            called = {c["function"]["name"] for c in calls}
         name = m.get("name")
         if name and not (role == "tool" and name in called):
-            ordered.append((f"{where}.name", f"{role} name", (name,)))
-        if role == "assistant" and "reasoning_content" in m and k in reasoning_required \
-                and policy.reasoning != "drop":
-            ordered.append((where, "reasoning", (m["reasoning_content"].strip(),)))
+            ordered.append((_NAME, k, -1, (name,)))
+        if role == "assistant" and "reasoning_content" in m and keep_reasoning and k in reasoning_required:
+            ordered.append((_OWN, k, -2, (m["reasoning_content"].strip(),)))
         text = m["content"].strip()
         if text:
-            (anywhere if role == "system" else ordered).append((where, f"{role} content", (text,)))
-        for j, call in enumerate(m.get("tool_calls") or ()):
-            w = f"{where}.tool_calls[{j}]"
-            ordered.append((w, "tool-call name", (call["function"]["name"],)))
-            ordered.extend((w, "tool-call argument", forms) for forms in leaves(call["function"]["arguments"]))
+            (anywhere if role == "system" else ordered).append((_OWN, k, None, (text,)))
+        for j, call in enumerate(calls or ()):
+            ordered.append((_NAME, k, j, (call["function"]["name"],)))
+            ordered += [(_ARG, k, j, forms) for forms in leaves(call["function"]["arguments"])]
     for i, tool in enumerate(conv.tools or ()):
-        anywhere.append((f"tools[{i}]", "tool name", (tool["function"]["name"],)))
+        anywhere.append((_NAME, -1 - i, None, (tool["function"]["name"],)))
     return ordered, anywhere
+
+
+def _described(conv: Conversation, item) -> Tuple[str, str, Tuple[str, ...]]:
+    """``(field, what, forms)`` of an item of :func:`_items`, as errors name it."""
+    kind, k, j, forms = item
+    if k < 0:
+        return f"tools[{-1 - k}]", "tool name", forms
+    where, role = conv.where(k), conv.messages[k]["role"]
+    if j == -1:
+        return f"{where}.name", f"{role} name", forms
+    if j == -2:
+        return where, "reasoning", forms
+    if j is None:
+        return where, f"{role} content", forms
+    return f"{where}.tool_calls[{j}]", "tool-call name" if kind == _NAME else "tool-call argument", forms
 
 
 def check_rendered(text: str, conv: Conversation, reasoning_required: Sequence[int], policy: LossPolicy,
@@ -264,22 +299,35 @@ def check_rendered(text: str, conv: Conversation, reasoning_required: Sequence[i
     """
     if conv.plain and _plain_rendered(text, conv.messages):
         return
-    ordered, anywhere = items_of(conv, reasoning_required, policy, call_text is not None)
+    ordered, anywhere = _items(conv, reasoning_required, policy, call_text is not None)
     own: List[Tuple[int, int]] = []   # where a message's text holding a "name" key was rendered
     pos = 0
-    for where, what, forms in ordered:
-        found = _find(text, forms, pos)
+    find = text.find
+    for item in ordered:
+        forms = item[3]
+        if len(forms) == 1:   # (most items: _find's first step, inline)
+            form = forms[0]
+            at = find(form, pos)
+            found = at + len(form) if at >= 0 else _find(text, forms, pos)
+        else:
+            found = _find(text, forms, pos)
         if found < 0:
+            where, what, _ = _described(conv, item)
             raise _dropped(where, what, _find(text, forms, 0) >= 0, path, line)
-        if what.endswith(" name"):
+        kind = item[0]
+        if kind == _NAME:
             continue   # (in its message's place, which it does not move)
         pos = found
-        _own_span(text, what, forms, found, own)
-    for where, what, forms in anywhere:
+        if kind == _OWN:
+            _own_span(text, forms, found, own)
+    for item in anywhere:
+        forms = item[3]
         found = _find(text, forms, 0)
         if found < 0:
+            where, what, _ = _described(conv, item)
             raise _dropped(where, what, False, path, line)
-        _own_span(text, what, forms, found, own)
+        if item[0] == _OWN:
+            _own_span(text, forms, found, own)
     # and nothing the source does not hold (JSON in a message's own text is not a call or definition)
     if call_text is not None and (conv.source_calls or any("tool_calls" in m for m in conv.messages)):
         check_text_calls(text, conv.source_calls, call_text, path, line, *_own_texts(conv))
@@ -322,15 +370,15 @@ def read_back_all(queued: Sequence[tuple]) -> None:
         check_rendered_tools(*args)
 
 
-def _own_span(text: str, what: str, forms: Sequence[str], end: int, own: List[Tuple[int, int]]) -> None:
-    """Add where a message's text (a user's, a tool result's, a reply's, reasoning) ending at ``end`` was
-    rendered as written, when it holds a ``"name"`` key: JSON a user pastes is the user's text,
-    not a tool call or definition the template wrote (:func:`.accounting.check_rendered_tools`)."""
-    if what == "reasoning" or what.endswith(" content"):
-        for form in forms:
-            if '"name"' in form and text.startswith(form, end - len(form)):
-                own.append((end - len(form), end))
-                return
+def _own_span(text: str, forms: Sequence[str], end: int, own: List[Tuple[int, int]]) -> None:
+    """Add where a message's text (a user's, a tool result's, a reply's content, reasoning) ending
+    at ``end`` was rendered as written, when it holds a ``"name"`` key: JSON a user pastes is the
+    user's text, not a tool call or definition the template wrote
+    (:func:`.accounting.check_rendered_tools`)."""
+    for form in forms:
+        if '"name"' in form and text.startswith(form, end - len(form)):
+            own.append((end - len(form), end))
+            return
 
 
 def _plain_rendered(text: str, messages: List[dict]) -> bool:

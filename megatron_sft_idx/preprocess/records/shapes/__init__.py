@@ -50,7 +50,7 @@ module              holds
 ==================  ===========================================================================
 """
 
-from .base import check_json_texts, check_text, drop_nulls, split_inline_reasoning, turns
+from .base import check_json_texts, check_text, drop_nulls, split_inline_reasoning, surrogate_free, turns
 from .chat import CHAT_ROLES, as_conversation
 from .conversation import REASONING_TAGS, Conversation, SchemaOptions
 from .keys import (APPLIED_RULES, CALL_ID_MINTED, CALL_ID_REPLACED, DECODED_TWICE, HISTORY_REASONING, IGNORE_RULES, METADATA_FLAGS, METADATA_KEYS, NO_TEXT_KEYS,
@@ -63,4 +63,5 @@ from .tokens import token_record
 __all__ = ["APPLIED_RULES", "CALL_ID_MINTED", "CALL_ID_REPLACED", "CHAT_ROLES", "Conversation", "DECODED_TWICE", "HISTORY_REASONING", "IGNORE_RULES", "KINDS",
            "METADATA_FLAGS", "METADATA_KEYS", "Mapper", "NO_TEXT_KEYS", "REASONING_SWITCHES", "REASONING_TAGS",
            "SHAPE_FIELDS", "SHAREGPT_ROLES", "SYSTEM_KEYS", "TRAINING_FLAGS", "SchemaOptions", "account_keys", "as_conversation", "check_json_texts", "check_text",
-           "detect", "drop_nulls", "ignore_rule", "map_record", "split_inline_reasoning", "token_record", "turns"]
+           "detect", "drop_nulls", "ignore_rule", "map_record", "split_inline_reasoning", "surrogate_free",
+           "token_record", "turns"]

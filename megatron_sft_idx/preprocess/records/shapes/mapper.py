@@ -12,7 +12,8 @@ from typing import Dict, FrozenSet, List, Optional
 from ....errors import MetadataError, MetadataLimitError
 from ....jsondoc import parse_record_json
 from ..errors import duplicate_key, input_error
-from .base import check_json_texts, check_text, drop_nulls, may_hold_null, present, split_inline_reasoning
+from .base import (check_json_texts, check_text, drop_nulls, may_hold_null, present, split_inline_reasoning,
+                   surrogate_free)
 from .conversation import Conversation, SchemaOptions
 from .keys import DECODED_TWICE, REASONING_SWITCHES, SYSTEM_KEYS
 
@@ -40,6 +41,8 @@ class Mapper:
         self.path, self.line, self.opts = path, line, opts
         self.ignored = ignored   # counts of fields ignored by --ignore-field, as "ignore-field:messages[].id"
         self.nulls = True        # the record may hold a null (False: its JSON text has none)
+        self.raw = None          # the record's bytes as read, if any (for :meth:`surrogate_free`)
+        self._free: Optional[bool] = None
         self.maybe_reasoning = _maybe_reasoning(opts.reasoning_tags[0])
         self.messages: List[dict] = []
         self.fields: list = []
@@ -47,6 +50,13 @@ class Mapper:
         self.inline: Dict[int, str] = {}
         self.plain = True   # every message so far was taken by a fast path as {"role", "content"}
         self.calls: list = []   # each tool call as the record gives it, before any mapping
+
+    def surrogate_free(self) -> bool:
+        """True when no value of the record can hold a lone surrogate (:func:`.base.surrogate_free`
+        of its bytes, asked once, and only of a record that gives JSON values: tool calls, tools)."""
+        if self._free is None:
+            self._free = surrogate_free(self.raw)
+        return self._free
 
     def error(self, message: str, where: Optional[str], reason: str, hint: Optional[str] = None):
         return input_error(message, self.path, self.line, field=where, reason=reason,
@@ -227,7 +237,8 @@ class Mapper:
             nulls, text = may_hold_null(value)
             if nulls:
                 value = drop_nulls(value)
-        check_json_texts(value, self.path, self.line, where, text)
+        if not self.surrogate_free():
+            check_json_texts(value, self.path, self.line, where, text)
         return value
 
     def decoded_twice(self, text: str, where: str) -> dict:
@@ -281,7 +292,8 @@ class Mapper:
                                  "'function')", w, "bad_tool_call")
             if not isinstance(fn.get("name"), str) or not fn["name"]:
                 raise self.error(f"'{w}' needs a function name", w + ".name", "bad_tool_call")
-            check_json_texts(tool, self.path, self.line, w, text)   # (the wrapper added only ASCII keys)
+            if not self.surrogate_free():   # (the wrapper added only ASCII keys)
+                check_json_texts(tool, self.path, self.line, w, text)
             out.append(tool)
         return out or None
 

@@ -47,19 +47,21 @@ def detect(record: dict, prompt_key: str) -> Optional[str]:
 
 
 def map_record(kind: str, record: dict, path: str, line: int, opts: SchemaOptions, detected: bool = False,
-               ignored: Optional[Dict[str, int]] = None, nulls: bool = True):
+               ignored: Optional[Dict[str, int]] = None, nulls: bool = True, raw=None):
     """``(kind, payload)``: ``("chat", Conversation)``, ``("prompt", (prompt, completion))`` for a
     raw prompt/completion, or ``("tokens", (input_ids, loss_mask, answer_start_idx))``. A ``detected``
     kind (``--input-format auto``) is refused when the record also holds another shape's keys.
     Every record-level key is accounted for (:func:`.keys.account_keys`); ``ignored`` counts, per
     ``rule:key``, the keys ignored by a rule. ``nulls=False`` says the record holds no null
-    (its JSON text has no ``null``), so none is looked for.
+    (its JSON text has no ``null``), so none is looked for; ``raw``: its bytes as read, which may prove
+    that no value of it holds a lone surrogate (:func:`.base.surrogate_free`, asked only of a record
+    with tool calls or tools), so its JSON values are not walked for one.
 
     Raises:
         InputError: see :mod:`megatron_sft_idx.preprocess.records.shapes`; ``reason`` is the skip-count key.
     """
     m = Mapper(path, line, opts, ignored)
-    m.nulls = nulls
+    m.nulls, m.raw = nulls, raw
     # (a kind named by --input-format is the user's choice; only a detected one can be ambiguous)
     if detected and kind in _SHAPE_KEYS and not _MARKERS[kind].isdisjoint(record):
         other = [keys[-1] for keys in _SHAPE_KEYS[kind] if all(present(record.get(k)) for k in keys)]
