@@ -365,7 +365,7 @@ class RecordEncoder:
         turns = trained_turns(conv, loss_on, self.policy)
         require_trainable(conv, turns, self.policy, path, line)
         try:
-            text, spans, opened = self.locator.locate(conv.template_messages, turns, conv.tools,
+            text, spans, notes = self.locator.locate(conv.template_messages, turns, conv.tools,
                                                       plain=conv.plain)
         except Exception as exc:
             raise template_rejected(exc, path, line) from None
@@ -374,9 +374,9 @@ class RecordEncoder:
         text, spans = self.tok.stops.extend(conv.template_messages, text, spans, path, line)
         first = len(queued)
         try:
-            check_rendered(text, conv, reasoning_turns(conv, loss_on, self.policy, turns), self.policy, path, line,
-                           queued, self.tok.call_text)
-            return self.tok.refined(text, spans, turns, conv, self.policy, path, line, {"opened": opened}), text
+            required = [k for k in reasoning_turns(conv, loss_on, self.policy, turns) if k not in notes["dropped"]]
+            check_rendered(text, conv, required, self.policy, path, line, queued, self.tok.call_text)
+            return self.tok.refined(text, spans, turns, conv, self.policy, path, line, notes), text
         except InputError:
             del queued[first:]
             return None, text

@@ -17,17 +17,20 @@ What that position means -- that ``render(messages[:j])`` is the rendering up to
 documented thinking rules -- is not something a recording can see: it is qualified per template
 and per feature on probe conversations by :class:`.spans.SpanLocator` (with the rules the
 reference applies: the generation prompt's opened block counted as prompt, the final turn's
-block taken as the history shows it), and :func:`history_safe` keeps away, per conversation,
-from the one thing those templates do with what they read first: render an assistant message
-after the last user turn otherwise than before it (reasoning kept or dropped, an empty block
-inserted). A conversation where a later user turn turns such a message into history under a
-trained turn -- or a trained turn with reasoning into history -- goes to the reference.
+block taken as the history shows it), and :func:`history_turns` keeps away, per conversation, from
+the one thing those templates do with what they read first: render an assistant message after the
+last user turn otherwise than before it (reasoning kept or dropped, an empty block inserted). A
+conversation where a later user turn turns such a message into history under a trained turn goes to
+the reference; a trained turn with reasoning (a field, or one block opening its content) a later
+user turn makes history is spanned as the rendering shows it, and the locator reads from that
+rendering whether the template dropped the reasoning (the reference's ``dropped`` note: the turn's
+span holds neither its reasoning nor an opening tag, on a template whose probes showed that drop).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import List, Optional, Sequence
+from typing import FrozenSet, List, Optional, Sequence, Tuple
 
 _REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 
@@ -45,10 +48,11 @@ class MainPassRecorder:
         self.ahead: set = set()   # messages whose body (in the latest pass) looked at what follows them
 
     def looked_ahead(self, messages, turns: Sequence[int], tags: Sequence[str]) -> bool:
-        """True when the main pass rendered a trained turn that has reasoning and is not the last
-        message after looking at what follows it (``loop.last``, ``loop.nextitem``, a later index:
-        QwQ's template strips the reasoning of every turn but the last): the reference takes such
-        a turn's reasoning as dropped from the history, a note this method does not give."""
+        """True when the main pass rendered a trained turn of ``turns`` that has reasoning and is
+        not the last message after looking at what follows it (``loop.last``, ``loop.nextitem``, a
+        later index: QwQ's template strips the reasoning of every turn but the last): the reference
+        may take such a turn's reasoning as dropped from the history, a note the locator gives only
+        for the turns a later user turn makes history (the caller leaves those out of ``turns``)."""
         last = len(messages) - 1
         return any(k < last and k in self.ahead and _reasons(messages[k], tags) for k in turns)
 
@@ -193,32 +197,63 @@ def wrap(messages, rec: MainPassRecorder) -> _Messages:
     return out
 
 
-def history_safe(messages, turns: Sequence[int], tags: Sequence[str]) -> bool:
-    """False when the rendering of a trained turn's prefix may show as the latest exchange what
-    the conversation shows as history, beyond the reference's rules: an assistant message right
-    before the turn, or between it and the last user turn before it while a user turn follows; the
-    turn's own reasoning while a user turn follows; a turn before the last message whose content
-    starts with whitespace (Qwen3 strips it from the final turn only, QwQ from the history only;
-    the rule taking the final turn's empty block out takes the whitespace after it too). Which
-    user messages the template counts as a new query is the template's (Qwen's skip one holding a
+def history_turns(messages, turns: Sequence[int], tags: Sequence[str]) -> Optional[FrozenSet[int]]:
+    """The trained turns whose reasoning a later user turn makes history (the template may drop
+    it: :meth:`.spans.SpanLocator.locate` reads from the rendering whether it did, and notes it as
+    the reference does), or None when the rendering of a trained turn's prefix may show as the
+    latest exchange what the conversation shows as history, beyond the reference's rules: an
+    assistant message right before the turn, or between it and the last user turn before it while
+    a user turn follows; the turn's reasoning, a user turn following, in no form
+    :func:`history_reasoning` reads; a turn before the last message whose content starts with
+    whitespace (Qwen3 strips it from the final turn only, QwQ from the history only; the rule
+    taking the final turn's empty block out takes the whitespace after it too). Which user
+    messages the template counts as a new query is the template's (Qwen's skip one holding a
     wrapped ``<tool_response>``): the last query before a turn is taken as late as only a plain
     user message makes it, the last one overall as late as any user message makes it."""
     roles = [m["role"] for m in messages]
     users = [i for i, r in enumerate(roles) if r == "user"]
     last_user = users[-1] if users else -1
     last = len(messages) - 1
+    history = []
     for k in turns:
         if k and roles[k - 1] == "assistant":
-            return False
+            return None
         content = messages[k].get("content")
         if k < last and isinstance(content, str) and content[:1].isspace():
-            return False
+            return None
         if last_user < k:
             continue
         query = max((i for i in users if i < k and _plain_query(messages[i])), default=-1)
-        if any(roles[i] == "assistant" for i in range(query + 1, k)) or _reasons(messages[k], tags):
-            return False
-    return True
+        if any(roles[i] == "assistant" for i in range(query + 1, k)):
+            return None
+        if _reasons(messages[k], tags):
+            if history_reasoning(messages[k], tags) is None:
+                return None
+            history.append(k)
+    return frozenset(history)
+
+
+def history_reasoning(message, tags: Sequence[str]) -> Optional[Tuple[str, str]]:
+    """``(reasoning, answer)`` of a message with reasoning, both stripped: a field's and the
+    content; or, written inline (a template with no reasoning field: QwQ), the one block the
+    content opens with and what follows it. None when it is neither (a blank field, a field and
+    a tag in the content, a block elsewhere or not closed, more than one)."""
+    opening, closing = tags
+    content = message.get("content")
+    if not isinstance(content, str):
+        return None
+    field = [message[key] for key in _REASONING_KEYS if message.get(key)]
+    if field:
+        if len(field) > 1 or not isinstance(field[0], str) or not field[0].strip() or opening in content \
+                or closing in content:
+            return None
+        return field[0].strip(), content.strip()
+    text = content.strip()
+    close = text.find(closing)
+    if not text.startswith(opening) or close < 0 or text.count(opening) > 1 or text.count(closing) > 1:
+        return None
+    reasoning = text[len(opening):close].strip()
+    return (reasoning, text[close + len(closing):].strip()) if reasoning else None
 
 
 def _plain_query(message) -> bool:

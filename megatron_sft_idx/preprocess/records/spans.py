@@ -39,9 +39,11 @@ A template that counts the messages or looks back before rendering (the thinking
 its *main pass* instead (:mod:`.main_pass`: where its loop hands each message to the body) and
 qualified the same way, the reference's thinking rules applied on both sides (the generation
 prompt's opened block counted as prompt, the notes compared); per conversation,
-:func:`.main_pass.history_safe` and :meth:`.main_pass.MainPassRecorder.looked_ahead` send what the
-rules do not cover to the reference. A template qualified the first way uses the main pass for
-the conversations holding a feature only that method qualified (:attr:`SpanLocator.wider`).
+:func:`.main_pass.history_turns` and :meth:`.main_pass.MainPassRecorder.looked_ahead` send what the
+rules do not cover to the reference; a trained turn whose reasoning a later user turn drops from
+the history is spanned as the rendering shows it, with the reference's ``dropped`` note. A
+template qualified the first way uses the main pass for the conversations holding a feature only
+that method qualified (:attr:`SpanLocator.wider`).
 
 What the recorder cannot see is output a template holds back (in a namespace variable or
 a ``set`` block) and writes after it looked at a later message; the generation-prompt and
@@ -54,7 +56,7 @@ from __future__ import annotations
 from typing import FrozenSet, List, Optional, Tuple
 
 from .errors import InputError
-from .main_pass import MainPassRecorder, history_safe, recording_template, wrap as wrap_main_pass
+from .main_pass import MainPassRecorder, history_reasoning, history_turns, recording_template, wrap as wrap_main_pass
 from .policy import DEFAULT_POLICY, LossPolicy, without_opened_block
 from .rendering import adapt
 from .shapes import Conversation
@@ -194,6 +196,9 @@ class SpanLocator:
         #: the template counts or looks back, and its main pass is recorded (:mod:`.main_pass`)
         self.lookback = False
         self._main_pass = None
+        #: the template drops the history's reasoning, as the reference notes it, on a probe the
+        #: method agreed on (:meth:`locate` notes a drop only then)
+        self.drops_history = False
         #: for a template qualified without its main pass: the main-pass method, for conversations
         #: holding a feature only that method qualified (MiniMax-M3's tool calls and results)
         self.wider: Optional["SpanLocator"] = None
@@ -217,7 +222,8 @@ class SpanLocator:
 
     def render_recorded(self, messages, tools=None, turns=()) -> Tuple[str, Optional[List[int]]]:
         """The full rendering and, when safe, the position where each message's output begins
-        (``turns``: the trained turns, for :meth:`.main_pass.MainPassRecorder.looked_ahead`)."""
+        (``turns``: the trained turns, for :meth:`.main_pass.MainPassRecorder.looked_ahead`, but
+        those whose reasoning :meth:`locate` reads from the rendering)."""
         if self.lookback:
             return self._render_main_pass(messages, tools, turns)
         rec = _Recorder(len(messages))
@@ -249,56 +255,72 @@ class SpanLocator:
         return text, first
 
     def locate(self, messages, turns: List[int], tools=None, every_feature: bool = False, plain: bool = False
-               ) -> Tuple[str, Optional[List[Tuple[int, int]]], FrozenSet[int]]:
-        """``(full rendering, spans, opened)`` of the assistant messages at ``turns``; spans None
+               ) -> Tuple[str, Optional[List[Tuple[int, int]]], dict]:
+        """``(full rendering, spans, notes)`` of the assistant messages at ``turns``; spans None
         when the one-render method cannot vouch for this conversation (use the reference; the
-        text is then "" when nothing was rendered); ``opened``: the turns whose generation prompt's
-        opened block was counted as prompt (the reference's rule, :meth:`.chat.ChatTokenizer.prefix_spans`);
-        ``every_feature`` (the probes) skips the test that the conversation holds only qualified features;
-        ``plain``: as :func:`features` takes it.
+        text is then "" when nothing was rendered); ``notes`` as the reference's
+        (:meth:`.chat.ChatTokenizer.prefix_spans`): ``opened``, the turns whose generation prompt's
+        opened block was counted as prompt, and ``dropped``, the turns whose reasoning the template
+        drops from the history (a later user turn follows; the turn's span shows neither its
+        reasoning nor the opening tag); ``every_feature`` (the probes) skips the test that the
+        conversation holds only qualified features; ``plain``: as :func:`features` takes it.
 
         Raises:
             Exception: whatever the template raises (the caller reports it as the reference does).
         """
         if not every_feature and not features(messages, tools, self.policy.tags[0], plain) <= self.qualified:
-            return ("", None, frozenset()) if self.wider is None else self.wider.locate(messages, turns, tools,
-                                                                                          plain=plain)
-        if self.lookback and not history_safe(messages, turns, self.policy.tags):
-            return "", None, frozenset()
-        text, starts = self.render_recorded(messages, tools, turns)
+            return ("", None, {}) if self.wider is None else self.wider.locate(messages, turns, tools, plain=plain)
+        history = frozenset()
+        if self.lookback:
+            history = history_turns(messages, turns, self.policy.tags)
+            if history is None:
+                return "", None, {}
+        text, starts = self.render_recorded(messages, tools, [k for k in turns if k not in history])
         if starts is None:
-            return text, None, frozenset()
+            return text, None, {}
         g = self.generation_prompt
-        spans, opened = [], set()
+        opening = self.policy.tags[0]
+        spans, opened, dropped = [], set(), set()
         for k in turns:
             if k == 0:
                 # (with tools, the empty prefix would hold the tool definitions; a template that looks
                 # back may refuse a conversation of one assistant message, as Qwen's do)
                 if tools is not None or self.lookback:
-                    return text, None, frozenset()
+                    return text, None, {}
                 begin = len(self.empty_prefix)
                 if not text.startswith(self.empty_prefix):
-                    return text, None, frozenset()
+                    return text, None, {}
             elif text.startswith(g, starts[k]):
                 begin = starts[k] + len(g)
             else:   # (the reference's rule: a generation prompt's opened block the turn omits is prompt)
                 head = without_opened_block(text[:starts[k]] + g, *self.policy.tags) if self.lookback else None
                 if head is None or not text.startswith(head):
-                    return text, None, frozenset()
+                    return text, None, {}
                 begin = len(head)
                 opened.add(k)
             end = starts[k + 1] if k + 1 < len(messages) else len(text)
             if end < begin:
-                return text, None, frozenset()
+                return text, None, {}
             while end > begin and text[end - 1].isspace():
                 end -= 1
             content = messages[k]["content"]
-            if isinstance(content, str) and content.strip() not in text[begin:end]:
-                return text, None, frozenset()
+            if k in history:
+                reasoning, answer = history_reasoning(messages[k], self.policy.tags)
+                if reasoning not in text[begin:end]:
+                    if opening in text[begin:end] or not (every_feature or self.drops_history):
+                        return text, None, {}   # (a block, but not the turn's reasoning: beyond the rules)
+                    dropped.add(k)   # (the reference's rule: reasoning the template drops from the history)
+                    content = answer
+            if isinstance(content, str):
+                content = content.strip()
+                if content.startswith(opening) and text.endswith(opening, 0, len(text[:begin].rstrip())):
+                    content = content[len(opening):].strip()   # (the block opened in the generation prompt)
+                if content not in text[begin:end]:
+                    return text, None, {}
             if any(c["function"]["name"] not in text[begin:end] for c in messages[k].get("tool_calls") or ()):
-                return text, None, frozenset()
+                return text, None, {}
             spans.append((begin, end))
-        return text, spans, frozenset(opened)
+        return text, spans, {"opened": opened, "dropped": dropped}
 
     # ------------------------------------------------------------ per-template qualification
 
@@ -320,7 +342,7 @@ class SpanLocator:
         self.generation_prompt = prompts.pop()
         probes = _probe_conversations()
         verdicts = [self._agrees(messages) for messages in probes]
-        if self.lookback:   # (history_safe declines some shapes by rule; the method must agree on the
+        if self.lookback:   # (history_turns declines some shapes by rule; the method must agree on the
             # reference's spans of conversations of several turns, not only of one)
             several = sum(v == "agrees" and sum(m["role"] == "assistant" for m in messages) > 1
                           for v, messages in zip(verdicts, probes))
@@ -368,7 +390,7 @@ class SpanLocator:
         except Exception:
             want = None
         try:
-            got_text, got, opened = self.locate(messages, turns, tools, every_feature=True)
+            got_text, got, got_notes = self.locate(messages, turns, tools, every_feature=True)
             starts = None if self.lookback else self.render_recorded(messages, tools)[1]
         except Exception:
             return "differs"
@@ -376,9 +398,11 @@ class SpanLocator:
             if got_text and got_text != text:
                 return "differs"
             return "rejected" if want is None else "declined"
-        if got_text != text or got != want or opened != notes.get("opened", set()) or notes.get("dropped"):
+        if got_text != text or got != want or any(got_notes.get(n, set()) != notes.get(n, set())
+                                                  for n in ("opened", "dropped")):
             return "differs"
         if self.lookback:
+            self.drops_history = self.drops_history or bool(notes.get("dropped"))
             return "agrees"   # (its prefixes render otherwise by the documented rules: the spans are the proof)
         for j in range(1, len(messages)):
             try:
