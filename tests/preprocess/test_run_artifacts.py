@@ -25,7 +25,7 @@ import pytest
 
 from megatron_sft_idx.builder import IndexedDatasetBuilder
 from megatron_sft_idx.errors import ShardError
-from megatron_sft_idx.preprocess import driver
+from megatron_sft_idx.preprocess import stages
 from megatron_sft_idx.preprocess.materialize import MaterializeStep
 from megatron_sft_idx.preprocess import Config, RepackConfig, repack, run
 from megatron_sft_idx.preprocess.planfile import HEADER, HEADER_SIZE, PackPlan
@@ -67,7 +67,7 @@ def interrupted(monkeypatch, out, where, **kw):
         if where == "materialize":
             m.setattr(MaterializeStep, "run", stop)
         else:
-            m.setattr(driver, "publish", stop)
+            m.setattr(stages, "publish", stop)
         with pytest.raises(Stop):
             preprocess(out, **kw)
     assert files_of(out) == {}

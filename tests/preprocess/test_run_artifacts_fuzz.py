@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from megatron_sft_idx.errors import ShardError
-from megatron_sft_idx.preprocess import driver
+from megatron_sft_idx.preprocess import stages
 from megatron_sft_idx.preprocess import Config, RepackConfig, repack, run
 from megatron_sft_idx.preprocess.planfile import HEADER, HEADER_SIZE, PackPlan
 from megatron_sft_idx.preprocess.store import SequenceStore
@@ -87,17 +87,17 @@ def world(tmp_path_factory):
         run(Config(inputs=["in.jsonl"], output_prefix=str(d / "ref" / "ds"), store=str(d / "store"), **SETTINGS))
         repack(RepackConfig(store=str(d / "store"), output_prefix=None, plan_only=str(d / "v.plan"), pack_size=1024,
                             split=[90, 10], max_packs_per_shard=20, progress=False))
-        real = driver.publish
+        real = stages.publish
 
         def stop(*a, **k):
             raise Stop()
 
-        driver.publish = stop
+        stages.publish = stop
         try:
             with pytest.raises(Stop):
                 run(Config(inputs=["in.jsonl"], output_prefix=str(d / "out" / "ds"), **SETTINGS))
         finally:
-            driver.publish = real
+            stages.publish = real
     finally:
         os.chdir(cwd)
     shutil.copytree(d / "out" / ".ds.preprocess", d / "pristine")
