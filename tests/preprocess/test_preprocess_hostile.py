@@ -195,6 +195,27 @@ def test_lone_surrogates_in_tool_values_are_refused(tmp_path, name):
     assert e.value.reason == "invalid_unicode"
 
 
+#: a lone surrogate that a JSON string inside the record spells only once decoded: the inner
+#: escape's backslash, ``u`` or ``d`` written as an escape itself, so that the record's bytes hold
+#: no ``\\ud`` (the escape of the inner escape's backslash, of its ``u``, of its ``d`` / ``D``)
+SPELLED_SURROGATES = {"backslash": r"\u005Cud800", "backslash_lower": r"\u005cudbff", "u": r"\\\u0075d800",
+                      "d": r"\\u\u0064800", "D": r"\\u\u0044C00"}
+
+
+@pytest.mark.parametrize("name", sorted(SPELLED_SURROGATES))
+def test_a_surrogate_spelled_by_escapes_in_a_json_string_is_refused(tmp_path, name):
+    from megatron_sft_idx.preprocess.records.shapes import surrogate_free
+
+    line = _tool_record(json.dumps({"k": "vXX"}), _TOOLS).replace("XX", SPELLED_SURROGATES[name])
+    arguments = json.loads(json.loads(line)["messages"][1]["tool_calls"][0]["function"]["arguments"])
+    assert any(0xD800 <= ord(c) <= 0xDFFF for c in arguments["k"])   # (the case spells one)
+    assert not surrogate_free(line.encode())
+    path = write(tmp_path / "s.jsonl", [GOOD, line])
+    with pytest.raises(InputError, match="holds a lone UTF-16") as e:
+        run(cfg(tmp_path, path))
+    assert e.value.reason == "invalid_unicode"
+
+
 def test_cesu8_surrogate_bytes_in_tool_arguments_are_refused(tmp_path):
     path = tmp_path / "c.jsonl"
     with open(path, "wb") as f:

@@ -4,7 +4,6 @@ values (``None`` and empty ones), nulls dropped from JSON values, turns, inline 
 from __future__ import annotations
 
 import json
-import re
 from typing import Optional, Tuple
 
 from ..errors import input_error
@@ -97,15 +96,12 @@ def surrogate_free(raw) -> bool:
     lone surrogate, at any depth of JSON strings inside it: its bytes are read as UTF-8 (an
     object's ``{`` then no NUL: :func:`~megatron_sft_idx.jsondoc.parse_record_json`) and hold no
     0xED byte (a surrogate's UTF-8 lead byte, which ``surrogatepass`` would let through) and no
-    ``\\ud`` or ``\\uD`` (the escape of one; an escape inside a JSON string inside the record
-    ends with the same three characters). Then :func:`check_json_texts` has nothing to find and is
-    not made; anything else is checked as before (a false alarm costs only the check)."""
-    return (type(raw) is bytes and raw[:1] == b"{" and raw[1:2] != b"\0" and b"\xed" not in raw
-            and _SURROGATE_ESCAPE.search(raw) is None)
-
-
-#: the escape of a surrogate in a JSON text (:func:`surrogate_free`; one search, faster than two ``in``)
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD]")
+    ``\\u`` at all. Not only ``\\ud``: a JSON string inside the record, decoded again, can spell
+    an escape whose backslash, ``u`` or ``d`` is itself an escape (``\\u005Cud800``,
+    ``\\\\\\u0075d800``); every such spelling, at every depth, leaves a backslash before a ``u`` in
+    the record's bytes. Then :func:`check_json_texts` has nothing to find and is not made;
+    anything else is checked as before (a false alarm costs only the check)."""
+    return type(raw) is bytes and raw[:1] == b"{" and raw[1:2] != b"\0" and b"\xed" not in raw and b"\\u" not in raw
 
 
 def may_hold_null(value) -> Tuple[bool, Optional[str]]:
