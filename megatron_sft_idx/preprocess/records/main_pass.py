@@ -32,6 +32,8 @@ from __future__ import annotations
 import functools
 from typing import FrozenSet, List, Optional, Sequence, Tuple
 
+from .shapes import split_inline_reasoning
+
 _REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 
 
@@ -249,11 +251,10 @@ def history_reasoning(message, tags: Sequence[str]) -> Optional[Tuple[str, str]]
             return None
         return field[0].strip(), content.strip()
     text = content.strip()
-    close = text.find(closing)
-    if not text.startswith(opening) or close < 0 or text.count(opening) > 1 or text.count(closing) > 1:
+    split = split_inline_reasoning(text, opening, closing)
+    if split is None or text.count(opening) > 1 or text.count(closing) > 1 or not split[0].strip():
         return None
-    reasoning = text[len(opening):close].strip()
-    return (reasoning, text[close + len(closing):].strip()) if reasoning else None
+    return split[0].strip(), split[1].strip()
 
 
 def _plain_query(message) -> bool:
