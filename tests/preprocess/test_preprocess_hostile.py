@@ -144,13 +144,17 @@ def test_the_cli_counts_100k_deep_arguments_under_skip_bad_and_names_the_line_wi
     assert rc == 1 and len(err) == 1 and f"{path}:3: " in err[0] and "RecursionError" not in err[0], err
 
 
-@pytest.mark.parametrize("name", sorted(SURROGATES))
-def test_lone_surrogates_are_refused_before_the_tokenizer(tmp_path, name):
-    line, field = SURROGATES[name]
+def assert_refused_as_lone_surrogate(tmp_path, line, field):
+    """A run of a good record then ``line`` stops at line 2, naming ``field`` and the rule."""
     path = write(tmp_path / "s.jsonl", [GOOD, line])
     with pytest.raises(InputError, match=f"^{re.escape(path)}:2: '{re.escape(field)}' holds a lone UTF-16") as e:
         run(cfg(tmp_path, path))
     assert e.value.reason == "invalid_unicode"
+
+
+@pytest.mark.parametrize("name", sorted(SURROGATES))
+def test_lone_surrogates_are_refused_before_the_tokenizer(tmp_path, name):
+    assert_refused_as_lone_surrogate(tmp_path, *SURROGATES[name])
 
 
 def test_cesu8_surrogate_bytes_are_refused_too_and_real_pairs_are_fine(tmp_path):
@@ -189,10 +193,7 @@ TOOL_SURROGATES = {
 def test_lone_surrogates_in_tool_values_are_refused(tmp_path, name):
     line, field = TOOL_SURROGATES[name]
     line = line.replace("\\\\u", "\\u")   # (json.dumps escaped the test's backslash: the escape itself)
-    path = write(tmp_path / "s.jsonl", [GOOD, line])
-    with pytest.raises(InputError, match=f"^{re.escape(path)}:2: '{re.escape(field)}' holds a lone UTF-16") as e:
-        run(cfg(tmp_path, path))
-    assert e.value.reason == "invalid_unicode"
+    assert_refused_as_lone_surrogate(tmp_path, line, field)
 
 
 #: a lone surrogate that a JSON string inside the record spells only once decoded: the inner
@@ -210,10 +211,7 @@ def test_a_surrogate_spelled_by_escapes_in_a_json_string_is_refused(tmp_path, na
     arguments = json.loads(json.loads(line)["messages"][1]["tool_calls"][0]["function"]["arguments"])
     assert any(0xD800 <= ord(c) <= 0xDFFF for c in arguments["k"])   # (the case spells one)
     assert not surrogate_free(line.encode())
-    path = write(tmp_path / "s.jsonl", [GOOD, line])
-    with pytest.raises(InputError, match="holds a lone UTF-16") as e:
-        run(cfg(tmp_path, path))
-    assert e.value.reason == "invalid_unicode"
+    assert_refused_as_lone_surrogate(tmp_path, line, "messages[1].tool_calls[0].function.arguments")
 
 
 def test_cesu8_surrogate_bytes_in_tool_arguments_are_refused(tmp_path):
