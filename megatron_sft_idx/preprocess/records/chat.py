@@ -56,6 +56,7 @@ from .rendering import TemplateTraits, adapt, check_rendered, probe
 from .shapes import Conversation, SchemaOptions, as_conversation
 from .stops import Stops
 from .template_clock import check_template_date, pinned_clock, reads_clock, utc_today
+from .template_compile import compile_template
 from .tokenizer_source import TOKENIZER_FILES, local_tokenizer
 
 LOSS_MODES = ("assistant", "last-turn", "all", "per-turn")
@@ -151,7 +152,7 @@ class ChatTokenizer:
         self.named_templates = dict(self.hf.chat_template) if isinstance(self.hf.chat_template, dict) else {}
         own = self.hf.chat_template if isinstance(self.hf.chat_template, str) else self.named_templates.get("default")
         self.chat_template = chat_template if chat_template is not None else own
-        self.compiled = self._compile(self.chat_template)
+        self.compiled = compile_template(self.chat_template)
         self.template_kwargs = {k: v for k, v in self.hf.special_tokens_map.items() if isinstance(v, str)}
         self.reads_clock = reads_clock(self.chat_template)
         self.template_date = (check_template_date(template_date) if template_date else utc_today()) \
@@ -166,20 +167,6 @@ class ChatTokenizer:
         self.stops = Stops((lambda messages, tools=None: self.render(messages, tools=tools))
                            if self.chat_template is not None else None, self.special_tokens,
                            self.backend.token_to_id, self.hf.eos_token, self.path)
-
-    @staticmethod
-    def _compile(template: Optional[str]):
-        """The template compiled once by transformers' own jinja setup (generation tag,
-        raise_exception, tojson), its output-only generation blocks inlined
-        (:func:`without_inert_generation`), or None to fall back to ``apply_chat_template``."""
-        if template is None:
-            return None
-        try:
-            from transformers.utils.chat_template_utils import _compile_jinja_template
-            compiled = _compile_jinja_template(template)
-        except Exception:  # a private helper: any change in transformers means the public path
-            return None
-        return without_inert_generation(compiled, template)
 
     # ---------------------------------------------------------------- identity
 
@@ -434,47 +421,6 @@ class ChatTokenizer:
 
 
 _LOADED: dict = {}
-
-
-def without_inert_generation(compiled, source: str):
-    """``compiled`` (the template ``source`` compiled by transformers), or the same template
-    compiled again from its syntax tree without the ``{% generation %}`` blocks that only wrap
-    output: the same text, rendered without a macro call per assistant turn (the blocks matter
-    only to ``apply_chat_template(return_assistant_tokens_mask=True)``, which this project never
-    asks of this object; its masks come from prefix renders). A block goes only when its body
-    is output alone (``{{ ... }}`` and text: no assignment, loop or macro whose scope the block's
-    macro would bound, no ``caller``/``varargs``/``kwargs``) and the call takes no arguments;
-    the tree is the parser's, after whitespace control, so trimming reads as it did. With no
-    such block, or when anything fails, ``compiled`` itself: the tag's own behaviour is kept.
-    ``tests/preprocess/test_chat_template_compile.py`` renders both on every real family."""
-    if "endgeneration" not in source:   # (no block: add_generation_prompt alone is no reason to parse)
-        return compiled
-    try:
-        from jinja2 import nodes   # (start-up: jinja2 loads with the template, not at import)
-        from jinja2.visitor import NodeTransformer
-
-        class _Inline(NodeTransformer):
-            inlined = 0
-
-            def visit_CallBlock(self, node):
-                call = node.call
-                if (isinstance(call, nodes.Call) and isinstance(call.node, nodes.ExtensionAttribute)
-                        and call.node.name == "_generation_support" and not (call.args or call.kwargs
-                                                                           or call.dyn_args or call.dyn_kwargs)
-                        and not node.args and not node.defaults and node.body
-                        and all(type(n) is nodes.Output for n in node.body)
-                        and not any(n.name in ("caller", "varargs", "kwargs") for b in node.body
-                                    for n in b.find_all(nodes.Name))):
-                    self.inlined += 1
-                    return node.body
-                return self.generic_visit(node)
-
-        env = compiled.environment
-        inline = _Inline()
-        tree = inline.visit(env.parse(source))
-        return env.from_string(tree) if inline.inlined else compiled
-    except Exception:  # (jinja's internals changed: the template as transformers compiled it)
-        return compiled
 
 
 def load_chat_tokenizer(path: str, chat_template: Optional[str] = None,

@@ -33,6 +33,7 @@ import functools
 from typing import FrozenSet, List, Optional, Sequence, Tuple
 
 from .shapes import split_inline_reasoning
+from .template_compile import recompile
 
 _REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 
@@ -178,11 +179,11 @@ def _loop_context_class():
 
 
 def recording_template(compiled, source: str):
-    """``source`` compiled again by ``compiled``'s environment (the tokenizer's own compiled
-    template is shared with the reference and stays as it is), its loops recorded; None when
-    that cannot be done (the caller then uses the reference)."""
+    """``source`` compiled again as ``compiled`` was (:func:`.template_compile.recompile`; the
+    tokenizer's own compiled template is shared with the reference and stays as it is), its loops
+    recorded; None when that cannot be done (the caller then uses the reference)."""
     try:
-        template = compiled.environment.from_string(source)
+        template = recompile(compiled, source)
         template.root_render_func.__globals__["LoopContext"] = _loop_context_class()
     except Exception:   # (a jinja without these internals: prefix renders, same bytes)
         return None
