@@ -298,3 +298,16 @@ def test_xlam_refusals():
     refused(dict(glaive(0), query="q", answers="[]"), "ambiguous_record", "answers")
     # named by --input-format, another shape's key present but null does not make a row ambiguous
     assert parse(dict(xlam_raw(0), messages=None), "xlam")[1].where(1) == "answers"
+
+
+def test_with_rendered_is_replace_of_rendered():
+    """``Conversation.with_rendered`` (the adaptation's copy, once a record) gives what
+    ``dataclasses.replace(conv, rendered=...)`` gives, and leaves the conversation as it was."""
+    import dataclasses
+    _, conv = parse_record(json.dumps(toolace(1)), "t", 1, "auto", "prompt", "completion")
+    rendered = [dict(m) for m in conv.messages]
+    before = dataclasses.asdict(conv)
+    got = conv.with_rendered(rendered)
+    assert got is not conv and got.rendered is rendered and conv.rendered is None
+    assert dataclasses.asdict(got) == dataclasses.asdict(dataclasses.replace(conv, rendered=rendered))
+    assert dataclasses.asdict(conv) == before

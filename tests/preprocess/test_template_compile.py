@@ -148,12 +148,34 @@ def test_a_lookup_reads_what_the_sandbox_reads(expression):
         assert _outcome(fast, m=obj) == _outcome(compiled, m=obj), (expression, name)
 
 
+def _circular():
+    value = {"a": []}
+    value["a"].append(value)
+    return value
+
+
+TOJSON = ("{{ x | tojson }}", "{{ x | tojson(indent=2) }}", "{{ x | tojson(ensure_ascii=True) }}",
+          "{{ x | tojson(sort_keys=true) }}", "{{ x | tojson(separators=(',', ':')) }}", "{{ missing | tojson }}")
+TOJSON_VALUES = {"definition": {"name": "f", "parameters": {"z": {"type": "string"}, "a": [1, 2.5, None, True]}},
+                 "non-ascii": {"clé": "é\u2028\x7f\ud800"}, "text": "a \"quoted\"\n text", "int keys": {1: "a", 2.0: "b"},
+                 "nan": [float("nan"), float("inf")], "tuple": ("a", 1), "object": {"a": object()},
+                 "circular": _circular(), "empty": {}}
+
+
+@pytest.mark.parametrize("expression", TOJSON)
+def test_tojson_writes_what_transformers_writes(expression):
+    """The argument-free ``tojson`` by the C encoder directly: the same text, or the same error."""
+    fast, compiled = compile_template(expression), _compile_jinja_template(expression)
+    for name, value in TOJSON_VALUES.items():
+        assert _outcome(fast, x=value) == _outcome(compiled, x=value), (expression, name)
+
+
 def test_transformers_template_and_environment_are_left_as_they_are():
     source = "{{ m.content }}"
     compiled = _compile_jinja_template(source)
-    before = (compiled.environment.getattr, type(compiled.globals))
-    compile_template(source)
-    assert (compiled.environment.getattr, type(compiled.globals)) == before
+    before = (compiled.environment.getattr, type(compiled.globals), compiled.environment.filters["tojson"])
+    assert compile_template(source).environment.filters["tojson"] is not before[2]
+    assert (compiled.environment.getattr, type(compiled.globals), compiled.environment.filters["tojson"]) == before
     fast = compile_template(source)
     assert recompile(fast, "{{ m.role }}").environment is fast.environment   # (one overlay: the main pass's too)
 

@@ -137,7 +137,7 @@ def adapt(conv: Conversation, traits: TemplateTraits, policy: LossPolicy, path: 
                           path, line, field="tools", reason="template_no_tool_support",
                           hint="use a chat template with tool support (--chat-template), or --skip-bad")
     if not special:
-        return replace(conv, rendered=conv.messages)
+        return conv.with_rendered(conv.messages)
     out = list(conv.messages)
     opening, closing = policy.tags
     for k in special:
@@ -171,7 +171,7 @@ def adapt(conv: Conversation, traits: TemplateTraits, policy: LossPolicy, path: 
         elif thought is not None:
             m["content"] = f"{opening}\n{thought}\n{closing}\n\n{m['content']}"
         out[k] = m
-    return replace(conv, rendered=out)
+    return conv.with_rendered(out)
 
 
 # --------------------------------------------------------------------------- the rendering check

@@ -14,7 +14,11 @@ Every conversation is rendered at least once, so what jinja does per lookup is p
   directly. Any other object, or a name the class has (``items``, ``get``), takes the sandbox's
   own path, with its safety checks;
 * **the globals** are one dict: jinja keeps a template's as a ``ChainMap`` over the
-  environment's and copies it key by key into every render's context.
+  environment's and copies it key by key into every render's context;
+* **``tojson`` without arguments** (``tool | tojson``: every tool definition and call's arguments)
+  calls the C encoder ``json.dumps(x, ensure_ascii=False)`` builds, without building a
+  ``JSONEncoder`` first (:func:`_tojson`): the same encoder with the same settings, so the same
+  text or the same error; with any argument, transformers' own filter.
 
 The lookups go through an overlay of transformers' environment (:func:`fast_environment`), so
 its cached template and environment, shared with ``apply_chat_template``, stay as they are.
@@ -23,6 +27,7 @@ its cached template and environment, shared with ``apply_chat_template``, stay a
 
 from __future__ import annotations
 
+import json
 from typing import Dict, Optional
 
 
@@ -61,6 +66,9 @@ def fast_environment(env):
         return env
     fast = env.overlay()
     fast.getattr = _item_lookup(fast, fast.getattr)
+    own = fast.filters.get("tojson")
+    if own is not None and json.encoder.c_make_encoder is not None:
+        fast.filters = dict(fast.filters, tojson=_tojson(own))   # (the overlay's own: transformers' stays)
     fast._item_lookup = True
     return fast
 
@@ -84,6 +92,21 @@ def _item_lookup(env, sandboxed):
             return undefined(obj=obj, name=attribute)
 
     return getattr_
+
+
+def _tojson(own):
+    """transformers' ``tojson`` filter (``own``), its argument-free call by the C encoder directly:
+    :meth:`json.JSONEncoder.iterencode` builds this one for ``json.dumps(x, ensure_ascii=False)``
+    (circular references checked, ``default`` raising ``TypeError``, NaN allowed; a string encoded
+    as ``encode`` does, by ``encode_basestring``), a fresh one a call, as it does."""
+    make, basestring, default = json.encoder.c_make_encoder, json.encoder.encode_basestring, json.JSONEncoder().default
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        if ensure_ascii is False and indent is None and separators is None and sort_keys is False:
+            return "".join(make({}, default, basestring, None, ": ", ", ", False, False, True)(x, 0))
+        return own(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    return tojson
 
 
 def _class_names(cls):

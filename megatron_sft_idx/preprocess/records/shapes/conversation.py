@@ -41,6 +41,14 @@ class Conversation:
         f = self.fields[k] if k < len(self.fields) else k
         return f if isinstance(f, str) else f"messages[{f}]"
 
+    def with_rendered(self, rendered: List[dict]) -> "Conversation":
+        """A copy with ``rendered`` set (``dataclasses.replace``'s result, without its walk of the
+        fields: this runs once a record)."""
+        new = object.__new__(Conversation)
+        new.__dict__.update(self.__dict__)
+        new.rendered = rendered
+        return new
+
     def cut(self, k: int) -> "Conversation":
         """The conversation up to and including message ``k``, with the source calls its messages
         make (the record's calls are mapped one to one, in order)."""
