@@ -388,6 +388,56 @@ def test_a_defect_in_the_mapping_of_text_form_calls_is_refused(monkeypatch, fami
         assert e.value.reason == "rendered_not_in_source" and "get_weather" in str(e.value)
 
 
+#: per text-form family, tool names its template writes itself before a call's name (``<function=``,
+#: ``<think>``, ``<tool_call>``, ``<invoke name=``, ``<arg_key>``): the read-back must find the call's
+#: name where the call begins, not these letters (it found ``function=`` as the call text of a tool
+#: named ``function``, and held any arguments)
+NAMES_IN_THE_TEMPLATE = {"qwen3.5": ("function", "think", "tool", "f", "h"), "glm-4.7": ("tool", "arg_key", "call"),
+                         "minimax-m2": ("invoke", "name", "parameter")}
+
+
+@pytest.mark.parametrize("family", sorted(NAMES_IN_THE_TEMPLATE))
+def test_a_tool_named_as_the_template_s_own_text_is_read_back(monkeypatch, family):
+    from megatron_sft_idx.preprocess.records.inputs import parse_record
+    tok = load_chat_tokenizer(family_dir(family))
+    for name in NAMES_IN_THE_TEMPLATE[family]:
+        record = openai(1)
+        record["tools"][0]["function"] = dict(WEATHER, name=name)
+        record["messages"][1]["tool_calls"][0]["function"]["name"] = name
+        raw = json.dumps(record)
+        monkeypatch.setattr(shapes.Mapper, "arguments", REAL_ARGUMENTS)
+        tok.encode_chat(parse_record(raw, "x.jsonl", 1, "auto", "prompt", "completion")[1], "assistant", "x.jsonl", 1)
+        monkeypatch.setattr(shapes.Mapper, "arguments", _other_value)   # (each value with "!" appended)
+        conv = parse_record(raw, "x.jsonl", 1, "auto", "prompt", "completion")[1]
+        with pytest.raises(InputError) as e:
+            tok.encode_chat(conv, "assistant", "x.jsonl", 1)
+        assert e.value.reason == "rendered_not_in_source" and f"'{name}'" in str(e.value), (family, name, str(e.value))
+
+
+def test_a_single_call_is_rendered_once_and_cut_as_alone():
+    """A record's one new call takes one rendering, cut by the frame's head and closer: the text the
+    call rendered by itself gives, whatever its name, and whatever was asked before."""
+    from megatron_sft_idx.preprocess.records.call_text import call_renderer
+    calls = [("get_weather", {"city": "Oslo", "unit": "c"}), ("f", {}), ("think", {"q": [1, {"b": None}]}),
+             ("tool", {"t": True, "x": 1.5, "u": "é\n<p>"})]
+    for family in ("qwen3.5", "glm-4.7", "minimax-m2"):
+        tok = ChatTokenizer(family_dir(family))
+        renders = []
+
+        def render(messages, tools=None):
+            renders.append(len(messages))
+            return tok.render(messages, tools=tools)
+        one, alone = call_renderer(render, False), call_renderer(tok.render, False)
+        assert one.frame is not None and one.frame[0].endswith(tok.call_text.opener.strip()[-3:]), family
+        for call in calls:
+            before = len(renders)
+            got = one.many([call])
+            assert len(renders) - before == 1, (family, call)
+            fresh = call_renderer(tok.render, False)
+            assert got == [alone(*call)] == fresh.many([call, calls[0]])[:1], (family, call)
+            assert got[0].startswith(call[0]) and all(k in got[0] for k in call[1]), (family, call, got)
+
+
 def test_tool_call_loss_mask_on_agentic_data_is_a_named_skip(tmp_path):
     agentic = {"messages": [{"role": "user", "content": _mark(0) + "Weather?"}]}
     for k in range(3):

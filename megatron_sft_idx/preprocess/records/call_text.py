@@ -85,12 +85,12 @@ class CallText:
 
     def many(self, calls: Sequence[Tuple[str, dict]]) -> List[Optional[str]]:
         """The call texts of ``calls`` (``(name, arguments)`` pairs), as ``self`` gives each: those
-        not cached from ONE rendering of them together, cut where the template's :attr:`frame`
-        says (two renders a call otherwise: a fifth of the main job on tool data); each by itself
-        when the frame is unknown or the cut does not hold."""
+        not cached from ONE rendering of them together (one call too), cut where the template's
+        :attr:`frame` says (two renders a call otherwise: a fifth of the main job on tool data);
+        each by itself when the frame is unknown or the cut does not hold."""
         keys = [(name, json.dumps(arguments, ensure_ascii=False)) for name, arguments in calls]
         todo = [i for i, key in enumerate(keys) if key not in self.cache]
-        if len(todo) > 1 and self.frame is not None:
+        if todo and self.frame is not None:
             try:
                 text = self.render([_ASK, {"role": "assistant", "content": "", "tool_calls": [
                     _call(*calls[i], self.string_arguments) for i in todo]}])
@@ -102,15 +102,17 @@ class CallText:
         return [self.cache[key] if key in self.cache else self(*call) for key, call in zip(keys, calls)]
 
     @property
-    def frame(self) -> Optional[Tuple[str, str]]:
-        """``(glue, closer)``: what the template writes after a call's text up to the next call's
-        name, and after a turn's last call to the end of the rendering; learned on two probe calls
-        and kept only when cutting their joint rendering gives each call's own text."""
+    def frame(self) -> Optional[Tuple[str, str, str]]:
+        """``(head, glue, closer)``: what the template writes before a turn's first call's name
+        (the whole rendering up to it), after a call's text up to the next call's name, and after
+        a turn's last call to the end of the rendering; learned on two probe calls (names found
+        nowhere else) and kept only when cutting their renderings gives each call's own text."""
         if self._frame is None:
+            self._frame = (None,)   # (while it is learned: its probe calls are rendered the frame-less way)
             self._frame = (self._learn_frame(),)
         return self._frame[0]
 
-    def _learn_frame(self) -> Optional[Tuple[str, str]]:
+    def _learn_frame(self) -> Optional[Tuple[str, str, str]]:
         one, two = ("xqprobe_one", {"xqkey": "xqvalue"}), ("xqprobe_two", {"xqkey": "xqother"})
         try:
             alone = self.render([_ASK, {"role": "assistant", "content": "", "tool_calls": [
@@ -124,11 +126,12 @@ class CallText:
         at = both.find(one[0], start)
         nxt = both.find(two[0], at + 1) if at >= 0 else -1
         tail = alone.find(one[0], start)
-        if not first or not second or nxt < 0 or tail < 0 or not both.startswith(first, at) \
-                or not alone.startswith(first, tail):
+        if not first or not second or nxt < 0 or tail != at or alone[:at] != both[:at] \
+                or not both.startswith(first, at) or not alone.startswith(first, tail):
             return None
-        frame = (both[at + len(first):nxt], alone[tail + len(first):])
-        return frame if frame[0] and _cut(both, [one[0], two[0]], frame) == [first, second] else None
+        frame = (alone[:at], both[at + len(first):nxt], alone[tail + len(first):])
+        return frame if frame[1] and _cut(both, [one[0], two[0]], frame) == [first, second] \
+            and _cut(alone, [one[0]], frame) == [first] else None
 
     def _keep(self, key: Tuple[str, str], text: Optional[str]) -> None:
         if len(self.cache) >= _CACHE_LIMIT:
@@ -144,6 +147,12 @@ class CallText:
             once = self.render([_ASK, {"role": "assistant", "content": "", "tool_calls": [call]}])
         except Exception:   # the template rejects this call: the record's own rendering says so
             return None
+        frame = self.frame   # (learned first: a call's text never depends on what was asked before)
+        cut = None if frame is None else _cut(once, [name], frame)
+        if cut is not None:   # (the name right after the head: not a name's letters in <think>, <function=)
+            self._keep(key, cut[0])
+            return cut[0]
+        # no frame (or a rendering it does not cut): the call alone and twice in a row agree on it
         at = once.find(name, once.find(_ASK["content"]) + len(_ASK["content"]))
         out = None if at < 0 else once[at:]
         try:
@@ -187,12 +196,13 @@ class CallText:
         return opener
 
 
-def _cut(text: str, names: Sequence[str], frame: Tuple[str, str]) -> Optional[List[str]]:
+def _cut(text: str, names: Sequence[str], frame: Tuple[str, str, str]) -> Optional[List[str]]:
     """The call texts in ``text`` (one turn of calls named ``names``, in order, after the ask) by
-    ``frame`` (:attr:`CallText.frame`), or None when it does not cut so."""
-    glue, closer = frame
-    at = text.find(names[0], text.find(_ASK["content"]) + len(_ASK["content"]))
-    if at < 0 or not text.endswith(closer):
+    ``frame`` (:attr:`CallText.frame`: the first name right after its head, each next one after
+    its glue, the closer at the end), or None when it does not cut so."""
+    head, glue, closer = frame
+    at = len(head)
+    if not text.startswith(head) or not text.startswith(names[0], at) or not text.endswith(closer):
         return None
     out = []
     for i in range(1, len(names)):
