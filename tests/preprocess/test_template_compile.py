@@ -122,14 +122,24 @@ EXPRESSIONS = ("{{ m.content }}", "{{ m.items is callable }}", "{{ m.items }}", 
                "{{ m.missing is defined }}", "[{{ m.missing }}]", "{{ m.missing.deeper is defined }}",
                "{{ m.__class__ }}", "{{ m.__init__ is defined }}", "{{ m.mro is defined }}",
                "{{ m.own is defined }}", "{{ m.tag }}", "{{ m.content.upper() }}", "{{ m.content.__class__ }}",
-               "{{ m.pop is defined }}", "{{ m.update }}", "{% for k in m %}{{ k }},{% endfor %}")
+               "{{ m.pop is defined }}", "{{ m.update }}", "{% for k in m %}{{ k }},{% endfor %}",
+               "{{ m.get('content') }}{{ m.items() | list | length }}", "{{ m.setdefault }}", "{{ m.copy().keys() | list }}",
+               "{{ m.content.strip }}", "{{ m.content.format }}", "{{ m.content.format_map }}", "{{ m.content.__len__ }}",
+               "{{ m.content.upper() }}{{ m.content._x }}", "{{ m.content.mro }}", "{{ (m.n or 0).real }}",
+               "{{ (m.n or 0).bit_length() }}", "{{ [1, 2].append }}", "{{ [1, 2].index(2) }}", "{{ (1, 2).count(1) }}",
+               "{{ [1].__class__ }}", "{{ 1.5.hex() }}", "{{ true.real }}", "{{ m.content.missing_name }}",
+               "{% set ns = namespace(a=1, f=fmt) %}{{ ns.a }}{{ ns.missing }}{{ ns.__class__ }}{{ ns.__dict__ }}"
+               "{{ ns._Namespace__attrs }}{% set ns.a = 2 %}{{ ns.a }}",
+               "{% set ns = namespace(f=fmt) %}{{ ns.f(m) }}", "{% set ns = namespace(f=fmt) %}{{ ns.f.__self__ }}",
+               "{% for x in [1, 2, 3] %}{{ loop.index }}{{ loop.last }}{{ loop.cycle('a', 'b') }}{{ loop.length }}"
+               "{{ loop.__class__ }}{{ loop._length }}{{ loop.changed(x) }}{{ loop.nope }}{% endfor %}")
 
 
 def _objects():
     attrs = _Attributes(content="item", items="an items key")
     attrs.content = "attribute"
     slots = _Slots(content="item", own="an own key", tag="a tag key")
-    return {"dict": {"content": "text", "items": "an items key", "get": "a get key", "mro": 1},
+    return {"dict": {"content": "text", "items": "an items key", "get": "a get key", "mro": 1, "n": 7},
             "empty": {}, "attributes": attrs, "slots": slots, "not a dict": ["content"], "text": "content"}
 
 
@@ -145,7 +155,29 @@ def test_a_lookup_reads_what_the_sandbox_reads(expression):
     fast, compiled = compile_template(expression), _compile_jinja_template(expression)
     assert fast.environment is not compiled.environment and fast.environment.getattr != compiled.environment.getattr
     for name, obj in _objects().items():
-        assert _outcome(fast, m=obj) == _outcome(compiled, m=obj), (expression, name)
+        kwargs = {"m": obj, "fmt": "{0.__class__}".format}   # (str.format reached by another name)
+        assert _outcome(fast, **kwargs) == _outcome(compiled, **kwargs), (expression, name)
+
+
+CALLS = ("{{ m.content.strip() }}|{{ m.content.split(' ') | length }}",
+         "{% for w in m.content.split() %}{{ w.startswith('t') }}{{ w.rstrip('t') }},{% endfor %}",
+         "{% for i in range(2) %}{% for k in m %}{{ k.endswith('t') }}{% endfor %}{% endfor %}",
+         "{{ m.content.replace('t', x) }}", "{{ m.content.format(1) }}", "{{ '{0.content}'.format(m) }}",
+         "{{ next(it) }}", "{{ next(it, 'd') }}", "{{ m.content.split(sep=' ', maxsplit=1) }}",
+         "{{ m.content.splitlines(keepends=true) }}", "{% macro t(v) %}[{{ v.upper() }}]{% endmacro %}{{ t(m.content) }}",
+         "{{ m.content.index('zz') }}", "{{ m.keys() | list }}", "{{ [].append(1) }}", "{{ m.update({'a': 1}) }}",
+         "{{ m.content.strip(1) }}")
+
+
+@pytest.mark.parametrize("expression", CALLS)
+def test_a_call_does_what_the_sandbox_does(expression):
+    """Built-in methods called directly: the same value, or the same error, as the sandbox's way
+    (loop variables passed, keyword arguments, StopIteration, unsafe methods, a macro)."""
+    fast, compiled = compile_template(expression), _compile_jinja_template(expression)
+    assert fast.environment.call != compiled.environment.call
+    for content in ("text to split", "", "tt\nt"):
+        kwargs = {"m": {"content": content, "set": 1}, "x": "X", "next": next}
+        assert _outcome(fast, it=iter([]), **kwargs) == _outcome(compiled, it=iter([]), **kwargs), (expression, content)
 
 
 def _circular():

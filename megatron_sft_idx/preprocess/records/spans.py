@@ -306,8 +306,8 @@ class SpanLocator:
             content = messages[k]["content"]
             if k in history:
                 reasoning, answer = history_reasoning(messages[k], self.policy.tags)
-                if reasoning not in text[begin:end]:
-                    if opening in text[begin:end] or not (every_feature or self.drops_history):
+                if text.find(reasoning, begin, end) < 0:
+                    if text.find(opening, begin, end) >= 0 or not (every_feature or self.drops_history):
                         return text, None, {}   # (a block, but not the turn's reasoning: beyond the rules)
                     dropped.add(k)   # (the reference's rule: reasoning the template drops from the history)
                     content = answer
@@ -315,9 +315,9 @@ class SpanLocator:
                 content = content.strip()
                 if content.startswith(opening) and text.endswith(opening, 0, len(text[:begin].rstrip())):
                     content = content[len(opening):].strip()   # (the block opened in the generation prompt)
-                if content not in text[begin:end]:
+                if text.find(content, begin, end) < 0:   # (no slice: a turn's text is not copied)
                     return text, None, {}
-            if any(c["function"]["name"] not in text[begin:end] for c in messages[k].get("tool_calls") or ()):
+            if any(text.find(c["function"]["name"], begin, end) < 0 for c in messages[k].get("tool_calls") or ()):
                 return text, None, {}
             spans.append((begin, end))
         return text, spans, {"opened": opened, "dropped": dropped}

@@ -11,10 +11,20 @@ Every conversation is rendered at least once, so what jinja does per lookup is p
   lookup before it reads the item. For a dict whose class has no attribute of that name and
   whose instances hold none of their own (no ``__dict__``, no ``__getattr__``), the item is
   what the sandbox returns, or its undefined when there is none: :func:`_item_lookup` reads it
-  directly. Any other object, or a name the class has (``items``, ``get``), takes the sandbox's
-  own path, with its safety checks;
+  directly. An attribute of a built-in type (``content.strip``, ``message.get``) or of jinja's
+  loop and namespace objects (``loop.last``, ``ns.flag``) is given by the sandbox's verdict on
+  it, asked once per type and name: the verdict reads only the name and ``isinstance`` checks
+  the type decides (a ``str.format`` reached by any name is still wrapped by the sandbox's own
+  ``wrap_str_format``). Any other object, or a name of a dict subclass's class, takes the
+  sandbox's own path, with its safety checks;
 * **the globals** are one dict: jinja keeps a template's as a ``ChainMap`` over the
   environment's and copies it key by key into every render's context;
+* **calls of built-in methods** (``content.strip()``, ``.split('</think>')``) skip the checks that
+  cannot apply to them (:func:`_calls`): the sandbox asks any callable for ``unsafe_callable`` and
+  ``alters_data``, and jinja for a ``pass_context`` mark on it and on its ``__call__``; a built-in
+  method has none of them and cannot be given one (it holds no attributes), and whether it was
+  safe to reach is decided where it was looked up (the sandbox's ``getattr``, unchanged). Any
+  other callable (a macro, a filter's function, a ``str.format`` wrapper) takes jinja's way;
 * **``tojson`` without arguments** (``tool | tojson``: every tool definition and call's arguments)
   calls the C encoder ``json.dumps(x, ensure_ascii=False)`` builds, without building a
   ``JSONEncoder`` first (:func:`_tojson`): the same encoder with the same settings, so the same
@@ -28,6 +38,7 @@ its cached template and environment, shared with ``apply_chat_template``, stay a
 from __future__ import annotations
 
 import json
+import types
 from typing import Dict, Optional
 
 
@@ -66,6 +77,7 @@ def fast_environment(env):
         return env
     fast = env.overlay()
     fast.getattr = _item_lookup(fast, fast.getattr)
+    fast.call = _calls(fast, fast.call)
     own = fast.filters.get("tojson")
     if own is not None and json.encoder.c_make_encoder is not None:
         fast.filters = dict(fast.filters, tojson=_tojson(own))   # (the overlay's own: transformers' stays)
@@ -73,25 +85,80 @@ def fast_environment(env):
     return fast
 
 
+#: built-in types whose instances hold no attributes of their own, and jinja's own objects a
+#: template reads attributes of (``loop.index``, ``ns.flag``): the sandbox's verdict on an attribute
+#: (``is_safe_attribute``: its name, and ``isinstance`` checks of the object, which its type decides)
+#: is the same for every instance, so it is asked once a type and name
+_VERDICT_TYPES = (str, dict, list, tuple, int, float, bool)
+
+
+def _jinja_objects():
+    from jinja2.runtime import LoopContext
+    from jinja2.utils import Namespace
+    return LoopContext, Namespace
+
+
 def _item_lookup(env, sandboxed):
-    """``env.getattr`` that reads an item directly where the sandbox would (``sandboxed``: its
-    own method)."""
-    names: Dict[type, object] = {}   # type -> its attribute names, or False: the sandbox's way
-    undefined = env.undefined
+    """``env.getattr`` that reads an item directly where the sandbox would, and gives an attribute
+    of the types above by the sandbox's verdict on its name, asked once (``sandboxed``: its own
+    method, for everything else; its wrapping of ``str.format`` is applied to every value)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    kinds: Dict[type, tuple] = {}   # type -> (its attribute names or False, {name: verdict} or None)
+    undefined, wrap, unsafe = env.undefined, env.wrap_str_format, env.unsafe_undefined
+    stock = type(env).is_safe_attribute is ImmutableSandboxedEnvironment.is_safe_attribute
+    jinja_objects = _jinja_objects()
+
+    def kind_of(cls):
+        names = _class_names(cls)
+        cached = stock and (cls in _VERDICT_TYPES or issubclass(cls, jinja_objects))
+        kinds[cls] = (names, {} if cached else None)
+        return kinds[cls]
 
     def getattr_(obj, attribute):
         cls = type(obj)
-        own = names.get(cls)
-        if own is None:
-            own = names[cls] = _class_names(cls)
-        if own is False or attribute in own:
+        names, verdicts = kinds.get(cls) or kind_of(cls)
+        if names is not False and attribute not in names:   # (getattr fails: the sandbox reads the item)
+            if isinstance(obj, dict):
+                try:
+                    return obj[attribute]
+                except LookupError:
+                    return undefined(obj=obj, name=attribute)
+            return sandboxed(obj, attribute)
+        if verdicts is None:
             return sandboxed(obj, attribute)
         try:
-            return obj[attribute]
-        except LookupError:
-            return undefined(obj=obj, name=attribute)
+            value = getattr(obj, attribute)
+        except AttributeError:   # (a namespace without it: the sandbox's way, to its undefined)
+            return sandboxed(obj, attribute)
+        wrapped = wrap(value)   # (str.format's own sandboxing, whatever the name it is reached by)
+        if wrapped is not None:
+            return wrapped
+        verdict = verdicts.get(attribute)
+        if verdict is None:
+            verdict = verdicts[attribute] = bool(env.is_safe_attribute(obj, attribute, value))
+        return value if verdict else unsafe(obj, attribute)
 
     return getattr_
+
+
+def _calls(env, sandboxed):
+    """``env.call`` that calls a built-in method directly, as the sandbox and ``Context.call``
+    would after their checks (``sandboxed``: the sandbox's own method, for anything else)."""
+    builtin = types.BuiltinMethodType
+
+    def call(__context, __obj, *args, **kwargs):
+        if type(__obj) is not builtin:
+            return sandboxed(__context, __obj, *args, **kwargs)
+        if kwargs:   # (jinja's own, for a callable that takes the context: not a built-in)
+            kwargs.pop("_block_vars", None)
+            kwargs.pop("_loop_vars", None)
+        try:
+            return __obj(*args, **kwargs)
+        except StopIteration:
+            return env.undefined("value was undefined because a callable raised a StopIteration exception")
+
+    return call
 
 
 def _tojson(own):
@@ -110,9 +177,11 @@ def _tojson(own):
 
 
 def _class_names(cls):
-    """Every attribute an instance of ``cls`` can have, when ``cls`` is a dict whose instances hold
-    none of their own and look none up dynamically (then ``getattr`` fails exactly for a name not
-    in it); else False."""
+    """Every attribute an instance of ``cls`` can have, when ``cls`` is one of
+    :data:`_VERDICT_TYPES` or a dict whose instances hold none of their own and look none up
+    dynamically (then ``getattr`` fails exactly for a name not in it); else False."""
+    if cls in _VERDICT_TYPES:
+        return frozenset(dir(cls))
     if not issubclass(cls, dict):
         return False
     everything = dir(cls)
