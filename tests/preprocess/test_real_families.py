@@ -438,6 +438,42 @@ def test_a_single_call_is_rendered_once_and_cut_as_alone():
             assert got[0].startswith(call[0]) and all(k in got[0] for k in call[1]), (family, call, got)
 
 
+@pytest.mark.parametrize("family", ["qwen3.5", pytest.param("minimax-m3", marks=pytest.mark.slow)])
+def test_a_window_s_calls_are_rendered_together_and_each_record_read_back(monkeypatch, family):
+    """The batched encoder renders a window's calls together (CallText.prefetch: one render for
+    the window's calls, from the records as given), and each record is still read back against its
+    own calls: the same shards as record by record, and a mapping defect in one record of the
+    window refused by name while the others train."""
+    import numpy as np
+    from megatron_sft_idx.preprocess.records.encode import EncodeOptions, RecordEncoder
+    from megatron_sft_idx.preprocess.records import call_text
+    tok_dir = family_dir(family)
+    records = [(n + 1, json.dumps(openai(n, parallel=n % 2 == 1)).encode()) for n in range(12)]
+    enc = RecordEncoder(EncodeOptions(tokenizer_path=tok_dir, loss_on="assistant", skip_bad=True))
+    assert enc.tok.call_text.frame is not None and enc.tok.call_text.opener   # (learned on probes first)
+    renders = []
+    monkeypatch.setattr(enc.tok.call_text, "render", lambda m, tools=None: renders.append(1) or enc.tok.render(m, tools=tools))
+    enc.tok.call_text.cache.clear()
+    got = enc.encode_batch(records, "x.jsonl")
+    assert len(renders) == 1 and got.skipped == {}, (len(renders), got.skipped)
+    alone = RecordEncoder(EncodeOptions(tokenizer_path=tok_dir, loss_on="assistant", skip_bad=True))
+    monkeypatch.setattr(alone, "_prefetch_calls", lambda window: None)
+    want = [alone.encode_batch([r], "x.jsonl") for r in records]
+    assert np.array_equal(got.ids, np.concatenate([w.ids for w in want]))
+    assert np.array_equal(got.loss_mask, np.concatenate([w.loss_mask for w in want]))
+    real = shapes.Mapper.arguments
+
+    def defect_in_record_5(self, value, where):   # (each value of record 5's calls with "!" appended)
+        got = real(self, value, where)
+        return {k: (v + "!" if isinstance(v, str) else v) for k, v in got.items()} if self.line == 5 else got
+    monkeypatch.setattr(shapes.Mapper, "arguments", defect_in_record_5)
+    enc.tok.call_text.cache.clear()
+    bad = enc.encode_batch(records, "x.jsonl")
+    assert bad.skipped == {"rendered_not_in_source": 1}, bad.skipped
+    assert bad.skipped_lines == [(5, "rendered_not_in_source")] and 5 not in bad.lines.tolist()
+    assert call_text._PER_RENDER >= 2
+
+
 def test_tool_call_loss_mask_on_agentic_data_is_a_named_skip(tmp_path):
     agentic = {"messages": [{"role": "user", "content": _mark(0) + "Weather?"}]}
     for k in range(3):

@@ -34,6 +34,7 @@ from .errors import input_error
 
 _ASK = {"role": "user", "content": "xqprobe ask"}
 _CACHE_LIMIT = 4096
+_PER_RENDER = 64   # calls rendered together by CallText.prefetch (a window's: bench/tool_corpus holds ~1.5 a record)
 
 
 def _without_nulls(value):
@@ -100,6 +101,17 @@ class CallText:
             for i, piece in zip(todo, cut or ()):
                 self._keep(keys[i], piece)
         return [self.cache[key] if key in self.cache else self(*call) for key, call in zip(keys, calls)]
+
+    def prefetch(self, records_calls: Sequence[Sequence], per_render: int = _PER_RENDER) -> None:
+        """Learn the call texts of several records' calls (each a sequence of calls as the record
+        gives them, :func:`_source_call`'s input) at once: :meth:`many` on up to ``per_render`` of
+        them a rendering, so the records' read-backs (:func:`check_text_calls`) find them cached.
+        A call text is the same learned alone or beside others (:meth:`many` cuts by the frame,
+        or renders each alone); only the number of renders changes."""
+        calls = [(name, arguments) for record in records_calls for name, arguments in map(_source_call, record)
+                 if name is not None and arguments is not None]
+        for start in range(0, len(calls), per_render):
+            self.many(calls[start:start + per_render])
 
     @property
     def frame(self) -> Optional[Tuple[str, str, str]]:

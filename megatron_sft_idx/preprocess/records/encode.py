@@ -259,16 +259,26 @@ class RecordEncoder:
         self._ignored = {}
         queued: list = []   # read-backs (rendering.check_rendered) queued, made every READ_BACK_EVERY records
         marks = []          # (record, first, end): the record's read-backs are queued[first:end]
-        for i, (line, raw) in enumerate(records):
-            first = len(queued)
-            try:
-                self._prepare(i, line, raw, path, results, units, queued)
-            except ShardError as err:  # raised (or skipped) in record order by _collect, as the reference does
-                results[i] = [err]
-            if len(queued) > first:
-                marks.append((i, first, len(queued)))
-                if len(marks) == READ_BACK_EVERY:
-                    units = self._read_back(queued, marks, records, path, results, units)
+        for start in range(0, len(records), READ_BACK_EVERY):
+            # a window of records mapped first, so the call texts a text-form template writes for
+            # all their calls are rendered together (CallText.prefetch), then each record in turn
+            window = []
+            for i in range(start, min(start + READ_BACK_EVERY, len(records))):
+                try:
+                    window.append((i, self._parse(records[i], path)))
+                except ShardError as err:  # raised (or skipped) in record order by _collect, as the reference does
+                    results[i] = [err]
+            self._prefetch_calls(window)
+            for i, parsed in window:
+                first = len(queued)
+                try:
+                    self._prepare(i, records[i][0], parsed, path, results, units, queued)
+                except ShardError as err:
+                    results[i] = [err]
+                if len(queued) > first:
+                    marks.append((i, first, len(queued)))
+                    if len(marks) == READ_BACK_EVERY:
+                        units = self._read_back(queued, marks, records, path, results, units)
         units = self._read_back(queued, marks, records, path, results, units)
         self._tokenize(units, records, path, results)
         batch = self._collect(records, results, path)
@@ -277,10 +287,33 @@ class RecordEncoder:
 
     # ------------------------------------------------------------------ stages
 
-    def _prepare(self, i, line, raw, path, results, units, queued) -> None:
+    def _parse(self, record, path):
+        """``(kind, payload)`` of one ``(line, raw)`` record, a chat record's conversation adapted
+        to the template (:meth:`.chat.ChatTokenizer.prepare`)."""
         o = self.options
+        line, raw = record
         kind, payload = parse_record(raw, path, line, o.input_format, o.prompt_key, o.completion_key, self.schema,
                                      self._ignored)
+        if kind in ("tokens", "prompt") or self.tok is None:
+            return kind, payload
+        self.tok.require_template()
+        conv = self.tok.prepare(payload, self.policy, path, line)
+        for name in conv.applied:   # (tool-call ids the template requires, given: shapes.call_ids)
+            self._ignored[name] = self._ignored.get(name, 0) + 1
+        return kind, conv
+
+    def _prefetch_calls(self, window) -> None:
+        """The call texts of every tool call the window's chat records make, rendered together
+        once when the template writes calls as text (:meth:`.call_text.CallText.prefetch`): one
+        render per window instead of one per record; each record's read-back then finds its own."""
+        call_text = self.tok.call_text if self.tok is not None and self.tok.chat_template is not None else None
+        if call_text is not None:
+            call_text.prefetch([conv.source_calls for _, (kind, conv) in window
+                                if kind == "chat" and conv.source_calls])
+
+    def _prepare(self, i, line, parsed, path, results, units, queued) -> None:
+        o = self.options
+        kind, payload = parsed
         if kind == "tokens":
             results[i].append(encode_tokens(*payload, o.vocab_size, path, line))
         elif self.tok is None:
@@ -289,10 +322,7 @@ class RecordEncoder:
         elif kind == "prompt":
             results[i].append(self.tok.encode_prompt(*payload, path, line))
         else:
-            self.tok.require_template()
-            conv = self.tok.prepare(payload, self.policy, path, line)
-            for name in conv.applied:   # (tool-call ids the template requires, given: shapes.call_ids)
-                self._ignored[name] = self._ignored.get(name, 0) + 1
+            conv = payload
             if o.loss_on == "per-turn":
                 units.extend(_Unit(i, text, spans, False, i % SAMPLE_EVERY == 0) for text, spans in
                              self.tok.turn_texts_and_spans(conv, path, line, self.policy, queued))
