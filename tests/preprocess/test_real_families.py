@@ -472,6 +472,14 @@ def test_a_window_s_calls_are_rendered_together_and_each_record_read_back(monkey
     assert bad.skipped == {"rendered_not_in_source": 1}, bad.skipped
     assert bad.skipped_lines == [(5, "rendered_not_in_source")] and 5 not in bad.lines.tolist()
     assert call_text._PER_RENDER >= 2
+    monkeypatch.setattr(shapes.Mapper, "arguments", real)   # a prefetch that fails is only a saving lost
+
+    def broken(self, records_calls, per_render=64):
+        raise RuntimeError("prefetch")
+    monkeypatch.setattr(call_text.CallText, "prefetch", broken)
+    enc.tok.call_text.cache.clear()
+    again = enc.encode_batch(records, "x.jsonl")
+    assert again.skipped == {} and np.array_equal(again.ids, got.ids) and np.array_equal(again.loss_mask, got.loss_mask)
 
 
 def test_tool_call_loss_mask_on_agentic_data_is_a_named_skip(tmp_path):

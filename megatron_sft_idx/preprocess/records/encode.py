@@ -307,9 +307,13 @@ class RecordEncoder:
         once when the template writes calls as text (:meth:`.call_text.CallText.prefetch`): one
         render per window instead of one per record; each record's read-back then finds its own."""
         call_text = self.tok.call_text if self.tok is not None and self.tok.chat_template is not None else None
-        if call_text is not None:
+        if call_text is None:
+            return
+        try:
             call_text.prefetch([conv.source_calls for _, (kind, conv) in window
                                 if kind == "chat" and conv.source_calls])
+        except Exception:   # (only a saving: each record's read-back learns its own calls, and fails alone)
+            pass
 
     def _prepare(self, i, line, parsed, path, results, units, queued) -> None:
         o = self.options
