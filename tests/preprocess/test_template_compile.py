@@ -1,13 +1,15 @@
 """The template compiled for rendering (``records.template_compile``) renders what transformers'
-own compiled template renders.
+own compiled template renders, and raises what it raises.
 
-Two of its changes are tested here against transformers' template on real conversations:
-inert ``{% generation %}`` blocks inlined (a macro call per assistant turn that only returns its
-body's text; blocks that must stay: an assignment the block's scope bounds, a body naming
-``caller``), and attribute lookups that read a plain dict's item without the sandbox's
-``AttributeError`` (the lookup's own cases: a key named like a dict method, a missing key, a
-dict subclass with attributes of its own, an unsafe attribute; then every real family's
-template on every record shape of the family table, every prefix with its generation prompt).
+Each of its changes is tested against transformers' template: inert ``{% generation %}`` blocks
+inlined (blocks that must stay: an assignment the block's scope bounds, a body naming ``caller``);
+attribute lookups that read a plain dict's item without the sandbox's ``AttributeError``, and the
+sandbox's verdict on a built-in type's or jinja object's attribute asked once a type and name
+(method-named keys, missing keys, dict subclasses with attributes of their own, dunder and private
+names, namespaces and loops, ``str.format`` reached by another name); built-in methods called
+without jinja's checks (calls in loops, keyword arguments, StopIteration, unsafe methods); the
+argument-free ``tojson``; then every real family's template on every record shape of the family
+table, every prefix with its generation prompt.
 """
 
 import json
