@@ -414,6 +414,17 @@ def test_a_tool_named_as_the_template_s_own_text_is_read_back(monkeypatch, famil
         assert e.value.reason == "rendered_not_in_source" and f"'{name}'" in str(e.value), (family, name, str(e.value))
 
 
+def _counted_call_text(tok):
+    """``(call_renderer of tok's template, renders)``: each render it makes appended to ``renders``."""
+    from megatron_sft_idx.preprocess.records.call_text import call_renderer
+    renders = []
+
+    def render(messages, tools=None):
+        renders.append(len(messages))
+        return tok.render(messages, tools=tools)
+    return call_renderer(render, False), renders
+
+
 def test_a_single_call_is_rendered_once_and_cut_as_alone():
     """A record's one new call takes one rendering, cut by the frame's head and closer: the text the
     call rendered by itself gives, whatever its name, and whatever was asked before."""
@@ -422,12 +433,8 @@ def test_a_single_call_is_rendered_once_and_cut_as_alone():
              ("tool", {"t": True, "x": 1.5, "u": "é\n<p>"})]
     for family in ("qwen3.5", "glm-4.7", "minimax-m2"):
         tok = ChatTokenizer(family_dir(family))
-        renders = []
-
-        def render(messages, tools=None):
-            renders.append(len(messages))
-            return tok.render(messages, tools=tools)
-        one, alone = call_renderer(render, False), call_renderer(tok.render, False)
+        one, renders = _counted_call_text(tok)
+        alone = call_renderer(tok.render, False)
         assert one.frame is not None and one.frame[0].endswith(tok.call_text.opener.strip()[-3:]), family
         for call in calls:
             before = len(renders)
@@ -700,12 +707,8 @@ def test_a_record_s_calls_are_rendered_together_once_and_cut_by_the_template_s_f
     from megatron_sft_idx.preprocess.records.call_text import call_renderer
     for family in ("qwen3.5", "glm-4.7"):
         tok = ChatTokenizer(family_dir(family))
-        renders = []
-
-        def render(messages, tools=None):
-            renders.append(len(messages))
-            return tok.render(messages, tools=tools)
-        joint, alone = call_renderer(render, False), call_renderer(tok.render, False)
+        joint, renders = _counted_call_text(tok)
+        alone = call_renderer(tok.render, False)
         assert joint.frame is not None
         calls = [("get_weather", {"city": "Oslo", "unit": "c"}), ("convert_currency", {"amount": 3, "to": "EUR"}),
                  ("get_weather", {"city": "Lima"})]
